@@ -1,0 +1,174 @@
+"""The contracts between the planner and the kernel backends: frozen,
+hashable compile-time constants of each fused kernel, built from the spec's
+modules. A backend compiles one variant per distinct constants value (their
+``key()`` names it), so equal constants always mean the same machine code.
+
+Every ``*_constants`` function raises ValueError with a sentence where the
+kernel does not reproduce the module bit for bit; the planner turns that
+sentence into its refusal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from .layers import GatedResidual, HeadNorm, RMSNorm, Rotary
+from .numerics import CHUNK
+
+# The dtype names the constants carry (strings keep them hashable and printable).
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# The KV head width of every fused attention kernel (one warp, lane j the GPT-J pair j).
+HEAD_DIM = 64
+# The fused QKV front and the mailbox take at most this many rows per call.
+MAX_DECODE_ROWS = 16
+
+
+class _Key:
+    def key(self) -> str:
+        """A short stable hash of the constants (the compiled variant's name)."""
+        text = repr(dataclasses.astuple(self))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class NormConstants(_Key):
+    """What a fused kernel reads of one ``RMSNorm`` besides its weight tensor."""
+
+    eps: float
+    # None: the norm has no weight; else "bf16", "fp16" or "fp32".
+    weight_dtype: str | None
+    gain_center: float
+    # The weight scales the input before the norm (else the output after it).
+    weight_before_norm: bool
+
+
+@dataclass(frozen=True)
+class RowNormConstants(_Key):
+    """The row norm / first layer's input norm kernel: one ``RMSNorm`` of BF16
+    (or FP32) rows of ``hidden_size`` columns into ``out_dtype``."""
+
+    hidden_size: int
+    norm: NormConstants
+    in_dtype: str
+    out_dtype: str
+
+
+@dataclass(frozen=True)
+class BoundaryConstants(_Key):
+    """The residual boundary kernel: post-norm, gated FP32 residual, pre-norm."""
+
+    hidden_size: int
+    post: NormConstants
+    pre: NormConstants
+
+
+@dataclass(frozen=True)
+class ContextNormConstants(_Key):
+    """The context norms kernel: the hidden norm, then each of ``num_layers``
+    input norms (same constants, own weights), stacked ``[L, T, H]``."""
+
+    hidden_size: int
+    num_layers: int
+    hidden: NormConstants
+    pre: NormConstants
+
+
+@dataclass(frozen=True)
+class ContextStoreConstants(_Key):
+    """The context K/V store kernel: weightless K-norm, GPT-J RoPE and the
+    insert of ``kv_heads`` heads of ``HEAD_DIM`` per layer."""
+
+    kv_heads: int
+    k_eps: float
+    rope: bool
+    table_dtype: str
+
+
+def norm_constants(norm: RMSNorm, hidden_size: int) -> NormConstants:
+    """The constants of a stock ``RMSNorm`` over ``hidden_size`` columns, or
+    ValueError where the fused norms do not reproduce it."""
+    if type(norm) is not RMSNorm:
+        raise ValueError(f"a norm other than the stock RMSNorm ({type(norm).__name__})")
+    if norm.hidden_size != hidden_size:
+        raise ValueError(f"a norm over {norm.hidden_size} columns, not the rows' {hidden_size}")
+    if hidden_size % CHUNK:
+        raise ValueError(f"rows of {hidden_size} columns, not a multiple of {CHUNK}")
+    weight_dtype = None
+    if norm.weight is not None:
+        if norm.weight.dtype not in DTYPE_NAMES:
+            raise ValueError(f"a norm weight of {norm.weight.dtype}, not BF16, FP16 or FP32")
+        if tuple(norm.weight.shape) != (hidden_size,) or not norm.weight.is_contiguous():
+            raise ValueError(f"a norm weight other than a contiguous [{hidden_size}] vector")
+        weight_dtype = DTYPE_NAMES[norm.weight.dtype]
+    return NormConstants(
+        eps=float(norm.eps),
+        weight_dtype=weight_dtype,
+        gain_center=float(norm.gain_center),
+        weight_before_norm=bool(norm.weight is not None and norm.weight_before_norm),
+    )
+
+
+def connection_unsupported(conn: GatedResidual, hidden_size: int) -> str | None:
+    """Why the fused boundary does not take this residual connection, or None:
+    the stock ``GatedResidual`` with contiguous FP32 ``[H]`` coefficients."""
+    if type(conn) is not GatedResidual:
+        return f"a residual connection other than the stock gated one ({type(conn).__name__})"
+    for name in ("alpha", "beta"):
+        t = getattr(conn, name)
+        if not (
+            isinstance(t, torch.Tensor)
+            and t.dtype == torch.float32
+            and tuple(t.shape) == (hidden_size,)
+            and t.is_contiguous()
+        ):
+            return f"a residual {name} other than a contiguous FP32 [{hidden_size}] vector"
+    return None
+
+
+def boundary_constants(post: RMSNorm, conn: GatedResidual, pre: RMSNorm, hidden_size: int) -> BoundaryConstants:
+    """The constants of the boundary ``post -> conn -> pre``, or ValueError.
+    The post-norm must produce BF16 (the spec's boundary rounds it so) and the
+    pre-norm BF16 (the next layer's input)."""
+    reason = connection_unsupported(conn, hidden_size)
+    if reason:
+        raise ValueError(reason)
+    post_c = norm_constants(post, hidden_size)
+    pre_c = norm_constants(pre, hidden_size)
+    if pre.out_dtype != torch.bfloat16:
+        raise ValueError(f"a next pre-norm that outputs {pre.out_dtype}, not BF16")
+    return BoundaryConstants(hidden_size=hidden_size, post=post_c, pre=pre_c)
+
+
+def row_norm_constants(norm: RMSNorm, hidden_size: int, in_dtype: torch.dtype = torch.bfloat16) -> RowNormConstants:
+    """The constants of the row norm kernel for ``norm`` on ``in_dtype``
+    rows, or ValueError."""
+    if in_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the row norm reads BF16 or FP32 rows, not {in_dtype}")
+    return RowNormConstants(
+        hidden_size=hidden_size,
+        norm=norm_constants(norm, hidden_size),
+        in_dtype=DTYPE_NAMES[in_dtype],
+        out_dtype=DTYPE_NAMES[norm.out_dtype],
+    )
+
+
+def context_store_constants(k_norm: HeadNorm, kv_heads: int, rotary: Rotary | None) -> ContextStoreConstants:
+    """The constants of the context K/V store, or ValueError."""
+    if type(k_norm) is not HeadNorm or k_norm.weight is not None:
+        raise ValueError("a K-norm other than the stock weightless head norm")
+    if k_norm.head_dim != HEAD_DIM:
+        raise ValueError(f"{k_norm.head_dim}-wide KV heads, not {HEAD_DIM}")
+    if kv_heads < 1 or kv_heads & (kv_heads - 1) or kv_heads > 32:
+        raise ValueError(f"{kv_heads} KV heads, not a power of two up to 32")
+    if rotary is not None and (type(rotary) is not Rotary or rotary.head_dim != HEAD_DIM):
+        raise ValueError("a RoPE other than the stock GPT-J rotation over the whole head")
+    return ContextStoreConstants(
+        kv_heads=kv_heads,
+        k_eps=float(k_norm.eps),
+        rope=rotary is not None,
+        table_dtype=DTYPE_NAMES[rotary.cos_sin.dtype] if rotary is not None else "bf16",
+    )
