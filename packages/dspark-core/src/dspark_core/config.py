@@ -1,0 +1,135 @@
+"""The reference DSpark draft's configuration: shapes, eps values, norm
+variants and dtypes, readable from and writable to JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# The norm variant keys a config may set, globally or per norm (norm_overrides).
+NORM_KEYS = ("has_weight", "weight_dtype", "gain_center", "weight_before_norm", "eps")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """A DSpark draft. The defaults are the reference draft: hidden 8192, KV
+    heads of 64 columns, a power-of-two number of KV heads, the o-gate, BF16
+    compute and an FP32 residual stream.
+
+    ``norm_overrides`` maps a norm's name (``hidden_norm``, ``norm``,
+    ``layers.<i>.<input_norm|post_attn_norm|pre_ffn_norm|post_ffn_norm>``) to
+    the variant keys ``NORM_KEYS`` that differ from the global ones.
+    ``connection_overrides`` maps a boundary's connection
+    (``layers.<i>.<add_attn|add_ffn>``) to ``{"dtype": "bf16"}`` for a
+    connection whose coefficients are not FP32 (a part the kernels refuse).
+    """
+
+    hidden_size: int = 8192
+    num_layers: int = 2
+    num_heads: int = 64
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    intermediate_size: int = 16384
+    vocab_size: int = 8192
+    max_position: int = 8192
+    rope_theta: float = 10000.0
+    rope_table_dtype: str = "bf16"
+    use_rope: bool = True
+    use_o_gate: bool = True
+    rms_norm_eps: float = 1e-6
+    head_norm_eps: float = 1e-6
+    # The global norm variant (every RMSNorm unless overridden).
+    norm_has_weight: bool = True
+    norm_weight_dtype: str = "bf16"
+    norm_gain_center: float = 0.0
+    norm_weight_before_norm: bool = False
+    q_norm_weight: bool = True
+    compute_dtype: str = "bf16"
+    residual_dtype: str = "fp32"
+    kv_block_size: int = 16
+    seed: int = 0
+    norm_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    connection_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("rope_table_dtype", "norm_weight_dtype", "compute_dtype", "residual_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(DTYPES)}, not {getattr(self, name)!r}")
+        positive = ("hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                    "intermediate_size", "vocab_size", "max_position", "kv_block_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be at least 0, not {self.num_layers}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        for name, keys in self.norm_overrides.items():
+            unknown = set(keys) - set(NORM_KEYS)
+            if unknown:
+                raise ValueError(f"norm_overrides[{name!r}] has unknown keys {sorted(unknown)}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def norm_variant(self, name: str) -> dict[str, Any]:
+        """The RMSNorm keyword arguments of the norm called ``name``."""
+        variant = {
+            "has_weight": self.norm_has_weight,
+            "weight_dtype": self.norm_weight_dtype,
+            "gain_center": self.norm_gain_center,
+            "weight_before_norm": self.norm_weight_before_norm,
+            "eps": self.rms_norm_eps,
+        }
+        variant.update(self.norm_overrides.get(name, {}))
+        if variant["weight_dtype"] not in DTYPES:
+            raise ValueError(f"{name}: weight_dtype must be one of {sorted(DTYPES)}")
+        variant["weight_dtype"] = DTYPES[variant["weight_dtype"]]
+        return variant
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DraftConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown DraftConfig keys {sorted(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> DraftConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def small_config(**changes: Any) -> DraftConfig:
+    """A draft small enough for CPU tests, with the reference's structure:
+    hidden 2048, 8 heads of 64, 2 KV heads, 2 layers."""
+    base = dict(
+        hidden_size=2048,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+        vocab_size=512,
+        max_position=1024,
+    )
+    base.update(changes)
+    return DraftConfig(**base)

@@ -1,0 +1,305 @@
+"""The reference DSpark draft model: its stock eager forward over positions
+and a paged KV cache, and the context K/V precompute-and-store.
+
+The module tree carries what the planner and the executor read: each layer's
+norms (``input_norm``, ``post_attn_norm``, ``pre_ffn_norm``,
+``post_ffn_norm``), connections (``add_attn``, ``add_ffn``), attention and
+MLP; the model's ``hidden_norm`` (the context chain's), final ``norm``,
+``rotary`` table, embedding and LM head. Weights are made from the config's
+seed on the CPU (no downloads), so every device gets the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import DTYPES, DraftConfig
+from .layers import (
+    GatedMLP,
+    GatedResidual,
+    HeadNorm,
+    PagedKVCache,
+    RMSNorm,
+    Rotary,
+    linear,
+    o_gate,
+    residual_boundary,
+)
+from .numerics import F32
+
+
+@dataclass
+class StepInputs:
+    """One decode step of m tokens: ``positions`` and cache ``slots`` (int64
+    ``[m]``; a negative slot stores nothing) and ``attn_slots`` (int64
+    ``[m, S]``: the cache slots each token attends to, -1 padded)."""
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    attn_slots: torch.Tensor
+
+    @classmethod
+    def block(cls, start: int, m: int, device=None) -> StepInputs:
+        """m tokens at positions ``start .. start+m-1`` of one sequence whose
+        slot is its position; token i attends causally to slots ``0 ..
+        start+i``."""
+        positions = torch.arange(start, start + m, dtype=torch.int64, device=device)
+        span = torch.arange(start + m, dtype=torch.int64, device=device)
+        attn = span.expand(m, start + m).clone()
+        attn[attn > positions[:, None]] = -1
+        return cls(positions, positions.clone(), attn)
+
+
+def attend(q: torch.Tensor, cache: PagedKVCache, attn_slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """A plain reference attention (a device op, shared by the stock and the
+    fused paths): for token i and head h, softmax over its slots of
+    ``q_h . k / sqrt(D)`` in FP32, times V, rounded to BF16. Heads map to KV
+    heads in groups (``h // (heads / kv_heads)``). ``q``: ``[m, heads, D]``."""
+    m, heads, d = q.shape
+    valid = attn_slots >= 0
+    k, v = cache.gather(attn_slots.clamp_min(0))  # [m, S, kv, D]
+    group = heads // num_kv_heads
+    k = k.to(F32).repeat_interleave(group, dim=2)  # [m, S, heads, D]
+    v = v.to(F32).repeat_interleave(group, dim=2)
+    scores = torch.einsum("mhd,mshd->mhs", q.to(F32), k) / math.sqrt(d)
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("mhs,mshd->mhd", probs, v).to(torch.bfloat16)
+
+
+class DraftAttention(nn.Module):
+    """QKV projection (rows q, k, v, o-gate), QK-norm, GPT-J RoPE, the KV
+    insert, attention, the o-norm with its sigmoid o-gate and the output
+    projection."""
+
+    def __init__(self, config: DraftConfig, rotary: Rotary | None) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.use_o_gate = c.use_o_gate
+        rows = 2 * c.q_size + 2 * c.kv_size if c.use_o_gate else c.q_size + 2 * c.kv_size
+        dtype = DTYPES[c.compute_dtype]
+        self.qkv_proj = nn.Parameter(torch.zeros(rows, c.hidden_size, dtype=dtype), requires_grad=False)
+        self.o_proj = nn.Parameter(torch.zeros(c.hidden_size, c.q_size, dtype=dtype), requires_grad=False)
+        self.q_norm = HeadNorm(c.head_dim, c.head_norm_eps, has_weight=c.q_norm_weight)
+        self.k_norm = HeadNorm(c.head_dim, c.head_norm_eps, has_weight=False)
+        self.o_norm = HeadNorm(c.head_dim, c.head_norm_eps, has_weight=False)
+        # Shared with the model (not a child: one table for every layer).
+        self._rotary = [rotary]
+
+    @property
+    def rotary(self) -> Rotary | None:
+        return self._rotary[0]
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(q, k, v, og)`` views ``[m, heads, D]`` of the projection's rows
+        (og None without the o-gate)."""
+        m = qkv.shape[0]
+        sizes = [self.q_size, self.kv_size, self.kv_size]
+        if self.use_o_gate:
+            sizes.append(self.q_size)
+        parts = qkv.split(sizes, dim=-1)
+        q = parts[0].reshape(m, self.num_heads, self.head_dim)
+        k = parts[1].reshape(m, self.num_kv_heads, self.head_dim)
+        v = parts[2].reshape(m, self.num_kv_heads, self.head_dim)
+        og = parts[3].reshape(m, self.num_heads, self.head_dim) if self.use_o_gate else None
+        return q, k, v, og
+
+    def front(self, x: torch.Tensor, step: StepInputs, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The QKV front: projection, QK-norm, RoPE at ``step.positions`` and
+        the K/V insert at ``step.slots``. Returns ``(q, og)``."""
+        q, k, v, og = self.split_qkv(linear(x, self.qkv_proj))
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(q, step.positions), self.rotary(k, step.positions)
+        cache.insert(k, v, step.slots)
+        return q, og
+
+    def back(self, q: torch.Tensor, og: torch.Tensor | None, step: StepInputs, cache: PagedKVCache) -> torch.Tensor:
+        """Attention over the cache, the o-norm and gate, the output
+        projection (BF16 ``[m, H]``)."""
+        attn = attend(q, cache, step.attn_slots, self.num_kv_heads)
+        if og is not None:
+            attn = o_gate(attn, og, self.o_norm)
+        return linear(attn.reshape(attn.shape[0], self.q_size), self.o_proj)
+
+    def forward(self, x: torch.Tensor, step: StepInputs, cache: PagedKVCache) -> torch.Tensor:
+        q, og = self.front(x, step, cache)
+        return self.back(q, og, step, cache)
+
+
+def _connection(config: DraftConfig, name: str) -> GatedResidual:
+    conn = GatedResidual(config.hidden_size)
+    dtype = config.connection_overrides.get(name, {}).get("dtype")
+    if dtype is not None:
+        conn.alpha = nn.Parameter(conn.alpha.to(DTYPES[dtype]), requires_grad=False)
+        conn.beta = nn.Parameter(conn.beta.to(DTYPES[dtype]), requires_grad=False)
+    return conn
+
+
+class DraftLayer(nn.Module):
+    """One draft layer: ``input_norm`` (the pre-QKV norm), attention, the
+    attention boundary (``post_attn_norm``, ``add_attn``, ``pre_ffn_norm``),
+    the MLP and the feed-forward boundary's ``post_ffn_norm`` and
+    ``add_ffn`` (its pre-norm is the next layer's ``input_norm`` or the
+    model's final ``norm``)."""
+
+    def __init__(self, config: DraftConfig, index: int, rotary: Rotary | None) -> None:
+        super().__init__()
+        h = config.hidden_size
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(h, **config.norm_variant(f"layers.{index}.{name}"))
+
+        self.input_norm = norm("input_norm")
+        self.self_attn = DraftAttention(config, rotary)
+        self.post_attn_norm = norm("post_attn_norm")
+        self.add_attn = _connection(config, f"layers.{index}.add_attn")
+        self.pre_ffn_norm = norm("pre_ffn_norm")
+        self.mlp = GatedMLP(h, config.intermediate_size)
+        self.post_ffn_norm = norm("post_ffn_norm")
+        self.add_ffn = _connection(config, f"layers.{index}.add_ffn")
+
+
+class DraftModel(nn.Module):
+    """The reference DSpark draft (stock eager layers)."""
+
+    def __init__(self, config: DraftConfig, device: torch.device | str | None = None) -> None:
+        """Build the draft on ``device`` (default: the CPU); on ``"meta"`` it
+        has shapes and dtypes but no weights (enough to plan it)."""
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.default_dtype = DTYPES[config.compute_dtype]
+        self.residual_dtype = DTYPES[config.residual_dtype]
+        self.rotary = (
+            Rotary(config.head_dim, config.max_position, config.rope_theta, DTYPES[config.rope_table_dtype])
+            if config.use_rope
+            else None
+        )
+        self.embed = nn.Parameter(torch.zeros(config.vocab_size, h, dtype=self.default_dtype), requires_grad=False)
+        self.hidden_norm = RMSNorm(h, **config.norm_variant("hidden_norm"))
+        self.layers = nn.ModuleList(DraftLayer(config, i, self.rotary) for i in range(config.num_layers))
+        self.norm = RMSNorm(h, **config.norm_variant("norm"))
+        self.lm_head = nn.Parameter(torch.zeros(config.vocab_size, h, dtype=self.default_dtype), requires_grad=False)
+        if device is not None and torch.device(device).type == "meta":
+            self.to_empty(device="meta")
+        else:
+            self.init_weights(config.seed)
+            if device is not None:
+                self.to(device)
+
+    # -- weights -------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic weights from ``seed`` (CPU generator, in the order
+        of ``named_parameters``): GEMM weights N(0, 1/fan_in), norm weights
+        1 + N(0, 0.1^2), residual alpha in [0.5, 1.5) and beta in [0.25, 1.25)."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            shape = tuple(p.shape)
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "alpha":
+                value = torch.rand(shape, generator=gen) + 0.5
+            elif leaf == "beta":
+                value = torch.rand(shape, generator=gen) + 0.25
+            elif p.dim() == 1:
+                value = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            else:
+                value = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+            p.copy_(value.to(p.dtype))
+
+    # -- structure the planner and the executor read ---------------------------
+    def boundaries(self) -> list[tuple[RMSNorm, GatedResidual, RMSNorm]]:
+        """Every residual boundary ``(post, conn, pre)`` in order: layer i's
+        attention boundary (2i), then its feed-forward boundary (2i+1) into
+        the next layer's input norm or the final norm."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            out.append((layer.post_attn_norm, layer.add_attn, layer.pre_ffn_norm))
+            out.append((layer.post_ffn_norm, layer.add_ffn, nxt))
+        return out
+
+    def make_caches(self, num_blocks: int, device=None) -> list[PagedKVCache]:
+        """One paged BF16 cache per layer."""
+        c = self.config
+        return [PagedKVCache(num_blocks, c.num_kv_heads, c.kv_block_size, c.head_dim, device) for _ in self.layers]
+
+    # -- the stock forward ---------------------------------------------------
+    def first_norm(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(stream, x)``: the residual stream (FP32, or the BF16 input as
+        is: a BF16 row round-trips through FP32 unchanged) and the first
+        layer's input norm of its BF16 copy."""
+        stream = hidden_states if hidden_states.dtype == self.default_dtype else hidden_states.to(F32)
+        first = self.layers[0].input_norm if len(self.layers) else self.norm
+        return stream, first(stream.to(self.default_dtype), out_dtype=self.default_dtype)
+
+    def forward(self, hidden_states: torch.Tensor, step: StepInputs, caches: list[PagedKVCache]) -> torch.Tensor:
+        """The layers and the final norm over ``hidden_states`` (``[m, H]``,
+        BF16 embeddings or an FP32 stream): BF16 ``[m, H]``."""
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.config.hidden_size:
+            raise ValueError(f"the draft takes hidden states of [m, {self.config.hidden_size}]")
+        if len(caches) != len(self.layers):
+            raise ValueError(f"the draft takes one KV cache per layer ({len(self.layers)})")
+        stream, x = self.first_norm(hidden_states)
+        bounds = self.boundaries()
+        for i, layer in enumerate(self.layers):
+            attn_out = layer.self_attn(x, step, caches[i])
+            stream, ffn_in = residual_boundary(*bounds[2 * i], attn_out, stream)
+            ffn_out = layer.mlp(ffn_in)
+            stream, x = residual_boundary(*bounds[2 * i + 1], ffn_out, stream)
+        return x
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed[tokens]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.lm_head).to(F32)
+
+    # -- the context chain ---------------------------------------------------
+    def stacked_kv_weight(self) -> torch.Tensor:
+        """``[L, 2 * kv_size, H]``: each layer's K rows then V rows of its
+        QKV projection."""
+        q, kv = self.config.q_size, self.config.kv_size
+        return torch.stack([layer.self_attn.qkv_proj[q : q + 2 * kv] for layer in self.layers])
+
+    def context_norms(self, context_states: torch.Tensor) -> torch.Tensor:
+        """BF16 ``[L, T, H]``: ``stack([input_norm_l(hidden_norm(x))])``,
+        the hidden norm's output rounded to BF16 first."""
+        h = self.hidden_norm(context_states, out_dtype=torch.bfloat16)
+        return torch.stack([layer.input_norm(h, out_dtype=torch.bfloat16) for layer in self.layers])
+
+    def context_kv_store(self, kv: torch.Tensor, positions: torch.Tensor, caches, slots) -> None:
+        """After the projection ``kv`` (``[L, T, 2 * kv_size]``): per layer the
+        weightless K-norm, RoPE at ``positions`` and the insert at its slots
+        (``slots``: one int64 ``[T]`` for every layer, or a list with one per
+        layer, None storing nothing)."""
+        c = self.config
+        L, t = kv.shape[:2]
+        per_layer = slots if isinstance(slots, (list, tuple)) else [slots] * L
+        if len(per_layer) != L:
+            raise ValueError(f"the context store takes one slot mapping per layer ({L})")
+        kv = kv.view(L, t, 2, c.num_kv_heads, c.head_dim)
+        for i, layer in enumerate(self.layers):
+            if per_layer[i] is None:
+                continue
+            attn = layer.self_attn
+            k = attn.k_norm(kv[i, :, 0])
+            if attn.rotary is not None:
+                k = attn.rotary(k, positions)
+            rows = per_layer[i].shape[0]
+            caches[i].insert(k[:rows], kv[i, :rows, 1], per_layer[i])
+
+    def precompute_and_store_context_kv(self, context_states: torch.Tensor, positions: torch.Tensor, caches, slots) -> None:
+        """The context K/V chain of target hidden states (BF16 ``[T, H]``):
+        ``context_norms``, the stacked K/V projection (one batched matmul, a
+        device op), then ``context_kv_store``."""
+        normed = self.context_norms(context_states)
+        kv = torch.bmm(normed, self.stacked_kv_weight().transpose(1, 2))
+        self.context_kv_store(kv, positions, caches, slots)
