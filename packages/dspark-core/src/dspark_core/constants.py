@@ -172,3 +172,90 @@ def context_store_constants(k_norm: HeadNorm, kv_heads: int, rotary: Rotary | No
         rope=rotary is not None,
         table_dtype=DTYPE_NAMES[rotary.cos_sin.dtype] if rotary is not None else "bf16",
     )
+
+
+@dataclass(frozen=True)
+class QKVFrontConstants(_Key):
+    """The QKV front kernel: projection (q, k, v, o-gate rows), QK-norm,
+    GPT-J RoPE and the K/V insert for 1 to ``MAX_DECODE_ROWS`` tokens."""
+
+    hidden_size: int
+    num_heads: int
+    kv_heads: int
+    q_weight: bool
+    q_eps: float
+    k_eps: float
+    rope: bool
+    table_dtype: str
+
+
+def qkv_front_constants(attn) -> QKVFrontConstants:
+    """The constants of the QKV front for a stock ``DraftAttention``, or
+    ValueError where the front does not reproduce it."""
+    from .model import DraftAttention
+
+    if type(attn) is not DraftAttention:
+        raise ValueError(f"an attention other than the stock one ({type(attn).__name__})")
+    if not attn.use_o_gate:
+        raise ValueError("no o-gate rows in the QKV projection")
+    if attn.head_dim != HEAD_DIM:
+        raise ValueError(f"{attn.head_dim}-wide heads, not {HEAD_DIM}")
+    kv = attn.num_kv_heads
+    if kv & (kv - 1) or kv > 32:
+        raise ValueError(f"{kv} KV heads, not a power of two up to 32")
+    if attn.qkv_proj.dtype != torch.bfloat16:
+        raise ValueError(f"a QKV weight of {attn.qkv_proj.dtype}, not bfloat16")
+    if type(attn.q_norm) is not HeadNorm or type(attn.k_norm) is not HeadNorm:
+        raise ValueError("a QK-norm other than the stock head norm")
+    if attn.k_norm.weight is not None:
+        raise ValueError("a K-norm with a weight (the context chain's is weightless)")
+    rotary = attn.rotary
+    if rotary is not None and (type(rotary) is not Rotary or rotary.head_dim != HEAD_DIM):
+        raise ValueError("a RoPE other than the stock GPT-J rotation over the whole head")
+    return QKVFrontConstants(
+        hidden_size=attn.qkv_proj.shape[1],
+        num_heads=attn.num_heads,
+        kv_heads=kv,
+        q_weight=attn.q_norm.weight is not None,
+        q_eps=float(attn.q_norm.eps),
+        k_eps=float(attn.k_norm.eps),
+        rope=rotary is not None,
+        table_dtype=DTYPE_NAMES[rotary.cos_sin.dtype] if rotary is not None else "bf16",
+    )
+
+
+@dataclass(frozen=True)
+class ContextConstants(_Key):
+    """The fused context K/V chain: its norms kernel and its store kernel."""
+
+    norms: ContextNormConstants
+    store: ContextStoreConstants
+
+
+# The sum orders of an all-reduce (which stock all-reduce a mailbox reproduces).
+FP32_RANK_ORDER = "fp32_rank_order"
+BF16_RANK_ORDER = "bf16_rank_order"
+
+
+@dataclass(frozen=True)
+class AllReduceConstants(_Key):
+    """The fused all-reduce boundary: the TP size and the sum order
+    (``FP32_RANK_ORDER``: ranks' BF16 partials widened and added in FP32 in
+    rank order 0, 1, ..., then rounded to BF16 once, as a one-shot all-reduce
+    does; ``BF16_RANK_ORDER``: each add rounded to BF16)."""
+
+    tp: int
+    sum_order: str = FP32_RANK_ORDER
+
+
+@dataclass(frozen=True)
+class PackageGemmConstants(_Key):
+    """One branch's package GEMM: ``x[m, k_shard] @ W[hidden, k_shard]^T``
+    at its role's launch shape."""
+
+    role: str
+    hidden_size: int
+    k_shard: int
+    tile_n: int
+    split_k: int
+    max_rows: int

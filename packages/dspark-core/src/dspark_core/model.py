@@ -296,7 +296,9 @@ class DraftModel(nn.Module):
             rows = per_layer[i].shape[0]
             caches[i].insert(k[:rows], kv[i, :rows, 1], per_layer[i])
 
-    def precompute_and_store_context_kv(self, context_states: torch.Tensor, positions: torch.Tensor, caches, slots) -> None:
+    def precompute_and_store_context_kv(
+        self, context_states: torch.Tensor, positions: torch.Tensor, caches, slots
+    ) -> None:
         """The context K/V chain of target hidden states (BF16 ``[T, H]``):
         ``context_norms``, the stacked K/V projection (one batched matmul, a
         device op), then ``context_kv_store``."""

@@ -1,0 +1,117 @@
+"""DSpark's sessions.
+
+CPU (they install what they need into their own virtualenvs):
+    nox -s tests           every package's CPU tests and the cross-package tests/,
+                           kernels compiled for sm_90a and sm_100a with CuTe DSL 4.3.5
+    nox -s compile-cute48  the CuTe DSL compile checks again under 4.8.0 (vLLM 0.33's pin)
+    nox -s lint            ruff
+
+GPU (run with the interpreter at hand, nothing installed: a device machine has
+no network; the packages' src/ folders go on PYTHONPATH):
+    nox -s tests-sm90      GPU tests on an sm_90 GPU (H100/H200)
+    nox -s tests-sm100     GPU tests on an sm_100 GPU (B200)
+    nox -s tests-multigpu  tests that need two or more GPUs
+    nox -s bench           benchmarks: markdown tables and PNG plots in bench-results/
+
+Environment: DSPARK_TORCH (the torch requirement of the CPU sessions, default
+torch==2.13.0, the CPU build on this project's machines), DSPARK_SEED (fix the
+tests' random seed), DSPARK_BENCH_OUT (the benchmarks' output folder).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = ["dspark-core", "dspark-cute", "dspark-comm", "dspark-vllm"]
+TORCH = os.environ.get("DSPARK_TORCH", "torch==2.13.0")
+SRC_PATH = os.pathsep.join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
+TEST_DIRS = [f"packages/{p}/tests" for p in PACKAGES] + ["tests"]
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _install(session: nox.Session, cute: str = "nvidia-cutlass-dsl==4.3.5") -> None:
+    session.install(TORCH)
+    session.install(cute)
+    session.install(*[f"-e./packages/{p}[test]" for p in PACKAGES])
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The CPU suite of every package, compile checks and PTX audits included."""
+    _install(session)
+    session.run("python", "-m", "pytest", "-m", "not gpu and not multigpu", *TEST_DIRS, *session.posargs)
+
+
+@nox.session(name="compile-cute48")
+def compile_cute48(session: nox.Session) -> None:
+    """The kernels' compile checks under nvidia-cutlass-dsl 4.8.0."""
+    _install(session, "nvidia-cutlass-dsl==4.8.0")
+    session.run("python", "-m", "pytest", "-m", "compile", *TEST_DIRS, *session.posargs, success_codes=[0, 5])
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+def _gpus() -> list[tuple[int, int]]:
+    """The compute capabilities of the visible GPUs, via the interpreter at hand."""
+    code = (
+        "import torch\n"
+        "n = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
+        "print(';'.join('%d,%d' % torch.cuda.get_device_capability(i) for i in range(n)))"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [tuple(int(v) for v in cc.split(",")) for cc in out.strip().split(";") if cc]
+
+
+def _gpu_session(session: nox.Session, major: int, marker: str, min_gpus: int = 1) -> None:
+    gpus = [cc for cc in _gpus() if major == 0 or cc[0] == major]
+    if len(gpus) < min_gpus:
+        session.skip(
+            f"needs {min_gpus} GPU(s) of compute capability {major}.x; this machine has "
+            f"{_gpus() or 'none'} (the suite runs on a device machine)"
+        )
+    env = {"PYTHONPATH": SRC_PATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    session.run("python", "-m", "pytest", "-m", marker, *TEST_DIRS, *session.posargs, env=env, external=True)
+
+
+@nox.session(name="tests-sm90", venv_backend="none")
+def tests_sm90(session: nox.Session) -> None:
+    """GPU tests on sm_90 (H100/H200), the spec's CPU == CUDA check included."""
+    _gpu_session(session, 9, "gpu")
+
+
+@nox.session(name="tests-sm100", venv_backend="none")
+def tests_sm100(session: nox.Session) -> None:
+    """GPU tests on sm_100 (B200)."""
+    _gpu_session(session, 10, "gpu")
+
+
+@nox.session(name="tests-multigpu", venv_backend="none")
+def tests_multigpu(session: nox.Session) -> None:
+    """Tests over two or more GPUs of one host (one process per rank)."""
+    _gpu_session(session, 0, "multigpu", min_gpus=2)
+
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """Every benchmark script under packages/*/benchmarks, in CUDA graphs on the GPU."""
+    if not _gpus():
+        session.skip("the benchmarks time GPU kernels; this machine has no GPU")
+    out = os.environ.get("DSPARK_BENCH_OUT", str(ROOT / "bench-results"))
+    env = {"PYTHONPATH": SRC_PATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for script in sorted(ROOT.glob("packages/*/benchmarks/bench_*.py")):
+        session.run("python", str(script), "--out", out, *session.posargs, env=env, external=True)

@@ -1,0 +1,99 @@
+"""The planner's policy: the deployment facts the plan is made for (the
+``Target``) and the fixed choices of what may fuse where."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+
+# Every fused kernel the design has; a backend says which it provides.
+ROW_NORM = "row_norm"
+BOUNDARY = "boundary"
+CONTEXT_NORMS = "context_norms"
+CONTEXT_STORE = "context_store"
+QKV_FRONT = "qkv_front"
+ALL_REDUCE_BOUNDARY = "all_reduce_boundary"
+PACKAGE_GEMM = "package_gemm"
+ALL_KERNELS = frozenset(
+    {ROW_NORM, BOUNDARY, CONTEXT_NORMS, CONTEXT_STORE, QKV_FRONT, ALL_REDUCE_BOUNDARY, PACKAGE_GEMM}
+)
+
+# Backends advertise the kernels they provide under this entry-point group,
+# each entry a list of names from ALL_KERNELS (read without importing the
+# backend's kernels, so planning needs no GPU stack).
+KERNELS_ENTRY_POINTS = "dspark.kernels"
+
+
+def installed_kernels() -> frozenset[str]:
+    """The kernels the installed backend packages provide."""
+    from importlib.metadata import entry_points
+
+    found: set[str] = set()
+    for ep in entry_points(group=KERNELS_ENTRY_POINTS):
+        found.update(ep.load())
+    return frozenset(found) & ALL_KERNELS
+
+
+# The architectures the kernels are compiled for.
+ARCHS = ("sm_90a", "sm_100a")
+# TP sizes whose boundaries fuse their branch's all-reduce (a Lamport mailbox
+# over peer-to-peer stores): every power of two the mailbox is written for.
+FUSED_TPS = (2, 4, 8)
+# TP sizes whose o_proj and down_proj run on the package GEMM, publishing their
+# partial into the boundary's mailbox.
+PACKAGE_GEMM_TPS = (2, 4, 8)
+# Rows per call of the QKV front and of the mailbox (a draft proposes 1 to 16
+# tokens); calls with more rows take the unfused path.
+MAX_DECODE_ROWS = 16
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """A draft GEMM's launch shape: ``x[m <= max_rows, K] @ W[N, K]^T`` with
+    ``tile_n`` output features per CTA and ``split_k`` K-slices."""
+
+    tile_n: int
+    split_k: int
+    max_rows: int = MAX_DECODE_ROWS
+
+
+# The package GEMM's launch shape per projection role.
+DRAFT_GEMMS = {
+    "o_proj": GemmShape(tile_n=64, split_k=1),
+    "down_proj": GemmShape(tile_n=64, split_k=2),
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the plan runs: ``platform`` ("cuda" or "cpu"), the GPU ``arch``
+    (``ARCHS``), its SM count, the TP size and the kernels the installed
+    backends provide. Frozen and hashable; ``key()`` names it."""
+
+    platform: str = "cuda"
+    arch: str = "sm_90a"
+    num_sms: int = 132
+    tp: int = 1
+    kernels: frozenset[str] = field(default=ALL_KERNELS)
+
+    def __post_init__(self) -> None:
+        if self.platform not in ("cuda", "cpu"):
+            raise ValueError(f"a target platform is 'cuda' or 'cpu', not {self.platform!r}")
+        if self.tp < 1:
+            raise ValueError(f"a TP size is at least 1, not {self.tp}")
+        unknown = set(self.kernels) - ALL_KERNELS
+        if unknown:
+            raise ValueError(f"unknown kernels {sorted(unknown)}; known: {sorted(ALL_KERNELS)}")
+
+    @property
+    def pdl(self) -> bool:
+        """Programmatic dependent launch: on every supported architecture."""
+        return self.arch in ARCHS
+
+    def key(self) -> str:
+        text = repr((self.platform, self.arch, self.num_sms, self.tp, sorted(self.kernels)))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def replace(self, **changes) -> Target:
+        return dataclasses.replace(self, **changes)
