@@ -12,6 +12,8 @@ the package does not load the CuTe DSL.
 
 from __future__ import annotations
 
+__version__ = "0.1.0"
+
 __all__ = ["DraftBoundary", "RowNorm"]
 
 

@@ -1,0 +1,340 @@
+"""The planner: one test per refusal reason, the fused plan of the reference
+draft, determinism, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from dspark_core import constants as K
+from dspark_core import policy
+from dspark_core.config import DraftConfig, small_config
+from dspark_core.layers import GatedResidual, HeadNorm, RMSNorm, Rotary
+from dspark_core.model import DraftAttention, DraftModel
+from dspark_core.plan import plan_draft
+from dspark_core.policy import Target
+
+ALL = Target(kernels=policy.ALL_KERNELS)
+
+
+def meta(**changes) -> DraftModel:
+    return DraftModel(small_config(**changes), device="meta")
+
+
+def reasons(plan) -> dict[str, str]:
+    return {p.name: p.reason for p in plan.parts() if not p.fused}
+
+
+def test_reference_plan_fuses_every_part_at_tp1():
+    plan = plan_draft(DraftModel(DraftConfig(), device="meta"), ALL)
+    assert plan.draft_reason is None
+    assert reasons(plan) == {"the fused all-reduce": "TP1: there is no all-reduce"}
+    assert len(plan.boundaries) == 4 and len(plan.qkv_fronts) == 2
+    assert all(isinstance(b.constants, K.BoundaryConstants) for b in plan.boundaries)
+    assert plan.input_norm.constants.hidden_size == 8192
+
+
+def test_reference_plan_at_tp2_fuses_the_all_reduce_and_package_gemms():
+    plan = plan_draft(DraftModel(DraftConfig(), device="meta"), ALL.replace(tp=2))
+    assert reasons(plan) == {}
+    assert plan.all_reduce.constants == K.AllReduceConstants(2)
+    roles = [p.constants.role for p in plan.package_gemms]
+    assert roles == ["o_proj", "down_proj"] * 2
+    # o_proj takes the rank's shard of the heads, down_proj of the MLP.
+    assert plan.package_gemms[0].constants.k_shard == 64 * 64 // 2
+    assert plan.package_gemms[1].constants.k_shard == 16384 // 2
+
+
+@pytest.mark.parametrize(
+    "target, why",
+    [
+        (Target(platform="cpu"), "not CUDA"),
+        (Target(arch="sm_80"), "architecture sm_80, not one of sm_90a, sm_100a"),
+    ],
+)
+def test_whole_draft_refusals_by_target(target, why):
+    plan = plan_draft(meta(), target)
+    assert plan.draft_reason == why
+    assert plan.parts() == []
+    assert plan.refused() == [f"the whole draft keeps its stock layers: {why}"]
+
+
+@pytest.mark.parametrize(
+    "changes, why",
+    [
+        ({"compute_dtype": "fp16"}, "compute dtype torch.float16, not bfloat16"),
+        ({"residual_dtype": "bf16"}, "residual dtype torch.bfloat16, not float32"),
+    ],
+)
+def test_whole_draft_refusals_by_dtype(changes, why):
+    assert plan_draft(meta(**changes), ALL).draft_reason == why
+
+
+def test_boundary_refuses_a_non_fp32_connection():
+    model = meta(connection_overrides={"layers.1.add_attn": {"dtype": "bf16"}})
+    r = reasons(plan_draft(model, ALL))
+    assert r["layer 1's attention boundary"] == "a residual alpha other than a contiguous FP32 [2048] vector"
+    assert "layer 0's attention boundary" not in r
+
+
+def test_boundary_refuses_a_connection_subclass():
+    class Scaled(GatedResidual):
+        def forward(self, stream, branch):
+            return super().forward(stream, branch) * 2
+
+    model = meta()
+    model.layers[0].add_ffn = Scaled(2048).to_empty(device="meta")
+    r = reasons(plan_draft(model, ALL))
+    assert r["layer 0's feed-forward boundary"] == "a residual connection other than the stock gated one (Scaled)"
+
+
+def test_boundary_refuses_a_norm_subclass():
+    class LayerNormish(RMSNorm):
+        pass
+
+    model = meta()
+    model.layers[1].pre_ffn_norm = LayerNormish(2048).to_empty(device="meta")
+    r = reasons(plan_draft(model, ALL))
+    assert r["layer 1's attention boundary"] == "a norm other than the stock RMSNorm (LayerNormish)"
+
+
+def test_boundary_refuses_a_float64_weight_and_a_strided_weight():
+    model = meta()
+    model.layers[0].post_attn_norm.weight = nn.Parameter(torch.empty(2048, dtype=torch.float64, device="meta"))
+    model.layers[1].post_attn_norm.weight = nn.Parameter(
+        torch.empty(4096, dtype=torch.bfloat16, device="meta")[::2], requires_grad=False
+    )
+    r = reasons(plan_draft(model, ALL))
+    assert r["layer 0's attention boundary"] == "a norm weight of torch.float64, not BF16, FP16 or FP32"
+    assert r["layer 1's attention boundary"] == "a norm weight other than a contiguous [2048] vector"
+
+
+def test_boundary_refuses_a_pre_norm_that_outputs_fp32():
+    model = meta()
+    model.norm.out_dtype = torch.float32
+    r = reasons(plan_draft(model, ALL))
+    assert r["layer 1's feed-forward boundary"] == "a next pre-norm that outputs torch.float32, not BF16"
+
+
+def test_first_norm_refuses_an_fp32_output():
+    model = meta()
+    model.layers[0].input_norm.out_dtype = torch.float32
+    r = reasons(plan_draft(model, ALL))
+    assert r["the draft's first norm"] == "an input norm that outputs fp32, not bf16"
+
+
+@pytest.mark.parametrize(
+    "kernels, part, kernel",
+    [
+        ({"row_norm"}, "layer 0's attention boundary", "boundary"),
+        ({"boundary"}, "the draft's first norm", "row_norm"),
+        ({"context_norms"}, "the context K/V chain", "context_store"),
+        (set(), "layer 0's QKV front", "qkv_front"),
+    ],
+)
+def test_parts_refuse_a_kernel_the_backends_lack(kernels, part, kernel):
+    r = reasons(plan_draft(meta(), Target(kernels=frozenset(kernels))))
+    assert r[part] == f"the installed backends do not provide the {kernel} kernel"
+
+
+def test_context_refuses_input_norms_that_differ_beyond_weights():
+    model = meta(norm_overrides={"layers.1.input_norm": {"eps": 1e-5}})
+    r = reasons(plan_draft(model, ALL))
+    assert r["the context K/V chain"] == "layer input norms that differ in more than their weights"
+
+
+def test_context_and_front_refuse_non_power_of_two_kv_heads():
+    r = reasons(plan_draft(meta(num_heads=6, num_kv_heads=3), ALL))
+    assert r["the context K/V chain"] == "3 KV heads, not a power of two up to 32"
+    assert r["layer 0's QKV front"] == "3 KV heads, not a power of two up to 32"
+
+
+def test_context_and_front_refuse_128_wide_heads():
+    r = reasons(plan_draft(meta(head_dim=128, num_heads=4), ALL))
+    assert r["the context K/V chain"] == "128-wide KV heads, not 64"
+    assert r["layer 1's QKV front"] == "128-wide heads, not 64"
+
+
+def test_context_and_front_refuse_a_weighted_k_norm():
+    model = meta()
+    model.layers[0].self_attn.k_norm = HeadNorm(64, has_weight=True).to_empty(device="meta")
+    r = reasons(plan_draft(model, ALL))
+    assert r["the context K/V chain"] == "a K-norm other than the stock weightless head norm"
+    assert r["layer 0's QKV front"] == "a K-norm with a weight (the context chain's is weightless)"
+
+
+def test_context_refuses_a_weighted_k_norm_in_a_later_layer():
+    model = meta()
+    model.layers[1].self_attn.k_norm = HeadNorm(64, has_weight=True).to_empty(device="meta")
+    r = reasons(plan_draft(model, ALL))
+    assert r["the context K/V chain"] == "a layer whose attention or K-norm is not the stock one"
+
+
+def test_context_refuses_no_layers():
+    r = reasons(plan_draft(meta(num_layers=0), ALL))
+    assert r["the context K/V chain"] == "no layers"
+
+
+def test_context_and_front_refuse_a_non_stock_rope():
+    class NeoX(Rotary):
+        pass
+
+    model = meta()
+    rope = NeoX(64, 16)
+    for layer in model.layers:
+        layer.self_attn._rotary[0] = rope
+    r = reasons(plan_draft(model, ALL))
+    assert r["the context K/V chain"] == "a RoPE other than the stock GPT-J rotation over the whole head"
+    assert r["layer 0's QKV front"] == "a RoPE other than the stock GPT-J rotation over the whole head"
+
+
+def test_front_refuses_no_o_gate_and_a_non_bf16_weight_and_a_subclass():
+    r = reasons(plan_draft(meta(use_o_gate=False), ALL))
+    assert r["layer 0's QKV front"] == "no o-gate rows in the QKV projection"
+
+    class Other(DraftAttention):
+        pass
+
+    model = meta()
+    model.layers[0].self_attn.qkv_proj = nn.Parameter(
+        model.layers[0].self_attn.qkv_proj.to(torch.float16), requires_grad=False
+    )
+    other = Other(model.config, model.rotary).to_empty(device="meta")
+    model.layers[1].self_attn = other
+    r = reasons(plan_draft(model, ALL))
+    assert r["layer 0's QKV front"] == "a QKV weight of torch.float16, not bfloat16"
+    assert r["layer 1's QKV front"] == "an attention other than the stock one (Other)"
+
+
+def test_context_refuses_a_non_bf16_kv_weight():
+    model = meta()
+    attn = model.layers[1].self_attn
+    attn.qkv_proj = nn.Parameter(attn.qkv_proj.to(torch.float16), requires_grad=False)
+    r = reasons(plan_draft(model, ALL))
+    assert r["the context K/V chain"] == "a K/V projection weight other than bfloat16"
+
+
+def test_all_reduce_refusals():
+    assert reasons(plan_draft(meta(), ALL.replace(tp=3)))["the fused all-reduce"] == (
+        "TP3, not one of the mailbox's TP sizes (2, 4, 8)"
+    )
+    model = meta(connection_overrides={"layers.0.add_ffn": {"dtype": "bf16"}})
+    assert reasons(plan_draft(model, ALL.replace(tp=4)))["the fused all-reduce"] == (
+        "layer 0's feed-forward boundary keeps its stock modules (every rank must fuse every boundary)"
+    )
+    model = meta()
+    model.layers[1].mlp.down = nn.Parameter(model.layers[1].mlp.down.to(torch.float16), requires_grad=False)
+    assert reasons(plan_draft(model, ALL.replace(tp=2)))["the fused all-reduce"] == (
+        "layer 1: a weight that is not a plain row-parallel bf16 projection into 2048 features"
+    )
+
+    class MoE(nn.Module):
+        pass
+
+    model = meta()
+    model.layers[0].mlp = MoE()
+    model.layers[0].mlp.down = model.layers[1].mlp.down
+    assert reasons(plan_draft(model, ALL.replace(tp=8)))["the fused all-reduce"] == (
+        "layer 0: a feed-forward other than the stock MLP"
+    )
+    assert reasons(plan_draft(meta(), Target(tp=2, kernels=policy.ALL_KERNELS - {"all_reduce_boundary"})))[
+        "the fused all-reduce"
+    ] == "the installed backends do not provide the all_reduce_boundary kernel"
+
+
+def test_package_gemm_refusals():
+    r = reasons(plan_draft(meta(), ALL.replace(tp=3)))
+    assert r["layer 0's o_proj package GEMM"] == "TP3 runs its branch GEMMs on cuBLAS"
+    model = meta(connection_overrides={"layers.0.add_ffn": {"dtype": "bf16"}})
+    r = reasons(plan_draft(model, ALL.replace(tp=2)))
+    assert r["layer 1's down_proj package GEMM"] == "the all-reduce is not fused (nothing to publish into)"
+    r = reasons(plan_draft(meta(intermediate_size=1002), ALL.replace(tp=4)))
+    assert r["layer 0's down_proj package GEMM"] == "1002 input features do not split over TP4"
+    assert "layer 0's o_proj package GEMM" not in r
+    r = reasons(plan_draft(meta(), Target(tp=2, kernels=policy.ALL_KERNELS - {"package_gemm"})))
+    assert r["layer 0's o_proj package GEMM"] == "the installed backends do not provide the package_gemm kernel"
+
+
+def test_meta_and_real_drafts_plan_alike():
+    config = small_config(num_layers=1)
+    real, fake = DraftModel(config), DraftModel(config, device="meta")
+    for tp in (1, 2):
+        a, b = plan_draft(real, ALL.replace(tp=tp)), plan_draft(fake, ALL.replace(tp=tp))
+        assert [(p.name, p.constants, p.reason) for p in a.parts()] == [
+            (p.name, p.constants, p.reason) for p in b.parts()
+        ]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    hidden=st.sampled_from([2048, 4096, 6144]),
+    layers=st.integers(0, 3),
+    kv=st.sampled_from([1, 2, 3, 4, 8]),
+    group=st.integers(1, 3),
+    head_dim=st.sampled_from([32, 64, 128]),
+    weight_dtype=st.sampled_from(["bf16", "fp16", "fp32"]),
+    has_weight=st.booleans(),
+    before=st.booleans(),
+    center=st.sampled_from([0.0, 1.0]),
+    tp=st.sampled_from([1, 2, 3, 4, 8]),
+    platform=st.sampled_from(["cuda", "cpu"]),
+)
+def test_random_configs_plan_consistently(
+    hidden, layers, kv, group, head_dim, weight_dtype, has_weight, before, center, tp, platform
+):
+    config = DraftConfig(
+        hidden_size=hidden, num_layers=layers, num_heads=kv * group, num_kv_heads=kv, head_dim=head_dim,
+        intermediate_size=512, vocab_size=64, max_position=64, norm_weight_dtype=weight_dtype,
+        norm_has_weight=has_weight, norm_weight_before_norm=before and has_weight, norm_gain_center=center,
+    )
+    model = DraftModel(config, device="meta")
+    target = Target(platform=platform, tp=tp, kernels=policy.ALL_KERNELS)
+    plan = plan_draft(model, target)
+    again = plan_draft(DraftModel(config, device="meta"), target)
+    assert plan.format() == again.format()
+    if platform == "cpu":
+        assert plan.draft_reason == "not CUDA"
+        return
+    # Every stock part says why; every fused part's constants rebuild equal.
+    assert all(p.reason for p in plan.parts() if not p.fused)
+    assert all(b.fused for b in plan.boundaries)  # every variant of this space is covered
+    for (post, conn, pre), b in zip(model.boundaries(), plan.boundaries):
+        assert b.constants == K.boundary_constants(post, conn, pre, hidden)
+    front_ok = head_dim == 64 and kv & (kv - 1) == 0
+    assert all(p.fused == front_ok for p in plan.qkv_fronts)
+    assert plan.all_reduce.fused == (tp in (2, 4, 8))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "dspark_core.plan", *args], capture_output=True, text=True)
+
+
+def test_cli_prints_the_reference_plan():
+    out = _cli("--kernels", "all")
+    assert out.returncode == 0, out.stderr
+    assert "DSpark plan for cuda sm_90a (132 SMs), TP1" in out.stdout
+    assert "layer 1's feed-forward boundary" in out.stdout and "fused (BoundaryConstants" in out.stdout
+    assert "the fused all-reduce keeps its stock modules: TP1: there is no all-reduce" in out.stdout
+
+
+def test_cli_prints_reasons_of_a_refusing_config(tmp_path):
+    path = tmp_path / "draft.json"
+    path.write_text(json.dumps({"num_heads": 48, "num_kv_heads": 6}))
+    out = _cli(str(path), "--tp", "2", "--kernels", "all")
+    assert out.returncode == 0, out.stderr
+    assert "layer 0's QKV front keeps its stock modules: 6 KV heads, not a power of two up to 32" in out.stdout
+
+
+def test_cli_rejects_a_bad_config(tmp_path):
+    path = tmp_path / "draft.json"
+    path.write_text(json.dumps({"hidden": 8192}))
+    out = _cli(str(path))
+    assert out.returncode == 2
+    assert "unknown DraftConfig keys ['hidden']" in out.stderr
