@@ -2,11 +2,10 @@
 installed backends' kernel lists name only kernels the planner knows."""
 
 import importlib
-import tomllib
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from dspark_core import policy
 
 ROOT = Path(__file__).resolve().parents[1]
