@@ -1,0 +1,354 @@
+"""The residual boundary kernel: ``dspark_core.layers.residual_boundary`` in
+one launch, bit for bit.
+
+Per row (one CTA of 256 threads, thread ``t`` holding the 8-column fragments
+``t * 8 + k * 2048``, as the row norm):
+
+1. ``p = post(branch)`` (``rms_norm_fragments`` of the BF16 branch read as is,
+   the post-norm's row sum in shared-memory slot 0), rounded to BF16;
+2. ``new = alpha * stream + beta * p`` in FP32: two ``mul.rn`` and one
+   ``add.rn`` per column; stored as FP32 rows when ``store_stream``;
+3. ``out = pre(new rounded to BF16)`` (row sum in slot 1), rounded to BF16.
+
+The gates (``alpha``, ``beta``) and the norm weights are constants of the
+boundary: ``late_gates=False`` reads them before the PDL wait (they overlap
+the previous kernel; for up to one row per SM), ``late_gates=True`` after
+the rows, each fragment's just before its use (fewer live registers, so more
+CTAs per SM when there are many rows). With ``pdl`` each CTA releases its
+dependents right after the wait; a dependent waits for this grid's end
+before it reads the outputs.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+import cutlass.utils as cu_utils
+import torch
+from cutlass import Float32, Int32, Int64
+from dspark_core.constants import BoundaryConstants, NormConstants
+from dspark_core.numerics import check_row_width
+
+from dspark_cute import ptx
+from dspark_cute.host import (
+    TORCH_DTYPES,
+    CompileCache,
+    check_operand,
+    compile_kernel,
+    current_stream,
+    fake_ptr,
+    fake_stream,
+    pdl_supported,
+    ptr,
+    sm_count,
+)
+from dspark_cute.row_norm import fragment_columns, load_weight_words, rms_norm_fragments
+
+
+def _gates(c: BoundaryConstants, alpha, beta, post_w, pre_w, column) -> tuple:
+    """Raw words of one fragment's alpha, beta (8 FP32 each) and norm weights
+    (None where a norm has no weight)."""
+
+    def weight(norm: NormConstants, base):
+        if norm.weight_dtype is None:
+            return None
+        return load_weight_words(norm.weight_dtype, base, column)
+
+    return (
+        load_weight_words("fp32", alpha, column),
+        load_weight_words("fp32", beta, column),
+        weight(c.post, post_w),
+        weight(c.pre, pre_w),
+    )
+
+
+class BoundaryKernel:
+    """The traced boundary of one ``BoundaryConstants`` and variant.
+    Call: ``(branch, stream, alpha, beta, post_w, pre_w, new_stream, out, m,
+    cu_stream)``, global pointers: the BF16 ``[m, H]`` branch, the ``[m, H]``
+    stream (BF16 if ``stream_bf16``, else FP32), the FP32 ``[H]`` gates, the
+    ``[H]`` norm weights (any pointer where a norm has none: not read), the
+    FP32 ``[m, H]`` new stream (any pointer without ``store_stream``: not
+    written), the BF16 ``[m, H]`` output; ``m`` Int32."""
+
+    def __init__(
+        self, constants: BoundaryConstants, stream_bf16: bool, store_stream: bool,
+        late_gates: bool, pdl: bool,
+    ) -> None:
+        self.constants = constants
+        self.stream_bf16 = stream_bf16
+        self.store_stream = store_stream
+        self.late_gates = late_gates
+        self.pdl = pdl
+
+    @cute.jit
+    def __call__(
+        self, branch: cute.Pointer, stream: cute.Pointer, alpha: cute.Pointer,
+        beta: cute.Pointer, post_w: cute.Pointer, pre_w: cute.Pointer,
+        new_stream: cute.Pointer, out: cute.Pointer, m: Int32, cu_stream,
+    ):
+        self.kernel(branch, stream, alpha, beta, post_w, pre_w, new_stream, out).launch(
+            grid=[m, 1, 1], block=[ptx.THREADS, 1, 1], stream=cu_stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(
+        self, branch: cute.Pointer, stream: cute.Pointer, alpha: cute.Pointer,
+        beta: cute.Pointer, post_w: cute.Pointer, pre_w: cute.Pointer,
+        new_stream: cute.Pointer, out: cute.Pointer,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        # Two folds (post, pre), each with its own 8 slots: no barrier between.
+        sums = cu_utils.SmemAllocator().allocate_array(Float32, 2 * ptx.WARPS)
+        _boundary_body(
+            self, tidx, row, warp, lane, sums.toint(),
+            (branch.toint(), stream.toint(), alpha.toint(), beta.toint(),
+             post_w.toint(), pre_w.toint(), new_stream.toint(), out.toint()),
+        )
+
+
+def _boundary_body(k: BoundaryKernel, tidx, row, warp, lane, sums, addrs) -> None:
+    c = k.constants
+    h = c.hidden_size
+    branch, stream, alpha, beta, post_w, pre_w, new_stream, out = addrs
+    columns = fragment_columns(tidx, h)
+    gates = None
+    if not k.late_gates:
+        gates = [_gates(c, alpha, beta, post_w, pre_w, col) for col in columns]
+    if k.pdl:
+        ptx.pdl_wait()
+        ptx.pdl_launch_dependents()
+    x = [ptx.ld_row8("bf16", Int64(branch) + Int64(row) * (2 * h), col) for col in columns]
+    s_dtype = "bf16" if k.stream_bf16 else "fp32"
+    s_row = Int64(stream) + Int64(row) * (h * (2 if k.stream_bf16 else 4))
+    s = [ptx.ld_row8(s_dtype, s_row, col) for col in columns]
+    if k.late_gates:
+        # Only the post-norm weight is needed before the first row sum.
+        post_words = [
+            load_weight_words(c.post.weight_dtype, post_w, col) if c.post.weight_dtype else None
+            for col in columns
+        ]
+    else:
+        post_words = [g[2] for g in gates]
+    # 1. the post-norm, rounded to BF16.
+    y = rms_norm_fragments(
+        c.post, h, x, post_words if c.post.weight_dtype else None, sums, warp, lane
+    )
+    new_row = Int64(new_stream) + Int64(row) * (4 * h)
+    z = []
+    pre_words = []
+    for i, col in enumerate(columns):
+        if k.late_gates:
+            a_words = load_weight_words("fp32", alpha, col)
+            b_words = load_weight_words("fp32", beta, col)
+            pre_words.append(
+                load_weight_words(c.pre.weight_dtype, pre_w, col) if c.pre.weight_dtype else None
+            )
+        else:
+            a_words, b_words = gates[i][0], gates[i][1]
+            pre_words.append(gates[i][3])
+        p = []
+        for j in range(0, ptx.VEC, 2):
+            p.extend(ptx.round_bf16x2(y[i][j], y[i][j + 1]))
+        # 2. the gated FP32 residual, each product rounded, then the sum.
+        new = [
+            ptx.add_rn(ptx.mul_rn(ptx.as_f32(a), sv), ptx.mul_rn(ptx.as_f32(b), pv))
+            for a, b, sv, pv in zip(a_words, b_words, s[i], p)
+        ]
+        if k.store_stream:
+            ptx.st_row8("fp32", new_row, col, new)
+        zi = []
+        for j in range(0, ptx.VEC, 2):
+            zi.extend(ptx.round_bf16x2(new[j], new[j + 1]))
+        z.append(zi)
+    # 3. the pre-norm of the BF16-rounded stream, rounded to BF16.
+    o = rms_norm_fragments(
+        c.pre, h, z, pre_words if c.pre.weight_dtype else None,
+        Int32(sums) + 4 * ptx.WARPS, warp, lane,
+    )
+    out_row = Int64(out) + Int64(row) * (2 * h)
+    for col, f in zip(columns, o):
+        ptx.st_row8("bf16", out_row, col, f)
+
+
+def fake_args(c: BoundaryConstants, stream_bf16: bool) -> tuple:
+    """The compile signature of ``BoundaryKernel`` (no GPU memory needed)."""
+    return (
+        fake_ptr("bf16"),
+        fake_ptr("bf16" if stream_bf16 else "fp32"),
+        fake_ptr("fp32"),
+        fake_ptr("fp32"),
+        fake_ptr(c.post.weight_dtype or "bf16"),
+        fake_ptr(c.pre.weight_dtype or "bf16"),
+        fake_ptr("fp32"),
+        fake_ptr("bf16"),
+        Int32(1),
+        fake_stream(),
+    )
+
+
+_CACHE = CompileCache()
+
+
+def compile_boundary(
+    c: BoundaryConstants, stream_bf16: bool, store_stream: bool, late_gates: bool, pdl: bool
+):
+    """The compiled ``BoundaryKernel`` of one variant, compiled once per
+    process (RuntimeError during CUDA graph capture)."""
+    key = ("boundary", c.key(), stream_bf16, store_stream, late_gates, pdl)
+    return _CACHE.get(
+        key,
+        lambda: compile_kernel(
+            BoundaryKernel(c, stream_bf16, store_stream, late_gates, pdl),
+            *fake_args(c, stream_bf16),
+            what="DraftBoundary",
+        ),
+    )
+
+
+class DraftBoundary:
+    """One residual boundary ``post -> GatedResidual -> pre`` bound to its
+    constant operands: ``alpha``, ``beta`` (contiguous CUDA FP32 ``[H]``) and
+    the norm weights (``[H]`` of the constants' weight dtypes, or None where
+    a norm has none), each 16-byte aligned.
+
+    ``run(branch, stream, store_stream)`` returns ``(new_stream or None,
+    out)``: the FP32 ``alpha * stream + beta * post(branch)`` and the BF16
+    ``pre(new_stream.to(bf16))``, the same bits as
+    ``dspark_core.layers.residual_boundary``. A launch of more than
+    ``late_rows`` rows (default: the device's SM count) loads the constants
+    after the PDL wait (``late_gates``). ``pdl``: launch with programmatic
+    dependent launch (default: where the device supports it). Call
+    ``prepare()`` before CUDA graph capture."""
+
+    def __init__(
+        self,
+        constants: BoundaryConstants,
+        alpha: torch.Tensor,
+        beta: torch.Tensor,
+        post_weight: torch.Tensor | None,
+        pre_weight: torch.Tensor | None,
+        *,
+        pdl: bool | None = None,
+        late_rows: int | None = None,
+    ) -> None:
+        if not isinstance(constants, BoundaryConstants):
+            raise ValueError(
+                f"DraftBoundary takes BoundaryConstants, not {type(constants).__name__}"
+            )
+        h = constants.hidden_size
+        check_row_width(h)
+        check_operand(alpha, (h,), torch.float32, 16, "the residual alpha")
+        check_operand(beta, (h,), torch.float32, 16, "the residual beta")
+        for norm, weight, name in (
+            (constants.post, post_weight, "post-norm"),
+            (constants.pre, pre_weight, "pre-norm"),
+        ):
+            if norm.weight_dtype is None:
+                if weight is not None:
+                    raise ValueError(f"the {name} has no weight in its constants, yet one was given")
+            else:
+                if norm.weight_dtype not in TORCH_DTYPES:
+                    raise ValueError(f"a {name} weight of bf16, fp16 or fp32, not {norm.weight_dtype}")
+                check_operand(weight, (h,), TORCH_DTYPES[norm.weight_dtype], 16, f"the {name} weight")
+                if weight.device != alpha.device:
+                    raise ValueError(f"the {name} weight is not on the gates' device")
+        if beta.device != alpha.device:
+            raise ValueError("alpha and beta must be on one device")
+        self.constants = constants
+        self.alpha, self.beta = alpha, beta
+        self.post_weight, self.pre_weight = post_weight, pre_weight
+        self.device = alpha.device
+        self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
+        # Up to one row per SM the constants load before the PDL wait.
+        self.late_rows = sm_count(self.device) if late_rows is None else int(late_rows)
+
+    def variant(self, m: int, stream_dtype: torch.dtype, store_stream: bool) -> tuple:
+        """``(stream_bf16, store_stream, late_gates, pdl)`` of a launch of ``m`` rows."""
+        return (stream_dtype == torch.bfloat16, bool(store_stream), m > self.late_rows, self.pdl)
+
+    def prepare(self, stream_dtypes=(torch.float32, torch.bfloat16), store_stream=(False, True)):
+        """Compile every variant these calls may launch (both gate timings,
+        each stream dtype and store flag given). Call before CUDA graph
+        capture."""
+        for dtype in stream_dtypes:
+            for store in store_stream:
+                for late in (False, True):
+                    compile_boundary(
+                        self.constants, dtype == torch.bfloat16, store, late, self.pdl
+                    )
+
+    def takes(self, branch: torch.Tensor, stream: torch.Tensor) -> bool:
+        """Whether the kernel covers these rows: a contiguous, 16-byte aligned
+        BF16 ``[m, H]`` branch (m >= 1) and an FP32 or BF16 stream of its
+        shape, both on the gates' device."""
+        h = self.constants.hidden_size
+        return bool(
+            isinstance(branch, torch.Tensor)
+            and isinstance(stream, torch.Tensor)
+            and branch.dim() == 2
+            and branch.shape[0] >= 1
+            and branch.shape[1] == h
+            and branch.dtype == torch.bfloat16
+            and branch.is_contiguous()
+            and branch.device == self.device
+            and branch.data_ptr() % 16 == 0
+            and stream.shape == branch.shape
+            and stream.dtype in (torch.float32, torch.bfloat16)
+            and stream.is_contiguous()
+            and stream.device == self.device
+            and stream.data_ptr() % 16 == 0
+        )
+
+    def run(
+        self, branch: torch.Tensor, stream: torch.Tensor, store_stream: bool,
+        out: torch.Tensor | None = None, new_stream: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(new_stream or None, out)`` of rows ``takes`` accepts, written
+        into ``out`` / ``new_stream`` where given (contiguous, aligned, BF16
+        and FP32 of the branch's shape); ValueError otherwise."""
+        h = self.constants.hidden_size
+        if not self.takes(branch, stream):
+            raise ValueError(
+                f"DraftBoundary takes a contiguous, 16-byte aligned BF16 [m, {h}] branch (m >= 1) "
+                f"and an FP32 or BF16 stream of its shape on {self.device}"
+            )
+        shape = tuple(branch.shape)
+        if out is not None:
+            check_operand(out, shape, torch.bfloat16, 16, "the boundary output")
+        if new_stream is not None:
+            if not store_stream:
+                raise ValueError("a new_stream buffer was given with store_stream=False")
+            check_operand(new_stream, shape, torch.float32, 16, "the new stream")
+        return self.launch(branch, stream, store_stream, out, new_stream)
+
+    def launch(
+        self, branch: torch.Tensor, stream: torch.Tensor, store_stream: bool,
+        out: torch.Tensor | None = None, new_stream: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``run`` without its operand checks (for operands checked by
+        ``takes``)."""
+        m = branch.shape[0]
+        kernel = compile_boundary(self.constants, *self.variant(m, stream.dtype, store_stream))
+        if out is None:
+            out = torch.empty(branch.shape, dtype=torch.bfloat16, device=branch.device)
+        if store_stream and new_stream is None:
+            new_stream = torch.empty(branch.shape, dtype=torch.float32, device=branch.device)
+        kernel(
+            ptr(branch),
+            ptr(stream),
+            ptr(self.alpha),
+            ptr(self.beta),
+            ptr(self.post_weight if self.post_weight is not None else branch),
+            ptr(self.pre_weight if self.pre_weight is not None else branch),
+            ptr(new_stream if store_stream else self.alpha),
+            ptr(out),
+            Int32(m),
+            current_stream(),
+        )
+        return (new_stream if store_stream else None), out
+
+
+__all__ = ["BoundaryKernel", "DraftBoundary", "compile_boundary", "fake_args"]

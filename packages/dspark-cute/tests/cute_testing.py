@@ -1,0 +1,84 @@
+"""Helpers of the dspark-cute GPU tests: random rows with special values,
+poisoned outputs and the bitwise comparison (``dspark_core.compare``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dspark_core.compare import assert_bitwise
+
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (run with nox -s tests-sm90 on a device machine)",
+)
+
+# Two poisons per dtype: a NaN pattern, then a finite one, so an element the
+# kernel leaves unwritten shows even where the expected value is a NaN.
+POISONS = {
+    torch.bfloat16: (0x7FBF, 0x4B4B),
+    torch.float16: (0x7FBF, 0x4B4B),
+    torch.float32: (0xFFC0FFEE - 2**32, 0x4B4B4B4B),
+}
+_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def poison(t: torch.Tensor, which: int) -> torch.Tensor:
+    """Fill ``t`` with poison pattern ``which`` (0: NaN, 1: finite); returns ``t``."""
+    t.view(_INT[t.dtype]).fill_(POISONS[t.dtype][which])
+    return t
+
+
+def check_poisoned(launch, outputs: list, expected: list, what: str) -> None:
+    """Poison ``outputs`` with each pattern, call ``launch()`` (which writes
+    them), and compare each to its expected tensor bit for bit (NaN == NaN)."""
+    for which in (0, 1):
+        for t in outputs:
+            poison(t, which)
+        launch()
+        torch.cuda.synchronize()
+        for i, (actual, exp) in enumerate(zip(outputs, expected)):
+            assert_bitwise(actual, exp, f"{what} output {i} (poison {which})")
+
+
+def random_rows(gen: torch.Generator, m: int, h: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``[m, h]`` of ``dtype``: normal values scaled by powers of two in
+    [2^-12, 2^12] per element (a wide exponent range, so roundings matter)."""
+    x = torch.randn((m, h), generator=gen, device=device, dtype=torch.float32)
+    scale = torch.randint(-12, 13, (m, h), generator=gen, device=device).to(torch.float32)
+    return (x * torch.exp2(scale)).to(dtype)
+
+
+def special_rows(h: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Rows of special values (``dtype`` bf16 or fp32), one case a row:
+
+    0 all -0.0; 1 all the smallest subnormal; 2 subnormals of both signs;
+    3 normal values with one +inf; 4 with one -inf; 5 with one NaN;
+    6 normal values with -0.0 and subnormals mixed in; 7 huge values whose
+    squares overflow; 8 tiny normal values whose squares underflow;
+    9 +0.0 everywhere."""
+    finfo = torch.finfo(dtype)
+    sub = finfo.smallest_normal / 4
+    tiny = finfo.smallest_normal
+    col = torch.arange(h, device=device, dtype=torch.float32)
+    normal = torch.sin(col * 0.37) * 3.0
+    rows = torch.zeros((10, h), device=device, dtype=torch.float32)
+    rows[0] = -0.0
+    rows[1] = tiny / 2 ** (8 if dtype == torch.bfloat16 else 23)
+    rows[2] = torch.where(col % 2 == 0, sub, -sub)
+    rows[3] = normal
+    rows[3, 5] = float("inf")
+    rows[4] = normal
+    rows[4, h - 1] = float("-inf")
+    rows[5] = normal
+    rows[5, h // 2] = float("nan")
+    rows[6] = torch.where(col % 3 == 0, -0.0, torch.where(col % 3 == 1, sub, normal))
+    rows[7] = finfo.max / 2 * torch.sign(normal + 0.5)
+    rows[8] = tiny * 3
+    out = rows.to(dtype)
+    # Subnormals of the dtype itself (a float32 subnormal is no bf16 one).
+    out[1] = torch.full((h,), 1, dtype=torch.int16 if dtype == torch.bfloat16 else torch.int32,
+                        device=device).view(dtype)
+    return out
+
+
+__all__ = ["assert_bitwise", "check_poisoned", "poison", "random_rows", "requires_cuda", "special_rows"]

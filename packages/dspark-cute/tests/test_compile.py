@@ -1,0 +1,185 @@
+"""CPU tests: the kernels compile for sm_90a and sm_100a without a GPU, and a
+PTX audit of what they compile to; plus the host-side operand checks.
+
+Compiled here (each for sm_90a and for sm_100a):
+
+- the row norm: every variant (no weight; BF16, FP16 and FP32 weights, each
+  before and after the norm; input BF16 and FP32; output BF16, FP16, FP32),
+  with PDL, and one without;
+- the boundary: a representative subset, since the full matrix (49 norm
+  pairs x 16 flag sets) takes minutes: all 16 flag sets (stream BF16/FP32,
+  store stream, late gates, PDL) for two norm pairs, and every norm kind on
+  each side (7 post, 7 pre) with the flags rotating through the 16.
+
+The audit, per kernel: no ``fma`` (the spec has none), no ``.ftz``, no
+``rsqrt``/``.approx``; every global load and store a 16-byte
+``ld/st.global.v4.b32`` and their counts those of the layout; no local
+memory (spills); per norm one barrier, 5 butterfly shuffles, 2 divisions and
+1 square root; and the PDL wait placed after the constant loads (early gates)
+or before every load (late gates).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+import torch
+from dspark_core.constants import BoundaryConstants, NormConstants, RowNormConstants
+
+pytestmark = pytest.mark.compile
+
+ARCHS = ["sm_90a", "sm_100a"]
+H = 8192
+FRAGS = H // 2048
+WEIGHTS = [
+    (None, False),
+    ("bf16", False),
+    ("bf16", True),
+    ("fp16", False),
+    ("fp16", True),
+    ("fp32", False),
+    ("fp32", True),
+]
+WORDS = {"bf16": 1, "fp16": 1, "fp32": 2}  # 16-byte accesses per 8-column fragment
+
+
+def norm_constants(i: int) -> NormConstants:
+    dtype, before = WEIGHTS[i]
+    return NormConstants(
+        eps=(1e-6, 1e-5, 0.1)[i % 3], weight_dtype=dtype, gain_center=float(i % 2),
+        weight_before_norm=before,
+    )
+
+
+def _count(ptx: str, pattern: str) -> int:
+    return len(re.findall(pattern, ptx, flags=re.MULTILINE))
+
+
+def audit(ptx: str, loads: int, stores: int, norms: int, early_loads: int | None) -> None:
+    """The PTX audit (module docstring); ``early_loads``: global loads
+    expected before ``griddepcontrol.wait`` (None: no PDL)."""
+    body = "\n".join(line.split("//")[0] for line in ptx.splitlines())
+    assert not re.search(r"\bfma\b|fma\.", body), "an FMA in a kernel whose spec has none"
+    assert ".ftz" not in body, "a flush-to-zero instruction"
+    assert not re.search(r"rsqrt|\.approx", body), "an approximate instruction"
+    assert "satfinite" not in body, "a saturating conversion (the spec rounds to inf)"
+    assert not re.search(r"\b(ld|st)\.local", body), "local memory (register spills)"
+    global_ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", body)
+    assert all(op in ("ld.global.v4.b32", "st.global.v4.b32") for op in global_ops), global_ops
+    assert _count(body, r"\bld\.global\.v4\.b32") == loads
+    assert _count(body, r"\bst\.global\.v4\.b32") == stores
+    assert _count(body, r"\bbar\.sync\b") == norms
+    assert _count(body, r"\bshfl\.sync\.bfly\.b32") == 5 * norms
+    assert _count(body, r"\bdiv\.rn\.f32") == 2 * norms
+    assert _count(body, r"\bsqrt\.rn\.f32") == norms
+    if early_loads is None:
+        assert "griddepcontrol" not in body
+    else:
+        head, sep, _ = body.partition("griddepcontrol.wait")
+        assert sep, "no PDL wait"
+        assert _count(head, r"\bld\.global") == early_loads
+        assert "griddepcontrol.launch_dependents" in body
+
+
+def _weight_loads(norm: NormConstants) -> int:
+    return FRAGS * WORDS[norm.weight_dtype] if norm.weight_dtype else 0
+
+
+ROW_VARIANTS = [
+    (w, i, o, True)
+    for w, i, o in itertools.product(range(len(WEIGHTS)), ("bf16", "fp32"), ("bf16", "fp16", "fp32"))
+] + [(2, "bf16", "bf16", False)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("w,in_dtype,out_dtype,pdl", ROW_VARIANTS)
+def test_row_norm_compiles(arch, w, in_dtype, out_dtype, pdl):
+    from dspark_cute.host import compile_ptx
+    from dspark_cute.row_norm import RowNormKernel, fake_args
+
+    c = RowNormConstants(hidden_size=H, norm=norm_constants(w), in_dtype=in_dtype, out_dtype=out_dtype)
+    ptx = compile_ptx(RowNormKernel(c, pdl), *fake_args(c), arch=arch)
+    assert f".target {arch}" in ptx
+    weight = _weight_loads(c.norm)
+    audit(
+        ptx,
+        loads=weight + FRAGS * WORDS[in_dtype],
+        stores=FRAGS * WORDS[out_dtype],
+        norms=1,
+        early_loads=weight if pdl else None,
+    )
+
+
+FLAGS = list(itertools.product((False, True), repeat=4))  # stream_bf16, store, late, pdl
+BOUNDARY_VARIANTS = (
+    [(2, 1, f) for f in FLAGS]
+    + [(6, 5, f) for f in FLAGS]
+    + [(p, (p + 3) % 7, FLAGS[(3 * p) % 16]) for p in range(7)]
+    + [((q + 2) % 7, q, FLAGS[(5 * q + 1) % 16]) for q in range(7)]
+)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("post,pre,flags", BOUNDARY_VARIANTS)
+def test_boundary_compiles(arch, post, pre, flags):
+    from dspark_cute.boundary import BoundaryKernel, fake_args
+    from dspark_cute.host import compile_ptx
+
+    stream_bf16, store, late, pdl = flags
+    c = BoundaryConstants(hidden_size=H, post=norm_constants(post), pre=norm_constants(pre))
+    ptx = compile_ptx(BoundaryKernel(c, stream_bf16, store, late, pdl), *fake_args(c, stream_bf16), arch=arch)
+    assert f".target {arch}" in ptx
+    gates = 2 * FRAGS * WORDS["fp32"] + _weight_loads(c.post) + _weight_loads(c.pre)
+    rows = FRAGS * WORDS["bf16"] + FRAGS * WORDS["bf16" if stream_bf16 else "fp32"]
+    audit(
+        ptx,
+        loads=gates + rows,
+        stores=FRAGS * WORDS["bf16"] + (FRAGS * WORDS["fp32"] if store else 0),
+        norms=2,
+        early_loads=(0 if late else gates) if pdl else None,
+    )
+
+
+def test_compile_cache_keys_keep_signed_zero_apart():
+    """Constants that differ only in a -0.0 gain center must not share a
+    kernel: w + (-0.0) keeps a -0.0 weight, w + 0.0 does not."""
+    from dspark_cute.host import compile_ptx
+    from dspark_cute.row_norm import RowNormKernel, fake_args
+
+    a = RowNormConstants(H, NormConstants(1e-6, "bf16", 0.0, False), "bf16", "bf16")
+    b = RowNormConstants(H, NormConstants(1e-6, "bf16", -0.0, False), "bf16", "bf16")
+    assert a.key() != b.key()
+    ptx_a = compile_ptx(RowNormKernel(a, True), *fake_args(a), arch="sm_90a")
+    ptx_b = compile_ptx(RowNormKernel(b, True), *fake_args(b), arch="sm_90a")
+    assert "0f00000000" in ptx_a and "0f80000000" in ptx_b
+
+
+def test_host_refuses_bad_operands():
+    from dspark_cute import DraftBoundary, RowNorm
+
+    c = RowNormConstants(H, NormConstants(1e-6, "bf16", 0.0, False), "bf16", "bf16")
+    with pytest.raises(ValueError, match="contiguous CUDA"):
+        RowNorm(c, torch.ones(H, dtype=torch.bfloat16))  # not on a GPU
+    with pytest.raises(ValueError, match="weightless"):
+        RowNorm(RowNormConstants(H, NormConstants(1e-6, None, 0.0, False), "bf16", "bf16"),
+                torch.ones(H, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="RowNormConstants"):
+        RowNorm(c.norm, None)
+    with pytest.raises(ValueError, match="2048"):
+        RowNorm(RowNormConstants(3000, c.norm, "bf16", "bf16"), None)
+    bc = BoundaryConstants(H, c.norm, c.norm)
+    with pytest.raises(ValueError, match="alpha"):
+        DraftBoundary(bc, torch.ones(H), torch.ones(H), None, None)
+    with pytest.raises(ValueError, match="BoundaryConstants"):
+        DraftBoundary(c, torch.ones(H), torch.ones(H), None, None)
+
+
+def test_compile_refuses_capture(monkeypatch):
+    from dspark_cute import host
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="prepare"):
+        host.compile_kernel(object())

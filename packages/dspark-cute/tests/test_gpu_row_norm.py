@@ -1,0 +1,183 @@
+"""GPU tests of ``dspark_cute.RowNorm``: bit for bit ``dspark_core.layers.RMSNorm``
+run on the same CUDA device, for every variant (no weight, BF16/FP16/FP32
+weight, gain center 0 or 1, weight before or after the norm, eps, BF16/FP32
+input, BF16/FP16/FP32 output), many row counts, special values, with and
+without PDL, and inside a CUDA graph. Outputs are poisoned before each launch
+(a NaN pattern, then a finite one) so an unwritten element shows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cute_testing import check_poisoned, random_rows, requires_cuda, special_rows
+from dspark_core.compare import assert_bitwise
+from dspark_core.constants import row_norm_constants
+from dspark_core.layers import RMSNorm
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+H = 8192
+# (weight dtype or None, gain center, weight before the norm, eps)
+NORMS = [
+    (None, 0.0, False, 1e-6),
+    (BF16, 0.0, False, 1e-6),
+    (BF16, 1.0, True, 1e-5),
+    (FP16, 1.0, False, 1e-6),
+    (FP16, 0.0, True, 0.1),
+    (FP32, 0.0, True, 1e-6),
+    (FP32, 1.0, False, 1e-5),
+]
+ROWS = [1, 2, 7, 16, 132, 133, 1000, 4096]
+
+
+def _name(case) -> str:
+    w, center, before, eps = case
+    dtype = str(w).replace("torch.", "") if w is not None else "noweight"
+    return f"{dtype}-c{center}-{'before' if before else 'after'}-eps{eps}"
+
+
+def make_norm(case, h: int, out_dtype, gen: torch.Generator, special_weight: bool = False):
+    """The stock norm of ``case`` with a random weight (around 1 for center
+    0, around 0 for center 1), on CUDA; some entries -0.0, subnormal or large
+    when ``special_weight``."""
+    w_dtype, center, before, eps = case
+    norm = RMSNorm(h, eps, has_weight=w_dtype is not None, weight_dtype=w_dtype or BF16,
+                   gain_center=center, weight_before_norm=before, out_dtype=out_dtype).cuda()
+    if w_dtype is not None:
+        w = torch.randn(h, generator=gen, device="cuda") * 0.25 + (1.0 - center)
+        if special_weight:
+            w[0::97] = -0.0
+            w[1::97] = torch.finfo(w_dtype).smallest_normal / 2
+            w[2::97] = 300.0
+            w[3::97] = -1.0 - center
+        norm.weight.data.copy_(w.to(w_dtype))
+    return norm
+
+
+def check(norm, x: torch.Tensor, what: str, pdl: bool | None = None) -> None:
+    from dspark_cute import RowNorm
+
+    kernel = RowNorm(row_norm_constants(norm, norm.hidden_size, x.dtype), norm.weight, pdl=pdl)
+    kernel.prepare()
+    assert kernel.takes(x)
+    expected = norm(x)
+    out = torch.empty_like(expected)
+    check_poisoned(lambda: kernel.run(x, out), [out], [expected], what)
+    # The allocating path writes the same bits.
+    assert_bitwise(kernel.run(x), expected, f"{what} (allocated output)")
+
+
+@pytest.mark.parametrize("case", NORMS, ids=_name)
+@pytest.mark.parametrize("out_dtype", [BF16, FP16, FP32], ids=["out_bf16", "out_fp16", "out_fp32"])
+@pytest.mark.parametrize("in_dtype", [BF16, FP32], ids=["in_bf16", "in_fp32"])
+def test_every_variant(case, out_dtype, in_dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    norm = make_norm(case, H, out_dtype, gen)
+    for m in (1, 7, 133):
+        check(norm, random_rows(gen, m, H, in_dtype, "cuda"), f"{_name(case)} m={m}")
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize(
+    "case,in_dtype,out_dtype",
+    [(NORMS[1], BF16, BF16), (NORMS[4], FP32, FP16), (NORMS[6], BF16, FP32)],
+    ids=["bf16-bf16", "fp32-fp16", "bf16-fp32"],
+)
+def test_row_counts(m, case, in_dtype, out_dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    norm = make_norm(case, H, out_dtype, gen)
+    check(norm, random_rows(gen, m, H, in_dtype, "cuda"), f"{_name(case)} m={m}")
+
+
+@pytest.mark.parametrize("h", [2048, 6144, 16384])
+def test_hidden_sizes(h, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    norm = make_norm(NORMS[2], h, BF16, gen)
+    check(norm, random_rows(gen, 9, h, BF16, "cuda"), f"H={h}")
+
+
+def test_leading_dims(seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    norm = make_norm(NORMS[1], H, BF16, gen)
+    check(norm, random_rows(gen, 6, H, BF16, "cuda").view(2, 3, H), "[2, 3, H]")
+
+
+@pytest.mark.parametrize("case", NORMS, ids=_name)
+@pytest.mark.parametrize("in_dtype", [BF16, FP32], ids=["in_bf16", "in_fp32"])
+def test_special_values(case, in_dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for out_dtype in (BF16, FP16):
+        norm = make_norm(case, H, out_dtype, gen, special_weight=True)
+        check(norm, special_rows(H, in_dtype, "cuda"), f"special {_name(case)} -> {out_dtype}")
+
+
+def test_without_pdl(seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    norm = make_norm(NORMS[3], H, BF16, gen)
+    for m in (1, 133):
+        check(norm, random_rows(gen, m, H, BF16, "cuda"), f"no PDL m={m}", pdl=False)
+
+
+def test_cuda_graph(seed):
+    from dspark_cute import RowNorm
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    norm = make_norm(NORMS[2], H, BF16, gen)
+    kernel = RowNorm(row_norm_constants(norm, H, BF16), norm.weight)
+    kernel.prepare()
+    x = random_rows(gen, 16, H, BF16, "cuda")
+    out = torch.empty((16, H), dtype=BF16, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        kernel.run(x, out)  # warm up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(3):
+                kernel.run(x, out)
+    torch.cuda.synchronize()
+    for _ in range(2):
+        x.copy_(random_rows(gen, 16, H, BF16, "cuda"))
+        expected = norm(x)
+        check_poisoned(graph.replay, [out], [expected], "graph replay")
+        first = out.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(first.view(torch.int16), out.view(torch.int16)), "replays differ"
+
+
+def test_compile_refused_during_capture(seed):
+    from dspark_cute.row_norm import RowNorm
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    norm = make_norm((BF16, 0.5, False, 3e-4), H, BF16, gen)  # constants no other test compiles
+    kernel = RowNorm(row_norm_constants(norm, H, BF16), norm.weight)
+    x = random_rows(gen, 2, H, BF16, "cuda")
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="prepare"):
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            kernel.run(x)
+
+
+def test_refuses_bad_operands(seed):
+    from dspark_cute import RowNorm
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    norm = make_norm(NORMS[1], H, BF16, gen)
+    kernel = RowNorm(row_norm_constants(norm, H, BF16), norm.weight)
+    good = random_rows(gen, 4, H, BF16, "cuda")
+    bad = [
+        good.float(),  # the wrong input dtype
+        good[:, : H // 2].contiguous(),  # the wrong width
+        good.t(),  # not contiguous
+        good.flatten()[4 : 4 + 3 * H].view(3, H),  # misaligned (16 bytes)
+        good[:0],  # no rows
+        good.cpu(),
+    ]
+    for x in bad:
+        assert not kernel.takes(x)
+        with pytest.raises(ValueError):
+            kernel.run(x)
+    with pytest.raises(ValueError):
+        kernel.run(good, torch.empty((4, H), dtype=FP32, device="cuda"))
