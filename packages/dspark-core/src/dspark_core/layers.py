@@ -206,7 +206,10 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x``: ``[m, heads, D]``; ``positions``: int ``[m]``."""
-        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.max_position):
+        # (The check reads the positions on the host: skipped under graph capture.)
+        if not capturing() and positions.numel() and (
+            int(positions.min()) < 0 or int(positions.max()) >= self.max_position
+        ):
             raise ValueError(f"RoPE positions must lie in [0, {self.max_position})")
         half = self.head_dim // 2
         cs = self.cos_sin.to(x.device)[positions.long()].to(F32)
@@ -220,22 +223,35 @@ class Rotary(nn.Module):
 
 
 class PagedKVCache:
-    """A paged BF16 KV cache ``[num_blocks, kv_heads, block_size, 2 * D]``:
-    K then V in the last dim. Slot ``s`` is row ``s % block_size`` of block
-    ``s // block_size``."""
+    """A paged BF16 KV cache ``tensor`` ``[num_blocks, kv_heads, block_size,
+    2 * D]``: K then V in the last dim. Slot ``s`` is row ``s % block_size``
+    of block ``s // block_size``.
+
+    One scratch block lies past ``tensor`` in the same allocation: ``insert``
+    sends a negative slot's row there instead of skipping it with a
+    data-dependent branch, so the insert is CUDA-graph capturable and
+    ``tensor`` gets exactly the writes of ``kv_insert``."""
 
     def __init__(self, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, device=None) -> None:
-        self.tensor = torch.zeros(
-            (num_blocks, kv_heads, block_size, 2 * head_dim), dtype=torch.bfloat16, device=device
+        self._storage = torch.zeros(
+            (num_blocks + 1, kv_heads, block_size, 2 * head_dim), dtype=torch.bfloat16, device=device
         )
+        self.tensor = self._storage[:num_blocks]
         self.block_size = block_size
         self.head_dim = head_dim
         self.num_slots = num_blocks * block_size
 
     def insert(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write ``k``, ``v`` (BF16 ``[m, kv_heads, D]``) at ``slots`` (int
-        ``[m]``); a negative slot skips its row (its K/V are not written)."""
-        kv_insert(self.tensor, k, v, slots)
+        ``[m]``); a negative slot skips its row (its K/V are not written to
+        ``tensor``). Outside graph capture, a slot beyond the cache raises
+        ValueError (the check reads the slots on the host)."""
+        if not capturing():
+            _check_insert(self.tensor, k, v, slots)
+        rows = torch.where(slots >= 0, slots, torch.full_like(slots, self.num_slots)).long()
+        self._storage[rows // self.block_size, :, rows % self.block_size] = torch.cat([k, v], dim=-1).to(
+            self._storage.dtype
+        )
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (``[..., kv_heads, D]``) at non-negative ``slots``."""
@@ -244,19 +260,28 @@ class PagedKVCache:
         return kv[..., : self.head_dim], kv[..., self.head_dim :]
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (no host reads)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _check_insert(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    num_blocks, heads, bs, width = cache.shape
+    d = width // 2
+    if k.shape[-2:] != (heads, d) or v.shape != k.shape or slots.shape != k.shape[:1]:
+        raise ValueError(f"the KV insert takes k and v of [m, {heads}, {d}] and slots of [m]")
+    keep = slots >= 0
+    if keep.any() and int(slots[keep].max()) >= num_blocks * bs:
+        raise ValueError(f"a slot beyond the cache's {num_blocks * bs} slots")
+
+
 def kv_insert(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """The cache insert: ``cache[s // bs, h, s % bs] = cat(k[i, h], v[i, h])``
     for every row ``i`` with ``s = slots[i] >= 0``; a negative slot skips.
     Raises ValueError for a slot beyond the cache."""
-    num_blocks, heads, bs, width = cache.shape
-    d = width // 2
-    if k.shape[-2:] != (heads, d) or v.shape != k.shape or slots.shape != k.shape[:1]:
-        raise ValueError(
-            f"the KV insert takes k and v of [m, {heads}, {d}] and slots of [m]"
-        )
+    _check_insert(cache, k, v, slots)
+    bs = cache.shape[2]
     keep = slots >= 0
-    if keep.any() and int(slots[keep].max()) >= num_blocks * bs:
-        raise ValueError(f"a slot beyond the cache's {num_blocks * bs} slots")
     s = slots[keep].long()
     cache[s // bs, :, s % bs] = torch.cat([k[keep], v[keep]], dim=-1).to(cache.dtype)
 
