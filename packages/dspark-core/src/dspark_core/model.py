@@ -43,15 +43,27 @@ class StepInputs:
     attn_slots: torch.Tensor
 
     @classmethod
-    def block(cls, start: int, m: int, device=None) -> StepInputs:
+    def block(cls, start: int, m: int, device=None, span: int | None = None) -> StepInputs:
         """m tokens at positions ``start .. start+m-1`` of one sequence whose
         slot is its position; token i attends causally to slots ``0 ..
-        start+i``."""
+        start+i``. ``span`` fixes the width of ``attn_slots`` (default
+        ``start + m``), so steps share one shape (a CUDA graph's)."""
+        span = start + m if span is None else span
+        if span < start + m:
+            raise ValueError(f"a span of {span} slots cannot hold positions up to {start + m - 1}")
         positions = torch.arange(start, start + m, dtype=torch.int64, device=device)
-        span = torch.arange(start + m, dtype=torch.int64, device=device)
-        attn = span.expand(m, start + m).clone()
+        attn = torch.arange(span, dtype=torch.int64, device=device).expand(m, span).clone()
         attn[attn > positions[:, None]] = -1
         return cls(positions, positions.clone(), attn)
+
+    def copy_(self, other: StepInputs) -> StepInputs:
+        """Copy ``other``'s values into these tensors (a graph's static inputs)."""
+        for mine, theirs in ((self.positions, other.positions), (self.slots, other.slots),
+                             (self.attn_slots, other.attn_slots)):
+            if mine.shape != theirs.shape:
+                raise ValueError(f"a step of shape {tuple(theirs.shape)} into one of {tuple(mine.shape)}")
+            mine.copy_(theirs)
+        return self
 
 
 def attend(q: torch.Tensor, cache: PagedKVCache, attn_slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

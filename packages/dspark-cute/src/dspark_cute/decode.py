@@ -1,0 +1,236 @@
+"""The specialized decode of the reference DSpark draft: ``DraftDecode`` runs
+``DraftModel.forward`` part by part as ``dspark_core.plan.DraftPlan`` says,
+each fused part on its CuTe kernel and each refused part on its stock
+modules, bit for bit the stock forward (the QKV front up to its projection's
+summation order).
+
+``build_draft_decode(model)`` plans the draft for the device it lives on and
+the kernels this package provides, logs every part that keeps its stock
+modules with the reason, and returns the prepared decode, or None (with the
+reason logged) where no part fuses, e.g. on a CPU ("not CUDA").
+
+``prepare`` compiles every kernel variant ``run`` may launch before any CUDA
+graph is captured; a compile during capture raises (``host.assert_not_capturing``).
+A call the bound kernel does not cover at run time (rows beyond what it
+takes, a strided operand) runs that part's stock modules and logs why once.
+
+Tensor parallelism plugs in per boundary: ``DraftDecode(..., all_reduce=...)``
+takes an object with ``takes(partial)`` and ``run(index, partial, stream,
+store_stream)`` (dspark-comm's fused all-reduce boundary); without it the
+draft is TP1 and every branch is already whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+from dspark_core import policy
+from dspark_core.layers import residual_boundary
+from dspark_core.model import DraftModel, StepInputs
+from dspark_core.plan import DraftPlan, plan_draft
+
+log = logging.getLogger("dspark.decode")
+_logged: set[str] = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.log(level, message)
+
+
+def provided_kernels() -> frozenset[str]:
+    """The kernels of this package that are implemented (``_provides``)."""
+    from ._provides import KERNELS
+
+    return frozenset(KERNELS)
+
+
+def device_target(device: torch.device, tp: int = 1) -> policy.Target:
+    """The planner's target for ``device``: its platform, architecture and SM
+    count, the TP size and the kernels installed."""
+    if device.type != "cuda":
+        return policy.Target(platform="cpu", tp=tp, kernels=policy.installed_kernels())
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = {9: "sm_90a", 10: "sm_100a"}.get(major, f"sm_{major}{minor}")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return policy.Target("cuda", arch, sms, tp, policy.installed_kernels())
+
+
+class AllReduceBoundaries(Protocol):
+    """What the executor needs of a fused all-reduce boundary (dspark-comm):
+    ``takes`` decides from the row count alone (the same on every rank),
+    ``run`` all-reduces the partial and runs boundary ``index`` on the sum,
+    ``all_reduce`` is the stock all-reduce for the calls it does not take."""
+
+    tp: int
+
+    def takes(self, partial: torch.Tensor) -> bool: ...
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor: ...
+
+    def run(self, index: int, partial: torch.Tensor, stream: torch.Tensor, store_stream: bool): ...
+
+
+class DraftDecode:
+    """The draft's forward with its fused parts, as ``plan`` says. Build with
+    ``build_draft_decode``; ``prepare`` binds and compiles the kernels."""
+
+    def __init__(self, model: DraftModel, plan: DraftPlan, all_reduce: AllReduceBoundaries | None = None) -> None:
+        if plan.draft_reason is not None:
+            raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason}): nothing to run fused")
+        self.model = model
+        self.plan = plan
+        self.all_reduce = all_reduce
+        self.layers = list(model.layers)
+        self.bounds = model.boundaries()
+        self.dtype = model.default_dtype
+        # Bound kernels per part (prepare); None keeps the stock modules.
+        self.input_norm = None
+        self.boundaries: list = []
+        self.fronts: list = []
+        self.context = None
+        self.prepared = False
+
+    # -- binding -------------------------------------------------------------
+    def prepare(self) -> None:
+        """Bind every planned part to its kernel and compile the variants
+        ``run`` launches: the first norm; every boundary with the stream it
+        gets (the first one on an FP32 and a BF16 stream: BF16 embeddings
+        are the stream as they are), storing the new stream except the last,
+        both gate timings; each layer's QKV front; the context chain."""
+        from .boundary import DraftBoundary
+        from .row_norm import RowNorm
+
+        plan = self.plan
+        if plan.input_norm is not None and plan.input_norm.fused:
+            norm = self.layers[0].input_norm if self.layers else self.model.norm
+            self.input_norm = RowNorm(plan.input_norm.constants, norm.weight)
+            self.input_norm.prepare()
+        self.boundaries = []
+        last = len(self.bounds) - 1
+        for index, (part, (post, conn, pre)) in enumerate(zip(plan.boundaries, self.bounds)):
+            if not part.fused:
+                self.boundaries.append(None)
+                continue
+            fused = DraftBoundary(part.constants, conn.alpha, conn.beta, post.weight, pre.weight)
+            dtypes = (torch.float32, torch.bfloat16) if index == 0 else (torch.float32,)
+            fused.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
+            self.boundaries.append(fused)
+        self.fronts = [self._bind_front(i, part) for i, part in enumerate(plan.qkv_fronts)]
+        self.context = self._bind_context(plan.context)
+        self.prepared = True
+
+    def _bind_front(self, index: int, part):
+        if not part.fused:
+            return None
+        try:
+            from .qkv_front import QKVFront
+        except ImportError as error:  # the kernel is not part of this build
+            _log_once(logging.WARNING, f"layer {index}'s QKV front keeps its stock modules: {error}")
+            return None
+        attn = self.layers[index].self_attn
+        rotary = attn.rotary
+        front = QKVFront(
+            part.constants,
+            attn.qkv_proj,
+            attn.q_norm.weight,
+            rotary.cos_sin.to(attn.qkv_proj.device) if rotary is not None else None,
+        )
+        front.prepare()
+        return front
+
+    def _bind_context(self, part):
+        if part is None or not part.fused:
+            return None
+        try:
+            from .context import ContextChain
+        except ImportError as error:
+            _log_once(logging.WARNING, f"the context K/V chain keeps its stock modules: {error}")
+            return None
+        chain = ContextChain(self.model, part.constants)
+        chain.prepare()
+        return chain
+
+    # -- the forward ---------------------------------------------------------
+    def _first_norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_norm is not None and self.input_norm.takes(x):
+            return self.input_norm.launch(x)
+        if self.input_norm is not None:
+            _log_once(logging.INFO, f"the first norm ran stock: rows {tuple(x.shape)} {x.dtype} not covered")
+        first = self.layers[0].input_norm if self.layers else self.model.norm
+        return first(x, out_dtype=self.dtype)
+
+    def _boundary(self, index: int, branch: torch.Tensor, stream: torch.Tensor, store: bool):
+        if self.all_reduce is not None:
+            if self.all_reduce.takes(branch):
+                return self.all_reduce.run(index, branch, stream, store)
+            _log_once(logging.INFO, f"boundary {index} all-reduced stock: {branch.shape[0]} rows above the mailbox")
+            branch = self.all_reduce.all_reduce(branch)
+        fused = self.boundaries[index]
+        if fused is not None and fused.takes(branch, stream):
+            return fused.launch(branch, stream, store)
+        if fused is not None:
+            _log_once(logging.INFO, f"boundary {index} ran stock: rows {tuple(branch.shape)} not covered")
+        return residual_boundary(*self.bounds[index], branch, stream)
+
+    def _attention(self, index: int, x: torch.Tensor, step: StepInputs, cache) -> torch.Tensor:
+        attn = self.layers[index].self_attn
+        front = self.fronts[index] if self.fronts else None
+        if front is not None and front.takes(x, step.positions, step.slots, cache.tensor):
+            qkv = front.launch(x, step.positions, step.slots, cache.tensor)
+            q, _, _, og = attn.split_qkv(qkv)
+        else:
+            if front is not None:
+                _log_once(logging.INFO, f"layer {index}'s QKV front ran stock: {x.shape[0]} rows not covered")
+            q, og = attn.front(x, step, cache)
+        return attn.back(q, og, step, cache)
+
+    @torch.no_grad()
+    def run(self, hidden_states: torch.Tensor, step: StepInputs, caches) -> torch.Tensor:
+        """``DraftModel.forward(hidden_states, step, caches)`` with the fused
+        parts: BF16 ``[m, H]``, the same bits (QKV front: see the module)."""
+        if not self.prepared:
+            raise RuntimeError("DraftDecode.prepare() has not run")
+        model = self.model
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != model.config.hidden_size:
+            raise ValueError(f"the draft takes hidden states of [m, {model.config.hidden_size}]")
+        if len(caches) != len(self.layers):
+            raise ValueError(f"the draft takes one KV cache per layer ({len(self.layers)})")
+        # A BF16 row round-trips through the FP32 stream unchanged: the first
+        # boundary reads it as is.
+        stream = hidden_states if hidden_states.dtype == self.dtype else hidden_states.to(torch.float32)
+        x = self._first_norm(stream.to(self.dtype).contiguous())
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            attn_out = self._attention(i, x, step, caches[i])
+            stream, ffn_in = self._boundary(2 * i, attn_out, stream, True)
+            ffn_out = layer.mlp(ffn_in)
+            stream, x = self._boundary(2 * i + 1, ffn_out, stream, i != last)
+        return x
+
+    def store_context_kv(self, context_states, positions, caches, slots) -> bool:
+        """``DraftModel.precompute_and_store_context_kv`` on the fused chain,
+        or False (nothing done) where it does not cover the call."""
+        if self.context is None:
+            return False
+        return self.context.store(context_states, positions, caches, slots)
+
+
+def build_draft_decode(model: DraftModel, all_reduce: AllReduceBoundaries | None = None) -> DraftDecode | None:
+    """The draft's specialized decode, prepared, or None where it keeps its
+    stock layers; every reason is logged."""
+    device = next(model.parameters()).device
+    plan = plan_draft(model, device_target(device, all_reduce.tp if all_reduce is not None else 1))
+    if plan.draft_reason is not None:
+        _log_once(logging.WARNING, f"the DSpark draft keeps its stock layers: {plan.draft_reason}")
+        return None
+    for line in plan.refused():
+        _log_once(logging.WARNING, line)
+    decode = DraftDecode(model, plan, all_reduce)
+    decode.prepare()
+    fused, total = plan.fused_count()
+    _log_once(logging.INFO, f"the DSpark draft runs {fused} of {total} parts fused")
+    return decode

@@ -1,0 +1,155 @@
+"""The executor's plan-following and refusal logic on the CPU: kernels are
+replaced by recording stand-ins that compute the spec, so what is checked is
+which part runs where, and that the result is the stock forward's bits."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from dspark_core import policy
+from dspark_core.compare import assert_bitwise
+from dspark_core.config import small_config
+from dspark_core.layers import residual_boundary
+from dspark_core.model import DraftModel, StepInputs
+from dspark_core.plan import plan_draft
+from dspark_cute.decode import DraftDecode, build_draft_decode
+
+ALL = policy.Target(kernels=policy.ALL_KERNELS)
+
+
+class FakeBoundary:
+    """Computes the spec's boundary; records each launch; covers up to ``rows``."""
+
+    def __init__(self, index, bound, rows=16):
+        self.index, self.bound, self.rows, self.calls = index, bound, rows, []
+
+    def takes(self, branch, stream):
+        return branch.shape[0] <= self.rows
+
+    def launch(self, branch, stream, store):
+        self.calls.append((branch.shape[0], store, stream.dtype))
+        new_stream, out = residual_boundary(*self.bound, branch, stream)
+        return (new_stream if store else None), out
+
+
+class FakeNorm:
+    def __init__(self, norm):
+        self.norm, self.calls = norm, 0
+
+    def takes(self, x):
+        return True
+
+    def launch(self, x):
+        self.calls += 1
+        return self.norm(x, out_dtype=torch.bfloat16)
+
+
+def _decode(model, target=ALL, rows=16):
+    plan = plan_draft(model, target)
+    decode = DraftDecode(model, plan)
+    decode.boundaries = [
+        FakeBoundary(i, b, rows) if part.fused else None
+        for i, (part, b) in enumerate(zip(plan.boundaries, model.boundaries()))
+    ]
+    decode.input_norm = FakeNorm(model.layers[0].input_norm) if plan.input_norm.fused else None
+    decode.fronts = [None] * len(model.layers)
+    decode.prepared = True
+    return decode
+
+
+def _step_both(model, decode, m, hidden_dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(m)
+    hidden = torch.randn(m, model.config.hidden_size, generator=gen).to(hidden_dtype)
+    outs = []
+    for fn in (model.forward, decode.run):
+        caches = model.make_caches(4)
+        outs.append((fn(hidden, StepInputs.block(3, m), caches), caches))
+    return outs
+
+
+def test_on_a_cpu_the_build_says_not_cuda_and_returns_none(caplog):
+    model = DraftModel(small_config(num_layers=1))
+    with caplog.at_level(logging.WARNING, logger="dspark.decode"):
+        assert build_draft_decode(model) is None
+    assert "the DSpark draft keeps its stock layers: not CUDA" in caplog.text
+
+
+def test_fused_parts_run_their_kernels_and_match_the_stock_forward():
+    model = DraftModel(small_config())
+    decode = _decode(model)
+    (ref, ref_caches), (got, got_caches) = _step_both(model, decode, 3)
+    assert_bitwise(got, ref, "decode output")
+    assert_bitwise(got_caches[1].tensor, ref_caches[1].tensor, "cache")
+    assert decode.input_norm.calls == 1
+    # The first boundary reads the BF16 embedding as its stream; the last stores none.
+    calls = [b.calls for b in decode.boundaries]
+    assert calls == [[(3, True, torch.bfloat16)], [(3, True, torch.float32)],
+                     [(3, True, torch.float32)], [(3, False, torch.float32)]]
+
+
+def test_a_refused_boundary_runs_its_stock_modules():
+    model = DraftModel(small_config(connection_overrides={"layers.1.add_attn": {"dtype": "bf16"}}))
+    decode = _decode(model)
+    assert decode.boundaries[2] is None
+    (ref, _), (got, _) = _step_both(model, decode, 2, torch.float32)
+    assert_bitwise(got, ref, "decode output")
+    assert [len(b.calls) if b else None for b in decode.boundaries] == [1, 1, None, 1]
+
+
+def test_a_refused_first_norm_runs_stock():
+    model = DraftModel(small_config())
+    decode = _decode(model, policy.Target(kernels=policy.ALL_KERNELS - {"row_norm"}))
+    assert decode.input_norm is None
+    (ref, _), (got, _) = _step_both(model, decode, 1)
+    assert_bitwise(got, ref, "decode output")
+
+
+def test_rows_a_kernel_does_not_take_fall_back_and_say_so(caplog):
+    model = DraftModel(small_config(num_layers=1))
+    decode = _decode(model, rows=4)
+    with caplog.at_level(logging.INFO, logger="dspark.decode"):
+        (ref, _), (got, _) = _step_both(model, decode, 6)
+    assert_bitwise(got, ref, "decode output")
+    assert all(b.calls == [] for b in decode.boundaries)
+    assert "boundary 0 ran stock: rows (6, 2048) not covered" in caplog.text
+
+
+def test_a_tp_boundary_the_mailbox_does_not_take_all_reduces_stock():
+    class Identity:
+        tp = 2
+
+        def __init__(self):
+            self.reduced = 0
+
+        def takes(self, partial):
+            return False
+
+        def all_reduce(self, partial):
+            self.reduced += 1
+            return partial
+
+        def run(self, *args):
+            raise AssertionError("not taken")
+
+    model = DraftModel(small_config(num_layers=1))
+    decode = _decode(model)
+    decode.all_reduce = Identity()
+    (ref, _), (got, _) = _step_both(model, decode, 2)
+    assert_bitwise(got, ref, "decode output")
+    assert decode.all_reduce.reduced == 2
+
+
+def test_the_executor_refuses_bad_use():
+    model = DraftModel(small_config(num_layers=1))
+    with pytest.raises(ValueError, match="keeps the whole draft stock"):
+        DraftDecode(model, plan_draft(model, policy.Target(platform="cpu")))
+    decode = DraftDecode(model, plan_draft(model, ALL))
+    with pytest.raises(RuntimeError, match="prepare"):
+        decode.run(torch.zeros(1, 2048), StepInputs.block(0, 1), model.make_caches(1))
+    decode = _decode(model)
+    with pytest.raises(ValueError, match=r"hidden states of \[m, 2048\]"):
+        decode.run(torch.zeros(1, 4096), StepInputs.block(0, 1), model.make_caches(1))
+    with pytest.raises(ValueError, match="one KV cache per layer"):
+        decode.run(torch.zeros(1, 2048), StepInputs.block(0, 1), [])
