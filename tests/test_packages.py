@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+
 from dspark_core import policy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+
 from dspark_core.compare import assert_bitwise
 from dspark_core.layers import GatedResidual, HeadNorm, PagedKVCache, RMSNorm, Rotary, o_gate, residual_boundary
 from dspark_core.numerics import exp_rn, sigmoid_rn, silu_rn

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+
 from dspark_core.compare import assert_bitwise, bits
 from dspark_core.config import DraftConfig, small_config
 from dspark_core.layers import residual_boundary

@@ -9,6 +9,10 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
 from dspark_core import constants as K
 from dspark_core import policy
 from dspark_core.config import DraftConfig, small_config
@@ -16,9 +20,6 @@ from dspark_core.layers import GatedResidual, HeadNorm, RMSNorm, Rotary
 from dspark_core.model import DraftAttention, DraftModel
 from dspark_core.plan import plan_draft
 from dspark_core.policy import Target
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from torch import nn
 
 ALL = Target(kernels=policy.ALL_KERNELS)
 

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+
 from dspark_core import policy
 from dspark_core.compare import assert_bitwise
 from dspark_core.config import small_config

@@ -26,6 +26,7 @@ import logging
 from typing import Protocol
 
 import torch
+
 from dspark_core import policy
 from dspark_core.layers import residual_boundary
 from dspark_core.model import DraftModel, StepInputs
@@ -219,11 +220,17 @@ class DraftDecode:
         return self.context.store(context_states, positions, caches, slots)
 
 
-def build_draft_decode(model: DraftModel, all_reduce: AllReduceBoundaries | None = None) -> DraftDecode | None:
+def build_draft_decode(
+    model: DraftModel,
+    all_reduce: AllReduceBoundaries | None = None,
+    exclude: frozenset[str] | set[str] = frozenset(),
+) -> DraftDecode | None:
     """The draft's specialized decode, prepared, or None where it keeps its
-    stock layers; every reason is logged."""
+    stock layers; every reason is logged. ``exclude`` names kernels not to
+    use (e.g. ``{"qkv_front"}``: the parts they would run stay stock)."""
     device = next(model.parameters()).device
-    plan = plan_draft(model, device_target(device, all_reduce.tp if all_reduce is not None else 1))
+    target = device_target(device, all_reduce.tp if all_reduce is not None else 1)
+    plan = plan_draft(model, target.replace(kernels=target.kernels - frozenset(exclude)))
     if plan.draft_reason is not None:
         _log_once(logging.WARNING, f"the DSpark draft keeps its stock layers: {plan.draft_reason}")
         return None

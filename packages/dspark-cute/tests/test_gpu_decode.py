@@ -1,0 +1,139 @@
+"""The specialized decode on one GPU: the whole draft forward of the
+reference config (hidden 8192) bit for bit the stock forward, eagerly and
+in whole-step CUDA graphs; refused parts still bit for bit; the fused context
+chain; with the QKV front, the same greedy tokens over a 64-step decode."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from dspark_core import policy
+from dspark_core.compare import assert_bitwise
+from dspark_core.config import DraftConfig
+from dspark_core.graphs import StepGraph
+from dspark_core.model import DraftModel, StepInputs
+from dspark_cute.decode import build_draft_decode
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nox -s tests-sm90)"),
+]
+
+SEED = int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31))
+print(f"DSPARK_SEED={SEED}")
+CONTEXT = 300
+SPAN = 512  # attn_slots width: every step of a test shares one graph shape
+
+
+def _reference(**changes) -> DraftModel:
+    config = DraftConfig(num_layers=3, intermediate_size=8192, seed=SEED % 10_000, **changes)
+    return DraftModel(config, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _reference()
+
+
+def _with_context(model, decode=None):
+    gen = torch.Generator().manual_seed(SEED + 7)
+    states = torch.randn(CONTEXT, model.config.hidden_size, generator=gen).to(torch.bfloat16).cuda()
+    positions = torch.arange(CONTEXT, device="cuda")
+    caches = model.make_caches(SPAN // model.config.kv_block_size + 1, "cuda")
+    for cache in caches:
+        cache.tensor.fill_(float("nan"))  # poisoned: a slot nobody wrote shows
+    if decode is None or not decode.store_context_kv(states, positions, caches, positions):
+        model.precompute_and_store_context_kv(states, positions, caches, positions)
+    return caches
+
+
+def _hidden(model, m, dtype):
+    gen = torch.Generator().manual_seed(SEED + m)
+    x = torch.randn(m, model.config.hidden_size, generator=gen)
+    if m >= 2:
+        x[-1, :4] = torch.tensor([-0.0, 1e-40, 65504.0, -3.0e4])
+    return x.to(dtype).cuda()
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_whole_forward_front_off_is_the_stock_forward(model, m, dtype):
+    decode = build_draft_decode(model, exclude={policy.QKV_FRONT})
+    assert decode is not None
+    fused, _ = decode.plan.fused_count()
+    assert fused >= 1 + len(model.boundaries())
+    ref_caches, got_caches = _with_context(model), _with_context(model, decode)
+    for c_ref, c_got in zip(ref_caches, got_caches):
+        assert_bitwise(c_got.tensor, c_ref.tensor, "context caches")
+    x = _hidden(model, m, dtype)
+    for start in (CONTEXT, CONTEXT + m):  # two steps: the second reads the first's K/V
+        step = StepInputs.block(start, m, "cuda", span=SPAN)
+        ref = model(x, step, ref_caches)
+        got = decode.run(x, step, got_caches)
+        assert_bitwise(got, ref, f"draft forward m={m}")
+        for c_ref, c_got in zip(ref_caches, got_caches):
+            assert_bitwise(c_got.tensor, c_ref.tensor, "caches after the step")
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_whole_step_graph_replays_are_the_eager_step(model, m):
+    decode = build_draft_decode(model, exclude={policy.QKV_FRONT})
+    eager_caches, graph_caches = _with_context(model), _with_context(model)
+    x = _hidden(model, m, torch.bfloat16)
+    step0 = StepInputs.block(CONTEXT, m, "cuda", span=SPAN)
+    graph = StepGraph(decode.run, x, step0, graph_caches)
+    # The graph's warm-up wrote the first step's K/V already; so does eager.
+    decode.run(x, step0, eager_caches)
+    for i in range(3):
+        step = StepInputs.block(CONTEXT + i * m, m, "cuda", span=SPAN)
+        want = decode.run(x, step, eager_caches)
+        got = graph.replay(x, step)
+        assert_bitwise(got, want, f"graph replay {i}")
+        stock = model(x, step, _with_context(model)) if i == 0 else None
+        if stock is not None:
+            assert_bitwise(got, stock, "graph replay vs stock")
+
+
+def test_refused_parts_are_still_the_stock_bits():
+    model = _reference(
+        num_layers=2,
+        connection_overrides={"layers.0.add_ffn": {"dtype": "bf16"}},
+        norm_overrides={"layers.1.pre_ffn_norm": {"weight_dtype": "fp16", "gain_center": 1.0}},
+    )
+    decode = build_draft_decode(model)
+    assert decode.boundaries[1] is None and decode.boundaries[2] is not None
+    caches_ref, caches_got = _with_context(model), _with_context(model, decode)
+    x = _hidden(model, 5, torch.bfloat16)
+    step = StepInputs.block(CONTEXT, 5, "cuda", span=SPAN)
+    assert_bitwise(decode.run(x, step, caches_got), model(x, step, caches_ref), "refused boundary")
+
+
+def test_a_non_power_of_two_kv_head_count_keeps_attention_stock():
+    model = _reference(num_layers=1, num_heads=48, num_kv_heads=6)
+    decode = build_draft_decode(model)
+    assert decode.fronts == [None] and decode.context is None
+    caches_ref, caches_got = _with_context(model), _with_context(model, decode)
+    x = _hidden(model, 3, torch.bfloat16)
+    step = StepInputs.block(CONTEXT, 3, "cuda", span=SPAN)
+    assert_bitwise(decode.run(x, step, caches_got), model(x, step, caches_ref), "6 KV heads")
+
+
+def test_greedy_tokens_with_every_fused_part_match_stock(model):
+    decode = build_draft_decode(model)
+    if all(f is None for f in decode.fronts):
+        pytest.skip("this build has no QKV front kernel: the front-on decode is the front-off one tested above")
+    tokens = {}
+    for name, fn in (("stock", model.forward), ("fused", decode.run)):
+        caches = _with_context(model, decode if name == "fused" else None)
+        tok = torch.tensor([11], device="cuda")
+        out = []
+        for i in range(64):
+            step = StepInputs.block(CONTEXT + i, 1, "cuda", span=SPAN)
+            tok = model.logits(fn(model.embed_tokens(tok), step, caches)).argmax(-1)
+            out.append(int(tok))
+        tokens[name] = out
+    assert tokens["fused"] == tokens["stock"]
