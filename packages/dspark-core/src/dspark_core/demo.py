@@ -1,26 +1,30 @@
 """The DSpark demo: build the reference draft, print its plan with every
-reason, store a context's K/V and run greedy decode steps on the stock path,
-timing each step.
+reason, store a context's K/V and run greedy decode steps on the stock path
+and, on a GPU with a kernel backend installed, on the specialized decode,
+saying whether they match bit for bit and how long a step takes.
 
     python -m dspark_core.demo [--config CONFIG.json] [--steps 8] [--block 4]
 
-On a machine with a CUDA GPU it runs there; the executor that runs the fused
-plan (DraftDecode) plugs in here once a backend provides it, and the demo then
-runs both paths and says whether they match bit for bit.
+The executor comes from the installed backend (the ``dspark.executors``
+entry point: dspark-cute's ``build_draft_decode``), so this package needs no
+GPU stack.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
+import statistics
 import sys
 import time
+from importlib.metadata import entry_points
 
 import torch
 
 from . import policy
+from .compare import mismatches
 from .config import DraftConfig
+from .graphs import StepGraph
 from .model import DraftModel, StepInputs
 from .plan import plan_draft
 
@@ -41,14 +45,66 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+EXECUTORS_ENTRY_POINTS = "dspark.executors"
+
+
+def executor_builder():
+    """The installed backend's ``build(model) -> decode or None`` (the
+    ``dspark.executors`` entry point), or None where no backend provides one."""
+    for ep in entry_points(group=EXECUTORS_ENTRY_POINTS):
+        return ep.load()
+    return None
+
+
+def _context(model, states, positions, decode, blocks, device):
+    caches = model.make_caches(blocks, device)
+    if decode is None or not decode.store_context_kv(states, positions, caches, positions):
+        model.precompute_and_store_context_kv(states, positions, caches, positions)
+    return caches
+
+
+def _decode(model, fn, caches, tokens, start, steps, block, span, device):
+    """Greedy steps: returns each step's tokens and hidden states."""
+    toks, hiddens = [], []
+    for i in range(steps):
+        step = StepInputs.block(start + i * block, block, device, span=span)
+        hidden = fn(model.embed_tokens(tokens), step, caches)
+        tokens = model.logits(hidden).argmax(-1)
+        toks.append(tokens.tolist())
+        hiddens.append(hidden.clone())
+    return toks, hiddens
+
+
+def _time_step(fn, model, caches, block, start, span, device, reps: int = 50) -> float:
+    """Seconds per step: a CUDA graph's median replay on a GPU, eager wall
+    time on a CPU."""
+    x = model.embed_tokens(torch.zeros(block, dtype=torch.int64, device=device))
+    step = StepInputs.block(start, block, device, span=span)
+    if device.type != "cuda":
+        begin = time.perf_counter()
+        fn(x, step, caches)
+        return time.perf_counter() - begin
+    graph = StepGraph(fn, x, step, caches)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return statistics.median(times)
+
+
+@torch.no_grad()
 def run_demo(config: DraftConfig, steps: int, block: int, context: int, device: torch.device) -> dict:
-    """Build, plan and decode; returns the tokens and step times."""
+    """Build, plan and decode on the stock path and, where a backend provides
+    it on this device, the specialized decode; compare and time them."""
     t0 = time.perf_counter()
     model = DraftModel(config, device=device)
     print(f"built the reference draft ({config.num_layers} layers, hidden {config.hidden_size}) "
           f"on {device} in {time.perf_counter() - t0:.1f} s")
-    plan = plan_draft(model, _target(device))
-    plans = [plan]
+    plans = [plan_draft(model, _target(device))]
     if device.type != "cuda":
         # What the same draft gets on one H200 with the installed backends.
         plans.append(plan_draft(model, policy.Target(kernels=policy.installed_kernels())))
@@ -57,37 +113,39 @@ def run_demo(config: DraftConfig, steps: int, block: int, context: int, device: 
         for line in p.refused():
             print(f"  why: {line}")
 
+    build = executor_builder() if device.type == "cuda" else None
+    decode = build(model) if build is not None else None
+    if device.type == "cuda" and decode is None:
+        print("no specialized decode on this device (see the log above): the stock path runs alone")
+
     gen = torch.Generator().manual_seed(config.seed + 1)
-    blocks = (context + steps * block) // config.kv_block_size + 2
-    caches = model.make_caches(blocks, device)
+    span = context + (steps + 1) * block
+    blocks = span // config.kv_block_size + 2
     states = torch.randn(context, config.hidden_size, generator=gen).to(torch.bfloat16).to(device)
     positions = torch.arange(context, device=device)
-    model.precompute_and_store_context_kv(states, positions, caches, positions)
-    print(f"stored the K/V of {context} context tokens in {len(caches)} paged caches")
-
-    tokens = torch.randint(0, config.vocab_size, (block,), generator=gen).to(device)
-    out, times = [], []
-    pos = context
-    with torch.no_grad():
-        for _ in range(steps):
-            step = StepInputs.block(pos, block, device)
-            _sync(device)
-            start = time.perf_counter()
-            hidden = model(model.embed_tokens(tokens), step, caches)
-            tokens = model.logits(hidden).argmax(-1)
-            _sync(device)
-            times.append(time.perf_counter() - start)
-            out.append(tokens.tolist())
-            pos += block
-    print(f"stock path: {steps} steps of {block} token(s); greedy tokens:")
-    for i, (t, dt) in enumerate(zip(out, times)):
-        print(f"  step {i}: {t}  ({dt * 1e3:.2f} ms)")
-    fused_backend = importlib.util.find_spec("dspark_cute") is not None
-    if device.type == "cuda" and fused_backend:
-        print("the specialized decode (DraftDecode) is not built yet: only the stock path ran")
+    first = torch.randint(0, config.vocab_size, (block,), generator=gen).to(device)
+    paths = {"stock": model.forward}
+    if decode is not None:
+        paths["specialized"] = decode.run
+    results = {}
+    for name, fn in paths.items():
+        caches = _context(model, states, positions, decode if name != "stock" else None, blocks, device)
+        toks, hiddens = _decode(model, fn, caches, first, context, steps, block, span, device)
+        seconds = _time_step(fn, model, caches, block, context + steps * block, span, device)
+        results[name] = (toks, hiddens, seconds)
+        print(f"{name} path: {steps} steps of {block} token(s), {seconds * 1e6:.1f} us per step "
+              f"({'CUDA graph, median' if device.type == 'cuda' else 'eager wall time'})")
+        for i, t in enumerate(toks):
+            print(f"  step {i}: {t}")
+    if "specialized" in results:
+        (st, sh, ss), (ft, fh, fs) = results["stock"], results["specialized"]
+        bad = sum(int(mismatches(a, b).sum()) for a, b in zip(fh, sh))
+        same = "bit for bit equal" if bad == 0 else f"NOT equal: {bad} elements differ"
+        print(f"specialized vs stock hidden states over {steps} steps: {same}; "
+              f"tokens {'equal' if ft == st else 'differ'}; step time {ss / fs:.2f}x faster")
     elif device.type != "cuda":
         print("no CUDA GPU here: the plan is for a GPU, the stock path ran on the CPU")
-    return {"tokens": out, "times": times, "plan": plan}
+    return {name: r[0] for name, r in results.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
