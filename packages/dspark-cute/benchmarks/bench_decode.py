@@ -1,0 +1,143 @@
+"""Benchmark: one draft step (the reference draft's forward over m tokens) in
+CUDA graphs, for the stock layers, torch.compile (Inductor) of the stock
+layers where it compiles, and the specialized decode; beside the step's GEMMs
+alone and its floor (its weight bytes at 4.3 TB/s). Prints a markdown table
+and writes it with a PNG plot into --out."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from dspark_core.config import DraftConfig
+from dspark_core.graphs import StepGraph
+from dspark_core.layers import linear
+from dspark_core.model import DraftModel, StepInputs
+from dspark_cute.decode import build_draft_decode
+
+HBM_BYTES_PER_S = 4.3e12
+CONTEXT = 256
+
+
+def _median_us(replay, reps: int = 200) -> float:
+    for _ in range(10):
+        replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def _gemms_only(model: DraftModel, m: int):
+    """A graph of the step's GEMMs alone (same shapes, same cuBLAS calls)."""
+    c = model.config
+    x = torch.zeros(m, c.hidden_size, dtype=torch.bfloat16, device="cuda")
+    o_in = torch.zeros(m, c.q_size, dtype=torch.bfloat16, device="cuda")
+    h = torch.zeros(m, c.intermediate_size, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        for layer in model.layers:
+            linear(x, layer.self_attn.qkv_proj)
+            linear(o_in, layer.self_attn.o_proj)
+            linear(x, layer.mlp.gate_up)
+            linear(h, layer.mlp.down)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def _weight_bytes(model: DraftModel) -> int:
+    total = 0
+    for layer in model.layers:
+        for w in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down):
+            total += w.numel() * w.element_size()
+    return total
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench-results")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode: no CUDA GPU, nothing to time")
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = DraftModel(DraftConfig(num_layers=args.layers), device="cuda")
+    decode = build_draft_decode(model)
+    floor_us = _weight_bytes(model) / HBM_BYTES_PER_S * 1e6
+    rows = []
+    for m in (1, 4, 16):
+        span = CONTEXT + m
+        step = StepInputs.block(CONTEXT, m, "cuda", span=span)
+        x = model.embed_tokens(torch.arange(m, device="cuda"))
+        caches = model.make_caches(span // model.config.kv_block_size + 2, "cuda")
+        paths = {"stock": model.forward}
+        if not args.no_compile:
+            paths["inductor"] = torch.compile(model.forward)
+        if decode is not None:
+            paths["specialized"] = decode.run
+        row = {"m": m}
+        for name, fn in paths.items():
+            try:
+                graph = StepGraph(fn, x, step, caches)
+                row[name] = _median_us(graph.replay)
+            except Exception as error:  # report, do not hide: the column says why
+                row[name] = float("nan")
+                print(f"m={m} {name}: did not run in a CUDA graph: {type(error).__name__}: {error}")
+        row["gemms"] = _median_us(_gemms_only(model, m))
+        row["floor"] = floor_us
+        rows.append(row)
+
+    names = [n for n in ("stock", "inductor", "specialized") if any(n in r for r in rows)]
+    head = "| m | " + " | ".join(f"{n} (us)" for n in names) + " | GEMMs alone (us) | floor (us) |"
+    head += " specialized vs inductor | non-GEMM share of specialized |"
+    lines = [head, "|" + "---|" * (len(names) + 5)]
+    for r in rows:
+        cells = [f"{r.get(n, float('nan')):.1f}" for n in names]
+        spec, ind = r.get("specialized", float("nan")), r.get("inductor", float("nan"))
+        share = (spec - r["gemms"]) / spec if spec == spec else float("nan")
+        lines.append(f"| {r['m']} | " + " | ".join(cells)
+                     + f" | {r['gemms']:.1f} | {r['floor']:.1f} | {ind / spec:.2f}x | {share:.0%} |")
+    table = "\n".join(lines)
+    print(f"\nDraft step, {args.layers} layers of the reference draft, {torch.cuda.get_device_name()}, CUDA graphs")
+    print(table)
+    (out / "decode.md").write_text(table + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for n in [*names, "gemms"]:
+            ax.plot([r["m"] for r in rows], [r.get(n, float("nan")) for r in rows], marker="o", label=n)
+        ax.axhline(floor_us, color="gray", linestyle="--", label="weight floor")
+        ax.set_xlabel("tokens per step (m)")
+        ax.set_ylabel("us per draft step")
+        ax.set_xscale("log", base=2)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "decode.png", dpi=120)
+    except ImportError:
+        print("matplotlib missing: no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
