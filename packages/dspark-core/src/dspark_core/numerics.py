@@ -1,13 +1,16 @@
 """The arithmetic rules of the DSpark spec, as PyTorch functions.
 
 Every function here computes on FP32 tensors with operations that IEEE 754
-defines to round once, to nearest even: ``+``, ``-``, ``*``, ``/`` and
-``torch.sqrt`` of float32 tensors, and the conversions ``.to(bfloat16)`` /
+defines to round once, to nearest even: ``+``, ``-``, ``*``, ``/`` of float32
+tensors, the square root ``sqrt_rn``, and the conversions ``.to(bfloat16)`` /
 ``.to(float16)`` (round to nearest even, subnormals kept) and from them (exact).
 PyTorch runs each of these as its own elementwise kernel, on CPU (SSE/AVX
-``addps``/``mulps``/``divps``/``sqrtps``) and on CUDA (``add.rn``/``mul.rn``/
-``div.rn``/``sqrt.rn``, the defaults of a build without fast math), so no two
-of them are contracted into a fused multiply-add and none flushes subnormals.
+``addps``/``mulps``/``divps``) and on CUDA (``add.rn``/``mul.rn``/``div.rn``/
+``sqrt.rn``, the defaults of a build without fast math), so no two of them are
+contracted into a fused multiply-add and none flushes subnormals. (A CPU
+``torch.sqrt`` may be 1 ulp off: ``sqrt_rn`` corrects it exactly; and a CUDA
+division by a Python scalar is a multiplication by its reciprocal, so every
+divisor here is a tensor.)
 The result is therefore a function of the input bits alone: **the same bits on
 CPU and on CUDA**, and the fused kernels reproduce it with the same PTX
 instructions (``*.rn.f32``, no ``.ftz``, ``cvt.rn.bf16.f32``).
@@ -54,9 +57,10 @@ butterfly of one warp whose lane j holds pair j.
 
 The reciprocal RMS (``inv_rms``): ``1 / sqrt(sum / n + eps)`` as IEEE division,
 IEEE addition, IEEE square root and IEEE division, each rounded once. IEEE
-sqrt and division are correctly rounded on every device, where reciprocal
+sqrt and division are correctly rounded by definition, where reciprocal
 square root instructions (``rsqrtps``, ``rsqrt.approx``) are approximations
-that differ between devices; ``sum / n`` is a division, not a multiplication by
+that differ between devices (the spec's ``sqrt_rn`` corrects a CPU
+``torch.sqrt`` that is not correctly rounded); ``sum / n`` is a division, not a multiplication by
 ``1/n``, so H need not be a power of two.
 """
 
@@ -146,7 +150,29 @@ def inv_rms(total: torch.Tensor, n: int, eps: float) -> torch.Tensor:
     # A tensor divisor: CUDA torch turns a division by a Python scalar into a
     # multiplication by its reciprocal, which rounds differently.
     var = total / torch.full_like(total, float(n)) + _f32(eps)
-    return torch.reciprocal(torch.sqrt(var))
+    return torch.reciprocal(sqrt_rn(var))
+
+
+def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded FP32 square root (IEEE ``sqrt``, nearest even).
+
+    ``torch.sqrt`` of a CPU float32 tensor may be 1 ulp off (some builds
+    vectorize it with an approximation), so its result ``s`` is corrected:
+    with ``lo``/``hi`` the FP32 neighbours of ``s``, the midpoints ``(lo +
+    s) / 2`` and ``(s + hi) / 2`` are exact in float64 (25 significant bits)
+    and so are their squares (50 bits); ``v`` below the lower midpoint's
+    square gives ``lo``, above the upper one's gives ``hi``, else ``s``.
+    A square root is never exactly a midpoint, so no tie arises. On CUDA
+    ``torch.sqrt`` is already ``sqrt.rn`` and the correction changes nothing.
+    """
+    s = torch.sqrt(v)
+    lo = torch.nextafter(s, torch.zeros_like(s))
+    hi = torch.nextafter(s, torch.full_like(s, float("inf")))
+    s64, v64 = s.double(), v.double()
+    below = (lo.double() + s64) * 0.5
+    above = (s64 + hi.double()) * 0.5
+    out = torch.where(v64 < below * below, lo, s)
+    return torch.where(v64 > above * above, hi, out)
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
