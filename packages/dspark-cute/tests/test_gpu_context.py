@@ -1,0 +1,482 @@
+"""GPU tests of the context kernels, bit for bit against the stock chain run
+on the same CUDA device (``dspark_core.model.DraftModel``'s own
+``context_norms``, ``context_kv_store`` and
+``precompute_and_store_context_kv``):
+
+- ``ContextNorms``: every norm kind on each side (no weight, BF16/FP16/FP32
+  weights before or after the norm, gain centers 0 and 1, several eps), T in
+  {1, 2, 7, 16, 133, 1000}, L in {1, 2, 5, 9}, rows of special values (-0.0,
+  subnormals, +-inf, NaN, overflowing and underflowing squares), other H,
+  without PDL;
+- ``ContextKvStore``: 1, 2, 8 and 32 KV heads, BF16 and FP32 RoPE tables and
+  no RoPE, L up to 9 (two launches), special values in K and V, negative
+  slots, per-layer slot lists (None, shorter), out-of-range slots and
+  positions (skipped);
+- the whole chain (``store_context_kv``, ``ContextChain``) and its CUDA graph
+  replay.
+
+Outputs and caches are poisoned before each launch (a NaN pattern, then a
+finite one) so unwritten elements show, and cache rows no slot names must
+keep the poison's exact bits. Data is fresh per run from the printed seed
+(``DSPARK_SEED`` repeats it)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from cute_testing import POISONS, check_poisoned, poison, random_rows, requires_cuda, special_rows
+
+from dspark_core.compare import assert_bitwise
+from dspark_core.config import small_config
+from dspark_core.constants import ContextNormConstants, ContextStoreConstants, norm_constants
+from dspark_core.layers import HeadNorm, PagedKVCache, RMSNorm, Rotary
+from dspark_core.model import DraftModel
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+H = 8192
+D = 64
+BLOCK = 16
+# (weight dtype or None, gain center, weight before the norm, eps)
+NORMS = [
+    (None, 0.0, False, 1e-6),
+    (BF16, 0.0, False, 1e-6),
+    (BF16, 1.0, True, 1e-5),
+    (FP16, 1.0, False, 1e-6),
+    (FP16, 0.0, True, 0.1),
+    (FP32, 0.0, True, 1e-6),
+    (FP32, 1.0, False, 1e-5),
+]
+ROWS = [1, 2, 7, 16, 133, 1000]
+
+
+def _name(case) -> str:
+    w, center, before, eps = case
+    dtype = str(w).replace("torch.", "") if w is not None else "noweight"
+    return f"{dtype}-c{center}-{'before' if before else 'after'}-eps{eps}"
+
+
+def make_norm(case, h: int, gen: torch.Generator, special_weight: bool = False) -> RMSNorm:
+    """The stock norm of ``case`` with a random weight (around 1 for center
+    0, around 0 for center 1) on CUDA; with ``special_weight`` some entries
+    -0.0, subnormal, large or cancelling the center."""
+    w_dtype, center, before, eps = case
+    norm = RMSNorm(h, eps, has_weight=w_dtype is not None, weight_dtype=w_dtype or BF16,
+                   gain_center=center, weight_before_norm=before).cuda()
+    if w_dtype is not None:
+        w = torch.randn(h, generator=gen, device="cuda") * 0.25 + (1.0 - center)
+        if special_weight:
+            w[0::97] = -0.0
+            w[1::97] = torch.finfo(w_dtype).smallest_normal / 2
+            w[2::97] = 300.0
+            w[3::97] = -1.0 - center
+        norm.weight.data.copy_(w.to(w_dtype))
+    return norm
+
+
+def context_rows(gen: torch.Generator, t: int, h: int) -> torch.Tensor:
+    """BF16 ``[t, h]`` random rows; with 10 rows or more the last 10 are the
+    special rows of ``cute_testing.special_rows``."""
+    x = random_rows(gen, t, h, BF16, "cuda")
+    if t >= 10:
+        x[-10:] = special_rows(h, BF16, "cuda")
+    return x
+
+
+def check_norms(hidden_case, pre_case, layers: int, rows: list, h: int, gen, special_weight=False,
+                pdl=None, specials_only=False) -> None:
+    from dspark_cute.context_norms import ContextNorms
+
+    hidden = make_norm(hidden_case, h, gen, special_weight)
+    pres = [make_norm(pre_case, h, gen, special_weight) for _ in range(layers)]
+    stock = SimpleNamespace(hidden_norm=hidden, layers=[SimpleNamespace(input_norm=p) for p in pres])
+    c = ContextNormConstants(h, layers, norm_constants(hidden, h), norm_constants(pres[0], h))
+    pre_weights = torch.stack([p.weight for p in pres]) if pres[0].weight is not None else None
+    kernel = ContextNorms(c, hidden.weight, pre_weights, pdl=pdl)
+    kernel.prepare()
+    for t in rows:
+        x = special_rows(h, BF16, "cuda") if specials_only else context_rows(gen, t, h)
+        t = x.shape[0]
+        assert kernel.takes(x)
+        expected = DraftModel.context_norms(stock, x)
+        out = torch.empty((layers, t, h), dtype=BF16, device="cuda")
+        what = f"norms {_name(hidden_case)} / {_name(pre_case)} L={layers} T={t} H={h}"
+        check_poisoned(lambda x=x, out=out: kernel.run(x, out), [out], [expected], what)
+        assert_bitwise(kernel.run(x), expected, f"{what} (allocated output)")
+
+
+@pytest.mark.parametrize("i", range(len(NORMS)), ids=[_name(n) for n in NORMS])
+def test_norms_every_variant(i, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    check_norms(NORMS[i], NORMS[(i + 3) % 7], 2, ROWS, H, gen)
+
+
+@pytest.mark.parametrize("layers", [1, 5, 9])
+@pytest.mark.parametrize("pair", [(1, 1), (6, 0)], ids=["bf16-bf16", "fp32-noweight"])
+def test_norms_layer_counts(layers, pair, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    check_norms(NORMS[pair[0]], NORMS[pair[1]], layers, ROWS, H, gen)
+
+
+@pytest.mark.parametrize("i", range(len(NORMS)), ids=[_name(n) for n in NORMS])
+def test_norms_special_values(i, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    check_norms(NORMS[i], NORMS[(i + 3) % 7], 2, [10], H, gen, special_weight=True, specials_only=True)
+
+
+@pytest.mark.parametrize("h", [2048, 6144, 16384])
+def test_norms_hidden_sizes(h, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    check_norms(NORMS[2], NORMS[5], 3, [1, 7, 133], h, gen)
+
+
+def test_norms_without_pdl(seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    check_norms(NORMS[3], NORMS[1], 2, [1, 133], H, gen, pdl=False)
+
+
+# ---------------------------------------------------------------- the store
+
+
+def stock_store_model(kv_heads: int, layers: int, eps: float, rotary: Rotary | None):
+    """The parts of a DraftModel that ``DraftModel.context_kv_store`` reads."""
+    attn = SimpleNamespace(k_norm=HeadNorm(D, eps), rotary=rotary)
+    return SimpleNamespace(
+        config=SimpleNamespace(num_kv_heads=kv_heads, head_dim=D),
+        layers=[SimpleNamespace(self_attn=attn) for _ in range(layers)],
+    )
+
+
+def projected_kv(gen: torch.Generator, layers: int, t: int, kv_heads: int) -> torch.Tensor:
+    """BF16 ``[L, T, 2 * kv * 64]`` random, with special heads in K and V of
+    the first rows: -0.0, subnormals, one +inf, one NaN, one -inf, squares
+    that overflow or underflow."""
+    width = 2 * kv_heads * D
+    kv = random_rows(gen, layers * t, width, BF16, "cuda").view(layers, t, 2, kv_heads, D)
+    tiny = torch.finfo(BF16).smallest_normal
+    signs = torch.where(torch.arange(D, device="cuda") % 3 == 0, -1.0, 1.0)
+    # Each sets one head (``[L, 64]``: every layer's head of that row).
+    special = [
+        lambda head: head.fill_(-0.0),
+        lambda head: head.copy_((signs * tiny / 8).expand_as(head)),  # subnormals of both signs
+        lambda head: head[:, 5].fill_(float("inf")),
+        lambda head: head[:, 17].fill_(float("nan")),
+        lambda head: head.fill_(3e38),  # squares overflow
+        lambda head: head.fill_(tiny * 3),  # squares underflow
+        lambda head: head[:, 40].fill_(float("-inf")),
+    ]
+    for r in range(min(t, len(special))):
+        special[r](kv[:, r, 0, r % kv_heads])
+        special[(r + 3) % len(special)](kv[:, r, 1, (r + 1) % kv_heads])
+    return kv.view(layers, t, width)
+
+
+def make_slots(gen: torch.Generator, rows: int, num_slots: int) -> torch.Tensor:
+    """Distinct random int64 slots in [0, num_slots) for ``rows`` rows, about
+    one in eight negative (-1 or a large negative value)."""
+    slots = torch.randperm(num_slots, generator=gen, device="cuda")[:rows].to(torch.int64)
+    negative = torch.rand(rows, generator=gen, device="cuda") < 0.125
+    if rows > 2:
+        negative[1] = True
+    big = torch.where(torch.arange(rows, device="cuda") % 2 == 0, -1, -(2**40))
+    return torch.where(negative, big, slots).contiguous()
+
+
+def make_caches(layers: int, kv_heads: int, num_blocks: int) -> list:
+    return [PagedKVCache(num_blocks, kv_heads, BLOCK, D, "cuda") for _ in range(layers)]
+
+
+def assert_untouched(cache: torch.Tensor, slots, pattern: int, what: str) -> None:
+    """Every cache row (block, page) no non-negative slot names still holds
+    the poison ``pattern`` bit for bit."""
+    num_blocks, heads, bs, width = cache.shape
+    written = torch.zeros(num_blocks * bs, dtype=torch.bool, device=cache.device)
+    if slots is not None:
+        keep = slots[(slots >= 0) & (slots < num_blocks * bs)]
+        written[keep] = True
+    rows = cache.permute(0, 2, 1, 3).reshape(num_blocks * bs, heads * width).view(torch.int16)
+    bad = (rows[~written] != pattern).sum().item()
+    assert bad == 0, f"{what}: {bad} elements of unwritten cache rows lost their poison"
+
+
+def check_store(store, stock, kv, positions, slots, layers, kv_heads, num_blocks, what: str) -> None:
+    """Poison two sets of caches alike (twice: a NaN and a finite pattern),
+    store with the stock chain into one and the kernel into the other, and
+    compare every cache bit for bit; unwritten rows must keep the poison."""
+    per_layer = slots if isinstance(slots, list) else [slots] * layers
+    for which in (0, 1):
+        ours, ref = make_caches(layers, kv_heads, num_blocks), make_caches(layers, kv_heads, num_blocks)
+        for cache in ours + ref:
+            poison(cache.tensor, which)
+        DraftModel.context_kv_store(stock, kv, positions, ref, slots)
+        store.run(kv, positions, ours, slots)
+        torch.cuda.synchronize()
+        pattern = POISONS[BF16][which]
+        for i in range(layers):
+            assert_bitwise(ours[i].tensor, ref[i].tensor, f"{what} layer {i} cache (poison {which})")
+            assert_untouched(ours[i].tensor, per_layer[i], pattern, f"{what} layer {i}")
+
+
+STORES = [  # (kv heads, layers, table dtype or None, eps)
+    (1, 1, BF16, 1e-6),
+    (2, 2, FP32, 1e-5),
+    (8, 5, BF16, 1e-6),
+    (32, 9, FP32, 1e-6),
+    (8, 9, None, 0.1),
+    (32, 2, BF16, 1e-5),
+    (1, 9, FP32, 1e-6),
+    (2, 5, None, 1e-6),
+]
+
+
+def _store_name(case) -> str:
+    kv, layers, table, eps = case
+    return f"kv{kv}-L{layers}-{str(table).replace('torch.', '') if table else 'norope'}-eps{eps}"
+
+
+def make_store(case, max_position: int = 4096, pdl=None):
+    from dspark_cute.context_store import ContextKvStore
+
+    kv_heads, layers, table, eps = case
+    rotary = Rotary(D, max_position, table_dtype=table).cuda() if table is not None else None
+    c = ContextStoreConstants(kv_heads, eps, table is not None, "fp32" if table == FP32 else "bf16")
+    store = ContextKvStore(c, rotary.cos_sin if rotary is not None else None, pdl=pdl)
+    store.prepare()
+    return store, stock_store_model(kv_heads, layers, eps, rotary)
+
+
+@pytest.mark.parametrize("case", STORES, ids=_store_name)
+def test_store(case, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv_heads, layers = case[0], case[1]
+    store, stock = make_store(case)
+    for t in ROWS:
+        kv = projected_kv(gen, layers, t, kv_heads)
+        positions = torch.randint(0, 4096, (t,), generator=gen, device="cuda")
+        num_blocks = (t + 40) // BLOCK + 2
+        slots = make_slots(gen, t, num_blocks * BLOCK)
+        assert store.takes(kv, positions, make_caches(layers, kv_heads, num_blocks), slots)
+        check_store(store, stock, kv, positions, slots, layers, kv_heads, num_blocks, f"{_store_name(case)} T={t}")
+        # The 5-D view of the same projection is taken too.
+        view = kv.view(layers, t, 2, kv_heads, D)
+        assert store.takes(view, positions, make_caches(layers, kv_heads, num_blocks), slots)
+
+
+@pytest.mark.parametrize("case", [STORES[3], STORES[4]], ids=_store_name)
+def test_store_per_layer_slots(case, seed):
+    """One slot list per layer: None (nothing stored), shorter than T (only
+    the first rows stored), all negative, and full ones; 9 layers, 2 launches."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv_heads, layers = case[0], case[1]
+    store, stock = make_store(case)
+    t = 133
+    kv = projected_kv(gen, layers, t, kv_heads)
+    positions = torch.randint(0, 4096, (t,), generator=gen, device="cuda")
+    num_blocks = 16
+    slots = [make_slots(gen, (t, 50, 1, 0, t)[i % 5], num_blocks * BLOCK) for i in range(layers)]
+    slots[2] = None
+    slots[4] = torch.full((t,), -1, dtype=torch.int64, device="cuda")
+    check_store(store, stock, kv, positions, slots, layers, kv_heads, num_blocks, f"{_store_name(case)} lists")
+
+
+def test_store_skips_out_of_range(seed):
+    """A slot beyond the cache and a position beyond the table: the stock
+    chain raises there; the kernel writes nothing for that row."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    case = (8, 2, BF16, 1e-6)
+    store, stock = make_store(case, max_position=256)
+    t, num_blocks = 16, 4
+    kv = projected_kv(gen, 2, t, 8)
+    positions = torch.randint(0, 256, (t,), generator=gen, device="cuda")
+    slots = make_slots(gen, t, num_blocks * BLOCK)
+    good = slots.clone()
+    slots[3], positions[5] = num_blocks * BLOCK, 256
+    good[3] = good[5] = -1
+    caches = make_caches(2, 8, num_blocks)
+    ref = make_caches(2, 8, num_blocks)
+    for cache in caches + ref:
+        poison(cache.tensor, 1)
+    store.run(kv, positions, caches, slots)
+    positions[5] = 0
+    DraftModel.context_kv_store(stock, kv, positions, ref, good)
+    torch.cuda.synchronize()
+    for i in range(2):
+        assert_bitwise(caches[i].tensor, ref[i].tensor, f"out-of-range rows, layer {i}")
+        assert_untouched(caches[i].tensor, good, POISONS[BF16][1], f"out-of-range rows, layer {i}")
+
+
+def test_store_without_pdl(seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    case = (8, 2, FP32, 1e-6)
+    store, stock = make_store(case, pdl=False)
+    t, num_blocks = 133, 12
+    kv = projected_kv(gen, 2, t, 8)
+    positions = torch.randint(0, 4096, (t,), generator=gen, device="cuda")
+    check_store(store, stock, kv, positions, make_slots(gen, t, num_blocks * BLOCK), 2, 8, num_blocks, "no PDL")
+
+
+# ---------------------------------------------------------------- the chain
+
+
+CHAINS = {
+    "small": dict(),
+    "h8192-fp32w-before-fp32rope": dict(
+        hidden_size=8192, num_heads=16, num_kv_heads=8, max_position=4096, rope_table_dtype="fp32",
+        norm_weight_dtype="fp32", norm_gain_center=1.0, norm_weight_before_norm=True, rms_norm_eps=1e-5,
+    ),
+    "L9-kv32-noweight-norope": dict(
+        num_layers=9, num_heads=32, num_kv_heads=32, use_rope=False, norm_has_weight=False,
+        norm_overrides={"hidden_norm": {"has_weight": True, "weight_dtype": "fp16"}},
+    ),
+}
+
+
+def chain_model(name: str, seed: int) -> DraftModel:
+    return DraftModel(small_config(seed=seed % 2**31, **CHAINS[name]), device="cuda")
+
+
+def chain_inputs(model, gen, t: int):
+    c = model.config
+    states = context_rows(gen, t, c.hidden_size)
+    positions = torch.randint(0, c.max_position, (t,), generator=gen, device="cuda")
+    num_blocks = (t + 40) // BLOCK + 2
+    slots = make_slots(gen, t, num_blocks * BLOCK)
+    return states, positions, slots, num_blocks
+
+
+def compare_chain(model, run_fused, states, positions, slots, num_blocks, what: str) -> None:
+    for which in (0, 1):
+        ours, ref = model.make_caches(num_blocks, "cuda"), model.make_caches(num_blocks, "cuda")
+        for cache in ours + ref:
+            poison(cache.tensor, which)
+        model.precompute_and_store_context_kv(states, positions, ref, slots)
+        run_fused(states, positions, ours, slots)
+        torch.cuda.synchronize()
+        for i in range(len(ours)):
+            assert_bitwise(ours[i].tensor, ref[i].tensor, f"{what} layer {i} (poison {which})")
+            assert_untouched(ours[i].tensor, slots, POISONS[BF16][which], f"{what} layer {i}")
+
+
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_chain_matches_precompute(name, seed):
+    from dspark_cute.context import ContextChain, store_context_kv
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    model = chain_model(name, seed)
+    chain = ContextChain(model)
+    chain.prepare()
+    for t in (1, 16, 133):
+        states, positions, slots, num_blocks = chain_inputs(model, gen, t)
+        compare_chain(model, lambda *a: store_context_kv(model, *a), states, positions, slots, num_blocks,
+                      f"{name} store_context_kv T={t}")
+        compare_chain(model, chain.run, states, positions, slots, num_blocks, f"{name} ContextChain T={t}")
+
+
+def test_chain_refresh(seed):
+    from dspark_cute.context import ContextChain
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    model = chain_model("small", seed)
+    chain = ContextChain(model)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.input_norm.weight.mul_(1.5)
+            layer.self_attn.qkv_proj.mul_(-0.75)
+    chain.refresh()
+    states, positions, slots, num_blocks = chain_inputs(model, gen, 16)
+    compare_chain(model, chain.run, states, positions, slots, num_blocks, "after refresh")
+
+
+def test_chain_cuda_graph(seed):
+    from dspark_cute.context import ContextChain
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    model = chain_model("small", seed)
+    chain = ContextChain(model)
+    chain.prepare()
+    t = 133
+    states, positions, slots, num_blocks = chain_inputs(model, gen, t)
+    caches = model.make_caches(num_blocks, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain.run(states, positions, caches, slots)  # warm up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            chain.run(states, positions, caches, slots)
+    torch.cuda.synchronize()
+    for replay in range(2):
+        new_states, new_positions, new_slots, _ = chain_inputs(model, gen, t)
+        states.copy_(new_states)
+        positions.copy_(new_positions)
+        slots.copy_(new_slots)
+        ref = model.make_caches(num_blocks, "cuda")
+        for which in (0, 1):
+            for cache in caches + ref:
+                poison(cache.tensor, which)
+            model.precompute_and_store_context_kv(states, positions, ref, slots)
+            graph.replay()
+            torch.cuda.synchronize()
+            for i in range(len(caches)):
+                assert_bitwise(caches[i].tensor, ref[i].tensor, f"graph replay {replay} layer {i} (poison {which})")
+        first = [c.tensor.clone() for c in caches]
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, c in zip(first, caches):
+            assert torch.equal(a.view(torch.int16), c.tensor.view(torch.int16)), "replays differ"
+
+
+def test_refuses_bad_operands(seed):
+    from dspark_cute.context_norms import ContextNorms
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    store, _ = make_store((8, 2, BF16, 1e-6))
+    t = 7
+    kv = projected_kv(gen, 2, t, 8)
+    positions = torch.arange(t, device="cuda")
+    caches = make_caches(2, 8, 4)
+    slots = torch.arange(t, device="cuda")
+    assert store.takes(kv, positions, caches, slots)
+    bad = [
+        (kv.float(), positions, caches, slots),  # the wrong dtype
+        (projected_kv(gen, 2, t, 4), positions, caches, slots),  # other KV heads
+        (kv, positions.int(), caches, slots),  # int32 positions
+        (kv, positions, caches[:1], slots),  # a cache short
+        (kv, positions, [caches[0], make_caches(1, 8, 5)[0]], slots),  # caches of two shapes
+        (kv, positions, caches, torch.arange(t + 1, device="cuda")),  # more slots than rows
+        (kv, positions, caches, [slots]),  # one slot list for two layers
+        (kv.transpose(0, 1), positions, caches, slots),  # not contiguous
+    ]
+    for args in bad:
+        assert not store.takes(*args)
+        with pytest.raises(ValueError):
+            store.run(*args)
+    hidden = make_norm(NORMS[1], H, gen)
+    c = ContextNormConstants(H, 2, norm_constants(hidden, H), norm_constants(hidden, H))
+    norms = ContextNorms(c, hidden.weight, torch.stack([hidden.weight, hidden.weight]))
+    x = context_rows(gen, 4, H)
+    for x_bad in (x.float(), x[:, : H // 2].contiguous(), x[:0], x.flatten()[4 : 4 + 3 * H].view(3, H), x.cpu()):
+        assert not norms.takes(x_bad)
+        with pytest.raises(ValueError):
+            norms.run(x_bad)
+    with pytest.raises(ValueError):
+        norms.run(x, torch.empty((1, 4, H), dtype=BF16, device="cuda"))
+
+
+def test_compile_refused_during_capture(seed):
+    """Last: a refused capture. Constants no other test compiles."""
+    from dspark_cute.context_store import ContextKvStore
+
+    store = ContextKvStore(ContextStoreConstants(4, 2.5e-4, False, "bf16"))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv = projected_kv(gen, 1, 3, 4)
+    caches = make_caches(1, 4, 2)
+    slots = torch.arange(3, device="cuda")
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="prepare"):
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            store.run(kv, None, caches, slots)
