@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dspark_core.compare import assert_bitwise
 
 requires_cuda = pytest.mark.skipif(

@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 from cute_testing import check_poisoned, random_rows, requires_cuda, special_rows
+from test_gpu_row_norm import NORMS, ROWS, _name, make_norm
+
 from dspark_core.compare import assert_bitwise
 from dspark_core.constants import boundary_constants
 from dspark_core.layers import GatedResidual, residual_boundary
-from test_gpu_row_norm import NORMS, ROWS, _name, make_norm
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -36,14 +37,14 @@ def _pair_name(pair) -> str:
     return f"post_{_name(pair[0])}__pre_{_name(pair[1])}"
 
 
-def make_boundary(pair, gen: torch.Generator, special: bool = False):
+def make_boundary(pair, gen: torch.Generator, special: bool = False, h: int = H):
     """The stock post norm, gated residual and pre norm of ``pair`` with
     random constants (``special``: some gates -0.0, subnormal or large)."""
-    post = make_norm(pair[0], H, BF16, gen, special_weight=special)
-    pre = make_norm(pair[1], H, BF16, gen, special_weight=special)
-    conn = GatedResidual(H).cuda()
-    conn.alpha.data.copy_(torch.rand(H, generator=gen, device="cuda") + 0.5)
-    conn.beta.data.copy_(torch.randn(H, generator=gen, device="cuda") * 0.5)
+    post = make_norm(pair[0], h, BF16, gen, special_weight=special)
+    pre = make_norm(pair[1], h, BF16, gen, special_weight=special)
+    conn = GatedResidual(h).cuda()
+    conn.alpha.data.copy_(torch.rand(h, generator=gen, device="cuda") + 0.5)
+    conn.beta.data.copy_(torch.randn(h, generator=gen, device="cuda") * 0.5)
     if special:
         conn.alpha.data[0::101] = -0.0
         conn.beta.data[1::101] = 1e-40
@@ -56,12 +57,14 @@ def check(modules, branch, stream, store: bool, what: str, **kwargs) -> None:
     from dspark_cute import DraftBoundary
 
     post, conn, pre = modules
+    h = branch.shape[1]
     kernel = DraftBoundary(
-        boundary_constants(post, conn, pre, H), conn.alpha, conn.beta, post.weight, pre.weight,
+        boundary_constants(post, conn, pre, h), conn.alpha, conn.beta, post.weight, pre.weight,
         **kwargs,
     )
     kernel.prepare(stream_dtypes=(stream.dtype,), store_stream=(store,))
     assert kernel.takes(branch, stream)
+    what = f"{what} variant={kernel.variant(branch.shape[0], stream.dtype, store)}"
     exp_stream, exp_out = residual_boundary(post, conn, pre, branch, stream)
     out = torch.empty_like(exp_out)
     if store:
@@ -79,8 +82,15 @@ def check(modules, branch, stream, store: bool, what: str, **kwargs) -> None:
         assert_bitwise(got_stream, exp_stream, f"{what} (allocated new stream)")
 
 
-def _rows(gen, m, stream_dtype):
-    return random_rows(gen, m, H, BF16, "cuda"), random_rows(gen, m, H, stream_dtype, "cuda")
+def _rows(gen, m, stream_dtype, h: int = H):
+    return random_rows(gen, m, h, BF16, "cuda"), random_rows(gen, m, h, stream_dtype, "cuda")
+
+
+# Launch settings that force each kernel variant at a row count (by default,
+# up to one row per SM splits rows over clusters, more load the gates late).
+FORCE_LATE = {"late_rows": 0}
+FORCE_EARLY = {"late_rows": 10**6, "split_rows": 0}
+FORCE_SPLIT = {"late_rows": 10**6, "split_rows": 10**6}
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=_pair_name)
@@ -89,14 +99,22 @@ def _rows(gen, m, stream_dtype):
 def test_every_variant(pair, store, stream_dtype, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     modules = make_boundary(pair, gen)
-    # 1 and 16 rows load the gates early, 133 late (an H200 has 132 SMs);
-    # late_rows forces the other timing at each count too.
+    # Each count with its default variant and every variant forced.
     for m in (1, 16, 133):
         branch, stream = _rows(gen, m, stream_dtype)
-        check(modules, branch, stream, store, f"{_pair_name(pair)} m={m}")
-        forced = 0 if m <= 132 else 10**6
-        check(modules, branch, stream, store, f"{_pair_name(pair)} m={m} late_rows={forced}",
-              late_rows=forced)
+        for force in ({}, FORCE_LATE, FORCE_EARLY, FORCE_SPLIT):
+            check(modules, branch, stream, store, f"{_pair_name(pair)} m={m} {force}", **force)
+
+
+@pytest.mark.parametrize("h", [2048, 4096, 16384])
+def test_hidden_sizes(h, seed):
+    """Other widths: 2048 is never split, 4096 splits over 2 CTAs, 16384 over 8."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    modules = make_boundary(PAIRS[4], gen, h=h)
+    for m in (3, 40):
+        branch, stream = _rows(gen, m, FP32, h)
+        for force in ({}, FORCE_LATE, FORCE_EARLY, FORCE_SPLIT):
+            check(modules, branch, stream, True, f"H={h} m={m} {force}", **force)
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -118,9 +136,10 @@ def test_special_values(pair, seed):
     for stream_dtype in (FP32, BF16):
         s_specials = special_rows(H, stream_dtype, "cuda")
         normal_stream = random_rows(gen, m, H, stream_dtype, "cuda")
-        # Special branch rows over a normal stream, and the reverse.
-        check(modules, specials, normal_stream, True, f"special branch, {stream_dtype} stream")
-        check(modules, normal_branch, s_specials, True, f"special {stream_dtype} stream")
+        # Special branch rows over a normal stream, and the reverse, in every variant.
+        for force in ({}, FORCE_EARLY, FORCE_LATE):
+            check(modules, specials, normal_stream, True, f"special branch {stream_dtype} {force}", **force)
+            check(modules, normal_branch, s_specials, True, f"special {stream_dtype} stream {force}", **force)
 
 
 @pytest.mark.parametrize("m", [1, 133])
@@ -128,10 +147,11 @@ def test_without_pdl(m, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     modules = make_boundary(PAIRS[3], gen)
     branch, stream = _rows(gen, m, FP32)
-    check(modules, branch, stream, True, f"no PDL m={m}", pdl=False)
+    for force in ({}, FORCE_EARLY, FORCE_SPLIT):
+        check(modules, branch, stream, True, f"no PDL m={m} {force}", pdl=False, **force)
 
 
-@pytest.mark.parametrize("m", [4, 200])
+@pytest.mark.parametrize("m", [4, 100, 200])
 def test_cuda_graph_chain(m, seed):
     """Two boundaries in one graph, the second reading the first's outputs
     (as consecutive draft layers do): PDL must order them; replays repeat."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cute_testing import check_poisoned, random_rows, requires_cuda, special_rows
+
 from dspark_core.compare import assert_bitwise
 from dspark_core.constants import row_norm_constants
 from dspark_core.layers import RMSNorm

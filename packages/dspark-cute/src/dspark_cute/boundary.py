@@ -17,6 +17,13 @@ the rows, each fragment's just before its use (fewer live registers, so more
 CTAs per SM when there are many rows). With ``pdl`` each CTA releases its
 dependents right after the wait; a dependent waits for this grid's end
 before it reads the outputs.
+
+``split`` (few rows, early gates): the row is split over a cluster of
+``H / 2048`` CTAs, CTA ``k`` holding fragment ``k`` of every reference thread,
+the fragment sums exchanged through distributed shared memory
+(``ptx.cluster_row_sum``: the same tree, bit for bit). Each SM then issues a
+quarter of a row's instructions (H = 8192), which is what bounds the latency
+of one row on one SM.
 """
 
 from __future__ import annotations
@@ -25,9 +32,9 @@ import cutlass.cute as cute
 import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64
+
 from dspark_core.constants import BoundaryConstants, NormConstants
 from dspark_core.numerics import check_row_width
-
 from dspark_cute import ptx
 from dspark_cute.host import (
     TORCH_DTYPES,
@@ -72,13 +79,19 @@ class BoundaryKernel:
 
     def __init__(
         self, constants: BoundaryConstants, stream_bf16: bool, store_stream: bool,
-        late_gates: bool, pdl: bool,
+        late_gates: bool, pdl: bool, split: bool = False,
     ) -> None:
+        if split and (late_gates or split_ranks(constants.hidden_size) == 1):
+            raise ValueError("a split boundary loads its gates early and needs 2 to 8 fragments a row")
         self.constants = constants
         self.stream_bf16 = stream_bf16
         self.store_stream = store_stream
         self.late_gates = late_gates
         self.pdl = pdl
+        self.split = split
+        # CTAs per row: one per fragment when split.
+        self.ranks = split_ranks(constants.hidden_size) if split else 1
+        self.cluster = [self.ranks, 1, 1] if split else None
 
     @cute.jit
     def __call__(
@@ -87,7 +100,8 @@ class BoundaryKernel:
         new_stream: cute.Pointer, out: cute.Pointer, m: Int32, cu_stream,
     ):
         self.kernel(branch, stream, alpha, beta, post_w, pre_w, new_stream, out).launch(
-            grid=[m, 1, 1], block=[ptx.THREADS, 1, 1], stream=cu_stream, use_pdl=self.pdl
+            grid=[m * self.ranks, 1, 1], block=[ptx.THREADS, 1, 1], cluster=self.cluster,
+            stream=cu_stream, use_pdl=self.pdl,
         )
 
     @cute.kernel
@@ -97,23 +111,51 @@ class BoundaryKernel:
         new_stream: cute.Pointer, out: cute.Pointer,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        # Two folds (post, pre), each with its own 8 slots: no barrier between.
-        sums = cu_utils.SmemAllocator().allocate_array(Float32, 2 * ptx.WARPS)
+        # Two folds (post, pre), each with its own 8 slots: no barrier between;
+        # split, two arrays of 256 fragment sums (post, pre) follow.
+        smem = cu_utils.SmemAllocator()
+        sums = smem.allocate_array(Float32, 2 * ptx.WARPS + (2 * ptx.THREADS if self.split else 0))
         _boundary_body(
-            self, tidx, row, warp, lane, sums.toint(),
+            self, tidx, warp, lane, sums.toint(),
             (branch.toint(), stream.toint(), alpha.toint(), beta.toint(),
              post_w.toint(), pre_w.toint(), new_stream.toint(), out.toint()),
         )
 
 
-def _boundary_body(k: BoundaryKernel, tidx, row, warp, lane, sums, addrs) -> None:
+def split_ranks(h: int) -> int:
+    """CTAs per row of a split boundary: one per 2048-column fragment, when
+    that is a cluster size every sm_90 GPU launches (2 to 8); else 1."""
+    frags = h // ptx.CHUNK
+    return frags if 2 <= frags <= 8 else 1
+
+
+def _boundary_body(k: BoundaryKernel, tidx, warp, lane, sums, addrs) -> None:
     c = k.constants
     h = c.hidden_size
     branch, stream, alpha, beta, post_w, pre_w, new_stream, out = addrs
-    columns = fragment_columns(tidx, h)
+    post_sum = pre_sum = None
+    if k.split:
+        row = ptx.cluster_id_x()
+        rank = ptx.cluster_rank()
+        columns = [Int64(rank) * ptx.CHUNK + Int64(tidx) * ptx.VEC]
+        fsums = Int32(sums) + 8 * ptx.WARPS  # after the 16 fold slots
+        ranks = k.ranks
+
+        def post_sum(x):
+            return ptx.cluster_row_sum(x[0], ranks, fsums, sums, tidx, warp, lane)
+
+        def pre_sum(x):
+            total = ptx.cluster_row_sum(
+                x[0], ranks, fsums + 4 * ptx.THREADS, Int32(sums) + 4 * ptx.WARPS, tidx, warp, lane
+            )
+            # This CTA has read the others' pre sums: they may exit once all arrive.
+            ptx.cluster_arrive()
+            return total
+    else:
+        row, _, _ = cute.arch.block_idx()
+        columns = fragment_columns(tidx, h)
     gates = None
     if not k.late_gates:
         gates = [_gates(c, alpha, beta, post_w, pre_w, col) for col in columns]
@@ -134,7 +176,7 @@ def _boundary_body(k: BoundaryKernel, tidx, row, warp, lane, sums, addrs) -> Non
         post_words = [g[2] for g in gates]
     # 1. the post-norm, rounded to BF16.
     y = rms_norm_fragments(
-        c.post, h, x, post_words if c.post.weight_dtype else None, sums, warp, lane
+        c.post, h, x, post_words if c.post.weight_dtype else None, sums, warp, lane, post_sum
     )
     new_row = Int64(new_stream) + Int64(row) * (4 * h)
     z = []
@@ -166,11 +208,14 @@ def _boundary_body(k: BoundaryKernel, tidx, row, warp, lane, sums, addrs) -> Non
     # 3. the pre-norm of the BF16-rounded stream, rounded to BF16.
     o = rms_norm_fragments(
         c.pre, h, z, pre_words if c.pre.weight_dtype else None,
-        Int32(sums) + 4 * ptx.WARPS, warp, lane,
+        Int32(sums) + 4 * ptx.WARPS, warp, lane, pre_sum,
     )
     out_row = Int64(out) + Int64(row) * (2 * h)
     for col, f in zip(columns, o):
         ptx.st_row8("bf16", out_row, col, f)
+    if k.split:
+        # No CTA leaves while another may still read its shared memory.
+        ptx.cluster_wait()
 
 
 def fake_args(c: BoundaryConstants, stream_bf16: bool) -> tuple:
@@ -193,15 +238,16 @@ _CACHE = CompileCache()
 
 
 def compile_boundary(
-    c: BoundaryConstants, stream_bf16: bool, store_stream: bool, late_gates: bool, pdl: bool
+    c: BoundaryConstants, stream_bf16: bool, store_stream: bool, late_gates: bool, pdl: bool,
+    split: bool = False,
 ):
     """The compiled ``BoundaryKernel`` of one variant, compiled once per
     process (RuntimeError during CUDA graph capture)."""
-    key = ("boundary", c.key(), stream_bf16, store_stream, late_gates, pdl)
+    key = ("boundary", c.key(), stream_bf16, store_stream, late_gates, pdl, split)
     return _CACHE.get(
         key,
         lambda: compile_kernel(
-            BoundaryKernel(c, stream_bf16, store_stream, late_gates, pdl),
+            BoundaryKernel(c, stream_bf16, store_stream, late_gates, pdl, split),
             *fake_args(c, stream_bf16),
             what="DraftBoundary",
         ),
@@ -219,9 +265,11 @@ class DraftBoundary:
     ``pre(new_stream.to(bf16))``, the same bits as
     ``dspark_core.layers.residual_boundary``. A launch of more than
     ``late_rows`` rows (default: the device's SM count) loads the constants
-    after the PDL wait (``late_gates``). ``pdl``: launch with programmatic
-    dependent launch (default: where the device supports it). Call
-    ``prepare()`` before CUDA graph capture."""
+    after the PDL wait (``late_gates``); a launch of at most ``split_rows``
+    rows (default: the SM count, so every early-gates launch; 0 turns
+    splitting off) splits each row over a cluster of ``H / 2048`` CTAs.
+    ``pdl``: launch with programmatic dependent launch (default: where the
+    device supports it). Call ``prepare()`` before CUDA graph capture."""
 
     def __init__(
         self,
@@ -233,6 +281,7 @@ class DraftBoundary:
         *,
         pdl: bool | None = None,
         late_rows: int | None = None,
+        split_rows: int | None = None,
     ) -> None:
         if not isinstance(constants, BoundaryConstants):
             raise ValueError(
@@ -264,20 +313,34 @@ class DraftBoundary:
         self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
         # Up to one row per SM the constants load before the PDL wait.
         self.late_rows = sm_count(self.device) if late_rows is None else int(late_rows)
+        ranks = split_ranks(h)
+        if ranks == 1:
+            self.split_rows = 0
+        elif split_rows is None:
+            # A split CTA holds few registers (about 64 at H = 8192): 4 fit an SM.
+            self.split_rows = sm_count(self.device)
+        else:
+            self.split_rows = int(split_rows)
 
     def variant(self, m: int, stream_dtype: torch.dtype, store_stream: bool) -> tuple:
-        """``(stream_bf16, store_stream, late_gates, pdl)`` of a launch of ``m`` rows."""
-        return (stream_dtype == torch.bfloat16, bool(store_stream), m > self.late_rows, self.pdl)
+        """``(stream_bf16, store_stream, late_gates, pdl, split)`` of a launch
+        of ``m`` rows (a split launch loads its gates early)."""
+        late = m > self.late_rows
+        split = not late and m <= self.split_rows
+        return (stream_dtype == torch.bfloat16, bool(store_stream), late, self.pdl, split)
 
     def prepare(self, stream_dtypes=(torch.float32, torch.bfloat16), store_stream=(False, True)):
-        """Compile every variant these calls may launch (both gate timings,
-        each stream dtype and store flag given). Call before CUDA graph
+        """Compile every variant these calls may launch (both gate timings
+        and the split kernel, each stream dtype and store flag given). Call before CUDA graph
         capture."""
+        timings = [(False, False), (True, False)]  # (late gates, split)
+        if self.split_rows > 0:
+            timings.append((False, True))
         for dtype in stream_dtypes:
             for store in store_stream:
-                for late in (False, True):
+                for late, split in timings:
                     compile_boundary(
-                        self.constants, dtype == torch.bfloat16, store, late, self.pdl
+                        self.constants, dtype == torch.bfloat16, store, late, self.pdl, split
                     )
 
     def takes(self, branch: torch.Tensor, stream: torch.Tensor) -> bool:

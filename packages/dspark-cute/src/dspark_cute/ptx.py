@@ -30,7 +30,10 @@ API summary (all traced):
   ``st_f16x8``, ``st_row8``; ``ld_shared_f32``, ``st_shared_f32``;
 - reductions: ``fragment_sum``, ``thread_sum``, ``warp_fold``, ``cta_fold``,
   ``row_sum`` (the whole row tree), ``inv_rms``;
-- launch order: ``pdl_wait``, ``pdl_launch_dependents``.
+- launch order: ``pdl_wait``, ``pdl_launch_dependents``;
+- clusters (a row split over the CTAs of a cluster, sm_90+): ``cluster_id_x``,
+  ``cluster_rank``, ``cluster_arrive``, ``cluster_wait``, ``ld_dsmem_f32``,
+  ``cluster_row_sum``.
 """
 
 from __future__ import annotations
@@ -386,6 +389,77 @@ def pdl_launch_dependents() -> None:
     cute.arch.griddepcontrol_launch_dependents()
 
 
+# ---------------------------------------------------------------- clusters
+
+
+@dsl_user_op
+def cluster_id_x(*, loc=None, ip=None) -> Int32:
+    """``%clusterid.x``: the index of this CTA's cluster along x."""
+    return Int32(_asm(T.i32(), [], "mov.u32 $0, %clusterid.x;", "=r", False, loc, ip))
+
+
+@dsl_user_op
+def cluster_rank(*, loc=None, ip=None) -> Int32:
+    """``%cluster_ctarank``: this CTA's rank in its cluster."""
+    return Int32(_asm(T.i32(), [], "mov.u32 $0, %cluster_ctarank;", "=r", False, loc, ip))
+
+
+@dsl_user_op
+def cluster_arrive(*, loc=None, ip=None) -> None:
+    """``barrier.cluster.arrive.release.aligned``: this thread's shared-memory
+    writes become visible to the cluster's threads that then wait."""
+    _asm(None, [], "barrier.cluster.arrive.release.aligned;", "", True, loc, ip)
+
+
+@dsl_user_op
+def cluster_wait(*, loc=None, ip=None) -> None:
+    """``barrier.cluster.wait.acquire.aligned``: wait until every thread of
+    the cluster has arrived (and see what they wrote before arriving)."""
+    _asm(None, [], "barrier.cluster.wait.acquire.aligned;", "", True, loc, ip)
+
+
+@dsl_user_op
+def ld_dsmem_f32(addr, rank, *, loc=None, ip=None) -> Float32:
+    """The FP32 at shared-memory byte address ``addr`` (Int32, this CTA's
+    window) of the cluster's CTA ``rank`` (``mapa`` + ``ld.shared::cluster``)."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+            "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }",
+            "=f,r,r",
+            True,
+            loc,
+            ip,
+        )
+    )
+
+
+def cluster_row_sum(fragment, ranks: int, fsum_addr, sums_addr, tidx, warp, lane) -> Float32:
+    """The row tree of the squares of a row split over a cluster of
+    ``ranks`` CTAs, CTA ``k`` holding fragment ``k`` of every reference
+    thread (``dspark_core.numerics``: the cluster layout). Thread ``t``:
+
+    1. squares its 8 values and forms their fragment sum (step 2), stored at
+       ``fsum_addr + 4 t`` of its CTA's shared memory (256 FP32 reserved);
+    2. a cluster barrier (arrive.release, wait.acquire);
+    3. reads fragment sums ``k = 0 .. ranks-1`` of reference thread ``t``
+       from CTA ``k`` and adds them in order of ``k`` (step 3);
+    4. the warp butterfly and the cross-warp fold (steps 4-5, ``sums_addr``:
+       8 FP32 of this CTA's shared memory).
+
+    Every CTA of the cluster returns the same sum. The caller must keep its
+    CTA alive until the others have read ``fsum_addr`` (a later cluster
+    barrier)."""
+    f = fragment_sum([mul_rn(v, v) for v in fragment])
+    st_shared_f32(Int32(fsum_addr) + Int32(tidx) * 4, f)
+    cluster_arrive()
+    cluster_wait()
+    addr = Int32(fsum_addr) + Int32(tidx) * 4
+    total = thread_sum([ld_dsmem_f32(addr, Int32(k)) for k in range(ranks)])
+    return cta_fold(warp_fold(total), sums_addr, warp, lane)
+
+
 __all__ = [
     "CHUNK",
     "FRAGMENT_BYTES",
@@ -397,6 +471,11 @@ __all__ = [
     "as_f32",
     "as_u32",
     "bf16x2_to_f32",
+    "cluster_arrive",
+    "cluster_id_x",
+    "cluster_rank",
+    "cluster_row_sum",
+    "cluster_wait",
     "cta_fold",
     "div_rn",
     "f16x2_to_f32",
@@ -407,6 +486,7 @@ __all__ = [
     "ld_bf16x8",
     "ld_f16x8",
     "ld_f32x8",
+    "ld_dsmem_f32",
     "ld_global_v4",
     "ld_row8",
     "ld_shared_f32",

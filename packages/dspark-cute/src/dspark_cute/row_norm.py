@@ -21,9 +21,9 @@ import cutlass.cute as cute
 import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64
+
 from dspark_core.constants import NormConstants, RowNormConstants
 from dspark_core.numerics import check_row_width
-
 from dspark_cute import ptx
 from dspark_cute.host import (
     TORCH_DTYPES,
@@ -77,7 +77,8 @@ def gains(norm: NormConstants, words: list) -> list:
 
 
 def rms_norm_fragments(
-    norm: NormConstants, h: int, x: list, weight_words: list | None, sums_addr, warp, lane
+    norm: NormConstants, h: int, x: list, weight_words: list | None, sums_addr, warp, lane,
+    sum_squares=None,
 ) -> list:
     """``dspark_core.layers.RMSNorm.forward`` over one thread's fragments
     ``x`` (lists of 8 FP32, the row widened exactly), before the output
@@ -88,14 +89,20 @@ def rms_norm_fragments(
     - otherwise ``y = x * r``, then ``y = y * g`` with a weight;
 
     each product ``mul.rn``. ``sums_addr``: 8 FP32 of shared memory reserved
-    for this norm's cross-warp fold. Returns the ``y`` fragments (FP32)."""
+    for this norm's cross-warp fold. ``sum_squares(x)``, if given, replaces
+    ``ptx.row_sum(x, sums_addr, warp, lane)`` (the row sum of the squares of
+    the fragments, e.g. over a cluster). Returns the ``y`` fragments (FP32)."""
     has_weight = norm.weight_dtype is not None
     if has_weight and norm.weight_before_norm:
         x = [
             [ptx.mul_rn(v, g) for v, g in zip(f, gains(norm, words))]
             for f, words in zip(x, weight_words)
         ]
-    r = ptx.inv_rms(ptx.row_sum(x, sums_addr, warp, lane), h, norm.eps)
+    if sum_squares is None:
+        total = ptx.row_sum(x, sums_addr, warp, lane)
+    else:
+        total = sum_squares(x)
+    r = ptx.inv_rms(total, h, norm.eps)
     y = [[ptx.mul_rn(v, r) for v in f] for f in x]
     if has_weight and not norm.weight_before_norm:
         y = [
