@@ -25,6 +25,7 @@ into ``--out`` (default ``bench-results/``).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 
@@ -83,10 +84,10 @@ def build(args) -> DraftModel:
     return DraftModel(config, device="cuda")
 
 
-def bench_rows(t: int, model, chain, compiled: dict, args) -> list:
-    """The table rows of context length ``t``: each part's timings."""
+def bench_rows(t: int, model, chain, compiled: dict, args, impls_wanted: tuple, rows_out: list) -> None:
+    """Time the ``impls_wanted`` of each part at context length ``t`` into
+    the rows of ``rows_out`` (one per part and ``t``; made if missing)."""
     h, layers, kv_heads = args.hidden, args.layers, args.kv
-    rows_out = []
     states = (torch.randn(t, h, device="cuda") * 2.0).to(torch.bfloat16)
     positions = torch.randint(0, model.config.max_position, (t,), device="cuda")
     num_blocks = t // BLOCK + 2
@@ -126,10 +127,14 @@ def bench_rows(t: int, model, chain, compiled: dict, args) -> list:
         }),
     }
     for part, (nbytes, impls) in parts.items():
-        row = {"T": t, "part": part, "floor": nbytes / (args.bandwidth * 1e6), "exact": exact, "notes": []}
+        row = next((r for r in rows_out if r["T"] == t and r["part"] == part), None)
+        if row is None:
+            row = {"T": t, "part": part, "floor": nbytes / (args.bandwidth * 1e6), "exact": exact, "notes": [],
+                   "fused": None, "eager": None, "compile": None}
+            rows_out.append(row)
+        row["exact"] = row["exact"] and exact
         for impl, fn in impls.items():
-            if fn is None:
-                row[impl] = None
+            if fn is None or impl not in impls_wanted:
                 continue
             try:
                 us, mode = time_call(fn, args.calls, args.reps)
@@ -140,9 +145,7 @@ def bench_rows(t: int, model, chain, compiled: dict, args) -> list:
                 torch.cuda.synchronize()
                 row[impl] = None
                 row["notes"].append(f"{impl} failed: {type(error).__name__}: {str(error).splitlines()[0][:60]}")
-        rows_out.append(row)
         print(f"T={t} {part}: " + ", ".join(f"{k}={row[k]}" for k in ("fused", "eager", "compile")), flush=True)
-    return rows_out
 
 
 def main() -> None:
@@ -160,6 +163,8 @@ def main() -> None:
 
     from dspark_cute.context import ContextChain
 
+    # The stock code's graph breaks (host reads) would fill the log.
+    torch._logging.set_logs(dynamo=logging.ERROR)
     torch.manual_seed(0)
     model = build(args)
     chain = ContextChain(model)
@@ -168,16 +173,24 @@ def main() -> None:
     if not args.no_compile:
         compiled["norms"] = torch.compile(model.context_norms, dynamic=True)
         compiled["store"] = torch.compile(model.context_kv_store, dynamic=True)
-    rows_out = []
-    for t in args.rows:
-        rows_out.extend(bench_rows(t, model, chain, compiled, args))
-
-    table = markdown(rows_out, args)
+    rows_out: list = []
     os.makedirs(args.out, exist_ok=True)
+    # The fused and stock eager figures first, then torch.compile (its warm-up
+    # compiles take long): the table is rewritten after each context length.
+    phases = [("fused", "eager")] + ([("compile",)] if compiled else [])
+    for wanted in phases:
+        for t in args.rows:
+            bench_rows(t, model, chain, compiled, args, wanted, rows_out)
+            write(rows_out, args)
+    print(markdown(rows_out, args))
+
+
+def write(rows: list, args) -> None:
+    """``context.md`` and ``context.png`` of the rows so far (so that a run
+    stopped in a long torch.compile warm-up still leaves its figures)."""
     with open(os.path.join(args.out, "context.md"), "w") as f:
-        f.write(table)
-    print(table)
-    plot(rows_out, os.path.join(args.out, "context.png"), args)
+        f.write(markdown(rows, args))
+    plot(rows, os.path.join(args.out, "context.png"), args)
 
 
 def _fmt(value) -> str:
