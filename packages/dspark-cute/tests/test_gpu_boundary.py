@@ -87,7 +87,8 @@ def _rows(gen, m, stream_dtype, h: int = H):
 
 
 # Launch settings that force each kernel variant at a row count (by default,
-# up to one row per SM splits rows over clusters, more load the gates late).
+# up to one row per SM loads the gates early, more load them late; splitting a
+# row over a cluster is opt-in).
 FORCE_LATE = {"late_rows": 0}
 FORCE_EARLY = {"late_rows": 10**6, "split_rows": 0}
 FORCE_SPLIT = {"late_rows": 10**6, "split_rows": 10**6}
