@@ -16,7 +16,8 @@ the calls (microseconds per call). A variant that cannot be captured (a host
 read in the stock code, say) is timed eagerly instead and marked so; one that
 fails is reported with its error. The fused outputs are checked bit for bit
 against the stock ones first. The floor column is the fewest bytes the part
-must move (inputs read once, outputs written once) at ``--bandwidth`` TB/s.
+must move (inputs and weights read once, outputs written once; the chain's
+includes the K/V projection weight) at ``--bandwidth`` TB/s.
 
 Writes ``context.md`` (a markdown table, also printed) and ``context.png``
 into ``--out`` (default ``bench-results/``).
@@ -120,7 +121,8 @@ def bench_rows(t: int, model, chain, compiled: dict, args, impls_wanted: tuple, 
             "eager": lambda: model.context_kv_store(kv, positions, caches, slots),
             "compile": (lambda: compiled["store"](kv, positions, caches, slots)) if compiled else None,
         }),
-        "chain": (norm_bytes + store_bytes, {
+        # The chain also reads the stacked K/V projection weight [L, 2 * kv * 64, H].
+        "chain": (norm_bytes + store_bytes + layers * 2 * kv_heads * 64 * h * 2, {
             "fused": lambda: chain.run(states, positions, caches, slots),
             "eager": lambda: model.precompute_and_store_context_kv(states, positions, caches, slots),
             "compile": None,
