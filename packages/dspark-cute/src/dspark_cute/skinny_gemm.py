@@ -1,0 +1,410 @@
+"""The skinny GEMM main loop: ``x[m, K] @ W[N, K]^T`` for 1 <= m <= 16 rows of
+``x``, streaming the BF16 weight once with 16-byte ``cp.async`` loads into a
+thread-private shared-memory ring, on BF16 tensor cores with FP32
+accumulation. A kernel built on it owns whole 64-row tiles of ``W`` (one CTA
+each), so its epilogue sees finished rows (the QKV front norms 64-wide heads;
+a package GEMM stores them): the epilogue is the caller's code, run after
+``store_partials`` on the values ``reduced_pair`` returns.
+
+Layout of one CTA (``SkinnyConfig``; ``k_warps`` = W_K warps, 32 * W_K
+threads). Warp ``w`` owns the K-slice ``[w * K / W_K, (w + 1) * K / W_K)`` of
+all 64 rows; lane ``l`` has ``g = l >> 2`` and ``t = l & 3``. In step ``s``
+(``K / (32 W_K)`` steps) the warp covers the 32 columns ``k0 + 32 s`` ..
+``+ 31`` (``k0`` the slice start): the lane loads, with one 16-byte copy
+each, the 8 columns ``k0 + 32 s + 8 t .. + 7`` of the weight rows ``16 i + g``
+and ``16 i + g + 8`` (``i`` = 0..3, the four 16-row MMA tiles) and of the x
+rows (tokens) ``g`` and (``n_tiles`` = 2) ``g + 8``, clamped to ``m - 1``.
+Those words are exactly an ``mma.m16n8k16`` A and B fragment after a
+permutation of K applied to both operands: the logical column pairs
+``2t, 2t + 1`` and ``2t + 8, 2t + 9`` of MMA ``half`` (0, 1) are the physical
+columns ``8t + 4 half + {0, 1}`` and ``8t + 4 half + {2, 3}``. So the weight
+goes from global memory to the tensor cores without a shuffle or a CTA
+barrier: each thread reads back only what it copied itself (``cp.async.wait_group``).
+The ring holds ``stages`` steps per thread; a step's slot is refilled with the
+step ``stages`` later as soon as its MMAs are issued. Before the first x load
+the caller's ``before_x`` runs (the PDL wait: the weight prologue overlaps the
+previous kernel).
+
+Summation order of one output ``y[n, r] = sum_k x[n, k] W[r, k]``:
+
+1. warp ``w`` accumulates its slice in FP32 starting from +0.0, one
+   ``mma.sync.m16n8k16`` (16 products) after another: step ``s``, half 0
+   then half 1 (columns ``k0 + 32 s + 8 t + 4 half + {0..3}``, t = 0..3); the
+   order of the 16 products and the accumulator inside one MMA is the tensor
+   core's (undocumented; not IEEE);
+2. the W_K warp partials are folded by halves with ``add.rn.f32``:
+   ``p_w + p_(w + W_K/2)``, then the same on the halves, down to one;
+3. the sum is rounded to BF16 (``cvt.rn.bf16x2.f32``) by the epilogue.
+
+Error bound against the exact (float64) ``y``, with ``T = sum_k |x_k w_k|``,
+``L = K / (16 W_K)`` MMAs per warp, ``d = log2 W_K``, ``u = 2^-24``:
+assume each MMA returns ``c + sum of its 16 products`` within
+``beta * (|c| + sum |p|)``, ``beta = 2^-18`` (the products of BF16 are exact;
+at most two internal passes, each aligning at most 17 addends to the largest
+with at least 23 fraction bits and truncating, then normalizing: per pass at
+most ``18 * 2^-23`` of its addends' magnitude sum; this is a model of
+undocumented hardware, which the GPU tests check). By induction the chain's
+error is at most ``L * beta * (1 + beta)^L * T``; the fold adds at most
+``((1 + u)^d - 1) * sum |p_w|``. For ``L * beta <= 2^-10`` (``K <= 4096 *
+W_K``):
+
+    |y_fp32 - y| <= E = (L * beta + d * u) * (1 + 2^-9) * T + K * 2^-125
+
+(the last term: products and partial sums that underflow FP32's normal range
+may be flushed). The BF16 result ``out`` adds its rounding:
+``|out - y| <= E + 2^-8 * |out| + 2^-134`` (half an ulp of ``out``, or of the
+smallest subnormal). For K = 8192, W_K = 8 that is ``E ~ 2^-12 * T``, well
+inside the usual ``K * 2^-24 * T`` of a sequential FP32 dot product.
+``projection_error_bound`` computes it. Tensor-core MMAs are the only
+multiply-adds: the PTX has no ``fma``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from dspark_cute import ptx
+
+TILE_ROWS = 64  # weight rows per CTA (four 16-row MMA tiles)
+MMA_TILES = TILE_ROWS // 16
+W_LOADS = 2 * MMA_TILES  # 16-byte weight copies per thread and step
+STEP_K = 32  # columns per warp and step
+RED_STRIDE = TILE_ROWS + 4  # floats per token row of the partials (bank spread)
+MAX_TOKENS = 16
+BETA = 2.0**-18  # the assumed per-MMA relative error (module docstring)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """The compile-time shape of the main loop: ``k`` columns, ``k_warps``
+    warps splitting them, ``stages`` steps in flight per thread, ``n_tiles``
+    8-token MMA tiles (1: m <= 8, 2: m <= 16)."""
+
+    k: int
+    k_warps: int = 8
+    stages: int = 2
+    n_tiles: int = 2
+
+    def __post_init__(self) -> None:
+        if self.k_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"the skinny GEMM splits K over 1, 2, 4, 8 or 16 warps, not {self.k_warps}")
+        if self.k <= 0 or self.k % (STEP_K * self.k_warps):
+            raise ValueError(
+                f"the skinny GEMM takes K a positive multiple of {STEP_K * self.k_warps} "
+                f"(32 columns per step and warp), not {self.k}"
+            )
+        if self.n_tiles not in (1, 2):
+            raise ValueError(f"the skinny GEMM covers 8 or 16 tokens (n_tiles 1 or 2), not {self.n_tiles}")
+        if not 1 <= self.stages <= self.steps:
+            raise ValueError(f"{self.stages} stages for {self.steps} steps")
+        if self.mmas_per_warp * BETA > 2.0**-10:
+            raise ValueError(f"K = {self.k} over {self.k_warps} warps is beyond the stated error bound")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.k_warps
+
+    @property
+    def steps(self) -> int:
+        return self.k // (STEP_K * self.k_warps)
+
+    @property
+    def loads(self) -> int:
+        """16-byte copies per thread and step (weight, then x)."""
+        return W_LOADS + self.n_tiles
+
+    @property
+    def mmas_per_warp(self) -> int:
+        """MMAs in one output's accumulation chain: L = K / (16 W_K)."""
+        return self.k // (16 * self.k_warps)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.stages * self.loads * self.threads * 16
+
+    @property
+    def red_bytes(self) -> int:
+        return self.k_warps * MAX_TOKENS * RED_STRIDE * 4
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory: the ring, later reused for the warp partials."""
+        return max(self.ring_bytes, self.red_bytes)
+
+
+# ---------------------------------------------------------------- index maps
+# Plain integer arithmetic, traced in the kernel and evaluated on Python ints
+# by the CPU tests (which emulate the whole tile from them).
+
+
+def lane_coords(lane):
+    """``(g, t)`` of an MMA lane: ``(lane >> 2, lane & 3)``."""
+    return lane >> 2, lane & 3
+
+
+def weight_offset(cfg: SkinnyConfig, warp, lane, step: int, load: int):
+    """Element offset in the tile (rows of ``cfg.k``) of weight copy ``load``
+    (``2 i + h``: row ``16 i + g + 8 h``) of ``step`` for this thread."""
+    g, t = lane_coords(lane)
+    i, h = divmod(load, 2)
+    k0 = warp * (cfg.k // cfg.k_warps) + 8 * t
+    return (16 * i + 8 * h + g) * cfg.k + k0 + STEP_K * step
+
+
+def x_token(lane, n_tile: int, m, minimum=min):
+    """The x row (token) this lane copies for ``n_tile``: ``g + 8 n_tile``,
+    clamped to ``m - 1`` (a clamped copy only feeds MMA columns no one reads)."""
+    g, _ = lane_coords(lane)
+    return minimum(g + 8 * n_tile, m - 1)
+
+
+def x_offset(cfg: SkinnyConfig, warp, lane, step: int, token):
+    """Element offset in x (rows of ``cfg.k``) of this thread's copy of ``token``."""
+    _, t = lane_coords(lane)
+    return token * cfg.k + warp * (cfg.k // cfg.k_warps) + 8 * t + STEP_K * step
+
+
+def ring_offset(cfg: SkinnyConfig, tid, stage: int, load: int):
+    """Byte offset in the ring of a thread's 16-byte slot (a warp's 32 slots
+    are contiguous: conflict-free)."""
+    return ((stage * cfg.loads + load) * cfg.threads + tid) * 16
+
+
+def a_fragment(words: list, i: int, half: int) -> list:
+    """The 4 A registers of MMA tile ``i``, ``half`` from a step's copied
+    words (``words[load][0..3]``): rows ``g`` / ``g + 8``, logical column
+    pairs ``2t`` (words ``2 half``) and ``2t + 8`` (words ``2 half + 1``)."""
+    r0, r1 = words[2 * i], words[2 * i + 1]
+    return [r0[2 * half], r1[2 * half], r0[2 * half + 1], r1[2 * half + 1]]
+
+
+def b_fragment(words: list, n_tile: int, half: int) -> list:
+    """The 2 B registers of ``n_tile``, ``half``: the x words matching
+    ``a_fragment``'s columns."""
+    xw = words[W_LOADS + n_tile]
+    return [xw[2 * half], xw[2 * half + 1]]
+
+
+def acc_coords(lane, i: int, n_tile: int, reg: int):
+    """``(row, token)`` of accumulator register ``reg`` (c0..c3) of MMA tile
+    ``i`` and ``n_tile``: rows ``16 i + g (+ 8)``, tokens ``8 n_tile + 2t (+ 1)``."""
+    g, t = lane_coords(lane)
+    return 16 * i + g + 8 * (reg >> 1), 8 * n_tile + 2 * t + (reg & 1)
+
+
+def red_offset(warp, token, row):
+    """Float index of a warp's partial of ``(token, row)`` in the partials."""
+    return (warp * MAX_TOKENS + token) * RED_STRIDE + row
+
+
+# ---------------------------------------------------------------- PTX primitives
+
+
+def _asm(result_type, operands, text, constraints, side_effects, loc, ip):
+    return llvm.inline_asm(
+        result_type, operands, text, constraints, has_side_effects=side_effects,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None) -> None:
+    """Copy 16 bytes from global ``gmem_addr`` (Int64, 16-byte aligned) to
+    shared ``smem_addr`` (Int32) asynchronously, caching in L2 only with a
+    256-byte L2 prefetch (``cp.async.cg...L2::256B``; the next steps read
+    the rest of each 256 bytes)."""
+    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+         "cp.async.cg.shared.global.L2::256B [$0], [$1], 16;", "r,l", True, loc, ip)
+
+
+@dsl_user_op
+def cp_async_commit(*, loc=None, ip=None) -> None:
+    """``cp.async.commit_group`` (an empty group is legal and completes at once)."""
+    _asm(None, [], "cp.async.commit_group;", "", True, loc, ip)
+
+
+@dsl_user_op
+def cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
+    """``cp.async.wait_group pending``: this thread's copies of all but the
+    newest ``pending`` groups have landed and are visible to it."""
+    _asm(None, [], f"cp.async.wait_group {int(pending)};", "", True, loc, ip)
+
+
+@dsl_user_op
+def ld_shared_v4(addr, *, loc=None, ip=None) -> list:
+    """Four 32-bit words at shared ``addr`` (Int32, 16-byte aligned), kept in
+    program order after the preceding ``cp_async_wait``."""
+    words = _asm(llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
+                 "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", True, loc, ip)
+    return [Uint32(llvm.extractvalue(T.i32(), words, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def ld_shared_v2_f32(addr, *, loc=None, ip=None) -> tuple:
+    """Two FP32 at shared ``addr`` (Int32, 8-byte aligned)."""
+    pair = _asm(llvm.StructType.get_literal([T.f32()] * 2), [Int32(addr).ir_value(loc=loc, ip=ip)],
+                "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r", True, loc, ip)
+    return tuple(Float32(llvm.extractvalue(T.f32(), pair, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def mma_bf16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
+    """``d = c + A @ B`` on the tensor cores: ``mma.sync.aligned.m16n8k16``
+    row.col, BF16 inputs, FP32 accumulators (fragments as in the PTX ISA)."""
+    ops = [Uint32(v).ir_value(loc=loc, ip=ip) for v in list(a) + list(b)]
+    ops += [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
+    res = _asm(
+        llvm.StructType.get_literal([T.f32()] * 4), ops,
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", False, loc, ip,
+    )
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+# ---------------------------------------------------------------- the main loop
+
+
+def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=None) -> list:
+    """Trace the main loop of one 64-row tile: ``w_tile`` the byte address
+    (Int64) of the tile's first weight row, ``x`` of x's first row, ``m``
+    the token count (Int32), ``ring`` the shared-memory ring (Int32,
+    ``cfg.ring_bytes``, 16-byte aligned). ``before_x()`` runs after the
+    weight copies of the first ``stages`` steps, before any x copy.
+    Returns the accumulators ``acc[i][n_tile]`` (4 FP32 each, ``acc_coords``),
+    this warp's partial sums over its K-slice."""
+    tokens = [x_token(lane, nt, m, minimum=_min_i32) for nt in range(cfg.n_tiles)]
+
+    def copy_weight(step: int, stage: int) -> None:
+        for load in range(W_LOADS):
+            src = Int64(w_tile) + Int64(weight_offset(cfg, warp, lane, step, load)) * 2
+            cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, load), src)
+
+    def copy_x(step: int, stage: int) -> None:
+        for nt, tok in enumerate(tokens):
+            src = Int64(x) + Int64(x_offset(cfg, warp, lane, step, tok)) * 2
+            cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, W_LOADS + nt), src)
+
+    # Prologue: the weight of the first stages (constant data: before the
+    # PDL wait), then x, one commit group per step.
+    for p in range(cfg.stages):
+        copy_weight(p, p)
+    if before_x is not None:
+        before_x()
+    for p in range(cfg.stages):
+        copy_x(p, p)
+        cp_async_commit()
+
+    zero = ptx.f32_const(0.0)
+    acc = [[[zero] * 4 for _ in range(cfg.n_tiles)] for _ in range(MMA_TILES)]
+    for s in range(cfg.steps):
+        stage = s % cfg.stages
+        # Committed so far: stages + s groups (one per step, empty at the end);
+        # step s's is complete once at most stages - 1 are pending.
+        cp_async_wait(cfg.stages - 1)
+        words = [ld_shared_v4(Int32(ring) + ring_offset(cfg, tid, stage, load)) for load in range(cfg.loads)]
+        for half in range(2):
+            for i in range(MMA_TILES):
+                for nt in range(cfg.n_tiles):
+                    acc[i][nt] = mma_bf16(a_fragment(words, i, half), b_fragment(words, nt, half), acc[i][nt])
+        # Refill the slot just read (its values are in registers, consumed
+        # by the MMAs above) with the step `stages` ahead.
+        if s + cfg.stages < cfg.steps:
+            copy_weight(s + cfg.stages, stage)
+            copy_x(s + cfg.stages, stage)
+        cp_async_commit()
+    cp_async_wait(0)
+    return acc
+
+
+def _min_i32(a, b):
+    import cutlass
+
+    return cutlass.min(Int32(a), Int32(b))
+
+
+def store_partials(cfg: SkinnyConfig, acc: list, red, warp, lane) -> None:
+    """Write this warp's accumulators to the partials (shared, Int32 ``red``,
+    ``cfg.red_bytes``, aliasing the ring), between two CTA barriers: the first
+    keeps every thread's last ring reads before the overwrite, the second
+    makes the partials visible."""
+    import cutlass.cute as cute
+
+    cute.arch.barrier()
+    for i in range(MMA_TILES):
+        for nt in range(cfg.n_tiles):
+            for reg in range(4):
+                row, tok = acc_coords(lane, i, nt, reg)
+                ptx.st_shared_f32(Int32(red) + Int32(red_offset(warp, tok, row)) * 4, acc[i][nt][reg])
+    cute.arch.barrier()
+
+
+def fold_halves(values: list) -> object:
+    """``v_w + v_(w + n/2)`` (``add.rn``), repeated down to one value."""
+    while len(values) > 1:
+        half = len(values) // 2
+        values = [ptx.add_rn(values[w], values[w + half]) for w in range(half)]
+    return values[0]
+
+
+def reduced_pair(cfg: SkinnyConfig, red, token, lane) -> tuple:
+    """The FP32 sums of rows ``2 lane`` and ``2 lane + 1`` for ``token``
+    (Int32, < 8 n_tiles): the W_K partials folded by halves (step 2)."""
+    pairs = [ld_shared_v2_f32(Int32(red) + Int32(red_offset(w, token, 2 * lane)) * 4) for w in range(cfg.k_warps)]
+    return fold_halves([p[0] for p in pairs]), fold_halves([p[1] for p in pairs])
+
+
+# ---------------------------------------------------------------- the stated bound (host)
+
+
+def projection_error_bound(x: torch.Tensor, weight: torch.Tensor, k_warps: int) -> torch.Tensor:
+    """``E`` of the module docstring per output ``[m, N]`` (float64, on x's
+    device): ``(L * beta + d * u) * (1 + 2^-9) * T + K * 2^-125``."""
+    k = weight.shape[1]
+    cfg = SkinnyConfig(k=k, k_warps=k_warps, stages=1, n_tiles=1)
+    t = x.double().abs() @ weight.double().abs().t()
+    d = k_warps.bit_length() - 1
+    coeff = (cfg.mmas_per_warp * BETA + d * 2.0**-24) * (1 + 2.0**-9)
+    return coeff * t + k * 2.0**-125
+
+
+def output_error_bound(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, k_warps: int) -> torch.Tensor:
+    """The bound on ``|out - y|`` of the rounded BF16 ``out``:
+    ``E + 2^-8 |out| + 2^-134`` (float64)."""
+    return projection_error_bound(x, weight, k_warps) + out.double().abs() * 2.0**-8 + 2.0**-134
+
+
+__all__ = [
+    "BETA",
+    "MMA_TILES",
+    "RED_STRIDE",
+    "STEP_K",
+    "SkinnyConfig",
+    "TILE_ROWS",
+    "W_LOADS",
+    "a_fragment",
+    "acc_coords",
+    "b_fragment",
+    "cp_async_16",
+    "cp_async_commit",
+    "cp_async_wait",
+    "fold_halves",
+    "ld_shared_v2_f32",
+    "ld_shared_v4",
+    "mainloop",
+    "mma_bf16",
+    "output_error_bound",
+    "projection_error_bound",
+    "reduced_pair",
+    "red_offset",
+    "ring_offset",
+    "store_partials",
+    "weight_offset",
+    "x_offset",
+    "x_token",
+]
