@@ -30,7 +30,7 @@ SPAN = 512  # attn_slots width: every step of a test shares one graph shape
 
 
 def _reference(**changes) -> DraftModel:
-    config = DraftConfig(num_layers=3, intermediate_size=8192, seed=SEED % 10_000, **changes)
+    config = DraftConfig(**{"num_layers": 3, "intermediate_size": 8192, "seed": SEED % 10_000, **changes})
     return DraftModel(config, device="cuda")
 
 

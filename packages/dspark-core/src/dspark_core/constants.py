@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -27,14 +28,36 @@ HEAD_DIM = 64
 MAX_DECODE_ROWS = 16
 
 
+def _identity(value):
+    """``value`` with every float replaced by its FP64 bit pattern: -0.0 and
+    0.0 (a gain center) give different bits, so they must not compare equal."""
+    if isinstance(value, float):
+        return ("f64", struct.unpack("<q", struct.pack("<d", value))[0])
+    if isinstance(value, tuple):
+        return tuple(_identity(v) for v in value)
+    return value
+
+
 class _Key:
+    """Equality, hash and ``key()`` by the exact bits of every field (the
+    dataclasses below are declared ``eq=False`` to use them)."""
+
+    def _fields(self) -> tuple:
+        return _identity(dataclasses.astuple(self))
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._fields()))
+
     def key(self) -> str:
         """A short stable hash of the constants (the compiled variant's name)."""
-        text = repr(dataclasses.astuple(self))
+        text = repr((type(self).__name__, self._fields()))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class NormConstants(_Key):
     """What a fused kernel reads of one ``RMSNorm`` besides its weight tensor."""
 
@@ -46,7 +69,7 @@ class NormConstants(_Key):
     weight_before_norm: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RowNormConstants(_Key):
     """The row norm / first layer's input norm kernel: one ``RMSNorm`` of BF16
     (or FP32) rows of ``hidden_size`` columns into ``out_dtype``."""
@@ -57,7 +80,7 @@ class RowNormConstants(_Key):
     out_dtype: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BoundaryConstants(_Key):
     """The residual boundary kernel: post-norm, gated FP32 residual, pre-norm."""
 
@@ -66,7 +89,7 @@ class BoundaryConstants(_Key):
     pre: NormConstants
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ContextNormConstants(_Key):
     """The context norms kernel: the hidden norm, then each of ``num_layers``
     input norms (same constants, own weights), stacked ``[L, T, H]``."""
@@ -77,7 +100,7 @@ class ContextNormConstants(_Key):
     pre: NormConstants
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ContextStoreConstants(_Key):
     """The context K/V store kernel: weightless K-norm, GPT-J RoPE and the
     insert of ``kv_heads`` heads of ``HEAD_DIM`` per layer."""
@@ -174,7 +197,7 @@ def context_store_constants(k_norm: HeadNorm, kv_heads: int, rotary: Rotary | No
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class QKVFrontConstants(_Key):
     """The QKV front kernel: projection (q, k, v, o-gate rows), QK-norm,
     GPT-J RoPE and the K/V insert for 1 to ``MAX_DECODE_ROWS`` tokens."""
@@ -224,7 +247,7 @@ def qkv_front_constants(attn) -> QKVFrontConstants:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ContextConstants(_Key):
     """The fused context K/V chain: its norms kernel and its store kernel."""
 
@@ -237,7 +260,7 @@ FP32_RANK_ORDER = "fp32_rank_order"
 BF16_RANK_ORDER = "bf16_rank_order"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AllReduceConstants(_Key):
     """The fused all-reduce boundary: the TP size and the sum order
     (``FP32_RANK_ORDER``: ranks' BF16 partials widened and added in FP32 in
@@ -248,7 +271,7 @@ class AllReduceConstants(_Key):
     sum_order: str = FP32_RANK_ORDER
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PackageGemmConstants(_Key):
     """One branch's package GEMM: ``x[m, k_shard] @ W[hidden, k_shard]^T``
     at its role's launch shape."""

@@ -53,7 +53,11 @@ def executor_builder():
     ``dspark.executors`` entry point), or None where no backend provides one."""
     for ep in entry_points(group=EXECUTORS_ENTRY_POINTS):
         return ep.load()
-    return None
+    try:  # dspark-cute importable from the path but not installed
+        from dspark_cute.decode import build_draft_decode
+    except ImportError:
+        return None
+    return build_draft_decode
 
 
 def _context(model, states, positions, decode, blocks, device):

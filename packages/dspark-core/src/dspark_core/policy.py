@@ -25,13 +25,28 @@ ALL_KERNELS = frozenset(
 KERNELS_ENTRY_POINTS = "dspark.kernels"
 
 
+# DSpark's own backends, found by module where they are importable but not
+# installed (a device machine that puts the packages' src/ on PYTHONPATH).
+FIRST_PARTY_KERNELS = ("dspark_cute._provides", "dspark_comm._provides")
+
+
 def installed_kernels() -> frozenset[str]:
-    """The kernels the installed backend packages provide."""
+    """The kernels the installed backend packages provide (entry points),
+    and those of DSpark's own backends importable from the path."""
+    import importlib
+    import importlib.util
     from importlib.metadata import entry_points
 
     found: set[str] = set()
     for ep in entry_points(group=KERNELS_ENTRY_POINTS):
         found.update(ep.load())
+    for name in FIRST_PARTY_KERNELS:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ModuleNotFoundError:  # its package is absent
+            continue
+        if spec is not None:
+            found.update(importlib.import_module(name).KERNELS)
     return frozenset(found) & ALL_KERNELS
 
 

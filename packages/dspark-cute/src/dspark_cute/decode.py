@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from dspark_core import policy
-from dspark_core.layers import residual_boundary
+from dspark_core.layers import capturing, residual_boundary
 from dspark_core.model import DraftModel, StepInputs
 from dspark_core.plan import DraftPlan, plan_draft
 
@@ -151,7 +151,7 @@ class DraftDecode:
         except ImportError as error:
             _log_once(logging.WARNING, f"the context K/V chain keeps its stock modules: {error}")
             return None
-        chain = ContextChain(self.model, part.constants)
+        chain = ContextChain(self.model)
         chain.prepare()
         return chain
 
@@ -217,7 +217,32 @@ class DraftDecode:
         or False (nothing done) where it does not cover the call."""
         if self.context is None:
             return False
-        return self.context.store(context_states, positions, caches, slots)
+        if not capturing():
+            # The stock chain raises for slots beyond a cache and positions
+            # beyond the RoPE table; the kernel skips such rows: check first.
+            _check_context_call(self.model, positions, caches, slots)
+        try:
+            self.context.run(context_states, positions, caches, slots)
+        except ValueError as error:
+            _log_once(logging.INFO, f"the context K/V chain ran stock: {error}")
+            return False
+        return True
+
+
+def _check_context_call(model: DraftModel, positions, caches, slots) -> None:
+    """The stock chain's ValueErrors for out-of-range slots and positions."""
+    rotary = model.rotary
+    if rotary is not None and positions.numel() and (
+        int(positions.min()) < 0 or int(positions.max()) >= rotary.max_position
+    ):
+        raise ValueError(f"RoPE positions must lie in [0, {rotary.max_position})")
+    per_layer = slots if isinstance(slots, (list, tuple)) else [slots] * len(caches)
+    for cache, layer_slots in zip(caches, per_layer):
+        if layer_slots is None:
+            continue
+        num_slots = cache.num_slots if hasattr(cache, "num_slots") else cache.shape[0] * cache.shape[2]
+        if layer_slots.numel() and int(layer_slots.max()) >= num_slots:
+            raise ValueError(f"a slot beyond the cache's {num_slots} slots")
 
 
 def build_draft_decode(
