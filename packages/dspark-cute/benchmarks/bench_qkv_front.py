@@ -151,6 +151,8 @@ def main() -> None:
             f"{100 * tbs(tf) / HBM_TBS:.1f} | {tbs(tc):.2f} |"
         )
 
+    # Written now and again after the sweep (so a cut-short sweep keeps the main table).
+    (out_dir / "qkv_front.md").write_text("\n".join(lines) + "\n")
     if args.sweep:
         lines += ["", "## Main-loop shapes (graph, PDL)", "", "| k_warps | stages | smem KB (m<=16) | m | us | TB/s |",
                   "|---|---|---|---|---|---|"]
