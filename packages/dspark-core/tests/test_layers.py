@@ -92,6 +92,20 @@ def test_rmsnorm_forward_out_dtype_and_leading_shape(rng):
     I.assert_same_bits(norm(I.to_torch(x[0, 0], "bf16")), np_norm(norm, w, x[0, :1])[0], "1-D")
 
 
+def test_rmsnorm_strided_inputs_and_many_rows(rng):
+    """Layout does not matter: a column slice of a wider tensor, a transposed
+    view and 257 rows give the bits of the contiguous rows."""
+    h = 4096
+    norm, w = make_norm(rng, h, wdt="fp32", center=1.0, before=True, out="fp32")
+    big = I.random_in(rng, (257, 2 * h), "bf16", "wide")
+    x = big[:, h:]
+    expect = np_norm(norm, w, np.ascontiguousarray(x))
+    I.assert_same_bits(norm(I.to_torch(big, "bf16")[:, h:]), expect, "column slice, 257 rows")
+    xt = I.to_torch(np.ascontiguousarray(x[:5].T), "bf16").t()  # a transposed (column-major) view
+    assert not xt.is_contiguous()
+    I.assert_same_bits(norm(xt), expect[:5], "transposed view")
+
+
 # ---------------------------------------------------------------------------
 # RMSNorm: accuracy.
 
