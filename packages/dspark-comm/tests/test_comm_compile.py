@@ -1,0 +1,191 @@
+"""CPU tests: the mailbox kernels compile for sm_90a and sm_100a without a
+GPU, a PTX audit of what they compile to, ``ptxas`` accepts them where it is
+installed, and the host side refuses bad calls before any launch.
+
+The audit, per all-reduce kernel: exactly one 16-byte ``ld.relaxed.sys``
+per fragment and polled rank (all inside the bounded poll loops, each loop
+reading ``%globaltimer``), one ``st.relaxed.sys`` per fragment and peer
+(push) and per fragment and polled rank (clear), the status and epoch read
+after the PDL wait, the address table before it; ``add.rn.f32`` and
+``cvt.rn.bf16x2.f32`` counts of the sum order; no FMA, ``.ftz``,
+approximation, multicast (``multimem``) or local memory.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import types
+
+import pytest
+import torch
+
+from dspark_comm.protocol import MailboxLayout
+from dspark_core.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, BoundaryConstants, NormConstants
+
+ARCHS = ["sm_90a", "sm_100a"]
+H = 8192
+FRAGS = H // 2048
+
+
+def _body(ptx: str) -> str:
+    return "\n".join(line.split("//")[0] for line in ptx.splitlines())
+
+
+def _count(body: str, pattern: str) -> int:
+    return len(re.findall(pattern, body, flags=re.MULTILINE))
+
+
+def _ptxas(ptx: str, arch: str, tmp_path) -> str:
+    """ptxas's verbose report of ``ptx`` (skipped where ptxas is absent)."""
+    if shutil.which("ptxas") is None:
+        return ""
+    src = tmp_path / f"k_{arch}.ptx"
+    src.write_text(ptx)
+    r = subprocess.run(["ptxas", "-v", f"-arch={arch}", str(src), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stderr
+
+
+def audit(ptx: str, tp: int, order: str, published: bool, adds_per_column: int | None = None) -> None:
+    body = _body(ptx)
+    polled = tp if published else tp - 1
+    pushes = 0 if published else FRAGS * (tp - 1)
+    assert not re.search(r"\bfma\b|fma\.", body), "an FMA"
+    assert ".ftz" not in body and not re.search(r"rsqrt|\.approx", body)
+    assert "multimem" not in body, "a multicast access"
+    assert not re.search(r"\b(ld|st)\.local", body), "local memory"
+    assert _count(body, r"ld\.relaxed\.sys\.global\.v4\.b32") == FRAGS * polled
+    assert _count(body, r"st\.relaxed\.sys\.global\.v4\.b32") == pushes + FRAGS * polled
+    assert _count(body, r"%globaltimer") == polled + 1  # the deadline, then one per poll loop
+    head, sep, tail = body.partition("griddepcontrol.wait")
+    assert sep, "no PDL wait"
+    assert _count(head, r"ld\.global\.b64") == tp and "ld.relaxed" not in head
+    assert "griddepcontrol.launch_dependents" in tail
+    if adds_per_column is not None:
+        assert _count(body, r"add\.rn\.f32") == adds_per_column * H // 256
+    cvts = _count(body, r"cvt\.rn\.bf16x2\.f32")
+    rounds = (tp - 1) if order == BF16_RANK_ORDER else 1
+    assert cvts >= rounds * 4 * FRAGS
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("order", [FP32_RANK_ORDER, BF16_RANK_ORDER])
+@pytest.mark.parametrize("published", [False, True])
+def test_all_reduce_compiles(arch, tp, order, published, tmp_path):
+    from dspark_comm.allreduce import AllReduceKernel, StoreEpilogue, all_reduce_fake_args
+    from dspark_cute.host import compile_ptx
+
+    layout = MailboxLayout(tp, H, 16)
+    rank = tp - 1
+    ptx = compile_ptx(AllReduceKernel(layout, rank, order, StoreEpilogue(), published, True),
+                      *all_reduce_fake_args(), arch=arch)
+    assert f".target {arch}" in ptx
+    audit(ptx, tp, order, published, adds_per_column=tp - 1)
+    # The plain epilogue stores the row once: 16-byte weak stores.
+    assert _count(_body(ptx), r"st\.global\.v4\.b32") == FRAGS
+    report = _ptxas(ptx, arch, tmp_path)
+    if report and tp == 2:
+        assert "0 bytes spill stores" in report
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "tp,order,stream_bf16,store,post,pre",
+    [
+        (2, FP32_RANK_ORDER, False, True, ("bf16", False, 0.0), ("fp32", True, 1.0)),
+        (2, BF16_RANK_ORDER, True, False, (None, False, 0.0), ("fp16", False, 0.0)),
+        (4, FP32_RANK_ORDER, False, False, ("fp32", False, 1.0), (None, False, 0.0)),
+        (8, BF16_RANK_ORDER, True, True, ("bf16", True, 0.0), ("bf16", False, 1.0)),
+    ],
+)
+def test_boundary_compiles(arch, tp, order, stream_bf16, store, post, pre, tmp_path):
+    from dspark_comm.allreduce import AllReduceKernel, all_reduce_fake_args
+    from dspark_comm.boundary import BoundaryEpilogue
+    from dspark_cute.host import compile_ptx
+
+    c = BoundaryConstants(H, NormConstants(1e-6, post[0], post[2], post[1]),
+                          NormConstants(1e-5, pre[0], pre[2], pre[1]))
+    layout = MailboxLayout(tp, H, 16)
+    ptx = compile_ptx(AllReduceKernel(layout, 0, order, BoundaryEpilogue(c, stream_bf16, store), False, True),
+                      *all_reduce_fake_args(), arch=arch)
+    audit(ptx, tp, order, False)
+    body = _body(ptx)
+    # Two norms: one barrier each, one more before the epoch advances.
+    assert _count(body, r"\bbar\.sync\b") == 3
+    assert _count(body, r"shfl\.sync\.bfly\.b32") == 10
+    assert _count(body, r"div\.rn\.f32") == 4 and _count(body, r"sqrt\.rn\.f32") == 2
+    gates = 2 * FRAGS * 2 + sum(FRAGS * {"bf16": 1, "fp16": 1, "fp32": 2}[n[0]] for n in (post, pre) if n[0])
+    head = body.partition("griddepcontrol.wait")[0]
+    assert _count(head, r"ld\.global\.v4\.b32") == gates, "the gates load before the PDL wait"
+    assert _count(body, r"st\.global\.v4\.b32") == FRAGS + (2 * FRAGS if store else 0)
+    _ptxas(ptx, arch, tmp_path)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+def test_publish_and_example_compile(arch, tmp_path):
+    from dspark_comm.allreduce import AllReduceKernel, PublishKernel, all_reduce_fake_args, publish_fake_args
+    from dspark_comm.examples import AddBiasEpilogue
+    from dspark_cute.host import compile_ptx
+
+    layout = MailboxLayout(4, H, 16)
+    ptx = compile_ptx(PublishKernel(layout, 1, True), *publish_fake_args(), arch=arch)
+    body = _body(ptx)
+    assert _count(body, r"st\.relaxed\.sys\.global\.v4\.b32") == 4 * FRAGS  # every rank, itself included
+    assert "ld.relaxed.sys" not in body and "%globaltimer" not in body
+    _ptxas(ptx, arch, tmp_path)
+    ptx = compile_ptx(AllReduceKernel(layout, 2, FP32_RANK_ORDER, AddBiasEpilogue(), False, True),
+                      *all_reduce_fake_args(), arch=arch)
+    audit(ptx, 4, FP32_RANK_ORDER, False, adds_per_column=3 + 1)
+    _ptxas(ptx, arch, tmp_path)
+
+
+@pytest.mark.compile
+def test_kernel_refuses():
+    from dspark_comm.allreduce import MAX_OPERANDS, AllReduceKernel, Epilogue, StoreEpilogue
+
+    layout = MailboxLayout(2, H, 16)
+    with pytest.raises(ValueError, match="sum order"):
+        AllReduceKernel(layout, 0, "tree", StoreEpilogue(), False, True)
+    with pytest.raises(ValueError, match="rank 2"):
+        AllReduceKernel(layout, 2, FP32_RANK_ORDER, StoreEpilogue(), False, True)
+
+    class Greedy(Epilogue):
+        operands = tuple(f"o{i}" for i in range(MAX_OPERANDS + 1))
+
+    with pytest.raises(ValueError, match="at most"):
+        AllReduceKernel(layout, 0, FP32_RANK_ORDER, Greedy(), False, True)
+
+
+def _fake_mailbox(capacity: int = 16):
+    return types.SimpleNamespace(
+        layout=MailboxLayout(2, H, capacity), rank=0, device=torch.device("cpu"),
+        check_open=lambda: None, group=None,
+    )
+
+
+def test_host_refuses_bad_calls():
+    """Refusals before any compile or launch (no GPU needed)."""
+    from dspark_comm.allreduce import FusedAllReduce, StoreEpilogue
+
+    fused = FusedAllReduce(_fake_mailbox(), StoreEpilogue())
+    assert fused.takes(16) and not fused.takes(17) and not fused.takes(0)
+    with pytest.raises(ValueError, match="capacity of 16"):
+        fused.launch(17, None, (0,))
+    with pytest.raises(ValueError, match="operands"):
+        fused.launch(4, None, ())
+    with pytest.raises(ValueError, match="contiguous CUDA"):
+        fused.launch(4, torch.zeros(4, H, dtype=torch.bfloat16), (0,))
+    published = FusedAllReduce(_fake_mailbox(), StoreEpilogue(), published=True)
+    with pytest.raises(ValueError, match="published"):
+        published.launch(4, torch.zeros(4, H, dtype=torch.bfloat16), (0,))
+    with pytest.raises(ValueError, match="sum order"):
+        FusedAllReduce(_fake_mailbox(), StoreEpilogue(), "fp16")
+    with pytest.raises(ValueError, match="Epilogue"):
+        FusedAllReduce(_fake_mailbox(), object())
