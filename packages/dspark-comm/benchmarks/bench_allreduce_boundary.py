@@ -1,0 +1,221 @@
+"""TP2 benchmark of the fused all-reduce boundary (two GPUs, one process each).
+
+For m in {1, 4, 16, 64} rows of H = 8192, each case timed in a CUDA graph of
+``--iters`` back-to-back calls (median over ``--reps`` replays, both ranks
+released together by a barrier before each replay; the table shows the
+slower rank's median per call):
+
+- ``fused all-reduce + boundary``: ``dspark_comm.AllReduceBoundary`` (one kernel);
+- ``NCCL all-reduce + boundary``: ``torch.distributed.all_reduce`` then
+  ``dspark_cute.DraftBoundary``;
+- ``symm-mem one-shot + boundary``: ``torch.ops.symm_mem.one_shot_all_reduce_out``
+  (PyTorch symmetric memory, multicast off) then ``DraftBoundary``;
+- the three all-reduces alone (the mailbox with its plain BF16 epilogue).
+
+The mailbox here holds 64 rows (``capacity=64``) so that m = 64 runs fused
+too; the draft's default capacity is 16 (``MAX_DECODE_ROWS``). Writes
+``allreduce_boundary_tp2.md`` and ``allreduce_boundary_tp2.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+H = 8192
+ROWS = (1, 4, 16, 64)
+TARGET_US = 6.0
+CASES = [
+    ("fused all-reduce + boundary", "fused"),
+    ("NCCL all-reduce + boundary", "nccl_bd"),
+    ("symm-mem one-shot + boundary", "symm_bd"),
+    ("mailbox all-reduce alone", "mailbox"),
+    ("NCCL all-reduce alone", "nccl"),
+    ("symm-mem one-shot alone", "symm"),
+]
+
+
+def _time_graph(fn, iters: int, reps: int) -> float:
+    """Median microseconds per call of ``fn`` over ``reps`` replays of a graph
+    of ``iters`` calls."""
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / iters)
+    return statistics.median(times)
+
+
+def _calls(m, gen, group, fused, plain, unfused, symm, one_shot) -> dict:
+    """The timed call of each case over ``m`` rows (operands allocated once)."""
+    x = (torch.randn((m, H), generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    stream = torch.randn((m, H), generator=gen, device="cuda")
+    out = torch.empty((m, H), dtype=torch.bfloat16, device="cuda")
+    new = torch.empty((m, H), dtype=torch.float32, device="cuda")
+    ar_out = torch.empty_like(out)
+    scratch = x.clone()  # NCCL reduces in place (its values grow; the timing does not)
+    sx = symm[: m * H].view(m, H)
+    sx.copy_(x)
+    name = group.group_name
+    return {
+        "fused": lambda: fused.run(x, stream, True, out, new),
+        "nccl_bd": lambda: (dist.all_reduce(scratch), unfused.run(scratch, stream, True, out, new)),
+        "symm_bd": lambda: (one_shot(sx, "sum", name, ar_out), unfused.run(ar_out, stream, True, out, new)),
+        "mailbox": lambda: plain.run(x, ar_out),
+        "nccl": lambda: dist.all_reduce(scratch),
+        "symm": lambda: one_shot(sx, "sum", name, ar_out),
+    }
+
+
+def _worker(rank: int, init: str, out: str, iters: int, reps: int) -> None:
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                 ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[k] = v
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=2,
+                            device_id=torch.device("cuda", rank), timeout=timedelta(seconds=60))
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from dspark_comm.allreduce import MailboxAllReduce
+    from dspark_comm.boundary import AllReduceBoundary
+    from dspark_comm.group import TorchGroup
+    from dspark_comm.mailbox import Mailbox
+    from dspark_core.constants import boundary_constants
+    from dspark_core.layers import GatedResidual, RMSNorm
+    from dspark_cute.boundary import DraftBoundary
+
+    group = TorchGroup()
+    mb = Mailbox(group, H, max(ROWS), timeout_s=5.0)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    post = RMSNorm(H, weight_dtype=torch.bfloat16).cuda()
+    pre = RMSNorm(H, weight_dtype=torch.bfloat16).cuda()
+    conn = GatedResidual(H).cuda()
+    c = boundary_constants(post, conn, pre, H)
+    fused = AllReduceBoundary(mb, c, conn.alpha, conn.beta, post.weight, pre.weight)
+    plain = MailboxAllReduce(mb)
+    unfused = DraftBoundary(c, conn.alpha, conn.beta, post.weight, pre.weight)
+    symm = symm_mem.empty(max(ROWS) * H, dtype=torch.bfloat16, device="cuda")
+    symm_mem.rendezvous(symm, group.group_name)
+    one_shot = torch.ops.symm_mem.one_shot_all_reduce_out
+    results = {}
+    for m in ROWS:
+        fns = _calls(m, gen, group, fused, plain, unfused, symm, one_shot)
+        for _, key in CASES:
+            try:
+                results[f"{key}/{m}"] = _time_graph(fns[key], iters, reps)
+            except Exception as e:  # one case failing keeps the others
+                results[f"{key}/{m}"] = f"failed: {type(e).__name__}: {e}"[:200]
+            mb.check()
+    gathered = group.all_gather_object(results)
+    if rank == 0:
+        with open(os.path.join(out, "raw.json"), "w") as f:
+            json.dump(gathered, f, indent=1)
+    mb.close()
+    dist.destroy_process_group()
+
+
+def _report(raw: list[dict], out: str) -> str:
+    def cell(key: str):
+        vals = [r[key] for r in raw]
+        if any(isinstance(v, str) for v in vals):
+            return None, next(v for v in vals if isinstance(v, str))
+        return max(vals), f"{max(vals):.2f}"
+
+    lines = [
+        "TP2 on two H200s (NVLink), H = 8192, BF16 partials, FP32 rank-order sum; microseconds per "
+        "call, median of CUDA-graph replays, the slower rank.",
+        "",
+        "| case | " + " | ".join(f"m = {m}" for m in ROWS) + " |",
+        "| --- |" + " --- |" * len(ROWS),
+    ]
+    series = {}
+    for label, key in CASES:
+        row = []
+        for m in ROWS:
+            value, text = cell(f"{key}/{m}")
+            row.append(text)
+            series.setdefault(label, []).append(value)
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
+    fused = series[CASES[0][0]]
+    met = all(v is not None and v <= TARGET_US for m, v in zip(ROWS, fused) if m <= 16)
+    lines += ["", f"Target: fused all-reduce + boundary at m <= 16 in <= {TARGET_US} us: "
+              + ("met" if met else "not met") + "."]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "allreduce_boundary_tp2.md"), "w") as f:
+        f.write(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, values in series.items():
+            pts = [(m, v) for m, v in zip(ROWS, values) if v is not None]
+            style = "-o" if "boundary" in label else "--x"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+        ax.axhline(TARGET_US, color="grey", lw=0.8, ls=":", label=f"target {TARGET_US} us (m <= 16)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ROWS, [str(m) for m in ROWS])
+        ax.set_xlabel("rows m")
+        ax.set_ylabel("us per call")
+        ax.set_title("TP2 all-reduce + residual boundary, H = 8192 (2x H200)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "allreduce_boundary_tp2.png"), dpi=120)
+    except ImportError:
+        text += "\n(matplotlib is not installed: no plot)\n"
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench-results")
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        print("the TP2 benchmark needs two CUDA GPUs; skipped")
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.monotonic()
+        mp.start_processes(_worker, args=(os.path.join(tmp, "init"), args.out, args.iters, args.reps),
+                           nprocs=2, start_method="spawn")
+        with open(os.path.join(args.out, "raw.json")) as f:
+            raw = json.load(f)
+    print(_report(raw, args.out))
+    print(f"({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The two-GPU suite (``comm_workers.py``): one process per rank, spawned
+once for every test here; each test asserts on its check's results from
+both ranks. Skipped with fewer than two GPUs.
+
+Bit for bit against ``torch.distributed`` NCCL all-reduce (at TP2 NCCL's
+BF16 sum is one rounded add, which both sum orders reproduce) and, for the
+boundary, NCCL followed by ``dspark_core.layers.residual_boundary``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.multigpu
+
+WORLD = 2
+SUITE_TIMEOUT_S = float(os.environ.get("DSPARK_COMM_SUITE_TIMEOUT", "200"))
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA GPUs (this machine has {torch.cuda.device_count()}); "
+                    "run nox -s tests-multigpu on a two-GPU device machine")
+    import comm_workers
+
+    out = tmp_path_factory.mktemp("comm")
+    cfg = {
+        "stress_calls": int(os.environ.get("DSPARK_COMM_STRESS_CALLS", "100000")),
+        "stress_seconds": float(os.environ.get("DSPARK_COMM_STRESS_SECONDS", "45")),
+        "skip": [s for s in os.environ.get("DSPARK_COMM_SKIP", "").split(",") if s],
+    }
+    ctx = mp.start_processes(comm_workers.worker, args=(WORLD, str(out / "init"), str(out), cfg),
+                             nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + SUITE_TIMEOUT_S
+    timed_out = False
+    try:
+        # join() returns False each time one process of several has ended.
+        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+    except Exception as e:  # a worker died: report what the ranks recorded
+        print(f"a worker failed: {e}")
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    results = []
+    for r in range(WORLD):
+        path = out / f"rank{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {})
+    print(json.dumps(results, indent=1)[:20000])
+    keep = os.environ.get("DSPARK_COMM_OUT")  # a folder to keep the raw results in
+    if keep:
+        with open(os.path.join(keep, "multigpu_results.json"), "w") as f:
+            json.dump({"ranks": results, "timed_out": timed_out}, f, indent=1)
+    return {"ranks": results, "timed_out": timed_out}
+
+
+def ranks(suite, check: str) -> list[dict]:
+    got = [r.get(check) for r in suite["ranks"]]
+    for rank, g in enumerate(got):
+        if g is None:
+            pytest.fail(f"rank {rank} recorded no result for {check}"
+                        + (" (the suite timed out)" if suite["timed_out"] else ""))
+        assert g["ok"], f"rank {rank}, {check}:\n{g.get('error')}"
+    return got
+
+
+def zero_mismatches(results: list[dict], key: str = "mismatches") -> None:
+    for rank, r in enumerate(results):
+        bad = {k: v for k, v in r[key].items() if v}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def test_env(suite):
+    for r in ranks(suite, "env"):
+        assert r["devices"] >= WORLD and r["peer_access"]
+        assert r["nvls_env"] == "0"
+
+
+def test_mailbox_setup(suite):
+    for r in ranks(suite, "mailbox"):
+        assert r["status"] == 0 and r["header_zero"] and r["data_empty"] and r["ptrs_distinct"]
+
+
+@pytest.mark.parametrize("check", ["allreduce_fp32", "allreduce_bf16"])
+def test_allreduce_matches_nccl(suite, check):
+    for rank, r in enumerate(ranks(suite, check)):
+        assert sorted(int(m) for m in r["vs_nccl"]) == list(range(1, 17))
+        assert not any(r["vs_nccl"].values()), f"rank {rank} vs NCCL: {r['vs_nccl']}"
+        assert not any(r["vs_reference_sum"].values()), f"rank {rank}: {r['vs_reference_sum']}"
+        assert r["unwritten"] == 0
+
+
+def test_special_values(suite):
+    for r in ranks(suite, "special"):
+        assert r["mismatches"]["identity_non_nan_exact"] == 0
+        zero_mismatches([r])
+
+
+def test_boundary_matches_nccl_then_spec(suite):
+    results = ranks(suite, "boundary")
+    zero_mismatches(results)
+    assert all(r["ranks_differ"] == 0 for r in results)
+    assert len(results[0]["mismatches"]) == 16 * 2 + 2 + 1
+
+
+def test_published_partials(suite):
+    zero_mismatches(ranks(suite, "published"))
+
+
+def test_another_models_epilogue(suite):
+    zero_mismatches(ranks(suite, "bias_epilogue"))
+
+
+def test_rows_above_capacity_fall_back(suite):
+    results = ranks(suite, "fallback")
+    zero_mismatches(results)
+    for r in results:
+        assert any("above the mailbox's capacity of 16" in msg for msg in r["logged"]), r["logged"]
+
+
+def test_stress(suite):
+    for rank, r in enumerate(ranks(suite, "stress")):
+        assert r["mismatches_allreduce"] == 0 and r["mismatches_boundary"] == 0, r
+        assert r["status"] == 0
+        assert r["graph_replays"] > 0
+        print(f"rank {rank}: {r['calls']} calls ({r['eager_calls']} eager, "
+              f"{r['graph_replays']} replays of {r['calls_per_graph']}) in {r['wall_s']} s")
+    if os.environ.get("DSPARK_COMM_STRESS_CALLS", "100000") == "100000":
+        assert ranks(suite, "stress")[0]["calls"] >= 100_000
+
+
+def test_other_backend(suite):
+    zero_mismatches(ranks(suite, "other_backend"))
+
+
+def test_cupy_nccl_group(suite):
+    for r in suite["ranks"]:
+        env = r.get("env", {})
+        if not env.get("cupy"):
+            pytest.skip("cupy is not installed on this machine")
+    results = ranks(suite, "cupy_group")
+    zero_mismatches(results)
+    assert [r["rank"] for r in results] == [0, 1]
+
+
+def test_absent_peer_times_out(suite):
+    r0, r1 = ranks(suite, "timeout")
+    assert r0["before"] == 0 and r1["before"] == 0
+    assert r0["raised"] and "gave up waiting" in r0["raised"] and "from rank 1" in r0["raised"]
+    assert 0.2 <= r0["first_call_s"] < 5.0, r0
+    assert r0["second_call_s"] < 0.2, r0
+    for r in (r0, r1):
+        assert r["status_after_reset"] == 0 and r["after_reset"] == 0
+
+
+def test_close(suite):
+    assert all(r["closed"] for r in ranks(suite, "close"))
