@@ -68,6 +68,11 @@ def _check(result, what: str):
     return values[0] if len(values) == 1 else values
 
 
+def _check_ptrs(ptrs: list[int], tp: int) -> None:
+    if len(ptrs) != tp or any(p % 16 for p in ptrs):
+        raise RuntimeError(f"the mailbox buffers are not {tp} 16-byte aligned addresses: {ptrs}")
+
+
 class _CudaIpcBuffers:
     """This rank's ``cuMemAlloc`` buffer and the peers' mapped through legacy
     CUDA IPC handles (64 bytes each, all-gathered over the group)."""
@@ -180,25 +185,41 @@ class Mailbox:
         nbytes = self.layout.total_bytes
         with torch.cuda.device(self.device):
             torch.zeros(1, device=self.device)  # the primary context, current on this thread
-            self._buffers, self.backend = self._allocate(group, nbytes, backend)
+            self._buffers, self.backend, self._local = self._allocate(group, nbytes, backend)
             self.ptrs = list(self._buffers.ptrs)
-            if len(self.ptrs) != self.layout.tp or any(p % 16 for p in self.ptrs):
-                raise RuntimeError(f"the mailbox buffers are not {self.layout.tp} 16-byte aligned addresses")
             self.table = torch.tensor(self.ptrs, dtype=torch.int64, device=self.device)
-            self._local = _view(self.ptrs[self.rank], nbytes, self.device)
             self._fill()
             torch.cuda.synchronize(self.device)
         group.barrier()
 
     @staticmethod
     def _allocate(group: TPGroup, nbytes: int, backend: str):
+        """``(buffers, backend name, the local buffer as a uint8 tensor)``."""
         if backend in ("auto", "cuda_ipc"):
             try:
-                return _CudaIpcBuffers(group, nbytes), "cuda_ipc"
+                buffers = _CudaIpcBuffers(group, nbytes)
             except Exception:
                 if backend == "cuda_ipc" or not isinstance(group, TorchGroup):
                     raise
-        return _TorchSymmBuffers(group, nbytes), "torch_symm"
+            else:
+                local, error = None, None
+                try:
+                    local = _view(buffers.ptrs[group.rank], nbytes, group.device)
+                    _check_ptrs(buffers.ptrs, group.size)
+                except Exception as e:
+                    error = e
+                try:
+                    group.agree(error is None, f"viewing the CUDA IPC mailbox ({error})")
+                    return buffers, "cuda_ipc", local
+                except RuntimeError:
+                    buffers.close_imports()
+                    group.barrier()
+                    buffers.free()
+                    if backend == "cuda_ipc" or not isinstance(group, TorchGroup):
+                        raise
+        buffers = _TorchSymmBuffers(group, nbytes)
+        _check_ptrs(buffers.ptrs, group.size)
+        return buffers, "torch_symm", buffers.tensor
 
     def _fill(self) -> None:
         words = self._local.view(torch.int32)
