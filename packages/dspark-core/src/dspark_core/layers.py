@@ -38,9 +38,10 @@ def _check_dtype(dtype: torch.dtype, allowed, what: str) -> None:
 class RMSNorm(nn.Module):
     """RMSNorm of rows of ``hidden_size`` columns (a multiple of 2048).
 
-    With ``x`` the row widened to FP32 and ``g = w + gain_center`` (the weight
-    widened to FP32, then one rounded addition; note that it turns a -0.0
-    weight into +0.0 when the center is 0.0):
+    With ``x`` the row widened to FP32 and ``g = w + c`` (the weight widened
+    to FP32, ``c`` the gain center rounded to FP32 first, like ``eps``, then
+    one rounded FP32 addition; note that it turns a -0.0 weight into +0.0
+    when the center is 0.0):
 
     - ``weight_before_norm``: ``x = x * g``; then ``s = row_sum(x * x)`` (each
       square rounded, the row tree), ``r = inv_rms(s, H, eps)``,
@@ -94,6 +95,8 @@ class RMSNorm(nn.Module):
                 f"RMSNorm({self.hidden_size}) takes rows of {self.hidden_size} "
                 f"columns, not {x.shape[-1]}"
             )
+        if out_dtype is not None:
+            _check_dtype(out_dtype, OUT_DTYPES, "the norm's output dtype")
         x = x.to(F32)
         g = self.gain()
         if g is not None and self.weight_before_norm:
@@ -176,8 +179,12 @@ class Rotary(nn.Module):
     The table ``cos_sin`` is ``[max_position, head_dim]`` of ``table_dtype``
     (BF16 by default, or FP32): columns ``j < D/2`` hold ``cos(p * f_j)``,
     columns ``D/2 + j`` hold ``sin(p * f_j)``, ``f_j = theta ** (-2j / D)``,
-    computed in float64 on the CPU and rounded once to ``table_dtype`` (so
-    every device gets the same table bits).
+    computed in float64 by torch on the CPU, rounded to FP32, and (for a
+    BF16 table) that rounded to BF16: two roundings, torch's conversion. The table is an operand, not part of the arithmetic:
+    float64 ``pow``/``cos``/``sin`` are not correctly rounded, so its bits are
+    those of this torch build's CPU math library (another library may differ
+    in the last place); every device and both decode paths read this one
+    table's bits, which is what makes RoPE exact across them.
 
     ``forward(x, positions)`` rotates the pair ``(a, b) = (x_2j, x_(2j+1))``
     of every head with ``c, s`` of the row's position (widened to FP32):
@@ -205,7 +212,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos_sin", table.to(table_dtype).contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[m, heads, D]``; ``positions``: int ``[m]``."""
+        """``x``: ``[m, heads, D]``; ``positions``: integer ``[m]``."""
+        if positions.is_floating_point() or positions.is_complex():
+            raise ValueError(f"RoPE positions must be integers, not {positions.dtype}")
         # (The check reads the positions on the host: skipped under graph capture.)
         if not capturing() and positions.numel() and (
             int(positions.min()) < 0 or int(positions.max()) >= self.max_position
@@ -273,12 +282,16 @@ def _check_insert(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: 
     keep = slots >= 0
     if keep.any() and int(slots[keep].max()) >= num_blocks * bs:
         raise ValueError(f"a slot beyond the cache's {num_blocks * bs} slots")
+    # Which of two rows for one slot would land is unspecified (index_put's
+    # order on CUDA): the spec forbids it.
+    if keep.any() and torch.unique(slots[keep]).numel() != int(keep.sum()):
+        raise ValueError("the KV insert takes distinct slots; a non-negative slot repeats")
 
 
 def kv_insert(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """The cache insert: ``cache[s // bs, h, s % bs] = cat(k[i, h], v[i, h])``
     for every row ``i`` with ``s = slots[i] >= 0``; a negative slot skips.
-    Raises ValueError for a slot beyond the cache."""
+    Raises ValueError for a slot beyond the cache or a repeated slot."""
     _check_insert(cache, k, v, slots)
     bs = cache.shape[2]
     keep = slots >= 0
