@@ -180,11 +180,12 @@ class Rotary(nn.Module):
     (BF16 by default, or FP32): columns ``j < D/2`` hold ``cos(p * f_j)``,
     columns ``D/2 + j`` hold ``sin(p * f_j)``, ``f_j = theta ** (-2j / D)``,
     computed in float64 by torch on the CPU, rounded to FP32, and (for a
-    BF16 table) that rounded to BF16: two roundings, torch's conversion. The table is an operand, not part of the arithmetic:
-    float64 ``pow``/``cos``/``sin`` are not correctly rounded, so its bits are
-    those of this torch build's CPU math library (another library may differ
-    in the last place); every device and both decode paths read this one
-    table's bits, which is what makes RoPE exact across them.
+    BF16 table) that rounded to BF16: two roundings, torch's conversion.
+    The table is an operand, not part of the arithmetic: float64 ``pow``,
+    ``cos`` and ``sin`` are not correctly rounded, so its bits are those of
+    this torch build's CPU math library (another library may differ in the
+    last place); every device and both decode paths read this one table's
+    bits, which is what makes RoPE exact across them.
 
     ``forward(x, positions)`` rotates the pair ``(a, b) = (x_2j, x_(2j+1))``
     of every head with ``c, s`` of the row's position (widened to FP32):
