@@ -3,10 +3,11 @@ against the independent NumPy implementation (``_independent.py``), against
 float64 mathematics within derived bounds, on special values, and on every
 ValueError it raises. ``u = 2**-24``.
 
-Spec problems are strict xfails (the report lists them): the RoPE BF16 table
-is rounded twice, the FP32 table depends on the float64 libm, the gain center
-is rounded to FP32 before the "one rounded addition", and validation gaps
-(``RMSNorm.forward(out_dtype=...)``, float RoPE positions, duplicate KV slots).
+Spec problems these tests found were xfails until the spec closed them (commit
+c3db4f1): the RoPE BF16 table's two roundings and the FP32 table's dependence
+on torch's float64 math library (now documented), the gain center rounded to
+FP32 before its addition (documented), ``RMSNorm.forward(out_dtype=...)``
+unvalidated, float RoPE positions truncated, repeated KV slots (now refused).
 """
 
 from __future__ import annotations
@@ -340,6 +341,10 @@ def test_rmsnorm_forward_rejects_out_dtype(dtype):
     norm = L.RMSNorm(2048)
     with pytest.raises(ValueError, match="output dtype"):
         norm(torch.ones(1, 2048, dtype=torch.bfloat16), out_dtype=dtype)
+    conn = L.GatedResidual(2048)
+    with pytest.raises(ValueError, match="output dtype"):  # the boundary passes its out_dtype through
+        L.residual_boundary(norm, conn, norm, torch.ones(1, 2048, dtype=torch.bfloat16), torch.ones(1, 2048),
+                            out_dtype=dtype)
 
 
 def test_rmsnorm_gain_rounds_the_center_to_fp32_first():
@@ -803,8 +808,16 @@ def test_kv_insert_rejects_duplicate_slots(gen):
     k, v = kv_data(gen, 3, 2, 8)
     with pytest.raises(ValueError, match="distinct slots"):
         L.kv_insert(cache, k, v, torch.tensor([1, 1, 1]))
+    with pytest.raises(ValueError, match="distinct slots"):
+        L.kv_insert(cache, k, v, torch.tensor([5, -1, 5]))
+    pc = L.PagedKVCache(2, 2, 4, 8)
+    with pytest.raises(ValueError, match="distinct slots"):
+        pc.insert(k, v, torch.tensor([0, 7, 0]))
     # Repeated negative slots are fine: they write nothing.
     L.kv_insert(cache, k, v, torch.tensor([-1, 2, -1]))
+    pc.tensor.view(torch.int16).fill_(POISON)
+    pc.insert(k, v, torch.tensor([-1, -1, -1]))
+    assert np.all(I.torch_bits(pc.tensor) == POISON)
 
 
 # ---------------------------------------------------------------------------
