@@ -418,7 +418,9 @@ def check_stress(c):
     gen = torch.Generator(device="cuda").manual_seed(8000 + c.rank)
     sgen = torch.Generator(device="cuda").manual_seed(12)
     xs = torch.stack([random_rows(gen, CAPACITY) for _ in range(G)])
-    assert not bool((xs.float() == 0).any())  # sign flips must flip every sum
+    # No zero partials, so a sign flip flips every sum but exact cancellations
+    # (CUDA randn returns exact zeros now and then).
+    xs.masked_fill_(xs == 0, 1.0)
     streams = torch.stack([random_rows(sgen, CAPACITY, FP32) for _ in range(G)])
     ref = torch.stack([nccl(x) for x in xs])
     ref_new, ref_out = zip(*(residual_boundary(post, conn, pre, ref[i], streams[i]) for i in range(G)))
