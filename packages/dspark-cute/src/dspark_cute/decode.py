@@ -200,6 +200,9 @@ class DraftDecode:
             raise ValueError(f"the draft takes hidden states of [m, {model.config.hidden_size}]")
         if len(caches) != len(self.layers):
             raise ValueError(f"the draft takes one KV cache per layer ({len(self.layers)})")
+        if any(f is not None for f in self.fronts) and not capturing():
+            # The stock front raises for these; the kernel would skip them.
+            _check_step(model, step, caches)
         # A BF16 row round-trips through the FP32 stream unchanged: the first
         # boundary reads it as is.
         stream = hidden_states if hidden_states.dtype == self.dtype else hidden_states.to(torch.float32)
@@ -227,6 +230,14 @@ class DraftDecode:
             _log_once(logging.INFO, f"the context K/V chain ran stock: {error}")
             return False
         return True
+
+
+def _check_step(model: DraftModel, step: StepInputs, caches) -> None:
+    """The stock front's ValueErrors for a step's positions and slots."""
+    _check_context_call(model, step.positions, caches, step.slots)
+    kept = step.slots[step.slots >= 0]
+    if torch.unique(kept).numel() != kept.numel():
+        raise ValueError("the KV insert takes distinct slots; a non-negative slot repeats")
 
 
 def _check_context_call(model: DraftModel, positions, caches, slots) -> None:
