@@ -850,3 +850,19 @@ def test_mlp_activation_matches_independent(rng):
     assert y.dtype == torch.bfloat16 and y.shape == (6, inter)
     I.assert_same_bits(y, I.mlp_activation(gu, inter), "GatedMLP.activation")
     assert np.isnan(I.to_np(y)[0, 1])  # silu_rn(-inf) = -inf * 0 = NaN
+
+
+@pytest.mark.parametrize("eps", [-1e-6, float("nan")])
+def test_norms_reject_a_negative_or_nan_eps(eps):
+    with pytest.raises(ValueError, match="non-negative"):
+        L.RMSNorm(2048, eps=eps)
+    with pytest.raises(ValueError, match="non-negative"):
+        L.HeadNorm(64, eps=eps)
+
+
+def test_gated_residual_rejects_mismatched_shapes():
+    conn = L.GatedResidual(2048)
+    with pytest.raises(ValueError, match="one shape"):
+        conn(torch.zeros(2, 2048), torch.zeros(3, 2048))
+    with pytest.raises(ValueError, match="one shape"):
+        conn(torch.zeros(2, 1024), torch.zeros(2, 1024))

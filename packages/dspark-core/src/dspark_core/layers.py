@@ -29,6 +29,11 @@ WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _check_eps(eps: float) -> None:
+    if not eps >= 0.0:  # NaN fails too
+        raise ValueError(f"a norm's eps must be a non-negative number, not {eps}")
+
+
 def _check_dtype(dtype: torch.dtype, allowed, what: str) -> None:
     if dtype not in allowed:
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
@@ -71,6 +76,7 @@ class RMSNorm(nn.Module):
             _check_dtype(weight_dtype, WEIGHT_DTYPES, "the norm weight's dtype")
         if weight_before_norm and not has_weight:
             raise ValueError("a weightless norm cannot scale its input by a weight")
+        _check_eps(eps)
         self.hidden_size = hidden_size
         self.eps = float(eps)
         self.has_weight = has_weight
@@ -117,6 +123,7 @@ class HeadNorm(nn.Module):
     def __init__(self, head_dim: int, eps: float = 1e-6, *, has_weight: bool = False) -> None:
         super().__init__()
         check_head_width(head_dim)
+        _check_eps(eps)
         self.head_dim = head_dim
         self.eps = float(eps)
         self.has_weight = has_weight
@@ -149,6 +156,12 @@ class GatedResidual(nn.Module):
         self.beta = nn.Parameter(torch.full((hidden_size,), beta, dtype=F32), requires_grad=False)
 
     def forward(self, stream: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        h = self.hidden_size
+        if stream.shape != branch.shape or stream.shape[-1:] != (h,):
+            raise ValueError(
+                f"the gated residual takes a stream and a branch of one shape [..., {h}], not "
+                f"{tuple(stream.shape)} and {tuple(branch.shape)}"
+            )
         return self.alpha * stream.to(F32) + self.beta * branch.to(F32)
 
 
@@ -292,6 +305,7 @@ def _check_insert(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: 
 def kv_insert(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """The cache insert: ``cache[s // bs, h, s % bs] = cat(k[i, h], v[i, h])``
     for every row ``i`` with ``s = slots[i] >= 0``; a negative slot skips.
+    K and V are stored in the cache's dtype (an FP32 row is rounded to BF16).
     Raises ValueError for a slot beyond the cache or a repeated slot."""
     _check_insert(cache, k, v, slots)
     bs = cache.shape[2]
