@@ -205,7 +205,10 @@ def audit(body: str, c: QKVFrontConstants, cfg: sg.SkinnyConfig, raw: bool, pdl:
         assert sep, "no PDL wait"
         assert _count(head, r"\bcp\.async\.cg") == sg.W_LOADS * cfg.stages, "not exactly the weight prologue"
         assert "ld.global" not in head and "commit_group" not in head
-        assert "griddepcontrol.launch_dependents" in tail
+        # The next grid is released after the main loop (after the last MMA),
+        # before the epilogue's barriers.
+        _, sep, after = tail.rpartition("mma.sync")
+        assert sep and "griddepcontrol.launch_dependents" in after.partition("bar.sync")[0]
     else:
         assert "griddepcontrol" not in body
 
@@ -244,7 +247,7 @@ def test_host_refuses_bad_operands():
     with pytest.raises(ValueError, match="KV heads"):
         QKVFront(bad_kv, w)
     bad_h = QKVFrontConstants(1000, 64, 8, True, 1e-6, 1e-6, True, "bf16")
-    with pytest.raises(ValueError, match="multiple of 256"):
+    with pytest.raises(ValueError, match="positive multiple of 128"):
         QKVFront(bad_h, w)
     bad_table = QKVFrontConstants(8192, 64, 8, True, 1e-6, 1e-6, True, "fp16")
     with pytest.raises(ValueError, match="RoPE table"):

@@ -53,8 +53,9 @@ W_K``):
 (the last term: products and partial sums that underflow FP32's normal range
 may be flushed). The BF16 result ``out`` adds its rounding:
 ``|out - y| <= E + 2^-8 * |out| + 2^-134`` (half an ulp of ``out``, or of the
-smallest subnormal). For K = 8192, W_K = 8 that is ``E ~ 2^-12 * T``, well
-inside the usual ``K * 2^-24 * T`` of a sequential FP32 dot product.
+smallest subnormal). For K = 8192 that is ``E ~ 2^-11 * T`` (W_K = 4) or
+``2^-12 * T`` (W_K = 8), well inside the usual ``K * 2^-24 * T`` of a
+sequential FP32 dot product.
 ``projection_error_bound`` computes it. Tensor-core MMAs are the only
 multiply-adds: the PTX has no ``fma``.
 """
@@ -86,8 +87,8 @@ class SkinnyConfig:
     8-token MMA tiles (1: m <= 8, 2: m <= 16)."""
 
     k: int
-    k_warps: int = 8
-    stages: int = 2
+    k_warps: int = 4
+    stages: int = 4
     n_tiles: int = 2
 
     def __post_init__(self) -> None:
