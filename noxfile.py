@@ -30,7 +30,11 @@ import nox
 ROOT = Path(__file__).parent
 PACKAGES = ["dspark-core", "dspark-cute", "dspark-comm", "dspark-vllm"]
 TORCH = os.environ.get("DSPARK_TORCH", "torch==2.13.0")
-SRC_PATH = os.pathsep.join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
+# The packages' src/ folders, and dspark-comm's tests/ (its rank workers are
+# spawned processes that import them by module name).
+SRC_PATH = os.pathsep.join(
+    [str(ROOT / "packages" / p / "src") for p in PACKAGES] + [str(ROOT / "packages" / "dspark-comm" / "tests")]
+)
 # The test folders that exist (a package may have none yet).
 TEST_DIRS = [d for d in [f"packages/{p}/tests" for p in PACKAGES] + ["tests"] if (ROOT / d).is_dir()]
 
