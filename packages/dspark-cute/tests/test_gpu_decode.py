@@ -104,7 +104,8 @@ def test_refused_parts_are_still_the_stock_bits():
         connection_overrides={"layers.0.add_ffn": {"dtype": "bf16"}},
         norm_overrides={"layers.1.pre_ffn_norm": {"weight_dtype": "fp16", "gain_center": 1.0}},
     )
-    decode = build_draft_decode(model)
+    # Front off: the QKV front's projection is not bitwise cuBLAS (its own test).
+    decode = build_draft_decode(model, exclude={policy.QKV_FRONT})
     assert decode.boundaries[1] is None and decode.boundaries[2] is not None
     caches_ref, caches_got = _with_context(model), _with_context(model, decode)
     x = _hidden(model, 5, torch.bfloat16)
@@ -122,18 +123,30 @@ def test_a_non_power_of_two_kv_head_count_keeps_attention_stock():
     assert_bitwise(decode.run(x, step, caches_got), model(x, step, caches_ref), "6 KV heads")
 
 
-def test_greedy_tokens_with_every_fused_part_match_stock(model):
+def test_greedy_tokens_with_every_fused_part_follow_stock(model):
+    """64 greedy steps with every fused part, the QKV front included. The
+    front's projection differs from cuBLAS in its summation order (within
+    its stated bound), so the two decodes are not bitwise; they must pick the
+    same token at every step until the first step where the stock top-two
+    logits lie within ``MARGIN`` (a near tie that such an error may flip;
+    the trajectories part there), and at least the first 8 steps."""
+    margin = 0.05  # logits here are about N(0, 1): 5% of one standard deviation
     decode = build_draft_decode(model)
     if all(f is None for f in decode.fronts):
         pytest.skip("this build has no QKV front kernel: the front-on decode is the front-off one tested above")
-    tokens = {}
-    for name, fn in (("stock", model.forward), ("fused", decode.run)):
-        caches = _with_context(model, decode if name == "fused" else None)
-        tok = torch.tensor([11], device="cuda")
-        out = []
-        for i in range(64):
-            step = StepInputs.block(CONTEXT + i, 1, "cuda", span=SPAN)
-            tok = model.logits(fn(model.embed_tokens(tok), step, caches)).argmax(-1)
-            out.append(int(tok))
-        tokens[name] = out
-    assert tokens["fused"] == tokens["stock"]
+    caches = {name: _with_context(model, decode if name == "fused" else None) for name in ("stock", "fused")}
+    tok = torch.tensor([11], device="cuda")
+    agreed = 0
+    for i in range(64):
+        step = StepInputs.block(CONTEXT + i, 1, "cuda", span=SPAN)
+        x = model.embed_tokens(tok)
+        stock = model.logits(model(x, step, caches["stock"]))[0]
+        fused = model.logits(decode.run(x, step, caches["fused"]))[0]
+        if int(stock.argmax()) != int(fused.argmax()):
+            top2 = stock.topk(2).values
+            assert float(top2[0] - top2[1]) < margin, f"step {i}: tokens differ at a stock margin of {top2.tolist()}"
+            break
+        agreed += 1
+        tok = stock.argmax().view(1)
+    print(f"greedy tokens agreed for {agreed} of 64 steps")
+    assert agreed >= 8

@@ -66,6 +66,7 @@ that differ between devices (the spec's ``sqrt_rn`` corrects a CPU
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # The reference CTA: THREADS threads, each holding VEC consecutive columns per
@@ -201,7 +202,9 @@ EXP_UNDERFLOW = -104.0  # below: +0.0
 
 
 def _f32(value: float) -> float:
-    return torch.tensor(value, dtype=F32).item()
+    """``value`` rounded to FP32 (nearest even), as a Python float: plain
+    host arithmetic, so ``torch.compile`` traces through it."""
+    return float(np.float32(value))
 
 
 def _pow2(n: torch.Tensor) -> torch.Tensor:
