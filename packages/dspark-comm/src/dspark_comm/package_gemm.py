@@ -1,0 +1,458 @@
+"""The package GEMM: a row-parallel branch projection ``y = x[m, K] @ W^T``
+(``W`` BF16 ``[N = H, K]``, ``K`` the rank's shard, 1 <= m <= 16) on the
+skinny tensor-core main loop of ``dspark_cute.skinny_gemm``, with two
+epilogues:
+
+- **plain**: ``y`` rounded to BF16 into a ``[m, N]`` tensor (the test and
+  fallback mode; the same values the publish epilogue publishes);
+- **publish**: each rank's BF16 partial ``y`` goes straight into slot
+  (``e``, rank, row) of every rank's mailbox, its own included
+  (``st.relaxed.sys`` peer-to-peer stores of the mailbox's encoding, so no
+  value can look empty), ``e`` the row's current epoch read from the own
+  mailbox's header and not advanced; a ``FusedAllReduce(..., published=True)``
+  or ``AllReduceBoundary.run(None, ..., published=True)`` launched next on the
+  same stream then only consumes the partials (and advances the epochs). This
+  is the contract of ``dspark_comm.allreduce.PublishKernel`` with the GEMM as
+  the producer: the values in the mailbox are bit for bit those that
+  ``PublishKernel`` (or the pushing all-reduce) would store for the plain
+  GEMM's output, so publish + consume equals plain GEMM + the same fused
+  all-reduce, bit for bit.
+
+**Layout.** One CTA per 64-row tile of ``W`` (``N / 64`` CTAs, ``tile_n`` =
+64), ``k_warps`` warps splitting ``K`` (``SkinnyConfig``; default ``4 *
+split_k``: the constants' ``split_k`` K-slices are realized inside the CTA
+as warp slices, never across CTAs, so no output is summed by two CTAs). After
+the main loop the warp partials meet in shared memory (``store_partials``);
+in epilogue round ``r`` warp ``w`` takes token ``w + k_warps * r`` and lane
+``l`` the output columns ``64 * tile + 2 l`` and ``+ 1`` (``reduced_pair``),
+packed into one BF16x2 word (``cvt.rn.bf16x2.f32``), stored if the token is
+below ``m``: ``out[token, column]`` (plain, ``st.global.b32``) or, encoded,
+at ``slot_offset(e, rank, token) + 2 * column`` of every rank's buffer
+(publish, ``st.relaxed.sys.global.b32``; 32 lanes store 128 contiguous
+bytes). ``epilogue_token``, ``output_column``, ``plain_offset`` and
+``publish_offset`` are those index maps as plain integer arithmetic (traced
+here, emulated by the CPU tests against ``dspark_comm.protocol``).
+
+**Summation order** of ``y[n, r] = sum_k x[n, k] W[r, k]`` (the skinny main
+loop's, ``dspark_cute.skinny_gemm``): each warp accumulates its K-slice in
+FP32 from +0.0, one ``mma.sync.m16n8k16`` after another in K order (the
+order inside one MMA is the tensor core's); the ``k_warps`` warp partials
+are folded by halves with ``add.rn.f32`` (``p_w + p_(w + W_K/2)``, down to
+one); the sum is rounded to BF16 once (``cvt.rn``). The summation order does
+not depend on ``m`` (the 8- and 16-token variants give the same bits).
+
+**Error bound** against the exact (float64) product, from
+``dspark_cute.skinny_gemm`` (``output_error_bound``, re-exported here as
+``error_bound``): with ``T = sum_k |x_k w_k|``, ``L = K / (16 W_K)``,
+``d = log2 W_K``, ``beta = 2^-18``, ``u = 2^-24``:
+
+    |out - y| <= (L beta + d u) (1 + 2^-9) T + K 2^-125 + 2^-8 |out| + 2^-134
+
+(valid for ``L beta <= 2^-10``, which ``SkinnyConfig`` enforces). cuBLAS
+obeys no such stated order; the GPU tests compare both against float64 with
+this bound.
+
+With ``pdl`` the weight copies of the first pipeline stages are issued before
+the PDL wait, x (and, in publish mode, the epochs) read after it; dependents
+are released after the main loop (a consumer's PDL wait still waits for this
+grid's end before reading the mailbox).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as cu_utils
+import torch
+from cutlass import Int32, Int64, Uint32
+from cutlass.cutlass_dsl import dsl_user_op
+
+from dspark_comm import device as dev
+from dspark_comm.protocol import HEADER_BYTES, MailboxLayout, fallback_reason
+from dspark_core.constants import MAX_DECODE_ROWS, PackageGemmConstants
+from dspark_cute import ptx
+from dspark_cute import skinny_gemm as sg
+from dspark_cute.host import CompileCache, check_operand, compile_kernel, current_stream, fake_stream, pdl_supported
+from dspark_cute.qkv_front import st_global_b32_if
+
+MODES = ("plain", "publish")
+# Shared memory a CTA may take (one CTA per SM is the design: 128 tiles for H = 8192).
+MAX_SMEM_BYTES = 160 * 1024
+
+# The bound of the module docstring (``dspark_cute.skinny_gemm``).
+error_bound = sg.output_error_bound
+projection_error_bound = sg.projection_error_bound
+
+
+# ---------------------------------------------------------------- index maps
+# Plain integer arithmetic, traced in the kernel and evaluated on Python ints
+# by the CPU tests.
+
+
+def epilogue_rounds(cfg: sg.SkinnyConfig) -> int:
+    """Epilogue rounds: warp ``w`` takes tokens ``w + W_K * r`` below ``8 n_tiles``."""
+    return -(-8 * cfg.n_tiles // cfg.k_warps)
+
+
+def epilogue_token(cfg: sg.SkinnyConfig, warp, rnd: int):
+    """The token (row of x and y) warp ``warp`` writes in round ``rnd``."""
+    return warp + cfg.k_warps * rnd
+
+
+def output_column(tile, lane):
+    """The first of the two output columns (rows of W) lane ``lane`` of CTA
+    ``tile`` writes: ``64 tile + 2 lane`` (``reduced_pair``'s rows)."""
+    return sg.TILE_ROWS * tile + 2 * lane
+
+
+def plain_offset(n: int, token, column):
+    """Byte offset of ``out[token, column]`` in a BF16 ``[m, n]`` output."""
+    return (token * n + column) * 2
+
+
+def publish_offset(layout: MailboxLayout, epoch, src: int, token, column):
+    """Byte offset, in any rank's mailbox buffer, of the word holding columns
+    ``column`` and ``column + 1`` of ``token``'s row in slot (``epoch``,
+    ``src``, ``token``): ``protocol.MailboxLayout.slot_offset + 2 column``."""
+    return HEADER_BYTES + ((epoch * layout.tp + src) * layout.capacity + token) * layout.row_bytes + 2 * column
+
+
+# ---------------------------------------------------------------- PTX primitive (own)
+
+
+@dsl_user_op
+def st_relaxed_sys_b32_if(addr, word, token, m, *, loc=None, ip=None) -> None:
+    """Store ``word`` at global ``addr`` (Int64; a peer's mapped buffer or the
+    own) with ``st.relaxed.sys`` if ``token < m`` (Int32): a strong
+    system-scope store that a peer's ``ld.relaxed.sys`` poll sees whole
+    (``dspark_comm.device`` has the 16-byte ``push_v4`` only)."""
+    sg._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Uint32(word).ir_value(loc=loc, ip=ip),
+                   Int32(token).ir_value(loc=loc, ip=ip), Int32(m).ir_value(loc=loc, ip=ip)],
+            "{ .reg .pred p; setp.lt.s32 p, $2, $3; @p st.relaxed.sys.global.b32 [$0], $1; }",
+            "l,r,r,r", True, loc, ip)
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+class PackageGemmKernel:
+    """The traced package GEMM of one ``N``, ``SkinnyConfig``, mode, mailbox
+    layout and rank (publish), and ``pdl``. Call: ``(x, weight, out, table,
+    m, stream)``: the byte addresses (Int64) of x (BF16 ``[m, K]``, 16-byte
+    aligned), the weight (BF16 ``[N, K]``, 16-byte aligned), the output (BF16
+    ``[m, N]``; unused when publishing) and the mailbox's address table
+    (``tp`` Int64; unused in plain mode), ``m`` Int32 (1 .. 8 n_tiles)."""
+
+    def __init__(self, n: int, cfg: sg.SkinnyConfig, mode: str, layout: MailboxLayout | None, rank: int,
+                 pdl: bool) -> None:
+        if mode not in MODES:
+            raise ValueError(f"a package GEMM mode is one of {', '.join(MODES)}, not {mode!r}")
+        if n <= 0 or n % sg.TILE_ROWS:
+            raise ValueError(f"the package GEMM computes 64 output features per CTA; N = {n} is not a "
+                             "positive multiple of 64")
+        if mode == "publish":
+            if not isinstance(layout, MailboxLayout):
+                raise ValueError("a publishing package GEMM needs the mailbox's MailboxLayout")
+            if layout.hidden_size != n:
+                raise ValueError(f"a package GEMM of {n} output features cannot publish into a mailbox of "
+                                 f"{layout.hidden_size} columns")
+            if not 0 <= rank < layout.tp:
+                raise ValueError(f"rank {rank} is outside a TP group of {layout.tp}")
+        self.n, self.cfg, self.mode, self.layout, self.rank, self.pdl = n, cfg, mode, layout, rank, pdl
+
+    @cute.jit
+    def __call__(self, x: Int64, weight: Int64, out: Int64, table: Int64, m: Int32, stream):
+        self.kernel(x, weight, out, table, m).launch(
+            grid=[self.n // sg.TILE_ROWS, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(self, x: Int64, weight: Int64, out: Int64, table: Int64, m: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        ring = cu_utils.SmemAllocator().allocate(self.cfg.smem_bytes, 128).toint()
+        _gemm_body(self, x, weight, out, table, m, tidx, tile, warp, lane, ring)
+
+
+def _gemm_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp, lane, ring) -> None:
+    # A plain function: the DSL rewrites loops only in the kernel itself.
+    cfg = k.cfg
+    publish = k.mode == "publish"
+    # The address table is constant: read before the PDL wait.
+    bases = [dev.ld_u64(Int64(table) + 8 * r) for r in range(k.layout.tp)] if publish else None
+    w_tile = Int64(weight) + Int64(tile) * (sg.TILE_ROWS * cfg.k * 2)
+    acc = sg.mainloop(cfg, w_tile, Int64(x), m, ring, tidx, warp, lane,
+                      before_x=ptx.pdl_wait if k.pdl else None)
+    if k.pdl:
+        # Dependents still wait for this grid's end before they read its output.
+        ptx.pdl_launch_dependents()
+    sg.store_partials(cfg, acc, ring, warp, lane)
+    col = output_column(Int64(tile), Int64(lane))
+    for rnd in range(epilogue_rounds(cfg)):
+        tok = Int32(epilogue_token(cfg, warp, rnd))
+        a, b = sg.reduced_pair(cfg, ring, tok, lane)
+        word = ptx.pack_bf16x2_rn(a, b)
+        if publish:
+            # The row's epoch, read (never advanced) after the PDL wait; a
+            # token at or beyond m reads row m - 1's and stores nothing.
+            tok_c = cutlass.min(tok, m - 1)
+            epoch = dev.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4)
+            encoded = dev.encode(word)
+            for peer in range(k.layout.tp):
+                addr = bases[peer] + publish_offset(k.layout, Int64(epoch), k.rank, Int64(tok_c), col)
+                st_relaxed_sys_b32_if(addr, encoded, tok, m)
+        else:
+            st_global_b32_if(Int64(out) + plain_offset(k.n, Int64(tok), col), word, tok, m)
+
+
+def fake_args() -> tuple:
+    """The compile signature of ``PackageGemmKernel`` (no GPU memory needed)."""
+    return (Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), fake_stream())
+
+
+_CACHE = CompileCache()
+
+
+def compile_package_gemm(constants: PackageGemmConstants, cfg: sg.SkinnyConfig, mode: str,
+                         layout: MailboxLayout | None, rank: int, pdl: bool):
+    """The compiled kernel of one variant, compiled once per process, keyed by
+    the constants (RuntimeError during CUDA graph capture: ``prepare()``)."""
+    key = ("package_gemm", constants.key(), cfg, mode, layout if mode == "publish" else None,
+           rank if mode == "publish" else 0, pdl)
+    return _CACHE.get(key, lambda: compile_kernel(
+        PackageGemmKernel(constants.hidden_size, cfg, mode, layout, rank, pdl), *fake_args(), what="PackageGemm",
+    ))
+
+
+# ---------------------------------------------------------------- host API
+
+
+def check_constants(constants) -> None:
+    """ValueError with a sentence unless the kernel covers ``constants``."""
+    if not isinstance(constants, PackageGemmConstants):
+        raise ValueError(f"PackageGemm takes PackageGemmConstants, not {type(constants).__name__}")
+    c = constants
+    if c.tile_n != sg.TILE_ROWS:
+        raise ValueError(f"the package GEMM computes {sg.TILE_ROWS} output features per CTA (tile_n "
+                         f"{sg.TILE_ROWS}), not tile_n {c.tile_n}")
+    if c.hidden_size <= 0 or c.hidden_size % sg.TILE_ROWS:
+        raise ValueError(f"the package GEMM's output features must be a positive multiple of {sg.TILE_ROWS}, "
+                         f"not {c.hidden_size}")
+    if not 1 <= c.max_rows <= MAX_DECODE_ROWS:
+        raise ValueError(f"the package GEMM takes 1 to {MAX_DECODE_ROWS} rows per call, not max_rows "
+                         f"{c.max_rows}")
+    if c.split_k not in (1, 2, 4):
+        raise ValueError(f"the package GEMM splits K into 1, 2 or 4 slices (inside one CTA), not "
+                         f"split_k {c.split_k}")
+
+
+def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
+                  stages: int | None = None) -> tuple[int, int]:
+    """``(k_warps, stages)`` of the main loop: ``k_warps`` (default ``4 *
+    split_k``) a multiple of ``split_k``; ``stages`` (default: up to 4, as
+    many as the steps and ``MAX_SMEM_BYTES`` allow)."""
+    check_constants(constants)
+    kw = 4 * constants.split_k if k_warps is None else k_warps
+    if not isinstance(kw, int) or kw % constants.split_k:
+        raise ValueError(f"k_warps {kw} does not split into the constants' {constants.split_k} K-slices")
+    if stages is None:
+        steps = sg.SkinnyConfig(constants.k_shard, kw, 1, 2).steps  # raises for a K it cannot split
+        stages = 1
+        for s in range(min(4, steps), 0, -1):
+            if sg.SkinnyConfig(constants.k_shard, kw, s, 2).smem_bytes <= MAX_SMEM_BYTES:
+                stages = s
+                break
+    return kw, stages
+
+
+def _is_cuda(t, dtype, shape, align: int, device) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.is_cuda
+        and t.dtype == dtype
+        and tuple(t.shape) == tuple(shape)
+        and t.is_contiguous()
+        and t.data_ptr() % align == 0
+        and t.device == device
+    )
+
+
+class PackageGemm:
+    """One rank's package GEMM of ``constants`` bound to its weight shard
+    (module docstring).
+
+    ``weight``: BF16 ``[hidden_size, k_shard]``, contiguous, 16-byte aligned,
+    on CUDA. ``mailbox``: the TP group's ``dspark_comm.Mailbox`` of
+    ``hidden_size`` columns (None: plain mode only); ``rank``: this rank
+    (default and required: the mailbox's). ``k_warps``, ``stages``: the main
+    loop's shape (``default_shape``); ``pdl``: programmatic dependent launch
+    (default: sm_90+).
+
+    - ``run(x, out=None)``: plain, returns BF16 ``[m, hidden_size]``;
+    - ``run(x, publish=True)``: publishes the partial into the mailbox and
+      returns None; every rank must publish the same row count, and the next
+      mailbox call on this stream must be the consuming ``FusedAllReduce(...,
+      published=True)`` or ``AllReduceBoundary.run(None, ..., published=True)``
+      (``run_boundary`` does both);
+    - ``takes(x, out=None, publish=False)``: whether ``run`` covers the
+      operands (``1 <= m <= max_rows``, and ``m <= capacity`` to publish);
+    - ``launch``: ``run`` without its checks; ``prepare()``: compile before
+      CUDA graph capture (a compile during capture raises RuntimeError)."""
+
+    def __init__(self, constants: PackageGemmConstants, weight: torch.Tensor, mailbox=None,
+                 rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
+                 pdl: bool | None = None) -> None:
+        kw, st = default_shape(constants, k_warps, stages)
+        c = constants
+        # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
+        self.configs = {nt: sg.SkinnyConfig(c.k_shard, kw, st, nt) for nt in (1, 2)}
+        if self.configs[2].smem_bytes > MAX_SMEM_BYTES:
+            raise ValueError(f"{st} stages of {kw} warps take {self.configs[2].smem_bytes} bytes of shared "
+                             f"memory, above {MAX_SMEM_BYTES}")
+        self.layout = None
+        if mailbox is not None:
+            layout = getattr(mailbox, "layout", None)
+            if not isinstance(layout, MailboxLayout):
+                raise ValueError(f"a package GEMM publishes into a dspark_comm Mailbox, not "
+                                 f"{type(mailbox).__name__}")
+            if layout.hidden_size != c.hidden_size:
+                raise ValueError(f"a package GEMM of {c.hidden_size} output features cannot publish into a "
+                                 f"mailbox of {layout.hidden_size} columns")
+            if rank is not None and rank != mailbox.rank:
+                raise ValueError(f"rank {rank} given for the mailbox of rank {mailbox.rank}")
+            self.layout = layout
+            rank = mailbox.rank
+        elif rank not in (None, 0):
+            raise ValueError("a rank was given without a mailbox (plain mode needs neither)")
+        check_operand(weight, (c.hidden_size, c.k_shard), torch.bfloat16, 16, "the package GEMM's weight")
+        if mailbox is not None and weight.device != mailbox.device:
+            raise ValueError(f"the weight is on {weight.device}, the mailbox on {mailbox.device}")
+        self.constants, self.weight, self.mailbox = c, weight, mailbox
+        self.rank = 0 if rank is None else rank
+        self.device = weight.device
+        self.k_warps, self.stages = kw, st
+        self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
+
+    @property
+    def max_rows(self) -> int:
+        return self.constants.max_rows
+
+    def _kernel(self, m: int, publish: bool):
+        mode = "publish" if publish else "plain"
+        return compile_package_gemm(self.constants, self.configs[1 if m <= 8 else 2], mode, self.layout,
+                                    self.rank, self.pdl)
+
+    def prepare(self, publish: tuple = (False, True)) -> None:
+        """Compile the variants ``run`` launches (m <= 8 and m <= 16 where
+        ``max_rows`` reaches them), in the given modes (publish only with a
+        mailbox). Call before CUDA graph capture."""
+        for pub in publish:
+            if pub and self.mailbox is None:
+                continue
+            for m in sorted({1, self.max_rows} | ({8} if self.max_rows > 8 else set())):
+                self._kernel(m, pub)
+
+    def takes_rows(self, m: int, publish: bool = False) -> bool:
+        """Whether a call of ``m`` rows runs (the row count alone: the same on
+        every rank): ``1 <= m <= max_rows``, and within the mailbox's
+        capacity to publish."""
+        if not isinstance(m, int) or not 1 <= m <= self.max_rows:
+            return False
+        return not publish or (self.mailbox is not None and m <= self.layout.capacity)
+
+    def takes(self, x, out=None, publish: bool = False) -> bool:
+        """Whether ``run(x, out, publish)`` covers these operands: ``x`` BF16
+        ``[m, k_shard]`` (``takes_rows(m)``) contiguous, 16-byte aligned, on
+        the weight's device; ``out`` (plain; if given) BF16 ``[m,
+        hidden_size]``, contiguous, 4-byte aligned, there too."""
+        if not (isinstance(x, torch.Tensor) and x.dim() == 2 and self.takes_rows(x.shape[0], publish)):
+            return False
+        m = x.shape[0]
+        if not _is_cuda(x, torch.bfloat16, (m, self.constants.k_shard), 16, self.device):
+            return False
+        if publish:
+            return out is None
+        return out is None or _is_cuda(out, torch.bfloat16, (m, self.constants.hidden_size), 4, self.device)
+
+    def run(self, x: torch.Tensor, out: torch.Tensor | None = None, publish: bool = False):
+        """Plain: ``x @ W^T`` as BF16 ``[m, hidden_size]`` (into ``out`` if
+        given), returned. Publish: the partial into every rank's mailbox,
+        returns None. ValueError unless ``takes(x, out, publish)``."""
+        if not self.takes(x, out, publish):
+            c = self.constants
+            m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
+            if publish and self.mailbox is None:
+                why = "this package GEMM has no mailbox to publish into"
+            elif publish and out is not None:
+                why = "a publishing call writes the mailbox, not an output tensor"
+            elif publish and isinstance(m, int) and m > self.layout.capacity:
+                why = f"no published call of {m} rows: {fallback_reason(m, self.layout.capacity)}"
+            else:
+                why = (f"it takes x of bf16 [m, {c.k_shard}] (1 <= m <= {c.max_rows}), contiguous, 16-byte "
+                       f"aligned, on the weight's device, and an output of bf16 [m, {c.hidden_size}] there")
+            raise ValueError(f"PackageGemm refuses this call: {why}")
+        return self.launch(x, out, publish)
+
+    def launch(self, x: torch.Tensor, out: torch.Tensor | None = None, publish: bool = False):
+        """``run`` without its operand checks (for operands ``takes``)."""
+        m = x.shape[0]
+        if publish:
+            self.mailbox.check_open()
+            self._kernel(m, True)(Int64(x.data_ptr()), Int64(self.weight.data_ptr()), Int64(0),
+                                  Int64(self.mailbox.table.data_ptr()), Int32(m), current_stream())
+            return None
+        if out is None:
+            out = torch.empty((m, self.constants.hidden_size), dtype=torch.bfloat16, device=x.device)
+        self._kernel(m, False)(Int64(x.data_ptr()), Int64(self.weight.data_ptr()), Int64(out.data_ptr()),
+                               Int64(0), Int32(m), current_stream())
+        return out
+
+    def run_boundary(self, x: torch.Tensor, boundary, stream: torch.Tensor, store_stream: bool,
+                     out: torch.Tensor | None = None, new_stream: torch.Tensor | None = None):
+        """The branch end in two launches: this GEMM publishing ``x @ W^T``,
+        then ``boundary`` (an ``AllReduceBoundary`` over the same mailbox)
+        consuming it with ``published=True``; returns ``(new_stream or None,
+        out)`` as ``AllReduceBoundary.run``. Both checked before anything runs."""
+        if getattr(boundary, "mailbox", None) is not self.mailbox or self.mailbox is None:
+            raise ValueError("the boundary must run over this package GEMM's mailbox")
+        if not self.takes(x, None, publish=True):
+            self.run(x, None, publish=True)  # raises the sentence
+        # The boundary's operand checks, before the partial is published (a
+        # published partial that is never consumed would break the rotation).
+        shape = (x.shape[0], self.constants.hidden_size)
+        if not (isinstance(stream, torch.Tensor) and stream.dtype in (torch.float32, torch.bfloat16)):
+            raise ValueError(f"the boundary takes an FP32 or BF16 {list(shape)} stream")
+        check_operand(stream, shape, stream.dtype, 16, "the stream")
+        if out is not None:
+            check_operand(out, shape, torch.bfloat16, 16, "the boundary output")
+        if new_stream is not None:
+            if not store_stream:
+                raise ValueError("a new_stream buffer was given with store_stream=False")
+            check_operand(new_stream, shape, torch.float32, 16, "the new stream")
+        if not (stream.device == self.mailbox.device and all(
+                t is None or t.device == self.mailbox.device for t in (out, new_stream))):
+            raise ValueError(f"the boundary's operands must be on the mailbox's device {self.mailbox.device}")
+        self.launch(x, None, publish=True)
+        return boundary.run(None, stream, store_stream, out, new_stream, published=True)
+
+
+__all__ = [
+    "MAX_SMEM_BYTES",
+    "MODES",
+    "PackageGemm",
+    "PackageGemmKernel",
+    "check_constants",
+    "compile_package_gemm",
+    "default_shape",
+    "epilogue_rounds",
+    "epilogue_token",
+    "error_bound",
+    "fake_args",
+    "output_column",
+    "plain_offset",
+    "projection_error_bound",
+    "publish_offset",
+    "st_relaxed_sys_b32_if",
+]

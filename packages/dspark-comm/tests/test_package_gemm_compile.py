@@ -1,0 +1,389 @@
+"""CPU tests of the package GEMM (``dspark_comm.package_gemm``):
+
+- the epilogue's index maps: every (token, column) of the output written by
+  exactly one lane of one CTA, and the publish epilogue's word offsets equal
+  ``protocol.MailboxLayout.slot_offset(epoch, rank, token) + 2 * column``;
+- an emulation of the publish epilogue over 2-8 ranks: the kernel's index
+  maps scatter each rank's BF16 partial, encoded as the mailbox encodes
+  (``protocol.encode_words``), into every rank's buffer at the rows' epochs;
+  a consumer reading the slots as the published all-reduce does finds no
+  empty word (all 65536 BF16 patterns and the marker's pattern included),
+  touches nothing else, and sums bit for bit what ``reference_sum`` gives on
+  the partials themselves;
+- compiles for sm_90a and sm_100a in both modes with a PTX audit: the weight
+  streamed with 16-byte ``cp.async`` copies only (steps x loads per thread),
+  the MMA count, no ``fma``/``.ftz``/approximation/local memory, every FP32
+  add ``.rn``; publish: exactly ``rounds x tp`` ``st.relaxed.sys.global.b32``
+  and no weak global store, the epochs read with ``ld.relaxed.gpu`` after the
+  PDL wait, the address table before it, the escape word in the encoding;
+  plain: ``rounds`` ``st.global.b32`` and no mailbox access;
+- the host: refusals with sentences, the compile cache keyed by the
+  constants, no compile during CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import types
+
+import pytest
+import torch
+
+from dspark_comm import package_gemm as pg
+from dspark_comm.protocol import (
+    ESCAPE,
+    HEADER_BYTES,
+    MARKER,
+    MailboxLayout,
+    bf16_words,
+    encode_words,
+    is_empty,
+    reference_sum,
+    words_bf16,
+)
+from dspark_core.compare import mismatches
+from dspark_core.constants import FP32_RANK_ORDER, PackageGemmConstants
+from dspark_core.policy import DRAFT_GEMMS
+from dspark_cute import skinny_gemm as sg
+
+ARCHS = ["sm_90a", "sm_100a"]
+
+
+def _constants(role: str, hidden: int, k: int, **over) -> PackageGemmConstants:
+    shape = DRAFT_GEMMS[role]
+    fields = dict(role=role, hidden_size=hidden, k_shard=k, tile_n=shape.tile_n, split_k=shape.split_k,
+                  max_rows=shape.max_rows)
+    fields.update(over)
+    return PackageGemmConstants(**fields)
+
+
+# ---------------------------------------------------------------- index maps
+
+
+def _epilogue_words(cfg: sg.SkinnyConfig, n: int, m: int):
+    """(tile, warp, round, lane, token, column) of every store the epilogue
+    makes (tokens below m), from the kernel's index maps."""
+    for tile in range(n // sg.TILE_ROWS):
+        for warp in range(cfg.k_warps):
+            for rnd in range(pg.epilogue_rounds(cfg)):
+                tok = pg.epilogue_token(cfg, warp, rnd)
+                if tok >= m:
+                    continue
+                for lane in range(32):
+                    yield tile, warp, rnd, lane, tok, pg.output_column(tile, lane)
+
+
+@pytest.mark.parametrize("k_warps,n_tiles", [(1, 1), (2, 2), (4, 1), (4, 2), (8, 2), (16, 1), (16, 2)])
+def test_epilogue_covers_every_output_once(k_warps, n_tiles):
+    n = 1024
+    cfg = sg.SkinnyConfig(k=32 * k_warps * 2, k_warps=k_warps, stages=1, n_tiles=n_tiles)
+    m = 8 * n_tiles
+    seen = torch.zeros(m, n, dtype=torch.int64)
+    for _, _, _, _, tok, col in _epilogue_words(cfg, n, m):
+        seen[tok, col] += 1
+        seen[tok, col + 1] += 1
+        # reduced_pair's rows are the two columns of the word.
+        assert col % 2 == 0
+    assert (seen == 1).all()
+    # Plain output offsets: the row-major [m, n] BF16 layout.
+    assert pg.plain_offset(n, 3, 130) == (3 * n + 130) * 2
+
+
+@pytest.mark.parametrize("tp,capacity,hidden", [(2, 16, 2048), (4, 5, 4096), (8, 16, 2048), (2, 128, 8192)])
+def test_publish_offsets_are_the_protocols_slots(tp, capacity, hidden):
+    layout = MailboxLayout(tp, hidden, capacity)
+    for epoch in range(3):
+        for src in range(tp):
+            for tok in {0, 1, capacity - 1}:
+                for col in (0, 2, 64, hidden - 2):
+                    assert pg.publish_offset(layout, epoch, src, tok, col) == \
+                        layout.slot_offset(epoch, src, tok) + 2 * col
+    last = pg.publish_offset(layout, 2, tp - 1, capacity - 1, hidden - 2)
+    assert last + 4 == layout.total_bytes and pg.publish_offset(layout, 0, 0, 0, 0) == HEADER_BYTES
+
+
+def _patterns_rows(m: int, hidden: int, gen: torch.Generator) -> torch.Tensor:
+    """m rows cycling through every BF16 pattern (shuffled), the marker's
+    pattern as whole words and lone halves, and signed zeros."""
+    p = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    p = p[torch.randperm(p.numel(), generator=gen)]
+    flat = p.repeat(-(-m * hidden // p.numel()))[: m * hidden].clone()
+    flat[0:8] = -1          # the marker's pattern as whole words
+    flat[9] = -1            # a lone 0xFFFF half
+    flat[16:20] = -32768    # -0.0
+    return flat.view(torch.bfloat16).reshape(m, hidden)
+
+
+@pytest.mark.parametrize("tp,m,k_warps,n_tiles", [(2, 16, 4, 2), (4, 7, 8, 1), (8, 13, 16, 2), (2, 1, 4, 1)])
+def test_publish_epilogue_emulated(tp, m, k_warps, n_tiles, seed):
+    hidden, capacity = 2048, 16
+    layout = MailboxLayout(tp, hidden, capacity)
+    cfg = sg.SkinnyConfig(k=32 * k_warps, k_warps=k_warps, stages=1, n_tiles=n_tiles)
+    gen = torch.Generator().manual_seed(seed)
+    if m > 8 * n_tiles:
+        pytest.skip("more rows than the variant's tokens")
+    partials = [_patterns_rows(m, hidden, gen) if r % 2 == 0 else
+                (torch.randn(m, hidden, generator=gen) * 100).to(torch.bfloat16) for r in range(tp)]
+    # The rows' epochs: the same on every rank (the protocol's invariant).
+    epochs = torch.randint(0, 3, (capacity,), generator=gen).tolist()
+    words_per_buffer = layout.total_bytes // 4
+    buffers = [torch.full((words_per_buffer,), MARKER, dtype=torch.int64) for _ in range(tp)]
+    for rank in range(tp):
+        data = bf16_words(partials[rank])  # [m, hidden / 2] words
+        enc = encode_words(data)
+        for _tile, _warp, _rnd, _lane, tok, col in _epilogue_words(cfg, hidden, m):
+            for peer in range(tp):
+                off = pg.publish_offset(layout, epochs[tok], rank, tok, col)
+                assert off % 4 == 0 and HEADER_BYTES <= off < layout.total_bytes
+                assert is_empty(buffers[peer][off // 4]), "a store into a slot already written"
+                buffers[peer][off // 4] = enc[tok, col // 2]
+    for peer in range(tp):
+        got = []
+        touched = torch.zeros(words_per_buffer, dtype=torch.bool)
+        for src in range(tp):
+            rows = []
+            for tok in range(m):
+                start = layout.slot_offset(epochs[tok], src, tok) // 4
+                w = buffers[peer][start: start + hidden // 2]
+                touched[start: start + hidden // 2] = True
+                assert not is_empty(w).any(), "a published word looks empty"
+                rows.append(w)
+            words = torch.stack(rows)
+            # Every word is the data word, or the escape of the marker's pattern.
+            data = bf16_words(partials[src])
+            assert torch.equal(words, torch.where(data == MARKER, torch.full_like(data, ESCAPE), data))
+            got.append(words_bf16(words))
+        assert is_empty(buffers[peer][~touched]).all(), "a word outside the call's slots was written"
+        assert int(mismatches(reference_sum(got, FP32_RANK_ORDER),
+                              reference_sum(partials, FP32_RANK_ORDER)).sum()) == 0
+
+
+# ---------------------------------------------------------------- compiles and the PTX audit
+
+
+def _body(ptx: str) -> str:
+    return "\n".join(line.split("//")[0] for line in ptx.splitlines())
+
+
+def _count(body: str, pattern: str) -> int:
+    return len(re.findall(pattern, body, flags=re.MULTILINE))
+
+
+def _ptxas(ptx: str, arch: str, tmp_path) -> str:
+    if shutil.which("ptxas") is None:
+        return ""
+    src = tmp_path / f"k_{arch}.ptx"
+    src.write_text(ptx)
+    r = subprocess.run(["ptxas", "-v", f"-arch={arch}", str(src), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stderr
+
+
+def audit(body: str, cfg: sg.SkinnyConfig, mode: str, tp: int, pdl: bool) -> None:
+    assert not re.search(r"\bfma\b|\bfma\.", body), "an FMA (the MMAs are the only multiply-adds)"
+    assert ".ftz" not in body, "a flush-to-zero instruction"
+    assert not re.search(r"rsqrt|\.approx|rcp\.", body), "an approximate instruction"
+    assert not re.search(r"\b(ld|st)\.local", body), "local memory (register spills)"
+    assert "multimem" not in body
+    for op in re.findall(r"\b(?:add|sub|mul|div)(?:\.\w+)*\.f32\b", body):
+        assert ".rn." in op, f"an FP32 operation without an explicit rounding: {op}"
+    assert _count(body, r"\badd\.rn\.f32") == (cfg.k_warps - 1) * 2 * pg.epilogue_rounds(cfg)
+    # The weight (and x) stream: 16-byte cp.async copies only.
+    copies = re.findall(r"\bcp\.async[.\w:]*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\d+);", body)
+    assert copies and all(size == "16" for size in copies), "a cp.async other than 16 bytes"
+    assert len(copies) == cfg.steps * cfg.loads
+    assert _count(body, r"\bcp\.async\.cg\.shared\.global\.L2::256B\b") == cfg.steps * cfg.loads
+    assert _count(body, r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32") == (
+        cfg.steps * 2 * sg.MMA_TILES * cfg.n_tiles)
+    assert _count(body, r"\bbar\.sync\b") == 2
+    rounds = pg.epilogue_rounds(cfg)
+    assert _count(body, r"\bcvt\.rn\.bf16x2\.f32") == rounds
+    stores = re.findall(r"\bst\.[\w.]*global[\w.]*", body)
+    loads = re.findall(r"\bld\.[\w.]*global[\w.]*", body)
+    if mode == "publish":
+        assert stores == ["st.relaxed.sys.global.b32"] * (rounds * tp), stores
+        assert sorted(set(loads)) == ["ld.global.b64", "ld.relaxed.gpu.global.b32"], loads
+        assert loads.count("ld.global.b64") == tp and loads.count("ld.relaxed.gpu.global.b32") == rounds
+        # The encoding: the marker compared, the escape word selected.
+        assert re.search(r"setp\.eq\.u32\s+\S+,\s*\S+,\s*(-1|0xffffffff|0xFFFFFFFF|4294967295)\b", body)
+        assert re.search(rf"selp\.b32\s+\S+,\s*({ESCAPE}|{ESCAPE - 2**32}|{ESCAPE:#x}|0x{ESCAPE:X}|0x{ESCAPE:08X})",
+                         body)
+    else:
+        assert stores == ["st.global.b32"] * rounds, stores
+        assert not loads and ".sys" not in body
+    if pdl:
+        head, sep, tail = body.partition("griddepcontrol.wait")
+        assert sep, "no PDL wait"
+        assert _count(head, r"\bcp\.async\.cg") == sg.W_LOADS * cfg.stages, "not exactly the weight prologue"
+        assert "commit_group" not in head and "ld.relaxed" not in head
+        assert _count(head, r"\bld\.global\.b64") == (tp if mode == "publish" else 0)
+        _, sep, after = tail.rpartition("mma.sync")
+        assert sep and "griddepcontrol.launch_dependents" in after.partition("bar.sync")[0]
+    else:
+        assert "griddepcontrol" not in body
+
+
+# (label, constants, k_warps or None, stages or None, n_tiles, mode, tp, rank, pdl)
+VARIANTS = [
+    ("o_proj-tp8-k512-plain", _constants("o_proj", 8192, 512), None, None, 2, "plain", 2, 0, True),
+    ("o_proj-tp2-k2048-pub", _constants("o_proj", 8192, 2048), None, None, 2, "publish", 2, 1, True),
+    ("o_proj-tp2-k2048-pub-nt1", _constants("o_proj", 8192, 2048), None, None, 1, "publish", 2, 0, True),
+    ("down-tp8-k2048-pub-tp8", _constants("down_proj", 8192, 2048), None, None, 2, "publish", 8, 5, True),
+    ("down-tp2-k8192-pub", _constants("down_proj", 8192, 8192), None, None, 2, "publish", 2, 0, True),
+    ("k1024-kw4-plain-nopdl", _constants("o_proj", 2048, 1024), 4, 2, 1, "plain", 2, 0, False),
+    ("k1024-kw16-pub-tp4", _constants("o_proj", 2048, 1024), 16, 2, 2, "publish", 4, 3, False),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_package_gemm_compiles(arch, variant, tmp_path):
+    from dspark_cute.host import compile_ptx
+
+    _, c, kw, st, nt, mode, tp, rank, pdl = variant
+    kw, st = pg.default_shape(c, kw, st)
+    cfg = sg.SkinnyConfig(c.k_shard, kw, st, nt)
+    layout = MailboxLayout(tp, c.hidden_size, 16) if mode == "publish" else None
+    ptx = compile_ptx(pg.PackageGemmKernel(c.hidden_size, cfg, mode, layout, rank, pdl), *pg.fake_args(),
+                      arch=arch)
+    assert f".target {arch}" in ptx
+    audit(_body(ptx), cfg, mode, tp, pdl)
+    report = _ptxas(ptx, arch, tmp_path)
+    if report and arch == "sm_90a":
+        # (sm_100a's ptxas spills 8 bytes in the 8-warp K = 8192 variant.)
+        assert "0 bytes spill stores" in report
+
+
+def test_default_shapes_of_the_policy():
+    """The policy's roles at the draft's shards: o_proj 4 warps, down_proj
+    (split_k 2) 8 warps, up to 4 stages within the shared-memory cap."""
+    for role, k, kw in (("o_proj", 2048, 4), ("o_proj", 512, 4), ("down_proj", 8192, 8), ("down_proj", 2048, 8)):
+        got_kw, st = pg.default_shape(_constants(role, 8192, k))
+        assert got_kw == kw
+        cfg = sg.SkinnyConfig(k, kw, st, 2)
+        assert 1 <= st <= 4 and cfg.smem_bytes <= pg.MAX_SMEM_BYTES
+
+
+# ---------------------------------------------------------------- host (no GPU needed)
+
+
+def _fake_mailbox(tp: int = 2, hidden: int = 8192, rank: int = 0, capacity: int = 16):
+    return types.SimpleNamespace(layout=MailboxLayout(tp, hidden, capacity), rank=rank,
+                                 device=torch.device("cpu"), check_open=lambda: None, table=None)
+
+
+def test_constants_refused_with_sentences():
+    w = torch.zeros(8192, 1024, dtype=torch.bfloat16)
+    cases = [
+        (dict(tile_n=128), "tile_n 64"),
+        (dict(hidden_size=8100), "positive multiple of 64"),
+        (dict(max_rows=17), "1 to 16 rows"),
+        (dict(max_rows=0), "1 to 16 rows"),
+        (dict(split_k=3), "split_k 3"),
+        (dict(k_shard=1000), "positive multiple of 128"),
+    ]
+    for over, match in cases:
+        with pytest.raises(ValueError, match=match):
+            pg.PackageGemm(_constants("o_proj", 8192, 1024, **over), w)
+    with pytest.raises(ValueError, match="PackageGemmConstants"):
+        pg.PackageGemm((8192, 1024), w)
+    with pytest.raises(ValueError, match="does not split into"):
+        pg.PackageGemm(_constants("down_proj", 8192, 1024), w, k_warps=1)
+    with pytest.raises(ValueError, match="stated error bound"):
+        pg.PackageGemm(_constants("o_proj", 8192, 2**17), w, k_warps=4, stages=1)
+
+
+def test_operands_refused_with_sentences():
+    c = _constants("o_proj", 8192, 1024)
+    with pytest.raises(ValueError, match="contiguous CUDA"):
+        pg.PackageGemm(c, torch.zeros(8192, 1024, dtype=torch.bfloat16))  # not on a GPU
+    with pytest.raises(ValueError, match="mailbox of 4096 columns"):
+        pg.PackageGemm(c, torch.zeros(8192, 1024, dtype=torch.bfloat16), _fake_mailbox(hidden=4096))
+    with pytest.raises(ValueError, match="rank 1 given"):
+        pg.PackageGemm(c, torch.zeros(8192, 1024, dtype=torch.bfloat16), _fake_mailbox(), rank=1)
+    with pytest.raises(ValueError, match="Mailbox"):
+        pg.PackageGemm(c, torch.zeros(8192, 1024, dtype=torch.bfloat16), object())
+    with pytest.raises(ValueError, match="without a mailbox"):
+        pg.PackageGemm(c, torch.zeros(8192, 1024, dtype=torch.bfloat16), None, rank=1)
+
+
+def _bound_gemm(mailbox=None, max_rows=16):
+    """A PackageGemm over a CPU weight (its constructor's CUDA check skipped):
+    the row and operand logic of ``takes``/``run`` without a GPU."""
+    g = object.__new__(pg.PackageGemm)
+    g.constants = _constants("o_proj", 8192, 1024, max_rows=max_rows)
+    g.mailbox, g.layout = mailbox, (mailbox.layout if mailbox is not None else None)
+    g.device, g.rank = torch.device("cpu"), 0
+    return g
+
+
+def test_takes_and_run_refuse():
+    g = _bound_gemm(_fake_mailbox(capacity=8))
+    assert g.takes_rows(1) and g.takes_rows(16) and not g.takes_rows(0) and not g.takes_rows(17)
+    assert g.takes_rows(8, publish=True) and not g.takes_rows(9, publish=True)
+    x = torch.zeros(4, 1024, dtype=torch.bfloat16)
+    assert not g.takes(x)  # a CPU tensor
+    with pytest.raises(ValueError, match="bf16 \\[m, 1024\\]"):
+        g.run(x)
+    with pytest.raises(ValueError, match="capacity of 8"):
+        g.run(torch.zeros(9, 1024, dtype=torch.bfloat16), publish=True)
+    with pytest.raises(ValueError, match="not an output tensor"):
+        g.run(x, torch.zeros(4, 8192, dtype=torch.bfloat16), publish=True)
+    plain = _bound_gemm(None)
+    with pytest.raises(ValueError, match="no mailbox"):
+        plain.run(x, publish=True)
+    with pytest.raises(ValueError, match="this package GEMM's mailbox"):
+        g.run_boundary(x, types.SimpleNamespace(mailbox=None), torch.zeros(4, 8192), True)
+
+
+def test_kernel_refuses():
+    cfg = sg.SkinnyConfig(1024, 4, 2, 2)
+    with pytest.raises(ValueError, match="mode"):
+        pg.PackageGemmKernel(8192, cfg, "reduce", None, 0, True)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pg.PackageGemmKernel(8200, cfg, "plain", None, 0, True)
+    with pytest.raises(ValueError, match="MailboxLayout"):
+        pg.PackageGemmKernel(8192, cfg, "publish", None, 0, True)
+    with pytest.raises(ValueError, match="mailbox of 4096"):
+        pg.PackageGemmKernel(8192, cfg, "publish", MailboxLayout(2, 4096, 16), 0, True)
+    with pytest.raises(ValueError, match="rank 2"):
+        pg.PackageGemmKernel(8192, cfg, "publish", MailboxLayout(2, 8192, 16), 2, True)
+
+
+def test_compile_cache_keyed_by_constants(monkeypatch):
+    built = []
+
+    def fake_compile(obj, *args, what=None):
+        from dspark_cute.host import assert_not_capturing
+
+        assert_not_capturing(what)
+        built.append(obj)
+        return object()
+
+    monkeypatch.setattr(pg, "compile_kernel", fake_compile)
+    monkeypatch.setattr(pg, "_CACHE", type(pg._CACHE)())
+    a = _constants("o_proj", 8192, 1024)
+    cfg = sg.SkinnyConfig(1024, 4, 4, 2)
+    layout = MailboxLayout(2, 8192, 16)
+    k1 = pg.compile_package_gemm(a, cfg, "plain", None, 0, True)
+    k2 = pg.compile_package_gemm(_constants("o_proj", 8192, 1024), cfg, "plain", None, 0, True)
+    assert k1 is k2 and len(built) == 1
+    pg.compile_package_gemm(a, cfg, "publish", layout, 0, True)
+    pg.compile_package_gemm(a, cfg, "publish", layout, 1, True)
+    pg.compile_package_gemm(_constants("o_proj", 8192, 1024, max_rows=8), cfg, "plain", None, 0, True)
+    assert len(built) == 4
+    # During CUDA graph capture a new variant is refused (prepare() first).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="prepare"):
+        pg.compile_package_gemm(a, cfg, "plain", None, 0, False)
+    assert pg.compile_package_gemm(a, cfg, "plain", None, 0, True) is k1  # compiled ones still serve
+
+
+def test_error_bound_is_the_skinny_gemms():
+    assert pg.error_bound is sg.output_error_bound
+    assert pg.projection_error_bound is sg.projection_error_bound
