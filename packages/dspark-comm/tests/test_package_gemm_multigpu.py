@@ -1,0 +1,382 @@
+"""The package GEMM on two GPUs (``dspark_comm.package_gemm``): one process per
+rank (spawned once for every test here, the style of ``test_comm_multigpu.py``
+and reusing its ``comm_workers`` helpers); each test asserts on its check's
+results from both ranks. Skipped with fewer than two GPUs.
+
+NOT YET RUN: written in a session without a GPU; nothing here has executed
+on a device. Run first with (two H200s, the packages' src/ and this folder
+on PYTHONPATH):
+
+    python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -s
+
+Checks:
+
+- ``plain``: the plain GEMM against float64 within ``package_gemm.error_bound``
+  for K in {1024, 4096, 8192} and m in 1..16 (zero violations), cuBLAS
+  (``x @ W.T``) against the same bound (recorded), the two variants (m <= 8,
+  m <= 16) bit for bit on the same rows;
+- ``publish``: publish + ``FusedAllReduce(published=True)`` bit for bit the
+  plain GEMM into a buffer + the pushing ``MailboxAllReduce`` (both sum
+  orders) and NCCL; publish + ``AllReduceBoundary(published=True)`` bit for
+  bit the plain GEMM + the same fused boundary (pushing) and NCCL + the spec's
+  boundary, m = 1..16, non-finite inputs included;
+- ``stress``: back-to-back calls of random m (the same sequence on both
+  ranks), published boundaries, published all-reduces and pushed all-reduces
+  interleaved on one mailbox, random per-rank GPU delays, eagerly and as CUDA
+  graph replays; zero mismatches, a healthy mailbox.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.multigpu
+
+WORLD = 2
+H = 8192
+CAPACITY = 16
+BF16, FP32 = torch.bfloat16, torch.float32
+SUITE_TIMEOUT_S = float(os.environ.get("DSPARK_GEMM_SUITE_TIMEOUT", "300"))
+
+
+# ---------------------------------------------------------------- the rank worker
+
+
+def _operands(gen: torch.Generator, m: int, k: int) -> torch.Tensor:
+    """Normal values scaled by 2^-4 .. 2^4 per element, BF16."""
+    x = torch.randn((m, k), generator=gen, device="cuda")
+    scale = torch.randint(-4, 5, (m, k), generator=gen, device="cuda").float()
+    return (x * torch.exp2(scale)).to(BF16)
+
+
+def _constants(role: str, k: int):
+    from dspark_core.constants import PackageGemmConstants
+    from dspark_core.policy import DRAFT_GEMMS
+
+    s = DRAFT_GEMMS[role]
+    return PackageGemmConstants(role, H, k, s.tile_n, s.split_k, s.max_rows)
+
+
+def check_setup(c):
+    from dspark_comm.group import TorchGroup
+    from dspark_comm.mailbox import Mailbox
+
+    c.group = TorchGroup()
+    c.mb = Mailbox(c.group, H, CAPACITY, timeout_s=2.0)
+    return {"backend": c.mb.backend, "status": c.mb.status(),
+            "devices": torch.cuda.device_count(), "name": torch.cuda.get_device_name(c.rank)}
+
+
+def check_plain(c):
+    from dspark_comm.package_gemm import PackageGemm, error_bound
+
+    gen = torch.Generator(device="cuda").manual_seed(100 + c.rank)
+    res = {}
+    for role, k in (("o_proj", 1024), ("o_proj", 4096), ("down_proj", 8192)):
+        w = _operands(gen, H, k)
+        gemm = PackageGemm(_constants(role, k), w)
+        gemm.prepare(publish=(False,))
+        ours_bad = cublas_bad = variant_bad = 0
+        worst_ours = worst_cublas = 0.0
+        for m in range(1, CAPACITY + 1):
+            x = _operands(gen, m, k)
+            out = gemm.run(x)
+            exact = x.double() @ w.double().t()
+            bound = error_bound(out, x, w, gemm.k_warps)
+            err = (out.double() - exact).abs()
+            ours_bad += int((err > bound).sum())
+            worst_ours = max(worst_ours, float((err / bound).max()))
+            cub = x @ w.t()
+            cb = error_bound(cub, x, w, gemm.k_warps)
+            cerr = (cub.double() - exact).abs()
+            cublas_bad += int((cerr > cb).sum())
+            worst_cublas = max(worst_cublas, float((cerr / cb).max()))
+            if m > 8:  # the 8-token variant on the first 8 rows: the same bits
+                variant_bad += bad(gemm.run(x[:8].contiguous()), out[:8])
+        # Non-finite inputs propagate as they do in float64 (NaN where it is NaN).
+        x = _operands(gen, 4, k)
+        x[0, 0], x[1, 5], x[2, 7] = float("inf"), float("nan"), float("-inf")
+        out = gemm.run(x)
+        exact = (x.double() @ w.double().t()).to(BF16)
+        nonfinite_bad = int((torch.isnan(out) != torch.isnan(exact)).sum()
+                            + (torch.isinf(out) != torch.isinf(exact)).sum())
+        res[f"{role}/K{k}"] = {
+            "k_warps": gemm.k_warps, "stages": gemm.stages,
+            "ours_over_bound": ours_bad, "cublas_over_bound": cublas_bad,
+            "worst_ours_err_over_bound": worst_ours, "worst_cublas_err_over_bound": worst_cublas,
+            "variants_differ": variant_bad, "nonfinite_mismatch": nonfinite_bad,
+        }
+    return {"cases": res}
+
+
+def check_publish(c):
+    from dspark_comm.allreduce import FusedAllReduce, MailboxAllReduce, StoreEpilogue
+    from dspark_comm.boundary import AllReduceBoundary
+    from dspark_comm.package_gemm import PackageGemm
+    from dspark_core.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, boundary_constants
+    from dspark_core.layers import residual_boundary
+
+    shared = torch.Generator(device="cuda").manual_seed(5)  # weights of the boundary, streams
+    gen = torch.Generator(device="cuda").manual_seed(200 + c.rank)
+    k = 2048
+    w = _operands(gen, H, k)
+    c.gemm = gemm = PackageGemm(_constants("o_proj", k), w, c.mb)
+    gemm.prepare()
+    post, conn, pre = c.modules = _boundary_modules(shared)
+    constants = boundary_constants(post, conn, pre, H)
+    c.bd = bd = AllReduceBoundary(c.mb, constants, conn.alpha, conn.beta, post.weight, pre.weight)
+    bd.prepare(published=(False, True))
+    res = {}
+    for order in (FP32_RANK_ORDER, BF16_RANK_ORDER):
+        pushed = MailboxAllReduce(c.mb, order)
+        consume = FusedAllReduce(c.mb, StoreEpilogue(), order, published=True)
+        for m in range(1, CAPACITY + 1):
+            x = _operands(gen, m, k)
+            y = gemm.run(x)
+            a = pushed.run(y)
+            gemm.run(x, publish=True)
+            b = torch.empty_like(a)
+            consume.launch(m, None, (b,))
+            res[f"allreduce/{order}/m{m}"] = bad(a, b) + bad(b, nccl(y))
+    for m in list(range(1, CAPACITY + 1)) + [16]:
+        for stream_dtype, store in ((FP32, True), (BF16, False)):
+            x = _operands(gen, m, k)
+            if m == 16:
+                x[3, 11] = float("nan")
+                x[5, 0] = float("inf")
+            stream = _operands(shared, m, H).float().to(stream_dtype)
+            y = gemm.run(x)
+            new_a, out_a = bd.run(y, stream, store)
+            new_b, out_b = gemm.run_boundary(x, bd, stream, store)
+            exp_new, exp_out = residual_boundary(post, conn, pre, nccl(y), stream)
+            key = f"boundary/m{m}/{'fp32' if stream_dtype == FP32 else 'bf16'}"
+            res[key] = res.get(key, 0) + bad(out_a, out_b) + bad(out_b, exp_out)
+            if store:
+                res[key] += bad(new_a, new_b) + bad(new_b, exp_new)
+    c.mb.check()
+    return {"mismatches": res}
+
+
+def check_stress(c):
+    """Random m, per-rank delays, three kinds of calls on one mailbox, eager
+    then CUDA graph replays (the references: the plain GEMM + the pushing
+    fused paths, computed eagerly once per input)."""
+    from dspark_comm.allreduce import FusedAllReduce, MailboxAllReduce, StoreEpilogue
+    from dspark_core.compare import mismatches
+    from dspark_core.constants import FP32_RANK_ORDER
+
+    target, cap_s = c.cfg.get("stress_calls", 20_000), c.cfg.get("stress_seconds", 30.0)
+    gemm, bd, k = c.gemm, c.bd, c.gemm.constants.k_shard
+    pushed = MailboxAllReduce(c.mb, FP32_RANK_ORDER)
+    consume = FusedAllReduce(c.mb, StoreEpilogue(), FP32_RANK_ORDER, published=True)
+    consume.prepare()
+    G = 48
+    shared_rng, own = random.Random(21), random.Random(300 + c.rank)
+    gen = torch.Generator(device="cuda").manual_seed(400 + c.rank)
+    sgen = torch.Generator(device="cuda").manual_seed(22)
+    xs = torch.stack([_operands(gen, CAPACITY, k) for _ in range(G)])
+    streams = torch.stack([_operands(sgen, CAPACITY, H).float() for _ in range(G)])
+    plan = [(shared_rng.randint(1, CAPACITY), shared_rng.choice(["pub_bd", "pub_ar", "push_ar"])) for _ in range(G)]
+    delays = [own.choice([0, 0, 0, 2000, 10000, 40000]) for _ in range(G)]
+    ref_out = torch.empty((G, CAPACITY, H), dtype=BF16, device="cuda")
+    ref_new = torch.empty((G, CAPACITY, H), dtype=FP32, device="cuda")
+    ys = torch.empty((G, CAPACITY, H), dtype=BF16, device="cuda")
+    for j, (m, kind) in enumerate(plan):
+        ys[j, :m] = gemm.run(xs[j, :m])
+        if kind == "pub_bd":
+            bd.run(ys[j, :m], streams[j, :m], True, ref_out[j, :m], ref_new[j, :m])
+        else:
+            pushed.run(ys[j, :m], ref_out[j, :m])
+    out = torch.empty((CAPACITY, H), dtype=BF16, device="cuda")
+    new = torch.empty((CAPACITY, H), dtype=FP32, device="cuda")
+    counts = torch.zeros(3, dtype=torch.int64, device="cuda")
+
+    def call(j: int) -> None:
+        m, kind = plan[j]
+        if delays[j]:
+            torch.cuda._sleep(delays[j])
+        if kind == "pub_bd":
+            gemm.run_boundary(xs[j, :m], bd, streams[j, :m], True, out[:m], new[:m])
+            counts[0] += mismatches(out[:m], ref_out[j, :m]).sum() + mismatches(new[:m], ref_new[j, :m]).sum()
+        elif kind == "pub_ar":
+            gemm.launch(xs[j, :m], None, publish=True)
+            consume.launch(m, None, (out[:m],))
+            counts[1] += mismatches(out[:m], ref_out[j, :m]).sum()
+        else:
+            pushed.run(ys[j, :m], out[:m])
+            counts[2] += mismatches(out[:m], ref_out[j, :m]).sum()
+
+    t0 = time.monotonic()
+    eager = 0
+    for _rep in range(4):
+        for j in range(G):
+            call(j)
+            eager += 1
+            if own.random() < 0.02:
+                time.sleep(own.random() * 0.002)
+    torch.cuda.synchronize()
+    eager_bad = counts.tolist()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        for j in range(G):
+            call(j)
+    torch.cuda.current_stream().wait_stream(side)
+    replays = 0
+    import torch.distributed as dist
+
+    while eager + replays * G < target:
+        for _ in range(20):
+            graph.replay()
+        replays += 20
+        torch.cuda.synchronize()
+        stop = torch.tensor([int(time.monotonic() - t0 >= cap_s)], device="cuda")
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if int(stop.item()):
+            break
+    torch.cuda.synchronize()
+    c.mb.check()
+    return {"calls": eager + replays * G, "eager_calls": eager, "graph_replays": replays,
+            "mismatches": dict(zip(("pub_bd", "pub_ar", "push_ar"), counts.tolist())),
+            "eager_mismatches": eager_bad, "status": c.mb.status(), "wall_s": round(time.monotonic() - t0, 2)}
+
+
+def check_close(c):
+    c.mb.close()
+    return {"closed": c.mb.closed}
+
+
+CHECKS = [("setup", check_setup), ("plain", check_plain), ("publish", check_publish),
+          ("stress", check_stress), ("close", check_close)]
+
+
+def bad(a, b) -> int:
+    from comm_workers import bad as _bad
+
+    return _bad(a, b)
+
+
+def nccl(x):
+    from comm_workers import nccl as _nccl
+
+    return _nccl(x)
+
+
+def _boundary_modules(gen):
+    from comm_workers import _boundary_modules as _mods
+
+    return _mods(gen)
+
+
+def worker(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> None:
+    import torch.distributed as dist
+    from comm_workers import Ctx, Results
+
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[key] = value  # multicast stays off on these machines
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank), timeout=timedelta(seconds=120))
+    c = Ctx()
+    c.rank, c.world, c.cfg = rank, world, cfg
+    results = Results(out_dir, rank)
+    for name, fn in CHECKS:
+        results.run(name, fn, c)
+        if name in ("setup", "publish") and not results.data[name]["ok"]:
+            break  # the later checks need what these built
+    if "close" not in results.data and getattr(c, "mb", None) is not None:
+        c.mb.close()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA GPUs (this machine has {torch.cuda.device_count()}); "
+                    "run nox -s tests-multigpu on a two-GPU device machine")
+    out = tmp_path_factory.mktemp("package_gemm")
+    cfg = {
+        "stress_calls": int(os.environ.get("DSPARK_GEMM_STRESS_CALLS", "20000")),
+        "stress_seconds": float(os.environ.get("DSPARK_GEMM_STRESS_SECONDS", "30")),
+    }
+    ctx = mp.start_processes(worker, args=(WORLD, str(out / "init"), str(out), cfg), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + SUITE_TIMEOUT_S
+    timed_out = False
+    try:
+        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+    except Exception as e:  # a worker died: report what the ranks recorded
+        print(f"a worker failed: {e}")
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    results = []
+    for r in range(WORLD):
+        path = out / f"rank{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {})
+    print(json.dumps(results, indent=1)[:20000])
+    keep = os.environ.get("DSPARK_COMM_OUT")
+    if keep:
+        with open(os.path.join(keep, "package_gemm_results.json"), "w") as f:
+            json.dump({"ranks": results, "timed_out": timed_out}, f, indent=1)
+    return {"ranks": results, "timed_out": timed_out}
+
+
+def ranks(suite, check: str) -> list[dict]:
+    got = [r.get(check) for r in suite["ranks"]]
+    for rank, g in enumerate(got):
+        if g is None:
+            pytest.fail(f"rank {rank} recorded no result for {check}"
+                        + (" (the suite timed out)" if suite["timed_out"] else ""))
+        assert g["ok"], f"rank {rank}, {check}:\n{g.get('error')}"
+    return got
+
+
+def test_setup(suite):
+    for r in ranks(suite, "setup"):
+        assert r["status"] == 0
+
+
+def test_plain_gemm_within_the_bound(suite):
+    for rank, r in enumerate(ranks(suite, "plain")):
+        for case, v in r["cases"].items():
+            assert v["ours_over_bound"] == 0, (rank, case, v)
+            assert v["variants_differ"] == 0, (rank, case, v)
+            assert v["nonfinite_mismatch"] == 0, (rank, case, v)
+            print(f"rank {rank} {case}: worst |err| / bound ours {v['worst_ours_err_over_bound']:.3f}, "
+                  f"cuBLAS {v['worst_cublas_err_over_bound']:.3f} ({v['cublas_over_bound']} over)")
+
+
+def test_publish_bit_for_bit(suite):
+    for rank, r in enumerate(ranks(suite, "publish")):
+        bad_cases = {k: v for k, v in r["mismatches"].items() if v}
+        assert not bad_cases, f"rank {rank}: {bad_cases}"
+        assert len(r["mismatches"]) == 2 * CAPACITY + 2 * CAPACITY
+
+
+def test_stress(suite):
+    for rank, r in enumerate(ranks(suite, "stress")):
+        assert not any(r["mismatches"].values()) and not any(r["eager_mismatches"]), r
+        assert r["status"] == 0 and r["graph_replays"] > 0, r
+        print(f"rank {rank}: {r['calls']} calls ({r['eager_calls']} eager, {r['graph_replays']} replays) "
+              f"in {r['wall_s']} s")
+
+
+def test_close(suite):
+    assert all(r["closed"] for r in ranks(suite, "close"))
