@@ -83,3 +83,13 @@ def special_rows(h: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 __all__ = ["assert_bitwise", "check_poisoned", "poison", "random_rows", "requires_cuda", "special_rows"]
+
+
+def has_f32_constant(ptx: str, bits: int) -> bool:
+    """Whether the PTX materializes the FP32 constant of these bits: as a hex
+    float immediate (``0f80000000``, CuTe DSL 4.3) or as a ``mov.b32`` of the
+    signed decimal integer (``-2147483648``, CuTe DSL 4.8)."""
+    import re
+
+    signed = bits - (1 << 32) if bits & 0x80000000 else bits
+    return f"0f{bits:08x}" in ptx.lower() or re.search(rf"mov\.b32\s+%r\d+, {signed};", ptx) is not None

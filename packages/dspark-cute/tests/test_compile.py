@@ -29,6 +29,7 @@ import re
 
 import pytest
 import torch
+from cute_testing import has_f32_constant
 
 from dspark_core.constants import BoundaryConstants, NormConstants, RowNormConstants
 
@@ -209,7 +210,8 @@ def test_compile_cache_keys_keep_signed_zero_apart():
     assert a.key() != b.key()
     ptx_a = compile_ptx(RowNormKernel(a, True), *fake_args(a), arch="sm_90a")
     ptx_b = compile_ptx(RowNormKernel(b, True), *fake_args(b), arch="sm_90a")
-    assert "0f00000000" in ptx_a and "0f80000000" in ptx_b
+    assert has_f32_constant(ptx_a, 0x00000000) and has_f32_constant(ptx_b, 0x80000000)
+    assert not has_f32_constant(ptx_a, 0x80000000)
 
 
 def test_host_refuses_bad_operands():
