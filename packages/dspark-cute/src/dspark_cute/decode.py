@@ -263,7 +263,18 @@ def build_draft_decode(
 ) -> DraftDecode | None:
     """The draft's specialized decode, prepared, or None where it keeps its
     stock layers; every reason is logged. ``exclude`` names kernels not to
-    use (e.g. ``{"qkv_front"}``: the parts they would run stay stock)."""
+    use (e.g. ``{"qkv_front"}``: the parts they would run stay stock).
+
+    A rank's shard of a TP draft (``dspark_core.tp.TPDraftModel``, ``tp > 1``)
+    needs ``all_reduce`` of its TP size (dspark-comm's ``DraftAllReduce``):
+    without it the branches' partials would never be summed (ValueError).
+    ``all_reduce.prepare()``, where it has one, runs with the decode's, so
+    nothing compiles during CUDA graph capture."""
+    model_tp = getattr(model, "tp", 1)
+    if model_tp > 1 and all_reduce is None:
+        raise ValueError(f"a TP{model_tp} shard of the draft needs its all-reduce boundaries (all_reduce=...)")
+    if all_reduce is not None and model_tp > 1 and all_reduce.tp != model_tp:
+        raise ValueError(f"TP{all_reduce.tp} all-reduce boundaries for a TP{model_tp} shard")
     device = next(model.parameters()).device
     target = device_target(device, all_reduce.tp if all_reduce is not None else 1)
     plan = plan_draft(model, target.replace(kernels=target.kernels - frozenset(exclude)))
@@ -274,6 +285,8 @@ def build_draft_decode(
         _log_once(logging.WARNING, line)
     decode = DraftDecode(model, plan, all_reduce)
     decode.prepare()
+    if all_reduce is not None and hasattr(all_reduce, "prepare"):
+        all_reduce.prepare()
     fused, total = plan.fused_count()
     _log_once(logging.INFO, f"the DSpark draft runs {fused} of {total} parts fused")
     return decode

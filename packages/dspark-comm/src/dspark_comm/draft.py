@@ -1,0 +1,100 @@
+"""The fused all-reduce boundaries of a tensor-parallel DSpark draft: the
+adapter ``dspark_cute.decode.DraftDecode`` takes as ``all_reduce``.
+
+``DraftAllReduce(mailbox, plan, model, rank)`` binds one ``AllReduceBoundary``
+per residual boundary of ``model`` (a rank's shard, ``dspark_core.tp``), in
+the order of ``model.boundaries()`` (layer i's attention boundary 2i, its
+feed-forward boundary 2i + 1), each to its plan part's ``BoundaryConstants``,
+its connection's ``alpha`` / ``beta`` and its post and pre norms' weights, in
+the plan's sum order (``plan.all_reduce.constants.sum_order``). It implements
+``DraftDecode``'s ``AllReduceBoundaries``:
+
+- ``tp``: the TP size;
+- ``takes(partial)``: whether the call runs fused, from the partial's row
+  count alone (``1 <= m <= capacity``), so every rank decides the same (a
+  rank fusing alone would wait for partials that never come);
+- ``run(index, partial, stream, store_stream)``: boundary ``index``'s fused
+  all-reduce + residual boundary, ``(new_stream or None, out)``;
+- ``all_reduce(partial)``: the stock all-reduce of the mailbox's group (NCCL
+  with a ``TorchGroup`` over an NCCL process group) on a copy of the partial,
+  for the calls ``takes`` refuses; the executor then runs the boundary unfused.
+
+At TP2 the mailbox's sum (either order) and NCCL's BF16 sum are one correctly
+rounded ``bf16(a + b)``, so the fused path, the fallback and the stock TP
+forward (``TPDraftModel.forward`` over NCCL) give the same bits. Beyond TP2
+NCCL's order is not fixed: the fused path is then bit for bit
+``protocol.reference_sum`` of the plan's order, the fallback NCCL's.
+
+``prepare()`` compiles every variant the executor launches (the first
+boundary on an FP32 and a BF16 stream; every boundary but the last stores its
+new stream) before CUDA graph capture; ``build_draft_decode`` calls it.
+"""
+
+from __future__ import annotations
+
+from dspark_comm import protocol
+
+
+class DraftAllReduce:
+    """The ``AllReduceBoundaries`` of one rank of a TP draft (module
+    docstring). ``boundary`` builds each boundary (default
+    ``dspark_comm.boundary.AllReduceBoundary``; CPU tests pass a stand-in)."""
+
+    def __init__(self, mailbox, plan, model, rank: int, *, boundary=None) -> None:
+        tp = plan.target.tp
+        if plan.draft_reason is not None:
+            raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason})")
+        part = plan.all_reduce
+        if part is None or not part.fused:
+            why = part.reason if part is not None else "no all-reduce part"
+            raise ValueError(f"the plan keeps the all-reduce stock: {why}")
+        if mailbox.layout.tp != tp:
+            raise ValueError(f"a TP{tp} plan on a mailbox of TP{mailbox.layout.tp}")
+        if rank != mailbox.rank:
+            raise ValueError(f"rank {rank} on the mailbox of rank {mailbox.rank}")
+        model_tp, model_rank = getattr(model, "tp", None), getattr(model, "rank", None)
+        if model_tp is not None and (model_tp, model_rank) != (tp, rank):
+            raise ValueError(f"the shard of rank {model_rank} of TP{model_tp} for rank {rank} of TP{tp}")
+        bounds = model.boundaries()
+        if len(bounds) != len(plan.boundaries):
+            raise ValueError(f"a plan of {len(plan.boundaries)} boundaries for a draft of {len(bounds)}")
+        h = model.config.hidden_size
+        if mailbox.layout.hidden_size != h:
+            raise ValueError(f"a draft of {h} features on a mailbox of {mailbox.layout.hidden_size}")
+        if boundary is None:
+            from dspark_comm.boundary import AllReduceBoundary as boundary
+        self.tp, self.rank = tp, rank
+        self.mailbox, self.plan, self.model = mailbox, plan, model
+        self.sum_order = part.constants.sum_order
+        self.capacity = mailbox.layout.capacity
+        self.boundaries = []
+        for p, (post, conn, pre) in zip(plan.boundaries, bounds):
+            if not p.fused:  # the plan's all-reduce fuses only where every boundary does
+                raise ValueError(f"{p.name} keeps its stock modules: {p.reason}")
+            self.boundaries.append(boundary(mailbox, p.constants, conn.alpha, conn.beta, post.weight,
+                                            pre.weight, self.sum_order))
+
+    def prepare(self) -> None:
+        """Compile every variant the executor launches (module docstring)."""
+        import torch
+
+        last = len(self.boundaries) - 1
+        for index, b in enumerate(self.boundaries):
+            dtypes = (torch.float32, torch.bfloat16) if index == 0 else (torch.float32,)
+            b.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
+
+    def takes(self, partial) -> bool:
+        """Whether a call runs fused: its row count alone."""
+        return protocol.takes(int(partial.shape[0]), self.capacity)
+
+    def run(self, index: int, partial, stream, store_stream: bool):
+        """Boundary ``index``'s all-reduce and residual boundary, fused:
+        ``(new_stream or None, out)``."""
+        return self.boundaries[index].run(partial, stream, store_stream)
+
+    def all_reduce(self, partial):
+        """The group's stock all-reduce of a copy of ``partial`` (the sum)."""
+        return self.mailbox.group.all_reduce_(partial.contiguous().clone())
+
+
+__all__ = ["DraftAllReduce"]

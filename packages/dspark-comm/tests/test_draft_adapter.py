@@ -1,0 +1,223 @@
+"""``DraftAllReduce`` on the CPU: the kernels are stand-ins that compute the
+spec (the ranks are threads, the all-reduce ``dspark_core.tp.LocalGroup``'s
+rank-order sum, NCCL's BF16 sum at TP2), so what is checked is which
+boundary is bound to which constants and weights, which calls fuse and which
+take the stock all-reduce, and that ``DraftDecode`` over the adapter gives the
+bits of the stock TP2 forward (``TPDraftModel.forward``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from dspark_comm.draft import DraftAllReduce
+from dspark_comm.protocol import MailboxLayout
+from dspark_core import policy
+from dspark_core.compare import assert_bitwise
+from dspark_core.config import small_config
+from dspark_core.constants import FP32_RANK_ORDER
+from dspark_core.layers import residual_boundary
+from dspark_core.model import DraftModel, StepInputs
+from dspark_core.plan import plan_draft
+from dspark_core.tp import LocalGroup, shard_draft
+from dspark_cute import decode as decode_module
+from dspark_cute.decode import DraftDecode, build_draft_decode
+
+TP2 = policy.Target(kernels=policy.ALL_KERNELS, tp=2)
+
+
+class FakeGroup:
+    """A TP group whose stock all-reduce is the local group's."""
+
+    def __init__(self, local: LocalGroup, rank: int) -> None:
+        self.rank, self.size, self.device = rank, local.tp, torch.device("cpu")
+        self.reduce = local.all_reduce(rank)
+        self.calls = 0
+
+    def all_reduce_(self, t):
+        self.calls += 1
+        return t.copy_(self.reduce(t))
+
+
+class FakeMailbox:
+    def __init__(self, group: FakeGroup, hidden: int, capacity: int = 16) -> None:
+        self.group, self.rank, self.device = group, group.rank, group.device
+        self.layout = MailboxLayout(group.size, hidden, capacity)
+
+
+def fake_boundary(model):
+    """A stand-in for ``AllReduceBoundary``: records its binding, sums the
+    partial over the mailbox's group, then runs the spec's boundary of the
+    modules its gates belong to."""
+    by_alpha = {id(conn.alpha): (post, conn, pre) for post, conn, pre in model.boundaries()}
+
+    class FakeAllReduceBoundary:
+        def __init__(self, mailbox, constants, alpha, beta, post_weight, pre_weight, sum_order):
+            self.args = (mailbox, constants, alpha, beta, post_weight, pre_weight, sum_order)
+            self.modules = by_alpha[id(alpha)]
+            self.mailbox = mailbox
+            self.calls, self.prepared = [], []
+
+        def prepare(self, stream_dtypes, store_stream):
+            self.prepared.append((tuple(stream_dtypes), tuple(store_stream)))
+
+        def run(self, partial, stream, store_stream):
+            self.calls.append((partial.shape[0], stream.dtype, store_stream))
+            summed = self.mailbox.group.reduce(partial)  # the mailbox's sum, not the group's all_reduce_
+            new, out = residual_boundary(*self.modules, summed, stream)
+            return (new if store_stream else None), out
+
+    return FakeAllReduceBoundary
+
+
+class FakeUnfused:
+    """``dspark_cute.DraftBoundary`` stand-in (after the stock all-reduce)."""
+
+    def __init__(self, bound):
+        self.bound, self.calls = bound, 0
+
+    def takes(self, branch, stream):
+        return branch.shape[0] <= 16
+
+    def launch(self, branch, stream, store):
+        self.calls += 1
+        new, out = residual_boundary(*self.bound, branch, stream)
+        return (new if store else None), out
+
+
+def _rank(model, local, rank, capacity=16):
+    shard = shard_draft(model, rank, local.tp, all_reduce=local.all_reduce(rank))
+    plan = plan_draft(shard, TP2)
+    mailbox = FakeMailbox(FakeGroup(local, rank), model.config.hidden_size, capacity)
+    adapter = DraftAllReduce(mailbox, plan, shard, rank, boundary=fake_boundary(shard))
+    decode = DraftDecode(shard, plan, adapter)
+    decode.boundaries = [FakeUnfused(b) for b in shard.boundaries()]
+    decode.input_norm = None
+    decode.fronts = [None] * len(shard.layers)
+    decode.prepared = True
+    return shard, plan, adapter, decode
+
+
+def test_each_boundary_is_bound_to_its_constants_and_weights_in_order():
+    local = LocalGroup(2)
+    shard, plan, adapter, _ = _rank(DraftModel(small_config(num_layers=3)), local, 1)
+    bounds = shard.boundaries()
+    assert adapter.tp == 2 and adapter.rank == 1 and len(adapter.boundaries) == 6
+    for i, (b, part, (post, conn, pre)) in enumerate(zip(adapter.boundaries, plan.boundaries, bounds)):
+        mailbox, constants, alpha, beta, post_w, pre_w, order = b.args
+        assert mailbox is adapter.mailbox
+        assert constants is part.constants, i
+        assert alpha is conn.alpha and beta is conn.beta, i
+        assert post_w is post.weight and pre_w is pre.weight, i
+        assert order == FP32_RANK_ORDER
+    # The feed-forward boundary of layer i pre-norms into layer i+1's input norm.
+    assert adapter.boundaries[1].args[5] is shard.layers[1].input_norm.weight
+    assert adapter.boundaries[5].args[5] is shard.norm.weight
+
+
+def test_prepare_compiles_what_the_executor_launches():
+    local = LocalGroup(2)
+    _, _, adapter, _ = _rank(DraftModel(small_config()), local, 0)
+    adapter.prepare()
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert [b.prepared for b in adapter.boundaries] == [
+        [((f32, bf16), (True,))], [((f32,), (True,))], [((f32,), (True,))], [((f32,), (False,))]]
+
+
+@pytest.mark.parametrize("capacity, fused", [(16, [False, True, True, True, True, False]),
+                                             (4, [False, True, True, True, False, False])])
+def test_takes_decides_on_the_row_count_alone(capacity, fused):
+    local = LocalGroup(2)
+    _, _, adapter, _ = _rank(DraftModel(small_config(num_layers=1)), local, 0, capacity)
+    got = [adapter.takes(torch.empty(m, 2048, dtype=torch.bfloat16)) for m in (0, 1, 2, 4, 16, 17)]
+    assert got[:4] == fused[:4] and got[4:] == fused[4:]
+    # A strided or FP32 partial decides the same: the rows alone.
+    assert adapter.takes(torch.empty(2048, 3).t()) == (capacity >= 3)
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 17])
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32])
+def test_the_decode_over_the_adapter_is_the_stock_tp2_forward(m, hidden_dtype, caplog, monkeypatch):
+    monkeypatch.setattr(decode_module, "_logged", set())  # the executor logs each reason once
+    model = DraftModel(small_config())
+    local = LocalGroup(2, timeout_s=60)
+    ranks = [_rank(model, local, r) for r in range(2)]
+    hidden = torch.randn(m, 2048, generator=torch.Generator().manual_seed(m)).to(hidden_dtype)
+    step = StepInputs.block(3, m)
+
+    def both(r):
+        shard, _, _, decode = ranks[r]
+        ref_caches, got_caches = shard.make_caches(4), shard.make_caches(4)
+        ref = shard(hidden, step, ref_caches)
+        got = decode.run(hidden, step, got_caches)
+        return ref, got, ref_caches, got_caches
+
+    with caplog.at_level(logging.INFO, logger="dspark.decode"):
+        results = local.run(both)
+    for r, (ref, got, ref_caches, got_caches) in enumerate(results):
+        assert_bitwise(got, ref, f"rank {r} decode vs stock TP2")
+        for layer in range(2):
+            assert_bitwise(got_caches[layer].tensor, ref_caches[layer].tensor, f"rank {r} cache {layer}")
+        _, _, adapter, decode = ranks[r]
+        fused_calls = [len(b.calls) for b in adapter.boundaries]
+        if m <= 16:
+            assert fused_calls == [1, 1, 1, 1] and adapter.mailbox.group.calls == 0
+            assert [b.calls[0] for b in adapter.boundaries] == [
+                (m, hidden_dtype, True), (m, torch.float32, True), (m, torch.float32, True),
+                (m, torch.float32, False)]
+        else:  # above the mailbox: NCCL then the unfused boundary, every rank alike
+            assert fused_calls == [0, 0, 0, 0] and adapter.mailbox.group.calls == 4
+            assert [b.calls for b in decode.boundaries] == [0, 0, 0, 0]  # 17 rows: stock boundary too
+    assert_bitwise(results[1][1], results[0][1], "rank 1 vs rank 0")
+    if m > 16:
+        assert "boundary 0 all-reduced stock: 17 rows above the mailbox" in caplog.text
+
+
+def test_the_stock_all_reduce_sums_a_copy():
+    local = LocalGroup(2)
+    ranks = [_rank(DraftModel(small_config(num_layers=1)), local, r) for r in range(2)]
+    parts = [torch.full((2, 2048), float(r + 1), dtype=torch.bfloat16) for r in range(2)]
+    outs = local.run(lambda r: ranks[r][2].all_reduce(parts[r]))
+    assert all(torch.equal(o, torch.full((2, 2048), 3.0, dtype=torch.bfloat16)) for o in outs)
+    assert float(parts[0][0, 0]) == 1.0 and float(parts[1][0, 0]) == 2.0
+
+
+def test_the_adapter_refuses_what_it_cannot_run():
+    local = LocalGroup(2)
+    model = DraftModel(small_config(num_layers=1))
+    shard = shard_draft(model, 0, 2, all_reduce=local.all_reduce(0))
+    mailbox = FakeMailbox(FakeGroup(local, 0), 2048)
+    fake = fake_boundary(shard)
+    no_kernel = plan_draft(shard, TP2.replace(kernels=policy.ALL_KERNELS - {policy.ALL_REDUCE_BOUNDARY}))
+    with pytest.raises(ValueError, match="keeps the all-reduce stock: the installed backends do not provide "
+                                         "the all_reduce_boundary kernel"):
+        DraftAllReduce(mailbox, no_kernel, shard, 0, boundary=fake)
+    with pytest.raises(ValueError, match="keeps the all-reduce stock: TP1: there is no all-reduce"):
+        DraftAllReduce(mailbox, plan_draft(shard, TP2.replace(tp=1)), shard, 0, boundary=fake)
+    with pytest.raises(ValueError, match="a TP4 plan on a mailbox of TP2"):
+        DraftAllReduce(mailbox, plan_draft(shard, TP2.replace(tp=4)), shard, 0, boundary=fake)
+    with pytest.raises(ValueError, match="rank 1 on the mailbox of rank 0"):
+        DraftAllReduce(mailbox, plan_draft(shard, TP2), shard, 1, boundary=fake)
+    other = shard_draft(model, 1, 2, all_reduce=local.all_reduce(1))
+    with pytest.raises(ValueError, match="the shard of rank 1 of TP2 for rank 0 of TP2"):
+        DraftAllReduce(mailbox, plan_draft(other, TP2), other, 0, boundary=fake)
+    with pytest.raises(ValueError, match="keeps the whole draft stock"):
+        DraftAllReduce(mailbox, plan_draft(shard, TP2.replace(platform="cpu")), shard, 0, boundary=fake)
+
+
+def test_build_draft_decode_wants_the_all_reduce_of_a_tp_shard():
+    local = LocalGroup(2)
+    shard = shard_draft(DraftModel(small_config(num_layers=1)), 0, 2, all_reduce=local.all_reduce(0))
+    with pytest.raises(ValueError, match="a TP2 shard of the draft needs its all-reduce boundaries"):
+        build_draft_decode(shard)
+
+    class TP4:
+        tp = 4
+
+    with pytest.raises(ValueError, match="TP4 all-reduce boundaries for a TP2 shard"):
+        build_draft_decode(shard, all_reduce=TP4())
+    adapter = DraftAllReduce(FakeMailbox(FakeGroup(local, 0), 2048), plan_draft(shard, TP2), shard, 0,
+                             boundary=fake_boundary(shard))
+    assert build_draft_decode(shard, all_reduce=adapter) is None  # on a CPU: "not CUDA"
