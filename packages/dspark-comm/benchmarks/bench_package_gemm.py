@@ -1,0 +1,231 @@
+"""TP2 benchmark of the package GEMM (two GPUs, one process each).
+
+NOT YET RUN: written in a session without a GPU.
+
+For K in {1024, 4096, 8192} (the rank's shard) and m in {1, 4, 16} rows,
+N = H = 8192 output features, each case timed in a CUDA graph of ``--iters``
+back-to-back calls (median over ``--reps`` replays, both ranks released by a
+barrier before each replay; the table shows the slower rank's median):
+
+- ``package GEMM``: ``PackageGemm.run(x, out)`` (plain epilogue);
+- ``cuBLAS``: ``torch.matmul(x, W.T, out=...)``;
+- ``package GEMM + publish + fused boundary``: ``PackageGemm.run_boundary``
+  (the GEMM publishing into the mailbox, then ``AllReduceBoundary`` with
+  ``published=True``);
+- ``package GEMM + fused boundary``: the plain GEMM, then the pushing
+  ``AllReduceBoundary``;
+- ``cuBLAS + fused boundary``: cuBLAS, then the pushing ``AllReduceBoundary``;
+- ``cuBLAS + NCCL + boundary``: cuBLAS, ``torch.distributed.all_reduce``,
+  ``dspark_cute.DraftBoundary``.
+
+Target (issue 6): the GEMM with its publish and the fused boundary no slower
+than cuBLAS alone (the all-reduce's data movement hidden in the GEMM).
+Writes ``package_gemm_tp2.md``, ``package_gemm_tp2.png`` and
+``package_gemm_raw.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+H = 8192
+KS = (1024, 4096, 8192)
+ROWS = (1, 4, 16)
+CASES = [
+    ("package GEMM", "gemm"),
+    ("cuBLAS", "cublas"),
+    ("package GEMM + publish + fused boundary", "publish_bd"),
+    ("package GEMM + fused boundary", "gemm_bd"),
+    ("cuBLAS + fused boundary", "cublas_bd"),
+    ("cuBLAS + NCCL + boundary", "cublas_nccl_bd"),
+]
+
+
+def _time_graph(fn, iters: int, reps: int) -> float:
+    """Median microseconds per call of ``fn`` over ``reps`` replays of a graph
+    of ``iters`` calls."""
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / iters)
+    return statistics.median(times)
+
+
+def _calls(gen, m: int, k: int, gemm, w, fused, unfused) -> dict:
+    """The timed call of each case over ``m`` rows (operands allocated once)."""
+    x = torch.randn((m, k), generator=gen, device="cuda").to(torch.bfloat16)
+    y = torch.empty((m, H), dtype=torch.bfloat16, device="cuda")
+    stream = torch.randn((m, H), generator=gen, device="cuda")
+    o = torch.empty((m, H), dtype=torch.bfloat16, device="cuda")
+    new = torch.empty((m, H), dtype=torch.float32, device="cuda")
+    return {
+        "gemm": lambda: gemm.run(x, y),
+        "cublas": lambda: torch.matmul(x, w.t(), out=y),
+        "publish_bd": lambda: gemm.run_boundary(x, fused, stream, True, o, new),
+        "gemm_bd": lambda: (gemm.run(x, y), fused.run(y, stream, True, o, new)),
+        "cublas_bd": lambda: (torch.matmul(x, w.t(), out=y), fused.run(y, stream, True, o, new)),
+        "cublas_nccl_bd": lambda: (torch.matmul(x, w.t(), out=y), dist.all_reduce(y),
+                                   unfused.run(y, stream, True, o, new)),
+    }
+
+
+def _worker(rank: int, init: str, out: str, iters: int, reps: int) -> None:
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                 ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[k] = v
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=2,
+                            device_id=torch.device("cuda", rank), timeout=timedelta(seconds=60))
+    from dspark_comm.boundary import AllReduceBoundary
+    from dspark_comm.group import TorchGroup
+    from dspark_comm.mailbox import Mailbox
+    from dspark_comm.package_gemm import PackageGemm
+    from dspark_core.constants import PackageGemmConstants, boundary_constants
+    from dspark_core.layers import GatedResidual, RMSNorm
+    from dspark_core.policy import DRAFT_GEMMS
+    from dspark_cute.boundary import DraftBoundary
+
+    group = TorchGroup()
+    mb = Mailbox(group, H, max(ROWS), timeout_s=5.0)
+    gen = torch.Generator(device="cuda").manual_seed(1 + rank)
+    post = RMSNorm(H, weight_dtype=torch.bfloat16).cuda()
+    pre = RMSNorm(H, weight_dtype=torch.bfloat16).cuda()
+    conn = GatedResidual(H).cuda()
+    c = boundary_constants(post, conn, pre, H)
+    fused = AllReduceBoundary(mb, c, conn.alpha, conn.beta, post.weight, pre.weight)
+    fused.prepare(published=(False, True))
+    unfused = DraftBoundary(c, conn.alpha, conn.beta, post.weight, pre.weight)
+    results = {}
+    for k in KS:
+        role = "o_proj" if k < 8192 else "down_proj"
+        s = DRAFT_GEMMS[role]
+        w = (torch.randn((H, k), generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+        gemm = PackageGemm(PackageGemmConstants(role, H, k, s.tile_n, s.split_k, s.max_rows), w, mb)
+        gemm.prepare()
+        results[f"shape/{k}"] = f"k_warps {gemm.k_warps}, stages {gemm.stages}"
+        for m in ROWS:
+            fns = _calls(gen, m, k, gemm, w, fused, unfused)
+            for _, key in CASES:
+                try:
+                    results[f"{key}/{k}/{m}"] = _time_graph(fns[key], iters, reps)
+                except Exception as e:  # one case failing keeps the others
+                    results[f"{key}/{k}/{m}"] = f"failed: {type(e).__name__}: {e}"[:200]
+                mb.check()
+    gathered = group.all_gather_object(results)
+    if rank == 0:
+        with open(os.path.join(out, "package_gemm_raw.json"), "w") as f:
+            json.dump(gathered, f, indent=1)
+    mb.close()
+    dist.destroy_process_group()
+
+
+def _report(raw: list[dict], out: str) -> str:
+    def cell(key: str):
+        vals = [r[key] for r in raw]
+        if any(isinstance(v, str) for v in vals):
+            return None, next(v for v in vals if isinstance(v, str))
+        return max(vals), f"{max(vals):.2f}"
+
+    cols = [(k, m) for k in KS for m in ROWS]
+    lines = [
+        "TP2 on two H200s (NVLink), N = H = 8192, BF16, K the rank's shard; microseconds per call, "
+        "median of CUDA-graph replays, the slower rank. Main-loop shapes: "
+        + "; ".join(f"K = {k}: {raw[0].get(f'shape/{k}')}" for k in KS) + ".",
+        "",
+        "| case | " + " | ".join(f"K {k}, m {m}" for k, m in cols) + " |",
+        "| --- |" + " --- |" * len(cols),
+    ]
+    series = {}
+    for label, key in CASES:
+        row = []
+        for k, m in cols:
+            value, text = cell(f"{key}/{k}/{m}")
+            row.append(text)
+            series.setdefault(label, []).append(value)
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
+    pub, cub = series[CASES[2][0]], series[CASES[1][0]]
+    met = all(p is not None and c is not None and p <= c for p, c in zip(pub, cub))
+    lines += ["", "Target: package GEMM + publish + fused boundary no slower than cuBLAS alone: "
+              + ("met" if met else "not met") + " (every K and m)."]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "package_gemm_tp2.md"), "w") as f:
+        f.write(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(KS), figsize=(12, 4.2), sharey=True)
+        for ax, k in zip(axes, KS):
+            for label, values in series.items():
+                pts = [(m, v) for (kk, m), v in zip(cols, values) if kk == k and v is not None]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o" if "boundary" in label else "--x",
+                        label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ROWS, [str(m) for m in ROWS])
+            ax.set_xlabel("rows m")
+            ax.set_title(f"K = {k}")
+        axes[0].set_ylabel("us per call")
+        axes[-1].legend(fontsize=7)
+        fig.suptitle("TP2 package GEMM (+ all-reduce boundary), N = 8192 (2x H200)")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "package_gemm_tp2.png"), dpi=120)
+    except ImportError:
+        text += "\n(matplotlib is not installed: no plot)\n"
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench-results")
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        print("the TP2 package GEMM benchmark needs two CUDA GPUs; skipped")
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.monotonic()
+        mp.start_processes(_worker, args=(os.path.join(tmp, "init"), args.out, args.iters, args.reps),
+                           nprocs=2, start_method="spawn")
+        with open(os.path.join(args.out, "package_gemm_raw.json")) as f:
+            raw = json.load(f)
+    print(_report(raw, args.out))
+    print(f"({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
