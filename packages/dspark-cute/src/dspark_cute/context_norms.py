@@ -35,19 +35,19 @@ from dspark_core.constants import ContextNormConstants, NormConstants
 from dspark_core.numerics import check_row_width
 from dspark_cute import ptx
 from dspark_cute.host import (
+    ELEMENT_BYTES,
     TORCH_DTYPES,
     CompileCache,
+    LazyPdl,
     check_operand,
     compile_kernel,
     current_stream,
     fake_ptr,
     fake_stream,
-    pdl_supported,
     ptr,
 )
 from dspark_cute.row_norm import fragment_columns, load_weight_words, rms_norm_fragments
 
-_ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # The grid is 1-D: T * L CTAs must fit a signed 32-bit count.
 MAX_CTAS = 2**31 - 1
 
@@ -130,7 +130,7 @@ def _context_norms_body(
     if c.hidden.weight_dtype is not None:
         hidden_words = [load_weight_words(c.hidden.weight_dtype, hidden_w, col) for col in columns]
     if c.pre.weight_dtype is not None:
-        pre_row = Int64(pre_w) + layer * (h * _ELEMENT_BYTES[c.pre.weight_dtype])
+        pre_row = Int64(pre_w) + layer * (h * ELEMENT_BYTES[c.pre.weight_dtype])
         pre_words = [load_weight_words(c.pre.weight_dtype, pre_row, col) for col in columns]
     if pdl:
         ptx.pdl_wait()
@@ -182,7 +182,7 @@ def compile_context_norms(constants: ContextNormConstants, pdl: bool):
 # ---------------------------------------------------------------- host API
 
 
-class ContextNorms:
+class ContextNorms(LazyPdl):
     """``DraftModel.context_norms`` of ``constants`` bound to its weights, as
     one kernel launch: ``run(x)`` returns the same bits as
     ``stack([input_norm_l(hidden_norm(x, out_dtype=bf16), out_dtype=bf16)
@@ -226,13 +226,6 @@ class ContextNorms:
         self.pre_weights = pre_weights
         self.device = device
         self._pdl = pdl
-
-    @property
-    def pdl(self) -> bool:
-        """Whether launches use programmatic dependent launch (sm_90+)."""
-        if self._pdl is None:
-            self._pdl = pdl_supported(self.device)
-        return self._pdl
 
     def prepare(self) -> None:
         """Compile the kernel this object launches (one per constants and PDL

@@ -48,7 +48,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.constants import HEAD_DIM, ContextStoreConstants
 from dspark_cute import ptx
-from dspark_cute.host import CompileCache, compile_kernel, current_stream, fake_stream, pdl_supported
+from dspark_cute.host import CompileCache, LazyPdl, compile_kernel, current_stream, fake_stream
 
 # Layers one launch takes (a fixed parameter list: a pointer tuple per operand).
 MAX_LAYERS_PER_LAUNCH = 8
@@ -286,7 +286,7 @@ def _is_cuda_tensor(t, dtype, device) -> bool:
     )
 
 
-class ContextKvStore:
+class ContextKvStore(LazyPdl):
     """``DraftModel.context_kv_store`` of ``constants`` bound to its RoPE
     table: ``run(kv, positions, caches, slots)`` writes the same cache bits
     as the stock ``context_kv_store(kv, positions, caches, slots)`` for
@@ -317,13 +317,6 @@ class ContextKvStore:
         self.cos_sin = cos_sin
         self.device = cos_sin.device if cos_sin is not None else None
         self._pdl = pdl
-
-    @property
-    def pdl(self) -> bool:
-        """Whether launches use programmatic dependent launch (sm_90+)."""
-        if self._pdl is None:
-            self._pdl = pdl_supported(self.device)
-        return self._pdl
 
     def prepare(self) -> None:
         """Compile the kernel this object launches (one per constants and PDL

@@ -141,6 +141,26 @@ def pdl_supported(device=None) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+# Bytes per element by dtype name (the constants' dtype strings).
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class LazyPdl:
+    """Mixin of a kernel host class: ``pdl`` is the constructor's choice, or
+    (None) whether its ``device`` supports programmatic dependent launch,
+    asked on first use."""
+
+    device = None
+    _pdl: bool | None = None
+
+    @property
+    def pdl(self) -> bool:
+        """Whether launches use programmatic dependent launch (sm_90+)."""
+        if self._pdl is None:
+            self._pdl = pdl_supported(self.device)
+        return self._pdl
+
+
 def sm_count(device=None) -> int:
     """The SM count of ``device`` (0 without CUDA)."""
     if not torch.cuda.is_available():

@@ -26,19 +26,17 @@ from dspark_core.constants import NormConstants, RowNormConstants
 from dspark_core.numerics import check_row_width
 from dspark_cute import ptx
 from dspark_cute.host import (
+    ELEMENT_BYTES,
     TORCH_DTYPES,
     CompileCache,
+    LazyPdl,
     check_operand,
     compile_kernel,
     current_stream,
     fake_ptr,
     fake_stream,
-    pdl_supported,
     ptr,
 )
-
-_ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
 
 # ---------------------------------------------------------------- traced norm pieces
 
@@ -53,7 +51,7 @@ def load_weight_words(dtype: str, base, column) -> list:
     """The raw 32-bit words of the 8 weight values from ``column`` of a
     ``dtype`` weight at byte address ``base``: 4 words (BF16/FP16 pairs) or 8
     (FP32). Kept packed until ``gains`` widens them (fewer live registers)."""
-    addr = Int64(base) + Int64(column) * _ELEMENT_BYTES[dtype]
+    addr = Int64(base) + Int64(column) * ELEMENT_BYTES[dtype]
     words = ptx.ld_global_v4(addr)
     if dtype == "fp32":
         words = words + ptx.ld_global_v4(addr + 16)
@@ -156,10 +154,10 @@ def _row_norm_body(c: RowNormConstants, pdl: bool, tidx, row, warp, lane, sums, 
         ptx.pdl_wait()
         # Dependents still wait for this grid's end before they read `out`.
         ptx.pdl_launch_dependents()
-    x_row = Int64(x) + Int64(row) * (h * _ELEMENT_BYTES[c.in_dtype])
+    x_row = Int64(x) + Int64(row) * (h * ELEMENT_BYTES[c.in_dtype])
     frags = [ptx.ld_row8(c.in_dtype, x_row, col) for col in columns]
     y = rms_norm_fragments(c.norm, h, frags, words, sums, warp, lane)
-    out_row = Int64(out) + Int64(row) * (h * _ELEMENT_BYTES[c.out_dtype])
+    out_row = Int64(out) + Int64(row) * (h * ELEMENT_BYTES[c.out_dtype])
     for col, f in zip(columns, y):
         ptx.st_row8(c.out_dtype, out_row, col, f)
 
@@ -191,7 +189,7 @@ def compile_row_norm(constants: RowNormConstants, pdl: bool):
 # ---------------------------------------------------------------- host API
 
 
-class RowNorm:
+class RowNorm(LazyPdl):
     """``dspark_core.layers.RMSNorm`` of ``constants`` bound to its weight,
     as one kernel launch: ``run(x)`` returns the same bits as the stock
     norm's ``forward(x)`` for rows ``takes(x)`` accepts.
@@ -227,13 +225,6 @@ class RowNorm:
         self.out_dtype = TORCH_DTYPES[constants.out_dtype]
         self.device = weight.device if weight is not None else None
         self._pdl = pdl
-
-    @property
-    def pdl(self) -> bool:
-        """Whether launches use programmatic dependent launch (sm_90+)."""
-        if self._pdl is None:
-            self._pdl = pdl_supported(self.device)
-        return self._pdl
 
     def prepare(self) -> None:
         """Compile this norm's kernel (every variant it launches: there is one
