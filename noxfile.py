@@ -3,7 +3,7 @@
 CPU (they install what they need into their own virtualenvs):
     nox -s tests           every package's CPU tests and the cross-package tests/,
                            kernels compiled for sm_90a and sm_100a with CuTe DSL 4.3.5
-    nox -s compile-cute48  the CuTe DSL compile checks again under 4.8.0 (vLLM 0.33's pin)
+    nox -s compile-cute48  the CuTe DSL compile checks again under 4.8.0 (vLLM 0.33's pin) and 4.8.1
     nox -s lint            ruff
 
 GPU (run with the interpreter at hand, nothing installed: a device machine has
@@ -56,9 +56,11 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(name="compile-cute48")
-def compile_cute48(session: nox.Session) -> None:
-    """The kernels' compile checks under nvidia-cutlass-dsl 4.8.0."""
-    _install(session, "nvidia-cutlass-dsl==4.8.0")
+@nox.parametrize("cute", ["4.8.0", "4.8.1"])
+def compile_cute48(session: nox.Session, cute: str) -> None:
+    """The kernels' compile checks under nvidia-cutlass-dsl 4.8.0 (vLLM 0.33's
+    pin) and 4.8.1 (the newest release as of 2026-11-30)."""
+    _install(session, f"nvidia-cutlass-dsl=={cute}")
     session.run("python", "-m", "pytest", "-m", "compile", *TEST_DIRS, *session.posargs, success_codes=[0, 5])
 
 
