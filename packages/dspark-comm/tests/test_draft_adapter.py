@@ -194,10 +194,13 @@ def test_the_adapter_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="keeps the all-reduce stock: the installed backends do not provide "
                                          "the all_reduce_boundary kernel"):
         DraftAllReduce(mailbox, no_kernel, shard, 0, boundary=fake)
-    with pytest.raises(ValueError, match="keeps the all-reduce stock: TP1: there is no all-reduce"):
-        DraftAllReduce(mailbox, plan_draft(shard, TP2.replace(tp=1)), shard, 0, boundary=fake)
+    # A shard plans at its own TP size only (the planner refuses the others).
+    for tp in (1, 4):
+        with pytest.raises(ValueError, match=f"a TP2 shard of the draft cannot be planned for TP{tp}"):
+            plan_draft(shard, TP2.replace(tp=tp))
+    whole_at_tp4 = plan_draft(model, TP2.replace(tp=4))
     with pytest.raises(ValueError, match="a TP4 plan on a mailbox of TP2"):
-        DraftAllReduce(mailbox, plan_draft(shard, TP2.replace(tp=4)), shard, 0, boundary=fake)
+        DraftAllReduce(mailbox, whole_at_tp4, shard, 0, boundary=fake)
     with pytest.raises(ValueError, match="rank 1 on the mailbox of rank 0"):
         DraftAllReduce(mailbox, plan_draft(shard, TP2), shard, 1, boundary=fake)
     other = shard_draft(model, 1, 2, all_reduce=local.all_reduce(1))

@@ -203,14 +203,17 @@ def test_the_shard_plans_as_the_draft_does():
     assert [p.constants.k_shard for p in whole.package_gemms] == [2048, 8192] * 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "plan.py's _package_gemm_part divides the weight's K by the TP size, which is right for the "
-    "whole draft and halves a shard's K again (1024 / 4096 here); plan.py is not this file's "
-    "to change: design question in the TP report"))
 def test_the_shards_package_gemms_take_the_shards_k():
-    shard = shard_draft(DraftModel(DraftConfig(), device="meta"), 0, 2)
+    whole = DraftModel(DraftConfig(), device="meta")
+    shard = shard_draft(whole, 0, 2)
     plan = plan_draft(shard, ALL.replace(tp=2))
     assert [p.constants.k_shard for p in plan.package_gemms] == [2048, 8192] * 2
+    # The whole draft planned at TP2 gets the same shards.
+    assert [p.constants for p in plan_draft(whole, ALL.replace(tp=2)).package_gemms] == [
+        p.constants for p in plan.package_gemms
+    ]
+    with pytest.raises(ValueError, match="TP2 shard of the draft cannot be planned for TP4"):
+        plan_draft(shard, ALL.replace(tp=4))
 
 
 # ---------------------------------------------------------------- (c) validation

@@ -177,6 +177,11 @@ def plan_draft(model: DraftModel, target: Target | None = None) -> DraftPlan:
     if reason is not None:
         plan.draft_reason = reason
         return plan
+    # A rank's shard (dspark_core.tp.TPDraftModel) plans at its own TP size.
+    model_tp = getattr(model, "tp", 1)
+    sharded = model_tp > 1
+    if sharded and model_tp != target.tp:
+        raise ValueError(f"a TP{model_tp} shard of the draft cannot be planned for TP{target.tp}")
     h = model.config.hidden_size
 
     for name, (post, conn, pre) in zip(_boundary_names(model), model.boundaries()):
@@ -199,7 +204,7 @@ def plan_draft(model: DraftModel, target: Target | None = None) -> DraftPlan:
     if target.tp > 1:
         for i, layer in enumerate(model.layers):
             for role, weight in (("o_proj", layer.self_attn.o_proj), ("down_proj", layer.mlp.down)):
-                plan.package_gemms.append(_package_gemm_part(i, role, weight, h, plan))
+                plan.package_gemms.append(_package_gemm_part(i, role, weight, h, plan, sharded))
     return plan
 
 
@@ -224,7 +229,9 @@ def _all_reduce_part(model: DraftModel, plan: DraftPlan) -> Part:
     return Part(name, K.AllReduceConstants(tp))
 
 
-def _package_gemm_part(i: int, role: str, weight: torch.Tensor, hidden: int, plan: DraftPlan) -> Part:
+def _package_gemm_part(
+    i: int, role: str, weight: torch.Tensor, hidden: int, plan: DraftPlan, sharded: bool
+) -> Part:
     name = f"layer {i}'s {role} package GEMM"
     tp = plan.target.tp
     if tp not in policy.PACKAGE_GEMM_TPS:
@@ -235,10 +242,14 @@ def _package_gemm_part(i: int, role: str, weight: torch.Tensor, hidden: int, pla
     if why:
         return Part(name, reason=why)
     k = weight.shape[1]
-    if k % tp:
+    if sharded:  # a rank's shard (dspark_core.tp): its weight holds K / tp already
+        k_shard = k
+    elif k % tp:
         return Part(name, reason=f"{k} input features do not split over TP{tp}")
+    else:
+        k_shard = k // tp
     shape = policy.DRAFT_GEMMS[role]
-    constants = K.PackageGemmConstants(role, hidden, k // tp, shape.tile_n, shape.split_k, shape.max_rows)
+    constants = K.PackageGemmConstants(role, hidden, k_shard, shape.tile_n, shape.split_k, shape.max_rows)
     return _with_kernels(Part(name, constants), plan.target, policy.PACKAGE_GEMM)
 
 

@@ -82,6 +82,12 @@ class DraftDecode:
     def __init__(self, model: DraftModel, plan: DraftPlan, all_reduce: AllReduceBoundaries | None = None) -> None:
         if plan.draft_reason is not None:
             raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason}): nothing to run fused")
+        model_tp = getattr(model, "tp", 1)
+        if model_tp > 1 and all_reduce is None:
+            # Without it the branches' partials would never be summed.
+            raise ValueError(f"a TP{model_tp} shard of the draft needs its all-reduce boundaries (all_reduce=...)")
+        if all_reduce is not None and model_tp > 1 and all_reduce.tp != model_tp:
+            raise ValueError(f"TP{all_reduce.tp} all-reduce boundaries for a TP{model_tp} shard")
         self.model = model
         self.plan = plan
         self.all_reduce = all_reduce
