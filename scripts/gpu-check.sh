@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# One device call that runs every GPU suite and the benchmarks and prints a short
-# table last. On this project's device machines:
-#   run(command="bash scripts/gpu-check.sh", carry=[".device"], kind="nvidia-h200-x2")
-# Outputs (logs, benchmark tables and plots) go to $OUT (default bench-results/).
+# Every GPU suite and the benchmarks, on a device machine, each step under its own time
+# limit, with a short summary table last. Pick steps by name (default: all of them):
+#   bash scripts/gpu-check.sh [gpu] [multigpu] [bench]
+# On this project's device machines (one call stays under 10 minutes, so split the steps):
+#   run(command="bash scripts/gpu-check.sh gpu bench", carry=[".device"], kind="nvidia-h200")
+#   run(command="bash scripts/gpu-check.sh multigpu", carry=[".device"], kind="nvidia-h200-x2")
+# Logs, benchmark tables and plots go to $OUT (default bench-results/).
 set -u
 cd "$(dirname "$0")/.."
 [ -f .device/env.sh ] && source .device/env.sh
 OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
+# Append, never replace: env.sh puts the CuTe DSL on PYTHONPATH.
 export PYTHONPATH=packages/dspark-core/src:packages/dspark-cute/src:packages/dspark-comm/src:packages/dspark-vllm/src:packages/dspark-comm/tests${PYTHONPATH:+:$PYTHONPATH}
 export DSPARK_BENCH_OUT=$OUT
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(gpu multigpu bench)
+wanted() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 summary=()
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, keep a summary line
+step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -22,9 +29,17 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, keep a sum
   tail -n 15 "$OUT/$name.log"
 }
 nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader
-step gpu-suites 200 python -m pytest -m gpu packages/dspark-core/tests packages/dspark-cute/tests -q -p no:cacheprovider
-step multigpu 120 python -m pytest -m multigpu packages/dspark-comm/tests -q -p no:cacheprovider
-step bench-decode 110 python packages/dspark-cute/benchmarks/bench_decode.py --out "$OUT"
-step bench-qkv-front 40 python packages/dspark-cute/benchmarks/bench_qkv_front.py --out "$OUT"
+if wanted gpu; then
+  step gpu-suites 300 python -m pytest -m gpu packages/dspark-core/tests packages/dspark-cute/tests -q -p no:cacheprovider
+fi
+if wanted multigpu; then
+  step comm-multigpu 150 python -m pytest -m multigpu packages/dspark-comm/tests/test_comm_multigpu.py -q -p no:cacheprovider
+  step gemm-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -p no:cacheprovider
+  step draft-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_draft_multigpu.py -q -p no:cacheprovider
+fi
+if wanted bench; then
+  step bench-decode 240 python packages/dspark-cute/benchmarks/bench_decode.py --out "$OUT"
+  step bench-qkv-front 60 python packages/dspark-cute/benchmarks/bench_qkv_front.py --out "$OUT"
+fi
 echo; echo "== summary =="; printf '%s\n' "${summary[@]}"
-for f in "$OUT"/decode.md "$OUT"/qkv_front.md; do [ -f "$f" ] && { echo "-- $f"; cat "$f"; }; done
+for f in "$OUT"/*.md; do [ -f "$f" ] && { echo "-- $f"; cat "$f"; }; done
