@@ -7,8 +7,7 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q "${DSPARK_TORCH:-torch==2.13.0}"
-python -m pip install -q -e ./packages/dspark-core
-if python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-  python -m pip install -q -e ./packages/dspark-cute
-fi
+# The kernel packages install on a CPU too (the CuTe DSL compiles there): the plan
+# then shows what a GPU would run fused.
+python -m pip install -q -e ./packages/dspark-core -e ./packages/dspark-cute -e ./packages/dspark-comm
 python -m dspark_core.demo "$@"
