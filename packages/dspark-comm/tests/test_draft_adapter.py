@@ -45,6 +45,7 @@ class FakeMailbox:
     def __init__(self, group: FakeGroup, hidden: int, capacity: int = 16) -> None:
         self.group, self.rank, self.device = group, group.rank, group.device
         self.layout = MailboxLayout(group.size, hidden, capacity)
+        self.published: list = []  # what the package GEMM stand-in published
 
 
 def fake_boundary(model):
@@ -60,11 +61,14 @@ def fake_boundary(model):
             self.mailbox = mailbox
             self.calls, self.prepared = [], []
 
-        def prepare(self, stream_dtypes, store_stream):
-            self.prepared.append((tuple(stream_dtypes), tuple(store_stream)))
+        def prepare(self, stream_dtypes, store_stream, published=(False,)):
+            self.prepared.append((tuple(stream_dtypes), tuple(store_stream)) + (
+                (tuple(published),) if published != (False,) else ()))
 
-        def run(self, partial, stream, store_stream):
-            self.calls.append((partial.shape[0], stream.dtype, store_stream))
+        def run(self, partial, stream, store_stream, published=False):
+            if published:  # the package GEMM stand-in left this rank's partial
+                partial = self.mailbox.published.pop()
+            self.calls.append((partial.shape[0], stream.dtype, store_stream) + (("published",) if published else ()))
             summed = self.mailbox.group.reduce(partial)  # the mailbox's sum, not the group's all_reduce_
             new, out = residual_boundary(*self.modules, summed, stream)
             return (new if store_stream else None), out
@@ -87,11 +91,29 @@ class FakeUnfused:
         return (new if store else None), out
 
 
-def _rank(model, local, rank, capacity=16):
+class FakeGemm:
+    """A ``PackageGemm`` stand-in: publishing leaves ``x @ W^T`` (the stock
+    GEMM's partial) in the fake mailbox for the boundary to consume."""
+
+    def __init__(self, constants, weight, mailbox, rank):
+        self.constants, self.weight, self.mailbox, self.rank = constants, weight, mailbox, rank
+        self.calls, self.prepared = [], 0
+
+    def prepare(self):
+        self.prepared += 1
+
+    def run(self, x, publish=False):
+        assert publish
+        self.calls.append(x.shape[0])
+        self.mailbox.published.append(torch.matmul(x, self.weight.t()))
+
+
+def _rank(model, local, rank, capacity=16, gemm=None):
     shard = shard_draft(model, rank, local.tp, all_reduce=local.all_reduce(rank))
     plan = plan_draft(shard, TP2)
     mailbox = FakeMailbox(FakeGroup(local, rank), model.config.hidden_size, capacity)
-    adapter = DraftAllReduce(mailbox, plan, shard, rank, boundary=fake_boundary(shard))
+    adapter = DraftAllReduce(mailbox, plan, shard, rank, boundary=fake_boundary(shard), gemm=gemm,
+                             package_gemm=gemm is not None)
     decode = DraftDecode(shard, plan, adapter)
     decode.boundaries = [FakeUnfused(b) for b in shard.boundaries()]
     decode.input_norm = None
@@ -222,5 +244,43 @@ def test_build_draft_decode_wants_the_all_reduce_of_a_tp_shard():
     with pytest.raises(ValueError, match="TP4 all-reduce boundaries for a TP2 shard"):
         build_draft_decode(shard, all_reduce=TP4())
     adapter = DraftAllReduce(FakeMailbox(FakeGroup(local, 0), 2048), plan_draft(shard, TP2), shard, 0,
-                             boundary=fake_boundary(shard))
+                             boundary=fake_boundary(shard), package_gemm=False)
     assert build_draft_decode(shard, all_reduce=adapter) is None  # on a CPU: "not CUDA"
+
+
+@pytest.mark.parametrize("m", [2, 17])
+def test_published_partials_run_on_the_package_gemm_and_are_only_consumed(m):
+    """With the plan's package GEMMs bound, each branch GEMM publishes and its
+    boundary consumes (the stand-in GEMM computes the stock partial, so the
+    result is still the stock TP2 forward's bits); above the mailbox both fall
+    back to the stock GEMM and all-reduce."""
+    model = DraftModel(small_config())
+    local = LocalGroup(2, timeout_s=60)
+    ranks = [_rank(model, local, r, gemm=FakeGemm) for r in range(2)]
+    hidden = torch.randn(m, 2048, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    step = StepInputs.block(3, m)
+
+    def both(r):
+        shard, _, _, decode = ranks[r]
+        return shard(hidden, step, shard.make_caches(4)), decode.run(hidden, step, shard.make_caches(4))
+
+    results = local.run(both)
+    for r, (ref, got) in enumerate(results):
+        assert_bitwise(got, ref, f"rank {r}")
+        _, _, adapter, _ = ranks[r]
+        shard = ranks[r][0]
+        weights = [w for layer in shard.layers for w in (layer.self_attn.o_proj, layer.mlp.down)]
+        assert [g.weight for g in adapter.gemms] == weights and all(g.rank == r for g in adapter.gemms)
+        if m <= 16:
+            assert [g.calls for g in adapter.gemms] == [[m]] * 4
+            assert all(b.calls[0][-1] == "published" for b in adapter.boundaries)
+        else:
+            assert [g.calls for g in adapter.gemms] == [[]] * 4
+            assert all(b.calls == [] for b in adapter.boundaries)
+        assert adapter.mailbox.published == []
+    adapter = ranks[0][2]
+    adapter.prepare()
+    assert [g.prepared for g in adapter.gemms] == [1] * 4
+    assert adapter.boundaries[1].prepared == [((torch.float32,), (True,), (False, True))]
+    with pytest.raises(ValueError, match="bound to another weight"):
+        adapter.project(0, torch.zeros(1, 256, dtype=torch.bfloat16), ranks[0][0].layers[0].mlp.down)

@@ -15,6 +15,7 @@ from dspark_core.config import small_config
 from dspark_core.layers import residual_boundary
 from dspark_core.model import DraftModel, StepInputs
 from dspark_core.plan import plan_draft
+from dspark_cute import decode as decode_module
 from dspark_cute.decode import DraftDecode, build_draft_decode
 
 ALL = policy.Target(kernels=policy.ALL_KERNELS)
@@ -70,7 +71,8 @@ def _step_both(model, decode, m, hidden_dtype=torch.bfloat16):
     return outs
 
 
-def test_on_a_cpu_the_build_says_not_cuda_and_returns_none(caplog):
+def test_on_a_cpu_the_build_says_not_cuda_and_returns_none(caplog, monkeypatch):
+    monkeypatch.setattr(decode_module, "_logged", set())  # each reason is logged once per process
     model = DraftModel(small_config(num_layers=1))
     with caplog.at_level(logging.WARNING, logger="dspark.decode"):
         assert build_draft_decode(model) is None
@@ -107,7 +109,8 @@ def test_a_refused_first_norm_runs_stock():
     assert_bitwise(got, ref, "decode output")
 
 
-def test_rows_a_kernel_does_not_take_fall_back_and_say_so(caplog):
+def test_rows_a_kernel_does_not_take_fall_back_and_say_so(caplog, monkeypatch):
+    monkeypatch.setattr(decode_module, "_logged", set())
     model = DraftModel(small_config(num_layers=1))
     decode = _decode(model, rows=4)
     with caplog.at_level(logging.INFO, logger="dspark.decode"):

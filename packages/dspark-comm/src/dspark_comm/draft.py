@@ -17,7 +17,15 @@ the plan's sum order (``plan.all_reduce.constants.sum_order``). It implements
   all-reduce + residual boundary, ``(new_stream or None, out)``;
 - ``all_reduce(partial)``: the stock all-reduce of the mailbox's group (NCCL
   with a ``TorchGroup`` over an NCCL process group) on a copy of the partial,
-  for the calls ``takes`` refuses; the executor then runs the boundary unfused.
+  for the calls ``takes`` refuses; the executor then runs the boundary unfused;
+- ``project(index, x, weight)``: boundary ``index``'s branch GEMM. Where the
+  plan runs that projection on the package GEMM (``plan.package_gemms``, in
+  the boundaries' order: layer i's o_proj, then its down_proj) and the call
+  fuses, the GEMM publishes this rank's partial into the mailbox and
+  ``(None, True)`` comes back (``run(..., published=True)`` then only
+  consumes it); otherwise the stock GEMM's ``(partial, False)``. The package
+  GEMM sums in its own order (not cuBLAS's), so that path is exact to the
+  stock all-reduce of its own partials, not bitwise the stock TP forward.
 
 At TP2 the mailbox's sum (either order) and NCCL's BF16 sum are one correctly
 rounded ``bf16(a + b)``, so the fused path, the fallback and the stock TP
@@ -38,9 +46,12 @@ from dspark_comm import protocol
 class DraftAllReduce:
     """The ``AllReduceBoundaries`` of one rank of a TP draft (module
     docstring). ``boundary`` builds each boundary (default
-    ``dspark_comm.boundary.AllReduceBoundary``; CPU tests pass a stand-in)."""
+    ``dspark_comm.boundary.AllReduceBoundary``) and ``gemm`` each package GEMM
+    (default ``dspark_comm.package_gemm.PackageGemm``; CPU tests pass
+    stand-ins); ``package_gemm=False`` keeps every branch GEMM stock."""
 
-    def __init__(self, mailbox, plan, model, rank: int, *, boundary=None) -> None:
+    def __init__(self, mailbox, plan, model, rank: int, *, boundary=None, gemm=None,
+                 package_gemm: bool = True) -> None:
         tp = plan.target.tp
         if plan.draft_reason is not None:
             raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason})")
@@ -73,23 +84,54 @@ class DraftAllReduce:
                 raise ValueError(f"{p.name} keeps its stock modules: {p.reason}")
             self.boundaries.append(boundary(mailbox, p.constants, conn.alpha, conn.beta, post.weight,
                                             pre.weight, self.sum_order))
+        # Per boundary: its package GEMM (bound to its projection's weight), or None.
+        self.gemms: list = [None] * len(self.boundaries)
+        self.weights = [w for layer in model.layers for w in (layer.self_attn.o_proj, layer.mlp.down)]
+        if package_gemm and plan.package_gemms:
+            if gemm is None:
+                from dspark_comm.package_gemm import PackageGemm as gemm
+            for index, (p, weight) in enumerate(zip(plan.package_gemms, self.weights)):
+                if p.fused:
+                    self.gemms[index] = gemm(p.constants, weight, mailbox, rank)
 
     def prepare(self) -> None:
         """Compile every variant the executor launches (module docstring)."""
         import torch
 
         last = len(self.boundaries) - 1
-        for index, b in enumerate(self.boundaries):
+        for index, (b, g) in enumerate(zip(self.boundaries, self.gemms)):
             dtypes = (torch.float32, torch.bfloat16) if index == 0 else (torch.float32,)
-            b.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
+            if g is None:
+                b.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
+                continue
+            b.prepare(stream_dtypes=dtypes, store_stream=(index != last,), published=(False, True))
+            g.prepare()
 
     def takes(self, partial) -> bool:
         """Whether a call runs fused: its row count alone."""
         return protocol.takes(int(partial.shape[0]), self.capacity)
 
-    def run(self, index: int, partial, stream, store_stream: bool):
+    def project(self, index: int, x, weight):
+        """Boundary ``index``'s branch ``x @ weight^T`` (module docstring):
+        ``(None, True)`` where the package GEMM published it, else the stock
+        GEMM's ``(partial, False)``. The row count decides, the same on every
+        rank."""
+        from dspark_core.layers import linear
+
+        gemm = self.gemms[index]
+        if gemm is None or not self.takes(x):
+            return linear(x, weight), False
+        if weight is not self.weights[index]:
+            raise ValueError(f"boundary {index}'s package GEMM is bound to another weight")
+        gemm.run(x.contiguous(), publish=True)
+        return None, True
+
+    def run(self, index: int, partial, stream, store_stream: bool, published: bool = False):
         """Boundary ``index``'s all-reduce and residual boundary, fused:
-        ``(new_stream or None, out)``."""
+        ``(new_stream or None, out)``; ``published``: the partial is already
+        in the mailbox (``project``), ``partial`` is None."""
+        if published:
+            return self.boundaries[index].run(None, stream, store_stream, published=True)
         return self.boundaries[index].run(partial, stream, store_stream)
 
     def all_reduce(self, partial):

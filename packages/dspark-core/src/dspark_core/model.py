@@ -132,13 +132,17 @@ class DraftAttention(nn.Module):
         cache.insert(k, v, step.slots)
         return q, og
 
-    def back(self, q: torch.Tensor, og: torch.Tensor | None, step: StepInputs, cache: PagedKVCache) -> torch.Tensor:
-        """Attention over the cache, the o-norm and gate, the output
-        projection (BF16 ``[m, H]``)."""
+    def gated(self, q: torch.Tensor, og: torch.Tensor | None, step: StepInputs, cache: PagedKVCache) -> torch.Tensor:
+        """Attention over the cache, then the o-norm and gate: the output
+        projection's input (BF16 ``[m, q_size]``)."""
         attn = attend(q, cache, step.attn_slots, self.num_kv_heads)
         if og is not None:
             attn = o_gate(attn, og, self.o_norm)
-        return linear(attn.reshape(attn.shape[0], self.q_size), self.o_proj)
+        return attn.reshape(attn.shape[0], self.q_size)
+
+    def back(self, q: torch.Tensor, og: torch.Tensor | None, step: StepInputs, cache: PagedKVCache) -> torch.Tensor:
+        """``gated``, then the output projection (BF16 ``[m, H]``)."""
+        return linear(self.gated(q, og, step, cache), self.o_proj)
 
     def forward(self, x: torch.Tensor, step: StepInputs, cache: PagedKVCache) -> torch.Tensor:
         q, og = self.front(x, step, cache)

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from dspark_core import policy
-from dspark_core.layers import capturing, residual_boundary
+from dspark_core.layers import capturing, linear, residual_boundary
 from dspark_core.model import DraftModel, StepInputs
 from dspark_core.plan import DraftPlan, plan_draft
 
@@ -64,7 +64,11 @@ class AllReduceBoundaries(Protocol):
     """What the executor needs of a fused all-reduce boundary (dspark-comm):
     ``takes`` decides from the row count alone (the same on every rank),
     ``run`` all-reduces the partial and runs boundary ``index`` on the sum,
-    ``all_reduce`` is the stock all-reduce for the calls it does not take."""
+    ``all_reduce`` is the stock all-reduce for the calls it does not take.
+    An adapter may also have ``project(index, x, weight) -> (partial,
+    published)``: the branch GEMM, which may publish the partial into the
+    mailbox itself (the package GEMM); ``run(..., published=True)`` then only
+    consumes it."""
 
     tp: int
 
@@ -72,7 +76,7 @@ class AllReduceBoundaries(Protocol):
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor: ...
 
-    def run(self, index: int, partial: torch.Tensor, stream: torch.Tensor, store_stream: bool): ...
+    def run(self, index: int, partial, stream: torch.Tensor, store_stream: bool, published: bool = False): ...
 
 
 class DraftDecode:
@@ -170,7 +174,19 @@ class DraftDecode:
         first = self.layers[0].input_norm if self.layers else self.model.norm
         return first(x, out_dtype=self.dtype)
 
-    def _boundary(self, index: int, branch: torch.Tensor, stream: torch.Tensor, store: bool):
+    def _project(self, index: int, x: torch.Tensor, weight: torch.Tensor):
+        """Boundary ``index``'s branch ``x @ weight^T``: ``(partial,
+        published)``. With a TP adapter that has a ``project`` (the package
+        GEMM), it may publish the partial straight into the mailbox
+        (``(None, True)``); otherwise the stock GEMM."""
+        project = getattr(self.all_reduce, "project", None)
+        if project is not None:
+            return project(index, x, weight)
+        return linear(x, weight), False
+
+    def _boundary(self, index: int, branch, stream: torch.Tensor, store: bool, published: bool = False):
+        if published:  # the package GEMM already pushed this rank's partial
+            return self.all_reduce.run(index, None, stream, store, published=True)
         if self.all_reduce is not None:
             if self.all_reduce.takes(branch):
                 return self.all_reduce.run(index, branch, stream, store)
@@ -183,7 +199,10 @@ class DraftDecode:
             _log_once(logging.INFO, f"boundary {index} ran stock: rows {tuple(branch.shape)} not covered")
         return residual_boundary(*self.bounds[index], branch, stream)
 
-    def _attention(self, index: int, x: torch.Tensor, step: StepInputs, cache) -> torch.Tensor:
+    def _attention(self, index: int, x: torch.Tensor, step: StepInputs, cache):
+        """Layer ``index``'s attention branch, ``(partial, published)``
+        (``_project``): the fused QKV front where it covers the call, else
+        the stock front; attention, the o-gate, the output projection."""
         attn = self.layers[index].self_attn
         front = self.fronts[index] if self.fronts else None
         if front is not None and front.takes(x, step.positions, step.slots, cache.tensor):
@@ -193,7 +212,7 @@ class DraftDecode:
             if front is not None:
                 _log_once(logging.INFO, f"layer {index}'s QKV front ran stock: {x.shape[0]} rows not covered")
             q, og = attn.front(x, step, cache)
-        return attn.back(q, og, step, cache)
+        return self._project(2 * index, attn.gated(q, og, step, cache), attn.o_proj)
 
     @torch.no_grad()
     def run(self, hidden_states: torch.Tensor, step: StepInputs, caches) -> torch.Tensor:
@@ -215,10 +234,12 @@ class DraftDecode:
         x = self._first_norm(stream.to(self.dtype).contiguous())
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            attn_out = self._attention(i, x, step, caches[i])
-            stream, ffn_in = self._boundary(2 * i, attn_out, stream, True)
-            ffn_out = layer.mlp(ffn_in)
-            stream, x = self._boundary(2 * i + 1, ffn_out, stream, i != last)
+            attn_out, published = self._attention(i, x, step, caches[i])
+            stream, ffn_in = self._boundary(2 * i, attn_out, stream, True, published)
+            mlp = layer.mlp
+            hidden = mlp.activation(linear(ffn_in, mlp.gate_up))
+            ffn_out, published = self._project(2 * i + 1, hidden, mlp.down)
+            stream, x = self._boundary(2 * i + 1, ffn_out, stream, i != last, published)
         return x
 
     def store_context_kv(self, context_states, positions, caches, slots) -> bool:
