@@ -14,8 +14,6 @@ approximation, multicast (``multimem``) or local memory.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import types
 
 import pytest
@@ -23,50 +21,31 @@ import torch
 
 from dspark_comm.protocol import MailboxLayout
 from dspark_core.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, BoundaryConstants, NormConstants
+from dspark_cute.ptx_audit import code, count, ptxas_report
 
 ARCHS = ["sm_90a", "sm_100a"]
 H = 8192
 FRAGS = H // 2048
 
 
-def _body(ptx: str) -> str:
-    return "\n".join(line.split("//")[0] for line in ptx.splitlines())
-
-
-def _count(body: str, pattern: str) -> int:
-    return len(re.findall(pattern, body, flags=re.MULTILINE))
-
-
-def _ptxas(ptx: str, arch: str, tmp_path) -> str:
-    """ptxas's verbose report of ``ptx`` (skipped where ptxas is absent)."""
-    if shutil.which("ptxas") is None:
-        return ""
-    src = tmp_path / f"k_{arch}.ptx"
-    src.write_text(ptx)
-    r = subprocess.run(["ptxas", "-v", f"-arch={arch}", str(src), "-o", str(tmp_path / "k.cubin")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return r.stderr
-
-
 def audit(ptx: str, tp: int, order: str, published: bool, adds_per_column: int | None = None) -> None:
-    body = _body(ptx)
+    body = code(ptx)
     polled = tp if published else tp - 1
     pushes = 0 if published else FRAGS * (tp - 1)
     assert not re.search(r"\bfma\b|fma\.", body), "an FMA"
     assert ".ftz" not in body and not re.search(r"rsqrt|\.approx", body)
     assert "multimem" not in body, "a multicast access"
     assert not re.search(r"\b(ld|st)\.local", body), "local memory"
-    assert _count(body, r"ld\.relaxed\.sys\.global\.v4\.b32") == FRAGS * polled
-    assert _count(body, r"st\.relaxed\.sys\.global\.v4\.b32") == pushes + FRAGS * polled
-    assert _count(body, r"%globaltimer") == polled + 1  # the deadline, then one per poll loop
+    assert count(body, r"ld\.relaxed\.sys\.global\.v4\.b32") == FRAGS * polled
+    assert count(body, r"st\.relaxed\.sys\.global\.v4\.b32") == pushes + FRAGS * polled
+    assert count(body, r"%globaltimer") == polled + 1  # the deadline, then one per poll loop
     head, sep, tail = body.partition("griddepcontrol.wait")
     assert sep, "no PDL wait"
-    assert _count(head, r"ld\.global\.b64") == tp and "ld.relaxed" not in head
+    assert count(head, r"ld\.global\.b64") == tp and "ld.relaxed" not in head
     assert "griddepcontrol.launch_dependents" in tail
     if adds_per_column is not None:
-        assert _count(body, r"add\.rn\.f32") == adds_per_column * H // 256
-    cvts = _count(body, r"cvt\.rn\.bf16x2\.f32")
+        assert count(body, r"add\.rn\.f32") == adds_per_column * H // 256
+    cvts = count(body, r"cvt\.rn\.bf16x2\.f32")
     rounds = (tp - 1) if order == BF16_RANK_ORDER else 1
     assert cvts >= rounds * 4 * FRAGS
 
@@ -87,8 +66,8 @@ def test_all_reduce_compiles(arch, tp, order, published, tmp_path):
     assert f".target {arch}" in ptx
     audit(ptx, tp, order, published, adds_per_column=tp - 1)
     # The plain epilogue stores the row once: 16-byte weak stores.
-    assert _count(_body(ptx), r"st\.global\.v4\.b32") == FRAGS
-    report = _ptxas(ptx, arch, tmp_path)
+    assert count(code(ptx), r"st\.global\.v4\.b32") == FRAGS
+    report = ptxas_report(ptx, arch, tmp_path)
     if report and tp == 2:
         assert "0 bytes spill stores" in report
 
@@ -115,16 +94,16 @@ def test_boundary_compiles(arch, tp, order, stream_bf16, store, post, pre, tmp_p
     ptx = compile_ptx(AllReduceKernel(layout, 0, order, BoundaryEpilogue(c, stream_bf16, store), False, True),
                       *all_reduce_fake_args(), arch=arch)
     audit(ptx, tp, order, False)
-    body = _body(ptx)
+    body = code(ptx)
     # Two norms: one barrier each, one more before the epoch advances.
-    assert _count(body, r"\bbar\.sync\b") == 3
-    assert _count(body, r"shfl\.sync\.bfly\.b32") == 10
-    assert _count(body, r"div\.rn\.f32") == 4 and _count(body, r"sqrt\.rn\.f32") == 2
+    assert count(body, r"\bbar\.sync\b") == 3
+    assert count(body, r"shfl\.sync\.bfly\.b32") == 10
+    assert count(body, r"div\.rn\.f32") == 4 and count(body, r"sqrt\.rn\.f32") == 2
     gates = 2 * FRAGS * 2 + sum(FRAGS * {"bf16": 1, "fp16": 1, "fp32": 2}[n[0]] for n in (post, pre) if n[0])
     head = body.partition("griddepcontrol.wait")[0]
-    assert _count(head, r"ld\.global\.v4\.b32") == gates, "the gates load before the PDL wait"
-    assert _count(body, r"st\.global\.v4\.b32") == FRAGS + (2 * FRAGS if store else 0)
-    _ptxas(ptx, arch, tmp_path)
+    assert count(head, r"ld\.global\.v4\.b32") == gates, "the gates load before the PDL wait"
+    assert count(body, r"st\.global\.v4\.b32") == FRAGS + (2 * FRAGS if store else 0)
+    ptxas_report(ptx, arch, tmp_path)
 
 
 @pytest.mark.compile
@@ -136,14 +115,14 @@ def test_publish_and_example_compile(arch, tmp_path):
 
     layout = MailboxLayout(4, H, 16)
     ptx = compile_ptx(PublishKernel(layout, 1, True), *publish_fake_args(), arch=arch)
-    body = _body(ptx)
-    assert _count(body, r"st\.relaxed\.sys\.global\.v4\.b32") == 4 * FRAGS  # every rank, itself included
+    body = code(ptx)
+    assert count(body, r"st\.relaxed\.sys\.global\.v4\.b32") == 4 * FRAGS  # every rank, itself included
     assert "ld.relaxed.sys" not in body and "%globaltimer" not in body
-    _ptxas(ptx, arch, tmp_path)
+    ptxas_report(ptx, arch, tmp_path)
     ptx = compile_ptx(AllReduceKernel(layout, 2, FP32_RANK_ORDER, AddBiasEpilogue(), False, True),
                       *all_reduce_fake_args(), arch=arch)
     audit(ptx, 4, FP32_RANK_ORDER, False, adds_per_column=3 + 1)
-    _ptxas(ptx, arch, tmp_path)
+    ptxas_report(ptx, arch, tmp_path)
 
 
 @pytest.mark.compile

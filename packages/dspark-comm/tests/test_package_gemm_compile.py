@@ -24,8 +24,6 @@
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import types
 
 import pytest
@@ -47,6 +45,7 @@ from dspark_core.compare import mismatches
 from dspark_core.constants import FP32_RANK_ORDER, PackageGemmConstants
 from dspark_core.policy import DRAFT_GEMMS
 from dspark_cute import skinny_gemm as sg
+from dspark_cute.ptx_audit import code, count, ptxas_report
 
 ARCHS = ["sm_90a", "sm_100a"]
 
@@ -163,25 +162,6 @@ def test_publish_epilogue_emulated(tp, m, k_warps, n_tiles, seed):
 # ---------------------------------------------------------------- compiles and the PTX audit
 
 
-def _body(ptx: str) -> str:
-    return "\n".join(line.split("//")[0] for line in ptx.splitlines())
-
-
-def _count(body: str, pattern: str) -> int:
-    return len(re.findall(pattern, body, flags=re.MULTILINE))
-
-
-def _ptxas(ptx: str, arch: str, tmp_path) -> str:
-    if shutil.which("ptxas") is None:
-        return ""
-    src = tmp_path / f"k_{arch}.ptx"
-    src.write_text(ptx)
-    r = subprocess.run(["ptxas", "-v", f"-arch={arch}", str(src), "-o", str(tmp_path / "k.cubin")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return r.stderr
-
-
 def audit(body: str, cfg: sg.SkinnyConfig, mode: str, tp: int, pdl: bool) -> None:
     assert not re.search(r"\bfma\b|\bfma\.", body), "an FMA (the MMAs are the only multiply-adds)"
     assert ".ftz" not in body, "a flush-to-zero instruction"
@@ -190,17 +170,17 @@ def audit(body: str, cfg: sg.SkinnyConfig, mode: str, tp: int, pdl: bool) -> Non
     assert "multimem" not in body
     for op in re.findall(r"\b(?:add|sub|mul|div)(?:\.\w+)*\.f32\b", body):
         assert ".rn." in op, f"an FP32 operation without an explicit rounding: {op}"
-    assert _count(body, r"\badd\.rn\.f32") == (cfg.k_warps - 1) * 2 * pg.epilogue_rounds(cfg)
+    assert count(body, r"\badd\.rn\.f32") == (cfg.k_warps - 1) * 2 * pg.epilogue_rounds(cfg)
     # The weight (and x) stream: 16-byte cp.async copies only.
     copies = re.findall(r"\bcp\.async[.\w:]*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\d+);", body)
     assert copies and all(size == "16" for size in copies), "a cp.async other than 16 bytes"
     assert len(copies) == cfg.steps * cfg.loads
-    assert _count(body, r"\bcp\.async\.cg\.shared\.global\.L2::256B\b") == cfg.steps * cfg.loads
-    assert _count(body, r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32") == (
+    assert count(body, r"\bcp\.async\.cg\.shared\.global\.L2::256B\b") == cfg.steps * cfg.loads
+    assert count(body, r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32") == (
         cfg.steps * 2 * sg.MMA_TILES * cfg.n_tiles)
-    assert _count(body, r"\bbar\.sync\b") == 2
+    assert count(body, r"\bbar\.sync\b") == 2
     rounds = pg.epilogue_rounds(cfg)
-    assert _count(body, r"\bcvt\.rn\.bf16x2\.f32") == rounds
+    assert count(body, r"\bcvt\.rn\.bf16x2\.f32") == rounds
     stores = re.findall(r"\bst\.[\w.]*global[\w.]*", body)
     loads = re.findall(r"\bld\.[\w.]*global[\w.]*", body)
     if mode == "publish":
@@ -217,9 +197,9 @@ def audit(body: str, cfg: sg.SkinnyConfig, mode: str, tp: int, pdl: bool) -> Non
     if pdl:
         head, sep, tail = body.partition("griddepcontrol.wait")
         assert sep, "no PDL wait"
-        assert _count(head, r"\bcp\.async\.cg") == sg.W_LOADS * cfg.stages, "not exactly the weight prologue"
+        assert count(head, r"\bcp\.async\.cg") == sg.W_LOADS * cfg.stages, "not exactly the weight prologue"
         assert "commit_group" not in head and "ld.relaxed" not in head
-        assert _count(head, r"\bld\.global\.b64") == (tp if mode == "publish" else 0)
+        assert count(head, r"\bld\.global\.b64") == (tp if mode == "publish" else 0)
         _, sep, after = tail.rpartition("mma.sync")
         assert sep and "griddepcontrol.launch_dependents" in after.partition("bar.sync")[0]
     else:
@@ -251,8 +231,8 @@ def test_package_gemm_compiles(arch, variant, tmp_path):
     ptx = compile_ptx(pg.PackageGemmKernel(c.hidden_size, cfg, mode, layout, rank, pdl), *pg.fake_args(),
                       arch=arch)
     assert f".target {arch}" in ptx
-    audit(_body(ptx), cfg, mode, tp, pdl)
-    report = _ptxas(ptx, arch, tmp_path)
+    audit(code(ptx), cfg, mode, tp, pdl)
+    report = ptxas_report(ptx, arch, tmp_path)
     if report and arch == "sm_90a":
         # (sm_100a's ptxas spills 8 bytes in the 8-warp K = 8192 variant.)
         assert "0 bytes spill stores" in report

@@ -32,6 +32,7 @@ import torch
 from cute_testing import has_f32_constant
 
 from dspark_core.constants import BoundaryConstants, NormConstants, RowNormConstants
+from dspark_cute.ptx_audit import count
 
 pytestmark = pytest.mark.compile
 
@@ -58,10 +59,6 @@ def norm_constants(i: int) -> NormConstants:
     )
 
 
-def _count(ptx: str, pattern: str) -> int:
-    return len(re.findall(pattern, ptx, flags=re.MULTILINE))
-
-
 def audit(
     ptx: str, loads: int, stores: int, norms: int, early_loads: int | None, ranks: int = 0
 ) -> None:
@@ -76,24 +73,24 @@ def audit(
     assert not re.search(r"\b(ld|st)\.local", body), "local memory (register spills)"
     global_ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", body)
     assert all(op in ("ld.global.v4.b32", "st.global.v4.b32") for op in global_ops), global_ops
-    assert _count(body, r"\bld\.global\.v4\.b32") == loads
-    assert _count(body, r"\bst\.global\.v4\.b32") == stores
-    assert _count(body, r"\bbar\.sync\b") == norms
-    assert _count(body, r"\bshfl\.sync\.bfly\.b32") == 5 * norms
-    assert _count(body, r"\bdiv\.rn\.f32") == 2 * norms
-    assert _count(body, r"\bsqrt\.rn\.f32") == norms
+    assert count(body, r"\bld\.global\.v4\.b32") == loads
+    assert count(body, r"\bst\.global\.v4\.b32") == stores
+    assert count(body, r"\bbar\.sync\b") == norms
+    assert count(body, r"\bshfl\.sync\.bfly\.b32") == 5 * norms
+    assert count(body, r"\bdiv\.rn\.f32") == 2 * norms
+    assert count(body, r"\bsqrt\.rn\.f32") == norms
     # A split row: per norm one cluster barrier and a read of each rank's
     # fragment sums, and one more barrier before the CTA exits.
     barriers = norms + 1 if ranks else 0
-    assert _count(body, r"\bbarrier\.cluster\.arrive\.release\.aligned") == barriers
-    assert _count(body, r"\bbarrier\.cluster\.wait\.acquire\.aligned") == barriers
-    assert _count(body, r"\bld\.shared::cluster\.f32") == ranks * norms
+    assert count(body, r"\bbarrier\.cluster\.arrive\.release\.aligned") == barriers
+    assert count(body, r"\bbarrier\.cluster\.wait\.acquire\.aligned") == barriers
+    assert count(body, r"\bld\.shared::cluster\.f32") == ranks * norms
     if early_loads is None:
         assert "griddepcontrol" not in body
     else:
         head, sep, _ = body.partition("griddepcontrol.wait")
         assert sep, "no PDL wait"
-        assert _count(head, r"\bld\.global") == early_loads
+        assert count(head, r"\bld\.global") == early_loads
         assert "griddepcontrol.launch_dependents" in body
 
 

@@ -30,6 +30,7 @@ import torch
 from cute_testing import has_f32_constant
 
 from dspark_core.constants import ContextNormConstants, ContextStoreConstants, NormConstants
+from dspark_cute.ptx_audit import code, count
 
 ARCHS = ["sm_90a", "sm_100a"]
 KINDS = [
@@ -58,14 +59,6 @@ NORM_VARIANTS = [
 ] + [(1, 2, 2, 8192, False)]
 
 
-def _code(ptx: str) -> str:
-    return "\n".join(line.split("//")[0] for line in ptx.splitlines())
-
-
-def _count(body: str, pattern: str) -> int:
-    return len(re.findall(pattern, body, flags=re.MULTILINE))
-
-
 def audit_common(body: str) -> None:
     """What no DSpark kernel may contain."""
     assert not re.search(r"\bfma\b|fma\.", body), "an FMA in a kernel whose spec has none"
@@ -83,25 +76,25 @@ def test_context_norms_compile(arch, hidden, pre, layers, h, pdl):
     from dspark_cute.host import compile_ptx
 
     c = ContextNormConstants(hidden_size=h, num_layers=layers, hidden=norm(hidden), pre=norm(pre))
-    body = _code(compile_ptx(ContextNormsKernel(c, pdl), *fake_args(c), arch=arch))
+    body = code(compile_ptx(ContextNormsKernel(c, pdl), *fake_args(c), arch=arch))
     assert f".target {arch}" in body
     audit_common(body)
     frags = h // 2048
     weights = sum(frags * WORDS[n.weight_dtype] for n in (c.hidden, c.pre) if n.weight_dtype)
     global_ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", body)
     assert set(global_ops) <= {"ld.global.v4.b32", "st.global.v4.b32"}, global_ops
-    assert _count(body, r"\bld\.global\.v4\.b32") == weights + frags
-    assert _count(body, r"\bst\.global\.v4\.b32") == frags
-    assert _count(body, r"\bbar\.sync\b") == 2
-    assert _count(body, r"\bshfl\.sync\.bfly\.b32") == 10
-    assert _count(body, r"\bdiv\.rn\.f32") == 4
-    assert _count(body, r"\bsqrt\.rn\.f32") == 2
+    assert count(body, r"\bld\.global\.v4\.b32") == weights + frags
+    assert count(body, r"\bst\.global\.v4\.b32") == frags
+    assert count(body, r"\bbar\.sync\b") == 2
+    assert count(body, r"\bshfl\.sync\.bfly\.b32") == 10
+    assert count(body, r"\bdiv\.rn\.f32") == 4
+    assert count(body, r"\bsqrt\.rn\.f32") == 2
     # BF16 rounding of the hidden norm (4 words per fragment) and of the output.
-    assert _count(body, r"\bcvt\.rn\.bf16x2\.f32") == 8 * frags
+    assert count(body, r"\bcvt\.rn\.bf16x2\.f32") == 8 * frags
     if pdl:
         head, sep, _ = body.partition("griddepcontrol.wait")
         assert sep, "no PDL wait"
-        assert _count(head, r"\bld\.global") == weights, "only the weights load before the wait"
+        assert count(head, r"\bld\.global") == weights, "only the weights load before the wait"
         assert "griddepcontrol.launch_dependents" in body
     else:
         assert "griddepcontrol" not in body
@@ -123,23 +116,23 @@ def test_context_store_compile(arch, kv, rope, table, pdl):
     from dspark_cute.host import compile_ptx
 
     c = ContextStoreConstants(kv_heads=kv, k_eps=1e-6, rope=rope, table_dtype=table)
-    body = _code(compile_ptx(ContextStoreKernel(c, pdl), *fake_args(c), arch=arch))
+    body = code(compile_ptx(ContextStoreKernel(c, pdl), *fake_args(c), arch=arch))
     assert f".target {arch}" in body
     audit_common(body)
     table_loads = {"bf16": (0, 2), "fp32": (2, 0)}[table] if rope else (0, 0)
-    assert _count(body, r"\bld\.global\.b32\b") == 2 * kv + table_loads[0]
-    assert _count(body, r"\bld\.global\.b16\b") == table_loads[1]
-    assert _count(body, r"\bld\.global\.s64\b") == (2 if rope else 1)
-    assert _count(body, r"\bst\.global\.b32\b") == 2 * kv
+    assert count(body, r"\bld\.global\.b32\b") == 2 * kv + table_loads[0]
+    assert count(body, r"\bld\.global\.b16\b") == table_loads[1]
+    assert count(body, r"\bld\.global\.s64\b") == (2 if rope else 1)
+    assert count(body, r"\bst\.global\.b32\b") == 2 * kv
     assert set(re.findall(r"\b(?:ld|st)\.global[.\w]*", body)) <= {
         "ld.global.b32", "ld.global.b16", "ld.global.s64", "st.global.b32"
     }
-    assert _count(body, r"\bshfl\.sync\.bfly\.b32") == 5 * kv
-    assert _count(body, r"\bdiv\.rn\.f32") == 2 * kv
-    assert _count(body, r"\bsqrt\.rn\.f32") == kv
+    assert count(body, r"\bshfl\.sync\.bfly\.b32") == 5 * kv
+    assert count(body, r"\bdiv\.rn\.f32") == 2 * kv
+    assert count(body, r"\bsqrt\.rn\.f32") == kv
     # RoPE: 4 products, one difference and one sum per pair; none without it.
-    assert _count(body, r"\bsub\.rn\.f32") == (kv if rope else 0)
-    assert _count(body, r"\bmul\.rn\.f32") == kv * (2 + 2 + (4 if rope else 0))
+    assert count(body, r"\bsub\.rn\.f32") == (kv if rope else 0)
+    assert count(body, r"\bmul\.rn\.f32") == kv * (2 + 2 + (4 if rope else 0))
     if pdl:
         head, sep, _ = body.partition("griddepcontrol.wait")
         assert sep, "no PDL wait"

@@ -30,6 +30,7 @@ import torch
 
 from dspark_core.constants import QKVFrontConstants
 from dspark_cute import skinny_gemm as sg
+from dspark_cute.ptx_audit import count
 
 ARCHS = ["sm_90a", "sm_100a"]
 
@@ -166,10 +167,6 @@ def _name(v) -> str:
         f"{'-pdl' if pdl else ''}{'-qw' if c.q_weight else ''}-{c.table_dtype if c.rope else 'norope'}"
 
 
-def _count(body: str, pattern: str) -> int:
-    return len(re.findall(pattern, body, flags=re.MULTILINE))
-
-
 def audit(body: str, c: QKVFrontConstants, cfg: sg.SkinnyConfig, raw: bool, pdl: bool) -> None:
     assert not re.search(r"\bfma\b|\bfma\.", body), "an FMA (the MMAs are the only multiply-adds)"
     assert ".ftz" not in body, "a flush-to-zero instruction"
@@ -182,15 +179,15 @@ def audit(body: str, c: QKVFrontConstants, cfg: sg.SkinnyConfig, raw: bool, pdl:
     assert all("cp.async.cg.shared.global.L2::256B" in line for line in body.splitlines() if "cp.async.c" in line
                and "commit" not in line)
     assert len(copies) == cfg.steps * cfg.loads
-    assert _count(body, r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32") == (
+    assert count(body, r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32") == (
         cfg.steps * 2 * sg.MMA_TILES * cfg.n_tiles)
-    assert _count(body, r"\bld\.shared\.v4\.b32") == cfg.steps * cfg.loads
-    assert _count(body, r"\bbar\.sync\b") == 2
+    assert count(body, r"\bld\.shared\.v4\.b32") == cfg.steps * cfg.loads
+    assert count(body, r"\bbar\.sync\b") == 2
     rounds = -(-8 * cfg.n_tiles // cfg.k_warps)
     norms = 0 if raw else 2 * rounds  # a q and a k branch per round
-    assert _count(body, r"\bshfl\.sync\.bfly\.b32") == 5 * norms
-    assert _count(body, r"\bdiv\.rn\.f32") == 2 * norms
-    assert _count(body, r"\bsqrt\.rn\.f32") == norms
+    assert count(body, r"\bshfl\.sync\.bfly\.b32") == 5 * norms
+    assert count(body, r"\bdiv\.rn\.f32") == 2 * norms
+    assert count(body, r"\bsqrt\.rn\.f32") == norms
     # Global loads happen only in the epilogue: the positions and slots, the
     # q-norm weight and the RoPE table.
     loads = re.findall(r"\bld\.global[.\w]*", body)
@@ -203,7 +200,7 @@ def audit(body: str, c: QKVFrontConstants, cfg: sg.SkinnyConfig, raw: bool, pdl:
     if pdl:
         head, sep, tail = body.partition("griddepcontrol.wait")
         assert sep, "no PDL wait"
-        assert _count(head, r"\bcp\.async\.cg") == sg.W_LOADS * cfg.stages, "not exactly the weight prologue"
+        assert count(head, r"\bcp\.async\.cg") == sg.W_LOADS * cfg.stages, "not exactly the weight prologue"
         assert "ld.global" not in head and "commit_group" not in head
         # The next grid is released after the main loop (after the last MMA),
         # before the epilogue's barriers.
@@ -229,7 +226,7 @@ def test_qkv_front_compiles(arch, variant):
     if c.rope and not raw:
         # The table's cos/sin loads: 16-bit for BF16, 32-bit for FP32.
         width = "b16" if c.table_dtype == "bf16" else "b32"
-        assert _count(body, rf"\bld\.global\.{width}\b") >= 4
+        assert count(body, rf"\bld\.global\.{width}\b") >= 4
 
 
 # ---------------------------------------------------------------- host checks (no GPU needed)
