@@ -101,7 +101,9 @@ def _time_step(fn, model, caches, block, start, span, device, reps: int = 50) ->
 
 
 @torch.no_grad()
-def run_demo(config: DraftConfig, steps: int, block: int, context: int, device: torch.device) -> dict:
+def run_demo(
+    config: DraftConfig, steps: int, block: int, context: int, device: torch.device, front: bool = False
+) -> dict:
     """Build, plan and decode on the stock path and, where a backend provides
     it on this device, the specialized decode; compare and time them."""
     t0 = time.perf_counter()
@@ -118,7 +120,9 @@ def run_demo(config: DraftConfig, steps: int, block: int, context: int, device: 
             print(f"  why: {line}")
 
     build = executor_builder() if device.type == "cuda" else None
-    decode = build(model) if build is not None else None
+    # The QKV front's projection sums in its own order (not cuBLAS's): without
+    # --front the specialized decode leaves it stock and is bit for bit.
+    decode = build(model, exclude=set() if front else {policy.QKV_FRONT}) if build is not None else None
     if device.type == "cuda" and decode is None:
         print("no specialized decode on this device (see the log above): the stock path runs alone")
 
@@ -159,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", type=int, default=1, help="tokens per step (1 to 16)")
     parser.add_argument("--context", type=int, default=64, help="context tokens stored first")
     parser.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
+    parser.add_argument(
+        "--front",
+        action="store_true",
+        help="also run the fused QKV front (exact up to its projection's summation order, so not bitwise)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if not 1 <= args.block <= policy.MAX_DECODE_ROWS:
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
-    run_demo(config, args.steps, args.block, args.context, device)
+    run_demo(config, args.steps, args.block, args.context, device, args.front)
     return 0
 
 
