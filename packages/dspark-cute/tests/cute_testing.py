@@ -93,3 +93,41 @@ def has_f32_constant(ptx: str, bits: int) -> bool:
 
     signed = bits - (1 << 32) if bits & 0x80000000 else bits
     return f"0f{bits:08x}" in ptx.lower() or re.search(rf"mov\.b32\s+%r\d+, {signed};", ptx) is not None
+
+
+# The norm variants the compile tests cover: (weight dtype name or None,
+# weight before the norm); ``norm_constants(i)`` adds an eps and a gain center.
+WEIGHT_KINDS = [
+    (None, False),
+    ("bf16", False),
+    ("bf16", True),
+    ("fp16", False),
+    ("fp16", True),
+    ("fp32", False),
+    ("fp32", True),
+]
+# 16-byte accesses per 8-column fragment, by weight dtype name.
+WORDS = {"bf16": 1, "fp16": 1, "fp32": 2}
+
+
+def norm_constants(i: int):
+    """``NormConstants`` of variant ``i`` of ``WEIGHT_KINDS``."""
+    from dspark_core.constants import NormConstants
+
+    dtype, before = WEIGHT_KINDS[i]
+    return NormConstants(
+        eps=(1e-6, 1e-5, 0.1)[i % 3], weight_dtype=dtype, gain_center=float(i % 2), weight_before_norm=before
+    )
+
+
+# The norm variants the GPU tests run: (weight dtype or None, gain center,
+# weight before the norm, eps).
+GPU_NORMS = [
+    (None, 0.0, False, 1e-6),
+    (torch.bfloat16, 0.0, False, 1e-6),
+    (torch.bfloat16, 1.0, True, 1e-5),
+    (torch.float16, 1.0, False, 1e-6),
+    (torch.float16, 0.0, True, 0.1),
+    (torch.float32, 0.0, True, 1e-6),
+    (torch.float32, 1.0, False, 1e-5),
+]

@@ -29,7 +29,7 @@ import re
 
 import pytest
 import torch
-from cute_testing import has_f32_constant
+from cute_testing import WEIGHT_KINDS, WORDS, has_f32_constant, norm_constants
 
 from dspark_core.constants import BoundaryConstants, NormConstants, RowNormConstants
 from dspark_cute.ptx_audit import count
@@ -39,26 +39,6 @@ pytestmark = pytest.mark.compile
 ARCHS = ["sm_90a", "sm_100a"]
 H = 8192
 FRAGS = H // 2048
-WEIGHTS = [
-    (None, False),
-    ("bf16", False),
-    ("bf16", True),
-    ("fp16", False),
-    ("fp16", True),
-    ("fp32", False),
-    ("fp32", True),
-]
-WORDS = {"bf16": 1, "fp16": 1, "fp32": 2}  # 16-byte accesses per 8-column fragment
-
-
-def norm_constants(i: int) -> NormConstants:
-    dtype, before = WEIGHTS[i]
-    return NormConstants(
-        eps=(1e-6, 1e-5, 0.1)[i % 3], weight_dtype=dtype, gain_center=float(i % 2),
-        weight_before_norm=before,
-    )
-
-
 def audit(
     ptx: str, loads: int, stores: int, norms: int, early_loads: int | None, ranks: int = 0
 ) -> None:
@@ -100,7 +80,7 @@ def _weight_loads(norm: NormConstants) -> int:
 
 ROW_VARIANTS = [
     (w, i, o, True)
-    for w, i, o in itertools.product(range(len(WEIGHTS)), ("bf16", "fp32"), ("bf16", "fp16", "fp32"))
+    for w, i, o in itertools.product(range(len(WEIGHT_KINDS)), ("bf16", "fp32"), ("bf16", "fp16", "fp32"))
 ] + [(2, "bf16", "bf16", False)]
 
 

@@ -27,31 +27,13 @@ import re
 
 import pytest
 import torch
-from cute_testing import has_f32_constant
+from cute_testing import WORDS, has_f32_constant
+from cute_testing import norm_constants as norm
 
 from dspark_core.constants import ContextNormConstants, ContextStoreConstants, NormConstants
 from dspark_cute.ptx_audit import code, count
 
 ARCHS = ["sm_90a", "sm_100a"]
-KINDS = [
-    (None, False),
-    ("bf16", False),
-    ("bf16", True),
-    ("fp16", False),
-    ("fp16", True),
-    ("fp32", False),
-    ("fp32", True),
-]
-WORDS = {"bf16": 1, "fp16": 1, "fp32": 2}  # 16-byte accesses per 8-column fragment
-
-
-def norm(i: int) -> NormConstants:
-    dtype, before = KINDS[i]
-    return NormConstants(
-        eps=(1e-6, 1e-5, 0.1)[i % 3], weight_dtype=dtype, gain_center=float(i % 2), weight_before_norm=before
-    )
-
-
 # (hidden kind, input-norm kind, layers, H, pdl): each kind once per side.
 NORM_VARIANTS = [
     (i, (i + 3) % 7, (1, 2, 3, 5, 9, 2, 2)[i], (8192, 8192, 2048, 8192, 16384, 8192, 8192)[i], True)

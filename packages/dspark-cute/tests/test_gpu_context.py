@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cute_testing import POISONS, check_poisoned, poison, random_rows, requires_cuda, special_rows
+from cute_testing import GPU_NORMS, POISONS, check_poisoned, poison, random_rows, requires_cuda, special_rows
 
 from dspark_core.compare import assert_bitwise
 from dspark_core.config import small_config
@@ -40,16 +40,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 H = 8192
 D = 64
 BLOCK = 16
-# (weight dtype or None, gain center, weight before the norm, eps)
-NORMS = [
-    (None, 0.0, False, 1e-6),
-    (BF16, 0.0, False, 1e-6),
-    (BF16, 1.0, True, 1e-5),
-    (FP16, 1.0, False, 1e-6),
-    (FP16, 0.0, True, 0.1),
-    (FP32, 0.0, True, 1e-6),
-    (FP32, 1.0, False, 1e-5),
-]
+NORMS = GPU_NORMS
 ROWS = [1, 2, 7, 16, 133, 1000]
 
 

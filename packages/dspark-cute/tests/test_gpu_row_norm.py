@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cute_testing import check_poisoned, random_rows, requires_cuda, special_rows
+from cute_testing import GPU_NORMS, check_poisoned, random_rows, requires_cuda, special_rows
 
 from dspark_core.compare import assert_bitwise
 from dspark_core.constants import row_norm_constants
@@ -19,16 +19,7 @@ pytestmark = [pytest.mark.gpu, requires_cuda]
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 H = 8192
-# (weight dtype or None, gain center, weight before the norm, eps)
-NORMS = [
-    (None, 0.0, False, 1e-6),
-    (BF16, 0.0, False, 1e-6),
-    (BF16, 1.0, True, 1e-5),
-    (FP16, 1.0, False, 1e-6),
-    (FP16, 0.0, True, 0.1),
-    (FP32, 0.0, True, 1e-6),
-    (FP32, 1.0, False, 1e-5),
-]
+NORMS = GPU_NORMS
 ROWS = [1, 2, 7, 16, 132, 133, 1000, 4096]
 
 
