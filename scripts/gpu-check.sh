@@ -5,6 +5,7 @@
 # On this project's device machines (one call stays under 10 minutes, so split the steps):
 #   run(command="bash scripts/gpu-check.sh gpu bench", carry=[".device"], kind="nvidia-h200")
 #   run(command="bash scripts/gpu-check.sh multigpu", carry=[".device"], kind="nvidia-h200-x2")
+# bench-kernels: the single-kernel benchmarks.
 # Logs, benchmark tables and plots go to $OUT (default bench-results/).
 set -u
 cd "$(dirname "$0")/.."
@@ -38,7 +39,10 @@ if wanted multigpu; then
   step draft-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_draft_multigpu.py -q -p no:cacheprovider
 fi
 if wanted bench; then
-  step bench-decode 240 python packages/dspark-cute/benchmarks/bench_decode.py --out "$OUT"
+  step profile-decode 90 python packages/dspark-cute/benchmarks/profile_decode.py --out "$OUT"
+  step bench-decode 280 python packages/dspark-cute/benchmarks/bench_decode.py --out "$OUT"
+fi
+if wanted bench-kernels; then
   step bench-qkv-front 60 python packages/dspark-cute/benchmarks/bench_qkv_front.py --out "$OUT"
 fi
 echo; echo "== summary =="; printf '%s\n' "${summary[@]}"

@@ -1,0 +1,83 @@
+"""Where a draft step's GPU time goes: the specialized decode and the stock
+forward at m = 1, 4, 16 run eagerly under torch.profiler; prints each path's
+kernels grouped by name with their summed device time per step (the GEMMs
+marked), so the non-GEMM share can be attributed to parts. Writes
+profile_decode.md into --out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from dspark_core.config import DraftConfig
+from dspark_core.model import DraftModel, StepInputs
+from dspark_cute.decode import build_draft_decode
+
+CONTEXT = 256
+STEPS = 5
+
+
+def _gemm(name: str) -> bool:
+    lowered = name.lower()
+    return any(k in lowered for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "skinny", "qkvfront"))
+
+
+def _profile(fn, x, step, caches) -> dict[str, tuple[int, float]]:
+    for _ in range(3):
+        fn(x, step, caches)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(STEPS):
+            fn(x, step, caches)
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per[evt.name][0] += 1
+            per[evt.name][1] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+    return {k: (v[0] // STEPS, v[1] / STEPS) for k, v in per.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench-results")
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_decode: no CUDA GPU")
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = DraftModel(DraftConfig(num_layers=args.layers), device="cuda")
+    decode = build_draft_decode(model)
+    lines = []
+    for m in (1, 4, 16):
+        step = StepInputs.block(CONTEXT, m, "cuda", span=CONTEXT + m)
+        x = model.embed_tokens(torch.arange(m, device="cuda"))
+        caches = model.make_caches((CONTEXT + m) // model.config.kv_block_size + 2, "cuda")
+        paths = {"stock": model.forward}
+        if decode is not None:
+            paths["specialized"] = decode.run
+        for name, fn in paths.items():
+            kernels = _profile(fn, x, step, caches)
+            total = sum(t for _, t in kernels.values())
+            gemm = sum(t for k, (_, t) in kernels.items() if _gemm(k))
+            launches = sum(n for n, _ in kernels.values())
+            lines.append(f"\n### m={m} {name}: {total:.1f} us of kernels per step, {launches} launches, "
+                         f"GEMMs {gemm:.1f} us, rest {total - gemm:.1f} us")
+            lines.append("| us/step | launches | kernel |")
+            lines.append("|---|---|---|")
+            for k, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]:
+                lines.append(f"| {t:.1f} | {n} | {'[GEMM] ' if _gemm(k) else ''}{k[:110]} |")
+    text = "\n".join(lines)
+    print(text)
+    (out / "profile_decode.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
