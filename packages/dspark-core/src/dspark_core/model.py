@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .attention import paged_attention
 from .config import DTYPES, DraftConfig
 from .layers import (
     GatedMLP,
@@ -67,20 +68,10 @@ class StepInputs:
 
 
 def attend(q: torch.Tensor, cache: PagedKVCache, attn_slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """A plain reference attention (a device op, shared by the stock and the
-    fused paths): for token i and head h, softmax over its slots of
-    ``q_h . k / sqrt(D)`` in FP32, times V, rounded to BF16. Heads map to KV
-    heads in groups (``h // (heads / kv_heads)``). ``q``: ``[m, heads, D]``."""
-    m, heads, d = q.shape
-    valid = attn_slots >= 0
-    k, v = cache.gather(attn_slots.clamp_min(0))  # [m, S, kv, D]
-    group = heads // num_kv_heads
-    k = k.to(F32).repeat_interleave(group, dim=2)  # [m, S, heads, D]
-    v = v.to(F32).repeat_interleave(group, dim=2)
-    scores = torch.einsum("mhd,mshd->mhs", q.to(F32), k) / math.sqrt(d)
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("mhs,mshd->mhd", probs, v).to(torch.bfloat16)
+    """The draft's attention: ``dspark_core.attention.paged_attention`` (its
+    exact order: head-tree scores, ``exp_rn``, 128 lane sums folded by
+    halves), BF16 ``[m, heads, D]``."""
+    return paged_attention(q, cache, attn_slots, num_kv_heads)
 
 
 class DraftAttention(nn.Module):
