@@ -397,6 +397,38 @@ def mlp_activation(gu, intermediate: int):
     return round_bf16(_mul(silu(g), u))
 
 
+def attention(q, k, v, valid, lanes: int = 128):
+    """The draft's attention for one token and one head, the way a CTA of
+    ``lanes`` threads runs it: float32 ``q`` ``[D]``, ``k``/``v`` ``[S, D]``
+    (BF16 values), ``valid`` ``[S]`` bool. Thread ``t`` scores its slots
+    ``t, t + lanes, ...`` (the head tree, times fp32(1/sqrt(D))), the CTA max
+    (NaN wins), then each thread sums ``exp(s - max)`` and ``p * v`` in slot
+    order from +0.0; the thread sums are halved like a butterfly; the output is
+    ``round_bf16(a / l)``."""
+    s_count, d = k.shape
+    scale = f32(1.0 / np.sqrt(d))
+    scores = np.full(s_count, F32(-np.inf), dtype=F32)
+    for j in range(s_count):
+        if valid[j]:
+            scores[j] = _mul(warp_head_sum(_mul(q, k[j])), scale)
+    live = scores[valid]
+    mx = F32(np.nan) if np.isnan(live).any() else (live.max() if live.size else F32(-np.inf))
+    l_lane = np.zeros(lanes, dtype=F32)
+    a_lane = np.zeros((lanes, d), dtype=F32)
+    for t in range(lanes):
+        for j in range(t, s_count, lanes):
+            if valid[j]:
+                p = exp(_sub(scores[j], mx))
+                l_lane[t] = _add(l_lane[t], p)
+                a_lane[t] = _add(a_lane[t], _mul(p, v[j]))
+    width = lanes
+    while width > 1:
+        width //= 2
+        l_lane = _add(l_lane[:width], l_lane[width : 2 * width])
+        a_lane = _add(a_lane[:width], a_lane[width : 2 * width])
+    return round_bf16(_div(a_lane[0], l_lane[0]))
+
+
 # ---------------------------------------------------------------------------
 # Random data.
 

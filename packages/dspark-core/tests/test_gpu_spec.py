@@ -124,3 +124,25 @@ def test_kv_insert_cpu_equals_cuda():
         cache.insert(k.to(dev), v.to(dev), slots.to(dev))
         caches.append(cache.tensor.cpu())
     assert_bitwise(caches[1], caches[0], "KV cache")
+
+
+@pytest.mark.parametrize("s", [1, 129, 700])
+def test_attention_cpu_equals_cuda(s):
+    from dspark_core.attention import paged_attention
+
+    gen = torch.Generator().manual_seed(SEED + 5 + s)
+    m, heads, kv, blocks = 3, 16, 2, s // 16 + 3
+    tensors = {}
+    for dev in ("cpu", "cuda"):
+        cache = PagedKVCache(blocks, kv, 16, 64, device=dev)
+        tensors[dev] = cache
+    kvals = torch.randn(blocks, kv, 16, 128, generator=gen) * 3
+    kvals[0, 0, :2, :10] = torch.tensor(SPECIALS[:10]).clamp(-1e4, 1e4)  # -0.0, subnormals
+    q = (torch.randn(m, heads, 64, generator=gen) * 2).bfloat16()
+    slots = torch.stack([torch.randperm(blocks * 16, generator=gen)[:s] for _ in range(m)])
+    slots[torch.rand(m, s, generator=gen) < 0.2] = -1
+    outs = []
+    for dev, cache in tensors.items():
+        cache.tensor.copy_(kvals.bfloat16())
+        outs.append(paged_attention(q.to(dev), cache, slots.to(dev), kv).cpu())
+    assert_bitwise(outs[1], outs[0], f"attention S={s}")
