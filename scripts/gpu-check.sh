@@ -5,7 +5,7 @@
 # On this project's device machines (one call stays under 10 minutes, so split the steps):
 #   run(command="bash scripts/gpu-check.sh gpu bench", carry=[".device"], kind="nvidia-h200")
 #   run(command="bash scripts/gpu-check.sh multigpu", carry=[".device"], kind="nvidia-h200-x2")
-# bench-kernels: the single-kernel benchmarks.
+# bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM at TP2 (two GPUs).
 # Logs, benchmark tables and plots go to $OUT (default bench-results/).
 set -u
 cd "$(dirname "$0")/.."
@@ -37,6 +37,9 @@ if wanted multigpu; then
   step comm-multigpu 150 python -m pytest -m multigpu packages/dspark-comm/tests/test_comm_multigpu.py -q -p no:cacheprovider
   step gemm-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -p no:cacheprovider
   step draft-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_draft_multigpu.py -q -p no:cacheprovider
+fi
+if wanted bench-tp2; then
+  step bench-package-gemm 200 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
 fi
 if wanted bench; then
   step profile-decode 90 python packages/dspark-cute/benchmarks/profile_decode.py --out "$OUT"
