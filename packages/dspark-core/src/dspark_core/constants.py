@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layers import GatedResidual, HeadNorm, RMSNorm, Rotary
+from .layers import GatedMLP, GatedResidual, HeadNorm, RMSNorm, Rotary
 from .numerics import CHUNK
 
 # The dtype names the constants carry (strings keep them hashable and printable).
@@ -282,3 +282,60 @@ class PackageGemmConstants(_Key):
     tile_n: int
     split_k: int
     max_rows: int
+
+
+@dataclass(frozen=True, eq=False)
+class MlpActivationConstants(_Key):
+    """The gated SiLU activation kernel (``GatedMLP.activation``): BF16
+    ``gu [m, 2I]`` to BF16 ``h [m, I]``, I = ``intermediate_size``."""
+
+    intermediate_size: int
+
+
+@dataclass(frozen=True, eq=False)
+class OGateConstants(_Key):
+    """The o-norm and sigmoid o-gate kernel (``layers.o_gate``):
+    ``num_heads`` heads of ``HEAD_DIM``, the weightless o-norm's ``eps``."""
+
+    num_heads: int
+    eps: float
+
+
+def mlp_activation_constants(mlp: GatedMLP) -> MlpActivationConstants:
+    """The constants of the activation kernel for a stock ``GatedMLP``, or
+    ValueError (I must be a positive multiple of 8: 16-byte vectors)."""
+    if type(mlp) is not GatedMLP:
+        raise ValueError(f"an MLP other than the stock gated one ({type(mlp).__name__})")
+    i = mlp.intermediate_size
+    if i < 8 or i % 8:
+        raise ValueError(f"an intermediate size of {i}, not a positive multiple of 8")
+    return MlpActivationConstants(intermediate_size=i)
+
+
+def o_gate_constants(norm: HeadNorm, num_heads: int) -> OGateConstants:
+    """The constants of the o-gate kernel for the o-norm ``norm`` over
+    ``num_heads`` heads, or ValueError (a weightless stock ``HeadNorm`` of
+    ``HEAD_DIM``)."""
+    if type(norm) is not HeadNorm:
+        raise ValueError(f"an o-norm other than the stock head norm ({type(norm).__name__})")
+    if norm.has_weight or norm.weight is not None:
+        raise ValueError("an o-norm with a weight (the fused o-gate takes a weightless one)")
+    if norm.head_dim != HEAD_DIM:
+        raise ValueError(f"{norm.head_dim}-wide heads, not {HEAD_DIM}")
+    if num_heads < 1:
+        raise ValueError(f"{num_heads} heads, not at least one")
+    return OGateConstants(num_heads=num_heads, eps=float(norm.eps))
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionConstants(_Key):
+    """The decode attention kernel (``attention.paged_attention``):
+    ``num_heads`` query heads over ``kv_heads`` KV heads of ``head_dim``
+    columns, a paged cache of ``block_size`` slots per block, ``attn_slots``
+    of ``slot_dtype`` ("int32" or "int64")."""
+
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    slot_dtype: str = "int64"
