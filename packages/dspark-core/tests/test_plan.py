@@ -137,6 +137,9 @@ def test_first_norm_refuses_an_fp32_output():
         ({"boundary"}, "the draft's first norm", "row_norm"),
         ({"context_norms"}, "the context K/V chain", "context_store"),
         (set(), "layer 0's QKV front", "qkv_front"),
+        ({"o_gate"}, "layer 1's attention", "attention"),
+        ({"attention"}, "layer 0's o-gate", "o_gate"),
+        ({"attention"}, "layer 1's MLP activation", "mlp_activation"),
     ],
 )
 def test_parts_refuse_a_kernel_the_backends_lack(kernels, part, kernel):
@@ -211,6 +214,40 @@ def test_front_refuses_no_o_gate_and_a_non_bf16_weight_and_a_subclass():
     r = reasons(plan_draft(model, ALL))
     assert r["layer 0's QKV front"] == "a QKV weight of torch.float16, not bfloat16"
     assert r["layer 1's QKV front"] == "an attention other than the stock one (Other)"
+
+
+def test_layer_kernels_fuse_in_the_reference_plan():
+    plan = plan_draft(DraftModel(DraftConfig(), device="meta"), ALL)
+    assert [p.constants for p in plan.attentions] == [K.AttentionConstants(64, 8, 64, 16, "int64")] * 2
+    assert [p.constants for p in plan.o_gates] == [K.OGateConstants(64, 1e-6)] * 2
+    assert [p.constants for p in plan.mlp_activations] == [K.MlpActivationConstants(16384)] * 2
+
+
+def test_attention_refuses_wide_heads_and_a_subclass():
+    r = reasons(plan_draft(meta(head_dim=128, num_heads=4), ALL))
+    assert r["layer 0's attention"] == "128-wide heads, not 64"
+    assert r["layer 0's o-gate"] == "128-wide heads, not 64"
+
+    class Other(DraftAttention):
+        pass
+
+    model = meta()
+    model.layers[1].self_attn = Other(model.config, model.rotary).to_empty(device="meta")
+    r = reasons(plan_draft(model, ALL))
+    assert r["layer 1's attention"] == "an attention other than the stock one (Other)"
+    assert "layer 0's attention" not in r
+
+
+def test_o_gate_and_activation_refusals():
+    r = reasons(plan_draft(meta(use_o_gate=False), ALL))
+    assert r["layer 0's o-gate"] == "the layer has no o-gate"
+    assert "layer 0's attention" not in r
+    model = meta()
+    model.layers[0].self_attn.o_norm = HeadNorm(64, has_weight=True)
+    model.layers[1].mlp.intermediate_size = 1001
+    r = reasons(plan_draft(model, ALL))
+    assert r["layer 0's o-gate"] == "an o-norm with a weight (the fused o-gate takes a weightless one)"
+    assert r["layer 1's MLP activation"] == "an intermediate size of 1001, not a positive multiple of 8"
 
 
 def test_context_refuses_a_non_bf16_kv_weight():

@@ -4,8 +4,8 @@ keeps its stock modules.
 ``plan_draft(model, target)`` asks, per part, the questions a fused kernel
 must answer yes to before it may replace the stock modules bit for bit: the
 whole draft (platform, dtypes), each residual boundary, the first layer's
-input norm, the context K/V chain, each layer's QKV front, the fused
-all-reduce and each branch's package GEMM. A refused part keeps its stock
+input norm, the context K/V chain, each layer's QKV front, attention, o-gate
+and MLP activation, the fused all-reduce and each branch's package GEMM. A refused part keeps its stock
 modules and the plan says why, in words. The plan reads the configuration and
 the modules' types, shapes and dtypes only (a draft on the meta device
 plans), so every rank of a TP group makes the same plan.
@@ -55,12 +55,16 @@ class DraftPlan:
     boundaries: list[Part] = field(default_factory=list)
     context: Part | None = None
     qkv_fronts: list[Part] = field(default_factory=list)
+    attentions: list[Part] = field(default_factory=list)
+    o_gates: list[Part] = field(default_factory=list)
+    mlp_activations: list[Part] = field(default_factory=list)
     all_reduce: Part | None = None
     package_gemms: list[Part] = field(default_factory=list)
 
     def parts(self) -> list[Part]:
         single = [p for p in (self.input_norm, self.context, self.all_reduce) if p is not None]
-        return [*single, *self.boundaries, *self.qkv_fronts, *self.package_gemms]
+        return [*single, *self.boundaries, *self.qkv_fronts, *self.attentions, *self.o_gates,
+                *self.mlp_activations, *self.package_gemms]
 
     def refused(self) -> list[str]:
         """Every stock part with its reason, as sentences."""
@@ -199,6 +203,11 @@ def plan_draft(model: DraftModel, target: Target | None = None) -> DraftPlan:
     for i, layer in enumerate(model.layers):
         part = _try(f"layer {i}'s QKV front", K.qkv_front_constants, layer.self_attn)
         plan.qkv_fronts.append(_with_kernels(part, target, policy.QKV_FRONT))
+        plan.attentions.append(_with_kernels(_attention_part(i, layer.self_attn, model.config), target,
+                                             policy.ATTENTION))
+        plan.o_gates.append(_with_kernels(_o_gate_part(i, layer.self_attn), target, policy.O_GATE))
+        part = _try(f"layer {i}'s MLP activation", K.mlp_activation_constants, layer.mlp)
+        plan.mlp_activations.append(_with_kernels(part, target, policy.MLP_ACTIVATION))
 
     plan.all_reduce = _with_kernels(_all_reduce_part(model, plan), target, policy.ALL_REDUCE_BOUNDARY)
     if target.tp > 1:
@@ -206,6 +215,27 @@ def plan_draft(model: DraftModel, target: Target | None = None) -> DraftPlan:
             for role, weight in (("o_proj", layer.self_attn.o_proj), ("down_proj", layer.mlp.down)):
                 plan.package_gemms.append(_package_gemm_part(i, role, weight, h, plan, sharded))
     return plan
+
+
+def _attention_part(i: int, attn, config: DraftConfig) -> Part:
+    """Layer ``i``'s attention over the paged cache (``attention.paged_attention``)."""
+    name = f"layer {i}'s attention"
+    if type(attn) is not DraftAttention:
+        return Part(name, reason=f"an attention other than the stock one ({type(attn).__name__})")
+    if attn.head_dim != K.HEAD_DIM:
+        return Part(name, reason=f"{attn.head_dim}-wide heads, not {K.HEAD_DIM}")
+    if attn.num_kv_heads < 1 or attn.num_heads % attn.num_kv_heads:
+        return Part(name, reason=f"{attn.num_heads} query heads do not group over {attn.num_kv_heads} KV heads")
+    return Part(name, K.AttentionConstants(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                           config.kv_block_size, "int64"))
+
+
+def _o_gate_part(i: int, attn) -> Part:
+    """Layer ``i``'s o-norm with its sigmoid o-gate (``layers.o_gate``)."""
+    name = f"layer {i}'s o-gate"
+    if not getattr(attn, "use_o_gate", False):
+        return Part(name, reason="the layer has no o-gate")
+    return _try(name, K.o_gate_constants, attn.o_norm, attn.num_heads)
 
 
 def _all_reduce_part(model: DraftModel, plan: DraftPlan) -> Part:

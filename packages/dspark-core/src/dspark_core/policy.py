@@ -15,8 +15,12 @@ CONTEXT_STORE = "context_store"
 QKV_FRONT = "qkv_front"
 ALL_REDUCE_BOUNDARY = "all_reduce_boundary"
 PACKAGE_GEMM = "package_gemm"
+ATTENTION = "attention"
+O_GATE = "o_gate"
+MLP_ACTIVATION = "mlp_activation"
 ALL_KERNELS = frozenset(
-    {ROW_NORM, BOUNDARY, CONTEXT_NORMS, CONTEXT_STORE, QKV_FRONT, ALL_REDUCE_BOUNDARY, PACKAGE_GEMM}
+    {ROW_NORM, BOUNDARY, CONTEXT_NORMS, CONTEXT_STORE, QKV_FRONT, ALL_REDUCE_BOUNDARY, PACKAGE_GEMM,
+     ATTENTION, O_GATE, MLP_ACTIVATION}
 )
 
 # Backends advertise the kernels they provide under this entry-point group,

@@ -28,8 +28,8 @@ from typing import Protocol
 import torch
 
 from dspark_core import policy
-from dspark_core.layers import capturing, linear, residual_boundary
-from dspark_core.model import DraftModel, StepInputs
+from dspark_core.layers import capturing, linear, o_gate, residual_boundary
+from dspark_core.model import DraftModel, StepInputs, attend
 from dspark_core.plan import DraftPlan, plan_draft
 
 log = logging.getLogger("dspark.decode")
@@ -102,6 +102,9 @@ class DraftDecode:
         self.input_norm = None
         self.boundaries: list = []
         self.fronts: list = []
+        self.attentions: list = []
+        self.o_gates: list = []
+        self.activations: list = []
         self.context = None
         self.prepared = False
 
@@ -111,7 +114,8 @@ class DraftDecode:
         ``run`` launches: the first norm; every boundary with the stream it
         gets (the first one on an FP32 and a BF16 stream: BF16 embeddings
         are the stream as they are), storing the new stream except the last,
-        both gate timings; each layer's QKV front; the context chain."""
+        both gate timings; each layer's QKV front, attention, o-gate and MLP
+        activation; the context chain."""
         from .boundary import DraftBoundary
         from .row_norm import RowNorm
 
@@ -131,6 +135,9 @@ class DraftDecode:
             fused.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
             self.boundaries.append(fused)
         self.fronts = [self._bind_front(i, part) for i, part in enumerate(plan.qkv_fronts)]
+        self.attentions = [self._bind(part, "attention", "PagedAttention") for part in plan.attentions]
+        self.o_gates = [self._bind(part, "o_gate", "OGate") for part in plan.o_gates]
+        self.activations = [self._bind(part, "mlp_activation", "MlpActivation") for part in plan.mlp_activations]
         self.context = self._bind_context(plan.context)
         self.prepared = True
 
@@ -152,6 +159,27 @@ class DraftDecode:
         )
         front.prepare()
         return front
+
+    def _bind(self, part, module: str, name: str):
+        """The kernel ``dspark_cute.<module>.<name>`` of a fused part, compiled;
+        None for a stock part (or, logged, where the kernel is not in this build)."""
+        if part is None or not part.fused:
+            return None
+        try:
+            kernel_class = getattr(__import__(f"dspark_cute.{module}", fromlist=[name]), name)
+        except (ImportError, AttributeError) as error:
+            _log_once(logging.WARNING, f"{part.name} keeps its stock modules: {error}")
+            return None
+        c = part.constants
+        if name == "PagedAttention":
+            slot_dtype = {"int32": torch.int32, "int64": torch.int64}[c.slot_dtype]
+            kernel = kernel_class(c.num_heads, c.kv_heads, c.head_dim, c.block_size, slot_dtype)
+        elif name == "OGate":
+            kernel = kernel_class(c.num_heads, eps=c.eps)
+        else:
+            kernel = kernel_class(c)
+        kernel.prepare()
+        return kernel
 
     def _bind_context(self, part):
         if part is None or not part.fused:
@@ -212,7 +240,45 @@ class DraftDecode:
             if front is not None:
                 _log_once(logging.INFO, f"layer {index}'s QKV front ran stock: {x.shape[0]} rows not covered")
             q, og = attn.front(x, step, cache)
-        return self._project(2 * index, attn.gated(q, og, step, cache), attn.o_proj)
+        return self._project(2 * index, self._gated(index, q, og, step, cache), attn.o_proj)
+
+    def _gated(self, index: int, q, og, step: StepInputs, cache) -> torch.Tensor:
+        """``DraftAttention.gated``: attention, then the o-norm and gate, on
+        their kernels where bound and where they take the operands."""
+        attn = self.layers[index].self_attn
+        kernel = self.attentions[index] if self.attentions else None
+        out = None
+        if kernel is not None:
+            q = q.contiguous()  # the fused front's q is a strided view of its output
+            try:
+                kernel.check(q, cache, step.attn_slots)
+            except ValueError as error:
+                _log_once(logging.INFO, f"layer {index}'s attention ran stock: {error}")
+            else:
+                # run() checked the slots against the caches (the stock raises there).
+                out = kernel.launch(q, cache.tensor, step.attn_slots)
+        if out is None:
+            out = attend(q, cache, step.attn_slots, attn.num_kv_heads)
+        if og is None:
+            return out.reshape(out.shape[0], attn.q_size)
+        gate = self.o_gates[index] if self.o_gates else None
+        if gate is not None and gate.takes(out, og):
+            out = gate.launch(out, og)
+        else:
+            if gate is not None:
+                _log_once(logging.INFO, f"layer {index}'s o-gate ran stock: operands {tuple(og.stride())} not covered")
+            out = o_gate(out, og, attn.o_norm)
+        return out.reshape(out.shape[0], attn.q_size)
+
+    def _activation(self, index: int, gu: torch.Tensor) -> torch.Tensor:
+        """``GatedMLP.activation`` on its kernel where bound and where it
+        takes ``gu``."""
+        kernel = self.activations[index] if self.activations else None
+        if kernel is not None and kernel.takes(gu):
+            return kernel.launch(gu)
+        if kernel is not None:
+            _log_once(logging.INFO, f"layer {index}'s MLP activation ran stock: {tuple(gu.shape)} not covered")
+        return self.layers[index].mlp.activation(gu)
 
     @torch.no_grad()
     def run(self, hidden_states: torch.Tensor, step: StepInputs, caches) -> torch.Tensor:
@@ -225,8 +291,8 @@ class DraftDecode:
             raise ValueError(f"the draft takes hidden states of [m, {model.config.hidden_size}]")
         if len(caches) != len(self.layers):
             raise ValueError(f"the draft takes one KV cache per layer ({len(self.layers)})")
-        if any(f is not None for f in self.fronts) and not capturing():
-            # The stock front raises for these; the kernel would skip them.
+        if any(k is not None for k in [*self.fronts, *self.attentions]) and not capturing():
+            # The stock front and attention raise for these; the kernels would skip them.
             _check_step(model, step, caches)
         # A BF16 row round-trips through the FP32 stream unchanged: the first
         # boundary reads it as is.
@@ -237,7 +303,7 @@ class DraftDecode:
             attn_out, published = self._attention(i, x, step, caches[i])
             stream, ffn_in = self._boundary(2 * i, attn_out, stream, True, published)
             mlp = layer.mlp
-            hidden = mlp.activation(linear(ffn_in, mlp.gate_up))
+            hidden = self._activation(i, linear(ffn_in, mlp.gate_up))
             ffn_out, published = self._project(2 * i + 1, hidden, mlp.down)
             stream, x = self._boundary(2 * i + 1, ffn_out, stream, i != last, published)
         return x
@@ -265,6 +331,9 @@ def _check_step(model: DraftModel, step: StepInputs, caches) -> None:
     kept = step.slots[step.slots >= 0]
     if torch.unique(kept).numel() != kept.numel():
         raise ValueError("the KV insert takes distinct slots; a non-negative slot repeats")
+    for cache in caches:
+        if step.attn_slots.numel() and int(step.attn_slots.max()) >= cache.num_slots:
+            raise ValueError(f"an attention slot beyond the cache's {cache.num_slots} slots")
 
 
 def _check_context_call(model: DraftModel, positions, caches, slots) -> None:
