@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from dspark_core import policy
+from dspark_core.attention import paged_attention
 from dspark_core.compare import assert_bitwise
 from dspark_core.config import small_config
-from dspark_core.layers import residual_boundary
+from dspark_core.layers import o_gate, residual_boundary
 from dspark_core.model import DraftModel, StepInputs
 from dspark_core.plan import plan_draft
 from dspark_cute import decode as decode_module
@@ -48,6 +49,46 @@ class FakeNorm:
         return self.norm(x, out_dtype=torch.bfloat16)
 
 
+class FakeAttention:
+    """The spec's attention; records each launch (``check`` as the kernel's: shapes only)."""
+
+    def __init__(self, kv_heads):
+        self.kv_heads, self.calls = kv_heads, []
+
+    def check(self, q, cache, attn_slots, out=None):
+        if not q.is_contiguous():
+            raise ValueError("q must be contiguous")
+
+    def launch(self, q, cache_tensor, attn_slots, out=None):
+        self.calls.append(q.shape[0])
+        cache = next(c for c in self.caches if c.tensor.data_ptr() == cache_tensor.data_ptr())
+        return paged_attention(q, cache, attn_slots, self.kv_heads)
+
+
+class FakeOGate:
+    def __init__(self, norm, rows=16):
+        self.norm, self.rows, self.calls = norm, rows, 0
+
+    def takes(self, attn, gate):
+        return attn.shape[0] <= self.rows
+
+    def launch(self, attn, gate):
+        self.calls += 1
+        return o_gate(attn, gate, self.norm)
+
+
+class FakeActivation:
+    def __init__(self, mlp):
+        self.mlp, self.calls = mlp, 0
+
+    def takes(self, gu):
+        return True
+
+    def launch(self, gu):
+        self.calls += 1
+        return self.mlp.activation(gu)
+
+
 def _decode(model, target=ALL, rows=16):
     plan = plan_draft(model, target)
     decode = DraftDecode(model, plan)
@@ -57,6 +98,10 @@ def _decode(model, target=ALL, rows=16):
     ]
     decode.input_norm = FakeNorm(model.layers[0].input_norm) if plan.input_norm.fused else None
     decode.fronts = [None] * len(model.layers)
+    layers = list(zip(model.layers, plan.attentions, plan.o_gates, plan.mlp_activations))
+    decode.attentions = [FakeAttention(layer.self_attn.num_kv_heads) if a.fused else None for layer, a, _, _ in layers]
+    decode.o_gates = [FakeOGate(layer.self_attn.o_norm, rows) if g.fused else None for layer, _, g, _ in layers]
+    decode.activations = [FakeActivation(layer.mlp) if f.fused else None for layer, _, _, f in layers]
     decode.prepared = True
     return decode
 
@@ -67,6 +112,9 @@ def _step_both(model, decode, m, hidden_dtype=torch.bfloat16):
     outs = []
     for fn in (model.forward, decode.run):
         caches = model.make_caches(4)
+        for kernel in decode.attentions:
+            if kernel is not None:
+                kernel.caches = caches
         outs.append((fn(hidden, StepInputs.block(3, m), caches), caches))
     return outs
 
@@ -90,6 +138,28 @@ def test_fused_parts_run_their_kernels_and_match_the_stock_forward():
     calls = [b.calls for b in decode.boundaries]
     assert calls == [[(3, True, torch.bfloat16)], [(3, True, torch.float32)],
                      [(3, True, torch.float32)], [(3, False, torch.float32)]]
+
+
+def test_layer_kernels_run_where_planned_and_fall_back_where_refused(caplog, monkeypatch):
+    monkeypatch.setattr(decode_module, "_logged", set())
+    model = DraftModel(small_config())
+    decode = _decode(model)
+    (ref, _), (got, _) = _step_both(model, decode, 3)
+    assert_bitwise(got, ref, "decode output")
+    assert [k.calls for k in decode.attentions] == [[3], [3]]
+    assert [k.calls for k in decode.o_gates] == [1, 1]
+    assert [k.calls for k in decode.activations] == [1, 1]
+    # Refused by the plan: the stock modules, the same bits.
+    decode = _decode(model, policy.Target(kernels=policy.ALL_KERNELS - {"attention", "o_gate", "mlp_activation"}))
+    assert decode.attentions == [None, None] and decode.o_gates == [None, None]
+    (ref, _), (got, _) = _step_both(model, decode, 2)
+    assert_bitwise(got, ref, "decode output")
+    # Rows the o-gate does not take: stock, and said once.
+    decode = _decode(model, rows=2)
+    with caplog.at_level(logging.INFO, logger="dspark.decode"):
+        (ref, _), (got, _) = _step_both(model, decode, 5)
+    assert_bitwise(got, ref, "decode output")
+    assert "layer 0's o-gate ran stock" in caplog.text
 
 
 def test_a_refused_boundary_runs_its_stock_modules():
