@@ -5,6 +5,7 @@
 # On this project's device machines (one call stays under 10 minutes, so split the steps):
 #   run(command="bash scripts/gpu-check.sh gpu bench", carry=[".device"], kind="nvidia-h200")
 #   run(command="bash scripts/gpu-check.sh multigpu", carry=[".device"], kind="nvidia-h200-x2")
+# demo: the README's demo (front off, then on).
 # bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM at TP2 (two GPUs).
 # Logs, benchmark tables and plots go to $OUT (default bench-results/).
 set -u
@@ -40,6 +41,10 @@ if wanted multigpu; then
 fi
 if wanted bench-tp2; then
   step bench-package-gemm 200 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
+fi
+if wanted demo; then
+  step demo 150 python -m dspark_core.demo
+  step demo-front 150 python -m dspark_core.demo --front
 fi
 if wanted bench; then
   step profile-decode 90 python packages/dspark-cute/benchmarks/profile_decode.py --out "$OUT"
