@@ -1,0 +1,516 @@
+"""The decode attention kernel: ``dspark_core.attention.paged_attention(q,
+cache, attn_slots, num_kv_heads)``, bit for bit.
+
+Operands: ``q`` BF16 ``[m, heads, 64]``; the paged cache BF16 ``[num_blocks,
+kv_heads, block_size, 128]`` (K then V; slot ``s`` is row ``s % block_size``
+of block ``s // block_size``); ``attn_slots`` int64 (or int32) ``[m, S]``, a
+negative slot masked. ``m`` and ``S`` are runtime values: one compile serves
+every shape.
+
+Layout: one CTA of 128 threads per (token ``i``, query head ``h``), reading
+KV head ``g = h // (heads / kv_heads)``. The spec's lane ``t`` (slot ``j``
+belongs to lane ``j % 128``) is the thread of warp ``t % 4`` and lane
+``t // 4``, so that the spec's fold by halves (lane ``t`` plus ``t + 64``,
+then ``+ 32``, ... ``+ 1``) is first a butterfly inside each warp (offsets
+16, 8, 4, 2, 1 are the spec's ``+ 64, + 32, + 16, + 8, + 4``), then the four
+warp sums ``(W0 + W2) + (W1 + W3)`` (the spec's ``+ 2``, ``+ 1``). Thread
+``t`` walks its slots ``j = t, t + 128, ...`` in increasing order:
+
+0. L2 prefetches (no arithmetic, nothing waits for them): the thread's slot
+   entries, then the K and V rows of its slots, ``PREFETCH_GROUP`` chunks'
+   slots loaded at once, so that the passes below mostly hit L2;
+1. pass 1, per valid slot (``0 <= slot < num_slots``): the K row (eight
+   16-byte loads), ``s_j = mul.rn(head_sum(q * k), SCALE)``: 64 exact
+   ``mul.rn`` products, the 32 pair sums ``(v0 + v1), (v2 + v3), ...``, folded
+   by halves (``p_k + p_(k+16)``, then 8, 4, 2, 1), all ``add.rn``; the
+   thread's running ``max.NaN.f32`` (NaN-propagating, as ``torch.amax``;
+   from ``-inf``, so no valid slot leaves ``-inf``). Scores of the first
+   ``SCORE_CHUNKS`` * 128 slots are kept in shared memory (per thread);
+2. the CTA max: ``max.NaN`` butterflies in each warp, then the 4 warp maxima
+   through shared memory (max is exact and order free);
+3. pass 2, per valid slot: ``s_j`` (from shared memory, or recomputed with
+   the same instructions past ``SCORE_CHUNKS``), ``p_j =
+   exp_rn(sub.rn(s_j, mx))`` (``dspark_cute.ptx_math.exp_rn``, the spec's
+   ``numerics.exp_rn``), ``l_t = add.rn(l_t, p_j)`` from +0.0, the V row,
+   ``a_t[d] = add.rn(a_t[d], mul.rn(p_j, v[d]))`` from +0.0 (never fused);
+4. the fold of the 128 lane sums by halves: ``l`` by warp butterflies and
+   the 4 warp sums; each ``a[d]`` through shared memory (each warp's
+   32 x 64 sums transposed, then folded in registers in the butterfly's
+   order: lane ``k`` plus ``k + 16``, then 8, 4, 2, 1), then the 4 warp sums;
+5. ``out[d] = cvt.rn.bf16(div.rn(a[d], l))``: no valid slot gives 0/0, NaN.
+
+No FMA, no ``.ftz``, no approximation anywhere (``dspark_cute.ptx``'s
+``*.rn.f32`` helpers). A slot at or past ``num_slots`` is masked by the
+kernel (the host wrapper raises ValueError for one outside CUDA-graph
+capture, as the spec does; inside a capture it cannot read the slots, and the
+kernel then treats such a slot like a negative one). With ``pdl`` the kernel
+waits for the previous grid before any load (every operand may come from
+it) and releases the next grid after pass 2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as cu_utils
+import torch
+from cutlass import Float32, Int32, Int64, Uint32, Uint64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from dspark_core.attention import LANES, scale
+from dspark_core.constants import HEAD_DIM, AttentionConstants
+from dspark_cute import ptx
+from dspark_cute.host import CompileCache, LazyPdl, compile_kernel, current_stream, fake_stream
+from dspark_cute.ptx_math import exp_rn
+
+WARPS = LANES // ptx.WARP  # 4
+# Slots whose scores pass 1 keeps in shared memory (per thread: one FP32 per
+# chunk of 128 slots); later slots recompute their score in pass 2.
+SCORE_CHUNKS = 32
+# The transposed lane sums: one row of 64 FP32 per thread, padded to 68 words
+# so that 8 consecutive lanes' 16-byte stores hit distinct bank groups.
+ROW_WORDS = HEAD_DIM + 4
+# Chunks whose K and V rows one prefetch step covers (slot loads in flight together).
+PREFETCH_GROUP = 4
+SMEM_BYTES = 4 * (LANES * ROW_WORDS + 2 * WARPS + WARPS * HEAD_DIM)
+assert SCORE_CHUNKS * LANES <= LANES * ROW_WORDS
+SLOT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
+SLOT_BYTES = {"int32": 4, "int64": 8}
+ROW_BYTES = 2 * HEAD_DIM  # one K (or V) row of BF16
+
+
+def check_constants(c: AttentionConstants) -> None:
+    """ValueError unless the kernel takes ``c``: 64-wide heads, query heads a
+    multiple of the KV heads, a positive block size, int32 or int64 slots."""
+    if not isinstance(c, AttentionConstants):
+        raise ValueError(f"PagedAttention takes AttentionConstants, not {type(c).__name__}")
+    if c.head_dim != HEAD_DIM:
+        raise ValueError(f"the attention kernel takes heads of {HEAD_DIM} columns, not {c.head_dim}")
+    if c.kv_heads < 1 or c.num_heads < 1 or c.num_heads % c.kv_heads:
+        raise ValueError(f"{c.num_heads} query heads do not split into groups over {c.kv_heads} KV heads")
+    if c.block_size < 1:
+        raise ValueError(f"a KV block size of {c.block_size}, not a positive one")
+    if c.slot_dtype not in SLOT_DTYPES:
+        raise ValueError(f"attn_slots of int32 or int64, not {c.slot_dtype}")
+
+
+# ---------------------------------------------------------------- PTX primitives (own)
+
+
+def _asm(result_type, operands, text: str, constraints: str, loc, ip, side_effects: bool = True):
+    return llvm.inline_asm(
+        result_type, operands, text, constraints, has_side_effects=side_effects, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def ld_global_slot(addr, wide: bool, *, loc=None, ip=None) -> Int64:
+    """The slot at global ``addr`` (Int64): an int64, or an int32
+    sign-extended (``ld.global.s32`` + ``cvt.s64.s32``)."""
+    a = Int64(addr).ir_value(loc=loc, ip=ip)
+    if wide:
+        return Int64(_asm(T.i64(), [a], "ld.global.s64 $0, [$1];", "=l,l", loc, ip))
+    return Int64(_asm(T.i64(), [a], "{ .reg .s32 v; ld.global.s32 v, [$1]; cvt.s64.s32 $0, v; }",
+                      "=l,l", loc, ip))
+
+
+@dsl_user_op
+def prefetch_l2(addr, *, loc=None, ip=None) -> None:
+    """``prefetch.global.L2``: start bringing the line of global ``addr``
+    into L2 (no register written, nothing waits for it)."""
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", loc, ip)
+
+
+@dsl_user_op
+def max_nan(a, b, *, loc=None, ip=None) -> Float32:
+    """``max.NaN.f32``: the larger of ``a`` and ``b``, NaN if either is NaN
+    (``torch.amax``'s propagation)."""
+    return Float32(_asm(T.f32(), [ptx._f(a, loc, ip), ptx._f(b, loc, ip)], "max.NaN.f32 $0, $1, $2;",
+                        "=f,f,f", loc, ip, side_effects=False))
+
+
+@dsl_user_op
+def st_shared_v4_f32(addr, values, *, loc=None, ip=None) -> None:
+    """Store 4 FP32 at the 16-byte aligned shared byte address ``addr`` (Int32)."""
+    _asm(None, [Int32(addr).ir_value(loc=loc, ip=ip)] + [ptx._f(v, loc, ip) for v in values],
+         "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f", loc, ip)
+
+
+@dsl_user_op
+def ld_shared_v2_f32(addr, *, loc=None, ip=None) -> tuple:
+    """The 2 FP32 at the 8-byte aligned shared byte address ``addr`` (Int32)."""
+    pair = _asm(llvm.StructType.get_literal([T.f32(), T.f32()]), [Int32(addr).ir_value(loc=loc, ip=ip)],
+                "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r", loc, ip)
+    return tuple(Float32(llvm.extractvalue(T.f32(), pair, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def st_shared_v2_f32(addr, a, b, *, loc=None, ip=None) -> None:
+    """Store 2 FP32 at the 8-byte aligned shared byte address ``addr`` (Int32)."""
+    _asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), ptx._f(a, loc, ip), ptx._f(b, loc, ip)],
+         "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f", loc, ip)
+
+
+@dsl_user_op
+def st_global_b32(addr, word, *, loc=None, ip=None) -> None:
+    """Store the 32-bit ``word`` at the 4-byte aligned global byte address ``addr``."""
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Uint32(word).ir_value(loc=loc, ip=ip)],
+         "st.global.b32 [$0], $1;", "l,r", loc, ip)
+
+
+# ---------------------------------------------------------------- traced math
+
+
+def load_row(addr) -> list:
+    """The 32 words (64 BF16) of a 128-byte row at global ``addr``: eight
+    16-byte loads."""
+    words = []
+    for k in range(ROW_BYTES // 16):
+        words += ptx.ld_global_v4(Int64(addr) + 16 * k)
+    return words
+
+
+def widen(words: list) -> list:
+    """64 BF16 packed in 32 words, widened to FP32 exactly (column order)."""
+    out = []
+    for w in words:
+        out.extend(ptx.bf16x2_to_f32(w))
+    return out
+
+
+def fold_halves(values: list) -> list:
+    """``values`` (a power-of-two count) folded by halves: ``v_k + v_(k+n/2)``
+    until one is left (each ``add.rn``). Returns a one-element list."""
+    while len(values) > 1:
+        half = len(values) // 2
+        values = [ptx.add_rn(values[k], values[k + half]) for k in range(half)]
+    return values
+
+
+def score(qf: list, k_words: list) -> Float32:
+    """Step 1: ``mul.rn(head_sum(q * k), SCALE)``; ``qf`` the 64 query values
+    (FP32), ``k_words`` the K row's 32 packed words."""
+    k = widen(k_words)
+    pairs = [ptx.add_rn(ptx.mul_rn(qf[2 * p], k[2 * p]), ptx.mul_rn(qf[2 * p + 1], k[2 * p + 1]))
+             for p in range(HEAD_DIM // 2)]
+    return ptx.mul_rn(fold_halves(pairs)[0], ptx.f32_const(scale(HEAD_DIM)))
+
+
+def cache_row(cache, slot, kv_head, kv_heads: int, bs: int) -> Int64:
+    """The byte address of KV head ``kv_head``'s row of ``slot`` (valid:
+    ``0 <= slot < num_slots < 2^31``): row ``slot % bs`` of block ``slot //
+    bs``, rows of ``2 * ROW_BYTES`` (K then V). Unsigned 32-bit division by
+    the constant ``bs``."""
+    s32 = Uint32(slot)
+    block, page = s32 // Uint32(bs), s32 % Uint32(bs)
+    return Int64(cache) + ((Int64(block) * kv_heads + kv_head) * bs + Int64(page)) * (2 * ROW_BYTES)
+
+
+def prefetch_rows(c: AttentionConstants, cache, slot_row, j0, s_len, num_slots, kv_head) -> None:
+    """L2 prefetches of the K and V rows of slots ``j0 + 128 k`` (``k <
+    PREFETCH_GROUP``): the slot loads first (indices clamped below ``s_len``),
+    then every row, each slot clamped into ``[0, num_slots)``: branch free,
+    so the loads are in flight together."""
+    width = SLOT_BYTES[c.slot_dtype]
+    last = Int32(s_len) - 1
+    slots = [ld_global_slot(slot_row + Int64(cutlass.min(j0 + k * LANES, last)) * width, width == 8)
+             for k in range(PREFETCH_GROUP)]
+    for slot in slots:
+        clamped = cutlass.min(cutlass.max(slot, Int64(0)), Int64(num_slots) - 1)
+        row = cache_row(cache, clamped, kv_head, c.kv_heads, c.block_size)
+        prefetch_l2(row)
+        prefetch_l2(row + ROW_BYTES)
+
+
+def fill(acc, value) -> None:
+    """Every element of the register tensor ``acc`` (64 FP32) set to ``value``."""
+    for d in range(HEAD_DIM):
+        acc[d] = value
+
+
+def accumulate(acc, p, v: list) -> None:
+    """Step 4 for one slot: ``acc[d] = add.rn(acc[d], mul.rn(p, v[d]))``."""
+    for d in range(HEAD_DIM):
+        acc[d] = ptx.add_rn(acc[d], ptx.mul_rn(p, v[d]))
+
+
+def warp_max(value) -> Float32:
+    """The warp's ``max.NaN`` (butterfly 16, 8, 4, 2, 1), in every lane."""
+    v = Float32(value)
+    for offset in (16, 8, 4, 2, 1):
+        v = max_nan(v, cute.arch.shuffle_sync_bfly(v, offset=offset))
+    return v
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+class PagedAttentionKernel:
+    """The traced attention of one ``AttentionConstants``; ``pdl``: launched
+    with programmatic dependent launch. Call: ``(q, cache, slots, out, m,
+    s_len, num_slots, stream)``: byte addresses (Int64) of ``q`` (16-byte
+    aligned), the cache tensor (16-byte aligned), ``attn_slots`` and ``out``
+    (4-byte aligned); ``m`` and ``s_len`` (Int32) the token and slot-column
+    counts, ``num_slots`` (Int64) the cache's slot count."""
+
+    def __init__(self, constants: AttentionConstants, pdl: bool) -> None:
+        check_constants(constants)
+        self.constants = constants
+        self.pdl = pdl
+
+    @cute.jit
+    def __call__(self, q: Int64, cache: Int64, slots: Int64, out: Int64, m: Int32, s_len: Int32,
+                 num_slots: Int64, stream):
+        self.kernel(q, cache, slots, out, s_len, num_slots).launch(
+            grid=[self.constants.num_heads, m, 1], block=[LANES, 1, 1], stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(self, q: Int64, cache: Int64, slots: Int64, out: Int64, s_len: Int32, num_slots: Int64):
+        c = self.constants
+        wide = c.slot_dtype == "int64"
+        group = c.num_heads // c.kv_heads
+        bs = c.block_size
+        tidx, _, _ = cute.arch.thread_idx()
+        head, token, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        lane_t = Int32(lane) * WARPS + Int32(warp)  # the spec's lane of this thread
+
+        # Shared memory: the scores (pass 1-2), then the lane sums [128][68];
+        # the 4 warp maxima, the 4 warp sums of l, the warp sums [4][64].
+        red = Int32(cu_utils.SmemAllocator().allocate(SMEM_BYTES, 16).toint())
+        maxes = red + LANES * ROW_WORDS * 4
+        lsums = maxes + 4 * WARPS
+        wsums = lsums + 4 * WARPS
+        own = Int32(red) + Int32(tidx) * 4  # this thread's score of chunk 0
+
+        if cutlass.const_expr(self.pdl):
+            ptx.pdl_wait()
+        q_row = Int64(q) + (Int64(token) * c.num_heads + Int64(head)) * ROW_BYTES
+        slot_row = Int64(slots) + Int64(token) * Int64(s_len) * SLOT_BYTES[c.slot_dtype]
+        # KV head g's rows of block b start at (b * kv_heads + g) * bs rows.
+        kv_head = Int64(Uint32(head) // Uint32(group))
+        chunks = (Int32(s_len) + (LANES - 1)) // LANES
+
+        # Prefetches (nothing waits for them): the slot entries, then the K
+        # and V rows of PREFETCH_GROUP chunks at a time (their slots loaded
+        # together, clamped into the cache: a masked slot prefetches some
+        # row, harmlessly), so that the passes' loads hit L2.
+        for ch in cutlass.range(chunks, unroll=1):
+            prefetch_l2(slot_row + Int64(cutlass.min(ch * LANES + lane_t, s_len - 1)) * SLOT_BYTES[c.slot_dtype])
+        for grp in cutlass.range((chunks + PREFETCH_GROUP - 1) // PREFETCH_GROUP, unroll=1):
+            prefetch_rows(c, cache, slot_row, grp * (PREFETCH_GROUP * LANES) + lane_t, s_len, num_slots, kv_head)
+        qf = widen(load_row(q_row))
+        mx = cute.make_rmem_tensor(1, Float32)
+        mx[0] = ptx.f32_const(-math.inf)
+        # Pass 1: the scores and the thread's max.
+        for ch in cutlass.range(chunks, unroll=1):
+            j = ch * LANES + lane_t
+            if j < s_len:
+                slot = ld_global_slot(slot_row + Int64(j) * SLOT_BYTES[c.slot_dtype], wide)
+                if Uint64(slot) < Uint64(num_slots):
+                    k_row = cache_row(cache, slot, kv_head, c.kv_heads, bs)
+                    s = score(qf, load_row(k_row))
+                    mx[0] = max_nan(mx[0], s)
+                    if ch < SCORE_CHUNKS:
+                        ptx.st_shared_f32(own + ch * (LANES * 4), s)
+        # The CTA max: warp butterflies, then the 4 warp maxima.
+        wmax = warp_max(mx[0])
+        if lane == 0:
+            ptx.st_shared_f32(maxes + Int32(warp) * 4, wmax)
+        cute.arch.barrier()
+        m4 = [ptx.ld_shared_f32(maxes + 4 * w) for w in range(WARPS)]
+        top = max_nan(max_nan(m4[0], m4[2]), max_nan(m4[1], m4[3]))
+
+        acc = cute.make_rmem_tensor(HEAD_DIM, Float32)
+        lsum = cute.make_rmem_tensor(1, Float32)
+        zero = ptx.f32_const(0.0)
+        lsum[0] = zero
+        fill(acc, zero)
+        sc = cute.make_rmem_tensor(1, Float32)
+        # Pass 2: p_j, the lane sums l_t and a_t[d].
+        for ch in cutlass.range(chunks, unroll=1):
+            j = ch * LANES + lane_t
+            if j < s_len:
+                slot = ld_global_slot(slot_row + Int64(j) * SLOT_BYTES[c.slot_dtype], wide)
+                if Uint64(slot) < Uint64(num_slots):
+                    k_row = cache_row(cache, slot, kv_head, c.kv_heads, bs)
+                    v_words = load_row(k_row + ROW_BYTES)
+                    if ch < SCORE_CHUNKS:
+                        sc[0] = ptx.ld_shared_f32(own + ch * (LANES * 4))
+                    else:
+                        sc[0] = score(widen(load_row(q_row)), load_row(k_row))
+                    p = exp_rn(ptx.sub_rn(sc[0], top))
+                    lsum[0] = ptx.add_rn(lsum[0], p)
+                    accumulate(acc, p, widen(v_words))
+        if cutlass.const_expr(self.pdl):
+            # Dependents still wait for this grid's end before they read `out`.
+            ptx.pdl_launch_dependents()
+
+        # The fold of l: butterflies (the spec's +64 .. +4), then the warps.
+        wl = ptx.warp_fold(lsum[0])
+        if lane == 0:
+            ptx.st_shared_f32(lsums + Int32(warp) * 4, wl)
+        # The scores are dead once every thread is past pass 2.
+        cute.arch.barrier()
+        row = Int32(red) + Int32(tidx) * (ROW_WORDS * 4)
+        for k in cutlass.range_constexpr(HEAD_DIM // 4):
+            st_shared_v4_f32(row + 16 * k, [acc[4 * k + e] for e in range(4)])
+        cute.arch.barrier()
+        # Warp w's columns 2 * lane, 2 * lane + 1 over its 32 lanes, folded in
+        # the butterfly's order (the spec's +64, +32, +16, +8, +4).
+        col = Int32(red) + Int32(warp) * (ptx.WARP * ROW_WORDS * 4) + Int32(lane) * 8
+        pairs = [ld_shared_v2_f32(col + r * (ROW_WORDS * 4)) for r in range(ptx.WARP)]
+        w0 = fold_halves([p[0] for p in pairs])[0]
+        w1 = fold_halves([p[1] for p in pairs])[0]
+        st_shared_v2_f32(wsums + (Int32(warp) * HEAD_DIM + Int32(lane) * 2) * 4, w0, w1)
+        cute.arch.barrier()
+        if warp == 0:
+            ls = [ptx.ld_shared_f32(lsums + 4 * w) for w in range(WARPS)]
+            total = ptx.add_rn(ptx.add_rn(ls[0], ls[2]), ptx.add_rn(ls[1], ls[3]))
+            ws = [ld_shared_v2_f32(wsums + (w * HEAD_DIM) * 4 + Int32(lane) * 8) for w in range(WARPS)]
+            res = []
+            for e in cutlass.range_constexpr(2):
+                a = ptx.add_rn(ptx.add_rn(ws[0][e], ws[2][e]), ptx.add_rn(ws[1][e], ws[3][e]))
+                res.append(ptx.div_rn(a, total))
+            out_row = Int64(out) + (Int64(token) * c.num_heads + Int64(head)) * ROW_BYTES
+            st_global_b32(out_row + Int64(lane) * 4, ptx.pack_bf16x2_rn(res[0], res[1]))
+
+
+def fake_args(constants: AttentionConstants) -> tuple:
+    """The compile signature of ``PagedAttentionKernel`` (no GPU memory needed)."""
+    return (Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), Int32(1), Int64(1), fake_stream())
+
+
+_CACHE = CompileCache()
+
+
+def compile_attention(constants: AttentionConstants, pdl: bool):
+    """The compiled ``PagedAttentionKernel`` of ``constants`` and ``pdl``,
+    compiled once per process (RuntimeError during CUDA graph capture)."""
+    return _CACHE.get(
+        ("attention", constants.key(), pdl),
+        lambda: compile_kernel(PagedAttentionKernel(constants, pdl), *fake_args(constants), what="PagedAttention"),
+    )
+
+
+# ---------------------------------------------------------------- host API
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class PagedAttention(LazyPdl):
+    """``dspark_core.attention.paged_attention(q, cache, attn_slots,
+    kv_heads)`` as one kernel launch (module docstring), bit for bit (NaN
+    payloads aside, as ``dspark_core.compare`` allows).
+
+    ``PagedAttention(heads, kv_heads, head_dim=64, block_size=16,
+    slot_dtype=torch.int64, pdl=None)``: ``heads`` query heads over
+    ``kv_heads`` KV heads of 64 columns, a cache of ``block_size`` slots per
+    block (``DraftConfig.kv_block_size``), ``attn_slots`` of ``slot_dtype``
+    (int64, as ``StepInputs`` builds them, or int32); ``pdl``: launch with
+    programmatic dependent launch (default: where the device supports it,
+    sm_90+). Call ``prepare()`` before CUDA graph capture; the call is
+    graph-capturable once prepared (the operands' addresses are captured)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int = HEAD_DIM, block_size: int = 16,
+                 slot_dtype: torch.dtype = torch.int64, pdl: bool | None = None) -> None:
+        names = {v: k for k, v in SLOT_DTYPES.items()}
+        if slot_dtype not in names:
+            raise ValueError(f"attn_slots of torch.int32 or torch.int64, not {slot_dtype}")
+        constants = AttentionConstants(num_heads=int(heads), kv_heads=int(kv_heads), head_dim=int(head_dim),
+                                       block_size=int(block_size), slot_dtype=names[slot_dtype])
+        check_constants(constants)
+        self.constants = constants
+        self.slot_dtype = slot_dtype
+        self._pdl = pdl
+
+    def prepare(self) -> None:
+        """Compile the kernel this object launches (one per constants and PDL
+        setting). Call before CUDA graph capture."""
+        compile_attention(self.constants, self.pdl)
+
+    def check(self, q, cache, attn_slots, out=None) -> None:
+        """ValueError with a sentence unless the kernel takes these operands:
+        ``q`` BF16 ``[m, heads, 64]`` (m >= 1), 16-byte aligned; ``cache`` a
+        ``PagedKVCache`` or its tensor, BF16 ``[num_blocks, kv_heads,
+        block_size, 128]`` with 1 to 2^31 - 1 slots, 16-byte aligned;
+        ``attn_slots`` ``[m, S]`` (S >= 1, m * S < 2^31) of the slot dtype;
+        ``out`` (if given) BF16 ``[m, heads, 64]``, 4-byte aligned; every one a
+        contiguous CUDA tensor on ``q``'s device. The slot values are not
+        read here (``__call__`` does, outside graph capture)."""
+        c = self.constants
+        if not (isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] >= 1):
+            raise ValueError(f"the attention takes q of bf16 [m, {c.num_heads}, {c.head_dim}] with m >= 1")
+        m = q.shape[0]
+        device = q.device
+        _check(q, (m, c.num_heads, c.head_dim), torch.bfloat16, 16, device, "q")
+        tensor = cache.tensor if hasattr(cache, "tensor") else cache
+        if not (isinstance(tensor, torch.Tensor) and tensor.dim() == 4):
+            raise ValueError(f"the cache must be a PagedKVCache or a bf16 tensor of [num_blocks, {c.kv_heads}, "
+                             f"{c.block_size}, {2 * c.head_dim}]")
+        _check(tensor, (tensor.shape[0], c.kv_heads, c.block_size, 2 * c.head_dim), torch.bfloat16, 16, device,
+               "the cache")
+        slots = tensor.shape[0] * c.block_size
+        if not 1 <= slots < 2**31:
+            raise ValueError(f"the cache must hold 1 to 2^31 - 1 slots, not {slots}")
+        if not (isinstance(attn_slots, torch.Tensor) and attn_slots.dim() == 2 and attn_slots.shape[1] >= 1):
+            raise ValueError(f"attn_slots must be a {self.slot_dtype} tensor of [{m}, S] with S >= 1")
+        _check(attn_slots, (m, attn_slots.shape[1]), self.slot_dtype, SLOT_BYTES[c.slot_dtype], device,
+               "attn_slots")
+        if attn_slots.numel() >= 2**31 or m > 65535:
+            raise ValueError(f"attn_slots of [{m}, {attn_slots.shape[1]}]: at most 65535 tokens and "
+                             f"2^31 - 1 entries")
+        if out is not None:
+            _check(out, tuple(q.shape), torch.bfloat16, 4, device, "out")
+
+    def __call__(self, q, cache, attn_slots, out=None) -> torch.Tensor:
+        """The attention of ``q`` over ``cache`` at ``attn_slots`` (negative:
+        masked), BF16 ``[m, heads, 64]``, written into ``out`` if given (and
+        returned). ValueError for operands ``check`` refuses and, outside
+        CUDA-graph capture, for a slot at or past the cache's slot count (the
+        spec's check; it reads the slots on the host). Inside a capture such
+        a slot is masked by the kernel."""
+        self.check(q, cache, attn_slots, out)
+        tensor = cache.tensor if hasattr(cache, "tensor") else cache
+        num_slots = tensor.shape[0] * self.constants.block_size
+        if not _capturing() and int(attn_slots.max()) >= num_slots:
+            raise ValueError(f"an attention slot beyond the cache's {num_slots} slots")
+        return self.launch(q, tensor, attn_slots, out)
+
+    def launch(self, q, cache: torch.Tensor, attn_slots, out=None) -> torch.Tensor:
+        """``__call__`` without its checks (``cache`` the tensor): for operands
+        ``check`` accepts."""
+        m, s_len = attn_slots.shape
+        if out is None:
+            out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        kernel = compile_attention(self.constants, self.pdl)
+        kernel(Int64(q.data_ptr()), Int64(cache.data_ptr()), Int64(attn_slots.data_ptr()), Int64(out.data_ptr()),
+               Int32(m), Int32(s_len), Int64(cache.shape[0] * self.constants.block_size), current_stream())
+        return out
+
+
+def _check(t, shape: tuple, dtype, align: int, device, name: str) -> None:
+    if not (isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and t.dtype == dtype
+            and t.is_contiguous() and t.is_cuda and t.device == device and t.data_ptr() % align == 0):
+        got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a contiguous CUDA {dtype} tensor of {tuple(shape)} aligned to {align} "
+                         f"bytes on q's device, not {got}")
+
+
+__all__ = [
+    "SCORE_CHUNKS",
+    "PagedAttention",
+    "PagedAttentionKernel",
+    "check_constants",
+    "compile_attention",
+    "fake_args",
+    "score",
+]

@@ -1,0 +1,285 @@
+"""GPU tests of ``dspark_cute.attention.PagedAttention``: bit for bit
+``dspark_core.attention.paged_attention`` run on the same CUDA tensors
+(``dspark_core.compare.assert_bitwise``: NaN equals NaN, every other bit
+pattern exact), for m in {1, 2, 7, 16, 33} and S in {1, 2, 127, 128, 129,
+300, 1000, 4100} (4100: past the kernel's score cache of 4096 slots, so the
+recomputed scores run too); masked slots (causal -1 padding and random
+holes); random block tables (non-contiguous slots); heads / KV heads (64, 8),
+(32, 4), (8, 8), (16, 1); int32 and int64 slots; PDL on and off; special
+values in q, K and V (+-0, subnormals, +-inf, NaN, huge values whose scores
+underflow exp, results of -0.0); a row without a valid slot (NaN); outputs
+poisoned before each launch (a NaN pattern, then a finite one); a CUDA graph
+replayed with new slots equal to eager; a compile during capture refused;
+the out-of-range slot ValueError (and, inside a capture, such a slot
+masked). Fresh seeded random data: the seed is printed (repeat with
+DSPARK_SEED)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cute_testing import check_poisoned, poison, requires_cuda, special_rows
+
+from dspark_core.attention import paged_attention
+from dspark_core.compare import assert_bitwise
+from dspark_core.layers import PagedKVCache
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+BF16 = torch.bfloat16
+D = 64
+BS = 16  # DraftConfig.kv_block_size
+ROWS = [1, 2, 7, 16, 33]
+SPANS = [1, 2, 127, 128, 129, 300, 1000, 4100]
+HEADS = [(64, 8), (32, 4), (8, 8), (16, 1)]
+
+_KERNELS: dict = {}
+
+
+def kernel(heads: int, kv: int, slot_dtype=torch.int64, pdl=None, block_size: int = BS):
+    """One prepared ``PagedAttention`` per setting (compiled once)."""
+    from dspark_cute.attention import PagedAttention
+
+    key = (heads, kv, slot_dtype, pdl, block_size)
+    if key not in _KERNELS:
+        k = PagedAttention(heads, kv, block_size=block_size, slot_dtype=slot_dtype, pdl=pdl)
+        k.prepare()
+        _KERNELS[key] = k
+    return _KERNELS[key]
+
+
+def random_values(gen, shape, spread: int = 3) -> torch.Tensor:
+    """BF16 normal values times powers of two in [2^-spread, 2^spread]."""
+    x = torch.randn(shape, generator=gen, device="cuda")
+    e = torch.randint(-spread, spread + 1, shape, generator=gen, device="cuda").float()
+    return (x * torch.exp2(e)).to(BF16)
+
+
+def make_cache(gen, kv: int, slots_needed: int, block_size: int = BS, spread: int = 3) -> PagedKVCache:
+    """A random cache with at least ``slots_needed`` slots and spare blocks."""
+    blocks = -(-slots_needed // block_size) + 3
+    cache = PagedKVCache(blocks, kv, block_size, D, device="cuda")
+    cache.tensor.copy_(random_values(gen, tuple(cache.tensor.shape), spread))
+    return cache
+
+
+def block_table_slots(gen, cache: PagedKVCache, m: int, s: int, holes: float = 0.0) -> torch.Tensor:
+    """``[m, s]`` int64 slots: position p of a sequence whose logical block b
+    lives in a random physical block (a random block table), token i
+    attending causally to positions ``0 .. s - m + i`` (at least position
+    0), -1 past that; a fraction ``holes`` of the rest masked at random."""
+    bs = cache.block_size
+    blocks = cache.tensor.shape[0]
+    table = torch.randperm(blocks, generator=gen, device="cuda")
+    pos = torch.arange(s, device="cuda")
+    slots = (table[pos // bs] * bs + pos % bs).expand(m, s).clone()
+    last = (s - m + torch.arange(m, device="cuda")).clamp_min(0)
+    slots[pos[None, :] > last[:, None]] = -1
+    if holes:
+        drop = torch.rand((m, s), generator=gen, device="cuda") < holes
+        slots[drop] = -1
+    return slots
+
+
+def check(k, q, cache, slots, what: str) -> torch.Tensor:
+    """The kernel against the spec on the same tensors, the output poisoned
+    with both patterns first; then the allocating path. Returns the spec."""
+    heads, kv = k.constants.num_heads, k.constants.kv_heads
+    expected = paged_attention(q, cache, slots.long() if slots.dtype != torch.int64 else slots, kv)
+    assert expected.shape == (q.shape[0], heads, D)
+    out = torch.empty_like(q)
+    check_poisoned(lambda: k(q, cache, slots, out), [out], [expected], what)
+    assert_bitwise(k(q, cache.tensor, slots), expected, f"{what} (allocated output, cache tensor)")
+    return expected
+
+
+@pytest.mark.parametrize("s", SPANS)
+@pytest.mark.parametrize("m", ROWS)
+def test_rows_and_spans(m, s, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cache = make_cache(gen, 8, s)
+    q = random_values(gen, (m, 64, D))
+    check(kernel(64, 8), q, cache, block_table_slots(gen, cache, m, s), f"m={m} S={s} causal")
+    check(kernel(64, 8), q, cache, block_table_slots(gen, cache, m, s, holes=0.3), f"m={m} S={s} holes")
+
+
+@pytest.mark.parametrize("heads,kv", HEADS)
+def test_head_groups(heads, kv, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for m, s in ((1, 272), (16, 287), (5, 4100)):
+        cache = make_cache(gen, kv, s)
+        q = random_values(gen, (m, heads, D))
+        check(kernel(heads, kv), q, cache, block_table_slots(gen, cache, m, s, holes=0.1), f"{heads}/{kv} m={m}")
+
+
+def test_int32_slots_pdl_off_and_other_block_sizes(seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cache = make_cache(gen, 8, 700)
+    q = random_values(gen, (7, 64, D))
+    slots = block_table_slots(gen, cache, 7, 700, holes=0.2)
+    check(kernel(64, 8, torch.int32), q, cache, slots.to(torch.int32), "int32 slots")
+    check(kernel(64, 8, pdl=False), q, cache, slots, "no PDL")
+    for bs in (1, 12):
+        c2 = make_cache(gen, 4, 300, block_size=bs)
+        q2 = random_values(gen, (3, 32, D))
+        check(kernel(32, 4, block_size=bs), q2, c2, block_table_slots(gen, c2, 3, 300, holes=0.1), f"bs={bs}")
+
+
+def test_random_slots_repeated_and_unordered(seed):
+    """Slots in any order, repeated, across the whole cache (no block table)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cache = make_cache(gen, 8, 2000)
+    for m, s in ((1, 300), (16, 1000), (33, 129)):
+        slots = torch.randint(-3, cache.num_slots, (m, s), generator=gen, device="cuda")
+        q = random_values(gen, (m, 64, D))
+        check(kernel(64, 8), q, cache, slots, f"random slots m={m} S={s}")
+
+
+def _plant(gen, t: torch.Tensor, rows: torch.Tensor, fraction: float) -> None:
+    """Overwrite a random ``fraction`` of the 64-wide rows of ``t`` with
+    random rows of ``rows`` (special values)."""
+    flat = t.view(-1, D)
+    pick = (torch.rand(flat.shape[0], generator=gen, device="cuda") < fraction).nonzero().flatten()
+    which = torch.randint(0, rows.shape[0], (pick.numel(),), generator=gen, device="cuda")
+    flat[pick] = rows[which]
+
+
+def test_special_values(seed):
+    """Special rows (``cute_testing.special_rows``: -0.0, subnormals, +-inf,
+    NaN, huge, tiny, +0.0) planted in q, K and V rows: first only the rows
+    that keep the scores finite in K and q (so most heads stay finite and
+    the specials in V reach the sums), then every kind everywhere."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    special = special_rows(D, BF16, "cuda")
+    finite = special[[0, 1, 2, 6, 8, 9]]
+    for everything in (False, True):
+        for m, s, frac in ((1, 300, 0.05), (7, 129, 0.02), (16, 1000, 0.01), (33, 272, 0.1)):
+            cache = make_cache(gen, 8, s)
+            kv = cache.tensor.view(-1, 2, D)  # [rows, K/V, D]
+            k_rows, v_rows = kv[:, 0].clone(), kv[:, 1].clone()
+            _plant(gen, k_rows, special if everything else finite, frac)
+            _plant(gen, v_rows, special, frac)
+            kv[:, 0] = k_rows
+            kv[:, 1] = v_rows
+            q = random_values(gen, (m, 64, D))
+            _plant(gen, q, special if everything else finite, frac)
+            slots = block_table_slots(gen, cache, m, s, holes=0.1)
+            check(kernel(64, 8), q, cache, slots, f"special ({'all' if everything else 'finite'}) m={m} S={s}")
+
+
+def test_underflow_signed_zero_and_no_valid_slot(seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cache = make_cache(gen, 8, 500, spread=6)
+    m, s = 9, 500
+    # Huge queries: scores thousands apart, exp_rn underflows to +0.0 for
+    # most slots (one or a few carry the whole softmax).
+    q = (random_values(gen, (m, 64, D), spread=2).float() * 64).to(BF16)
+    slots = block_table_slots(gen, cache, m, s, holes=0.2)
+    slots[3] = -1  # a row without a valid slot: 0 / 0
+    slots[5, 1:] = -1  # a row of one slot: its V row exactly (p = 1)
+    slots[5, 0] = 17
+    expected = check(kernel(64, 8), q, cache, slots, "underflow")
+    assert torch.isnan(expected[3]).all() and not torch.isnan(expected[5]).any()
+    # Tiny V of both signs: quotients below half the least BF16 subnormal
+    # round to -0.0 / +0.0.
+    tiny = torch.full((D,), 1, dtype=torch.int16, device="cuda").view(BF16)
+    v = cache.tensor[..., D:]
+    v.copy_(torch.where(torch.rand(v.shape, generator=gen, device="cuda") < 0.5, tiny, -tiny))
+    # Queries of +-0.0: every score +-0.0, p = 1, out = (sum of +-tiny) / n.
+    q2 = torch.where(torch.rand((m, 64, D), generator=gen, device="cuda") < 0.5, 0.0, -0.0).to(BF16)
+    slots2 = block_table_slots(gen, cache, m, s)
+    expected = check(kernel(64, 8), q2, cache, slots2, "signed zeros")
+    bits = expected.view(torch.int16)
+    assert (bits == torch.tensor(-32768, dtype=torch.int16, device="cuda")).any(), "no -0.0 result exercised"
+    # Scores of -inf everywhere (mx = -inf, -inf - -inf = NaN) and of +inf.
+    cache.tensor[..., :D] = torch.finfo(BF16).max
+    for sign in (-1.0, 1.0):
+        q3 = torch.full((2, 64, D), sign * float(torch.finfo(BF16).max), dtype=BF16, device="cuda")
+        check(kernel(64, 8), q3, cache, block_table_slots(gen, cache, 2, 40), f"infinite scores {sign}")
+
+
+def test_cuda_graph_replays_with_new_slots(seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k = kernel(64, 8)
+    m, s = 16, 400
+    cache = make_cache(gen, 8, s + 200)
+    q = random_values(gen, (m, 64, D))
+    slots = block_table_slots(gen, cache, m, s, holes=0.1)
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        k(q, cache, slots, out)  # warm up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            k(q, cache, slots, out)
+    torch.cuda.synchronize()
+    for step in range(3):
+        q.copy_(random_values(gen, (m, 64, D)))
+        slots.copy_(block_table_slots(gen, cache, m, s, holes=0.1 * step))
+        expected = paged_attention(q, cache, slots, 8)
+        check_poisoned(graph.replay, [out], [expected], f"graph replay {step}")
+        eager = k(q, cache, slots)
+        assert_bitwise(out, eager, f"graph replay {step} vs eager")
+
+
+def test_out_of_range_slot(seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k = kernel(64, 8)
+    cache = make_cache(gen, 8, 100)
+    q = random_values(gen, (3, 64, D))
+    slots = block_table_slots(gen, cache, 3, 100)
+    bad = slots.clone()
+    bad[1, 7] = cache.num_slots
+    with pytest.raises(ValueError, match="beyond the cache"):
+        k(q, cache, bad)
+    with pytest.raises(ValueError, match="beyond the cache"):
+        paged_attention(q, cache, bad, 8)
+    # Inside a capture the slots cannot be read: the kernel masks the slot.
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        k(q, cache, bad, out)
+    poison(out, 0)
+    graph.replay()
+    torch.cuda.synchronize()
+    masked = bad.clone()
+    masked[1, 7] = -1
+    assert_bitwise(out, paged_attention(q, cache, masked, 8), "out-of-range slot masked in a graph")
+
+
+def test_compile_refused_during_capture(seed):
+    from dspark_cute.attention import PagedAttention
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k = PagedAttention(24, 3, block_size=8)  # constants no other test compiles
+    cache = make_cache(gen, 3, 50, block_size=8)
+    q = random_values(gen, (2, 24, D))
+    slots = block_table_slots(gen, cache, 2, 50)
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="prepare"):
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            k(q, cache, slots)
+
+
+def test_refuses_bad_operands(seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k = kernel(64, 8)
+    cache = make_cache(gen, 8, 64)
+    q = random_values(gen, (2, 64, D))
+    slots = block_table_slots(gen, cache, 2, 64)
+    with pytest.raises(ValueError, match="attn_slots must be a contiguous CUDA torch.int64"):
+        k(q, cache, slots.to(torch.int32))
+    with pytest.raises(ValueError, match="q must be"):
+        k(q.transpose(1, 2).contiguous().transpose(1, 2), cache, slots)
+    with pytest.raises(ValueError, match="q must be"):
+        k(q[:, :63].contiguous(), cache, slots)
+    with pytest.raises(ValueError, match="the cache must be"):
+        k(q, make_cache(gen, 4, 64).tensor, slots)
+    with pytest.raises(ValueError, match="out must be"):
+        k(q, cache, slots, torch.empty(2, 64, 64, dtype=torch.float32, device="cuda"))
+    with pytest.raises(ValueError, match="q must be"):
+        k(q.cpu(), cache, slots)
