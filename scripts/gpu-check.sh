@@ -6,7 +6,8 @@
 #   run(command="bash scripts/gpu-check.sh gpu bench", carry=[".device"], kind="nvidia-h200")
 #   run(command="bash scripts/gpu-check.sh multigpu", carry=[".device"], kind="nvidia-h200-x2")
 # demo: the README's demo (front off, then on).
-# bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM at TP2 (two GPUs).
+# bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM and the draft step at TP2
+# (two GPUs); demo-tp2: the demo at TP2 (two GPUs).
 # Logs, benchmark tables and plots go to $OUT (default bench-results/).
 set -u
 cd "$(dirname "$0")/.."
@@ -32,7 +33,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader
 if wanted gpu; then
-  step gpu-suites 300 python -m pytest -m gpu packages/dspark-core/tests packages/dspark-cute/tests -q -p no:cacheprovider
+  step gpu-suites 420 python -m pytest -m gpu packages/dspark-core/tests packages/dspark-cute/tests -q -p no:cacheprovider
 fi
 if wanted multigpu; then
   step comm-multigpu 150 python -m pytest -m multigpu packages/dspark-comm/tests/test_comm_multigpu.py -q -p no:cacheprovider
@@ -41,6 +42,10 @@ if wanted multigpu; then
 fi
 if wanted bench-tp2; then
   step bench-package-gemm 200 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
+  step bench-draft-tp2 200 python packages/dspark-comm/benchmarks/bench_draft_tp2.py --out "$OUT"
+fi
+if wanted demo-tp2; then
+  step demo-tp2 150 python -m dspark_core.demo --tp 2
 fi
 if wanted demo; then
   step demo 150 python -m dspark_core.demo

@@ -124,29 +124,35 @@ def test_a_non_power_of_two_kv_head_count_keeps_attention_stock():
 
 
 def test_greedy_tokens_with_every_fused_part_follow_stock(model):
-    """64 greedy steps with every fused part, the QKV front included. The
-    front's projection differs from cuBLAS in its summation order (within
-    its stated bound), so the two decodes are not bitwise; they must pick the
-    same token at every step until the first step where the stock top-two
-    logits lie within ``MARGIN`` (a near tie that such an error may flip;
-    the trajectories part there), and at least the first 8 steps."""
-    margin = 0.05  # logits here are about N(0, 1): 5% of one standard deviation
+    """64 greedy steps with every fused part, the QKV front included, both
+    decodes fed the stock path's token (teacher forcing; each keeps its own
+    caches). The front's projection differs from cuBLAS in its summation
+    order (within its stated bound), so the logits are not bitwise: at every
+    step where the stock top-two logits are at least ``MARGIN`` apart the
+    fused decode must pick the stock token; a step inside the margin (a near
+    tie that such an error may flip: the top two of a random draft's 8192
+    logits of about N(0, 1) lie within 0.1 about a third of the time) is
+    exempt but counted, and at least 32 of the 64 steps must be decisive so
+    the test cannot pass vacuously."""
+    margin = 0.1
     decode = build_draft_decode(model)
     if all(f is None for f in decode.fronts):
         pytest.skip("this build has no QKV front kernel: the front-on decode is the front-off one tested above")
     caches = {name: _with_context(model, decode if name == "fused" else None) for name in ("stock", "fused")}
     tok = torch.tensor([11], device="cuda")
-    agreed = 0
+    agreed, near_ties, worst = 0, 0, 0.0
     for i in range(64):
         step = StepInputs.block(CONTEXT + i, 1, "cuda", span=SPAN)
         x = model.embed_tokens(tok)
-        stock = model.logits(model(x, step, caches["stock"]))[0]
-        fused = model.logits(decode.run(x, step, caches["fused"]))[0]
-        if int(stock.argmax()) != int(fused.argmax()):
-            top2 = stock.topk(2).values
-            assert float(top2[0] - top2[1]) < margin, f"step {i}: tokens differ at a stock margin of {top2.tolist()}"
-            break
-        agreed += 1
+        stock = model.logits(model(x, step, caches["stock"]))[0].float()
+        fused = model.logits(decode.run(x, step, caches["fused"]))[0].float()
+        worst = max(worst, float((stock - fused).abs().max()))
+        top2 = stock.topk(2).values
+        if float(top2[0] - top2[1]) < margin:
+            near_ties += 1
+        else:
+            assert int(stock.argmax()) == int(fused.argmax()), f"step {i}: tokens differ at a stock margin of {top2}"
+            agreed += 1
         tok = stock.argmax().view(1)
-    print(f"greedy tokens agreed for {agreed} of 64 steps")
-    assert agreed >= 8
+    print(f"greedy: {agreed} decisive steps agreed, {near_ties} near ties exempt; max |logit diff| {worst:.4f}")
+    assert agreed >= 32, f"only {agreed} of 64 steps were decisive (margin {margin})"
