@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
             except Exception as error:  # report, do not hide: the column says why
                 row[name] = float("nan")
                 print(f"m={row['m']} {name}: did not run in a CUDA graph: {type(error).__name__}: {error}")
+                traceback.print_exc()
         _write_table(rows, args.layers, out)
     _plot(rows, floor_us, out)
     return 0

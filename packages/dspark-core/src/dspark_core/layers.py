@@ -284,7 +284,11 @@ class PagedKVCache:
 
 
 def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (no host reads)."""
+    """Whether host reads must be skipped: the current CUDA stream is
+    capturing a graph, or torch.compile is tracing (its code may later run
+    inside a capture, so it is traced without the host-side range checks)."""
+    if torch.compiler.is_compiling():
+        return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
