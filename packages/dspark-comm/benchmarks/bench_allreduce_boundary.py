@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -100,12 +99,9 @@ def _calls(m, gen, group, fused, plain, unfused, symm, one_shot) -> dict:
 
 
 def _worker(rank: int, init: str, out: str, iters: int, reps: int) -> None:
-    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                 ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ[k] = v
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=2,
-                            device_id=torch.device("cuda", rank), timeout=timedelta(seconds=60))
+    from dspark_comm.ranks import init_rank
+
+    init_rank(rank, 2, init, timeout_s=60.0)
     import torch.distributed._symmetric_memory as symm_mem
 
     from dspark_comm.allreduce import MailboxAllReduce

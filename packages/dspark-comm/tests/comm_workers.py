@@ -4,20 +4,18 @@ localhost, NCCL), every check in one pair of processes so the kernels
 compile once. Each check records a JSON result per rank after it ends (a
 crash or a kill keeps the earlier ones); the tests assert on them.
 
-A check computes mismatch counts without raising where it can, so both ranks
-stay in the same sequence of collectives; "bit for bit" is
+The frame (recording, spawning) is ``rank_suite``. A check computes
+mismatch counts without raising where it can, so both ranks stay in the
+same sequence of collectives; "bit for bit" is
 ``dspark_core.compare.mismatches`` (NaN equals NaN, every other pattern
 exact)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
 import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,31 +23,6 @@ import torch.distributed as dist
 H = 8192
 CAPACITY = 16
 BF16, FP32 = torch.bfloat16, torch.float32
-
-
-class Results:
-    def __init__(self, out_dir: str, rank: int) -> None:
-        self.path = os.path.join(out_dir, f"rank{rank}.json")
-        self.data: dict = {}
-
-    def run(self, name: str, fn, ctx) -> None:
-        t0 = time.monotonic()
-        try:
-            value = fn(ctx) or {}
-            value["ok"] = True
-        except Exception:
-            value = {"ok": False, "error": traceback.format_exc()[-4000:]}
-        value["seconds"] = round(time.monotonic() - t0, 3)
-        self.data[name] = value
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1, default=str)
-        os.replace(tmp, self.path)
-        print(f"[rank {ctx.rank}] {name}: {json.dumps(value, default=str)[:300]}", flush=True)
-
-
-class Ctx:
-    pass
 
 
 def nccl(x: torch.Tensor) -> torch.Tensor:
@@ -135,6 +108,7 @@ def check_mailbox(c):
     from dspark_comm.protocol import HEADER_BYTES
 
     c.group = TorchGroup()
+    c.ars = {}  # the fused all-reduces per sum order (_allreduce)
     c.mb = Mailbox(c.group, H, CAPACITY, timeout_s=2.0, backend="auto")
     words = c.mb.words()
     return {
@@ -556,20 +530,8 @@ CHECKS = [
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> None:
-    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                 ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ[k] = v  # multicast stays off on these machines
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank), timeout=timedelta(seconds=60))
-    c = Ctx()
-    c.rank, c.world, c.cfg, c.ars = rank, world, cfg, {}
-    results = Results(out_dir, rank)
-    skip = set(cfg.get("skip", ()))
-    for name, fn in CHECKS:
-        if name in skip:
-            continue
-        results.run(name, fn, c)
-        if name == "mailbox" and not results.data[name]["ok"]:
-            break  # nothing else can run
-    dist.destroy_process_group()
+    from rank_suite import run_checks
+
+    # Nothing runs without the mailbox.
+    run_checks(rank, world, init_file, out_dir, cfg, CHECKS, needed=("mailbox",), skip=set(cfg.get("skip", ())),
+               timeout_s=60.0)

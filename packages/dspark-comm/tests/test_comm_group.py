@@ -1,27 +1,25 @@
 """CPU tests of the TP group (``dspark_comm.group``) over two gloo processes
-(one per rank, a file rendezvous): the byte all-gather, the barrier, the
-collective agreement that fails on every rank when one fails, the stock
-all-reduce; and the mailbox's refusals, which come before any GPU work."""
+(one per rank, a file rendezvous, spawned by ``dspark_comm.ranks.spawn_ranks``):
+the byte all-gather, the barrier, the collective agreement that fails on
+every rank when one fails, the stock all-reduce; and the mailbox's refusals, which come before any GPU work."""
 
 from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 WORLD = 2
 
 
-def _worker(rank: int, init: str, out: str) -> None:
+def _worker(rank: int, world: int, init: str, out: str) -> None:
     from dspark_comm.group import TorchGroup
     from dspark_comm.mailbox import Mailbox
 
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     result = {}
     try:
         group = TorchGroup(device="cpu")
@@ -63,16 +61,11 @@ def _worker(rank: int, init: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    from dspark_comm.ranks import spawn_ranks
+
     out = tmp_path_factory.mktemp("group")
-    ctx = mp.start_processes(_worker, args=(str(out / "init"), str(out)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 120
-    # join() returns False each time one process of several has ended.
-    while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the gloo workers did not finish in 120 s")
+    error = spawn_ranks(_worker, WORLD, str(out), timeout_s=120)
+    assert error is None, error
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

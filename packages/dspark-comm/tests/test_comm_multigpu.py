@@ -8,68 +8,30 @@ boundary, NCCL followed by ``dspark_core.layers.residual_boundary``."""
 
 from __future__ import annotations
 
-import json
 import os
-import time
 
 import pytest
-import torch
-import torch.multiprocessing as mp
+from rank_suite import WORLD, results_of, run_suite
 
 pytestmark = pytest.mark.multigpu
 
-WORLD = 2
 SUITE_TIMEOUT_S = float(os.environ.get("DSPARK_COMM_SUITE_TIMEOUT", "200"))
 
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
-        pytest.skip(f"needs {WORLD} CUDA GPUs (this machine has {torch.cuda.device_count()}); "
-                    "run nox -s tests-multigpu on a two-GPU device machine")
     import comm_workers
 
-    out = tmp_path_factory.mktemp("comm")
     cfg = {
         "stress_calls": int(os.environ.get("DSPARK_COMM_STRESS_CALLS", "100000")),
         "stress_seconds": float(os.environ.get("DSPARK_COMM_STRESS_SECONDS", "45")),
         "skip": [s for s in os.environ.get("DSPARK_COMM_SKIP", "").split(",") if s],
     }
-    ctx = mp.start_processes(comm_workers.worker, args=(WORLD, str(out / "init"), str(out), cfg),
-                             nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + SUITE_TIMEOUT_S
-    timed_out = False
-    try:
-        # join() returns False each time one process of several has ended.
-        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-    except Exception as e:  # a worker died: report what the ranks recorded
-        print(f"a worker failed: {e}")
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
-    results = []
-    for r in range(WORLD):
-        path = out / f"rank{r}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {})
-    print(json.dumps(results, indent=1)[:20000])
-    keep = os.environ.get("DSPARK_COMM_OUT")  # a folder to keep the raw results in
-    if keep:
-        with open(os.path.join(keep, "multigpu_results.json"), "w") as f:
-            json.dump({"ranks": results, "timed_out": timed_out}, f, indent=1)
-    return {"ranks": results, "timed_out": timed_out}
+    return run_suite(tmp_path_factory, comm_workers.worker, "comm", cfg, SUITE_TIMEOUT_S, "multigpu_results.json")
 
 
 def ranks(suite, check: str) -> list[dict]:
-    got = [r.get(check) for r in suite["ranks"]]
-    for rank, g in enumerate(got):
-        if g is None:
-            pytest.fail(f"rank {rank} recorded no result for {check}"
-                        + (" (the suite timed out)" if suite["timed_out"] else ""))
-        assert g["ok"], f"rank {rank}, {check}:\n{g.get('error')}"
-    return got
+    return results_of(suite, check)
 
 
 def zero_mismatches(results: list[dict], key: str = "mismatches") -> None:

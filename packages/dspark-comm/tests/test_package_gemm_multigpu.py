@@ -3,9 +3,8 @@ rank (spawned once for every test here, the style of ``test_comm_multigpu.py``
 and reusing its ``comm_workers`` helpers); each test asserts on its check's
 results from both ranks. Skipped with fewer than two GPUs.
 
-NOT YET RUN: written in a session without a GPU; nothing here has executed
-on a device. Run first with (two H200s, the packages' src/ and this folder
-on PYTHONPATH):
+Ran on two H200s (2026-11-30): 5 passed. Run with (the packages' src/ and
+this folder on PYTHONPATH):
 
     python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -s
 
@@ -28,19 +27,16 @@ Checks:
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_suite import results_of, run_suite
 
 pytestmark = pytest.mark.multigpu
 
-WORLD = 2
 H = 8192
 CAPACITY = 16
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -278,25 +274,14 @@ def _boundary_modules(gen):
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> None:
-    import torch.distributed as dist
-    from comm_workers import Ctx, Results
+    from rank_suite import run_checks
 
-    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                       ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ[key] = value  # multicast stays off on these machines
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank), timeout=timedelta(seconds=120))
-    c = Ctx()
-    c.rank, c.world, c.cfg = rank, world, cfg
-    results = Results(out_dir, rank)
-    for name, fn in CHECKS:
-        results.run(name, fn, c)
-        if name in ("setup", "publish") and not results.data[name]["ok"]:
-            break  # the later checks need what these built
-    if "close" not in results.data and getattr(c, "mb", None) is not None:
-        c.mb.close()
-    dist.destroy_process_group()
+    def cleanup(c, results) -> None:
+        if "close" not in results.data and getattr(c, "mb", None) is not None:
+            c.mb.close()
+
+    # The later checks need what setup and publish built.
+    run_checks(rank, world, init_file, out_dir, cfg, CHECKS, needed=("setup", "publish"), cleanup=cleanup)
 
 
 # ---------------------------------------------------------------- the tests
@@ -304,48 +289,15 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> No
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
-        pytest.skip(f"needs {WORLD} CUDA GPUs (this machine has {torch.cuda.device_count()}); "
-                    "run nox -s tests-multigpu on a two-GPU device machine")
-    out = tmp_path_factory.mktemp("package_gemm")
     cfg = {
         "stress_calls": int(os.environ.get("DSPARK_GEMM_STRESS_CALLS", "20000")),
         "stress_seconds": float(os.environ.get("DSPARK_GEMM_STRESS_SECONDS", "30")),
     }
-    ctx = mp.start_processes(worker, args=(WORLD, str(out / "init"), str(out), cfg), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SUITE_TIMEOUT_S
-    timed_out = False
-    try:
-        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-    except Exception as e:  # a worker died: report what the ranks recorded
-        print(f"a worker failed: {e}")
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
-    results = []
-    for r in range(WORLD):
-        path = out / f"rank{r}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {})
-    print(json.dumps(results, indent=1)[:20000])
-    keep = os.environ.get("DSPARK_COMM_OUT")
-    if keep:
-        with open(os.path.join(keep, "package_gemm_results.json"), "w") as f:
-            json.dump({"ranks": results, "timed_out": timed_out}, f, indent=1)
-    return {"ranks": results, "timed_out": timed_out}
+    return run_suite(tmp_path_factory, worker, "package_gemm", cfg, SUITE_TIMEOUT_S, "package_gemm_results.json")
 
 
 def ranks(suite, check: str) -> list[dict]:
-    got = [r.get(check) for r in suite["ranks"]]
-    for rank, g in enumerate(got):
-        if g is None:
-            pytest.fail(f"rank {rank} recorded no result for {check}"
-                        + (" (the suite timed out)" if suite["timed_out"] else ""))
-        assert g["ok"], f"rank {rank}, {check}:\n{g.get('error')}"
-    return got
+    return results_of(suite, check)
 
 
 def test_setup(suite):

@@ -1,0 +1,100 @@
+"""One process per rank on one host: the set-up every multi-GPU entry point of
+dspark-comm shares (the two-GPU test workers, the TP benchmarks, the TP2
+demo), written once.
+
+- ``MULTICAST_OFF``: the environment each rank sets before NCCL starts:
+  NVLink multicast (NVLS) off for NCCL, PyTorch symmetric memory and
+  NVSHMEM (the device machines this project runs on lend GPUs without it;
+  the mailbox never uses multicast either).
+- ``init_rank(rank, world, init_file, timeout_s)``: sets ``MULTICAST_OFF``,
+  makes GPU ``rank`` the current device and joins the world process group
+  (NCCL, rendezvous through the file ``init_file``, collectives timing out
+  after ``timeout_s``); returns the rank's device.
+- ``finish_rank()``: leaves the process group where one was joined.
+- ``spawn_ranks(fn, world, *args, timeout_s)``: runs ``fn(rank, world,
+  init_file, *args)`` in ``world`` spawned processes (``init_file`` a fresh
+  path in a temporary folder), waits for them until ``timeout_s`` and kills
+  any rank still alive then. Returns None where every rank ended cleanly,
+  else the reason in words (a rank raised or exited non-zero, or the time
+  ran out); the caller reads what the ranks recorded either way.
+
+Nothing here imports the CuTe DSL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+
+log = logging.getLogger("dspark.ranks")
+
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def init_rank(rank: int, world: int, init_file: str, timeout_s: float = 120.0) -> torch.device:
+    """Join the NCCL world group as rank ``rank`` of ``world`` on GPU
+    ``rank`` (module docstring). ValueError for a rank outside ``[0, world)``
+    or a machine with fewer than ``world`` GPUs."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} of a group of {world}")
+    if torch.cuda.device_count() < world:
+        raise ValueError(f"{world} ranks need {world} CUDA GPUs; this machine has {torch.cuda.device_count()}")
+    os.environ.update(MULTICAST_OFF)
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=device, timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def finish_rank() -> None:
+    """Leave the world process group (where one was joined)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def spawn_ranks(fn, world: int, *args, timeout_s: float = 600.0) -> str | None:
+    """Run ``fn(rank, world, init_file, *args)`` on ``world`` spawned ranks
+    (module docstring): None where all ended cleanly, else why not. ``fn``
+    must be importable by the spawned processes (a module-level function)."""
+    if world < 1:
+        raise ValueError(f"a group of {world} ranks")
+    import torch.multiprocessing as mp
+
+    error = None
+    with tempfile.TemporaryDirectory(prefix="dspark-ranks-") as tmp:
+        init_file = os.path.join(tmp, "init")
+        ctx = mp.start_processes(fn, args=(world, init_file, *args), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            # join() returns False each time one process of several has ended.
+            while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+                if time.monotonic() > deadline:
+                    error = f"the ranks were still running after {timeout_s:.0f} s (killed)"
+                    break
+        except Exception as e:  # a rank raised or exited non-zero (the others are ended by join)
+            error = f"a rank failed: {e}"
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if error is not None:
+        log.warning(error)
+    return error
+
+
+__all__ = ["MULTICAST_OFF", "finish_rank", "init_rank", "spawn_ranks"]
