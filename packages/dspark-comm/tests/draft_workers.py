@@ -1,25 +1,48 @@
 """The TP2 draft end to end on two GPUs, run by ``test_draft_multigpu.py``:
-one process per rank (spawn, a file rendezvous, NCCL). WRITTEN, NOT YET RUN
-on a device (the session that wrote it had no GPU left).
+one process per rank (``rank_suite``: spawn, a file rendezvous, NCCL), each
+check's result recorded in ``rank<r>.json`` as it ends.
 
-Each rank builds the reference draft (hidden 8192, seeded, the same bits on
-both ranks), takes its shard (``dspark_core.tp.shard_draft``: the stock
-forward all-reduces with ``torch.distributed.all_reduce`` over NCCL), a
-mailbox over the world group, ``DraftAllReduce`` and the specialized decode
-with the QKV front off (the front is equal only up to its projection's
-summation order) and no package GEMM (not provided: the branches' GEMMs are
-the stock ``linear``). Then, per step of m rows, the stock TP2 forward and
-the decode on fresh caches holding a 200-token context (the stock chain vs
-the decode's), compared bit for bit (NaN payloads excepted): the outputs and
-every layer's cache. Results go to ``rank<r>.json``."""
+Each rank builds ``dspark_comm.tp_draft.TPDraftRank``: the reference draft
+(hidden 8192, seeded, the same bits on both ranks), its shard (the stock
+forward all-reduces with ``torch.distributed.all_reduce`` over NCCL) and a
+mailbox of 16 rows over the world group. Two specialized decodes share them:
+
+- the **bitwise** decode, every installed kernel but the QKV front and the
+  package GEMM (``BITWISE_EXCLUDE``: both sum their projection in their own
+  order, so they are exact only up to it): the fused all-reduce boundaries,
+  the fused first norm and context chain, and whatever else the installed
+  backends advertise as bit for bit;
+- the **package** decode, everything but the QKV front (``PACKAGE_EXCLUDE``):
+  the same, with each layer's o_proj and down_proj on the package GEMM
+  publishing its partial into the mailbox.
+
+``DSPARK_DRAFT_TP_EXCLUDE`` (comma-separated kernel names) excludes more from
+both, to isolate a failure.
+
+Checks, in order:
+
+- ``setup``: the rank, the bitwise decode and its plan;
+- ``bitwise``: per step of m rows, the stock TP2 forward and the bitwise
+  decode on fresh caches holding a 200-token context (the stock chain vs the
+  decode's), mismatches counted bit for bit (NaN payloads excepted): the
+  outputs and every layer's cache, and this rank's output against rank 0's;
+- ``graph``: a CUDA graph of one bitwise step (m = 7) replayed 3 times
+  against the eager step;
+- ``package_setup``: the package decode; its plan's package GEMM parts and
+  which boundaries the adapter bound a package GEMM to;
+- ``greedy``: ``tp_draft.greedy``, 64 single-token steps of the package
+  decode beside the stock TP2 forward after the 200-token context, the stock
+  token fed to both (teacher forcing), the LM head's argmax compared per
+  step, each step classed decisive or a near tie by its stock top-two
+  margin (``MARGIN``); every rank's tokens (both paths') gathered;
+- ``package_graph``: a CUDA graph of one package step (m = 7) replayed 3
+  times against the eager step;
+- ``close``: the mailbox checked (healthy) and closed.
+"""
 
 from __future__ import annotations
 
-import json
 import os
-import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -27,67 +50,55 @@ import torch.distributed as dist
 H = 8192
 ROWS = (1, 2, 7, 16)
 CONTEXT = 200  # context tokens stored before each step (16 blocks of 16 slots hold 256)
+GREEDY_STEPS = 64
+GREEDY_SPAN = CONTEXT + GREEDY_STEPS + 8
+# The rule of dspark-cute's single-GPU greedy test: logits here are about
+# N(0, 1); a step whose stock top-two logits lie within MARGIN is a near tie
+# (about a third of the steps), exempt but counted; every other step must
+# agree, and at least DECISIVE_MIN of the 64 must be decisive.
+MARGIN = 0.1
+DECISIVE_MIN = 32
+BITWISE_EXCLUDE = frozenset({"qkv_front", "package_gemm"})
+PACKAGE_EXCLUDE = frozenset({"qkv_front"})
 
 
-def _record(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    os.replace(tmp, path)
+def _extra_exclude(c) -> frozenset:
+    return frozenset(c.cfg.get("exclude", ()))
 
 
-def _check(rank: int, world: int, cfg: dict) -> dict:
-    from dspark_comm.draft import DraftAllReduce
-    from dspark_comm.group import TorchGroup
-    from dspark_comm.mailbox import Mailbox
+def bad(a, b) -> int:
     from dspark_core.compare import mismatches
+
+    return int(mismatches(a, b).sum())
+
+
+def check_setup(c):
+    from dspark_comm.tp_draft import TPDraftRank
     from dspark_core.config import DraftConfig
-    from dspark_core.model import DraftModel, StepInputs
-    from dspark_core.plan import plan_draft
-    from dspark_core.tp import shard_draft
-    from dspark_cute.decode import build_draft_decode, device_target
 
-    dev = torch.device("cuda", rank)
-    out: dict = {"rank": rank}
-    t0 = time.monotonic()
-    model = DraftModel(DraftConfig(num_layers=cfg.get("layers", 2))).to(dev)
-    shard = shard_draft(model, rank, world)  # stock: NCCL all-reduce
-    del model
-    torch.cuda.empty_cache()
-    out["build_s"] = round(time.monotonic() - t0, 2)
+    c.tp = TPDraftRank(c.rank, c.world, DraftConfig(num_layers=c.cfg.get("layers", 2)), capacity=16, timeout_s=5.0)
+    c.decode, c.adapter = c.tp.decode(BITWISE_EXCLUDE | _extra_exclude(c))
+    plan = c.decode.plan
+    return {"build_s": c.tp.build_s, "plan": plan.format(), "all_reduce_fused": plan.all_reduce.fused,
+            "refused": plan.refused(), "fused_parts": list(plan.fused_count()),
+            "package_gemms_bound": sum(g is not None for g in c.adapter.gemms)}
 
-    group = TorchGroup()
-    mailbox = Mailbox(group, H, 16, timeout_s=5.0)
-    exclude = frozenset({"qkv_front", "package_gemm"})
-    target = device_target(dev, world)
-    plan = plan_draft(shard, target.replace(kernels=target.kernels - exclude))
-    out["plan"] = plan.format()
-    out["all_reduce_fused"] = plan.all_reduce.fused
-    out["refused"] = plan.refused()
-    adapter = DraftAllReduce(mailbox, plan, shard, rank)
-    decode = build_draft_decode(shard, all_reduce=adapter, exclude=exclude)
-    if decode is None:
-        raise RuntimeError("build_draft_decode returned None on a GPU")
-    out["fused_parts"] = list(decode.plan.fused_count())
 
-    def bad(a, b) -> int:
-        return int(mismatches(a, b).sum())
+def check_bitwise(c):
+    from dspark_core.model import StepInputs
 
+    shard, decode, dev = c.tp.shard, c.decode, c.tp.device
     cases = [(m, torch.bfloat16) for m in ROWS] + [(7, torch.float32), (17, torch.bfloat16)]
     mism: dict = {}
     for m, dtype in cases:
         gen = torch.Generator(device=dev).manual_seed(1000 + m)
         hidden = torch.randn(m, H, generator=gen, device=dev).to(dtype)
         step = StepInputs.block(CONTEXT, m, device=dev, span=CONTEXT + 32)
-        ref_caches, got_caches = shard.make_caches(16, dev), shard.make_caches(16, dev)
         # A context first: the stock chain on the stock path, the decode's
         # (fused where planned) on the other.
-        ctx_states = torch.randn(CONTEXT, H, generator=gen, device=dev).bfloat16()
-        ctx_pos = torch.arange(CONTEXT, device=dev)
-        shard.precompute_and_store_context_kv(ctx_states, ctx_pos, ref_caches, ctx_pos)
-        out["context_fused"] = decode.store_context_kv(ctx_states, ctx_pos, got_caches, ctx_pos)
-        if not out["context_fused"]:
-            shard.precompute_and_store_context_kv(ctx_states, ctx_pos, got_caches, ctx_pos)
+        context = c.tp.context(CONTEXT, 2000 + m)
+        ref_caches = c.tp.caches(context, CONTEXT + 32)
+        got_caches = c.tp.caches(context, CONTEXT + 32, decode)
         with torch.no_grad():
             ref = shard(hidden, step, ref_caches)
             got = decode.run(hidden, step, got_caches)
@@ -98,14 +109,20 @@ def _check(rank: int, world: int, cfg: dict) -> dict:
         other = got.clone()
         dist.broadcast(other, src=0)
         mism[key + "_vs_rank0"] = bad(got, other)
-    out["mismatches"] = mism
+    return {"mismatches": mism}
 
-    # A CUDA graph of one fused step (m = 7), replayed: the same bits as eager.
+
+def _graph_mismatches(c, decode, seed: int) -> int:
+    """A CUDA graph of one step (m = 7) of ``decode``, replayed 3 times: its
+    output's mismatches against the eager step's (the same inputs, caches)."""
+    from dspark_core.model import StepInputs
+
+    dev = c.tp.device
     m = 7
-    gen = torch.Generator(device=dev).manual_seed(77)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     hidden = torch.randn(m, H, generator=gen, device=dev).bfloat16()
     step = StepInputs.block(0, m, device=dev, span=16)
-    caches = shard.make_caches(4, dev)
+    caches = c.tp.shard.make_caches(4, dev)
     with torch.no_grad():
         eager = decode.run(hidden, step, caches).clone()
         s = torch.cuda.Stream(dev)
@@ -119,26 +136,66 @@ def _check(rank: int, world: int, cfg: dict) -> dict:
         for _ in range(3):
             graph.replay()
     torch.cuda.synchronize()
-    out["graph_mismatches"] = bad(static, eager)
-    mailbox.check()
-    out["status"] = mailbox.status()
-    mailbox.close()
-    return out
+    return bad(static, eager)
+
+
+def check_graph(c):
+    mismatches = _graph_mismatches(c, c.decode, 77)
+    c.tp.mailbox.check()
+    return {"graph_mismatches": mismatches, "status": c.tp.mailbox.status()}
+
+
+def check_package_setup(c):
+    c.pdecode, c.padapter = c.tp.decode(PACKAGE_EXCLUDE | _extra_exclude(c))
+    plan = c.pdecode.plan
+    return {"plan": plan.format(), "refused": plan.refused(),
+            "package_gemms": [{"name": p.name, "fused": p.fused, "reason": p.reason,
+                               "role": getattr(p.constants, "role", None)} for p in plan.package_gemms],
+            "bound": [g is not None for g in c.padapter.gemms]}
+
+
+def check_greedy(c):
+    from dspark_comm.tp_draft import greedy
+
+    context = c.tp.context(CONTEXT, 3000)
+    stock_caches = c.tp.caches(context, GREEDY_SPAN)
+    fused_caches = c.tp.caches(context, GREEDY_SPAN, c.pdecode)
+    first = torch.tensor([11], device=c.tp.device)
+    res = greedy(c.tp.shard, c.tp.shard.forward, c.pdecode.run, stock_caches, fused_caches, first, CONTEXT,
+                 GREEDY_STEPS, GREEDY_SPAN, MARGIN)
+    res["all_tokens"] = c.tp.group.all_gather_object([res["tokens"], res["fused_tokens"]])
+    return res
+
+
+def check_package_graph(c):
+    mismatches = _graph_mismatches(c, c.pdecode, 78)
+    c.tp.mailbox.check()
+    return {"graph_mismatches": mismatches, "status": c.tp.mailbox.status()}
+
+
+def check_close(c):
+    return {"status": c.tp.close()}
+
+
+CHECKS = [("setup", check_setup), ("bitwise", check_bitwise), ("graph", check_graph),
+          ("package_setup", check_package_setup), ("greedy", check_greedy),
+          ("package_graph", check_package_graph), ("close", check_close)]
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> None:
-    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                 ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ[k] = v  # multicast stays off on these machines
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank), timeout=timedelta(seconds=120))
-    path = os.path.join(out_dir, f"rank{rank}.json")
-    try:
-        result = _check(rank, world, cfg)
-        result["ok"] = True
-    except Exception:
-        result = {"ok": False, "error": traceback.format_exc()[-4000:]}
-    _record(path, result)
-    print(f"[rank {rank}] {json.dumps(result, default=str)[:2000]}", flush=True)
-    dist.destroy_process_group()
+    from rank_suite import run_checks
+
+    def cleanup(c, results) -> None:
+        tp = getattr(c, "tp", None)
+        if tp is not None and not tp.mailbox.closed:
+            tp.mailbox.close()
+
+    # Nothing runs without the rank; the package checks need the package decode.
+    run_checks(rank, world, init_file, out_dir, cfg, CHECKS, needed=("setup", "package_setup"), cleanup=cleanup)
+
+
+def config_from_env() -> dict:
+    """The suite's settings: ``DSPARK_DRAFT_TP_LAYERS`` (default 2) and
+    ``DSPARK_DRAFT_TP_EXCLUDE``."""
+    exclude = [k for k in os.environ.get("DSPARK_DRAFT_TP_EXCLUDE", "").split(",") if k]
+    return {"layers": int(os.environ.get("DSPARK_DRAFT_TP_LAYERS", "2")), "exclude": exclude}

@@ -1,0 +1,217 @@
+"""One rank of a tensor-parallel DSpark draft on its GPU: what the two-GPU
+draft tests, the TP2 draft benchmark and the TP2 demo build, written once.
+Every function here is collective (call it on every rank, in the same order).
+
+``TPDraftRank(rank, world, config)`` (in a process joined to the world group,
+``dspark_comm.ranks.init_rank``): the reference draft of ``config`` (weights
+seeded by ``config.seed`` on the CPU, so the same bits on every rank) moved to
+GPU ``rank``, rank ``rank``'s shard of it (``dspark_core.tp.shard_draft``:
+its stock forward all-reduces the row-parallel partials with
+``torch.distributed.all_reduce`` over NCCL; the whole draft is then freed), a
+``TorchGroup`` over the world and a ``Mailbox`` of ``capacity`` rows over it.
+
+- ``decode(exclude)``: the specialized decode of the shard
+  (``dspark_cute.decode.build_draft_decode``) with ``DraftAllReduce`` over
+  the mailbox, both planned for this GPU at TP ``world`` with the installed
+  kernels minus ``exclude``; ``(decode, adapter)``. With ``"package_gemm"``
+  excluded the o_proj / down_proj GEMMs stay cuBLAS; with ``"qkv_front"``
+  too, every fused part is bit for bit the stock TP forward.
+- ``context(n, seed)``: ``n`` BF16 hidden states (a CUDA generator seeded
+  ``seed``: the same on every rank) and their positions ``0 .. n-1``;
+  ``caches(states, span, decode)``: fresh caches of at least ``span`` slots
+  with that context's K/V stored in slots ``0 .. n-1``, by ``decode``'s fused
+  context chain where it covers the call, else by the stock chain.
+- ``close()``: checks the mailbox (``MailboxTimeoutError`` if a kernel gave
+  up), returns its status word, closes it.
+
+``greedy(...)`` runs teacher-forced greedy decode steps on two paths side by
+side (the stock tokens fed to both) and
+``time_replays(...)`` times CUDA graph replays with the ranks released
+together (their docstrings).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+log = logging.getLogger("dspark.tp_draft")
+
+PACKAGE_GEMM = "package_gemm"
+QKV_FRONT = "qkv_front"
+
+
+class TPDraftRank:
+    """One rank's shard, group and mailbox (module docstring)."""
+
+    def __init__(self, rank: int, world: int, config=None, capacity: int = 16, timeout_s: float = 5.0) -> None:
+        from dspark_comm.group import TorchGroup
+        from dspark_comm.mailbox import Mailbox
+        from dspark_core.config import DraftConfig
+        from dspark_core.model import DraftModel
+        from dspark_core.tp import shard_draft
+
+        self.rank, self.world = rank, world
+        self.device = torch.device("cuda", rank)
+        self.config = config if config is not None else DraftConfig()
+        t0 = time.monotonic()
+        model = DraftModel(self.config, device=self.device)
+        self.shard = shard_draft(model, rank, world)  # stock forward: NCCL all-reduce
+        del model
+        torch.cuda.empty_cache()
+        self.build_s = round(time.monotonic() - t0, 2)
+        self.group = TorchGroup()
+        self.mailbox = Mailbox(self.group, self.config.hidden_size, capacity, timeout_s=timeout_s)
+
+    def decode(self, exclude=frozenset()):
+        """``(decode, adapter)`` planned without the kernels ``exclude``
+        (module docstring). RuntimeError where no part of the draft fuses."""
+        from dspark_comm.draft import DraftAllReduce
+        from dspark_core.plan import plan_draft
+        from dspark_cute.decode import build_draft_decode, device_target
+
+        exclude = frozenset(exclude)
+        target = device_target(self.device, self.world)
+        plan = plan_draft(self.shard, target.replace(kernels=target.kernels - exclude))
+        adapter = DraftAllReduce(self.mailbox, plan, self.shard, self.rank)
+        decode = build_draft_decode(self.shard, all_reduce=adapter, exclude=exclude)
+        if decode is None:
+            raise RuntimeError(f"build_draft_decode kept the TP{self.world} draft stock on {self.device} "
+                               "(the reason is in the log)")
+        return decode, adapter
+
+    def context(self, n: int, seed: int):
+        """``(states, positions)``: ``n`` random BF16 hidden states, the same
+        on every rank, at positions ``0 .. n-1``."""
+        if n < 1:
+            raise ValueError(f"a context of {n} tokens")
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        states = torch.randn(n, self.config.hidden_size, generator=gen, device=self.device).bfloat16()
+        return states, torch.arange(n, device=self.device)
+
+    def caches(self, context, span: int, decode=None) -> list:
+        """Fresh caches holding ``context``'s K/V (module docstring)."""
+        states, positions = context
+        if span < states.shape[0]:
+            raise ValueError(f"a span of {span} slots cannot hold a context of {states.shape[0]} tokens")
+        caches = self.shard.make_caches(-(-span // self.config.kv_block_size) + 1, self.device)
+        if decode is None or not decode.store_context_kv(states, positions, caches, positions):
+            self.shard.precompute_and_store_context_kv(states, positions, caches, positions)
+        return caches
+
+    def close(self) -> int:
+        """Check, then close the mailbox; its last status word (0: healthy)."""
+        try:
+            self.mailbox.check()
+            return self.mailbox.status()
+        finally:
+            self.mailbox.close()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def greedy(model, stock, fused, stock_caches, fused_caches, first_tokens: torch.Tensor, start: int, steps: int,
+           span: int, margin: float = 0.1) -> dict:
+    """Greedy decode of ``steps`` steps of ``m = len(first_tokens)`` tokens on
+    two paths, ``stock(hidden, step, caches)`` and ``fused(...)`` (each with
+    its own caches), both fed the stock path's tokens (teacher forcing, the
+    rule of dspark-cute's single-GPU greedy test): step ``i`` embeds the
+    current tokens (``model.embed_tokens``), runs both paths at positions
+    ``start + i m .. start + (i + 1) m - 1`` (``StepInputs.block``, ``span``
+    wide), takes each path's logits (``model.logits``: FP32 through the LM
+    head) and their argmax per row; the stock argmax is the next step's
+    tokens. A step is a near tie where some row's stock top-two logits lie
+    within ``margin`` (a flip a summation-order error may cause), else
+    decisive.
+
+    Returns ``steps``; ``tokens`` and ``fused_tokens`` (each path's argmax per
+    step); ``agreed`` (steps whose tokens all agree); ``decisive`` and
+    ``decisive_agreed`` (decisive steps, and those whose tokens agree: equal
+    where the fused path follows the stock one); ``near_ties``;
+    ``differ`` (``[step, smallest stock top-two gap over its differing rows]``
+    for every step whose tokens differ); ``min_margin`` (the smallest stock
+    top-two gap); ``max_logit_diff`` (the largest ``|stock - fused|`` logit);
+    ``hidden_mismatches`` (elements of the two paths' hidden states that
+    differ bit for bit, NaN equal to NaN, summed over the steps) and
+    ``step_ms`` (each path's eager wall time per step, the median, with a
+    device sync). Runs on any device (CPU tests)."""
+    from dspark_core.compare import mismatches
+    from dspark_core.model import StepInputs
+
+    if steps < 1:
+        raise ValueError(f"a greedy decode of {steps} steps")
+    m = int(first_tokens.numel())
+    device = first_tokens.device
+    tokens = first_tokens.reshape(m)
+    out = {"steps": steps, "tokens": [], "fused_tokens": [], "agreed": 0, "decisive": 0, "decisive_agreed": 0,
+           "near_ties": 0, "differ": [], "min_margin": float("inf"), "max_logit_diff": 0.0,
+           "hidden_mismatches": 0}
+    times: dict = {"stock": [], "fused": []}
+    for i in range(steps):
+        step = StepInputs.block(start + i * m, m, device, span=span)
+        x = model.embed_tokens(tokens)
+        hiddens = {}
+        for name, fn, caches in (("stock", stock, stock_caches), ("fused", fused, fused_caches)):
+            _sync(device)
+            t0 = time.perf_counter()
+            hiddens[name] = fn(x, step, caches)
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+        out["hidden_mismatches"] += int(mismatches(hiddens["fused"], hiddens["stock"]).sum())
+        stock_logits = model.logits(hiddens["stock"]).float()
+        fused_logits = model.logits(hiddens["fused"]).float()
+        out["max_logit_diff"] = max(out["max_logit_diff"], float((stock_logits - fused_logits).abs().max()))
+        want, got = stock_logits.argmax(-1), fused_logits.argmax(-1)
+        top2 = stock_logits.topk(2, dim=-1).values
+        gaps = top2[:, 0] - top2[:, 1]
+        gap = float(gaps.min())
+        out["min_margin"] = min(out["min_margin"], gap)
+        same = bool((want == got).all())
+        out["tokens"].append(want.tolist())
+        out["fused_tokens"].append(got.tolist())
+        out["agreed"] += same
+        if gap < margin:
+            out["near_ties"] += 1
+        else:
+            out["decisive"] += 1
+            out["decisive_agreed"] += same
+        if not same:
+            out["differ"].append([i, float(gaps[want != got].min())])
+        tokens = want
+    out["step_ms"] = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    return out
+
+
+def time_replays(replay, reps: int, warmup: int = 3) -> float:
+    """Median microseconds of ``replay()`` (one CUDA graph replay) over
+    ``reps`` timed calls, every rank released together before each: a
+    ``torch.distributed`` barrier, then a device sync; CUDA events around
+    the replay alone. Collective."""
+    import torch.distributed as dist
+
+    if reps < 1:
+        raise ValueError(f"{reps} timed replays")
+    for _ in range(warmup):
+        replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+__all__ = ["PACKAGE_GEMM", "QKV_FRONT", "TPDraftRank", "greedy", "time_replays"]
