@@ -3,11 +3,13 @@ reason, store a context's K/V and run greedy decode steps on the stock path
 and, on a GPU with a kernel backend installed, on the specialized decode,
 saying whether they match bit for bit and how long a step takes.
 
-    python -m dspark_core.demo [--config CONFIG.json] [--steps 8] [--block 4]
+    python -m dspark_core.demo [--config CONFIG.json] [--steps 8] [--block 4] [--tp 2]
 
 The executor comes from the installed backend (the ``dspark.executors``
 entry point: dspark-cute's ``build_draft_decode``), so this package needs no
-GPU stack.
+GPU stack. ``--tp 2`` runs the draft sharded over two GPUs of this host
+(``dspark_comm.demo_tp2``, imported only then: it needs dspark-comm); on a
+machine with fewer than two GPUs it says so and runs the TP1 demo.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .config import DraftConfig
 from .graphs import StepGraph
 from .model import DraftModel, StepInputs
 from .plan import plan_draft
+from .tp import shard_draft
 
 log = logging.getLogger("dspark.demo")
 
@@ -38,6 +41,13 @@ def _target(device: torch.device) -> policy.Target:
     arch = {9: "sm_90a", 10: "sm_100a"}.get(major, f"sm_{major}{minor}")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return policy.Target("cuda", arch, sms, 1, policy.installed_kernels())
+
+
+def print_plan(plan) -> None:
+    """Print a ``DraftPlan`` and, for every part it keeps stock, why."""
+    print(plan.format())
+    for line in plan.refused():
+        print(f"  why: {line}")
 
 
 def _sync(device: torch.device) -> None:
@@ -115,9 +125,7 @@ def run_demo(
         # What the same draft gets on one H200 with the installed backends.
         plans.append(plan_draft(model, policy.Target(kernels=policy.installed_kernels())))
     for p in plans:
-        print(p.format())
-        for line in p.refused():
-            print(f"  why: {line}")
+        print_plan(p)
 
     build = executor_builder() if device.type == "cuda" else None
     # The QKV front's projection sums in its own order (not cuBLAS's): without
@@ -168,18 +176,42 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run the fused QKV front (exact up to its projection's summation order, so not bitwise)",
     )
+    parser.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor-parallel size (2: two GPUs)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if not 1 <= args.block <= policy.MAX_DECODE_ROWS:
         print(f"error: --block must lie in [1, {policy.MAX_DECODE_ROWS}]", file=sys.stderr)
         return 2
     config = DraftConfig.from_json(args.config) if args.config else DraftConfig()
+    if args.tp > 1:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus >= args.tp:
+            return _run_tp(config, args)
+        print(f"--tp {args.tp} needs {args.tp} CUDA GPUs and this machine has {gpus}: running the TP1 demo instead")
+        print(f"What a rank of TP{args.tp} on H200s would run with the installed backends:")
+        shard = shard_draft(DraftModel(config, device="meta"), 0, args.tp)
+        print_plan(plan_draft(shard, policy.Target(tp=args.tp, kernels=policy.installed_kernels())))
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
     run_demo(config, args.steps, args.block, args.context, device, args.front)
     return 0
+
+
+def _run_tp(config: DraftConfig, args) -> int:
+    """The TP demo from dspark-comm, imported here only (module docstring)."""
+    try:
+        from dspark_comm.demo_tp2 import run_tp2_demo
+    except ImportError as error:
+        print(f"error: --tp {args.tp} needs dspark-comm: pip install dspark-comm "
+              f"(or pip install ./packages/dspark-comm) ({error})", file=sys.stderr)
+        return 2
+    try:
+        return run_tp2_demo(config, args.steps, args.block, args.context, args.front)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,183 @@
+"""CPU tests of the multi-GPU frame: ``dspark_comm.ranks`` (spawning ranks,
+a failing rank, a rank past the time limit, the refusals of ``init_rank``),
+``dspark_comm.tp_draft.greedy`` (on a small draft on the CPU: two equal
+paths agree bit for bit; a path that flips a token is caught at that step,
+teacher forcing goes on, near ties and decisive steps are counted), the TP2 demo's entry in ``dspark_core.demo``
+(dspark-comm imported lazily; fewer than two GPUs run the TP1 demo; a
+missing dspark-comm named) and the TP2 benchmark's report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark_comm import ranks
+from dspark_comm.tp_draft import greedy, time_replays
+from dspark_core.config import small_config
+from dspark_core.model import DraftModel
+
+
+def _write(rank: int, world: int, init_file: str, out: str) -> None:
+    Path(out, f"rank{rank}.txt").write_text(f"{rank}/{world} {os.environ.get('NCCL_NVLS_ENABLE')}")
+
+
+def _fail_on_rank_1(rank: int, world: int, init_file: str) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+
+
+def _sleep(rank: int, world: int, init_file: str) -> None:
+    time.sleep(60)
+
+
+def test_spawn_ranks_runs_every_rank(tmp_path):
+    assert ranks.spawn_ranks(_write, 2, str(tmp_path), timeout_s=120) is None
+    assert sorted(p.read_text().split()[0] for p in tmp_path.glob("rank*.txt")) == ["0/2", "1/2"]
+
+
+def test_spawn_ranks_reports_a_failing_rank():
+    error = ranks.spawn_ranks(_fail_on_rank_1, 2, timeout_s=120)
+    assert error is not None and "rank 1 fails on purpose" in error
+
+
+def test_spawn_ranks_kills_ranks_past_the_limit():
+    t0 = time.monotonic()
+    error = ranks.spawn_ranks(_sleep, 2, timeout_s=4)
+    assert error is not None and "still running after 4 s" in error
+    assert time.monotonic() - t0 < 40
+
+
+def test_init_rank_refusals():
+    with pytest.raises(ValueError, match="rank 2 of a group of 2"):
+        ranks.init_rank(2, 2, "/nonexistent")
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ValueError, match="64 ranks need 64 CUDA GPUs"):
+            ranks.init_rank(0, 64, "/nonexistent")
+    with pytest.raises(ValueError):
+        ranks.spawn_ranks(_write, 0)
+    with pytest.raises(ValueError):
+        time_replays(lambda: None, 0)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return DraftModel(small_config(num_layers=1))
+
+
+def _caches(model, span: int):
+    states = torch.randn(8, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    positions = torch.arange(8)
+    caches = model.make_caches(span // model.config.kv_block_size + 1)
+    model.precompute_and_store_context_kv(states, positions, caches, positions)
+    return caches
+
+
+def test_greedy_of_two_equal_paths_agrees_bit_for_bit(small):
+    span = 8 + 6 * 2
+    res = greedy(small, small.forward, small.forward, _caches(small, span), _caches(small, span),
+                 torch.tensor([3, 5]), 8, 6, span)
+    assert res["agreed"] == 6 and res["differ"] == [] and res["hidden_mismatches"] == 0
+    assert res["decisive"] + res["near_ties"] == 6 and res["decisive_agreed"] == res["decisive"]
+    assert res["tokens"] == res["fused_tokens"] and len(res["tokens"]) == 6
+    assert all(len(t) == 2 for t in res["tokens"]) and res["max_logit_diff"] == 0.0
+    assert res["min_margin"] >= 0 and set(res["step_ms"]) == {"stock", "fused"}
+
+
+def test_greedy_teacher_forces_past_a_flipped_token(small):
+    calls = []
+    span = 8 + 5
+
+    def flipped(x, step, caches):
+        """The stock forward, whose output at the third step is replaced by
+        the hidden state of another token (so its argmax changes; its K/V go
+        to spare caches, so later steps are the stock ones)."""
+        out = small.forward(x, step, caches)
+        calls.append(1)
+        if len(calls) == 3:
+            other = small.forward(small.embed_tokens(torch.tensor([7])), step, _caches(small, span))
+            return other.expand_as(out).clone()
+        return out
+
+    res = greedy(small, small.forward, flipped, _caches(small, span), _caches(small, span), torch.tensor([1]),
+                 8, 5, span, margin=0.0)
+    stock = greedy(small, small.forward, small.forward, _caches(small, span), _caches(small, span),
+                   torch.tensor([1]), 8, 5, span)
+    assert res["tokens"] == stock["tokens"]  # the stock path's tokens are fed to both
+    if res["fused_tokens"][2] == res["tokens"][2]:  # token 7's state happened to pick the same token
+        pytest.skip("the substituted state picked the stock token")
+    assert [i for i, _ in res["differ"]] == [2] and res["agreed"] == 4 and res["differ"][0][1] >= 0
+    # A margin of 0 makes every step decisive: the flipped one is counted as such.
+    assert res["decisive"] == 5 and res["decisive_agreed"] == 4 and res["near_ties"] == 0
+    assert res["hidden_mismatches"] > 0 and res["max_logit_diff"] > 0
+    loose = greedy(small, small.forward, flipped, _caches(small, span), _caches(small, span), torch.tensor([1]),
+                   8, 5, span, margin=1e9)
+    assert loose["near_ties"] == 5 and loose["decisive"] == 0
+    with pytest.raises(ValueError):
+        greedy(small, small.forward, small.forward, [], [], torch.tensor([1]), 8, 0, span)
+
+
+def test_the_demo_imports_dspark_comm_only_for_tp():
+    code = "import sys, dspark_core.demo; print('dspark_comm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine runs the TP2 demo itself")
+def test_demo_tp2_without_two_gpus_runs_the_tp1_demo(tmp_path, capsys):
+    from dspark_core import demo
+
+    cfg = tmp_path / "small.json"
+    cfg.write_text(small_config(num_layers=1).to_json())
+    assert demo.main(["--tp", "2", "--config", str(cfg), "--steps", "1", "--context", "4", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"--tp 2 needs 2 CUDA GPUs and this machine has {torch.cuda.device_count()}: running the TP1 demo" in out
+    assert "stock path: 1 steps" in out
+
+
+def test_demo_tp_names_dspark_comm_when_it_is_missing(monkeypatch, capsys):
+    from dspark_core import demo
+
+    monkeypatch.setitem(sys.modules, "dspark_comm.demo_tp2", None)  # import raises ImportError
+    args = type("Args", (), {"tp": 2, "steps": 1, "block": 1, "context": 4, "front": False})()
+    assert demo._run_tp(small_config(), args) == 2
+    assert "pip install dspark-comm" in capsys.readouterr().err
+
+
+def test_run_tp2_demo_refusals():
+    from dspark_comm.demo_tp2 import run_tp2_demo
+
+    with pytest.raises(ValueError, match="block"):
+        run_tp2_demo(small_config(), 1, 17, 4)
+    with pytest.raises(ValueError, match="TP2 does not divide"):
+        run_tp2_demo(small_config(num_kv_heads=1), 1, 1, 4)
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ValueError, match="needs 2 CUDA GPUs"):
+            run_tp2_demo(small_config(), 1, 1, 4)
+
+
+def test_bench_draft_tp2_report(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_draft_tp2 as bench
+    finally:
+        sys.path.pop(0)
+    raw = []
+    for r in range(2):
+        res = {"build_s": 9.0, "prepare_s": 20.0, "floor": 238.4, "device": "NVIDIA H200", "status": 0,
+               "layers": 2}
+        for i, m in enumerate(bench.ROWS):
+            res.update({f"stock/{m}": 400.0 + i + r, f"spec/{m}": 300.0 + i, f"gemms/{m}": 250.0 + i,
+                        f"package/{m}": "failed to capture: RuntimeError: boom"})
+        raw.append(res)
+    text = bench._report(raw, str(tmp_path), 50, ["qkv_front"])
+    assert (tmp_path / "draft_tp2.md").read_text() == text.split("\n(matplotlib")[0]
+    assert "| 1 | 401.0 | 300.0 | failed to capture | 250.0 | 238.4 | 1.34x | - |" in text
+    assert "Failures: failed to capture: RuntimeError: boom" in text and "excluded: qkv_front" in text
+    json.dumps(raw)  # the raw results are JSON as the ranks write them
