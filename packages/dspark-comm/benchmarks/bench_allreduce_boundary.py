@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -41,34 +40,6 @@ CASES = [
     ("NCCL all-reduce alone", "nccl"),
     ("symm-mem one-shot alone", "symm"),
 ]
-
-
-def _time_graph(fn, iters: int, reps: int) -> float:
-    """Median microseconds per call of ``fn`` over ``reps`` replays of a graph
-    of ``iters`` calls."""
-    fn()  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / iters)
-    return statistics.median(times)
 
 
 def _calls(m, gen, group, fused, plain, unfused, symm, one_shot) -> dict:
@@ -108,8 +79,10 @@ def _worker(rank: int, init: str, out: str, iters: int, reps: int) -> None:
     from dspark_comm.boundary import AllReduceBoundary
     from dspark_comm.group import TorchGroup
     from dspark_comm.mailbox import Mailbox
+    from dspark_comm.tp_draft import time_replays
     from dspark_core.constants import boundary_constants
     from dspark_core.layers import GatedResidual, RMSNorm
+    from dspark_core.timing import capture
     from dspark_cute.boundary import DraftBoundary
 
     group = TorchGroup()
@@ -134,7 +107,8 @@ def _worker(rank: int, init: str, out: str, iters: int, reps: int) -> None:
         fns = _calls(m, gen, group, fused, plain, unfused, symm, one_shot)
         for _, key in CASES:
             try:
-                results[f"{key}/{m}"] = _time_graph(fns[key], iters, reps)
+                results[f"{key}/{m}"] = time_replays(capture(fns[key], iters, side_stream=True), reps,
+                                                     calls=iters)
             except Exception as e:  # one case failing keeps the others
                 results[f"{key}/{m}"] = f"failed: {type(e).__name__}: {e}"[:200]
             mb.check()

@@ -37,37 +37,7 @@ import torch
 
 ROWS = (1, 4, 16)
 CONTEXT = 256
-HBM_BYTES_PER_S = 4.3e12
 PATHS = [("stock TP2 (NCCL)", "stock"), ("specialized", "spec"), ("specialized + package GEMM", "package")]
-
-
-def _gemms_only(shard, m: int):
-    """The replay of a graph of the shard's GEMMs alone (cuBLAS, ``linear``)."""
-    from dspark_core.layers import linear
-
-    c = shard.config
-    x = torch.zeros(m, c.hidden_size, dtype=torch.bfloat16, device="cuda")
-    o_in = torch.zeros(m, c.q_size, dtype=torch.bfloat16, device="cuda")
-    h = torch.zeros(m, c.intermediate_size, dtype=torch.bfloat16, device="cuda")
-
-    def step():
-        for layer in shard.layers:
-            linear(x, layer.self_attn.qkv_proj)
-            linear(o_in, layer.self_attn.o_proj)
-            linear(x, layer.mlp.gate_up)
-            linear(h, layer.mlp.down)
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
-def _weight_bytes(shard) -> int:
-    return sum(w.numel() * w.element_size() for layer in shard.layers
-               for w in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down))
 
 
 def _worker(rank: int, world: int, init: str, out: str, reps: int, exclude: list, layers: int) -> None:
@@ -79,10 +49,11 @@ def _worker(rank: int, world: int, init: str, out: str, reps: int, exclude: list
     from dspark_core.config import DraftConfig
     from dspark_core.graphs import StepGraph
     from dspark_core.model import StepInputs
+    from dspark_core.timing import gemms_replay, weight_floor_us
 
     t0 = time.monotonic()
     tp = TPDraftRank(rank, world, DraftConfig(num_layers=layers))
-    res: dict = {"build_s": tp.build_s, "floor": _weight_bytes(tp.shard) / HBM_BYTES_PER_S * 1e6,
+    res: dict = {"build_s": tp.build_s, "floor": weight_floor_us(tp.shard),
                  "device": torch.cuda.get_device_name(tp.device)}
     fns = {"stock": tp.shard.forward}
     for key, ex in (("spec", {*exclude, PACKAGE_GEMM}), ("package", set(exclude))):
@@ -104,7 +75,7 @@ def _worker(rank: int, world: int, init: str, out: str, reps: int, exclude: list
         caches = tp.caches(context, span)
         step = StepInputs.block(CONTEXT, m, tp.device, span=span)
         x = tp.shard.embed_tokens(torch.arange(m, device=tp.device))
-        res[f"gemms/{m}"] = time_replays(_gemms_only(tp.shard, m), reps)
+        res[f"gemms/{m}"] = time_replays(gemms_replay(tp.shard, m), reps)
         for _, key in PATHS:
             if key not in fns:
                 res[f"{key}/{m}"] = res[f"plan/{key}"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -36,27 +35,9 @@ ROWS = [1, 4, 16, 64, 1024, 4096]
 
 def time_graph(fn, reps: int, replays: int) -> float:
     """Microseconds per call of ``fn``: a graph of ``reps`` calls, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm up (and compile) outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(reps):
-                fn()
-    torch.cuda.synchronize()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / reps)
-    return statistics.median(times)
+    from dspark_core.timing import capture_on_side_stream, median_us
+
+    return median_us(capture_on_side_stream([fn], reps), replays, calls=reps)
 
 
 class Empty:

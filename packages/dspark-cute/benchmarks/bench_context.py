@@ -28,13 +28,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import statistics
 
 import torch
 
 from dspark_core.compare import mismatches
 from dspark_core.config import DraftConfig
 from dspark_core.model import DraftModel
+from dspark_core.timing import median_us
 
 BLOCK = 16
 
@@ -66,15 +66,7 @@ def time_call(fn, calls: int, reps: int) -> tuple[float, str]:
 
     run()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
-    return statistics.median(times), mode
+    return median_us(run, reps, calls=calls), mode
 
 
 def build(args) -> DraftModel:

@@ -7,7 +7,6 @@ and writes it with a PNG plot into --out."""
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -16,56 +15,15 @@ import torch
 
 from dspark_core.config import DraftConfig
 from dspark_core.graphs import StepGraph
-from dspark_core.layers import linear
 from dspark_core.model import DraftModel, StepInputs
+from dspark_core.timing import gemms_replay, median_us, weight_floor_us
 from dspark_cute.decode import build_draft_decode
 
-HBM_BYTES_PER_S = 4.3e12
 CONTEXT = 256
 
 
 def _median_us(replay, reps: int = 200) -> float:
-    for _ in range(10):
-        replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
-def _gemms_only(model: DraftModel, m: int):
-    """A graph of the step's GEMMs alone (same shapes, same cuBLAS calls)."""
-    c = model.config
-    x = torch.zeros(m, c.hidden_size, dtype=torch.bfloat16, device="cuda")
-    o_in = torch.zeros(m, c.q_size, dtype=torch.bfloat16, device="cuda")
-    h = torch.zeros(m, c.intermediate_size, dtype=torch.bfloat16, device="cuda")
-
-    def step():
-        for layer in model.layers:
-            linear(x, layer.self_attn.qkv_proj)
-            linear(o_in, layer.self_attn.o_proj)
-            linear(x, layer.mlp.gate_up)
-            linear(h, layer.mlp.down)
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
-def _weight_bytes(model: DraftModel) -> int:
-    total = 0
-    for layer in model.layers:
-        for w in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down):
-            total += w.numel() * w.element_size()
-    return total
+    return median_us(replay, reps, warmup=10)
 
 
 def main(argv=None) -> int:
@@ -82,7 +40,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = DraftModel(DraftConfig(num_layers=args.layers), device="cuda")
     decode = build_draft_decode(model)
-    floor_us = _weight_bytes(model) / HBM_BYTES_PER_S * 1e6
+    floor_us = weight_floor_us(model)
     # Inputs per m; the slow column (Inductor compiles per shape) is timed last
     # and the table is written after every column, so a time limit still leaves
     # the columns already measured.
@@ -93,7 +51,7 @@ def main(argv=None) -> int:
         x = model.embed_tokens(torch.arange(m, device="cuda"))
         caches = model.make_caches(span // model.config.kv_block_size + 2, "cuda")
         cases[m] = (x, step, caches)
-    rows = [{"m": m, "floor": floor_us, "gemms": _median_us(_gemms_only(model, m))} for m in cases]
+    rows = [{"m": m, "floor": floor_us, "gemms": _median_us(gemms_replay(model, m))} for m in cases]
     paths = {"stock": model.forward}
     if decode is not None:
         paths["specialized"] = decode.run

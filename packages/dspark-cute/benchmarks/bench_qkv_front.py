@@ -33,24 +33,15 @@ ROWS_M = (1, 4, 16)
 
 def time_graph(calls: list, launches: int = 24, replays: int = 10, trials: int = 7) -> float:
     """Median microseconds per call of ``calls`` (cycled) replayed in a graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for f in calls:
-            f()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(launches):
-                calls[i % len(calls)]()
-    torch.cuda.synchronize()
-    graph.replay()
-    torch.cuda.synchronize()
+    from dspark_core.timing import capture_on_side_stream
+
+    replay = capture_on_side_stream(calls, launches, wait=False)
     times = []
     for _ in range(trials):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
-            graph.replay()
+            replay()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1000 / (replays * launches))

@@ -189,29 +189,27 @@ def greedy(model, stock, fused, stock_caches, fused_caches, first_tokens: torch.
     return out
 
 
-def time_replays(replay, reps: int, warmup: int = 3) -> float:
+def time_replays(replay, reps: int, warmup: int = 3, calls: int = 1) -> float:
     """Median microseconds of ``replay()`` (one CUDA graph replay) over
     ``reps`` timed calls, every rank released together before each: a
     ``torch.distributed`` barrier, then a device sync; CUDA events around
-    the replay alone. Collective."""
+    the replay alone (``dspark_core.timing.median_us``), each time divided
+    by ``calls`` (the calls one replay makes). Collective."""
     import torch.distributed as dist
+
+    from dspark_core.timing import median_us
 
     if reps < 1:
         raise ValueError(f"{reps} timed replays")
     for _ in range(warmup):
         replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
+
+    def release():
         dist.barrier()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+
+    return median_us(replay, reps, calls=calls, before=release)
 
 
 __all__ = ["PACKAGE_GEMM", "QKV_FRONT", "TPDraftRank", "greedy", "time_replays"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 import time
 from importlib.metadata import entry_points
@@ -29,6 +28,7 @@ from .config import DraftConfig
 from .graphs import StepGraph
 from .model import DraftModel, StepInputs
 from .plan import plan_draft
+from .timing import median_us
 from .tp import shard_draft
 
 log = logging.getLogger("dspark.demo")
@@ -99,15 +99,7 @@ def _time_step(fn, model, caches, block, start, span, device, reps: int = 50) ->
         fn(x, step, caches)
         return time.perf_counter() - begin
     graph = StepGraph(fn, x, step, caches)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(times)
+    return median_us(graph.replay, reps) * 1e-6
 
 
 @torch.no_grad()
