@@ -147,6 +147,13 @@ def test_parts_refuse_a_kernel_the_backends_lack(kernels, part, kernel):
     assert r[part] == f"the installed backends do not provide the {kernel} kernel"
 
 
+def test_an_excluded_kernel_is_said_to_be_excluded():
+    target = Target(kernels=policy.ALL_KERNELS - {"qkv_front"}, excluded=frozenset({"qkv_front"}))
+    r = reasons(plan_draft(meta(), target))
+    assert r["layer 0's QKV front"] == "the caller excluded the qkv_front kernel"
+    assert target.key() != Target(kernels=policy.ALL_KERNELS - {"qkv_front"}).key()
+
+
 def test_context_refuses_input_norms_that_differ_beyond_weights():
     model = meta(norm_overrides={"layers.1.input_norm": {"eps": 1e-5}})
     r = reasons(plan_draft(model, ALL))

@@ -88,13 +88,15 @@ DRAFT_GEMMS = {
 class Target:
     """Where the plan runs: ``platform`` ("cuda" or "cpu"), the GPU ``arch``
     (``ARCHS``), its SM count, the TP size and the kernels the installed
-    backends provide. Frozen and hashable; ``key()`` names it."""
+    backends provide (``excluded``: those the caller chose not to use, kept
+    apart so a refusal can say so). Frozen and hashable; ``key()`` names it."""
 
     platform: str = "cuda"
     arch: str = "sm_90a"
     num_sms: int = 132
     tp: int = 1
     kernels: frozenset[str] = field(default=ALL_KERNELS)
+    excluded: frozenset[str] = field(default=frozenset())
 
     def __post_init__(self) -> None:
         if self.platform not in ("cuda", "cpu"):
@@ -111,7 +113,7 @@ class Target:
         return self.arch in ARCHS
 
     def key(self) -> str:
-        text = repr((self.platform, self.arch, self.num_sms, self.tp, sorted(self.kernels)))
+        text = repr((self.platform, self.arch, self.num_sms, self.tp, sorted(self.kernels), sorted(self.excluded)))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def replace(self, **changes) -> Target:

@@ -373,7 +373,7 @@ def build_draft_decode(
         raise ValueError(f"TP{all_reduce.tp} all-reduce boundaries for a TP{model_tp} shard")
     device = next(model.parameters()).device
     target = device_target(device, all_reduce.tp if all_reduce is not None else 1)
-    plan = plan_draft(model, target.replace(kernels=target.kernels - frozenset(exclude)))
+    plan = plan_draft(model, target.replace(kernels=target.kernels - frozenset(exclude), excluded=frozenset(exclude)))
     if plan.draft_reason is not None:
         _log_once(logging.WARNING, f"the DSpark draft keeps its stock layers: {plan.draft_reason}")
         return None
