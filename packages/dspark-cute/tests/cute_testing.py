@@ -3,6 +3,8 @@ poisoned outputs and the bitwise comparison (``dspark_core.compare``)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -85,12 +87,27 @@ def special_rows(h: int, dtype: torch.dtype, device) -> torch.Tensor:
 __all__ = ["assert_bitwise", "check_poisoned", "poison", "random_rows", "requires_cuda", "special_rows"]
 
 
+def audit_forbidden(body: str, *, no_rcp: bool = False, explicit_rounding: bool = False) -> None:
+    """What no DSpark elementwise or norm kernel's PTX ``body`` may contain:
+    ``fma`` (the specs have none), ``.ftz``, ``rsqrt`` or ``.approx`` (and
+    ``rcp`` where ``no_rcp``), a saturating conversion, local memory
+    (spills); where ``explicit_rounding``, every FP32 add/sub/mul/div must
+    carry ``.rn``."""
+    assert not re.search(r"\bfma\b|fma\.", body), "an FMA in a kernel whose spec has none"
+    assert ".ftz" not in body, "a flush-to-zero instruction"
+    approx = r"rsqrt|\.approx|\brcp\." if no_rcp else r"rsqrt|\.approx"
+    assert not re.search(approx, body), "an approximate instruction"
+    assert "satfinite" not in body, "a saturating conversion (the spec rounds to inf)"
+    assert not re.search(r"\b(ld|st)\.local", body), "local memory (register spills)"
+    if explicit_rounding:
+        for op in re.findall(r"\b(?:add|sub|mul|div)(?:\.\w+)*\.f32\b", body):
+            assert ".rn." in op, f"an FP32 operation without an explicit rounding: {op}"
+
+
 def has_f32_constant(ptx: str, bits: int) -> bool:
     """Whether the PTX materializes the FP32 constant of these bits: as a hex
     float immediate (``0f80000000``, CuTe DSL 4.3) or as a ``mov.b32`` of the
     signed decimal integer (``-2147483648``, CuTe DSL 4.8)."""
-    import re
-
     signed = bits - (1 << 32) if bits & 0x80000000 else bits
     return f"0f{bits:08x}" in ptx.lower() or re.search(rf"mov\.b32\s+%r\d+, {signed};", ptx) is not None
 

@@ -29,7 +29,7 @@ import re
 
 import pytest
 import torch
-from cute_testing import has_f32_constant
+from cute_testing import audit_forbidden, has_f32_constant
 
 from dspark_core.constants import (
     MlpActivationConstants,
@@ -54,13 +54,7 @@ OGATE_VARIANTS = [(64, 1e-6, True), (32, 1e-6, True), (40, 1e-5, True), (5, 0.0,
 
 def audit_common(body: str) -> None:
     """What neither kernel may contain, and its memory accesses."""
-    assert not re.search(r"\bfma\b|fma\.", body), "an FMA in a kernel whose spec has none"
-    assert ".ftz" not in body, "a flush-to-zero instruction"
-    assert not re.search(r"rsqrt|\.approx|\brcp\.", body), "an approximate instruction"
-    assert "satfinite" not in body, "a saturating conversion (the spec rounds to inf)"
-    assert not re.search(r"\b(ld|st)\.local", body), "local memory (register spills)"
-    for op in re.findall(r"\b(?:add|sub|mul|div)(?:\.\w+)*\.f32\b", body):
-        assert ".rn." in op, f"an FP32 operation without an explicit rounding: {op}"
+    audit_forbidden(body, no_rcp=True, explicit_rounding=True)
     global_ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", body)
     assert sorted(global_ops) == ["ld.global.v4.b32", "ld.global.v4.b32", "st.global.v4.b32"], global_ops
     # The tail guard is a predicate on the store, not a branch around the work.
@@ -95,6 +89,20 @@ def audit_pdl(body: str, pdl: bool) -> None:
         assert "griddepcontrol" not in body
 
 
+def compile_audited(kernel, args, arch: str, pdl: bool) -> tuple[str, str]:
+    """``kernel`` compiled for ``arch`` and put through the audits both
+    kernels share (target, ``audit_common``, constants, PDL); (PTX, code)."""
+    from dspark_cute.host import compile_ptx
+
+    ptx = compile_ptx(kernel, *args, arch=arch)
+    body = code(ptx)
+    assert f".target {arch}" in body
+    audit_common(body)
+    audit_constants(ptx)
+    audit_pdl(body, pdl)
+    return ptx, body
+
+
 def check_ptxas(ptx: str, arch: str, tmp_path) -> None:
     report = ptxas_report(ptx, arch, tmp_path)
     if report:
@@ -106,16 +114,10 @@ def check_ptxas(ptx: str, arch: str, tmp_path) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("i,pdl", MLP_VARIANTS)
 def test_mlp_activation_compiles(arch, i, pdl, tmp_path):
-    from dspark_cute.host import compile_ptx
     from dspark_cute.mlp_activation import MlpActivationKernel, fake_args
 
     c = MlpActivationConstants(intermediate_size=i)
-    ptx = compile_ptx(MlpActivationKernel(c, pdl), *fake_args(c), arch=arch)
-    body = code(ptx)
-    assert f".target {arch}" in body
-    audit_common(body)
-    audit_constants(ptx)
-    audit_pdl(body, pdl)
+    ptx, body = compile_audited(MlpActivationKernel(c, pdl), fake_args(c), arch, pdl)
     # Per element: exp_rn, 1 + e, 1 / (1 + e), g * s, s * u.
     assert count(body, r"\bdiv\.rn\.f32") == 8
     assert count(body, r"\bmul\.rn\.f32") == 8 * (EXP_MULS + 2)
@@ -131,17 +133,11 @@ def test_mlp_activation_compiles(arch, i, pdl, tmp_path):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("heads,eps,pdl", OGATE_VARIANTS)
 def test_o_gate_compiles(arch, heads, eps, pdl, tmp_path):
-    from dspark_cute.host import compile_ptx
     from dspark_cute.o_gate import OGateKernel, fake_args
     from dspark_cute.ptx import f32_bits
 
     c = OGateConstants(num_heads=heads, eps=eps)
-    ptx = compile_ptx(OGateKernel(c, pdl), *fake_args(c), arch=arch)
-    body = code(ptx)
-    assert f".target {arch}" in body
-    audit_common(body)
-    audit_constants(ptx)
-    audit_pdl(body, pdl)
+    ptx, body = compile_audited(OGateKernel(c, pdl), fake_args(c), arch, pdl)
     # The head tree: 4 pair sums, each folded over lanes 4, 2, 1 apart.
     shuffles = re.findall(r"\bshfl\.sync\.bfly\.b32\s+%\w+, %\w+, (\d+), 31, -1;", body)
     assert sorted(shuffles) == sorted(["4"] * 4 + ["2"] * 4 + ["1"] * 4), shuffles

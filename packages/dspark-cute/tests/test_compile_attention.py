@@ -25,7 +25,7 @@ import re
 
 import pytest
 import torch
-from cute_testing import has_f32_constant
+from cute_testing import audit_forbidden, has_f32_constant
 
 from dspark_core.constants import AttentionConstants
 from dspark_cute.attention import PREFETCH_GROUP
@@ -52,13 +52,7 @@ def _name(v) -> str:
 
 
 def audit(body: str, slot: str, pdl: bool) -> None:
-    assert not re.search(r"\bfma\b|fma\.", body), "an FMA in a kernel whose spec has none"
-    assert ".ftz" not in body, "a flush-to-zero instruction"
-    assert not re.search(r"rsqrt|\.approx|\brcp\.", body), "an approximate instruction"
-    assert "satfinite" not in body, "a saturating conversion (the spec rounds to inf)"
-    assert not re.search(r"\b(ld|st)\.local", body), "local memory (register spills)"
-    for op in re.findall(r"\b(?:add|sub|mul|div)(?:\.\w+)*\.f32\b", body):
-        assert ".rn." in op, f"an FP32 operation without an explicit rounding: {op}"
+    audit_forbidden(body, no_rcp=True, explicit_rounding=True)
     # The max: NaN-propagating, per slot, 5 butterflies, (m0, m2), (m1, m3), the two.
     assert count(body, r"\bmax\.NaN\.f32\b") == 9
     assert not re.search(r"\bmax(\.\w+)*\.f32\b", body.replace("max.NaN.f32", "")), "a max that drops NaN"

@@ -27,7 +27,7 @@ import re
 
 import pytest
 import torch
-from cute_testing import WORDS, has_f32_constant
+from cute_testing import WORDS, audit_forbidden, has_f32_constant
 from cute_testing import norm_constants as norm
 
 from dspark_core.constants import ContextNormConstants, ContextStoreConstants, NormConstants
@@ -41,15 +41,6 @@ NORM_VARIANTS = [
 ] + [(1, 2, 2, 8192, False)]
 
 
-def audit_common(body: str) -> None:
-    """What no DSpark kernel may contain."""
-    assert not re.search(r"\bfma\b|fma\.", body), "an FMA in a kernel whose spec has none"
-    assert ".ftz" not in body, "a flush-to-zero instruction"
-    assert not re.search(r"rsqrt|\.approx", body), "an approximate instruction"
-    assert "satfinite" not in body, "a saturating conversion (the spec rounds to inf)"
-    assert not re.search(r"\b(ld|st)\.local", body), "local memory (register spills)"
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("hidden,pre,layers,h,pdl", NORM_VARIANTS)
@@ -60,7 +51,7 @@ def test_context_norms_compile(arch, hidden, pre, layers, h, pdl):
     c = ContextNormConstants(hidden_size=h, num_layers=layers, hidden=norm(hidden), pre=norm(pre))
     body = code(compile_ptx(ContextNormsKernel(c, pdl), *fake_args(c), arch=arch))
     assert f".target {arch}" in body
-    audit_common(body)
+    audit_forbidden(body)
     frags = h // 2048
     weights = sum(frags * WORDS[n.weight_dtype] for n in (c.hidden, c.pre) if n.weight_dtype)
     global_ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", body)
@@ -100,7 +91,7 @@ def test_context_store_compile(arch, kv, rope, table, pdl):
     c = ContextStoreConstants(kv_heads=kv, k_eps=1e-6, rope=rope, table_dtype=table)
     body = code(compile_ptx(ContextStoreKernel(c, pdl), *fake_args(c), arch=arch))
     assert f".target {arch}" in body
-    audit_common(body)
+    audit_forbidden(body)
     table_loads = {"bf16": (0, 2), "fp32": (2, 0)}[table] if rope else (0, 0)
     assert count(body, r"\bld\.global\.b32\b") == 2 * kv + table_loads[0]
     assert count(body, r"\bld\.global\.b16\b") == table_loads[1]
