@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dspark_core.compare import assert_bitwise
+from dspark_core.layers import RMSNorm
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -41,6 +42,29 @@ def check_poisoned(launch, outputs: list, expected: list, what: str) -> None:
         torch.cuda.synchronize()
         for i, (actual, exp) in enumerate(zip(outputs, expected)):
             assert_bitwise(actual, exp, f"{what} output {i} (poison {which})")
+
+
+def capture_calls(fn, calls: int = 3) -> torch.cuda.CUDAGraph:
+    """``fn()`` once on a fresh stream (warm-up outside the capture), then a
+    CUDA graph of ``calls`` calls of it captured on that stream; synced."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def assert_replays_repeat(graph, outputs: list) -> None:
+    """One more replay of ``graph`` writes the same bits into ``outputs``."""
+    first = [t.clone() for t in outputs]
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, t in zip(first, outputs):
+        assert torch.equal(a.view(torch.int16), t.view(torch.int16)), "replays differ"
 
 
 def random_rows(gen: torch.Generator, m: int, h: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -102,6 +126,32 @@ def audit_forbidden(body: str, *, no_rcp: bool = False, explicit_rounding: bool 
     if explicit_rounding:
         for op in re.findall(r"\b(?:add|sub|mul|div)(?:\.\w+)*\.f32\b", body):
             assert ".rn." in op, f"an FP32 operation without an explicit rounding: {op}"
+
+
+def norm_name(case) -> str:
+    """A test id for a ``GPU_NORMS`` case."""
+    w, center, before, eps = case
+    dtype = str(w).replace("torch.", "") if w is not None else "noweight"
+    return f"{dtype}-c{center}-{'before' if before else 'after'}-eps{eps}"
+
+
+def make_norm(case, h: int, gen: torch.Generator, special_weight: bool = False, out_dtype=torch.bfloat16):
+    """The stock ``RMSNorm`` of a ``GPU_NORMS`` case, output ``out_dtype``,
+    on CUDA, with a random weight (around 1 for center 0, around 0 for
+    center 1); with ``special_weight`` some entries -0.0, subnormal, large or
+    cancelling the center."""
+    w_dtype, center, before, eps = case
+    norm = RMSNorm(h, eps, has_weight=w_dtype is not None, weight_dtype=w_dtype or torch.bfloat16,
+                   gain_center=center, weight_before_norm=before, out_dtype=out_dtype).cuda()
+    if w_dtype is not None:
+        w = torch.randn(h, generator=gen, device="cuda") * 0.25 + (1.0 - center)
+        if special_weight:
+            w[0::97] = -0.0
+            w[1::97] = torch.finfo(w_dtype).smallest_normal / 2
+            w[2::97] = 300.0
+            w[3::97] = -1.0 - center
+        norm.weight.data.copy_(w.to(w_dtype))
+    return norm
 
 
 def has_f32_constant(ptx: str, bits: int) -> bool:

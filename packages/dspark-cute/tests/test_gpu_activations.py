@@ -32,7 +32,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 import pytest
 import torch
-from cute_testing import check_poisoned, random_rows, requires_cuda, special_rows
+from cute_testing import assert_replays_repeat, capture_calls, check_poisoned, random_rows, requires_cuda, special_rows
 from cutlass import Int32, Int64
 
 from dspark_core import numerics
@@ -398,23 +398,13 @@ def test_activation_cuda_graph(seed):
     act = _act(16384)
     gu = random_rows(gen, 16, 2 * 16384, BF16, "cuda")
     out = torch.empty((16, 16384), dtype=BF16, device="cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        act(gu, out)  # warm up outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(3):
-                act(gu, out)
-    torch.cuda.synchronize()
+    graph = capture_calls(lambda: act(gu, out))
     mlp = GatedMLP(8, 16384)
     for _ in range(2):
         gu.copy_(random_rows(gen, 16, 2 * 16384, BF16, "cuda"))
         expected = mlp.activation(gu)
         check_poisoned(graph.replay, [out], [expected], "graph replay")
-        first = out.clone()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(first.view(torch.int16), out.view(torch.int16)), "replays differ"
+        assert_replays_repeat(graph, [out])
 
 
 def test_o_gate_cuda_graph(seed):
@@ -424,24 +414,14 @@ def test_o_gate_cuda_graph(seed):
     qkv, gate = qkv_gate(gen, m, heads, kv)
     attn = random_rows(gen, m, heads * 64, BF16, "cuda")
     out = torch.empty_like(attn)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        og(attn, gate, out)  # warm up outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(3):
-                og(attn, gate, out)
-    torch.cuda.synchronize()
+    graph = capture_calls(lambda: og(attn, gate, out))
     norm = HeadNorm(64, 1e-6)
     for _ in range(2):
         qkv.copy_(qkv_gate(gen, m, heads, kv)[0])
         attn.copy_(random_rows(gen, m, heads * 64, BF16, "cuda"))
         expected = o_gate(attn.view(m, heads, 64), gate.reshape(m, heads, 64), norm).reshape(m, -1)
         check_poisoned(graph.replay, [out], [expected], "graph replay")
-        first = out.clone()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(first.view(torch.int16), out.view(torch.int16)), "replays differ"
+        assert_replays_repeat(graph, [out])
 
 
 # ---------------------------------------------------------------- last: refused captures

@@ -26,12 +26,23 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cute_testing import GPU_NORMS, POISONS, check_poisoned, poison, random_rows, requires_cuda, special_rows
+from cute_testing import (
+    GPU_NORMS,
+    POISONS,
+    assert_replays_repeat,
+    check_poisoned,
+    make_norm,
+    norm_name,
+    poison,
+    random_rows,
+    requires_cuda,
+    special_rows,
+)
 
 from dspark_core.compare import assert_bitwise
 from dspark_core.config import small_config
 from dspark_core.constants import ContextNormConstants, ContextStoreConstants, norm_constants
-from dspark_core.layers import HeadNorm, PagedKVCache, RMSNorm, Rotary
+from dspark_core.layers import HeadNorm, PagedKVCache, Rotary
 from dspark_core.model import DraftModel
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -42,30 +53,6 @@ D = 64
 BLOCK = 16
 NORMS = GPU_NORMS
 ROWS = [1, 2, 7, 16, 133, 1000]
-
-
-def _name(case) -> str:
-    w, center, before, eps = case
-    dtype = str(w).replace("torch.", "") if w is not None else "noweight"
-    return f"{dtype}-c{center}-{'before' if before else 'after'}-eps{eps}"
-
-
-def make_norm(case, h: int, gen: torch.Generator, special_weight: bool = False) -> RMSNorm:
-    """The stock norm of ``case`` with a random weight (around 1 for center
-    0, around 0 for center 1) on CUDA; with ``special_weight`` some entries
-    -0.0, subnormal, large or cancelling the center."""
-    w_dtype, center, before, eps = case
-    norm = RMSNorm(h, eps, has_weight=w_dtype is not None, weight_dtype=w_dtype or BF16,
-                   gain_center=center, weight_before_norm=before).cuda()
-    if w_dtype is not None:
-        w = torch.randn(h, generator=gen, device="cuda") * 0.25 + (1.0 - center)
-        if special_weight:
-            w[0::97] = -0.0
-            w[1::97] = torch.finfo(w_dtype).smallest_normal / 2
-            w[2::97] = 300.0
-            w[3::97] = -1.0 - center
-        norm.weight.data.copy_(w.to(w_dtype))
-    return norm
 
 
 def context_rows(gen: torch.Generator, t: int, h: int) -> torch.Tensor:
@@ -94,12 +81,12 @@ def check_norms(hidden_case, pre_case, layers: int, rows: list, h: int, gen, spe
         assert kernel.takes(x)
         expected = DraftModel.context_norms(stock, x)
         out = torch.empty((layers, t, h), dtype=BF16, device="cuda")
-        what = f"norms {_name(hidden_case)} / {_name(pre_case)} L={layers} T={t} H={h}"
+        what = f"norms {norm_name(hidden_case)} / {norm_name(pre_case)} L={layers} T={t} H={h}"
         check_poisoned(lambda x=x, out=out: kernel.run(x, out), [out], [expected], what)
         assert_bitwise(kernel.run(x), expected, f"{what} (allocated output)")
 
 
-@pytest.mark.parametrize("i", range(len(NORMS)), ids=[_name(n) for n in NORMS])
+@pytest.mark.parametrize("i", range(len(NORMS)), ids=[norm_name(n) for n in NORMS])
 def test_norms_every_variant(i, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     check_norms(NORMS[i], NORMS[(i + 3) % 7], 2, ROWS, H, gen)
@@ -112,7 +99,7 @@ def test_norms_layer_counts(layers, pair, seed):
     check_norms(NORMS[pair[0]], NORMS[pair[1]], layers, ROWS, H, gen)
 
 
-@pytest.mark.parametrize("i", range(len(NORMS)), ids=[_name(n) for n in NORMS])
+@pytest.mark.parametrize("i", range(len(NORMS)), ids=[norm_name(n) for n in NORMS])
 def test_norms_special_values(i, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     check_norms(NORMS[i], NORMS[(i + 3) % 7], 2, [10], H, gen, special_weight=True, specials_only=True)
@@ -413,11 +400,7 @@ def test_chain_cuda_graph(seed):
             torch.cuda.synchronize()
             for i in range(len(caches)):
                 assert_bitwise(caches[i].tensor, ref[i].tensor, f"graph replay {replay} layer {i} (poison {which})")
-        first = [c.tensor.clone() for c in caches]
-        graph.replay()
-        torch.cuda.synchronize()
-        for a, c in zip(first, caches):
-            assert torch.equal(a.view(torch.int16), c.tensor.view(torch.int16)), "replays differ"
+        assert_replays_repeat(graph, [c.tensor for c in caches])
 
 
 def test_refuses_bad_operands(seed):

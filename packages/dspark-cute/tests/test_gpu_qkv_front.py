@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cute_testing import poison, random_rows, requires_cuda, special_rows
+from cute_testing import assert_replays_repeat, capture_calls, poison, random_rows, requires_cuda, special_rows
 
 from dspark_core.compare import assert_bitwise
 from dspark_core.config import DraftConfig
@@ -218,14 +218,7 @@ def test_cuda_graph(ref_setup, seed):
     pos, slots = s.step(m)
     out = torch.empty((m, s.front.rows), dtype=BF16, device="cuda")
     cache = s.cache()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        s.front.run(x, pos, slots, cache, out)  # warm up outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(3):
-                s.front.run(x, pos, slots, cache, out)
-    torch.cuda.synchronize()
+    graph = capture_calls(lambda: s.front.run(x, pos, slots, cache, out))
     for _ in range(2):
         x.copy_(random_rows(s.gen, m, s.cfg.hidden_size, BF16, "cuda"))
         pos.copy_(s.step(m)[0])
@@ -238,10 +231,7 @@ def test_cuda_graph(ref_setup, seed):
             torch.cuda.synchronize()
             assert_bitwise(out, exp_out, f"graph replay out (poison {which})")
             assert_bitwise(cache, exp_cache, f"graph replay cache (poison {which})")
-        first = out.clone()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(first.view(torch.int16), out.view(torch.int16)), "replays differ"
+        assert_replays_repeat(graph, [out])
 
 
 def test_positions_beyond_the_table_are_clamped(ref_setup, seed):

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cute_testing import GPU_NORMS, check_poisoned, random_rows, requires_cuda, special_rows
+from cute_testing import (
+    GPU_NORMS,
+    assert_replays_repeat,
+    capture_calls,
+    check_poisoned,
+    make_norm,
+    norm_name,
+    random_rows,
+    requires_cuda,
+    special_rows,
+)
 
 from dspark_core.compare import assert_bitwise
 from dspark_core.constants import row_norm_constants
-from dspark_core.layers import RMSNorm
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -21,30 +30,6 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 H = 8192
 NORMS = GPU_NORMS
 ROWS = [1, 2, 7, 16, 132, 133, 1000, 4096]
-
-
-def _name(case) -> str:
-    w, center, before, eps = case
-    dtype = str(w).replace("torch.", "") if w is not None else "noweight"
-    return f"{dtype}-c{center}-{'before' if before else 'after'}-eps{eps}"
-
-
-def make_norm(case, h: int, out_dtype, gen: torch.Generator, special_weight: bool = False):
-    """The stock norm of ``case`` with a random weight (around 1 for center
-    0, around 0 for center 1), on CUDA; some entries -0.0, subnormal or large
-    when ``special_weight``."""
-    w_dtype, center, before, eps = case
-    norm = RMSNorm(h, eps, has_weight=w_dtype is not None, weight_dtype=w_dtype or BF16,
-                   gain_center=center, weight_before_norm=before, out_dtype=out_dtype).cuda()
-    if w_dtype is not None:
-        w = torch.randn(h, generator=gen, device="cuda") * 0.25 + (1.0 - center)
-        if special_weight:
-            w[0::97] = -0.0
-            w[1::97] = torch.finfo(w_dtype).smallest_normal / 2
-            w[2::97] = 300.0
-            w[3::97] = -1.0 - center
-        norm.weight.data.copy_(w.to(w_dtype))
-    return norm
 
 
 def check(norm, x: torch.Tensor, what: str, pdl: bool | None = None) -> None:
@@ -60,14 +45,14 @@ def check(norm, x: torch.Tensor, what: str, pdl: bool | None = None) -> None:
     assert_bitwise(kernel.run(x), expected, f"{what} (allocated output)")
 
 
-@pytest.mark.parametrize("case", NORMS, ids=_name)
+@pytest.mark.parametrize("case", NORMS, ids=norm_name)
 @pytest.mark.parametrize("out_dtype", [BF16, FP16, FP32], ids=["out_bf16", "out_fp16", "out_fp32"])
 @pytest.mark.parametrize("in_dtype", [BF16, FP32], ids=["in_bf16", "in_fp32"])
 def test_every_variant(case, out_dtype, in_dtype, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    norm = make_norm(case, H, out_dtype, gen)
+    norm = make_norm(case, H, gen, out_dtype=out_dtype)
     for m in (1, 7, 133):
-        check(norm, random_rows(gen, m, H, in_dtype, "cuda"), f"{_name(case)} m={m}")
+        check(norm, random_rows(gen, m, H, in_dtype, "cuda"), f"{norm_name(case)} m={m}")
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -78,35 +63,35 @@ def test_every_variant(case, out_dtype, in_dtype, seed):
 )
 def test_row_counts(m, case, in_dtype, out_dtype, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    norm = make_norm(case, H, out_dtype, gen)
-    check(norm, random_rows(gen, m, H, in_dtype, "cuda"), f"{_name(case)} m={m}")
+    norm = make_norm(case, H, gen, out_dtype=out_dtype)
+    check(norm, random_rows(gen, m, H, in_dtype, "cuda"), f"{norm_name(case)} m={m}")
 
 
 @pytest.mark.parametrize("h", [2048, 6144, 16384])
 def test_hidden_sizes(h, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    norm = make_norm(NORMS[2], h, BF16, gen)
+    norm = make_norm(NORMS[2], h, gen, out_dtype=BF16)
     check(norm, random_rows(gen, 9, h, BF16, "cuda"), f"H={h}")
 
 
 def test_leading_dims(seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    norm = make_norm(NORMS[1], H, BF16, gen)
+    norm = make_norm(NORMS[1], H, gen, out_dtype=BF16)
     check(norm, random_rows(gen, 6, H, BF16, "cuda").view(2, 3, H), "[2, 3, H]")
 
 
-@pytest.mark.parametrize("case", NORMS, ids=_name)
+@pytest.mark.parametrize("case", NORMS, ids=norm_name)
 @pytest.mark.parametrize("in_dtype", [BF16, FP32], ids=["in_bf16", "in_fp32"])
 def test_special_values(case, in_dtype, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     for out_dtype in (BF16, FP16):
-        norm = make_norm(case, H, out_dtype, gen, special_weight=True)
-        check(norm, special_rows(H, in_dtype, "cuda"), f"special {_name(case)} -> {out_dtype}")
+        norm = make_norm(case, H, gen, special_weight=True, out_dtype=out_dtype)
+        check(norm, special_rows(H, in_dtype, "cuda"), f"special {norm_name(case)} -> {out_dtype}")
 
 
 def test_without_pdl(seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    norm = make_norm(NORMS[3], H, BF16, gen)
+    norm = make_norm(NORMS[3], H, gen, out_dtype=BF16)
     for m in (1, 133):
         check(norm, random_rows(gen, m, H, BF16, "cuda"), f"no PDL m={m}", pdl=False)
 
@@ -115,34 +100,24 @@ def test_cuda_graph(seed):
     from dspark_cute import RowNorm
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    norm = make_norm(NORMS[2], H, BF16, gen)
+    norm = make_norm(NORMS[2], H, gen, out_dtype=BF16)
     kernel = RowNorm(row_norm_constants(norm, H, BF16), norm.weight)
     kernel.prepare()
     x = random_rows(gen, 16, H, BF16, "cuda")
     out = torch.empty((16, H), dtype=BF16, device="cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        kernel.run(x, out)  # warm up outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(3):
-                kernel.run(x, out)
-    torch.cuda.synchronize()
+    graph = capture_calls(lambda: kernel.run(x, out))
     for _ in range(2):
         x.copy_(random_rows(gen, 16, H, BF16, "cuda"))
         expected = norm(x)
         check_poisoned(graph.replay, [out], [expected], "graph replay")
-        first = out.clone()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(first.view(torch.int16), out.view(torch.int16)), "replays differ"
+        assert_replays_repeat(graph, [out])
 
 
 def test_compile_refused_during_capture(seed):
     from dspark_cute.row_norm import RowNorm
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    norm = make_norm((BF16, 0.5, False, 3e-4), H, BF16, gen)  # constants no other test compiles
+    norm = make_norm((BF16, 0.5, False, 3e-4), H, gen, out_dtype=BF16)  # constants no other test compiles
     kernel = RowNorm(row_norm_constants(norm, H, BF16), norm.weight)
     x = random_rows(gen, 2, H, BF16, "cuda")
     stream = torch.cuda.Stream()
@@ -156,7 +131,7 @@ def test_refuses_bad_operands(seed):
     from dspark_cute import RowNorm
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    norm = make_norm(NORMS[1], H, BF16, gen)
+    norm = make_norm(NORMS[1], H, gen, out_dtype=BF16)
     kernel = RowNorm(row_norm_constants(norm, H, BF16), norm.weight)
     good = random_rows(gen, 4, H, BF16, "cuda")
     bad = [
