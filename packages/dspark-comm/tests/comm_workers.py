@@ -379,6 +379,8 @@ def check_stress(c):
     ``G`` calls replayed until ``target`` calls or the time cap. The inputs
     of the plain calls flip sign at each replay (the references with them),
     so a value read from an earlier replay shows."""
+    from rank_suite import replay_stress
+
     from dspark_core.compare import mismatches
     from dspark_core.constants import FP32_RANK_ORDER
     from dspark_core.layers import residual_boundary
@@ -435,27 +437,13 @@ def check_stress(c):
         flip()
     torch.cuda.synchronize()
     eager_bad = counts.tolist()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        with torch.cuda.graph(graph):
-            flip()
-            for j in range(G):
-                call(j)
-    torch.cuda.current_stream().wait_stream(side)
-    replays = 0
-    # The loop depends on agreed values only, so both ranks replay equally often.
-    while eager + replays * G < target:
-        for _ in range(50):
-            graph.replay()
-        replays += 50
-        torch.cuda.synchronize()
-        stop = torch.tensor([int(time.monotonic() - t0 >= cap_s)], device="cuda")
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        if int(stop.item()):
-            break
-    torch.cuda.synchronize()
+
+    def body() -> None:
+        flip()
+        for j in range(G):
+            call(j)
+
+    replays = replay_stress(body, G, eager, target, t0, cap_s, batch=50)
     c.mb.check()
     return {
         "calls": eager + replays * G, "eager_calls": eager, "graph_replays": replays,

@@ -74,6 +74,35 @@ def run_checks(rank: int, world: int, init_file: str, out_dir: str, cfg: dict, c
     finish_rank()
 
 
+def replay_stress(body, calls_per_graph: int, eager: int, target: int, t0: float, cap_s: float, batch: int) -> int:
+    """The graph half of a stress check: ``body()`` (``calls_per_graph``
+    calls) captured in a CUDA graph, entered from a side stream, then
+    replayed ``batch`` times at a go until ``eager`` plus the replayed calls
+    reach ``target`` or ``cap_s`` seconds since ``t0`` have passed on any
+    rank (agreed by an all-reduce, so both ranks replay equally often);
+    synced. Returns the replays. Collective."""
+    import torch.distributed as dist
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    replays = 0
+    while eager + replays * calls_per_graph < target:
+        for _ in range(batch):
+            graph.replay()
+        replays += batch
+        torch.cuda.synchronize()
+        stop = torch.tensor([int(time.monotonic() - t0 >= cap_s)], device="cuda")
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if int(stop.item()):
+            break
+    torch.cuda.synchronize()
+    return replays
+
+
 def run_suite(tmp_path_factory, worker, name: str, cfg: dict, timeout_s: float, keep_as: str | None = None) -> dict:
     """Spawn ``worker(rank, WORLD, init_file, out_dir, cfg)`` on ``WORLD``
     ranks (skip the module with fewer GPUs), wait up to ``timeout_s``, and

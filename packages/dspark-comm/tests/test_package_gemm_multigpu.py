@@ -33,7 +33,7 @@ import time
 
 import pytest
 import torch
-from rank_suite import results_of, run_suite
+from rank_suite import replay_stress, results_of, run_suite
 
 pytestmark = pytest.mark.multigpu
 
@@ -220,26 +220,12 @@ def check_stress(c):
                 time.sleep(own.random() * 0.002)
     torch.cuda.synchronize()
     eager_bad = counts.tolist()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.graph(graph):
+
+    def body() -> None:
         for j in range(G):
             call(j)
-    torch.cuda.current_stream().wait_stream(side)
-    replays = 0
-    import torch.distributed as dist
 
-    while eager + replays * G < target:
-        for _ in range(20):
-            graph.replay()
-        replays += 20
-        torch.cuda.synchronize()
-        stop = torch.tensor([int(time.monotonic() - t0 >= cap_s)], device="cuda")
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        if int(stop.item()):
-            break
-    torch.cuda.synchronize()
+    replays = replay_stress(body, G, eager, target, t0, cap_s, batch=20)
     c.mb.check()
     return {"calls": eager + replays * G, "eager_calls": eager, "graph_replays": replays,
             "mismatches": dict(zip(("pub_bd", "pub_ar", "push_ar"), counts.tolist())),
