@@ -40,7 +40,7 @@ from dspark_cute.host import (
     CompileCache,
     LazyPdl,
     check_operand,
-    compile_kernel,
+    compile_once,
     current_stream,
     fake_ptr,
     fake_stream,
@@ -171,12 +171,7 @@ _CACHE = CompileCache()
 def compile_context_norms(constants: ContextNormConstants, pdl: bool):
     """The compiled ``ContextNormsKernel`` of ``constants`` and ``pdl``,
     compiled once per process (RuntimeError during CUDA graph capture)."""
-    return _CACHE.get(
-        ("context_norms", constants.key(), pdl),
-        lambda: compile_kernel(
-            ContextNormsKernel(constants, pdl), *fake_args(constants), what="ContextNorms"
-        ),
-    )
+    return compile_once(_CACHE, "context_norms", ContextNormsKernel, constants, pdl, fake_args, "ContextNorms")
 
 
 # ---------------------------------------------------------------- host API

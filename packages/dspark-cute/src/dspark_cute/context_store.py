@@ -48,7 +48,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.constants import HEAD_DIM, ContextStoreConstants
 from dspark_cute import ptx
-from dspark_cute.host import CompileCache, LazyPdl, compile_kernel, current_stream, fake_stream
+from dspark_cute.host import CompileCache, LazyPdl, compile_once, current_stream, fake_stream
 
 # Layers one launch takes (a fixed parameter list: a pointer tuple per operand).
 MAX_LAYERS_PER_LAUNCH = 8
@@ -263,12 +263,7 @@ _CACHE = CompileCache()
 def compile_context_store(constants: ContextStoreConstants, pdl: bool):
     """The compiled ``ContextStoreKernel`` of ``constants`` and ``pdl``,
     compiled once per process (RuntimeError during CUDA graph capture)."""
-    return _CACHE.get(
-        ("context_store", constants.key(), pdl),
-        lambda: compile_kernel(
-            ContextStoreKernel(constants, pdl), *fake_args(constants), what="ContextKvStore"
-        ),
-    )
+    return compile_once(_CACHE, "context_store", ContextStoreKernel, constants, pdl, fake_args, "ContextKvStore")
 
 
 # ---------------------------------------------------------------- host API

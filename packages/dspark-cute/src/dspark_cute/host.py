@@ -1,7 +1,8 @@
 """Host side of the DSpark CuTe DSL kernels: operands, compiles, PTX capture.
 
 - ``assert_not_capturing(what)``: RuntimeError during CUDA graph capture (a
-  compile must happen before capture: ``prepare()`` every variant first).
+  compile must happen before capture: ``prepare()`` every variant first);
+  ``stream_capturing()``: whether the current CUDA stream is capturing.
 - ``CUTE_DTYPES`` / ``cute_dtype``: dtype names ("bf16", "fp16", "fp32") and
   torch dtypes to CuTe numeric types.
 - ``to_cute(t, align)`` / ``to_cute_dynamic(t, align, divisibility)``: a
@@ -16,8 +17,12 @@
 - ``current_stream()`` / ``fake_stream()``: the torch stream as a CUstream,
   or a placeholder for compile signatures.
 - ``check_operand(t, shape, dtype, align, name)``: ValueError with a sentence
-  unless ``t`` is a contiguous CUDA tensor of that shape, dtype and alignment.
-- ``CompileCache``: compiled kernels keyed by hashable constants.
+  unless ``t`` is a contiguous CUDA tensor of that shape, dtype and alignment;
+  ``describe(t)``: an operand's dtype, shape, strides and device, for such
+  sentences.
+- ``CompileCache``: compiled kernels keyed by hashable constants;
+  ``compile_once(cache, name, kernel_class, constants, pdl, fake_args, what)``:
+  the compile of a kernel of ``(constants, pdl)``, once per process.
 - ``compile_kernel(obj, *args)``: ``cute.compile`` after the capture guard.
 - ``compile_ptx(obj, *fake_args, arch)``: the PTX of ``obj`` for ``arch``
   ("sm_90a", "sm_100a"), compiled without loading it (works without a GPU).
@@ -53,10 +58,17 @@ def cute_dtype(dtype) -> type:
     return CUTE_DTYPES[name]
 
 
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without
+    CUDA). Unlike ``dspark_core.layers.capturing``, not while torch.compile
+    traces."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def assert_not_capturing(what: str) -> None:
     """Raise RuntimeError if the current CUDA stream is capturing a graph:
     compiling ``what`` there would break the capture (prepare it before)."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if stream_capturing():
         raise RuntimeError(
             f"{what} would compile during CUDA graph capture; call its prepare() before capturing"
         )
@@ -133,6 +145,14 @@ def check_operand(t, shape: tuple, dtype: torch.dtype, align: int, name: str) ->
         )
 
 
+def describe(t) -> str:
+    """``t``'s dtype, shape, strides and device (its type where it is no
+    tensor), for the operand checks' sentences."""
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} with strides {list(t.stride())} on {t.device}"
+
+
 def pdl_supported(device=None) -> bool:
     """Whether kernels on ``device`` may launch with programmatic dependent
     launch (compute capability 9.0 or newer)."""
@@ -203,6 +223,17 @@ class CompileCache:
         return len(self._kernels)
 
 
+def compile_once(cache: CompileCache, name: str, kernel_class, constants, pdl: bool, fake_args, what: str):
+    """The compiled ``kernel_class(constants, pdl)`` (compile signature
+    ``fake_args(constants)``), compiled once per process under the key
+    ``(name, constants.key(), pdl)`` of ``cache`` (RuntimeError during CUDA
+    graph capture, naming ``what``)."""
+    return cache.get(
+        (name, constants.key(), pdl),
+        lambda: compile_kernel(kernel_class(constants, pdl), *fake_args(constants), what=what),
+    )
+
+
 class _StopAfterCompile(Exception):
     """Raised from the post-compile hook: the PTX is written, skip the load."""
 
@@ -244,15 +275,18 @@ __all__ = [
     "assert_not_capturing",
     "check_operand",
     "compile_kernel",
+    "compile_once",
     "compile_ptx",
     "current_stream",
     "cute_dtype",
+    "describe",
     "fake_ptr",
     "fake_stream",
     "fake_tensor",
     "pdl_supported",
     "ptr",
     "sm_count",
+    "stream_capturing",
     "to_cute",
     "to_cute_dynamic",
 ]

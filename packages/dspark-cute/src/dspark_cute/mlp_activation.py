@@ -39,8 +39,9 @@ from dspark_cute import ptx, ptx_math
 from dspark_cute.host import (
     CompileCache,
     LazyPdl,
-    compile_kernel,
+    compile_once,
     current_stream,
+    describe,
     fake_ptr,
     fake_stream,
     ptr,
@@ -125,19 +126,10 @@ _CACHE = CompileCache()
 def compile_mlp_activation(constants: MlpActivationConstants, pdl: bool):
     """The compiled ``MlpActivationKernel`` of ``constants`` and ``pdl``,
     compiled once per process (RuntimeError during CUDA graph capture)."""
-    return _CACHE.get(
-        ("mlp_activation", constants.key(), pdl),
-        lambda: compile_kernel(MlpActivationKernel(constants, pdl), *fake_args(constants), what="MlpActivation"),
-    )
+    return compile_once(_CACHE, "mlp_activation", MlpActivationKernel, constants, pdl, fake_args, "MlpActivation")
 
 
 # ---------------------------------------------------------------- host API
-
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} with strides {list(t.stride())} on {t.device}"
 
 
 class MlpActivation(LazyPdl):
@@ -199,7 +191,7 @@ class MlpActivation(LazyPdl):
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"the gate-up input must have 1 to {self.max_rows} rows, not {rows}")
         if not gu.is_contiguous():
-            raise ValueError(f"the gate-up input must be contiguous, not {_describe(gu)}")
+            raise ValueError(f"the gate-up input must be contiguous, not {describe(gu)}")
         if gu.data_ptr() % 16:
             raise ValueError("the gate-up input must be aligned to 16 bytes")
         if not gu.is_cuda:
@@ -210,9 +202,9 @@ class MlpActivation(LazyPdl):
             raise ValueError(f"the output must be a torch tensor, not {type(out).__name__}")
         shape = (*gu.shape[:-1], i)
         if out.dtype != torch.bfloat16 or tuple(out.shape) != shape:
-            raise ValueError(f"the output must be bfloat16 {list(shape)}, not {_describe(out)}")
+            raise ValueError(f"the output must be bfloat16 {list(shape)}, not {describe(out)}")
         if not out.is_contiguous() or out.data_ptr() % 16:
-            raise ValueError(f"the output must be contiguous and aligned to 16 bytes, not {_describe(out)}")
+            raise ValueError(f"the output must be contiguous and aligned to 16 bytes, not {describe(out)}")
         if out.device != gu.device:
             raise ValueError(f"the output must be on the input's device {gu.device}, not {out.device}")
 

@@ -48,8 +48,9 @@ from dspark_cute import ptx, ptx_math
 from dspark_cute.host import (
     CompileCache,
     LazyPdl,
-    compile_kernel,
+    compile_once,
     current_stream,
+    describe,
     fake_ptr,
     fake_stream,
     ptr,
@@ -165,19 +166,10 @@ _CACHE = CompileCache()
 def compile_o_gate(constants: OGateConstants, pdl: bool):
     """The compiled ``OGateKernel`` of ``constants`` and ``pdl``, compiled
     once per process (RuntimeError during CUDA graph capture)."""
-    return _CACHE.get(
-        ("o_gate", constants.key(), pdl),
-        lambda: compile_kernel(OGateKernel(constants, pdl), *fake_args(constants), what="OGate"),
-    )
+    return compile_once(_CACHE, "o_gate", OGateKernel, constants, pdl, fake_args, "OGate")
 
 
 # ---------------------------------------------------------------- host API
-
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} with strides {list(t.stride())} on {t.device}"
 
 
 class OGate(LazyPdl):
@@ -249,7 +241,7 @@ class OGate(LazyPdl):
         if not inner_ok or not (single or (gate.stride(0) % VEC == 0 and gate.stride(0) >= self.width)):
             raise ValueError(
                 f"the gate's rows must be contiguous (strides [S, {', '.join(map(str, inner))}]) with a row "
-                f"stride S of at least {self.width} and a multiple of {VEC} elements, not {_describe(gate)}"
+                f"stride S of at least {self.width} and a multiple of {VEC} elements, not {describe(gate)}"
             )
         return self.width if single else gate.stride(0)  # a single row's stride is never used
 
@@ -271,7 +263,7 @@ class OGate(LazyPdl):
         if not 1 <= m <= self.max_rows:
             raise ValueError(f"the o-gate takes 1 to {self.max_rows} rows, not {m}")
         if not attn.is_contiguous():
-            raise ValueError(f"the attention output must be contiguous, not {_describe(attn)}")
+            raise ValueError(f"the attention output must be contiguous, not {describe(attn)}")
         self.gate_stride(gate)
         if attn.data_ptr() % 16 or gate.data_ptr() % 16:
             raise ValueError("the attention output and the gate must be aligned to 16 bytes "
@@ -284,9 +276,9 @@ class OGate(LazyPdl):
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"the output must be a torch tensor, not {type(out).__name__}")
         if out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(attn.shape):
-            raise ValueError(f"the output must be bfloat16 {list(attn.shape)}, not {_describe(out)}")
+            raise ValueError(f"the output must be bfloat16 {list(attn.shape)}, not {describe(out)}")
         if not out.is_contiguous() or out.data_ptr() % 16:
-            raise ValueError(f"the output must be contiguous and aligned to 16 bytes, not {_describe(out)}")
+            raise ValueError(f"the output must be contiguous and aligned to 16 bytes, not {describe(out)}")
         if out.device != attn.device:
             raise ValueError(f"the output must be on the inputs' device {attn.device}, not {out.device}")
 

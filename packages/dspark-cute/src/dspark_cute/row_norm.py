@@ -31,7 +31,7 @@ from dspark_cute.host import (
     CompileCache,
     LazyPdl,
     check_operand,
-    compile_kernel,
+    compile_once,
     current_stream,
     fake_ptr,
     fake_stream,
@@ -180,10 +180,7 @@ _CACHE = CompileCache()
 def compile_row_norm(constants: RowNormConstants, pdl: bool):
     """The compiled ``RowNormKernel`` of ``constants`` and ``pdl``, compiled
     once per process (RuntimeError during CUDA graph capture)."""
-    return _CACHE.get(
-        ("row_norm", constants.key(), pdl),
-        lambda: compile_kernel(RowNormKernel(constants, pdl), *fake_args(constants), what="RowNorm"),
-    )
+    return compile_once(_CACHE, "row_norm", RowNormKernel, constants, pdl, fake_args, "RowNorm")
 
 
 # ---------------------------------------------------------------- host API
