@@ -181,3 +181,25 @@ def test_bench_draft_tp2_report(tmp_path):
     assert "| 1 | 401.0 | 300.0 | failed to capture | 250.0 | 238.4 | 1.34x | - |" in text
     assert "Failures: failed to capture: RuntimeError: boom" in text and "excluded: qkv_front" in text
     json.dumps(raw)  # the raw results are JSON as the ranks write them
+
+
+def test_bench_package_gemm_report_judges_the_publish_kernel(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_package_gemm as bench
+    finally:
+        sys.path.pop(0)
+    raw = []
+    for r in range(2):
+        res = {f"shape/{k}": "k_warps 4, stages 4" for k in bench.KS}
+        for k in bench.KS:
+            for m in bench.ROWS:
+                res.update({f"{key}/{k}/{m}": 10.0 + r for _, key in bench.CASES})
+                res[f"cublas/{k}/{m}"] = 5.0
+                res[f"publish_kernel/{k}/{m}"] = 4.0 if m < 16 else 6.0 + r
+        raw.append(res)
+    text = bench._report(raw, str(tmp_path))
+    # The slower rank's figure, and the target judged on the publish kernel alone.
+    assert "| package GEMM with publish: its kernel alone (profiler) | 4.00 | 4.00 | 7.00 |" in text
+    assert "no slower than cuBLAS alone: met at 6 of 9 (K, m)" in text
+    assert "(a stricter reading): met at 0 of 9 (K, m)" in text
