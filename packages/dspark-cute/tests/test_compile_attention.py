@@ -17,7 +17,17 @@ entries, and K and V rows of ``PREFETCH_GROUP`` chunks);
 the instruction counts of the spec's arithmetic (scores twice, one
 ``exp_rn``, the lane sums, the folds); 10 butterflies, 4 barriers; nothing
 loaded before the PDL wait. Where ``ptxas`` is installed it must accept the
-PTX without spills (the register count is printed)."""
+PTX without spills (the register count is printed).
+
+The opt-in variant (``dspark_cute.attention_v2``: staged K/V, strided q,
+the o-gate epilogue), compiled the same way for 7 settings (caps 0 to 768
+slots, with and without the o-gate): the same forbidden-instruction audit,
+its own instruction counts (one score and one pass-2 step per staged chunk
+on top of the default's, the o-gate's squares, norm and two sigmoids),
+``cp.async.cg`` copies and one ``cp.async.wait_all`` where staged, nothing
+(``cp.async`` included) before the PDL wait, its shared memory within a
+227 KB CTA, no spills. Host side: the default constants keep their key,
+the options' refusals, the strided-q and gate checks, the compile dispatch."""
 
 from __future__ import annotations
 
@@ -206,3 +216,207 @@ def test_cache_slot_and_out_checks(monkeypatch):
     attn32.check(q, cache, slots.to(torch.int32))
     with pytest.raises(ValueError, match="torch.int32"):
         attn32.check(q, cache, slots)
+
+
+# ---------------------------------------------------------------- the opt-in variant (attention_v2)
+
+# (heads, kv heads, block size, slot dtype, pdl, staged slots, o-gate eps)
+V2_VARIANTS = [
+    (64, 8, 16, "int64", True, 384, None),
+    (64, 8, 16, "int64", True, 384, 1e-6),
+    (64, 8, 16, "int32", False, 256, 1e-5),
+    (32, 4, 16, "int64", True, 768, None),
+    (64, 8, 16, "int64", True, 0, 1e-6),
+    (16, 1, 1, "int64", True, 128, 0.0),
+    (8, 2, 12, "int32", False, 512, None),
+]
+
+
+def _v2_name(v) -> str:
+    h, kv, bs, slot, pdl, staged, eps = v
+    return f"h{h}-kv{kv}-bs{bs}-{slot}{'-pdl' if pdl else ''}-staged{staged}-gate{eps}"
+
+
+def audit_v2(body: str, slot: str, pdl: bool, staged: int, eps) -> None:
+    """The variant's PTX: ``audit``'s rules with its counts. ``C`` staged
+    chunks (unrolled) and the default's path past them: scores C + 2 (the
+    staged ones, the path past the cap, its recompute), pass-2 steps C + 1;
+    with the o-gate (``G``): the squares, the norm, two sigmoids."""
+    from dspark_cute.attention_v2 import COPY_GROUP
+
+    audit_forbidden(body, no_rcp=True, explicit_rounding=True)
+    c, g = staged // 128, int(eps is not None)
+    assert count(body, r"\bmax\.NaN\.f32\b") == c + 9
+    assert not re.search(r"\bmax(\.\w+)*\.f32\b", body.replace("max.NaN.f32", "")), "a max that drops NaN"
+    # Global memory: q, K and V past the cap, q + K recomputed; the slot
+    # table (C), one slot load per pass past the cap, the prefetches'; the
+    # gate word; one 4-byte store per lane.
+    assert count(body, r"\bld\.global\.v4\.b32\b") == 5 * 8
+    wide = "s64" if slot == "int64" else "s32"
+    assert count(body, rf"\bld\.global\.{wide}\b") == c + 2 + PREFETCH_GROUP
+    assert count(body, r"\bld\.global\.b32\b") == g
+    expected = {"ld.global.v4.b32", f"ld.global.{wide}", "st.global.b32"} | ({"ld.global.b32"} if g else set())
+    assert set(re.findall(r"\b(?:ld|st)\.global[.\w]*", body)) == expected
+    assert count(body, r"\bst\.global\.b32\b") == 1
+    assert count(body, r"\bprefetch\.global\.L2\b") == 1 + 2 * PREFETCH_GROUP
+    # The staging: COPY_GROUP rows' K and V per copy step, 16 bytes each, one wait.
+    assert count(body, r"\bcp\.async\.cg\.shared\.global\b") == (2 * COPY_GROUP if c else 0)
+    assert count(body, r"\bcp\.async\.wait_all\b") == (1 if c else 0)
+    assert count(body, r"\bld\.shared\.v4\.b32\b") == 16 * c
+    assert count(body, r"\bld\.shared\.s32\b") == (COPY_GROUP + 2 * c if c else 0)
+    assert count(body, r"\bst\.shared\.b32\b") == c
+    # Arithmetic (audit's terms): scores 65 products and 63 sums each;
+    # pass-2 steps 76 products, 71 sums, 4 differences; the folds; the o-gate
+    # 6 products + 2 exp_rn (12 each), 21 sums, 6 differences, 4 quotients.
+    assert count(body, r"\bmul\.rn\.f32\b") == (c + 2) * 65 + (c + 1) * 76 + 30 * g
+    assert count(body, r"\badd\.rn\.f32\b") == (c + 2) * 63 + (c + 1) * 71 + 8 + 2 * 31 + 2 * 3 + 21 * g
+    assert count(body, r"\bsub\.rn\.f32\b") == 4 * (c + 1) + 6 * g
+    assert count(body, r"\bdiv\.rn\.f32\b") == 2 + 4 * g
+    assert count(body, r"\bsqrt\.rn\.f32\b") == g
+    assert count(body, r"\bcvt\.rni\.f32\.f32\b") == c + 1 + 2 * g
+    assert count(body, r"\bcvt\.rn\.bf16x2\.f32\b") == 1 + 2 * g
+    assert count(body, r"\bshfl\.sync\.bfly\.b32\b") == 10 + 5 * g
+    assert count(body, r"\bbar\.sync\b") == 4 + (2 if c else 0)
+    assert count(body, r"\bst\.shared\.v4\.f32\b") == 16
+    assert count(body, r"\bld\.shared\.v2\.f32\b") == 32 + 4
+    assert has_f32_constant(body, 0x3E000000), "SCALE = 0.125"
+    if pdl:
+        head, sep, tail = body.partition("griddepcontrol.wait")
+        assert sep, "no PDL wait"
+        assert not re.search(r"ld\.global|prefetch|cp\.async", head), "a load before the PDL wait"
+        _, sep, after = tail.partition("griddepcontrol.launch_dependents")
+        assert sep and "ld.global" not in after and "cp.async" not in after, "the next grid released too early"
+    else:
+        assert "griddepcontrol" not in body
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", V2_VARIANTS, ids=_v2_name)
+def test_attention_v2_compiles(arch, variant, tmp_path):
+    from dspark_cute.attention_v2 import PagedAttentionV2Kernel, fake_args_v2, smem_layout
+    from dspark_cute.host import compile_ptx
+
+    h, kv, bs, slot, pdl, staged, eps = variant
+    c = AttentionConstants(h, kv, 64, bs, slot, staged_slots=staged, o_gate_eps=eps)
+    ptx = compile_ptx(PagedAttentionV2Kernel(c, pdl), *fake_args_v2(c), arch=arch)
+    assert f".target {arch}" in ptx
+    audit_v2(code(ptx), slot, pdl, staged, eps)
+    # The shared memory fits an H200 / B200 CTA (227 KB).
+    assert smem_layout(c).total <= 227 * 1024
+    report = ptxas_report(ptx, arch, tmp_path)
+    if report:
+        assert "0 bytes spill stores" in report and "0 bytes spill loads" in report, report
+        registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+        print(f"{_v2_name(variant)} {arch}: {registers} registers, {smem_layout(c).total} bytes of shared memory")
+        assert registers and max(registers) <= MAX_REGISTERS, report
+
+
+def test_v2_constants_keep_the_default_key():
+    """The options off: the five fields alone decide equality, hash and
+    ``key()`` (the key the default had before the options existed)."""
+    import hashlib
+
+    a = AttentionConstants(64, 8, 64, 16, "int64")
+    old = hashlib.sha256(repr(("AttentionConstants", (64, 8, 64, 16, "int64"))).encode()).hexdigest()[:16]
+    assert a.key() == old and a.is_default
+    assert a == AttentionConstants(64, 8, 64, 16, "int64", 0, None)
+    staged = AttentionConstants(64, 8, 64, 16, "int64", staged_slots=384)
+    gated = AttentionConstants(64, 8, 64, 16, "int64", o_gate_eps=1e-6)
+    keys = {a.key(), staged.key(), gated.key(), AttentionConstants(64, 8, 64, 16, "int64", 384, 1e-6).key()}
+    assert len(keys) == 4 and not staged.is_default and not gated.is_default
+    assert gated == AttentionConstants(64, 8, 64, 16, "int64", o_gate_eps=1e-6) and hash(gated) == hash(
+        AttentionConstants(64, 8, 64, 16, "int64", o_gate_eps=1e-6))
+    assert AttentionConstants(64, 8, 64, 16, o_gate_eps=0.0) != AttentionConstants(64, 8, 64, 16, o_gate_eps=-0.0)
+
+
+def test_v2_constructor_refuses():
+    from dspark_cute.attention import PagedAttention, PagedAttentionKernel
+    from dspark_cute.attention_v2 import PagedAttentionV2Kernel
+
+    with pytest.raises(ValueError, match="multiple of 128 up to 768, not 200"):
+        PagedAttention(64, 8, staged=True, max_staged_slots=200)
+    with pytest.raises(ValueError, match="up to 768, not 896"):
+        PagedAttention(64, 8, staged=True, max_staged_slots=896)
+    with pytest.raises(ValueError, match="at least 128 slots, not 0"):
+        PagedAttention(64, 8, staged=True, max_staged_slots=0)
+    with pytest.raises(ValueError, match="non-negative float, not -1.0"):
+        PagedAttention(64, 8, o_gate_eps=-1.0)
+    with pytest.raises(ValueError, match="non-negative float, not nan"):
+        PagedAttention(64, 8, o_gate_eps=float("nan"))
+    with pytest.raises(ValueError, match="PagedAttentionV2Kernel"):
+        PagedAttentionKernel(AttentionConstants(64, 8, 64, 16, staged_slots=384), True)
+    with pytest.raises(ValueError, match="default constants compile PagedAttentionKernel"):
+        PagedAttentionV2Kernel(AttentionConstants(64, 8, 64, 16), True)
+    k = PagedAttention(64, 8, staged=True)
+    assert k.constants.staged_slots == 384 and k.takes_strided_q and not k.gated
+    assert not PagedAttention(64, 8).takes_strided_q
+    g = PagedAttention(64, 8, o_gate_eps=1e-6)
+    assert g.constants.staged_slots == 0 and g.gated and g.constants.o_gate_eps == 1e-6
+
+
+def test_v2_operand_checks(monkeypatch):
+    """The strided q and the gate (CUDA, device and alignment waived, no GPU
+    here): the QKV output's column slices are taken, other layouts refused."""
+    from dspark_cute import attention as mod
+
+    original = mod._check
+
+    def cpu_check(t, shape, dtype, align, device, name):
+        if not (isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and t.dtype == dtype
+                and t.is_contiguous()):
+            original(t, shape, dtype, align, device, name)
+
+    monkeypatch.setattr(mod, "_check", cpu_check)
+    monkeypatch.setattr(mod, "_check_place", lambda t, align, device, name: None)
+    cache = torch.zeros(4, 8, 16, 128, dtype=torch.bfloat16)
+    slots = torch.zeros(2, 5, dtype=torch.int64)
+    qkv = torch.zeros(2, 9216, dtype=torch.bfloat16)  # [q 4096 | k 512 | v 512 | gate 4096]
+    q = qkv[:, :4096].view(2, 64, 64)
+    gate = qkv[:, 5120:]
+    staged = mod.PagedAttention(64, 8, pdl=False, staged=True)
+    gated = mod.PagedAttention(64, 8, pdl=False, staged=True, o_gate_eps=1e-6)
+    staged.check(q, cache, slots)
+    staged.check(q.contiguous(), cache, slots, torch.zeros(2, 64, 64, dtype=torch.bfloat16))
+    gated.check(q, cache, slots, gate=gate)
+    gated.check(q, cache, slots, gate=gate.view(2, 64, 64))
+    gated.check(q[:1], cache, slots[:1], gate=gate[:1])
+    assert mod.row_stride(q, [(2, 64, 64)], "q") == 9216
+    with pytest.raises(ValueError, match="q must be a contiguous CUDA"):
+        mod.PagedAttention(64, 8, pdl=False).check(q, cache, slots)  # the default kernel: contiguous q only
+    with pytest.raises(ValueError, match="q must be a bf16 tensor of \\(2, 64, 64\\) with contiguous rows"):
+        staged.check(q.transpose(1, 2), cache, slots)
+    with pytest.raises(ValueError, match="row stride that is a multiple of 8"):
+        staged.check(torch.zeros(2, 9220, dtype=torch.bfloat16)[:, :4096].view(2, 64, 64), cache, slots)
+    with pytest.raises(ValueError, match="q must be a bf16 tensor"):
+        staged.check(q.float(), cache, slots)
+    with pytest.raises(ValueError, match="gate must be None"):
+        staged.check(q, cache, slots, gate=gate)
+    with pytest.raises(ValueError, match="the gate must be a bf16 tensor of \\(2, 64, 64\\) or \\(2, 4096\\)"):
+        gated.check(q, cache, slots)
+    with pytest.raises(ValueError, match="the gate must be a bf16 tensor"):
+        gated.check(q, cache, slots, gate=gate[:, :4032])
+    with pytest.raises(ValueError, match="the gate must be a bf16 tensor"):
+        gated.check(q, cache, slots, gate=gate[:1])
+    with pytest.raises(ValueError, match="the gate must be a bf16 tensor"):
+        gated.check(q, cache, slots, gate=gate.view(2, 64, 64).transpose(1, 2))
+
+
+def test_compile_dispatch(monkeypatch):
+    """``compile_attention`` compiles the default kernel for the default
+    constants and the variant's for an option on, keyed apart (the compile
+    itself stubbed: no GPU here)."""
+    from dspark_cute import attention as mod
+    from dspark_cute import host
+
+    def fake_compile(obj, *args, what=None, options=None):
+        return type(obj).__name__, len(args)
+
+    monkeypatch.setattr(mod, "_CACHE", host.CompileCache())
+    monkeypatch.setattr(mod, "compile_kernel", fake_compile)
+    monkeypatch.setattr(host, "compile_kernel", fake_compile)
+    default = AttentionConstants(64, 8, 64, 16)
+    staged = AttentionConstants(64, 8, 64, 16, staged_slots=384, o_gate_eps=1e-6)
+    assert mod.compile_attention(default, True) == ("PagedAttentionKernel", 8)
+    assert mod.compile_attention(staged, True) == ("PagedAttentionV2Kernel", 11)
+    assert len(mod._CACHE) == 2

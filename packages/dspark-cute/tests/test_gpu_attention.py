@@ -12,7 +12,21 @@ poisoned before each launch (a NaN pattern, then a finite one); a CUDA graph
 replayed with new slots equal to eager; a compile during capture refused;
 the out-of-range slot ValueError (and, inside a capture, such a slot
 masked). Fresh seeded random data: the seed is printed (repeat with
-DSPARK_SEED)."""
+DSPARK_SEED).
+
+The opt-in variant (``dspark_cute.attention_v2``; these parts are WRITTEN,
+NOT YET RUN ON A GPU): every case above also runs, against the same spec
+output, ``PagedAttention(..., staged=True)`` (K and V staged in shared
+memory, cap 384 slots: S = 1000 and 4100 run the default's path past it),
+``staged=True, max_staged_slots=128`` (the path past the cap from S = 129
+on), ``staged=True, o_gate_eps=1e-6`` and ``o_gate_eps=1e-5`` (unstaged),
+each with ``q`` a row-strided view of a QKV-like output ``[m, q | k | v |
+gate]`` (the K/V columns NaN, never read) and, for the o-gate ones, the gate
+its column slice (random values with special ones planted: +-0, +-inf, NaN,
+subnormals, the largest finite), compared with ``o_gate(paged_attention(q,
+...), gate, HeadNorm(64, eps))``; outputs poisoned as above. Also: every
+BF16 gate pattern once; the graph replay and the out-of-range slot for each
+variant; a variant's compile during capture refused; its operand refusals."""
 
 from __future__ import annotations
 
@@ -22,7 +36,7 @@ from cute_testing import check_poisoned, poison, requires_cuda, special_rows
 
 from dspark_core.attention import paged_attention
 from dspark_core.compare import assert_bitwise
-from dspark_core.layers import PagedKVCache
+from dspark_core.layers import HeadNorm, PagedKVCache, o_gate
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -33,19 +47,81 @@ ROWS = [1, 2, 7, 16, 33]
 SPANS = [1, 2, 127, 128, 129, 300, 1000, 4100]
 HEADS = [(64, 8), (32, 4), (8, 8), (16, 1)]
 
+# The opt-in variants every case also runs (not yet run on a GPU): name ->
+# PagedAttention options.
+VARIANTS = {
+    "staged": {"staged": True},
+    "staged-cap128": {"staged": True, "max_staged_slots": 128},
+    "staged-gate": {"staged": True, "o_gate_eps": 1e-6},
+    "gate": {"o_gate_eps": 1e-5},
+}
+# BF16 patterns planted in the gates: +-0, +-inf, NaN (both signs), the
+# smallest subnormals, a subnormal, the smallest normal, the largest finite.
+GATE_SPECIALS = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x0001, 0x8001, 0x0055, 0x0080, 0x7F7F, 0xFF7F]
+
 _KERNELS: dict = {}
 
 
-def kernel(heads: int, kv: int, slot_dtype=torch.int64, pdl=None, block_size: int = BS):
-    """One prepared ``PagedAttention`` per setting (compiled once)."""
+def kernel(heads: int, kv: int, slot_dtype=torch.int64, pdl=None, block_size: int = BS, **options):
+    """One prepared ``PagedAttention`` per setting (compiled once);
+    ``options``: the opt-in variant's (``VARIANTS``)."""
     from dspark_cute.attention import PagedAttention
 
-    key = (heads, kv, slot_dtype, pdl, block_size)
+    key = (heads, kv, slot_dtype, pdl, block_size, tuple(sorted(options.items())))
     if key not in _KERNELS:
-        k = PagedAttention(heads, kv, block_size=block_size, slot_dtype=slot_dtype, pdl=pdl)
+        k = PagedAttention(heads, kv, block_size=block_size, slot_dtype=slot_dtype, pdl=pdl, **options)
         k.prepare()
         _KERNELS[key] = k
     return _KERNELS[key]
+
+
+def variants(k) -> list:
+    """``(name, kernel)`` of the opt-in variants of default kernel ``k``'s setting."""
+    c = k.constants
+    return [(name, kernel(c.num_heads, c.kv_heads, k.slot_dtype, k.pdl, c.block_size, **options))
+            for name, options in VARIANTS.items()]
+
+
+def qkv_views(q: torch.Tensor, kv: int, gen) -> tuple:
+    """``q`` copied into a QKV-like output ``[m, q | k | v | gate]`` (K/V
+    columns NaN) and a random gate with special values planted: ``(q view,
+    gate view)``, both ``[m, heads, 64]`` of row stride ``(2 heads + 2 kv) *
+    64``."""
+    m, heads, d = q.shape
+    width = (2 * heads + 2 * kv) * d
+    qkv = torch.full((m, width), float("nan"), dtype=BF16, device="cuda")
+    qv = qkv[:, : heads * d].view(m, heads, d)
+    qv.copy_(q)
+    gate = qkv[:, (heads + 2 * kv) * d :].view(m, heads, d)
+    gate.copy_(random_values(gen, (m, heads, d), spread=4))
+    bits = gate.view(torch.int16)
+    pick = torch.rand(bits.shape, generator=gen, device="cuda") < 0.1
+    which = torch.randint(0, len(GATE_SPECIALS), bits.shape, generator=gen, device="cuda")
+    specials = torch.tensor([b - 0x10000 if b >= 0x8000 else b for b in GATE_SPECIALS], dtype=torch.int16,
+                            device="cuda")
+    bits.copy_(torch.where(pick, specials[which], bits))
+    return qv, gate
+
+
+def expected_for(k, attention: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The spec of variant ``k`` given the spec's attention output: with the
+    o-gate, ``o_gate(attention, gate, HeadNorm(64, eps))``."""
+    if not k.gated:
+        return attention
+    return o_gate(attention, gate, HeadNorm(D, k.constants.o_gate_eps))
+
+
+def check_variants(k, q, cache, slots, expected, what: str) -> None:
+    """Every opt-in variant of ``k``'s setting on a strided ``q`` (and gate)
+    against the spec output ``expected``, the output poisoned first."""
+    gen = torch.Generator(device="cuda").manual_seed(q.shape[0] * 7919 + slots.shape[1])
+    qv, gate = qkv_views(q, k.constants.kv_heads, gen)
+    for name, kk in variants(k):
+        want = expected_for(kk, expected, gate)
+        out = torch.empty_like(q)
+        g = gate if kk.gated else None
+        check_poisoned(lambda kk=kk, out=out, g=g: kk(qv, cache, slots, out, gate=g), [out], [want],
+                       f"{what} [{name}]")
 
 
 def random_values(gen, shape, spread: int = 3) -> torch.Tensor:
@@ -83,13 +159,15 @@ def block_table_slots(gen, cache: PagedKVCache, m: int, s: int, holes: float = 0
 
 def check(k, q, cache, slots, what: str) -> torch.Tensor:
     """The kernel against the spec on the same tensors, the output poisoned
-    with both patterns first; then the allocating path. Returns the spec."""
+    with both patterns first; then the allocating path; then every opt-in
+    variant (``check_variants``). Returns the spec."""
     heads, kv = k.constants.num_heads, k.constants.kv_heads
     expected = paged_attention(q, cache, slots.long() if slots.dtype != torch.int64 else slots, kv)
     assert expected.shape == (q.shape[0], heads, D)
     out = torch.empty_like(q)
     check_poisoned(lambda: k(q, cache, slots, out), [out], [expected], what)
     assert_bitwise(k(q, cache.tensor, slots), expected, f"{what} (allocated output, cache tensor)")
+    check_variants(k, q, cache, slots, expected, what)
     return expected
 
 
@@ -198,41 +276,52 @@ def test_underflow_signed_zero_and_no_valid_slot(seed):
         check(kernel(64, 8), q3, cache, block_table_slots(gen, cache, 2, 40), f"infinite scores {sign}")
 
 
-def test_cuda_graph_replays_with_new_slots(seed):
+@pytest.mark.parametrize("variant", ["default", *VARIANTS])
+def test_cuda_graph_replays_with_new_slots(variant, seed):
+    """A captured call replayed on new q, slots (and gate) in place: the
+    spec's bits and the eager call's. The variants read q (and the gate) as
+    strided views of one QKV-like output."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    k = kernel(64, 8)
+    k = kernel(64, 8) if variant == "default" else kernel(64, 8, **VARIANTS[variant])
     m, s = 16, 400
     cache = make_cache(gen, 8, s + 200)
     q = random_values(gen, (m, 64, D))
+    qv, gate = (q, None) if variant == "default" else qkv_views(q, 8, gen)
+    g = gate if k.gated else None
     slots = block_table_slots(gen, cache, m, s, holes=0.1)
     out = torch.empty_like(q)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        k(q, cache, slots, out)  # warm up outside the capture
+        k(qv, cache, slots, out, gate=g)  # warm up outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            k(q, cache, slots, out)
+            k(qv, cache, slots, out, gate=g)
     torch.cuda.synchronize()
     for step in range(3):
-        q.copy_(random_values(gen, (m, 64, D)))
+        qv.copy_(random_values(gen, (m, 64, D)))
+        if g is not None:
+            g.copy_(random_values(gen, (m, 64, D), spread=4))
         slots.copy_(block_table_slots(gen, cache, m, s, holes=0.1 * step))
-        expected = paged_attention(q, cache, slots, 8)
-        check_poisoned(graph.replay, [out], [expected], f"graph replay {step}")
-        eager = k(q, cache, slots)
-        assert_bitwise(out, eager, f"graph replay {step} vs eager")
+        expected = expected_for(k, paged_attention(qv.contiguous(), cache, slots, 8), gate)
+        check_poisoned(graph.replay, [out], [expected], f"{variant} graph replay {step}")
+        eager = k(qv, cache, slots, gate=g)
+        assert_bitwise(out, eager, f"{variant} graph replay {step} vs eager")
 
 
-def test_out_of_range_slot(seed):
+@pytest.mark.parametrize("variant", ["default", *VARIANTS])
+def test_out_of_range_slot(variant, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    k = kernel(64, 8)
+    k = kernel(64, 8) if variant == "default" else kernel(64, 8, **VARIANTS[variant])
     cache = make_cache(gen, 8, 100)
     q = random_values(gen, (3, 64, D))
+    qv, gate = (q, None) if variant == "default" else qkv_views(q, 8, gen)
+    g = gate if k.gated else None
     slots = block_table_slots(gen, cache, 3, 100)
     bad = slots.clone()
     bad[1, 7] = cache.num_slots
     with pytest.raises(ValueError, match="beyond the cache"):
-        k(q, cache, bad)
+        k(qv, cache, bad, gate=g)
     with pytest.raises(ValueError, match="beyond the cache"):
         paged_attention(q, cache, bad, 8)
     # Inside a capture the slots cannot be read: the kernel masks the slot.
@@ -241,13 +330,33 @@ def test_out_of_range_slot(seed):
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        k(q, cache, bad, out)
+        k(qv, cache, bad, out, gate=g)
     poison(out, 0)
     graph.replay()
     torch.cuda.synchronize()
     masked = bad.clone()
     masked[1, 7] = -1
-    assert_bitwise(out, paged_attention(q, cache, masked, 8), "out-of-range slot masked in a graph")
+    expected = expected_for(k, paged_attention(q, cache, masked, 8), gate)
+    assert_bitwise(out, expected, f"{variant}: out-of-range slot masked in a graph")
+
+
+def test_o_gate_every_gate_pattern(seed):
+    """The o-gate epilogue over every BF16 gate pattern once (16 tokens x
+    64 heads x 64 columns = 65536), staged and not, with random attention."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    m, s = 16, 300
+    cache = make_cache(gen, 8, s)
+    q = random_values(gen, (m, 64, D))
+    slots = block_table_slots(gen, cache, m, s, holes=0.1)
+    qv, gate = qkv_views(q, 8, gen)
+    every = torch.arange(-32768, 32768, dtype=torch.int32, device="cuda").to(torch.int16)
+    gate.view(torch.int16).copy_(every[torch.randperm(65536, generator=gen, device="cuda")].view(m, 64, D))
+    attention = paged_attention(q, cache, slots, 8)
+    for name in ("staged-gate", "gate"):
+        k = kernel(64, 8, **VARIANTS[name])
+        out = torch.empty_like(q)
+        check_poisoned(lambda k=k, out=out: k(qv, cache, slots, out, gate=gate), [out],
+                       [expected_for(k, attention, gate)], f"every gate pattern [{name}]")
 
 
 def test_compile_refused_during_capture(seed):
@@ -263,6 +372,13 @@ def test_compile_refused_during_capture(seed):
     with pytest.raises(RuntimeError, match="prepare"):
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
             k(q, cache, slots)
+    # The same for an opt-in variant (constants no other test compiles).
+    k2 = PagedAttention(24, 3, block_size=8, staged=True, max_staged_slots=256, o_gate_eps=1e-6)
+    qv, gate = qkv_views(q, 3, gen)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="prepare"):
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            k2(qv, cache, slots, gate=gate)
 
 
 def test_refuses_bad_operands(seed):
@@ -283,3 +399,20 @@ def test_refuses_bad_operands(seed):
         k(q, cache, slots, torch.empty(2, 64, 64, dtype=torch.float32, device="cuda"))
     with pytest.raises(ValueError, match="q must be"):
         k(q.cpu(), cache, slots)
+    # The opt-in variants: a strided q (and gate) taken, other layouts refused.
+    staged, gated = kernel(64, 8, **VARIANTS["staged"]), kernel(64, 8, **VARIANTS["staged-gate"])
+    qv, gate = qkv_views(q, 8, gen)
+    with pytest.raises(ValueError, match="q must be a contiguous CUDA"):
+        k(qv, cache, slots)  # the default kernel takes a contiguous q only
+    with pytest.raises(ValueError, match="contiguous rows"):
+        staged(q.transpose(1, 2).contiguous().transpose(1, 2), cache, slots)
+    wide = torch.zeros(2, 4096 + 64, dtype=BF16, device="cuda")
+    with pytest.raises(ValueError, match="aligned to 16 bytes"):
+        staged(wide[:, 4:4100].view(2, 64, 64), cache, slots)  # 8-byte aligned rows
+    with pytest.raises(ValueError, match="gate must be None"):
+        staged(qv, cache, slots, gate=gate)
+    with pytest.raises(ValueError, match="the gate must be a bf16 tensor"):
+        gated(qv, cache, slots)
+    with pytest.raises(ValueError, match="the gate must be a CUDA tensor"):
+        gated(qv, cache, slots, gate=gate.cpu())
+    assert_bitwise(staged(qv, cache, slots), k(q, cache, slots), "staged on a strided q")

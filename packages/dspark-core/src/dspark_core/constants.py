@@ -332,10 +332,28 @@ class AttentionConstants(_Key):
     """The decode attention kernel (``attention.paged_attention``):
     ``num_heads`` query heads over ``kv_heads`` KV heads of ``head_dim``
     columns, a paged cache of ``block_size`` slots per block, ``attn_slots``
-    of ``slot_dtype`` ("int32" or "int64")."""
+    of ``slot_dtype`` ("int32" or "int64").
+
+    The opt-in variant's options (both off: the default kernel, whose
+    equality, hash and ``key()`` are those of the five fields above alone):
+    ``staged_slots``, the slots whose K and V rows the kernel stages in
+    shared memory (0: none); ``o_gate_eps``, None or the eps of the
+    weightless o-norm whose o-gate the kernel applies to its output
+    (``layers.o_gate(paged_attention(...), gate, HeadNorm(D, eps))``)."""
 
     num_heads: int
     kv_heads: int
     head_dim: int
     block_size: int
     slot_dtype: str = "int64"
+    staged_slots: int = 0
+    o_gate_eps: float | None = None
+
+    @property
+    def is_default(self) -> bool:
+        """Whether these are the default kernel's constants (no option on)."""
+        return self.staged_slots == 0 and self.o_gate_eps is None
+
+    def _fields(self) -> tuple:
+        fields = super()._fields()
+        return fields[:5] if self.is_default else fields

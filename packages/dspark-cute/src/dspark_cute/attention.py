@@ -46,6 +46,13 @@ capture, as the spec does; inside a capture it cannot read the slots, and the
 kernel then treats such a slot like a negative one). With ``pdl`` the kernel
 waits for the previous grid before any load (every operand may come from
 it) and releases the next grid after pass 2.
+
+``PagedAttention(..., staged=True)`` and/or ``o_gate_eps=...`` launch the
+opt-in variant instead (``dspark_cute.attention_v2``: K and V staged in
+shared memory, a row-strided ``q``, the o-gate fused; the same bits), which
+calls this module's pieces (``score``, ``add_slot``, ``fold_columns``,
+``quotients``, ...); the default kernel above compiles to the same PTX as
+before those pieces were factored out of it.
 """
 
 from __future__ import annotations
@@ -80,6 +87,10 @@ assert SCORE_CHUNKS * LANES <= LANES * ROW_WORDS
 SLOT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
 SLOT_BYTES = {"int32": 4, "int64": 8}
 ROW_BYTES = 2 * HEAD_DIM  # one K (or V) row of BF16
+# The staged variant (dspark_cute.attention_v2): slots whose K and V rows it
+# stages in shared memory by default, and at most (256 bytes per slot).
+DEFAULT_STAGED_SLOTS = 384
+MAX_STAGED_SLOTS = 768
 
 
 def check_constants(c: AttentionConstants) -> None:
@@ -95,6 +106,11 @@ def check_constants(c: AttentionConstants) -> None:
         raise ValueError(f"a KV block size of {c.block_size}, not a positive one")
     if c.slot_dtype not in SLOT_DTYPES:
         raise ValueError(f"attn_slots of int32 or int64, not {c.slot_dtype}")
+    staged = c.staged_slots
+    if not (isinstance(staged, int) and 0 <= staged <= MAX_STAGED_SLOTS and staged % LANES == 0):
+        raise ValueError(f"staged slots of a multiple of {LANES} up to {MAX_STAGED_SLOTS}, not {staged}")
+    if c.o_gate_eps is not None and not (isinstance(c.o_gate_eps, float) and c.o_gate_eps >= 0.0):
+        raise ValueError(f"the o-norm's eps must be a non-negative float, not {c.o_gate_eps}")
 
 
 # ---------------------------------------------------------------- PTX primitives (own)
@@ -238,6 +254,48 @@ def accumulate(acc, p, v: list) -> None:
         acc[d] = ptx.add_rn(acc[d], ptx.mul_rn(p, v[d]))
 
 
+def add_slot(acc, lsum, s, top, v_words: list) -> None:
+    """Pass 2 for one valid slot of score ``s`` and V row ``v_words`` (32
+    packed words): ``p = exp_rn(sub.rn(s, top))``, ``l_t = add.rn(l_t, p)``,
+    then ``accumulate`` (``lsum`` a 1-element register tensor)."""
+    p = exp_rn(ptx.sub_rn(s, top))
+    lsum[0] = ptx.add_rn(lsum[0], p)
+    accumulate(acc, p, widen(v_words))
+
+
+def fold_columns(acc, red, wsums, tidx, warp, lane) -> None:
+    """Step 4 for the 64 ``a_t[d]``, after a CTA barrier past pass 2: each
+    thread's row to ``red`` (``[128][ROW_WORDS]`` FP32), a barrier, warp
+    ``w``'s columns ``2 lane``, ``2 lane + 1`` over its 32 lanes folded in
+    the butterfly's order (the spec's +64, +32, +16, +8, +4) into ``wsums``
+    (``[4][64]``), a barrier."""
+    row = Int32(red) + Int32(tidx) * (ROW_WORDS * 4)
+    for k in range(HEAD_DIM // 4):
+        st_shared_v4_f32(row + 16 * k, [acc[4 * k + e] for e in range(4)])
+    cute.arch.barrier()
+    col = Int32(red) + Int32(warp) * (ptx.WARP * ROW_WORDS * 4) + Int32(lane) * 8
+    pairs = [ld_shared_v2_f32(col + r * (ROW_WORDS * 4)) for r in range(ptx.WARP)]
+    w0 = fold_halves([p[0] for p in pairs])[0]
+    w1 = fold_halves([p[1] for p in pairs])[0]
+    st_shared_v2_f32(wsums + (Int32(warp) * HEAD_DIM + Int32(lane) * 2) * 4, w0, w1)
+    cute.arch.barrier()
+
+
+def quotients(lsums, wsums, lane) -> list:
+    """Steps 4-5 in warp 0: ``l`` (the 4 warp sums at ``lsums``, ``(W0 + W2)
+    + (W1 + W3)``) and lane ``lane``'s columns ``2 lane``, ``2 lane + 1`` of
+    ``a`` (the 4 warp sums at ``wsums``, the same order): ``[div.rn(a, l)]``
+    for the two columns."""
+    ls = [ptx.ld_shared_f32(lsums + 4 * w) for w in range(WARPS)]
+    total = ptx.add_rn(ptx.add_rn(ls[0], ls[2]), ptx.add_rn(ls[1], ls[3]))
+    ws = [ld_shared_v2_f32(wsums + (w * HEAD_DIM) * 4 + Int32(lane) * 8) for w in range(WARPS)]
+    res = []
+    for e in range(2):
+        a = ptx.add_rn(ptx.add_rn(ws[0][e], ws[2][e]), ptx.add_rn(ws[1][e], ws[3][e]))
+        res.append(ptx.div_rn(a, total))
+    return res
+
+
 def warp_max(value) -> Float32:
     """The warp's ``max.NaN`` (butterfly 16, 8, 4, 2, 1), in every lane."""
     v = Float32(value)
@@ -259,6 +317,8 @@ class PagedAttentionKernel:
 
     def __init__(self, constants: AttentionConstants, pdl: bool) -> None:
         check_constants(constants)
+        if not constants.is_default:
+            raise ValueError("staged or o-gated constants compile attention_v2.PagedAttentionV2Kernel")
         self.constants = constants
         self.pdl = pdl
 
@@ -345,9 +405,7 @@ class PagedAttentionKernel:
                         sc[0] = ptx.ld_shared_f32(own + ch * (LANES * 4))
                     else:
                         sc[0] = score(widen(load_row(q_row)), load_row(k_row))
-                    p = exp_rn(ptx.sub_rn(sc[0], top))
-                    lsum[0] = ptx.add_rn(lsum[0], p)
-                    accumulate(acc, p, widen(v_words))
+                    add_slot(acc, lsum, sc[0], top, v_words)
         if cutlass.const_expr(self.pdl):
             # Dependents still wait for this grid's end before they read `out`.
             ptx.pdl_launch_dependents()
@@ -358,26 +416,9 @@ class PagedAttentionKernel:
             ptx.st_shared_f32(lsums + Int32(warp) * 4, wl)
         # The scores are dead once every thread is past pass 2.
         cute.arch.barrier()
-        row = Int32(red) + Int32(tidx) * (ROW_WORDS * 4)
-        for k in cutlass.range_constexpr(HEAD_DIM // 4):
-            st_shared_v4_f32(row + 16 * k, [acc[4 * k + e] for e in range(4)])
-        cute.arch.barrier()
-        # Warp w's columns 2 * lane, 2 * lane + 1 over its 32 lanes, folded in
-        # the butterfly's order (the spec's +64, +32, +16, +8, +4).
-        col = Int32(red) + Int32(warp) * (ptx.WARP * ROW_WORDS * 4) + Int32(lane) * 8
-        pairs = [ld_shared_v2_f32(col + r * (ROW_WORDS * 4)) for r in range(ptx.WARP)]
-        w0 = fold_halves([p[0] for p in pairs])[0]
-        w1 = fold_halves([p[1] for p in pairs])[0]
-        st_shared_v2_f32(wsums + (Int32(warp) * HEAD_DIM + Int32(lane) * 2) * 4, w0, w1)
-        cute.arch.barrier()
+        fold_columns(acc, red, wsums, tidx, warp, lane)
         if warp == 0:
-            ls = [ptx.ld_shared_f32(lsums + 4 * w) for w in range(WARPS)]
-            total = ptx.add_rn(ptx.add_rn(ls[0], ls[2]), ptx.add_rn(ls[1], ls[3]))
-            ws = [ld_shared_v2_f32(wsums + (w * HEAD_DIM) * 4 + Int32(lane) * 8) for w in range(WARPS)]
-            res = []
-            for e in cutlass.range_constexpr(2):
-                a = ptx.add_rn(ptx.add_rn(ws[0][e], ws[2][e]), ptx.add_rn(ws[1][e], ws[3][e]))
-                res.append(ptx.div_rn(a, total))
+            res = quotients(lsums, wsums, lane)
             out_row = Int64(out) + (Int64(token) * c.num_heads + Int64(head)) * ROW_BYTES
             st_global_b32(out_row + Int64(lane) * 4, ptx.pack_bf16x2_rn(res[0], res[1]))
 
@@ -391,8 +432,13 @@ _CACHE = CompileCache()
 
 
 def compile_attention(constants: AttentionConstants, pdl: bool):
-    """The compiled ``PagedAttentionKernel`` of ``constants`` and ``pdl``,
+    """The compiled ``PagedAttentionKernel`` of ``constants`` and ``pdl``
+    (``attention_v2.PagedAttentionV2Kernel`` where an option is on),
     compiled once per process (RuntimeError during CUDA graph capture)."""
+    if not constants.is_default:
+        from dspark_cute.attention_v2 import compile_attention_v2
+
+        return compile_attention_v2(constants, pdl, _CACHE)
     return _CACHE.get(
         ("attention", constants.key(), pdl),
         lambda: compile_kernel(PagedAttentionKernel(constants, pdl), *fake_args(constants), what="PagedAttention"),
@@ -418,15 +464,30 @@ class PagedAttention(LazyPdl):
     (int64, as ``StepInputs`` builds them, or int32); ``pdl``: launch with
     programmatic dependent launch (default: where the device supports it,
     sm_90+). Call ``prepare()`` before CUDA graph capture; the call is
-    graph-capturable once prepared (the operands' addresses are captured)."""
+    graph-capturable once prepared (the operands' addresses are captured).
+
+    Opt-in options (keyword only; both off by default, the kernel above):
+    ``staged=True`` stages the K and V rows of the first
+    ``max_staged_slots`` slots (a multiple of 128 up to 768; slots past it
+    run the default's path inside the kernel) in shared memory in one
+    memory round trip; ``o_gate_eps`` (a float) applies
+    ``layers.o_gate(., gate, HeadNorm(64, o_gate_eps))`` to the output, the
+    call then taking ``gate=``. Either option launches
+    ``attention_v2.PagedAttentionV2Kernel`` (same bits), which also takes
+    ``q`` as a row-strided view (``takes_strided_q``)."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int = HEAD_DIM, block_size: int = 16,
-                 slot_dtype: torch.dtype = torch.int64, pdl: bool | None = None) -> None:
+                 slot_dtype: torch.dtype = torch.int64, pdl: bool | None = None, *, staged: bool = False,
+                 max_staged_slots: int = DEFAULT_STAGED_SLOTS, o_gate_eps: float | None = None) -> None:
         names = {v: k for k, v in SLOT_DTYPES.items()}
         if slot_dtype not in names:
             raise ValueError(f"attn_slots of torch.int32 or torch.int64, not {slot_dtype}")
+        if staged and not (isinstance(max_staged_slots, int) and max_staged_slots >= LANES):
+            raise ValueError(f"staged=True stages at least {LANES} slots, not {max_staged_slots}")
         constants = AttentionConstants(num_heads=int(heads), kv_heads=int(kv_heads), head_dim=int(head_dim),
-                                       block_size=int(block_size), slot_dtype=names[slot_dtype])
+                                       block_size=int(block_size), slot_dtype=names[slot_dtype],
+                                       staged_slots=max_staged_slots if staged else 0,
+                                       o_gate_eps=None if o_gate_eps is None else float(o_gate_eps))
         check_constants(constants)
         self.constants = constants
         self.slot_dtype = slot_dtype
@@ -437,21 +498,39 @@ class PagedAttention(LazyPdl):
         setting). Call before CUDA graph capture."""
         compile_attention(self.constants, self.pdl)
 
-    def check(self, q, cache, attn_slots, out=None) -> None:
+    @property
+    def takes_strided_q(self) -> bool:
+        """Whether ``q`` may be a row-strided view (an option is on)."""
+        return not self.constants.is_default
+
+    @property
+    def gated(self) -> bool:
+        """Whether the kernel applies the o-gate (the call takes ``gate=``)."""
+        return self.constants.o_gate_eps is not None
+
+    def check(self, q, cache, attn_slots, out=None, gate=None) -> None:
         """ValueError with a sentence unless the kernel takes these operands:
-        ``q`` BF16 ``[m, heads, 64]`` (m >= 1), 16-byte aligned; ``cache`` a
+        ``q`` BF16 ``[m, heads, 64]`` (m >= 1), 16-byte aligned (with an
+        option on: strides ``(S, 64, 1)``, S a multiple of 8); ``cache`` a
         ``PagedKVCache`` or its tensor, BF16 ``[num_blocks, kv_heads,
         block_size, 128]`` with 1 to 2^31 - 1 slots, 16-byte aligned;
         ``attn_slots`` ``[m, S]`` (S >= 1, m * S < 2^31) of the slot dtype;
         ``out`` (if given) BF16 ``[m, heads, 64]``, 4-byte aligned; every one a
-        contiguous CUDA tensor on ``q``'s device. The slot values are not
+        contiguous CUDA tensor on ``q``'s device; with the o-gate, ``gate``
+        BF16 ``[m, heads, 64]`` or ``[m, heads * 64]`` with contiguous rows
+        of a row stride that is a multiple of 8, 16-byte aligned, on that
+        device (without it, ``gate`` must be None). The slot values are not
         read here (``__call__`` does, outside graph capture)."""
         c = self.constants
         if not (isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] >= 1):
             raise ValueError(f"the attention takes q of bf16 [m, {c.num_heads}, {c.head_dim}] with m >= 1")
         m = q.shape[0]
         device = q.device
-        _check(q, (m, c.num_heads, c.head_dim), torch.bfloat16, 16, device, "q")
+        if self.takes_strided_q:
+            row_stride(q, [(m, c.num_heads, c.head_dim)], "q")
+            _check_place(q, 16, device, "q")
+        else:
+            _check(q, (m, c.num_heads, c.head_dim), torch.bfloat16, 16, device, "q")
         tensor = cache.tensor if hasattr(cache, "tensor") else cache
         if not (isinstance(tensor, torch.Tensor) and tensor.dim() == 4):
             raise ValueError(f"the cache must be a PagedKVCache or a bf16 tensor of [num_blocks, {c.kv_heads}, "
@@ -470,28 +549,41 @@ class PagedAttention(LazyPdl):
                              f"2^31 - 1 entries")
         if out is not None:
             _check(out, tuple(q.shape), torch.bfloat16, 4, device, "out")
+        if self.gated:
+            row_stride(gate, [(m, c.num_heads, c.head_dim), (m, c.num_heads * c.head_dim)], "the gate")
+            _check_place(gate, 16, device, "the gate")
+        elif gate is not None:
+            raise ValueError("this attention applies no o-gate (construct it with o_gate_eps): gate must be None")
 
-    def __call__(self, q, cache, attn_slots, out=None) -> torch.Tensor:
+    def __call__(self, q, cache, attn_slots, out=None, gate=None) -> torch.Tensor:
         """The attention of ``q`` over ``cache`` at ``attn_slots`` (negative:
         masked), BF16 ``[m, heads, 64]``, written into ``out`` if given (and
         returned). ValueError for operands ``check`` refuses and, outside
         CUDA-graph capture, for a slot at or past the cache's slot count (the
         spec's check; it reads the slots on the host). Inside a capture such
-        a slot is masked by the kernel."""
-        self.check(q, cache, attn_slots, out)
+        a slot is masked by the kernel. With the o-gate, ``gate`` is the
+        gate (``check``) and the result is ``o_gate(attention, gate,
+        HeadNorm(64, o_gate_eps))``."""
+        self.check(q, cache, attn_slots, out, gate)
         tensor = cache.tensor if hasattr(cache, "tensor") else cache
         num_slots = tensor.shape[0] * self.constants.block_size
         if not _capturing() and int(attn_slots.max()) >= num_slots:
             raise ValueError(f"an attention slot beyond the cache's {num_slots} slots")
-        return self.launch(q, tensor, attn_slots, out)
+        return self.launch(q, tensor, attn_slots, out, gate)
 
-    def launch(self, q, cache: torch.Tensor, attn_slots, out=None) -> torch.Tensor:
+    def launch(self, q, cache: torch.Tensor, attn_slots, out=None, gate=None) -> torch.Tensor:
         """``__call__`` without its checks (``cache`` the tensor): for operands
         ``check`` accepts."""
         m, s_len = attn_slots.shape
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         kernel = compile_attention(self.constants, self.pdl)
+        if self.takes_strided_q:
+            g, g_stride = (gate.data_ptr(), gate.stride(0)) if gate is not None else (0, 0)
+            kernel(Int64(q.data_ptr()), Int64(q.stride(0)), Int64(cache.data_ptr()), Int64(attn_slots.data_ptr()),
+                   Int64(out.data_ptr()), Int64(g), Int64(g_stride), Int32(m), Int32(s_len),
+                   Int64(cache.shape[0] * self.constants.block_size), current_stream())
+            return out
         kernel(Int64(q.data_ptr()), Int64(cache.data_ptr()), Int64(attn_slots.data_ptr()), Int64(out.data_ptr()),
                Int32(m), Int32(s_len), Int64(cache.shape[0] * self.constants.block_size), current_stream())
         return out
@@ -505,7 +597,33 @@ def _check(t, shape: tuple, dtype, align: int, device, name: str) -> None:
                          f"bytes on q's device, not {got}")
 
 
+def row_stride(t, shapes: list, name: str) -> int:
+    """The row stride (elements) of BF16 ``t`` of one of ``shapes`` whose
+    rows are contiguous (strides ``(S, 64, 1)`` or ``(S, 1)``), S a positive
+    multiple of 8 (any for a single row); ValueError otherwise."""
+    ok = isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and tuple(t.shape) in [tuple(s) for s in shapes]
+    if ok:
+        inner = (HEAD_DIM, 1)[3 - t.dim():]
+        # (A dimension of size 1 may carry any stride: it is never stepped.)
+        ok = all(n == 1 or st == e for n, st, e in zip(t.shape[1:], t.stride()[1:], inner))
+        ok = ok and (t.shape[0] == 1 or (t.stride(0) > 0 and t.stride(0) % 8 == 0))
+    if not ok:
+        got = (f"{t.dtype} {tuple(t.shape)} with strides {t.stride()}" if isinstance(t, torch.Tensor)
+               else type(t).__name__)
+        raise ValueError(f"{name} must be a bf16 tensor of {' or '.join(str(tuple(s)) for s in shapes)} with "
+                         f"contiguous rows and a row stride that is a multiple of 8 elements, not {got}")
+    return t.stride(0)
+
+
+def _check_place(t, align: int, device, name: str) -> None:
+    if not (t.is_cuda and t.device == device and t.data_ptr() % align == 0):
+        raise ValueError(f"{name} must be a CUDA tensor on {device} aligned to {align} bytes, not on {t.device} "
+                         f"at {t.data_ptr() % align} bytes past alignment")
+
+
 __all__ = [
+    "DEFAULT_STAGED_SLOTS",
+    "MAX_STAGED_SLOTS",
     "SCORE_CHUNKS",
     "PagedAttention",
     "PagedAttentionKernel",

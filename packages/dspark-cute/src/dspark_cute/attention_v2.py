@@ -1,0 +1,434 @@
+"""The opt-in variant of the decode attention kernel (``dspark_cute.attention``):
+the same bits, fewer memory round trips, a strided ``q``, an optional o-gate.
+
+``PagedAttention(..., staged=True, max_staged_slots=384, o_gate_eps=None)``
+launches it (``AttentionConstants.staged_slots`` / ``o_gate_eps``); the
+default ``PagedAttention`` keeps the GPU-validated kernel of
+``dspark_cute.attention``, whose helpers (the score, the pass-2 step, the
+folds, the cache addressing) this kernel calls, so that both run the same
+instructions on the same values.
+
+Layout: as the default kernel (one CTA of 128 threads per token and query
+head; the spec's lane ``t`` is the thread of warp ``t % 4`` and lane ``t //
+4``; thread ``t`` walks the slots ``j = t, t + 128, ...``; the same max, the
+same exp, the same lane sums and folds, so the bits are the default's).
+What changes is where the K and V rows come from:
+
+0. the q row (eight 16-byte loads from ``q + token * q_stride``: any row
+   stride, a multiple of 8 elements) and, with the o-gate, lane ``l``'s gate
+   word are loaded first;
+1. the slot table: thread ``t`` loads the entries ``t + 128 k`` (``k <
+   staged_slots / 128``, all loads in flight together) into shared memory as
+   32-bit entries (the slot where ``0 <= slot < num_slots``, else
+   ``num_slots``: masked);
+2. the copies (one memory round trip): the K and V rows of the first
+   ``min(S, staged_slots)`` slots, 16 bytes per ``cp.async.cg``, 8 threads
+   per 128-byte row (coalesced), into shared memory at ``j * 256`` (K, then
+   V at ``+ 128``), 16-byte chunk ``k`` of row ``j`` at position ``k ^ ((j >>
+   2) & 7)`` (a swizzle: the 8 lanes of a quarter warp read 8 different bank
+   groups); ``cp.async.wait_all`` and a CTA barrier;
+3. pass 1 over the staged chunks (unrolled: at most ``staged_slots / 128``)
+   reads K from shared memory, their scores stay in registers; pass 2 reads
+   V from shared memory;
+4. slots past ``staged_slots`` (S above the cap) take the default kernel's
+   path inside the kernel: L2 prefetches, K from global memory in pass 1
+   (scores kept in shared memory for the first ``SCORE_CHUNKS_V2`` chunks,
+   recomputed past them), V from global memory in pass 2. No refusal: any S
+   works, the slots past the cap only run slower;
+5. the folds and ``div.rn`` as the default (``attention.fold_columns``,
+   ``attention.quotients``); then either the BF16 store, or the o-gate
+   epilogue (the CTA owns the whole head: warp 0's lane ``l`` holds columns
+   ``2l``, ``2l + 1``, i.e. the head tree's pair ``l``):
+   ``x = round_bf16(a / l)``, ``s = warp_fold(x_2l^2 + x_(2l+1)^2)`` (the
+   butterfly 16, 8, 4, 2, 1 is the head tree's fold by halves),
+   ``n = round_bf16(x * inv_rms(s, 64, eps))``, ``out = round_bf16(n *
+   sigmoid_rn(g))``: ``layers.o_gate(paged_attention(...), gate,
+   HeadNorm(64, eps))`` bit for bit.
+
+``staged_slots = 0`` (``o_gate_eps`` alone) runs every slot through step 4.
+
+Shared memory (bytes): the staged rows ``staged_slots * 256``, the scores
+``SCORE_CHUNKS_V2 * 512``, the slot table ``staged_slots * 4``, the whole
+region reused by the fold (``128 * 68 * 4`` at least), then 1056 for the
+maxima and warp sums: 102.5 KB at the default cap of 384 slots (2 CTAs per
+H200 SM; 71.7 KB, 3 per SM, at 256), at most 200 KB (768 slots).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as cu_utils
+from cutlass import Float32, Int32, Int64, Uint32, Uint64
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from dspark_core.attention import LANES
+from dspark_core.constants import HEAD_DIM, AttentionConstants
+from dspark_cute import ptx
+from dspark_cute.attention import (
+    PREFETCH_GROUP,
+    ROW_BYTES,
+    ROW_WORDS,
+    SLOT_BYTES,
+    WARPS,
+    _asm,
+    add_slot,
+    cache_row,
+    check_constants,
+    fill,
+    fold_columns,
+    ld_global_slot,
+    load_row,
+    max_nan,
+    prefetch_l2,
+    prefetch_rows,
+    quotients,
+    score,
+    st_global_b32,
+    warp_max,
+    widen,
+)
+from dspark_cute.host import compile_once, fake_stream
+from dspark_cute.ptx_math import sigmoid_rn
+
+# Chunks of 128 slots past the staged ones whose scores pass 1 keeps in
+# shared memory (later ones are recomputed in pass 2, as the default does
+# past its SCORE_CHUNKS).
+SCORE_CHUNKS_V2 = 8
+# Rows copied per step of the copy loop (8 threads per 128-byte row), and
+# steps whose table entries are read before their copies are issued.
+COPY_ROWS = LANES // 8
+COPY_GROUP = 4
+STAGED_ROW_BYTES = 2 * ROW_BYTES  # K then V
+FOLD_BYTES = 4 * LANES * ROW_WORDS
+TAIL_BYTES = 4 * (2 * WARPS + WARPS * HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets in the kernel's shared memory."""
+
+    scores: int
+    table: int
+    tail: int
+    total: int
+
+
+def smem_layout(c: AttentionConstants) -> Layout:
+    """The shared memory of the variant of ``c`` (module docstring)."""
+    stage = c.staged_slots * STAGED_ROW_BYTES
+    scores = stage
+    table = scores + SCORE_CHUNKS_V2 * LANES * 4
+    tail = max(table + 4 * c.staged_slots, FOLD_BYTES)
+    return Layout(scores=scores, table=table, tail=tail, total=tail + TAIL_BYTES)
+
+
+def check_constants_v2(c: AttentionConstants) -> None:
+    """``attention.check_constants`` plus: an option on (else the default
+    kernel is the one to use)."""
+    check_constants(c)
+    if c.is_default:
+        raise ValueError("PagedAttentionV2Kernel runs staged or o-gated variants; the default constants compile "
+                         "PagedAttentionKernel")
+
+
+# ---------------------------------------------------------------- PTX primitives (own)
+
+
+@dsl_user_op
+def ld_global_b32(addr, *, loc=None, ip=None) -> Uint32:
+    """The 32-bit word at the 4-byte aligned global byte address ``addr``."""
+    return Uint32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.b32 $0, [$1];", "=r,l",
+                       loc, ip))
+
+
+@dsl_user_op
+def slot_entry(slot, num_slots, *, loc=None, ip=None) -> Int32:
+    """The table entry of ``slot`` (Int64): its low 32 bits where ``0 <=
+    slot < num_slots`` (an unsigned comparison), else ``num_slots`` (< 2^31)."""
+    return Int32(_asm(
+        T.i32(), [Int64(slot).ir_value(loc=loc, ip=ip), Int64(num_slots).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred p; .reg .b32 s, n; setp.lt.u64 p, $1, $2; cvt.u32.u64 s, $1; cvt.u32.u64 n, $2; "
+        "selp.b32 $0, s, n, p; }",
+        "=r,l,l", loc, ip, side_effects=False,
+    ))
+
+
+@dsl_user_op
+def st_shared_b32(addr, word, *, loc=None, ip=None) -> None:
+    """Store the 32-bit ``word`` at the shared byte address ``addr`` (Int32)."""
+    _asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Int32(word).ir_value(loc=loc, ip=ip)],
+         "st.shared.b32 [$0], $1;", "r,r", loc, ip)
+
+
+@dsl_user_op
+def ld_shared_s32(addr, *, loc=None, ip=None) -> Int32:
+    """The 32-bit integer at the shared byte address ``addr`` (Int32)."""
+    return Int32(_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.s32 $0, [$1];", "=r,r",
+                      loc, ip))
+
+
+@dsl_user_op
+def ld_shared_v4(addr, *, loc=None, ip=None) -> list:
+    """Four 32-bit words at the 16-byte aligned shared byte address ``addr``."""
+    from cutlass._mlir.dialects import llvm
+
+    words = _asm(llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
+                 "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", loc, ip)
+    return [Uint32(llvm.extractvalue(T.i32(), words, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def cp_async_16_if(dst, src, row, rows, entry, num_slots, *, loc=None, ip=None) -> None:
+    """``cp.async.cg`` of 16 bytes from global ``src`` to shared ``dst``
+    where ``row < rows`` and ``entry < num_slots`` (a predicated copy: a
+    masked slot copies nothing, its staged row is never read)."""
+    _asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)]
+         + [Int32(v).ir_value(loc=loc, ip=ip) for v in (row, rows, entry, num_slots)],
+         "{ .reg .pred p, q; setp.lt.s32 p, $2, $3; setp.lt.s32 q, $4, $5; and.pred p, p, q; "
+         "@p cp.async.cg.shared.global [$0], [$1], 16; }",
+         "r,l,r,r,r,r", loc, ip)
+
+
+@dsl_user_op
+def cp_async_wait_all(*, loc=None, ip=None) -> None:
+    """``cp.async.wait_all``: this thread's copies have landed (a CTA barrier
+    after it makes every thread's visible to all)."""
+    _asm(None, [], "cp.async.wait_all;", "", loc, ip)
+
+
+# ---------------------------------------------------------------- traced pieces
+
+
+def staged_offset(row, chunk: int):
+    """The byte offset of 16-byte chunk ``chunk`` (0-7) of staged row ``row``
+    within its 128-byte half: position ``chunk ^ ((row >> 2) & 7)``."""
+    return (((Int32(row) >> 2) & 7) ^ chunk) * 16
+
+
+def load_staged(half, row) -> list:
+    """The 32 words of a staged 128-byte row half (K at ``row * 256``, V at
+    ``+ 128``; ``half`` its shared byte address), in column order."""
+    words = []
+    for k in range(ROW_BYTES // 16):
+        words += ld_shared_v4(Int32(half) + staged_offset(row, k))
+    return words
+
+
+def o_gate_pair(res: list, gate_word, eps: float) -> Uint32:
+    """The o-gate of warp 0's lane ``l`` holding the quotients ``res`` of
+    columns ``2l``, ``2l + 1`` (module docstring, step 5): the BF16 output
+    word. The head tree of the BF16 output's squares is the pair sum of lane
+    ``l`` (the tree's pair ``l``) folded by ``ptx.warp_fold`` (offsets 16 ..
+    1: the fold by halves), in every lane."""
+    x0, x1 = ptx.round_bf16x2(res[0], res[1])
+    total = ptx.warp_fold(ptx.add_rn(ptx.mul_rn(x0, x0), ptx.mul_rn(x1, x1)))
+    r = ptx.inv_rms(total, HEAD_DIM, eps)
+    n0, n1 = ptx.round_bf16x2(ptx.mul_rn(x0, r), ptx.mul_rn(x1, r))
+    g0, g1 = ptx.bf16x2_to_f32(gate_word)
+    return ptx.pack_bf16x2_rn(ptx.mul_rn(n0, sigmoid_rn(g0)), ptx.mul_rn(n1, sigmoid_rn(g1)))
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+class PagedAttentionV2Kernel:
+    """The traced staged / o-gated attention of one ``AttentionConstants``
+    (an option on); ``pdl``: launched with programmatic dependent launch.
+    Call: ``(q, q_stride, cache, slots, out, gate, gate_stride, m, s_len,
+    num_slots, stream)``: byte addresses (Int64) of ``q``'s first row
+    (16-byte aligned; row ``i`` at element ``i * q_stride``, a multiple of
+    8), the cache tensor (16-byte aligned), ``attn_slots``, ``out``
+    (contiguous, 4-byte aligned) and the gate's first row (4-byte aligned,
+    row ``i`` at element ``i * gate_stride``; unused without the o-gate);
+    ``m`` and ``s_len`` (Int32), ``num_slots`` (Int64)."""
+
+    def __init__(self, constants: AttentionConstants, pdl: bool) -> None:
+        check_constants_v2(constants)
+        self.constants = constants
+        self.pdl = pdl
+
+    @cute.jit
+    def __call__(self, q: Int64, q_stride: Int64, cache: Int64, slots: Int64, out: Int64, gate: Int64,
+                 gate_stride: Int64, m: Int32, s_len: Int32, num_slots: Int64, stream):
+        self.kernel(q, q_stride, cache, slots, out, gate, gate_stride, s_len, num_slots).launch(
+            grid=[self.constants.num_heads, m, 1], block=[LANES, 1, 1], stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(self, q: Int64, q_stride: Int64, cache: Int64, slots: Int64, out: Int64, gate: Int64,
+               gate_stride: Int64, s_len: Int32, num_slots: Int64):
+        c = self.constants
+        lay = smem_layout(c)
+        wide = c.slot_dtype == "int64"
+        width = SLOT_BYTES[c.slot_dtype]
+        group = c.num_heads // c.kv_heads
+        bs = c.block_size
+        cap = c.staged_slots
+        capc = cap // LANES
+        tidx, _, _ = cute.arch.thread_idx()
+        head, token, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        lane_t = Int32(lane) * WARPS + Int32(warp)  # the spec's lane of this thread
+
+        # Shared memory: the staged rows, scores and slot table (passes 0-2),
+        # then the lane sums [128][68]; the maxima and warp sums after them.
+        base = Int32(cu_utils.SmemAllocator().allocate(lay.total, 128).toint())
+        own = base + lay.scores + Int32(tidx) * 4  # this thread's score of chunk 0
+        table = base + lay.table
+        maxes = base + lay.tail
+        lsums = maxes + 4 * WARPS
+        wsums = lsums + 4 * WARPS
+
+        if cutlass.const_expr(self.pdl):
+            ptx.pdl_wait()
+        q_row = Int64(q) + Int64(token) * Int64(q_stride) * 2 + Int64(head) * ROW_BYTES
+        q_words = load_row(q_row)
+        if cutlass.const_expr(c.o_gate_eps is not None):
+            gate_row = Int64(gate) + (Int64(token) * Int64(gate_stride) + Int64(head) * HEAD_DIM) * 2
+            gate_word = ld_global_b32(gate_row + Int64(lane) * 4)
+        slot_row = Int64(slots) + Int64(token) * Int64(s_len) * width
+        kv_head = Int64(Uint32(head) // Uint32(group))
+        chunks = (Int32(s_len) + (LANES - 1)) // LANES
+        ns = Int32(num_slots)  # < 2^31
+
+        if cutlass.const_expr(capc > 0):
+            # The slot table: every load in flight (indices clamped below S), then the stores.
+            last = Int32(s_len) - 1
+            entries = [ld_global_slot(slot_row + Int64(cutlass.min(Int32(tidx) + k * LANES, last)) * width, wide)
+                       for k in range(capc)]
+            for e in cutlass.range_constexpr(capc):
+                st_shared_b32(table + (Int32(tidx) + e * LANES) * 4, slot_entry(entries[e], num_slots))
+            cute.arch.barrier()
+            # The copies: COPY_GROUP steps of COPY_ROWS rows at a time (their
+            # entries read first), 8 threads per row, 16 bytes of K and of V each.
+            staged = cutlass.min(Int32(s_len), cap)
+            sub = Int32(tidx) // 8
+            part = Int32(tidx) % 8
+            per = COPY_GROUP * COPY_ROWS
+            for grp in cutlass.range((staged + (per - 1)) // per, unroll=1):
+                rows = [grp * per + k * COPY_ROWS + sub for k in range(COPY_GROUP)]
+                ents = [ld_shared_s32(table + row * 4) for row in rows]
+                for i in cutlass.range_constexpr(COPY_GROUP):
+                    src = cache_row(cache, ents[i], kv_head, c.kv_heads, bs) + Int64(part) * 16
+                    dst = base + rows[i] * STAGED_ROW_BYTES + staged_offset(rows[i], part)
+                    cp_async_16_if(dst, src, rows[i], staged, ents[i], ns)
+                    cp_async_16_if(dst + ROW_BYTES, src + ROW_BYTES, rows[i], staged, ents[i], ns)
+        # Slots past the cap (all of them unstaged): the default's L2
+        # prefetches (the slot entries, then K and V rows PREFETCH_GROUP
+        # chunks at a time) while the copies fly.
+        for ch in cutlass.range(capc, chunks, unroll=1):
+            prefetch_l2(slot_row + Int64(cutlass.min(ch * LANES + lane_t, s_len - 1)) * width)
+        rest = cutlass.max(chunks - capc, 0)
+        for pgrp in cutlass.range((rest + PREFETCH_GROUP - 1) // PREFETCH_GROUP, unroll=1):
+            prefetch_rows(c, cache, slot_row, (capc + pgrp * PREFETCH_GROUP) * LANES + lane_t, s_len, num_slots,
+                          kv_head)
+        if cutlass.const_expr(capc > 0):
+            cp_async_wait_all()
+            cute.arch.barrier()
+
+        qf = widen(q_words)
+        mx = cute.make_rmem_tensor(1, Float32)
+        mx[0] = ptx.f32_const(-math.inf)
+        sc = cute.make_rmem_tensor(max(capc, 1), Float32)
+        # Pass 1, staged chunks: K from shared memory, the scores in registers.
+        for sch in cutlass.range_constexpr(capc):
+            sj = sch * LANES + lane_t
+            if sj < s_len:
+                if ld_shared_s32(table + sj * 4) < ns:
+                    sc[sch] = score(qf, load_staged(base + sj * STAGED_ROW_BYTES, sj))
+                    mx[0] = max_nan(mx[0], sc[sch])
+        # Pass 1 past the cap: the default's.
+        for ch in cutlass.range(capc, chunks, unroll=1):
+            j = ch * LANES + lane_t
+            if j < s_len:
+                slot = ld_global_slot(slot_row + Int64(j) * width, wide)
+                if Uint64(slot) < Uint64(num_slots):
+                    s = score(qf, load_row(cache_row(cache, slot, kv_head, c.kv_heads, bs)))
+                    mx[0] = max_nan(mx[0], s)
+                    if ch < SCORE_CHUNKS_V2:
+                        ptx.st_shared_f32(own + ch * (LANES * 4), s)
+        # The CTA max: warp butterflies, then the 4 warp maxima.
+        wmax = warp_max(mx[0])
+        if lane == 0:
+            ptx.st_shared_f32(maxes + Int32(warp) * 4, wmax)
+        cute.arch.barrier()
+        m4 = [ptx.ld_shared_f32(maxes + 4 * w) for w in range(WARPS)]
+        top = max_nan(max_nan(m4[0], m4[2]), max_nan(m4[1], m4[3]))
+
+        acc = cute.make_rmem_tensor(HEAD_DIM, Float32)
+        lsum = cute.make_rmem_tensor(1, Float32)
+        zero = ptx.f32_const(0.0)
+        lsum[0] = zero
+        fill(acc, zero)
+        # Pass 2, staged chunks: V from shared memory.
+        for vch in cutlass.range_constexpr(capc):
+            vj = vch * LANES + lane_t
+            if vj < s_len:
+                if ld_shared_s32(table + vj * 4) < ns:
+                    add_slot(acc, lsum, sc[vch], top, load_staged(base + vj * STAGED_ROW_BYTES + ROW_BYTES, vj))
+        # Pass 2 past the cap: the default's.
+        sf = cute.make_rmem_tensor(1, Float32)
+        for ch in cutlass.range(capc, chunks, unroll=1):
+            j = ch * LANES + lane_t
+            if j < s_len:
+                slot = ld_global_slot(slot_row + Int64(j) * width, wide)
+                if Uint64(slot) < Uint64(num_slots):
+                    k_row = cache_row(cache, slot, kv_head, c.kv_heads, bs)
+                    v_words = load_row(k_row + ROW_BYTES)
+                    if ch < SCORE_CHUNKS_V2:
+                        sf[0] = ptx.ld_shared_f32(own + ch * (LANES * 4))
+                    else:
+                        sf[0] = score(widen(load_row(q_row)), load_row(k_row))
+                    add_slot(acc, lsum, sf[0], top, v_words)
+        if cutlass.const_expr(self.pdl):
+            # Dependents still wait for this grid's end before they read `out`.
+            ptx.pdl_launch_dependents()
+
+        # The fold of l: butterflies (the spec's +64 .. +4), then the warps.
+        wl = ptx.warp_fold(lsum[0])
+        if lane == 0:
+            ptx.st_shared_f32(lsums + Int32(warp) * 4, wl)
+        # The staged rows, scores and table are dead once every thread is past pass 2.
+        cute.arch.barrier()
+        fold_columns(acc, base, wsums, tidx, warp, lane)
+        if warp == 0:
+            res = quotients(lsums, wsums, lane)
+            out_row = Int64(out) + (Int64(token) * c.num_heads + Int64(head)) * ROW_BYTES
+            if cutlass.const_expr(c.o_gate_eps is None):
+                st_global_b32(out_row + Int64(lane) * 4, ptx.pack_bf16x2_rn(res[0], res[1]))
+            else:
+                st_global_b32(out_row + Int64(lane) * 4, o_gate_pair(res, gate_word, c.o_gate_eps))
+
+
+def fake_args_v2(constants: AttentionConstants) -> tuple:
+    """The compile signature of ``PagedAttentionV2Kernel`` (no GPU memory needed)."""
+    return (Int64(0), Int64(constants.num_heads * HEAD_DIM), Int64(0), Int64(0), Int64(0), Int64(0),
+            Int64(constants.num_heads * HEAD_DIM), Int32(1), Int32(1), Int64(1), fake_stream())
+
+
+__all__ = [
+    "COPY_GROUP",
+    "COPY_ROWS",
+    "SCORE_CHUNKS_V2",
+    "Layout",
+    "PagedAttentionV2Kernel",
+    "check_constants_v2",
+    "compile_attention_v2",
+    "fake_args_v2",
+    "load_staged",
+    "o_gate_pair",
+    "smem_layout",
+]
+
+
+def compile_attention_v2(constants: AttentionConstants, pdl: bool, cache):
+    """The compiled ``PagedAttentionV2Kernel`` of ``constants`` and ``pdl``
+    in ``cache`` (``attention``'s ``CompileCache``), compiled once per
+    process (RuntimeError during CUDA graph capture)."""
+    return compile_once(cache, "attention", PagedAttentionV2Kernel, constants, pdl, fake_args_v2,
+                        "PagedAttention (staged / o-gate)")
