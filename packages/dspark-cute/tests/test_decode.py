@@ -50,19 +50,25 @@ class FakeNorm:
 
 
 class FakeAttention:
-    """The spec's attention; records each launch (``check`` as the kernel's: shapes only)."""
+    """The spec's attention; records each launch (``check`` as the kernel's:
+    shapes only). ``norm``: the staged variant with the o-gate in its
+    epilogue (it takes a strided q and ``gate=``)."""
 
-    def __init__(self, kv_heads):
-        self.kv_heads, self.calls = kv_heads, []
+    def __init__(self, kv_heads, norm=None):
+        self.kv_heads, self.calls, self.norm = kv_heads, [], norm
+        self.gated = self.takes_strided_q = norm is not None
 
-    def check(self, q, cache, attn_slots, out=None):
-        if not q.is_contiguous():
+    def check(self, q, cache, attn_slots, out=None, gate=None):
+        if not self.takes_strided_q and not q.is_contiguous():
             raise ValueError("q must be contiguous")
+        if (gate is not None) != self.gated:
+            raise ValueError("a gate exactly when the kernel applies the o-gate")
 
-    def launch(self, q, cache_tensor, attn_slots, out=None):
-        self.calls.append(q.shape[0])
+    def launch(self, q, cache_tensor, attn_slots, out=None, gate=None):
+        self.calls.append((q.shape[0], q.is_contiguous(), gate is not None))
         cache = next(c for c in self.caches if c.tensor.data_ptr() == cache_tensor.data_ptr())
-        return paged_attention(q, cache, attn_slots, self.kv_heads)
+        out = paged_attention(q, cache, attn_slots, self.kv_heads)
+        return o_gate(out, gate, self.norm) if gate is not None else out
 
 
 class FakeOGate:
@@ -146,7 +152,7 @@ def test_layer_kernels_run_where_planned_and_fall_back_where_refused(caplog, mon
     decode = _decode(model)
     (ref, _), (got, _) = _step_both(model, decode, 3)
     assert_bitwise(got, ref, "decode output")
-    assert [k.calls for k in decode.attentions] == [[3], [3]]
+    assert [k.calls for k in decode.attentions] == [[(3, True, False)], [(3, True, False)]]
     assert [k.calls for k in decode.o_gates] == [1, 1]
     assert [k.calls for k in decode.activations] == [1, 1]
     # Refused by the plan: the stock modules, the same bits.
@@ -160,6 +166,22 @@ def test_layer_kernels_run_where_planned_and_fall_back_where_refused(caplog, mon
         (ref, _), (got, _) = _step_both(model, decode, 5)
     assert_bitwise(got, ref, "decode output")
     assert "layer 0's o-gate ran stock" in caplog.text
+
+
+def test_the_staged_attention_takes_the_o_gate_in_its_epilogue():
+    model = DraftModel(small_config())
+    decode = _decode(model)
+    decode.attentions = [FakeAttention(layer.self_attn.num_kv_heads, layer.self_attn.o_norm) for layer in model.layers]
+    (ref, _), (got, _) = _step_both(model, decode, 3)
+    assert_bitwise(got, ref, "decode output")
+    assert [k.calls for k in decode.attentions] == [[(3, True, True)], [(3, True, True)]]
+    assert [k.calls for k in decode.o_gates] == [0, 0]  # no separate o-gate launch
+
+
+def test_an_unknown_attention_variant_is_refused():
+    model = DraftModel(small_config(num_layers=1))
+    with pytest.raises(ValueError, match="attention variant"):
+        DraftDecode(model, plan_draft(model, ALL), attention_variant="fast")
 
 
 def test_a_refused_boundary_runs_its_stock_modules():

@@ -79,6 +79,28 @@ def test_whole_forward_front_off_is_the_stock_forward(model, m, dtype):
             assert_bitwise(c_got.tensor, c_ref.tensor, "caches after the step")
 
 
+@pytest.mark.parametrize("m", [1, 7, 16])
+def test_staged_attention_variant_is_the_stock_forward(model, m):
+    """WRITTEN, NOT YET RUN ON A GPU: the "staged" attention variant (K/V in
+    shared memory, strided q from the front-off path's rotary output, the
+    o-gate in its epilogue) keeps the whole forward bit for bit, eagerly and
+    in a graph replay; with the QKV front on, its q is the front's strided view."""
+    decode = build_draft_decode(model, exclude={policy.QKV_FRONT}, attention_variant="staged")
+    assert all(k is not None and k.gated for k in decode.attentions)
+    ref_caches, got_caches = _with_context(model), _with_context(model, decode)
+    x = _hidden(model, m, torch.bfloat16)
+    step = StepInputs.block(CONTEXT, m, "cuda", span=SPAN)
+    assert_bitwise(decode.run(x, step, got_caches), model(x, step, ref_caches), f"staged attention m={m}")
+    graph_caches = _with_context(model)
+    step1 = StepInputs.block(CONTEXT + m, m, "cuda", span=SPAN)
+    graph = StepGraph(decode.run, x, step1, graph_caches)
+    assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), "staged attention graph replay")
+    front = build_draft_decode(model, attention_variant="staged")
+    default = build_draft_decode(model)
+    a, b = _with_context(model, front), _with_context(model, default)
+    assert_bitwise(front.run(x, step, a), default.run(x, step, b), "staged vs default with the QKV front")
+
+
 @pytest.mark.parametrize("m", [1, 16])
 def test_whole_step_graph_replays_are_the_eager_step(model, m):
     decode = build_draft_decode(model, exclude={policy.QKV_FRONT})

@@ -23,6 +23,7 @@ draft is TP1 and every branch is already whole.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Protocol
 
 import torch
@@ -33,6 +34,12 @@ from dspark_core.model import DraftModel, StepInputs, attend
 from dspark_core.plan import DraftPlan, plan_draft
 
 log = logging.getLogger("dspark.decode")
+# The decode attention kernel's variants (dspark_cute.attention): "default"
+# (its GPU suite passed on an H200) or "staged" (K/V staged in shared memory,
+# a strided q, the o-gate in its epilogue: compiled and audited on the CPU,
+# its GPU suite written but not yet run). DSPARK_ATTENTION picks it for
+# build_draft_decode.
+ATTENTION_VARIANTS = ("default", "staged")
 _logged: set[str] = set()
 
 
@@ -83,7 +90,11 @@ class DraftDecode:
     """The draft's forward with its fused parts, as ``plan`` says. Build with
     ``build_draft_decode``; ``prepare`` binds and compiles the kernels."""
 
-    def __init__(self, model: DraftModel, plan: DraftPlan, all_reduce: AllReduceBoundaries | None = None) -> None:
+    def __init__(self, model: DraftModel, plan: DraftPlan, all_reduce: AllReduceBoundaries | None = None,
+                 attention_variant: str = "default") -> None:
+        if attention_variant not in ATTENTION_VARIANTS:
+            raise ValueError(f"an attention variant of {ATTENTION_VARIANTS}, not {attention_variant!r}")
+        self.attention_variant = attention_variant
         if plan.draft_reason is not None:
             raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason}): nothing to run fused")
         model_tp = getattr(model, "tp", 1)
@@ -173,7 +184,13 @@ class DraftDecode:
         c = part.constants
         if name == "PagedAttention":
             slot_dtype = {"int32": torch.int32, "int64": torch.int64}[c.slot_dtype]
-            kernel = kernel_class(c.num_heads, c.kv_heads, c.head_dim, c.block_size, slot_dtype)
+            options = {}
+            if self.attention_variant == "staged":
+                index = self.plan.attentions.index(part)
+                gate = self.plan.o_gates[index] if index < len(self.plan.o_gates) else None
+                # The o-gate moves into the attention's epilogue where the plan fuses it.
+                options = {"staged": True, "o_gate_eps": gate.constants.eps if gate and gate.fused else None}
+            kernel = kernel_class(c.num_heads, c.kv_heads, c.head_dim, c.block_size, slot_dtype, **options)
         elif name == "OGate":
             kernel = kernel_class(c.num_heads, eps=c.eps)
         else:
@@ -249,14 +266,18 @@ class DraftDecode:
         kernel = self.attentions[index] if self.attentions else None
         out = None
         if kernel is not None:
-            q = q.contiguous()  # the fused front's q is a strided view of its output
+            if not getattr(kernel, "takes_strided_q", False):
+                q = q.contiguous()  # the fused front's q is a strided view of its output
+            gate = og if getattr(kernel, "gated", False) and og is not None else None
             try:
-                kernel.check(q, cache, step.attn_slots)
+                kernel.check(q, cache, step.attn_slots, gate=gate)
             except ValueError as error:
                 _log_once(logging.INFO, f"layer {index}'s attention ran stock: {error}")
             else:
                 # run() checked the slots against the caches (the stock raises there).
-                out = kernel.launch(q, cache.tensor, step.attn_slots)
+                out = kernel.launch(q, cache.tensor, step.attn_slots, gate=gate)
+                if gate is not None:  # the o-gate ran in the attention's epilogue
+                    return out.reshape(out.shape[0], attn.q_size)
         if out is None:
             out = attend(q, cache, step.attn_slots, attn.num_kv_heads)
         if og is None:
@@ -356,10 +377,13 @@ def build_draft_decode(
     model: DraftModel,
     all_reduce: AllReduceBoundaries | None = None,
     exclude: frozenset[str] | set[str] = frozenset(),
+    attention_variant: str | None = None,
 ) -> DraftDecode | None:
     """The draft's specialized decode, prepared, or None where it keeps its
     stock layers; every reason is logged. ``exclude`` names kernels not to
     use (e.g. ``{"qkv_front"}``: the parts they would run stay stock).
+    ``attention_variant`` (default: ``DSPARK_ATTENTION`` or "default") picks
+    the attention kernel's variant (``ATTENTION_VARIANTS``); it is logged.
 
     A rank's shard of a TP draft (``dspark_core.tp.TPDraftModel``, ``tp > 1``)
     needs ``all_reduce`` of its TP size (dspark-comm's ``DraftAllReduce``):
@@ -379,7 +403,10 @@ def build_draft_decode(
         return None
     for line in plan.refused():
         _log_once(logging.WARNING, line)
-    decode = DraftDecode(model, plan, all_reduce)
+    variant = attention_variant or os.environ.get("DSPARK_ATTENTION", "default")
+    decode = DraftDecode(model, plan, all_reduce, attention_variant=variant)
+    if variant != "default":
+        _log_once(logging.INFO, f"the decode attention runs its {variant!r} variant")
     decode.prepare()
     if all_reduce is not None and hasattr(all_reduce, "prepare"):
         all_reduce.prepare()
