@@ -92,6 +92,7 @@ def test_staged_attention_variant_is_the_stock_forward(model, m):
     step = StepInputs.block(CONTEXT, m, "cuda", span=SPAN)
     assert_bitwise(decode.run(x, step, got_caches), model(x, step, ref_caches), f"staged attention m={m}")
     graph_caches = _with_context(model)
+    decode.run(x, step, graph_caches)  # the first step's K/V, as ref_caches hold it
     step1 = StepInputs.block(CONTEXT + m, m, "cuda", span=SPAN)
     graph = StepGraph(decode.run, x, step1, graph_caches)
     assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), "staged attention graph replay")
