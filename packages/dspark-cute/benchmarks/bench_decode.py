@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--m", default="1,4,16", help="comma-separated tokens per step")
+    parser.add_argument("--staged", action="store_true",
+                        help="also time the decode with the staged attention variant (last column)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA GPU, nothing to time")
@@ -57,6 +59,9 @@ def main(argv=None) -> int:
         paths["specialized"] = decode.run
     if not args.no_compile:
         paths["inductor"] = None  # compiled per m below
+    if args.staged and decode is not None:
+        # Last: a variant whose GPU suite has not run yet must not spoil the other columns.
+        paths["staged"] = build_draft_decode(model, attention_variant="staged").run
     for name, fn in paths.items():
         for row in rows:
             x, step, caches = cases[row["m"]]
@@ -77,8 +82,11 @@ def main(argv=None) -> int:
     return 0
 
 
+NAMES = ("stock", "inductor", "specialized", "staged")
+
+
 def _write_table(rows, layers: int, out: Path) -> None:
-    names = [n for n in ("stock", "inductor", "specialized") if any(n in r for r in rows)]
+    names = [n for n in NAMES if any(n in r for r in rows)]
     head = "| m | " + " | ".join(f"{n} (us)" for n in names) + " | GEMMs alone (us) | floor (us) |"
     head += " specialized vs inductor | non-GEMM share of specialized |"
     lines = [head, "|" + "---|" * (len(names) + 5)]
@@ -95,7 +103,7 @@ def _write_table(rows, layers: int, out: Path) -> None:
 
 
 def _plot(rows, floor_us: float, out: Path) -> None:
-    names = [n for n in ("stock", "inductor", "specialized") if any(n in r for r in rows)]
+    names = [n for n in NAMES if any(n in r for r in rows)]
     try:
         import matplotlib
 
