@@ -162,12 +162,19 @@ def test_run_tp2_demo_refusals():
             run_tp2_demo(small_config(), 1, 1, 4)
 
 
-def test_bench_draft_tp2_report(tmp_path):
+def _benchmark(name: str):
+    """The benchmark script ``name`` of dspark-comm, imported as a module."""
+    import importlib
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:
-        import bench_draft_tp2 as bench
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
+
+
+def test_bench_draft_tp2_report(tmp_path):
+    bench = _benchmark("bench_draft_tp2")
     raw = []
     for r in range(2):
         res = {"build_s": 9.0, "prepare_s": 20.0, "floor": 238.4, "device": "NVIDIA H200", "status": 0,
@@ -184,11 +191,7 @@ def test_bench_draft_tp2_report(tmp_path):
 
 
 def test_bench_package_gemm_report_judges_the_publish_kernel(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        import bench_package_gemm as bench
-    finally:
-        sys.path.pop(0)
+    bench = _benchmark("bench_package_gemm")
     raw = []
     for r in range(2):
         res = {f"shape/{k}": "k_warps 4, stages 4" for k in bench.KS}
