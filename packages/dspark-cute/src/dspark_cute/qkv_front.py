@@ -162,8 +162,10 @@ def rope_pair(a, b, c, s):
     return ptx.pack_bf16x2_rn(ra, rb)
 
 
-def _cos_sin(table_dtype: str, table, pos, lane) -> tuple:
-    """``(cos, sin)`` of pair ``lane`` at table row ``pos``, widened to FP32."""
+def load_cos_sin_pair(table_dtype: str, table, pos, lane) -> tuple:
+    """``(cos, sin)`` of pair ``lane`` at table row ``pos`` (Int64, inside the
+    table) of the ``[P, 64]`` table at byte address ``table``: columns
+    ``lane`` and ``32 + lane``, widened to FP32 exactly."""
     if table_dtype == "fp32":
         row = Int64(table) + pos * (HEAD_DIM * 4)
         c = ptx.as_f32(ld_global_b32(row + Int64(lane) * 4))
@@ -173,6 +175,17 @@ def _cos_sin(table_dtype: str, table, pos, lane) -> tuple:
     c = ptx.as_f32(ld_global_u16(row + Int64(lane) * 2) << Uint32(16))
     s = ptx.as_f32(ld_global_u16(row + Int64(lane) * 2 + HEAD_DIM) << Uint32(16))
     return c, s
+
+
+def cache_row_address(cache, slot, kv_heads: int, kv_head, block_size):
+    """The byte address (Int64) of the cache row of ``slot`` (Int64, not
+    negative) and KV head ``kv_head`` in the BF16 cache ``[num_blocks,
+    kv_heads, block_size, 128]`` at byte address ``cache``: block ``slot //
+    block_size``, row ``slot % block_size``; its K half is the first 128
+    bytes, its V half the next 128."""
+    bs = Int64(block_size)
+    row = (slot // bs * kv_heads + Int64(kv_head)) * bs + slot % bs
+    return Int64(cache) + row * (4 * HEAD_DIM)
 
 
 class QKVFrontKernel:
@@ -248,14 +261,13 @@ class QKVFrontKernel:
         if not self.c.rope:
             return word
         pos = ld_global_clamped_s64(Int64(positions.toint()) + Int64(tok_c) * 8, Int64(0), Int64(max_pos) - 1)
-        cos, sin = _cos_sin(self.c.table_dtype, table.toint(), pos, lane)
+        cos, sin = load_cos_sin_pair(self.c.table_dtype, table.toint(), pos, lane)
         return rope_pair(na, nb, cos, sin)
 
     def _insert(self, word, half: int, kv_head, slots, cache, tok, tok_c, m, num_slots, block_size, lane):
         slot = ld_global_s64(Int64(slots.toint()) + Int64(tok_c) * 8)
-        bs = Int64(block_size)
-        row = (slot // bs * self.c.kv_heads + Int64(kv_head)) * bs + slot % bs
-        addr = Int64(cache.toint()) + row * (4 * HEAD_DIM) + half * (2 * HEAD_DIM) + Int64(lane) * 4
+        row = cache_row_address(cache.toint(), slot, self.c.kv_heads, kv_head, block_size)
+        addr = row + half * (2 * HEAD_DIM) + Int64(lane) * 4
         st_global_b32_if_slot(addr, word, tok, m, slot, num_slots)
 
 
@@ -462,8 +474,10 @@ class QKVFront:
 __all__ = [
     "QKVFront",
     "QKVFrontKernel",
+    "cache_row_address",
     "compile_qkv_front",
     "fake_args",
     "head_norm_pair",
+    "load_cos_sin_pair",
     "rope_pair",
 ]
