@@ -71,6 +71,23 @@ class FakeAttention:
         return o_gate(out, gate, self.norm) if gate is not None else out
 
 
+class FakeEpilogue:
+    """QK-norm, RoPE and the insert of the stock projection (the spec's front
+    after ``linear``); records the rows of each launch."""
+
+    def __init__(self, attn, caches_of):
+        self.attn, self.caches_of, self.calls = attn, caches_of, []
+
+    def takes(self, qkv, positions, slots, cache_tensor):
+        return True
+
+    def launch(self, qkv, positions, slots, cache_tensor):
+        self.calls.append(qkv.shape[0])
+        cache = next(c for c in self.caches_of() if c.tensor.data_ptr() == cache_tensor.data_ptr())
+        step = StepInputs(positions, slots, torch.zeros(qkv.shape[0], 1, dtype=torch.int64))
+        return self.attn.front_from(qkv, step, cache)[0]
+
+
 class FakeOGate:
     def __init__(self, norm, rows=16):
         self.norm, self.rows, self.calls = norm, rows, 0
@@ -104,6 +121,7 @@ def _decode(model, target=ALL, rows=16):
     ]
     decode.input_norm = FakeNorm(model.layers[0].input_norm) if plan.input_norm.fused else None
     decode.fronts = [None] * len(model.layers)
+    decode.epilogues = [None] * len(model.layers)
     layers = list(zip(model.layers, plan.attentions, plan.o_gates, plan.mlp_activations))
     decode.attentions = [FakeAttention(layer.self_attn.num_kv_heads) if a.fused else None for layer, a, _, _ in layers]
     decode.o_gates = [FakeOGate(layer.self_attn.o_norm, rows) if g.fused else None for layer, _, g, _ in layers]
@@ -176,6 +194,33 @@ def test_the_staged_attention_takes_the_o_gate_in_its_epilogue():
     assert_bitwise(got, ref, "decode output")
     assert [k.calls for k in decode.attentions] == [[(3, True, True)], [(3, True, True)]]
     assert [k.calls for k in decode.o_gates] == [0, 0]  # no separate o-gate launch
+
+
+def test_the_qkv_epilogue_runs_after_the_stock_projection_where_the_front_does_not():
+    model = DraftModel(small_config())
+    decode = _decode(model)
+    holder = {}
+    decode.epilogues = [FakeEpilogue(layer.self_attn, lambda: holder["caches"]) for layer in model.layers]
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+    ref_caches, got_caches = model.make_caches(4), model.make_caches(4)
+    for kernel in decode.attentions:
+        kernel.caches = got_caches
+    holder["caches"] = got_caches
+    ref = model.forward(hidden, StepInputs.block(3, 3), ref_caches)
+    got = decode.run(hidden, StepInputs.block(3, 3), got_caches)
+    assert_bitwise(got, ref, "decode output")
+    for c_ref, c_got in zip(ref_caches, got_caches):
+        assert_bitwise(c_got.tensor, c_ref.tensor, "caches")
+    assert [k.calls for k in decode.epilogues] == [[3], [3]]
+
+
+def test_the_plan_has_a_qkv_epilogue_per_layer():
+    plan = plan_draft(DraftModel(small_config(), device="meta"), ALL)
+    assert [p.fused for p in plan.qkv_epilogues] == [True, True]
+    assert plan.qkv_epilogues[0].constants == plan.qkv_fronts[0].constants
+    plan = plan_draft(DraftModel(small_config(), device="meta"), policy.Target(kernels=frozenset()))
+    assert plan.qkv_epilogues[1].reason == "the installed backends do not provide the qkv_epilogue kernel"
 
 
 def test_an_unknown_attention_variant_is_refused():

@@ -116,7 +116,14 @@ class DraftAttention(nn.Module):
     def front(self, x: torch.Tensor, step: StepInputs, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The QKV front: projection, QK-norm, RoPE at ``step.positions`` and
         the K/V insert at ``step.slots``. Returns ``(q, og)``."""
-        q, k, v, og = self.split_qkv(linear(x, self.qkv_proj))
+        return self.front_from(linear(x, self.qkv_proj), step, cache)
+
+    def front_from(
+        self, qkv: torch.Tensor, step: StepInputs, cache: PagedKVCache
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``front`` after its projection: QK-norm, RoPE and the insert of
+        the projection ``qkv`` (BF16 ``[m, rows]``). Returns ``(q, og)``."""
+        q, k, v, og = self.split_qkv(qkv)
         q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, step.positions), self.rotary(k, step.positions)

@@ -4,8 +4,9 @@ keeps its stock modules.
 ``plan_draft(model, target)`` asks, per part, the questions a fused kernel
 must answer yes to before it may replace the stock modules bit for bit: the
 whole draft (platform, dtypes), each residual boundary, the first layer's
-input norm, the context K/V chain, each layer's QKV front, attention, o-gate
-and MLP activation, the fused all-reduce and each branch's package GEMM. A refused part keeps its stock
+input norm, the context K/V chain, each layer's QKV front (or, where the
+front does not run, its QKV epilogue after the stock projection), attention,
+o-gate and MLP activation, the fused all-reduce and each branch's package GEMM. A refused part keeps its stock
 modules and the plan says why, in words. The plan reads the configuration and
 the modules' types, shapes and dtypes only (a draft on the meta device
 plans), so every rank of a TP group makes the same plan.
@@ -55,6 +56,7 @@ class DraftPlan:
     boundaries: list[Part] = field(default_factory=list)
     context: Part | None = None
     qkv_fronts: list[Part] = field(default_factory=list)
+    qkv_epilogues: list[Part] = field(default_factory=list)
     attentions: list[Part] = field(default_factory=list)
     o_gates: list[Part] = field(default_factory=list)
     mlp_activations: list[Part] = field(default_factory=list)
@@ -63,7 +65,7 @@ class DraftPlan:
 
     def parts(self) -> list[Part]:
         single = [p for p in (self.input_norm, self.context, self.all_reduce) if p is not None]
-        return [*single, *self.boundaries, *self.qkv_fronts, *self.attentions, *self.o_gates,
+        return [*single, *self.boundaries, *self.qkv_fronts, *self.qkv_epilogues, *self.attentions, *self.o_gates,
                 *self.mlp_activations, *self.package_gemms]
 
     def refused(self) -> list[str]:
@@ -205,6 +207,11 @@ def plan_draft(model: DraftModel, target: Target | None = None) -> DraftPlan:
     for i, layer in enumerate(model.layers):
         part = _try(f"layer {i}'s QKV front", K.qkv_front_constants, layer.self_attn)
         plan.qkv_fronts.append(_with_kernels(part, target, policy.QKV_FRONT))
+        # The same constants: QK-norm, RoPE and the insert on the stock
+        # projection's output (bit for bit the stock front), for the calls the
+        # fused front does not take or where it is not used.
+        part = _try(f"layer {i}'s QKV epilogue", K.qkv_front_constants, layer.self_attn)
+        plan.qkv_epilogues.append(_with_kernels(part, target, policy.QKV_EPILOGUE))
         plan.attentions.append(_with_kernels(_attention_part(i, layer.self_attn, model.config), target,
                                              policy.ATTENTION))
         plan.o_gates.append(_with_kernels(_o_gate_part(i, layer.self_attn), target, policy.O_GATE))

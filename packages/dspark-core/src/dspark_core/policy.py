@@ -18,9 +18,10 @@ PACKAGE_GEMM = "package_gemm"
 ATTENTION = "attention"
 O_GATE = "o_gate"
 MLP_ACTIVATION = "mlp_activation"
+QKV_EPILOGUE = "qkv_epilogue"
 ALL_KERNELS = frozenset(
     {ROW_NORM, BOUNDARY, CONTEXT_NORMS, CONTEXT_STORE, QKV_FRONT, ALL_REDUCE_BOUNDARY, PACKAGE_GEMM,
-     ATTENTION, O_GATE, MLP_ACTIVATION}
+     ATTENTION, O_GATE, MLP_ACTIVATION, QKV_EPILOGUE}
 )
 
 # Backends advertise the kernels they provide under this entry-point group,

@@ -113,6 +113,7 @@ class DraftDecode:
         self.input_norm = None
         self.boundaries: list = []
         self.fronts: list = []
+        self.epilogues: list = []
         self.attentions: list = []
         self.o_gates: list = []
         self.activations: list = []
@@ -146,30 +147,34 @@ class DraftDecode:
             fused.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
             self.boundaries.append(fused)
         self.fronts = [self._bind_front(i, part) for i, part in enumerate(plan.qkv_fronts)]
+        self.epilogues = [self._bind_front(i, part, "QKVEpilogue") for i, part in enumerate(plan.qkv_epilogues)]
         self.attentions = [self._bind(part, "attention", "PagedAttention") for part in plan.attentions]
         self.o_gates = [self._bind(part, "o_gate", "OGate") for part in plan.o_gates]
         self.activations = [self._bind(part, "mlp_activation", "MlpActivation") for part in plan.mlp_activations]
         self.context = self._bind_context(plan.context)
         self.prepared = True
 
-    def _bind_front(self, index: int, part):
+    def _bind_front(self, index: int, part, name: str = "QKVFront"):
+        """Layer ``index``'s fused QKV front (``QKVFront``: projection and
+        epilogue) or QKV epilogue (``QKVEpilogue``: after the stock
+        projection), compiled; None for a stock part."""
         if not part.fused:
             return None
+        module = {"QKVFront": "qkv_front", "QKVEpilogue": "qkv_epilogue"}[name]
         try:
-            from .qkv_front import QKVFront
-        except ImportError as error:  # the kernel is not part of this build
-            _log_once(logging.WARNING, f"layer {index}'s QKV front keeps its stock modules: {error}")
+            kernel_class = getattr(__import__(f"dspark_cute.{module}", fromlist=[name]), name)
+        except (ImportError, AttributeError) as error:  # the kernel is not part of this build
+            _log_once(logging.WARNING, f"{part.name} keeps its stock modules: {error}")
             return None
         attn = self.layers[index].self_attn
         rotary = attn.rotary
-        front = QKVFront(
-            part.constants,
-            attn.qkv_proj,
-            attn.q_norm.weight,
-            rotary.cos_sin.to(attn.qkv_proj.device) if rotary is not None else None,
-        )
-        front.prepare()
-        return front
+        table = rotary.cos_sin.to(attn.qkv_proj.device) if rotary is not None else None
+        if name == "QKVFront":
+            kernel = kernel_class(part.constants, attn.qkv_proj, attn.q_norm.weight, table)
+        else:
+            kernel = kernel_class(part.constants, attn.q_norm.weight, table)
+        kernel.prepare()
+        return kernel
 
     def _bind(self, part, module: str, name: str):
         """The kernel ``dspark_cute.<module>.<name>`` of a fused part, compiled;
@@ -250,12 +255,23 @@ class DraftDecode:
         the stock front; attention, the o-gate, the output projection."""
         attn = self.layers[index].self_attn
         front = self.fronts[index] if self.fronts else None
+        epilogue = self.epilogues[index] if self.epilogues else None
         if front is not None and front.takes(x, step.positions, step.slots, cache.tensor):
             qkv = front.launch(x, step.positions, step.slots, cache.tensor)
             q, _, _, og = attn.split_qkv(qkv)
+            return self._project(2 * index, self._gated(index, q, og, step, cache), attn.o_proj)
+        if front is not None:
+            _log_once(logging.INFO, f"layer {index}'s QKV front ran stock: {x.shape[0]} rows not covered")
+        qkv = linear(x, attn.qkv_proj) if epilogue is not None else None
+        if qkv is not None and epilogue.takes(qkv, step.positions, step.slots, cache.tensor):
+            # run() checked positions and slots (the stock front raises there).
+            q = epilogue.launch(qkv, step.positions, step.slots, cache.tensor)
+            og = attn.split_qkv(qkv)[3]
+        elif qkv is not None:
+            _log_once(logging.INFO, f"layer {index}'s QKV epilogue ran stock: "
+                      f"{epilogue.problem(qkv, step.positions, step.slots, cache.tensor)}")
+            q, og = attn.front_from(qkv, step, cache)
         else:
-            if front is not None:
-                _log_once(logging.INFO, f"layer {index}'s QKV front ran stock: {x.shape[0]} rows not covered")
             q, og = attn.front(x, step, cache)
         return self._project(2 * index, self._gated(index, q, og, step, cache), attn.o_proj)
 
@@ -312,7 +328,7 @@ class DraftDecode:
             raise ValueError(f"the draft takes hidden states of [m, {model.config.hidden_size}]")
         if len(caches) != len(self.layers):
             raise ValueError(f"the draft takes one KV cache per layer ({len(self.layers)})")
-        if any(k is not None for k in [*self.fronts, *self.attentions]) and not capturing():
+        if any(k is not None for k in [*self.fronts, *self.epilogues, *self.attentions]) and not capturing():
             # The stock front and attention raise for these; the kernels would skip them.
             _check_step(model, step, caches)
         # A BF16 row round-trips through the FP32 stream unchanged: the first
