@@ -198,3 +198,24 @@ GPU_NORMS = [
     (torch.float32, 0.0, True, 1e-6),
     (torch.float32, 1.0, False, 1e-5),
 ]
+
+
+def stock_attention(config, gen: torch.Generator):
+    """A stock ``DraftAttention`` of ``config`` on CUDA with random weights
+    (the QKV projection N(0, 1/H); a q-norm weight around 1 with -0.0 and -1.5
+    planted) and its RoPE table, ``(attn, cos_sin or None)``."""
+    from dspark_core.layers import Rotary
+    from dspark_core.model import DraftAttention
+
+    bf16 = torch.bfloat16
+    table_dtype = torch.float32 if config.rope_table_dtype == "fp32" else bf16
+    rotary = (Rotary(config.head_dim, config.max_position, config.rope_theta, table_dtype).cuda()
+              if config.use_rope else None)
+    attn = DraftAttention(config, rotary).cuda()
+    w = torch.randn(attn.qkv_proj.shape, generator=gen, device="cuda") / config.hidden_size**0.5
+    attn.qkv_proj.data.copy_(w.to(bf16))
+    if attn.q_norm.weight is not None:
+        qw = 1.0 + 0.2 * torch.randn(64, generator=gen, device="cuda")
+        qw[5], qw[17] = -0.0, -1.5
+        attn.q_norm.weight.data.copy_(qw.to(bf16))
+    return attn, (rotary.cos_sin if rotary is not None else None)

@@ -19,14 +19,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cute_testing import assert_replays_repeat, capture_calls, poison, random_rows, requires_cuda, special_rows
+from cute_testing import (
+    assert_replays_repeat,
+    capture_calls,
+    poison,
+    random_rows,
+    requires_cuda,
+    special_rows,
+    stock_attention,
+)
 
 import dspark_core.model as model_module
 from dspark_core.compare import assert_bitwise
 from dspark_core.config import DraftConfig
 from dspark_core.constants import qkv_front_constants
-from dspark_core.layers import PagedKVCache, Rotary, linear
-from dspark_core.model import DraftAttention, StepInputs
+from dspark_core.layers import PagedKVCache, linear
+from dspark_core.model import StepInputs
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -50,18 +58,8 @@ class Setup:
         from dspark_cute.qkv_epilogue import QKVEpilogue
 
         cfg = DraftConfig(**CASES[case])
-        rotary = Rotary(cfg.head_dim, cfg.max_position, cfg.rope_theta,
-                        torch.float32 if cfg.rope_table_dtype == "fp32" else BF16).cuda() if cfg.use_rope else None
-        attn = DraftAttention(cfg, rotary).cuda()
-        h = cfg.hidden_size
-        w = torch.randn(attn.qkv_proj.shape, generator=gen, device="cuda") / h**0.5
-        attn.qkv_proj.data.copy_(w.to(BF16))
-        if attn.q_norm.weight is not None:
-            qw = 1.0 + 0.2 * torch.randn(64, generator=gen, device="cuda")
-            qw[5], qw[17] = -0.0, -1.5
-            attn.q_norm.weight.data.copy_(qw.to(BF16))
+        attn, self.table = stock_attention(cfg, gen)
         self.cfg, self.attn, self.gen = cfg, attn, gen
-        self.table = rotary.cos_sin if rotary is not None else None
         self.constants = qkv_front_constants(attn)
         self.epi = QKVEpilogue(self.constants, attn.q_norm.weight, self.table, pdl=pdl)
         self.epi.prepare()
