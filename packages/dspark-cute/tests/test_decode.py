@@ -294,3 +294,29 @@ def test_the_executor_refuses_bad_use():
         decode.run(torch.zeros(1, 4096), StepInputs.block(0, 1), model.make_caches(1))
     with pytest.raises(ValueError, match="one KV cache per layer"):
         decode.run(torch.zeros(1, 2048), StepInputs.block(0, 1), [])
+
+
+def test_bound_kernels_keep_the_stock_range_errors():
+    """Where kernels that would skip bad slots are bound, ``run`` raises the
+    stock forward's ValueErrors first (read once on the host)."""
+    model = DraftModel(small_config())
+    decode = _decode(model)
+    hidden = torch.zeros(2, model.config.hidden_size, dtype=torch.bfloat16)
+    caches = model.make_caches(4)
+    for kernel in decode.attentions:
+        kernel.caches = caches
+    cases = [
+        ("attn_slots", 4 * model.config.kv_block_size, "an attention slot beyond the cache's"),
+        ("slots", 4 * model.config.kv_block_size, "a slot beyond the cache's"),
+        ("positions", model.rotary.max_position, "RoPE positions must lie in"),
+    ]
+    for field, value, message in cases:
+        step = StepInputs.block(3, 2)
+        getattr(step, field).view(-1)[0] = value
+        for fn in (model.forward, decode.run):
+            with pytest.raises(ValueError, match=message):
+                fn(hidden, step, model.make_caches(4) if fn is model.forward else caches)
+    step = StepInputs.block(3, 2)
+    step.slots[1] = step.slots[0]
+    with pytest.raises(ValueError, match="distinct slots"):
+        decode.run(hidden, step, caches)

@@ -22,6 +22,7 @@ draft is TP1 and every branch is already whole.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from typing import Protocol
@@ -146,72 +147,64 @@ class DraftDecode:
             dtypes = (torch.float32, torch.bfloat16) if index == 0 else (torch.float32,)
             fused.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
             self.boundaries.append(fused)
-        self.fronts = [self._bind_front(i, part) for i, part in enumerate(plan.qkv_fronts)]
-        self.epilogues = [self._bind_front(i, part, "QKVEpilogue") for i, part in enumerate(plan.qkv_epilogues)]
-        self.attentions = [self._bind(part, "attention", "PagedAttention") for part in plan.attentions]
-        self.o_gates = [self._bind(part, "o_gate", "OGate") for part in plan.o_gates]
-        self.activations = [self._bind(part, "mlp_activation", "MlpActivation") for part in plan.mlp_activations]
+        bound = [self._bind_layer(i) for i in range(len(self.layers))]
+        self.fronts, self.epilogues, self.attentions, self.o_gates, self.activations = (
+            [b[k] for b in bound] for k in range(5)
+        )
         self.context = self._bind_context(plan.context)
         self.prepared = True
 
-    def _bind_front(self, index: int, part, name: str = "QKVFront"):
-        """Layer ``index``'s fused QKV front (``QKVFront``: projection and
-        epilogue) or QKV epilogue (``QKVEpilogue``: after the stock
-        projection), compiled; None for a stock part."""
-        if not part.fused:
-            return None
-        module = {"QKVFront": "qkv_front", "QKVEpilogue": "qkv_epilogue"}[name]
-        try:
-            kernel_class = getattr(__import__(f"dspark_cute.{module}", fromlist=[name]), name)
-        except (ImportError, AttributeError) as error:  # the kernel is not part of this build
-            _log_once(logging.WARNING, f"{part.name} keeps its stock modules: {error}")
-            return None
-        attn = self.layers[index].self_attn
-        rotary = attn.rotary
-        table = rotary.cos_sin.to(attn.qkv_proj.device) if rotary is not None else None
-        if name == "QKVFront":
-            kernel = kernel_class(part.constants, attn.qkv_proj, attn.q_norm.weight, table)
-        else:
-            kernel = kernel_class(part.constants, attn.q_norm.weight, table)
-        kernel.prepare()
-        return kernel
-
-    def _bind(self, part, module: str, name: str):
-        """The kernel ``dspark_cute.<module>.<name>`` of a fused part, compiled;
-        None for a stock part (or, logged, where the kernel is not in this build)."""
+    def _kernel_class(self, part, module: str, name: str):
+        """The class ``dspark_cute.<module>.<name>`` for a fused ``part``; None
+        for a stock part, or (logged) where the kernel is not in this build."""
         if part is None or not part.fused:
             return None
         try:
-            kernel_class = getattr(__import__(f"dspark_cute.{module}", fromlist=[name]), name)
+            return getattr(importlib.import_module(f"dspark_cute.{module}"), name)
         except (ImportError, AttributeError) as error:
             _log_once(logging.WARNING, f"{part.name} keeps its stock modules: {error}")
             return None
-        c = part.constants
-        if name == "PagedAttention":
-            slot_dtype = {"int32": torch.int32, "int64": torch.int64}[c.slot_dtype]
+
+    def _bind_layer(self, index: int) -> tuple:
+        """Layer ``index``'s kernels, compiled (None where a part stays stock):
+        the fused QKV front (projection and epilogue), the QKV epilogue (after
+        the stock projection), the attention (its "staged" variant takes the
+        o-gate into its epilogue where the plan fuses the o-gate), the o-gate
+        and the MLP activation."""
+        plan, attn = self.plan, self.layers[index].self_attn
+        parts = [plan.qkv_fronts, plan.qkv_epilogues, plan.attentions, plan.o_gates, plan.mlp_activations]
+        front, epilogue, attention, gate, activation = (p[index] if index < len(p) else None for p in parts)
+        table = attn.rotary.cos_sin.to(attn.qkv_proj.device) if attn.rotary is not None else None
+        kernels = []
+        cls = self._kernel_class(front, "qkv_front", "QKVFront")
+        kernels.append(cls and cls(front.constants, attn.qkv_proj, attn.q_norm.weight, table))
+        cls = self._kernel_class(epilogue, "qkv_epilogue", "QKVEpilogue")
+        kernels.append(cls and cls(epilogue.constants, attn.q_norm.weight, table))
+        cls = self._kernel_class(attention, "attention", "PagedAttention")
+        if cls is not None:
+            c = attention.constants
             options = {}
             if self.attention_variant == "staged":
-                index = self.plan.attentions.index(part)
-                gate = self.plan.o_gates[index] if index < len(self.plan.o_gates) else None
-                # The o-gate moves into the attention's epilogue where the plan fuses it.
-                options = {"staged": True, "o_gate_eps": gate.constants.eps if gate and gate.fused else None}
-            kernel = kernel_class(c.num_heads, c.kv_heads, c.head_dim, c.block_size, slot_dtype, **options)
-        elif name == "OGate":
-            kernel = kernel_class(c.num_heads, eps=c.eps)
+                gate_eps = gate.constants.eps if gate is not None and gate.fused else None
+                options = {"staged": True, "o_gate_eps": gate_eps}
+            slot_dtype = {"int32": torch.int32, "int64": torch.int64}[c.slot_dtype]
+            kernels.append(cls(c.num_heads, c.kv_heads, c.head_dim, c.block_size, slot_dtype, **options))
         else:
-            kernel = kernel_class(c)
-        kernel.prepare()
-        return kernel
+            kernels.append(None)
+        cls = self._kernel_class(gate, "o_gate", "OGate")
+        kernels.append(cls and cls(gate.constants.num_heads, eps=gate.constants.eps))
+        cls = self._kernel_class(activation, "mlp_activation", "MlpActivation")
+        kernels.append(cls and cls(activation.constants))
+        for kernel in kernels:
+            if kernel is not None:
+                kernel.prepare()
+        return tuple(kernels)
 
     def _bind_context(self, part):
-        if part is None or not part.fused:
+        cls = self._kernel_class(part, "context", "ContextChain")
+        if cls is None:
             return None
-        try:
-            from .context import ContextChain
-        except ImportError as error:
-            _log_once(logging.WARNING, f"the context K/V chain keeps its stock modules: {error}")
-            return None
-        chain = ContextChain(self.model)
+        chain = cls(self.model)
         chain.prepare()
         return chain
 
@@ -368,9 +361,11 @@ def _check_step(model: DraftModel, step: StepInputs, caches) -> None:
     kept = step.slots[step.slots >= 0]
     if torch.unique(kept).numel() != kept.numel():
         raise ValueError("the KV insert takes distinct slots; a non-negative slot repeats")
-    for cache in caches:
-        if step.attn_slots.numel() and int(step.attn_slots.max()) >= cache.num_slots:
-            raise ValueError(f"an attention slot beyond the cache's {cache.num_slots} slots")
+    if step.attn_slots.numel() and caches:
+        # One host read for every layer: they all attend over the same slots.
+        smallest = min(cache.num_slots for cache in caches)
+        if int(step.attn_slots.max()) >= smallest:
+            raise ValueError(f"an attention slot beyond the cache's {smallest} slots")
 
 
 def _check_context_call(model: DraftModel, positions, caches, slots) -> None:
@@ -381,11 +376,14 @@ def _check_context_call(model: DraftModel, positions, caches, slots) -> None:
     ):
         raise ValueError(f"RoPE positions must lie in [0, {rotary.max_position})")
     per_layer = slots if isinstance(slots, (list, tuple)) else [slots] * len(caches)
+    maxima: dict[int, int] = {}  # one host read per slot tensor, however many layers share it
     for cache, layer_slots in zip(caches, per_layer):
-        if layer_slots is None:
+        if layer_slots is None or not layer_slots.numel():
             continue
         num_slots = cache.num_slots if hasattr(cache, "num_slots") else cache.shape[0] * cache.shape[2]
-        if layer_slots.numel() and int(layer_slots.max()) >= num_slots:
+        if id(layer_slots) not in maxima:
+            maxima[id(layer_slots)] = int(layer_slots.max())
+        if maxima[id(layer_slots)] >= num_slots:
             raise ValueError(f"a slot beyond the cache's {num_slots} slots")
 
 
