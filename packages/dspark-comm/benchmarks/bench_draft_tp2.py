@@ -175,20 +175,16 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("the TP2 draft benchmark needs two CUDA GPUs; skipped")
         return 0
-    from dspark_comm.ranks import spawn_ranks
+    from dspark_comm.ranks import spawn_for_results
 
     exclude = [k for k in args.exclude.split(",") if k]
     os.makedirs(args.out, exist_ok=True)
-    raw_path = os.path.join(args.out, "draft_tp2_raw.json")
-    if os.path.exists(raw_path):
-        os.remove(raw_path)
     t0 = time.monotonic()
-    error = spawn_ranks(_worker, 2, args.out, args.reps, exclude, args.layers, timeout_s=args.timeout)
-    if not os.path.exists(raw_path):
+    raw, error = spawn_for_results(_worker, 2, os.path.join(args.out, "draft_tp2_raw.json"), args.out, args.reps,
+                                   exclude, args.layers, timeout_s=args.timeout)
+    if raw is None:
         print(f"the ranks recorded no result ({error})")
         return 1
-    with open(raw_path) as f:
-        raw = json.load(f)
     for r in raw:
         r["layers"] = args.layers
     print(f"({time.monotonic() - t0:.1f} s)")

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -92,10 +91,10 @@ def _calls(gen, m: int, k: int, gemm, w, fused, unfused) -> dict:
     }
 
 
-def _worker(rank: int, init: str, out: str, iters: int, reps: int) -> None:
+def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -> None:
     from dspark_comm.ranks import init_rank
 
-    init_rank(rank, 2, init, timeout_s=60.0)
+    init_rank(rank, world, init, timeout_s=60.0)
     from dspark_comm.boundary import AllReduceBoundary
     from dspark_comm.group import TorchGroup
     from dspark_comm.mailbox import Mailbox
@@ -212,22 +211,23 @@ def main() -> int:
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds before the ranks are killed")
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("the TP2 package GEMM benchmark needs two CUDA GPUs; skipped")
         return 0
-    os.makedirs(args.out, exist_ok=True)
-    import torch.multiprocessing as mp
+    from dspark_comm.ranks import spawn_for_results
 
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.monotonic()
-        mp.start_processes(_worker, args=(os.path.join(tmp, "init"), args.out, args.iters, args.reps),
-                           nprocs=2, start_method="spawn")
-        with open(os.path.join(args.out, "package_gemm_raw.json")) as f:
-            raw = json.load(f)
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.monotonic()
+    raw_path = os.path.join(args.out, "package_gemm_raw.json")
+    raw, error = spawn_for_results(_worker, 2, raw_path, args.out, args.iters, args.reps, timeout_s=args.timeout)
+    if raw is None:
+        print(f"the ranks recorded no result ({error})")
+        return 1
     print(_report(raw, args.out))
     print(f"({time.monotonic() - t0:.1f} s)")
-    return 0
+    return 0 if error is None else 1
 
 
 if __name__ == "__main__":

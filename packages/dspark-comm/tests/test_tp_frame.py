@@ -54,6 +54,24 @@ def test_spawn_ranks_kills_ranks_past_the_limit():
     assert time.monotonic() - t0 < 40
 
 
+def _results(rank: int, world: int, init_file: str, path: str, fail: bool) -> None:
+    if rank == 0:
+        Path(path).write_text(json.dumps([{"rank": r} for r in range(world)]))
+    if fail and rank == 1:
+        raise RuntimeError("rank 1 fails after rank 0 wrote")
+
+
+def test_spawn_for_results_reads_what_the_ranks_wrote(tmp_path):
+    path = tmp_path / "raw.json"
+    path.write_text("stale")  # removed before the ranks start
+    assert ranks.spawn_for_results(_results, 2, str(path), str(path), False, timeout_s=120) == (
+        [{"rank": 0}, {"rank": 1}], None)
+    raw, error = ranks.spawn_for_results(_results, 2, str(path), str(path), True, timeout_s=120)
+    assert raw == [{"rank": 0}, {"rank": 1}] and "rank 1 fails after rank 0 wrote" in error
+    raw, error = ranks.spawn_for_results(_fail_on_rank_1, 2, str(path), timeout_s=120)
+    assert raw is None and "rank 1 fails on purpose" in error and not path.exists()
+
+
 def test_init_rank_refusals():
     with pytest.raises(ValueError, match="rank 2 of a group of 2"):
         ranks.init_rank(2, 2, "/nonexistent")

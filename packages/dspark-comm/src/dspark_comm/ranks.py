@@ -17,6 +17,10 @@ demo), written once.
   any rank still alive then. Returns None where every rank ended cleanly,
   else the reason in words (a rank raised or exited non-zero, or the time
   ran out); the caller reads what the ranks recorded either way.
+- ``spawn_for_results(fn, world, results_path, *args, timeout_s)``:
+  ``spawn_ranks`` after removing a stale ``results_path``, then the JSON the
+  ranks wrote there: ``(results or None, reason or None)`` (the TP
+  benchmarks' driver).
 
 Nothing here imports the CuTe DSL.
 """
@@ -97,4 +101,20 @@ def spawn_ranks(fn, world: int, *args, timeout_s: float = 600.0) -> str | None:
     return error
 
 
-__all__ = ["MULTICAST_OFF", "finish_rank", "init_rank", "spawn_ranks"]
+def spawn_for_results(fn, world: int, results_path: str, *args, timeout_s: float = 600.0):
+    """``spawn_ranks(fn, world, *args)`` with a fresh ``results_path`` (a
+    stale file is removed first), then the JSON the ranks wrote there:
+    ``(results, error)``, ``results`` None where no rank wrote it and
+    ``error`` ``spawn_ranks``'s reason (None where every rank ended cleanly)."""
+    import json
+
+    if os.path.exists(results_path):
+        os.remove(results_path)
+    error = spawn_ranks(fn, world, *args, timeout_s=timeout_s)
+    if not os.path.exists(results_path):
+        return None, error or f"no rank wrote {results_path}"
+    with open(results_path) as f:
+        return json.load(f), error
+
+
+__all__ = ["MULTICAST_OFF", "finish_rank", "init_rank", "spawn_for_results", "spawn_ranks"]
