@@ -413,7 +413,6 @@ def test_compile_dispatch(monkeypatch):
         return type(obj).__name__, len(args)
 
     monkeypatch.setattr(mod, "_CACHE", host.CompileCache())
-    monkeypatch.setattr(mod, "compile_kernel", fake_compile)
     monkeypatch.setattr(host, "compile_kernel", fake_compile)
     default = AttentionConstants(64, 8, 64, 16)
     staged = AttentionConstants(64, 8, 64, 16, staged_slots=384, o_gate_eps=1e-6)

@@ -70,7 +70,15 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from dspark_core.attention import LANES, scale
 from dspark_core.constants import HEAD_DIM, AttentionConstants
 from dspark_cute import ptx
-from dspark_cute.host import CompileCache, LazyPdl, compile_kernel, current_stream, fake_stream
+from dspark_cute.host import (
+    CompileCache,
+    LazyPdl,
+    cache_tensor,
+    compile_once,
+    current_stream,
+    fake_stream,
+    stream_capturing,
+)
 from dspark_cute.ptx_math import exp_rn
 
 WARPS = LANES // ptx.WARP  # 4
@@ -439,17 +447,10 @@ def compile_attention(constants: AttentionConstants, pdl: bool):
         from dspark_cute.attention_v2 import compile_attention_v2
 
         return compile_attention_v2(constants, pdl, _CACHE)
-    return _CACHE.get(
-        ("attention", constants.key(), pdl),
-        lambda: compile_kernel(PagedAttentionKernel(constants, pdl), *fake_args(constants), what="PagedAttention"),
-    )
+    return compile_once(_CACHE, "attention", PagedAttentionKernel, constants, pdl, fake_args, "PagedAttention")
 
 
 # ---------------------------------------------------------------- host API
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class PagedAttention(LazyPdl):
@@ -531,7 +532,7 @@ class PagedAttention(LazyPdl):
             _check_place(q, 16, device, "q")
         else:
             _check(q, (m, c.num_heads, c.head_dim), torch.bfloat16, 16, device, "q")
-        tensor = cache.tensor if hasattr(cache, "tensor") else cache
+        tensor = cache_tensor(cache)
         if not (isinstance(tensor, torch.Tensor) and tensor.dim() == 4):
             raise ValueError(f"the cache must be a PagedKVCache or a bf16 tensor of [num_blocks, {c.kv_heads}, "
                              f"{c.block_size}, {2 * c.head_dim}]")
@@ -565,9 +566,9 @@ class PagedAttention(LazyPdl):
         gate (``check``) and the result is ``o_gate(attention, gate,
         HeadNorm(64, o_gate_eps))``."""
         self.check(q, cache, attn_slots, out, gate)
-        tensor = cache.tensor if hasattr(cache, "tensor") else cache
+        tensor = cache_tensor(cache)
         num_slots = tensor.shape[0] * self.constants.block_size
-        if not _capturing() and int(attn_slots.max()) >= num_slots:
+        if not stream_capturing() and int(attn_slots.max()) >= num_slots:
             raise ValueError(f"an attention slot beyond the cache's {num_slots} slots")
         return self.launch(q, tensor, attn_slots, out, gate)
 

@@ -48,7 +48,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.constants import HEAD_DIM, ContextStoreConstants
 from dspark_cute import ptx
-from dspark_cute.host import CompileCache, LazyPdl, compile_once, current_stream, fake_stream
+from dspark_cute.host import CompileCache, LazyPdl, cache_tensor, compile_once, current_stream, fake_stream
 
 # Layers one launch takes (a fixed parameter list: a pointer tuple per operand).
 MAX_LAYERS_PER_LAUNCH = 8
@@ -269,11 +269,6 @@ def compile_context_store(constants: ContextStoreConstants, pdl: bool):
 # ---------------------------------------------------------------- host API
 
 
-def _cache_tensor(cache):
-    """The tensor of a cache given as a tensor or as a ``PagedKVCache``."""
-    return cache.tensor if hasattr(cache, "tensor") else cache
-
-
 def _is_cuda_tensor(t, dtype, device) -> bool:
     return (
         isinstance(t, torch.Tensor) and t.is_cuda and t.dtype == dtype and t.is_contiguous()
@@ -353,7 +348,7 @@ class ContextKvStore(LazyPdl):
             return f"the positions must be a contiguous CUDA int64 tensor of [{t}] on the K/V's device"
         if not isinstance(caches, (list, tuple)) or len(caches) != layers:
             return f"the context store takes one cache per layer ({layers})"
-        tensors = [_cache_tensor(x) for x in caches]
+        tensors = [cache_tensor(x) for x in caches]
         first = tensors[0] if tensors else None
         for cache in tensors:
             if not (_is_cuda_tensor(cache, torch.bfloat16, device) and cache.data_ptr() % 4 == 0
@@ -391,7 +386,7 @@ class ContextKvStore(LazyPdl):
         accepts): one launch per ``MAX_LAYERS_PER_LAUNCH`` storing layers."""
         c = self.constants
         layers, t = kv.shape[0], kv.shape[1]
-        tensors = [_cache_tensor(x) for x in caches]
+        tensors = [cache_tensor(x) for x in caches]
         entries = [
             (i, tensors[i], s)
             for i, s in enumerate(self.per_layer_slots(slots, layers))

@@ -19,7 +19,8 @@
 - ``check_operand(t, shape, dtype, align, name)``: ValueError with a sentence
   unless ``t`` is a contiguous CUDA tensor of that shape, dtype and alignment;
   ``describe(t)``: an operand's dtype, shape, strides and device, for such
-  sentences.
+  sentences; ``cache_tensor(cache)``: a KV cache's tensor (given a tensor or
+  a ``PagedKVCache``).
 - ``CompileCache``: compiled kernels keyed by hashable constants;
   ``compile_once(cache, name, kernel_class, constants, pdl, fake_args, what)``:
   the compile of a kernel of ``(constants, pdl)``, once per process.
@@ -143,6 +144,12 @@ def check_operand(t, shape: tuple, dtype: torch.dtype, align: int, name: str) ->
             f"{name} must be a contiguous CUDA {dtype} tensor of shape {tuple(shape)} "
             f"aligned to {align} bytes, not {t.dtype} {tuple(t.shape)} on {t.device}"
         )
+
+
+def cache_tensor(cache):
+    """The tensor of a KV cache given as a tensor or as a ``PagedKVCache``
+    (its ``tensor``)."""
+    return cache.tensor if isinstance(getattr(cache, "tensor", None), torch.Tensor) else cache
 
 
 def describe(t) -> str:

@@ -62,17 +62,18 @@ from cutlass import Int32, Int64, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.constants import HEAD_DIM, QKVFrontConstants
+from dspark_core.layers import capturing
 from dspark_cute import ptx
 from dspark_cute import qkv_front as qf
 from dspark_cute import skinny_gemm as sg
 from dspark_cute.host import (
     CompileCache,
     LazyPdl,
+    cache_tensor,
     compile_once,
     current_stream,
     describe,
     fake_stream,
-    stream_capturing,
 )
 
 # Warps per CTA and heads per CTA (each thread copies 16 bytes of a 128-byte head).
@@ -237,11 +238,6 @@ def compile_qkv_epilogue(constants: QKVFrontConstants, pdl: bool):
 # ---------------------------------------------------------------- host API
 
 
-def _cache_tensor(cache):
-    """The tensor of a cache given as a tensor or as a ``PagedKVCache``."""
-    return cache.tensor if hasattr(cache, "tensor") and isinstance(cache.tensor, torch.Tensor) else cache
-
-
 def _is_cuda(t, dtype, shape, align: int, device) -> bool:
     return (
         isinstance(t, torch.Tensor) and t.is_cuda and t.dtype == dtype and tuple(t.shape) == tuple(shape)
@@ -320,7 +316,7 @@ class QKVEpilogue(LazyPdl):
         for name, t in (("positions", positions), ("slots", slots)):
             if not _is_cuda(t, torch.int64, (m,), 8, device):
                 return f"{name} must be a contiguous CUDA int64 tensor of [{m}] on {device}, not {describe(t)}"
-        t = _cache_tensor(cache)
+        t = cache_tensor(cache)
         shape = tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else None
         if not (shape and shape[0] >= 1 and shape[2] >= 1 and shape[1:2] + shape[3:] == (c.kv_heads, HEAD_BYTES)
                 and _is_cuda(t, torch.bfloat16, shape, 16, device)):
@@ -345,11 +341,11 @@ class QKVEpilogue(LazyPdl):
         reason = self.problem(qkv, positions, slots, cache, out)
         if reason is not None:
             raise ValueError(reason)
-        if stream_capturing() or torch.compiler.is_compiling():
+        if capturing():  # no host reads in a capture or while torch.compile traces
             return
         if self.constants.rope and (int(positions.min()) < 0 or int(positions.max()) >= self.cos_sin.shape[0]):
             raise ValueError(f"RoPE positions must lie in [0, {self.cos_sin.shape[0]})")
-        t = _cache_tensor(cache)
+        t = cache_tensor(cache)
         num_slots = t.shape[0] * t.shape[2]
         kept = slots[slots >= 0]
         if kept.numel() and int(kept.max()) >= num_slots:
@@ -371,7 +367,7 @@ class QKVEpilogue(LazyPdl):
         m = qkv.shape[0]
         if out is None:
             out = torch.empty((m, c.num_heads, HEAD_DIM), dtype=torch.bfloat16, device=qkv.device)
-        t = _cache_tensor(cache)
+        t = cache_tensor(cache)
         nb, _, bs, _ = t.shape
         table = Int64(self.cos_sin.data_ptr() if c.rope else 0)
         max_position = Int64(self.cos_sin.shape[0] if c.rope else 1)
