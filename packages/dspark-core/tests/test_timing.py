@@ -78,3 +78,17 @@ def test_gemm_weight_bytes_and_floor():
     assert timing.weight_floor_us(model) == _bytes_by_hand(model) / 4.3e12 * 1e6
     shard = shard_draft(model, 0, 2)
     assert timing.gemm_weight_bytes(shard) == _bytes_by_hand(shard) == timing.gemm_weight_bytes(model) // 2
+
+
+def test_step_case_is_a_block_step_after_the_context():
+    from dspark_core.config import small_config
+    from dspark_core.model import StepInputs
+
+    model = DraftModel(small_config(num_layers=2))
+    x, step, caches = timing.step_case(model, 3, 40, device="cpu")
+    want = StepInputs.block(40, 3, span=43)
+    assert torch.equal(x, model.embed_tokens(torch.arange(3)))
+    for got, ref in ((step.positions, want.positions), (step.slots, want.slots), (step.attn_slots, want.attn_slots)):
+        assert torch.equal(got, ref)
+    bs = model.config.kv_block_size
+    assert len(caches) == 2 and caches[0].num_slots == (43 // bs + 2) * bs

@@ -15,8 +15,8 @@ import torch
 
 from dspark_core.config import DraftConfig
 from dspark_core.graphs import StepGraph
-from dspark_core.model import DraftModel, StepInputs
-from dspark_core.timing import gemms_replay, median_us, weight_floor_us
+from dspark_core.model import DraftModel
+from dspark_core.timing import gemms_replay, median_us, step_case, weight_floor_us
 from dspark_cute.decode import build_draft_decode
 
 CONTEXT = 256
@@ -46,13 +46,7 @@ def main(argv=None) -> int:
     # Inputs per m; the slow column (Inductor compiles per shape) is timed last
     # and the table is written after every column, so a time limit still leaves
     # the columns already measured.
-    cases = {}
-    for m in (int(v) for v in args.m.split(",")):
-        span = CONTEXT + m
-        step = StepInputs.block(CONTEXT, m, "cuda", span=span)
-        x = model.embed_tokens(torch.arange(m, device="cuda"))
-        caches = model.make_caches(span // model.config.kv_block_size + 2, "cuda")
-        cases[m] = (x, step, caches)
+    cases = {m: step_case(model, m, CONTEXT) for m in (int(v) for v in args.m.split(","))}
     rows = [{"m": m, "floor": floor_us, "gemms": _median_us(gemms_replay(model, m))} for m in cases]
     paths = {"stock": model.forward}
     if decode is not None:

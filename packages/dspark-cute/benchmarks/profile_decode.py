@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from dspark_core.config import DraftConfig
-from dspark_core.model import DraftModel, StepInputs
+from dspark_core.model import DraftModel
+from dspark_core.timing import step_case
 from dspark_cute.decode import build_draft_decode
 
 CONTEXT = 256
@@ -56,9 +57,7 @@ def main(argv=None) -> int:
     decode = build_draft_decode(model)
     lines = []
     for m in (1, 4, 16):
-        step = StepInputs.block(CONTEXT, m, "cuda", span=CONTEXT + m)
-        x = model.embed_tokens(torch.arange(m, device="cuda"))
-        caches = model.make_caches((CONTEXT + m) // model.config.kv_block_size + 2, "cuda")
+        x, step, caches = step_case(model, m, CONTEXT)
         paths = {"stock": model.forward}
         if decode is not None:
             paths["specialized"] = decode.run

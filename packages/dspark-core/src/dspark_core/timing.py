@@ -126,6 +126,19 @@ def gemm_weight_bytes(model) -> int:
     return sum(w.numel() * w.element_size() for layer in model.layers for w in _gemm_weights(layer))
 
 
+def step_case(model, m: int, context: int, device="cuda") -> tuple:
+    """One benchmark step of ``m`` tokens after ``context`` cached ones:
+    ``(x, step, caches)`` with ``x`` the embeddings of tokens ``0 .. m-1``,
+    ``step`` a ``StepInputs.block`` of span ``context + m`` and empty caches
+    with two blocks to spare."""
+    from dspark_core.model import StepInputs
+
+    span = context + m
+    step = StepInputs.block(context, m, device, span=span)
+    x = model.embed_tokens(torch.arange(m, device=device))
+    return x, step, model.make_caches(span // model.config.kv_block_size + 2, device)
+
+
 def weight_floor_us(model, bytes_per_s: float = HBM_BYTES_PER_S) -> float:
     """Microseconds to read the step's GEMM weights once at ``bytes_per_s``."""
     return gemm_weight_bytes(model) / bytes_per_s * 1e6
