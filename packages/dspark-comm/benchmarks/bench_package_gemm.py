@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -56,8 +57,6 @@ def _kernel_us(fn, name: str, calls: int = 30) -> float:
     """Median device time (µs; CUPTI through torch.profiler) of the kernels
     whose name contains ``name`` over ``calls`` eager calls of ``fn``.
     Collective: every rank makes the same calls."""
-    import statistics
-
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

@@ -37,6 +37,7 @@ import math
 
 import torch
 
+from dspark_core.layers import capturing
 from dspark_core.numerics import _f32, exp_rn, fold_halves, head_sum
 
 F32 = torch.float32
@@ -96,8 +97,6 @@ def paged_attention(q: torch.Tensor, cache, attn_slots: torch.Tensor, num_kv_hea
     """Attention of BF16 ``q`` ``[m, heads, D]`` over ``cache`` (a
     ``layers.PagedKVCache``) at ``attn_slots`` ``[m, S]`` (negative: masked),
     steps 1-6 of the module docstring. Returns BF16 ``[m, heads, D]``."""
-    from dspark_core.layers import capturing
-
     check_attention(q, cache, attn_slots, num_kv_heads)
     if not capturing():
         _check_slots(cache, attn_slots)
