@@ -5,6 +5,7 @@
 # On this project's device machines (one call stays under 10 minutes, so split the steps):
 #   run(command="bash scripts/gpu-check.sh gpu bench", carry=[".device"], kind="nvidia-h200")
 #   run(command="bash scripts/gpu-check.sh multigpu", carry=[".device"], kind="nvidia-h200-x2")
+# decode: the executor's GPU suite alone (part of gpu).
 # demo: the README's demo (front off, then on).
 # bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM and the draft step at TP2
 # (two GPUs); demo-tp2: the demo at TP2 (two GPUs).
@@ -35,6 +36,9 @@ nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader
 if wanted gpu; then
   step gpu-suites 420 python -m pytest -m gpu packages/dspark-core/tests packages/dspark-cute/tests -q -p no:cacheprovider
 fi
+if wanted decode; then  # the executor's suite alone (a subset of gpu)
+  step decode-suite 240 python -m pytest -m gpu packages/dspark-cute/tests/test_gpu_decode.py -q -p no:cacheprovider
+fi
 if wanted multigpu; then
   step comm-multigpu 150 python -m pytest -m multigpu packages/dspark-comm/tests/test_comm_multigpu.py -q -p no:cacheprovider
   step gemm-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -p no:cacheprovider
@@ -53,7 +57,7 @@ if wanted demo; then
 fi
 if wanted bench; then
   step profile-decode 90 python packages/dspark-cute/benchmarks/profile_decode.py --out "$OUT"
-  step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --staged --out "$OUT"
+  step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --direct --out "$OUT"
 fi
 if wanted bench-kernels; then
   step bench-qkv-front 60 python packages/dspark-cute/benchmarks/bench_qkv_front.py --out "$OUT"

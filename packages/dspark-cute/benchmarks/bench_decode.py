@@ -32,8 +32,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--m", default="1,4,16", help="comma-separated tokens per step")
-    parser.add_argument("--staged", action="store_true",
-                        help="also time the decode with the staged attention variant (last column)")
+    parser.add_argument("--direct", action="store_true",
+                        help="also time the decode with the direct attention variant (last column)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA GPU, nothing to time")
@@ -53,9 +53,9 @@ def main(argv=None) -> int:
         paths["specialized"] = decode.run
     if not args.no_compile:
         paths["inductor"] = None  # compiled per m below
-    if args.staged and decode is not None:
-        # Last: a variant whose GPU suite has not run yet must not spoil the other columns.
-        paths["staged"] = build_draft_decode(model, attention_variant="staged").run
+    if args.direct and decode is not None:
+        # The attention kernel's other variant, for the side-by-side ratio.
+        paths["direct"] = build_draft_decode(model, attention_variant="direct").run
     for name, fn in paths.items():
         for row in rows:
             x, step, caches = cases[row["m"]]
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     return 0
 
 
-NAMES = ("stock", "inductor", "specialized", "staged")
+NAMES = ("stock", "inductor", "specialized", "direct")
 
 
 def _write_table(rows, layers: int, out: Path) -> None:

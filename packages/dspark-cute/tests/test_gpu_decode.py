@@ -80,26 +80,28 @@ def test_whole_forward_front_off_is_the_stock_forward(model, m, dtype):
 
 
 @pytest.mark.parametrize("m", [1, 7, 16])
-def test_staged_attention_variant_is_the_stock_forward(model, m):
-    """WRITTEN, NOT YET RUN ON A GPU: the "staged" attention variant (K/V in
-    shared memory, strided q from the front-off path's rotary output, the
-    o-gate in its epilogue) keeps the whole forward bit for bit, eagerly and
-    in a graph replay; with the QKV front on, its q is the front's strided view."""
-    decode = build_draft_decode(model, exclude={policy.QKV_FRONT}, attention_variant="staged")
-    assert all(k is not None and k.gated for k in decode.attentions)
+def test_direct_attention_variant_is_the_stock_forward(model, m):
+    """The "direct" attention variant (K/V read from global memory, a
+    contiguous q, the o-gate a kernel of its own) keeps the whole forward bit
+    for bit, eagerly and in a graph replay, and equals the default ("staged")
+    variant with the QKV front on."""
+    decode = build_draft_decode(model, exclude={policy.QKV_FRONT}, attention_variant="direct")
+    assert all(k is not None and not k.gated for k in decode.attentions)
+    staged = build_draft_decode(model, exclude={policy.QKV_FRONT})
+    assert all(k is not None and k.gated for k in staged.attentions)
     ref_caches, got_caches = _with_context(model), _with_context(model, decode)
     x = _hidden(model, m, torch.bfloat16)
     step = StepInputs.block(CONTEXT, m, "cuda", span=SPAN)
-    assert_bitwise(decode.run(x, step, got_caches), model(x, step, ref_caches), f"staged attention m={m}")
+    assert_bitwise(decode.run(x, step, got_caches), model(x, step, ref_caches), f"direct attention m={m}")
     graph_caches = _with_context(model)
     decode.run(x, step, graph_caches)  # the first step's K/V, as ref_caches hold it
     step1 = StepInputs.block(CONTEXT + m, m, "cuda", span=SPAN)
     graph = StepGraph(decode.run, x, step1, graph_caches)
-    assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), "staged attention graph replay")
-    front = build_draft_decode(model, attention_variant="staged")
+    assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), "direct attention graph replay")
+    direct = build_draft_decode(model, attention_variant="direct")
     default = build_draft_decode(model)
-    a, b = _with_context(model, front), _with_context(model, default)
-    assert_bitwise(front.run(x, step, a), default.run(x, step, b), "staged vs default with the QKV front")
+    a, b = _with_context(model, direct), _with_context(model, default)
+    assert_bitwise(direct.run(x, step, a), default.run(x, step, b), "direct vs staged with the QKV front")
 
 
 @pytest.mark.parametrize("m", [1, 16])

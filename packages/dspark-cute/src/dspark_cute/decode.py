@@ -35,12 +35,12 @@ from dspark_core.model import DraftModel, StepInputs, attend
 from dspark_core.plan import DraftPlan, plan_draft
 
 log = logging.getLogger("dspark.decode")
-# The decode attention kernel's variants (dspark_cute.attention): "default"
-# (its GPU suite passed on an H200) or "staged" (K/V staged in shared memory,
-# a strided q, the o-gate in its epilogue: compiled and audited on the CPU,
-# its GPU suite written but not yet run). DSPARK_ATTENTION picks it for
-# build_draft_decode.
-ATTENTION_VARIANTS = ("default", "staged")
+# The decode attention kernel's variants (dspark_cute.attention), both bit for
+# bit the spec on an H200: "staged" (the default: K/V staged in shared memory,
+# q read as the front's strided view, the o-gate in its epilogue) and "direct"
+# (K/V read from global memory, a contiguous q, the o-gate a kernel of its
+# own). DSPARK_ATTENTION picks one for build_draft_decode.
+ATTENTION_VARIANTS = ("staged", "direct")
 _logged: set[str] = set()
 
 
@@ -92,7 +92,7 @@ class DraftDecode:
     ``build_draft_decode``; ``prepare`` binds and compiles the kernels."""
 
     def __init__(self, model: DraftModel, plan: DraftPlan, all_reduce: AllReduceBoundaries | None = None,
-                 attention_variant: str = "default") -> None:
+                 attention_variant: str = "staged") -> None:
         if attention_variant not in ATTENTION_VARIANTS:
             raise ValueError(f"an attention variant of {ATTENTION_VARIANTS}, not {attention_variant!r}")
         self.attention_variant = attention_variant
@@ -396,7 +396,7 @@ def build_draft_decode(
     """The draft's specialized decode, prepared, or None where it keeps its
     stock layers; every reason is logged. ``exclude`` names kernels not to
     use (e.g. ``{"qkv_front"}``: the parts they would run stay stock).
-    ``attention_variant`` (default: ``DSPARK_ATTENTION`` or "default") picks
+    ``attention_variant`` (default: ``DSPARK_ATTENTION`` or "staged") picks
     the attention kernel's variant (``ATTENTION_VARIANTS``); it is logged.
 
     A rank's shard of a TP draft (``dspark_core.tp.TPDraftModel``, ``tp > 1``)
@@ -417,9 +417,9 @@ def build_draft_decode(
         return None
     for line in plan.refused():
         _log_once(logging.WARNING, line)
-    variant = attention_variant or os.environ.get("DSPARK_ATTENTION", "default")
+    variant = attention_variant or os.environ.get("DSPARK_ATTENTION", "staged")
     decode = DraftDecode(model, plan, all_reduce, attention_variant=variant)
-    if variant != "default":
+    if variant != "staged":
         _log_once(logging.INFO, f"the decode attention runs its {variant!r} variant")
     decode.prepare()
     if all_reduce is not None and hasattr(all_reduce, "prepare"):
