@@ -47,6 +47,13 @@ class Results:
         print(f"[rank {ctx.rank}] {name}: {json.dumps(value, default=str)[:300]}", flush=True)
 
 
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def run_checks(rank: int, world: int, init_file: str, out_dir: str, cfg: dict, checks, *,
                needed=(), skip=(), cleanup=None, timeout_s: float = 120.0) -> None:
     """One rank: join the NCCL group (``dspark_comm.ranks.init_rank``), run
@@ -63,6 +70,9 @@ def run_checks(rank: int, world: int, init_file: str, out_dir: str, cfg: dict, c
     for name, fn in checks:
         if name in skip:
             continue
+        # The ranks start each check together: one rank's slower compiles in
+        # the previous check must not count against a peer's poll timeout.
+        _barrier()
         results.run(name, fn, c)
         if name in needed and not results.data[name]["ok"]:
             break

@@ -131,9 +131,16 @@ def check_publish(c):
     c.bd = bd = AllReduceBoundary(c.mb, constants, conn.alpha, conn.beta, post.weight, pre.weight)
     bd.prepare(published=(False, True))
     res = {}
+    # Every kernel compiled before the first call that waits on a peer: a
+    # rank compiling while its peer polls can outlast the poll timeout (it
+    # did on two H200s: a spurious MailboxTimeoutError).
+    kernels = {}
     for order in (FP32_RANK_ORDER, BF16_RANK_ORDER):
-        pushed = MailboxAllReduce(c.mb, order)
-        consume = FusedAllReduce(c.mb, StoreEpilogue(), order, published=True)
+        kernels[order] = (MailboxAllReduce(c.mb, order), FusedAllReduce(c.mb, StoreEpilogue(), order, published=True))
+        for kernel in kernels[order]:
+            kernel.prepare()
+    torch.distributed.barrier()
+    for order, (pushed, consume) in kernels.items():
         for m in range(1, CAPACITY + 1):
             x = _operands(gen, m, k)
             y = gemm.run(x)
@@ -174,6 +181,7 @@ def check_stress(c):
     pushed = MailboxAllReduce(c.mb, FP32_RANK_ORDER)
     consume = FusedAllReduce(c.mb, StoreEpilogue(), FP32_RANK_ORDER, published=True)
     consume.prepare()
+    pushed.prepare()
     G = 48
     shared_rng, own = random.Random(21), random.Random(300 + c.rank)
     gen = torch.Generator(device="cuda").manual_seed(400 + c.rank)
@@ -194,6 +202,8 @@ def check_stress(c):
     out = torch.empty((CAPACITY, H), dtype=BF16, device="cuda")
     new = torch.empty((CAPACITY, H), dtype=FP32, device="cuda")
     counts = torch.zeros(3, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    torch.distributed.barrier()  # the references took each rank its own time
 
     def call(j: int) -> None:
         m, kind = plan[j]
