@@ -320,3 +320,29 @@ def test_bound_kernels_keep_the_stock_range_errors():
     step.slots[1] = step.slots[0]
     with pytest.raises(ValueError, match="distinct slots"):
         decode.run(hidden, step, caches)
+
+
+def test_profile_decode_marks_only_the_gemms():
+    """The profile's GEMM/rest split: cuBLAS, its split-K reduction, the
+    package GEMM and the QKV front are GEMMs; the other CuTe kernels (whose
+    names all carry "cutlass") are not."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        profile = importlib.import_module("profile_decode")
+    finally:
+        sys.path.pop(0)
+    gemms = ["nvjet_sm90_tst_256x8_64x6_2x1_v_bz_TNT",
+             "void cublasLt::splitKreduce_kernel<32, 16, int, float>",
+             "kernel_cutlass_kernel_dspark_cuteqkv_frontQKVFrontKernel_object_at_",
+             "kernel_cutlass_kernel_dspark_commpackage_gemmPackageGemmKernel_object_at_"]
+    others = ["kernel_cutlass_kernel_dspark_cuteattention_v2PagedAttentionV2Kernel_object_at_",
+              "kernel_cutlass_kernel_dspark_cuteboundaryBoundaryKernel_object_at_",
+              "kernel_cutlass_kernel_dspark_cutemlp_activationMlpActivationKernel_object_at_",
+              "kernel_cutlass_kernel_dspark_cuterow_normRowNormKernel_object_at_",
+              "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>"]
+    assert [profile._gemm(n) for n in gemms] == [True] * len(gemms)
+    assert [profile._gemm(n) for n in others] == [False] * len(others)
