@@ -172,24 +172,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 1 or args.layers < 1:
         parser.error("--reps and --layers are at least 1")
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        print("the TP2 draft benchmark needs two CUDA GPUs; skipped")
-        return 0
-    from dspark_comm.ranks import spawn_for_results
+    from dspark_comm.ranks import tp2_benchmark
 
     exclude = [k for k in args.exclude.split(",") if k]
-    os.makedirs(args.out, exist_ok=True)
-    t0 = time.monotonic()
-    raw, error = spawn_for_results(_worker, 2, os.path.join(args.out, "draft_tp2_raw.json"), args.out, args.reps,
-                                   exclude, args.layers, timeout_s=args.timeout)
+    raw, status = tp2_benchmark("the TP2 draft benchmark", _worker, args.out, "draft_tp2_raw.json", args.out,
+                                args.reps, exclude, args.layers, timeout_s=args.timeout)
     if raw is None:
-        print(f"the ranks recorded no result ({error})")
-        return 1
+        return status
     for r in raw:
         r["layers"] = args.layers
-    print(f"({time.monotonic() - t0:.1f} s)")
     print(_report(raw, args.out, args.reps, exclude))
-    return 0 if error is None else 1
+    return status
 
 
 if __name__ == "__main__":

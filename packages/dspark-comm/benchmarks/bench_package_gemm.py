@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -218,21 +217,13 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds before the ranks are killed")
     args = parser.parse_args()
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        print("the TP2 package GEMM benchmark needs two CUDA GPUs; skipped")
-        return 0
-    from dspark_comm.ranks import spawn_for_results
+    from dspark_comm.ranks import tp2_benchmark
 
-    os.makedirs(args.out, exist_ok=True)
-    t0 = time.monotonic()
-    raw_path = os.path.join(args.out, "package_gemm_raw.json")
-    raw, error = spawn_for_results(_worker, 2, raw_path, args.out, args.iters, args.reps, timeout_s=args.timeout)
-    if raw is None:
-        print(f"the ranks recorded no result ({error})")
-        return 1
-    print(_report(raw, args.out))
-    print(f"({time.monotonic() - t0:.1f} s)")
-    return 0 if error is None else 1
+    raw, status = tp2_benchmark("the TP2 package GEMM benchmark", _worker, args.out, "package_gemm_raw.json",
+                                args.out, args.iters, args.reps, timeout_s=args.timeout)
+    if raw is not None:
+        print(_report(raw, args.out))
+    return status
 
 
 if __name__ == "__main__":

@@ -224,3 +224,14 @@ def test_bench_package_gemm_report_judges_the_publish_kernel(tmp_path):
     assert "| package GEMM with publish: its kernel alone (profiler) | 4.00 | 4.00 | 7.00 |" in text
     assert "no slower than cuBLAS alone: met at 6 of 9 (K, m)" in text
     assert "(a stricter reading): met at 0 of 9 (K, m)" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() >= 2, reason="a two-GPU machine runs them")
+@pytest.mark.parametrize("name", ["bench_allreduce_boundary", "bench_package_gemm", "bench_draft_tp2"])
+def test_tp2_benchmarks_say_they_need_two_gpus(name, tmp_path, capsys, monkeypatch):
+    """With fewer than two GPUs each TP2 benchmark says so and exits 0,
+    spawning nothing and writing no result file."""
+    monkeypatch.setattr(sys, "argv", [name, "--out", str(tmp_path)])
+    assert _benchmark(name).main() == 0
+    assert "needs two CUDA GPUs; skipped" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []

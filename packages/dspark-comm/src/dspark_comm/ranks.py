@@ -19,8 +19,12 @@ demo), written once.
   ran out); the caller reads what the ranks recorded either way.
 - ``spawn_for_results(fn, world, results_path, *args, timeout_s)``:
   ``spawn_ranks`` after removing a stale ``results_path``, then the JSON the
-  ranks wrote there: ``(results or None, reason or None)`` (the TP
-  benchmarks' driver).
+  ranks wrote there: ``(results or None, reason or None)``.
+- ``tp2_benchmark(what, fn, out, results_file, *args, timeout_s)``: the TP2
+  benchmarks' driver: ``spawn_for_results`` on two GPUs (or, with fewer,
+  says that ``what`` needs two and returns ``(None, 0)``), printing the
+  reason where no rank recorded and the seconds taken; returns ``(results,
+  exit status)``.
 
 Nothing here imports the CuTe DSL.
 """
@@ -117,4 +121,24 @@ def spawn_for_results(fn, world: int, results_path: str, *args, timeout_s: float
         return json.load(f), error
 
 
-__all__ = ["MULTICAST_OFF", "finish_rank", "init_rank", "spawn_for_results", "spawn_ranks"]
+def tp2_benchmark(what: str, fn, out: str, results_file: str, *args, timeout_s: float = 180.0):
+    """``spawn_for_results(fn, 2, out/results_file, *args)`` for the TP2
+    benchmark ``what`` (e.g. "the TP2 draft benchmark"): with fewer than two
+    CUDA GPUs it prints that ``what`` needs two and returns ``(None, 0)``;
+    where no rank recorded a result it prints why and returns ``(None, 1)``;
+    else ``(results, 0 where every rank ended cleanly, else 1)``, after
+    printing the seconds taken. Creates ``out``."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        print(f"{what} needs two CUDA GPUs; skipped")
+        return None, 0
+    os.makedirs(out, exist_ok=True)
+    t0 = time.monotonic()
+    raw, error = spawn_for_results(fn, 2, os.path.join(out, results_file), *args, timeout_s=timeout_s)
+    if raw is None:
+        print(f"the ranks recorded no result ({error})")
+        return None, 1
+    print(f"({time.monotonic() - t0:.1f} s)")
+    return raw, 0 if error is None else 1
+
+
+__all__ = ["MULTICAST_OFF", "finish_rank", "init_rank", "spawn_for_results", "spawn_ranks", "tp2_benchmark"]
