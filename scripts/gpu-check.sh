@@ -57,7 +57,7 @@ if wanted demo; then
 fi
 if wanted bench; then
   step profile-decode 90 python packages/dspark-cute/benchmarks/profile_decode.py --out "$OUT"
-  step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --direct --out "$OUT"
+  step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --direct --exact --prefetch --out "$OUT"
 fi
 if wanted bench-kernels; then
   step bench-qkv-front 60 python packages/dspark-cute/benchmarks/bench_qkv_front.py --out "$OUT"

@@ -33,7 +33,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--m", default="1,4,16", help="comma-separated tokens per step")
     parser.add_argument("--direct", action="store_true",
-                        help="also time the decode with the direct attention variant (last column)")
+                        help="also time the decode with the direct attention variant")
+    parser.add_argument("--exact", action="store_true",
+                        help="also time the bit-for-bit decode (the QKV front off: cuBLAS + the QKV epilogue)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="also time the decode with the L2 weight prefetch (and, with --exact, both)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA GPU, nothing to time")
@@ -53,9 +57,17 @@ def main(argv=None) -> int:
         paths["specialized"] = decode.run
     if not args.no_compile:
         paths["inductor"] = None  # compiled per m below
-    if args.direct and decode is not None:
-        # The attention kernel's other variant, for the side-by-side ratio.
-        paths["direct"] = build_draft_decode(model, attention_variant="direct").run
+    if decode is not None:
+        # Variants of the specialized decode, for side-by-side ratios.
+        variants = {
+            "direct": args.direct and {"attention_variant": "direct"},
+            "exact": args.exact and {"exclude": {"qkv_front"}},
+            "prefetch": args.prefetch and {"prefetch": True},
+            "exact+prefetch": args.exact and args.prefetch and {"exclude": {"qkv_front"}, "prefetch": True},
+        }
+        for name, options in variants.items():
+            if options:
+                paths[name] = build_draft_decode(model, **options).run
     for name, fn in paths.items():
         for row in rows:
             x, step, caches = cases[row["m"]]
@@ -76,20 +88,23 @@ def main(argv=None) -> int:
     return 0
 
 
-NAMES = ("stock", "inductor", "specialized", "direct")
+NAMES = ("stock", "inductor", "specialized", "direct", "exact", "prefetch", "exact+prefetch")
+FUSED = NAMES[2:]
 
 
 def _write_table(rows, layers: int, out: Path) -> None:
     names = [n for n in NAMES if any(n in r for r in rows)]
     head = "| m | " + " | ".join(f"{n} (us)" for n in names) + " | GEMMs alone (us) | floor (us) |"
-    head += " specialized vs inductor | non-GEMM share of specialized |"
-    lines = [head, "|" + "---|" * (len(names) + 5)]
+    head += " specialized vs inductor | non-GEMM share of specialized | fastest fused vs inductor |"
+    lines = [head, "|" + "---|" * (len(names) + 6)]
     for r in rows:
         cells = [f"{r.get(n, float('nan')):.1f}" for n in names]
         spec, ind = r.get("specialized", float("nan")), r.get("inductor", float("nan"))
         share = (spec - r["gemms"]) / spec if spec == spec else float("nan")
+        fused = [(r[n], n) for n in FUSED if n in r and r[n] == r[n]]  # measured (not NaN)
+        best = f"{ind / min(fused)[0]:.2f}x ({min(fused)[1]})" if fused else "-"
         lines.append(f"| {r['m']} | " + " | ".join(cells)
-                     + f" | {r['gemms']:.1f} | {r['floor']:.1f} | {ind / spec:.2f}x | {share:.0%} |")
+                     + f" | {r['gemms']:.1f} | {r['floor']:.1f} | {ind / spec:.2f}x | {share:.0%} | {best} |")
     table = "\n".join(lines)
     print(f"\nDraft step, {layers} layers of the reference draft, {torch.cuda.get_device_name()}, CUDA graphs")
     print(table)

@@ -346,3 +346,103 @@ def test_profile_decode_marks_only_the_gemms():
               "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>"]
     assert [profile._gemm(n) for n in gemms] == [True] * len(gemms)
     assert [profile._gemm(n) for n in others] == [False] * len(others)
+
+
+class FakePrefetcher:
+    """Records forks and joins (a join only where a fork is pending, as the
+    real ``WeightPrefetcher``) into a shared event log."""
+
+    def __init__(self, log):
+        self.log, self.pending = log, False
+
+    def fork(self, weight, role):
+        self.log.append(("fork", role, tuple(weight.shape)))
+        self.pending = True
+
+    def join(self):
+        if self.pending:
+            self.log.append(("join",))
+            self.pending = False
+
+
+def _prefetch_log(model, decode, monkeypatch, epilogues: bool):
+    """The event log of one step: forks, joins and every GEMM the executor
+    runs through ``linear`` (the stock front's own GEMM is ``("stock front",)``)."""
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    ref_caches, got_caches = model.make_caches(4), model.make_caches(4)
+    ref = model.forward(hidden, StepInputs.block(3, 3), ref_caches)  # before the recording stand-ins
+    log = []
+    decode.prefetcher = FakePrefetcher(log)
+    real_linear = decode_module.linear
+
+    def recording_linear(x, weight):
+        log.append(("gemm", tuple(weight.shape)))
+        return real_linear(x, weight)
+
+    monkeypatch.setattr(decode_module, "linear", recording_linear)
+    holder = {}
+    if epilogues:
+        decode.epilogues = [FakeEpilogue(layer.self_attn, lambda: holder["caches"]) for layer in model.layers]
+    else:
+        for layer in model.layers:
+            real_front = layer.self_attn.front
+
+            def front(x, step, cache, real_front=real_front):
+                log.append(("stock front",))
+                return real_front(x, step, cache)
+
+            monkeypatch.setattr(layer.self_attn, "front", front)
+    for kernel in decode.attentions:
+        kernel.caches = got_caches
+    holder["caches"] = got_caches
+    got = decode.run(hidden, StepInputs.block(3, 3), got_caches)
+    assert_bitwise(got, ref, "decode output with the prefetch on")
+    return log
+
+
+@pytest.mark.parametrize("epilogues", [True, False])
+def test_the_prefetch_forks_after_each_gemm_and_joins_before_the_next(monkeypatch, epilogues):
+    """Each GEMM's weight is prefetched from right after the previous GEMM
+    (the first QKV weight from the step's start), every GEMM waits for its
+    prefetch, nothing is left pending at the step's end, and the result is
+    the stock forward's bits."""
+    model = DraftModel(small_config())
+    decode = _decode(model)
+    log = _prefetch_log(model, decode, monkeypatch, epilogues)
+    assert not decode.prefetcher.pending
+    shapes = {}
+    for i, layer in enumerate(model.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        shapes[i] = {r: tuple(w.shape) for r, w in
+                     (("qkv_proj", a.qkv_proj), ("o_proj", a.o_proj), ("gate_up", mlp.gate_up), ("down", mlp.down))}
+    expected = []
+    for i in range(len(model.layers)):
+        s = shapes[i]
+        if i == 0:
+            expected.append(("fork", "qkv_proj", s["qkv_proj"]))
+        expected.append(("join",))
+        if epilogues:
+            expected += [("gemm", s["qkv_proj"]), ("fork", "o_proj", s["o_proj"])]
+        else:
+            expected += [("stock front",), ("fork", "o_proj", s["o_proj"])]
+        expected += [("join",), ("gemm", s["o_proj"]), ("fork", "gate_up", s["gate_up"]),
+                     ("join",), ("gemm", s["gate_up"]), ("fork", "down", s["down"]),
+                     ("join",), ("gemm", s["down"])]
+        if i + 1 < len(model.layers):
+            expected.append(("fork", "qkv_proj", shapes[i + 1]["qkv_proj"]))
+    assert log == expected
+
+
+def test_the_prefetch_is_opt_in_and_checked():
+    model = DraftModel(small_config(num_layers=1))
+    plan = plan_draft(model, ALL)
+    assert DraftDecode(model, plan).prefetcher is None
+    from dspark_cute.weight_prefetch import WeightPrefetcher
+
+    decode = DraftDecode(model, plan, prefetch=decode_module.DEFAULT_PREFETCH)
+    assert isinstance(decode.prefetcher, WeightPrefetcher)
+    assert decode.prefetcher.bytes_per_row == decode_module.DEFAULT_PREFETCH
+    with pytest.raises(ValueError, match="prefetch roles"):
+        DraftDecode(model, plan, prefetch={"lm_head": 256})
+    with pytest.raises(ValueError, match="multiple of 128 bytes"):
+        DraftDecode(model, plan, prefetch={"down": 100})

@@ -105,6 +105,54 @@ def test_direct_attention_variant_is_the_stock_forward(model, m):
 
 
 @pytest.mark.parametrize("m", [1, 16])
+def test_the_weight_prefetch_changes_no_bit(model, m):
+    """WRITTEN, NOT YET RUN ON A GPU. With the L2 weight prefetch on (a side
+    stream forked after each GEMM and joined before the next), the front-off
+    forward is still the stock forward bit for bit, eagerly and in a graph
+    replay (the capture ends with every fork joined), and with the front on
+    it equals the same decode without the prefetch."""
+    decode = build_draft_decode(model, exclude={policy.QKV_FRONT}, prefetch=True)
+    assert decode.prefetcher is not None
+    ref_caches, got_caches = _with_context(model), _with_context(model, decode)
+    x = _hidden(model, m, torch.bfloat16)
+    step = StepInputs.block(CONTEXT, m, "cuda", span=SPAN)
+    assert_bitwise(decode.run(x, step, got_caches), model(x, step, ref_caches), f"prefetch m={m}")
+    assert not decode.prefetcher.pending
+    graph_caches = _with_context(model)
+    decode.run(x, step, graph_caches)
+    step1 = StepInputs.block(CONTEXT + m, m, "cuda", span=SPAN)
+    graph = StepGraph(decode.run, x, step1, graph_caches)
+    assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), "prefetch graph replay")
+    with_front, without = build_draft_decode(model, prefetch=True), build_draft_decode(model)
+    a, b = _with_context(model, with_front), _with_context(model, without)
+    assert_bitwise(with_front.run(x, step, a), without.run(x, step, b), "front on, prefetch vs none")
+
+
+def test_the_weight_prefetch_kernel_stays_inside_odd_weights():
+    """WRITTEN, NOT YET RUN ON A GPU. Prefetches of weights whose rows are not
+    whole lines, a row-slice view, one row, and more rows than the grid has
+    threads, each at the end of an allocation: no fault, and no byte of the
+    weights changes."""
+    from dspark_cute.weight_prefetch import WeightPrefetch
+
+    prefetch = WeightPrefetch()
+    prefetch.prepare()
+    weights = [
+        torch.randn(3, 100, device="cuda"),  # 400-byte rows: 3 lines a row at most
+        torch.randn(1, 8192, device="cuda").to(torch.bfloat16),
+        torch.randn(9000, 72, device="cuda").to(torch.bfloat16),  # 144-byte rows, 9000 > 8192 threads
+        torch.randn(64, 256, device="cuda").to(torch.bfloat16)[5:37],  # a row-slice view
+    ]
+    before = [w.clone() for w in weights]
+    for w in weights:
+        for nbytes in (128, 256, 4096):
+            prefetch(w, nbytes)
+    torch.cuda.synchronize()
+    for w, b in zip(weights, before):
+        assert_bitwise(w, b, "a prefetched weight")
+
+
+@pytest.mark.parametrize("m", [1, 16])
 def test_whole_step_graph_replays_are_the_eager_step(model, m):
     decode = build_draft_decode(model, exclude={policy.QKV_FRONT})
     eager_caches, graph_caches = _with_context(model), _with_context(model)

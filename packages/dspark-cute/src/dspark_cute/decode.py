@@ -41,6 +41,10 @@ log = logging.getLogger("dspark.decode")
 # (K/V read from global memory, a contiguous q, the o-gate a kernel of its
 # own). DSPARK_ATTENTION picks one for build_draft_decode.
 ATTENTION_VARIANTS = ("staged", "direct")
+# Bytes a row of each GEMM weight that the opt-in L2 prefetch brings in while
+# the small kernels before that GEMM run (dspark_cute.weight_prefetch; the
+# H200 probe's best: 256-512). DSPARK_PREFETCH=1 turns it on.
+DEFAULT_PREFETCH = {"qkv_proj": 256, "o_proj": 256, "gate_up": 256, "down": 512}
 _logged: set[str] = set()
 
 
@@ -92,10 +96,17 @@ class DraftDecode:
     ``build_draft_decode``; ``prepare`` binds and compiles the kernels."""
 
     def __init__(self, model: DraftModel, plan: DraftPlan, all_reduce: AllReduceBoundaries | None = None,
-                 attention_variant: str = "staged") -> None:
+                 attention_variant: str = "staged", prefetch: dict[str, int] | None = None) -> None:
         if attention_variant not in ATTENTION_VARIANTS:
             raise ValueError(f"an attention variant of {ATTENTION_VARIANTS}, not {attention_variant!r}")
         self.attention_variant = attention_variant
+        # Opt-in: bytes a row per weight role (WeightPrefetcher checks them).
+        self.prefetch = dict(prefetch) if prefetch else None
+        self.prefetcher = None
+        if self.prefetch:
+            from .weight_prefetch import WeightPrefetcher
+
+            self.prefetcher = WeightPrefetcher(self.prefetch, next(model.parameters()).device)
         if plan.draft_reason is not None:
             raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason}): nothing to run fused")
         model_tp = getattr(model, "tp", 1)
@@ -152,6 +163,8 @@ class DraftDecode:
             [b[k] for b in bound] for k in range(5)
         )
         self.context = self._bind_context(plan.context)
+        if self.prefetcher is not None:
+            self.prefetcher.prepare()
         self.prepared = True
 
     def _kernel_class(self, part, module: str, name: str):
@@ -245,28 +258,49 @@ class DraftDecode:
     def _attention(self, index: int, x: torch.Tensor, step: StepInputs, cache):
         """Layer ``index``'s attention branch, ``(partial, published)``
         (``_project``): the fused QKV front where it covers the call, else
-        the stock front; attention, the o-gate, the output projection."""
+        the stock projection with the QKV epilogue or the stock front;
+        attention, the o-gate, the output projection. With the prefetch on,
+        each GEMM waits for the prefetch of its weight (``_join``) and the
+        o_proj weight's prefetch starts right after the QKV GEMM."""
         attn = self.layers[index].self_attn
         front = self.fronts[index] if self.fronts else None
         epilogue = self.epilogues[index] if self.epilogues else None
+        self._join()
         if front is not None and front.takes(x, step.positions, step.slots, cache.tensor):
             qkv = front.launch(x, step.positions, step.slots, cache.tensor)
+            self._fork(attn.o_proj, "o_proj")
             q, _, _, og = attn.split_qkv(qkv)
-            return self._project(2 * index, self._gated(index, q, og, step, cache), attn.o_proj)
-        if front is not None:
-            _log_once(logging.INFO, f"layer {index}'s QKV front ran stock: {x.shape[0]} rows not covered")
-        qkv = linear(x, attn.qkv_proj) if epilogue is not None else None
-        if qkv is not None and epilogue.takes(qkv, step.positions, step.slots, cache.tensor):
-            # run() checked positions and slots (the stock front raises there).
-            q = epilogue.launch(qkv, step.positions, step.slots, cache.tensor)
-            og = attn.split_qkv(qkv)[3]
-        elif qkv is not None:
-            _log_once(logging.INFO, f"layer {index}'s QKV epilogue ran stock: "
-                      f"{epilogue.problem(qkv, step.positions, step.slots, cache.tensor)}")
-            q, og = attn.front_from(qkv, step, cache)
         else:
-            q, og = attn.front(x, step, cache)
-        return self._project(2 * index, self._gated(index, q, og, step, cache), attn.o_proj)
+            if front is not None:
+                _log_once(logging.INFO, f"layer {index}'s QKV front ran stock: {x.shape[0]} rows not covered")
+            qkv = linear(x, attn.qkv_proj) if epilogue is not None else None
+            if qkv is not None:
+                self._fork(attn.o_proj, "o_proj")
+            if qkv is not None and epilogue.takes(qkv, step.positions, step.slots, cache.tensor):
+                # run() checked positions and slots (the stock front raises there).
+                q = epilogue.launch(qkv, step.positions, step.slots, cache.tensor)
+                og = attn.split_qkv(qkv)[3]
+            elif qkv is not None:
+                _log_once(logging.INFO, f"layer {index}'s QKV epilogue ran stock: "
+                          f"{epilogue.problem(qkv, step.positions, step.slots, cache.tensor)}")
+                q, og = attn.front_from(qkv, step, cache)
+            else:
+                q, og = attn.front(x, step, cache)
+                self._fork(attn.o_proj, "o_proj")
+        gated = self._gated(index, q, og, step, cache)
+        self._join()
+        return self._project(2 * index, gated, attn.o_proj)
+
+    def _fork(self, weight: torch.Tensor, role: str) -> None:
+        """Start the L2 prefetch of ``weight`` (its ``role``'s bytes a row) on
+        the side stream, where the prefetch is on."""
+        if self.prefetcher is not None:
+            self.prefetcher.fork(weight, role)
+
+    def _join(self) -> None:
+        """The current stream waits for the pending prefetch (before a GEMM)."""
+        if self.prefetcher is not None:
+            self.prefetcher.join()
 
     def _gated(self, index: int, q, og, step: StepInputs, cache) -> torch.Tensor:
         """``DraftAttention.gated``: attention, then the o-norm and gate, on
@@ -327,15 +361,27 @@ class DraftDecode:
         # A BF16 row round-trips through the FP32 stream unchanged: the first
         # boundary reads it as is.
         stream = hidden_states if hidden_states.dtype == self.dtype else hidden_states.to(torch.float32)
-        x = self._first_norm(stream.to(self.dtype).contiguous())
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            attn_out, published = self._attention(i, x, step, caches[i])
-            stream, ffn_in = self._boundary(2 * i, attn_out, stream, True, published)
-            mlp = layer.mlp
-            hidden = self._activation(i, linear(ffn_in, mlp.gate_up))
-            ffn_out, published = self._project(2 * i + 1, hidden, mlp.down)
-            stream, x = self._boundary(2 * i + 1, ffn_out, stream, i != last, published)
+        try:
+            if self.layers:  # the first QKV weight, while the first norm runs
+                self._fork(self.layers[0].self_attn.qkv_proj, "qkv_proj")
+            x = self._first_norm(stream.to(self.dtype).contiguous())
+            for i, layer in enumerate(self.layers):
+                mlp = layer.mlp
+                attn_out, published = self._attention(i, x, step, caches[i])
+                self._fork(mlp.gate_up, "gate_up")
+                stream, ffn_in = self._boundary(2 * i, attn_out, stream, True, published)
+                self._join()
+                gate_up = linear(ffn_in, mlp.gate_up)
+                self._fork(mlp.down, "down")
+                hidden = self._activation(i, gate_up)
+                self._join()
+                ffn_out, published = self._project(2 * i + 1, hidden, mlp.down)
+                if i != last:
+                    self._fork(self.layers[i + 1].self_attn.qkv_proj, "qkv_proj")
+                stream, x = self._boundary(2 * i + 1, ffn_out, stream, i != last, published)
+        finally:
+            self._join()  # no fork outlives the step (a capture must end joined)
         return x
 
     def store_context_kv(self, context_states, positions, caches, slots) -> bool:
@@ -392,12 +438,17 @@ def build_draft_decode(
     all_reduce: AllReduceBoundaries | None = None,
     exclude: frozenset[str] | set[str] = frozenset(),
     attention_variant: str | None = None,
+    prefetch: dict[str, int] | bool | None = None,
 ) -> DraftDecode | None:
     """The draft's specialized decode, prepared, or None where it keeps its
     stock layers; every reason is logged. ``exclude`` names kernels not to
     use (e.g. ``{"qkv_front"}``: the parts they would run stay stock).
     ``attention_variant`` (default: ``DSPARK_ATTENTION`` or "staged") picks
     the attention kernel's variant (``ATTENTION_VARIANTS``); it is logged.
+    ``prefetch`` (default: ``DEFAULT_PREFETCH`` where ``DSPARK_PREFETCH=1``,
+    else off; True: ``DEFAULT_PREFETCH``; a dict: bytes a row per weight
+    role) turns on the L2 prefetch of each GEMM's weight during the kernels
+    before it (``dspark_cute.weight_prefetch``; it changes no value).
 
     A rank's shard of a TP draft (``dspark_core.tp.TPDraftModel``, ``tp > 1``)
     needs ``all_reduce`` of its TP size (dspark-comm's ``DraftAllReduce``):
@@ -418,9 +469,15 @@ def build_draft_decode(
     for line in plan.refused():
         _log_once(logging.WARNING, line)
     variant = attention_variant or os.environ.get("DSPARK_ATTENTION", "staged")
-    decode = DraftDecode(model, plan, all_reduce, attention_variant=variant)
+    if prefetch is None:
+        prefetch = os.environ.get("DSPARK_PREFETCH", "0") not in ("", "0")
+    if prefetch is True:
+        prefetch = DEFAULT_PREFETCH
+    decode = DraftDecode(model, plan, all_reduce, attention_variant=variant, prefetch=prefetch or None)
     if variant != "staged":
         _log_once(logging.INFO, f"the decode attention runs its {variant!r} variant")
+    if decode.prefetch:
+        _log_once(logging.INFO, f"the decode prefetches its GEMM weights into L2 (bytes a row: {decode.prefetch})")
     decode.prepare()
     if all_reduce is not None and hasattr(all_reduce, "prepare"):
         all_reduce.prepare()
