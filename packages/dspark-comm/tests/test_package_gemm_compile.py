@@ -334,6 +334,44 @@ def test_kernel_refuses():
         pg.PackageGemmKernel(8192, cfg, "publish", MailboxLayout(2, 8192, 16), 2, True)
 
 
+# (label, constants, n_tiles, tp, rank, pdl): the early-epochs publish variant
+EARLY = [
+    ("o_proj-tp2-k1024-nt2", _constants("o_proj", 8192, 1024), 2, 2, 1, True),
+    ("o_proj-tp2-k1024-nt1", _constants("o_proj", 8192, 1024), 1, 2, 0, True),
+    ("down-tp2-k8192-nt2", _constants("down_proj", 8192, 8192), 2, 2, 0, True),
+    ("o_proj-tp4-k2048-nopdl", _constants("o_proj", 8192, 2048), 2, 4, 3, False),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", EARLY, ids=[v[0] for v in EARLY])
+def test_early_epochs_are_loaded_before_the_main_loop(arch, variant, tmp_path):
+    """``early_epochs``: the same kernel (the whole audit above) with every
+    round's epoch load after the PDL wait and before the first MMA, so its
+    latency hides behind the main loop."""
+    from dspark_cute.host import compile_ptx
+
+    _, c, nt, tp, rank, pdl = variant
+    kw, st = pg.default_shape(c)
+    cfg = sg.SkinnyConfig(c.k_shard, kw, st, nt)
+    kernel = pg.PackageGemmKernel(c.hidden_size, cfg, "publish", MailboxLayout(tp, c.hidden_size, 16), rank, pdl,
+                                  early_epochs=True)
+    assert kernel.early_epochs
+    ptx = compile_ptx(kernel, *pg.fake_args(), arch=arch)
+    body = code(ptx)
+    audit(body, cfg, "publish", tp, pdl)
+    before_mma = body.partition("mma.sync")[0]
+    assert count(before_mma, r"\bld\.relaxed\.gpu\.global\.b32") == pg.epilogue_rounds(cfg)
+    if pdl:
+        assert count(before_mma.partition("griddepcontrol.wait")[2], r"\bld\.relaxed\.gpu") == pg.epilogue_rounds(cfg)
+    report = ptxas_report(ptx, arch, tmp_path)
+    if report and arch == "sm_90a":
+        assert "0 bytes spill stores" in report
+    # Plain mode has no epochs: the flag is ignored there.
+    assert not pg.PackageGemmKernel(c.hidden_size, cfg, "plain", None, 0, pdl, early_epochs=True).early_epochs
+
+
 def test_compile_cache_keyed_by_constants(monkeypatch):
     built = []
 
@@ -356,6 +394,9 @@ def test_compile_cache_keyed_by_constants(monkeypatch):
     pg.compile_package_gemm(a, cfg, "publish", layout, 1, True)
     pg.compile_package_gemm(_constants("o_proj", 8192, 1024, max_rows=8), cfg, "plain", None, 0, True)
     assert len(built) == 4
+    pg.compile_package_gemm(a, cfg, "publish", layout, 0, True, early_epochs=True)  # its own variant
+    pg.compile_package_gemm(a, cfg, "plain", None, 0, True, early_epochs=True)  # plain: the same kernel
+    assert len(built) == 5 and built[-1].early_epochs
     # During CUDA graph capture a new variant is refused (prepare() first).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

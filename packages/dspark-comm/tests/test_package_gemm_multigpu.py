@@ -126,6 +126,9 @@ def check_publish(c):
     w = _operands(gen, H, k)
     c.gemm = gemm = PackageGemm(_constants("o_proj", k), w, c.mb)
     gemm.prepare()
+    # The opt-in early-epochs publish (written, not yet run on GPUs): the same bits.
+    early = PackageGemm(_constants("o_proj", k), w, c.mb, early_epochs=True)
+    early.prepare()
     post, conn, pre = c.modules = _boundary_modules(shared)
     constants = boundary_constants(post, conn, pre, H)
     c.bd = bd = AllReduceBoundary(c.mb, constants, conn.alpha, conn.beta, post.weight, pre.weight)
@@ -148,7 +151,10 @@ def check_publish(c):
             gemm.run(x, publish=True)
             b = torch.empty_like(a)
             consume.launch(m, None, (b,))
-            res[f"allreduce/{order}/m{m}"] = bad(a, b) + bad(b, nccl(y))
+            early.run(x, publish=True)
+            e = torch.empty_like(a)
+            consume.launch(m, None, (e,))
+            res[f"allreduce/{order}/m{m}"] = bad(a, b) + bad(b, nccl(y)) + bad(a, e)
     for m in list(range(1, CAPACITY + 1)) + [16]:
         for stream_dtype, store in ((FP32, True), (BF16, False)):
             x = _operands(gen, m, k)

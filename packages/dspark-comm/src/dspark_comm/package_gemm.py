@@ -56,6 +56,14 @@ With ``pdl`` the weight copies of the first pipeline stages are issued before
 the PDL wait, x (and, in publish mode, the epochs) read after it; dependents
 are released after the main loop (a consumer's PDL wait still waits for this
 grid's end before reading the mailbox).
+
+``early_epochs`` (opt-in, publish mode; written and compile-checked, not yet
+run on GPUs): every epilogue round's epoch is loaded right after the PDL wait
+(before the main loop's x copies) instead of in its round, so the loads'
+latency hides behind the main loop; in round order the epilogue otherwise
+serializes one epoch load per round before its stores (2 rounds at m <= 8, 4
+at m <= 16 with 4 warps). The same values are read at a point where the same
+kernels have completed, so the bits are the same.
 """
 
 from __future__ import annotations
@@ -144,7 +152,7 @@ class PackageGemmKernel:
     (``tp`` Int64; unused in plain mode), ``m`` Int32 (1 .. 8 n_tiles)."""
 
     def __init__(self, n: int, cfg: sg.SkinnyConfig, mode: str, layout: MailboxLayout | None, rank: int,
-                 pdl: bool) -> None:
+                 pdl: bool, early_epochs: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"a package GEMM mode is one of {', '.join(MODES)}, not {mode!r}")
         if n <= 0 or n % sg.TILE_ROWS:
@@ -159,6 +167,7 @@ class PackageGemmKernel:
             if not 0 <= rank < layout.tp:
                 raise ValueError(f"rank {rank} is outside a TP group of {layout.tp}")
         self.n, self.cfg, self.mode, self.layout, self.rank, self.pdl = n, cfg, mode, layout, rank, pdl
+        self.early_epochs = bool(early_epochs) and mode == "publish"
 
     @cute.jit
     def __call__(self, x: Int64, weight: Int64, out: Int64, table: Int64, m: Int32, stream):
@@ -183,14 +192,25 @@ def _gemm_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp,
     # The address table is constant: read before the PDL wait.
     bases = [dev.ld_u64(Int64(table) + 8 * r) for r in range(k.layout.tp)] if publish else None
     w_tile = Int64(weight) + Int64(tile) * (sg.TILE_ROWS * cfg.k * 2)
+    rounds = epilogue_rounds(cfg)
+    early: list = []  # early_epochs: each round's epoch, loaded after the PDL wait
+
+    def before_x() -> None:
+        if k.pdl:
+            ptx.pdl_wait()
+        if k.early_epochs:
+            for rnd in range(rounds):
+                tok_c = cutlass.min(Int32(epilogue_token(cfg, warp, rnd)), m - 1)
+                early.append(dev.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4))
+
     acc = sg.mainloop(cfg, w_tile, Int64(x), m, ring, tidx, warp, lane,
-                      before_x=ptx.pdl_wait if k.pdl else None)
+                      before_x=before_x if k.pdl or k.early_epochs else None)
     if k.pdl:
         # Dependents still wait for this grid's end before they read its output.
         ptx.pdl_launch_dependents()
     sg.store_partials(cfg, acc, ring, warp, lane)
     col = output_column(Int64(tile), Int64(lane))
-    for rnd in range(epilogue_rounds(cfg)):
+    for rnd in range(rounds):
         tok = Int32(epilogue_token(cfg, warp, rnd))
         a, b = sg.reduced_pair(cfg, ring, tok, lane)
         word = ptx.pack_bf16x2_rn(a, b)
@@ -198,7 +218,7 @@ def _gemm_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp,
             # The row's epoch, read (never advanced) after the PDL wait; a
             # token at or beyond m reads row m - 1's and stores nothing.
             tok_c = cutlass.min(tok, m - 1)
-            epoch = dev.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4)
+            epoch = early[rnd] if k.early_epochs else dev.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4)
             encoded = dev.encode(word)
             for peer in range(k.layout.tp):
                 addr = bases[peer] + publish_offset(k.layout, Int64(epoch), k.rank, Int64(tok_c), col)
@@ -216,13 +236,15 @@ _CACHE = CompileCache()
 
 
 def compile_package_gemm(constants: PackageGemmConstants, cfg: sg.SkinnyConfig, mode: str,
-                         layout: MailboxLayout | None, rank: int, pdl: bool):
+                         layout: MailboxLayout | None, rank: int, pdl: bool, early_epochs: bool = False):
     """The compiled kernel of one variant, compiled once per process, keyed by
     the constants (RuntimeError during CUDA graph capture: ``prepare()``)."""
+    early_epochs = bool(early_epochs) and mode == "publish"
     key = ("package_gemm", constants.key(), cfg, mode, layout if mode == "publish" else None,
-           rank if mode == "publish" else 0, pdl)
+           rank if mode == "publish" else 0, pdl, early_epochs)
     return _CACHE.get(key, lambda: compile_kernel(
-        PackageGemmKernel(constants.hidden_size, cfg, mode, layout, rank, pdl), *fake_args(), what="PackageGemm",
+        PackageGemmKernel(constants.hidden_size, cfg, mode, layout, rank, pdl, early_epochs), *fake_args(),
+        what="PackageGemm",
     ))
 
 
@@ -288,7 +310,8 @@ class PackageGemm:
     ``hidden_size`` columns (None: plain mode only); ``rank``: this rank
     (default and required: the mailbox's). ``k_warps``, ``stages``: the main
     loop's shape (``default_shape``); ``pdl``: programmatic dependent launch
-    (default: sm_90+).
+    (default: sm_90+); ``early_epochs``: the publish epilogue's epochs loaded
+    before the main loop (module docstring; opt-in until its GPU run).
 
     - ``run(x, out=None)``: plain, returns BF16 ``[m, hidden_size]``;
     - ``run(x, publish=True)``: publishes the partial into the mailbox and
@@ -303,7 +326,7 @@ class PackageGemm:
 
     def __init__(self, constants: PackageGemmConstants, weight: torch.Tensor, mailbox=None,
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
-                 pdl: bool | None = None) -> None:
+                 pdl: bool | None = None, early_epochs: bool = False) -> None:
         kw, st = default_shape(constants, k_warps, stages)
         c = constants
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
@@ -334,6 +357,7 @@ class PackageGemm:
         self.device = weight.device
         self.k_warps, self.stages = kw, st
         self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
+        self.early_epochs = bool(early_epochs)
 
     @property
     def max_rows(self) -> int:
@@ -342,7 +366,7 @@ class PackageGemm:
     def _kernel(self, m: int, publish: bool):
         mode = "publish" if publish else "plain"
         return compile_package_gemm(self.constants, self.configs[1 if m <= 8 else 2], mode, self.layout,
-                                    self.rank, self.pdl)
+                                    self.rank, self.pdl, self.early_epochs)
 
     def prepare(self, publish: tuple = (False, True)) -> None:
         """Compile the variants ``run`` launches (m <= 8 and m <= 16 where
