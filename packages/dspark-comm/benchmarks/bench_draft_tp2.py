@@ -3,10 +3,14 @@
 The reference draft (``DraftConfig()``: 2 layers, hidden 8192) sharded over
 two ranks with ``dspark_core.tp``; a 256-token context stored first (the
 stock chain). Per m in {1, 4, 16} tokens per step, each path captured once as
-a whole-step CUDA graph (``dspark_core.graphs.StepGraph``) and timed over
+a CUDA graph of ``--steps-per-graph`` consecutive steps (``dspark_core.graphs.StepGraph``
+of a function that runs the step that many times on the same inputs) and timed over
 ``--reps`` replays, both ranks released by a barrier before each
-(``dspark_comm.tp_draft.time_replays``); the table shows the slower rank's
-median, in microseconds per step:
+(``dspark_comm.tp_draft.time_replays``), each replay's time divided by its
+steps: the ranks leave the barrier a little apart and the slower rank's first
+all-reduce waits for its peer, a skew that several steps per replay amortize
+(with one step a replay, run-to-run figures varied by up to 60 us on two
+H200s). The table shows the slower rank's median, in microseconds per step:
 
 - ``stock TP2``: ``TPDraftModel.forward`` (the stock layers, each branch's
   partial all-reduced by ``torch.distributed.all_reduce`` over NCCL);
@@ -40,7 +44,20 @@ CONTEXT = 256
 PATHS = [("stock TP2 (NCCL)", "stock"), ("specialized", "spec"), ("specialized + package GEMM", "package")]
 
 
-def _worker(rank: int, world: int, init: str, out: str, reps: int, exclude: list, layers: int) -> None:
+def _steps(fn, count: int):
+    """``fn(hidden, step, caches)`` run ``count`` times in a row (the last
+    output): several steps per timed graph."""
+
+    def steps(hidden, step, caches):
+        for _ in range(count - 1):
+            fn(hidden, step, caches)
+        return fn(hidden, step, caches)
+
+    return steps
+
+
+def _worker(rank: int, world: int, init: str, out: str, reps: int, exclude: list, layers: int,
+            per_graph: int = 1) -> None:
     from dspark_comm.ranks import finish_rank, init_rank
 
     init_rank(rank, world, init, timeout_s=120.0)
@@ -82,11 +99,11 @@ def _worker(rank: int, world: int, init: str, out: str, reps: int, exclude: list
                 continue
             graph, err = None, None
             try:
-                graph = StepGraph(fns[key], x, step, caches)
+                graph = StepGraph(_steps(fns[key], per_graph), x, step, caches)
             except Exception as e:
                 err = f"failed to capture: {type(e).__name__}: {e}"[:300]
             errors = [e for e in tp.group.all_gather_object(err) if e]
-            res[f"{key}/{m}"] = errors[0] if errors else time_replays(graph.replay, reps)
+            res[f"{key}/{m}"] = errors[0] if errors else time_replays(graph.replay, reps, calls=per_graph)
             del graph
     res["status"] = tp.close()
     raw = tp.group.all_gather_object(res)
@@ -111,7 +128,8 @@ def _report(raw: list[dict], out: str, reps: int, exclude: list) -> str:
     head += " stock / + package GEMM |"
     lines = [
         f"One step of the reference draft ({raw[0].get('layers', 2)} layers, hidden 8192) at TP2 on "
-        f"{raw[0].get('device', 'GPU')} x2: microseconds per step, whole-step CUDA graphs, median of {reps} "
+        f"{raw[0].get('device', 'GPU')} x2: microseconds per step, CUDA graphs of "
+        f"{raw[0].get('steps_per_graph', 1)} steps, median of {reps} "
         f"replays, the slower rank; 256-token context; floor = the rank's weight bytes at 4.3 TB/s"
         + (f"; excluded: {', '.join(exclude)}" if exclude else "") + ".",
         "",
@@ -168,19 +186,20 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--exclude", default="", help="comma-separated kernels both specialized paths leave out")
+    parser.add_argument("--steps-per-graph", type=int, default=4, help="consecutive steps in each timed graph")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds before the ranks are killed")
     args = parser.parse_args(argv)
-    if args.reps < 1 or args.layers < 1:
-        parser.error("--reps and --layers are at least 1")
+    if args.reps < 1 or args.layers < 1 or args.steps_per_graph < 1:
+        parser.error("--reps, --layers and --steps-per-graph are at least 1")
     from dspark_comm.ranks import tp2_benchmark
 
     exclude = [k for k in args.exclude.split(",") if k]
     raw, status = tp2_benchmark("the TP2 draft benchmark", _worker, args.out, "draft_tp2_raw.json", args.out,
-                                args.reps, exclude, args.layers, timeout_s=args.timeout)
+                                args.reps, exclude, args.layers, args.steps_per_graph, timeout_s=args.timeout)
     if raw is None:
         return status
     for r in raw:
-        r["layers"] = args.layers
+        r["layers"], r["steps_per_graph"] = args.layers, args.steps_per_graph
     print(_report(raw, args.out, args.reps, exclude))
     return status
 

@@ -237,3 +237,18 @@ def test_tp2_benchmarks_say_they_need_two_gpus(name, tmp_path, capsys, monkeypat
     assert _benchmark(name).main() == 0
     assert "needs two CUDA GPUs; skipped" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_draft_tp2_graphs_several_steps():
+    """``_steps``: the step run ``count`` times on the same inputs, the last
+    output returned (several steps per timed graph amortize the ranks' skew)."""
+    bench = _benchmark("bench_draft_tp2")
+    calls = []
+
+    def step(hidden, s, caches):
+        calls.append((hidden, s, caches))
+        return len(calls)
+
+    assert bench._steps(step, 4)("h", "s", "c") == 4
+    assert calls == [("h", "s", "c")] * 4
+    assert bench._steps(step, 1)("h", "s", "c") == 5
