@@ -18,6 +18,12 @@ Tensor parallelism plugs in per boundary: ``DraftDecode(..., all_reduce=...)``
 takes an object with ``takes(partial)`` and ``run(index, partial, stream,
 store_stream)`` (dspark-comm's fused all-reduce boundary); without it the
 draft is TP1 and every branch is already whole.
+
+The opt-in L2 weight prefetch (``prefetch``; ``dspark_cute.weight_prefetch``)
+forks a prefetch of each GEMM's weight onto a side stream right after the
+previous GEMM (the first QKV weight at the step's start) and joins it before
+that GEMM, so it overlaps the norms, boundaries, attention and activation in
+between; ``run`` ends with every fork joined. It changes no value.
 """
 
 from __future__ import annotations
