@@ -264,11 +264,17 @@ class DraftModel(nn.Module):
         stream, x = self.first_norm(hidden_states)
         bounds = self.boundaries()
         for i, layer in enumerate(self.layers):
-            attn_out = layer.self_attn(x, step, caches[i])
+            attn_out = self.reduce_branch(layer.self_attn(x, step, caches[i]))
             stream, ffn_in = residual_boundary(*bounds[2 * i], attn_out, stream)
-            ffn_out = layer.mlp(ffn_in)
+            ffn_out = self.reduce_branch(layer.mlp(ffn_in))
             stream, x = residual_boundary(*bounds[2 * i + 1], ffn_out, stream)
         return x
+
+    def reduce_branch(self, branch: torch.Tensor) -> torch.Tensor:
+        """A branch's output as its boundary takes it: the whole draft's
+        branch, as it is (a TP shard, ``dspark_core.tp.TPDraftModel``,
+        all-reduces its partial here)."""
+        return branch
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed[tokens]

@@ -50,8 +50,7 @@ import torch
 
 from .compare import mismatches
 from .config import DraftConfig
-from .layers import residual_boundary
-from .model import DraftModel, StepInputs
+from .model import DraftModel
 from .numerics import F32
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -194,22 +193,12 @@ class TPDraftModel(DraftModel):
                                      f"{tuple(p.shape)} {p.dtype}")
                 p.copy_(src)
 
-    def forward(self, hidden_states: torch.Tensor, step: StepInputs, caches) -> torch.Tensor:
-        """``DraftModel.forward`` of the shard with each layer's attention and
-        MLP output all-reduced before its boundary: BF16 ``[m, H]``, the same
-        on every rank."""
-        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.config.hidden_size:
-            raise ValueError(f"the draft takes hidden states of [m, {self.config.hidden_size}]")
-        if len(caches) != len(self.layers):
-            raise ValueError(f"the draft takes one KV cache per layer ({len(self.layers)})")
-        stream, x = self.first_norm(hidden_states)
-        bounds = self.boundaries()
-        for i, layer in enumerate(self.layers):
-            attn_out = self.all_reduce(layer.self_attn(x, step, caches[i]))
-            stream, ffn_in = residual_boundary(*bounds[2 * i], attn_out, stream)
-            ffn_out = self.all_reduce(layer.mlp(ffn_in))
-            stream, x = residual_boundary(*bounds[2 * i + 1], ffn_out, stream)
-        return x
+    def reduce_branch(self, branch: torch.Tensor) -> torch.Tensor:
+        """The shard's row-parallel partial all-reduced (``all_reduce``):
+        ``DraftModel.forward`` of the shard sums each layer's attention and
+        MLP output so before its boundary, and gives BF16 ``[m, H]``, the
+        same on every rank."""
+        return self.all_reduce(branch)
 
 
 def shard_draft(model: DraftModel, rank: int, tp: int, all_reduce: AllReduce | None = None,
