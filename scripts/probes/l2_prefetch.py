@@ -10,11 +10,14 @@ GEMM (QKV 43.5 -> 41.6, o_proj 19.3 -> 17.0, gate_up 127.6 -> 124.6, down
 66.7 -> 65.3), best at 256-512 bytes a row (what lands in the ~4 us window);
 larger chunks and ``cp.async.bulk.prefetch.L2`` from one CTA made the GEMM
 slower. Raw CUDA through cupy, for a quick answer; a product version would
-be CuTe DSL. Run: ``python scripts/probes/l2_prefetch.py`` on one GPU."""
+be CuTe DSL. Run on one GPU with dspark-core importable, e.g.
+``PYTHONPATH=packages/dspark-core/src python scripts/probes/l2_prefetch.py``."""
 import functools
 
 import cupy as cp
 import torch
+
+from dspark_core.timing import capture, median_us
 
 SRC = r'''
 extern "C" __global__ void prefetch_rows(const char* w, long long row_bytes, int rows, int chunk, long long spin) {
@@ -56,27 +59,8 @@ def launch(kernel, w, chunk, spin, grid=1, block=256):
 
 
 def timed(fn, reps=200):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, stream=s):
-            fn()
-    torch.cuda.synchronize()
-    for _ in range(10):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    times.sort()
-    return times[len(times) // 2]
+    """Median microseconds of a CUDA graph of one ``fn()`` (dspark_core.timing)."""
+    return median_us(capture(fn, side_stream=True), reps, warmup=10)
 
 
 def _graph_body(flush, xf, kern, w, x, chunk, spin, grid, gemm: bool) -> None:

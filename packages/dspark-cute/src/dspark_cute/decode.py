@@ -107,12 +107,11 @@ class DraftDecode:
             raise ValueError(f"an attention variant of {ATTENTION_VARIANTS}, not {attention_variant!r}")
         self.attention_variant = attention_variant
         # Opt-in: bytes a row per weight role (WeightPrefetcher checks them).
-        self.prefetch = dict(prefetch) if prefetch else None
         self.prefetcher = None
-        if self.prefetch:
+        if prefetch:
             from .weight_prefetch import WeightPrefetcher
 
-            self.prefetcher = WeightPrefetcher(self.prefetch, next(model.parameters()).device)
+            self.prefetcher = WeightPrefetcher(prefetch, next(model.parameters()).device)
         if plan.draft_reason is not None:
             raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason}): nothing to run fused")
         model_tp = getattr(model, "tp", 1)
@@ -270,7 +269,6 @@ class DraftDecode:
         o_proj weight's prefetch starts right after the QKV GEMM."""
         attn = self.layers[index].self_attn
         front = self.fronts[index] if self.fronts else None
-        epilogue = self.epilogues[index] if self.epilogues else None
         self._join()
         if front is not None and front.takes(x, step.positions, step.slots, cache.tensor):
             qkv = front.launch(x, step.positions, step.slots, cache.tensor)
@@ -279,23 +277,30 @@ class DraftDecode:
         else:
             if front is not None:
                 _log_once(logging.INFO, f"layer {index}'s QKV front ran stock: {x.shape[0]} rows not covered")
-            qkv = linear(x, attn.qkv_proj) if epilogue is not None else None
-            if qkv is not None:
-                self._fork(attn.o_proj, "o_proj")
-            if qkv is not None and epilogue.takes(qkv, step.positions, step.slots, cache.tensor):
-                # run() checked positions and slots (the stock front raises there).
-                q = epilogue.launch(qkv, step.positions, step.slots, cache.tensor)
-                og = attn.split_qkv(qkv)[3]
-            elif qkv is not None:
-                _log_once(logging.INFO, f"layer {index}'s QKV epilogue ran stock: "
-                          f"{epilogue.problem(qkv, step.positions, step.slots, cache.tensor)}")
-                q, og = attn.front_from(qkv, step, cache)
-            else:
-                q, og = attn.front(x, step, cache)
-                self._fork(attn.o_proj, "o_proj")
+            q, og = self._stock_projection_front(index, x, step, cache)
         gated = self._gated(index, q, og, step, cache)
         self._join()
         return self._project(2 * index, gated, attn.o_proj)
+
+    def _stock_projection_front(self, index: int, x: torch.Tensor, step: StepInputs, cache):
+        """``(q, og)`` of layer ``index`` from the stock QKV projection: the
+        QKV epilogue kernel after it where bound and where it takes the
+        call, else the stock front; the o_proj prefetch forks right after
+        the projection."""
+        attn = self.layers[index].self_attn
+        epilogue = self.epilogues[index] if self.epilogues else None
+        if epilogue is None:
+            q, og = attn.front(x, step, cache)
+            self._fork(attn.o_proj, "o_proj")
+            return q, og
+        qkv = linear(x, attn.qkv_proj)
+        self._fork(attn.o_proj, "o_proj")
+        if epilogue.takes(qkv, step.positions, step.slots, cache.tensor):
+            # run() checked positions and slots (the stock front raises there).
+            return epilogue.launch(qkv, step.positions, step.slots, cache.tensor), attn.split_qkv(qkv)[3]
+        _log_once(logging.INFO, f"layer {index}'s QKV epilogue ran stock: "
+                  f"{epilogue.problem(qkv, step.positions, step.slots, cache.tensor)}")
+        return attn.front_from(qkv, step, cache)
 
     def _fork(self, weight: torch.Tensor, role: str) -> None:
         """Start the L2 prefetch of ``weight`` (its ``role``'s bytes a row) on
@@ -482,8 +487,9 @@ def build_draft_decode(
     decode = DraftDecode(model, plan, all_reduce, attention_variant=variant, prefetch=prefetch or None)
     if variant != "staged":
         _log_once(logging.INFO, f"the decode attention runs its {variant!r} variant")
-    if decode.prefetch:
-        _log_once(logging.INFO, f"the decode prefetches its GEMM weights into L2 (bytes a row: {decode.prefetch})")
+    if decode.prefetcher is not None:
+        _log_once(logging.INFO, "the decode prefetches its GEMM weights into L2 (bytes a row: "
+                  f"{decode.prefetcher.bytes_per_row})")
     decode.prepare()
     if all_reduce is not None and hasattr(all_reduce, "prepare"):
         all_reduce.prepare()

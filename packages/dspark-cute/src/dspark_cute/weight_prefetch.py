@@ -37,9 +37,8 @@ LINE = 128
 # The probe's launch shape: enough CTAs to issue a few MB in about a µs.
 CTAS = 32
 THREADS = 256
-# Rows and lines are Int32 in the kernel.
+# Rows are Int32 in the kernel, stepped by the grid's threads.
 MAX_ROWS = 2**31 - CTAS * THREADS
-MAX_LINES = 2**16
 
 
 @dsl_user_op
@@ -93,14 +92,18 @@ def compile_weight_prefetch(ctas: int = CTAS, threads: int = THREADS):
                                              what="WeightPrefetch"))
 
 
+def check_bytes_per_row(nbytes, what: str = "prefetch bytes per row") -> None:
+    """ValueError unless ``nbytes`` is a positive int multiple of 128 (whole lines)."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < LINE or nbytes % LINE:
+        raise ValueError(f"{what} must be a positive multiple of {LINE} bytes, not {nbytes!r}")
+
+
 def prefetch_lines(weight: torch.Tensor, bytes_per_row: int) -> int:
     """The 128-byte lines per row that a prefetch of ``bytes_per_row`` bytes
     covers in ``weight`` (at most its row, rounded down to whole lines).
     ValueError unless ``weight`` is a 2-D CUDA tensor whose rows are
     contiguous and ``bytes_per_row`` a positive multiple of 128."""
-    if isinstance(bytes_per_row, bool) or not isinstance(bytes_per_row, int) or bytes_per_row < LINE \
-            or bytes_per_row % LINE:
-        raise ValueError(f"prefetch bytes per row must be a positive multiple of {LINE}, not {bytes_per_row!r}")
+    check_bytes_per_row(bytes_per_row)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"a weight prefetch takes a 2-D weight tensor, not {getattr(weight, 'shape', weight)!r}")
     if weight.stride(1) != 1:
@@ -161,8 +164,7 @@ class WeightPrefetcher:
         if unknown:
             raise ValueError(f"prefetch roles are {self.ROLES}, not {sorted(unknown)}")
         for role, nbytes in bytes_per_row.items():
-            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < LINE or nbytes % LINE:
-                raise ValueError(f"the {role} prefetch must be a positive multiple of {LINE} bytes, not {nbytes!r}")
+            check_bytes_per_row(nbytes, f"the {role} prefetch")
         self.bytes_per_row = dict(bytes_per_row)
         self.device = torch.device(device)
         self.kernel = prefetch or WeightPrefetch()
@@ -205,6 +207,7 @@ __all__ = [
     "WeightPrefetch",
     "WeightPrefetchKernel",
     "WeightPrefetcher",
+    "check_bytes_per_row",
     "compile_weight_prefetch",
     "fake_args",
     "prefetch_lines",
