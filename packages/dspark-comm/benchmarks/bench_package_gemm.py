@@ -54,6 +54,8 @@ CASES = [
 # its device time would include its wait for the previous call's boundary,
 # which itself waits for the peer (measured so: 200-330 us on eager calls).
 PUBLISH_KERNEL = "PackageGemmKernel"
+# The profiled rows: the call (of ``_calls``) each profiles.
+PROFILED = {"publish_kernel": "publish_bd_no_pdl", "publish_kernel_early": "publish_bd_early_no_pdl"}
 
 
 def _kernel_us(fn, name: str, calls: int = 30) -> float:
@@ -125,21 +127,19 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
         role = "o_proj" if k < 8192 else "down_proj"
         s = DRAFT_GEMMS[role]
         w = (torch.randn((H, k), generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-        gemm = PackageGemm(PackageGemmConstants(role, H, k, s.tile_n, s.split_k, s.max_rows), w, mb)
-        gemm.prepare()
-        gemm_no_pdl = PackageGemm(PackageGemmConstants(role, H, k, s.tile_n, s.split_k, s.max_rows), w, mb, pdl=False)
-        gemm_no_pdl.prepare()
-        early_no_pdl = PackageGemm(PackageGemmConstants(role, H, k, s.tile_n, s.split_k, s.max_rows), w, mb,
-                                   pdl=False, early_epochs=True)
-        early_no_pdl.prepare()
+        constants = PackageGemmConstants(role, H, k, s.tile_n, s.split_k, s.max_rows)
+        gemm = PackageGemm(constants, w, mb)
+        gemm_no_pdl = PackageGemm(constants, w, mb, pdl=False)
+        early_no_pdl = PackageGemm(constants, w, mb, pdl=False, early_epochs=True)
+        for g in (gemm, gemm_no_pdl, early_no_pdl):
+            g.prepare()
         results[f"shape/{k}"] = f"k_warps {gemm.k_warps}, stages {gemm.stages}"
         for m in ROWS:
             fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl)
             for _, key in CASES:
                 try:
-                    if key in ("publish_kernel", "publish_kernel_early"):
-                        fn = fns["publish_bd_no_pdl" if key == "publish_kernel" else "publish_bd_early_no_pdl"]
-                        results[f"{key}/{k}/{m}"] = _kernel_us(fn, PUBLISH_KERNEL)
+                    if key in PROFILED:
+                        results[f"{key}/{k}/{m}"] = _kernel_us(fns[PROFILED[key]], PUBLISH_KERNEL)
                         continue
                     results[f"{key}/{k}/{m}"] = time_replays(capture(fns[key], iters, side_stream=True), reps,
                                                              calls=iters)
