@@ -47,6 +47,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from dspark_core.policy import PACKAGE_GEMM, QKV_FRONT
+
 H = 8192
 ROWS = (1, 2, 7, 16)
 CONTEXT = 200  # context tokens stored before each step (16 blocks of 16 slots hold 256)
@@ -58,8 +60,8 @@ GREEDY_SPAN = CONTEXT + GREEDY_STEPS + 8
 # agree, and at least DECISIVE_MIN of the 64 must be decisive.
 MARGIN = 0.1
 DECISIVE_MIN = 32
-BITWISE_EXCLUDE = frozenset({"qkv_front", "package_gemm"})
-PACKAGE_EXCLUDE = frozenset({"qkv_front"})
+BITWISE_EXCLUDE = frozenset({QKV_FRONT, PACKAGE_GEMM})
+PACKAGE_EXCLUDE = frozenset({QKV_FRONT})
 
 
 def _extra_exclude(c) -> frozenset:
@@ -113,8 +115,10 @@ def check_bitwise(c):
 
 
 def _graph_mismatches(c, decode, seed: int) -> int:
-    """A CUDA graph of one step (m = 7) of ``decode``, replayed 3 times: its
-    output's mismatches against the eager step's (the same inputs, caches)."""
+    """A CUDA graph of one step (m = 7) of ``decode`` (``StepGraph``), its
+    output poisoned, then replayed 3 times: the output's mismatches against
+    the eager step's (the same inputs, caches)."""
+    from dspark_core.graphs import StepGraph
     from dspark_core.model import StepInputs
 
     dev = c.tp.device
@@ -125,16 +129,10 @@ def _graph_mismatches(c, decode, seed: int) -> int:
     caches = c.tp.shard.make_caches(4, dev)
     with torch.no_grad():
         eager = decode.run(hidden, step, caches).clone()
-        s = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(s):
-            decode.run(hidden, step, caches)  # warm up off the default stream
-        torch.cuda.current_stream(dev).wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = decode.run(hidden, step, caches)
+        graph = StepGraph(decode.run, hidden, step, caches, warmup=1)
+        graph.output.fill_(7.0)  # poisoned: an element the replays do not write shows
         for _ in range(3):
-            graph.replay()
+            static = graph.replay()
     torch.cuda.synchronize()
     return bad(static, eager)
 

@@ -3,7 +3,9 @@ rank (spawned once for every test here, the style of ``test_comm_multigpu.py``
 and reusing its ``comm_workers`` helpers); each test asserts on its check's
 results from both ranks. Skipped with fewer than two GPUs.
 
-Ran on two H200s (2026-11-30): 5 passed. Run with (the packages' src/ and
+Ran on two H200s (2026-11-30): 5 passed, before the publish check also
+compared the opt-in ``early_epochs`` kernel, its finite m = 16 boundary case
+and its poisoned outputs (not yet run). Run with (the packages' src/ and
 this folder on PYTHONPATH):
 
     python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -s
@@ -149,16 +151,17 @@ def check_publish(c):
             y = gemm.run(x)
             a = pushed.run(y)
             gemm.run(x, publish=True)
-            b = torch.empty_like(a)
+            b = torch.full_like(a, 7.0)  # poisoned: an unwritten element shows
             consume.launch(m, None, (b,))
             early.run(x, publish=True)
-            e = torch.empty_like(a)
+            e = torch.full_like(a, 7.0)
             consume.launch(m, None, (e,))
             res[f"allreduce/{order}/m{m}"] = bad(a, b) + bad(b, nccl(y)) + bad(a, e)
-    for m in list(range(1, CAPACITY + 1)) + [16]:
+    # m = 1..CAPACITY with finite inputs, then CAPACITY rows again with NaN and inf.
+    for i, m in enumerate([*range(1, CAPACITY + 1), CAPACITY]):
         for stream_dtype, store in ((FP32, True), (BF16, False)):
             x = _operands(gen, m, k)
-            if m == 16:
+            if i == CAPACITY:
                 x[3, 11] = float("nan")
                 x[5, 0] = float("inf")
             stream = _operands(shared, m, H).float().to(stream_dtype)

@@ -13,10 +13,11 @@ What ran on two H200s (2026-11-30):
   for bit plain GEMM + the pushing all-reduce / boundary and NCCL, the stress
   run of interleaved published and pushed calls with per-rank delays and
   graph replays); ``benchmarks/bench_package_gemm.py`` ran (GEMM + publish +
-  fused boundary 9.2-40.3 us against cuBLAS alone 4.9-33.6 us: faster than
+  fused boundary 9.8-43.0 us against cuBLAS alone 5.3-34.8 us: faster than
   cuBLAS + the fused boundary, not yet as fast as cuBLAS alone);
-- the TP2 draft with the fused boundaries and the package GEMM off: 8 passed
-  (``tests/test_draft_multigpu.py``, bit for bit the stock TP2 forward).
+- the TP2 draft: 13 passed (``tests/test_draft_multigpu.py``: bit for bit
+  the stock TP2 forward with the package GEMM off, the same greedy tokens
+  with it on).
 
 So both are advertised: the planner runs a TP draft's o_proj and down_proj
 on the package GEMM where the all-reduce fuses. The package GEMM sums in its

@@ -38,10 +38,9 @@ import time
 
 import torch
 
-log = logging.getLogger("dspark.tp_draft")
+from dspark_core.policy import PACKAGE_GEMM, QKV_FRONT  # the kernel names callers exclude (re-exported)
 
-PACKAGE_GEMM = "package_gemm"
-QKV_FRONT = "qkv_front"
+log = logging.getLogger("dspark.tp_draft")
 
 
 class TPDraftRank:
@@ -70,13 +69,11 @@ class TPDraftRank:
         """``(decode, adapter)`` planned without the kernels ``exclude``
         (module docstring). RuntimeError where no part of the draft fuses."""
         from dspark_comm.draft import DraftAllReduce
-        from dspark_core.plan import plan_draft
-        from dspark_cute.decode import build_draft_decode, device_target
+        from dspark_cute.decode import build_draft_decode, draft_plan
 
         exclude = frozenset(exclude)
-        target = device_target(self.device, self.world)
-        plan = plan_draft(self.shard, target.replace(kernels=target.kernels - exclude))
-        adapter = DraftAllReduce(self.mailbox, plan, self.shard, self.rank)
+        # The plan build_draft_decode makes too (one function: the two cannot drift).
+        adapter = DraftAllReduce(self.mailbox, draft_plan(self.shard, self.world, exclude), self.shard, self.rank)
         decode = build_draft_decode(self.shard, all_reduce=adapter, exclude=exclude)
         if decode is None:
             raise RuntimeError(f"build_draft_decode kept the TP{self.world} draft stock on {self.device} "

@@ -444,6 +444,16 @@ def _check_context_call(model: DraftModel, positions, caches, slots) -> None:
             raise ValueError(f"a slot beyond the cache's {num_slots} slots")
 
 
+def draft_plan(model: DraftModel, tp: int = 1, exclude=frozenset()) -> DraftPlan:
+    """The plan of ``model`` at TP size ``tp`` for the device it lives on and
+    the kernels this package provides less ``exclude`` (which the plan's
+    reasons call excluded): the plan ``build_draft_decode`` runs, for a TP
+    adapter to bind its parts to."""
+    exclude = frozenset(exclude)
+    target = device_target(next(model.parameters()).device, tp)
+    return plan_draft(model, target.replace(kernels=target.kernels - exclude, excluded=exclude))
+
+
 def build_draft_decode(
     model: DraftModel,
     all_reduce: AllReduceBoundaries | None = None,
@@ -471,9 +481,7 @@ def build_draft_decode(
         raise ValueError(f"a TP{model_tp} shard of the draft needs its all-reduce boundaries (all_reduce=...)")
     if all_reduce is not None and model_tp > 1 and all_reduce.tp != model_tp:
         raise ValueError(f"TP{all_reduce.tp} all-reduce boundaries for a TP{model_tp} shard")
-    device = next(model.parameters()).device
-    target = device_target(device, all_reduce.tp if all_reduce is not None else 1)
-    plan = plan_draft(model, target.replace(kernels=target.kernels - frozenset(exclude), excluded=frozenset(exclude)))
+    plan = draft_plan(model, all_reduce.tp if all_reduce is not None else 1, exclude)
     if plan.draft_reason is not None:
         _log_once(logging.WARNING, f"the DSpark draft keeps its stock layers: {plan.draft_reason}")
         return None
