@@ -382,3 +382,19 @@ def test_cli_rejects_a_bad_config(tmp_path):
     out = _cli(str(path))
     assert out.returncode == 2
     assert "unknown DraftConfig keys ['hidden']" in out.stderr
+
+
+def test_a_target_without_kernels_calls_them_excluded():
+    """``Target.without``: the kernels leave the target and join its
+    excluded ones (so a refusal says "excluded", not "not installed")."""
+    t = policy.Target(kernels=policy.ALL_KERNELS, excluded=frozenset({policy.PACKAGE_GEMM}))
+    u = t.without({policy.QKV_FRONT})
+    assert u.kernels == policy.ALL_KERNELS - {policy.QKV_FRONT}
+    assert u.excluded == {policy.PACKAGE_GEMM, policy.QKV_FRONT}
+    assert t.kernels == policy.ALL_KERNELS  # frozen: t itself is unchanged
+    assert t.without(()) == t
+
+
+def test_device_target_on_a_cpu():
+    t = policy.device_target(torch.device("cpu"), tp=2)
+    assert (t.platform, t.tp, t.kernels) == ("cpu", 2, policy.installed_kernels())

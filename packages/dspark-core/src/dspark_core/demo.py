@@ -34,15 +34,6 @@ from .tp import shard_draft
 log = logging.getLogger("dspark.demo")
 
 
-def _target(device: torch.device) -> policy.Target:
-    if device.type != "cuda":
-        return policy.Target(platform="cpu", kernels=policy.installed_kernels())
-    major, minor = torch.cuda.get_device_capability(device)
-    arch = {9: "sm_90a", 10: "sm_100a"}.get(major, f"sm_{major}{minor}")
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return policy.Target("cuda", arch, sms, 1, policy.installed_kernels())
-
-
 def print_plan(plan) -> None:
     """Print a ``DraftPlan`` and, for every part it keeps stock, why."""
     print(plan.format())
@@ -112,17 +103,19 @@ def run_demo(
     model = DraftModel(config, device=device)
     print(f"built the reference draft ({config.num_layers} layers, hidden {config.hidden_size}) "
           f"on {device} in {time.perf_counter() - t0:.1f} s")
-    plans = [plan_draft(model, _target(device))]
+    # The QKV front's projection sums in its own order (not cuBLAS's): without
+    # --front the specialized decode leaves it stock and is bit for bit. The
+    # plans printed are the decode's (the same exclusion).
+    exclude = set() if front else {policy.QKV_FRONT}
+    plans = [plan_draft(model, policy.device_target(device).without(exclude))]
     if device.type != "cuda":
         # What the same draft gets on one H200 with the installed backends.
-        plans.append(plan_draft(model, policy.Target(kernels=policy.installed_kernels())))
+        plans.append(plan_draft(model, policy.Target(kernels=policy.installed_kernels()).without(exclude)))
     for p in plans:
         print_plan(p)
 
     build = executor_builder() if device.type == "cuda" else None
-    # The QKV front's projection sums in its own order (not cuBLAS's): without
-    # --front the specialized decode leaves it stock and is bit for bit.
-    decode = build(model, exclude=set() if front else {policy.QKV_FRONT}) if build is not None else None
+    decode = build(model, exclude=exclude) if build is not None else None
     if device.type == "cuda" and decode is None:
         print("no specialized decode on this device (see the log above): the stock path runs alone")
 

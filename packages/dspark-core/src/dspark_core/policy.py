@@ -119,3 +119,23 @@ class Target:
 
     def replace(self, **changes) -> Target:
         return dataclasses.replace(self, **changes)
+
+    def without(self, kernels) -> Target:
+        """This target less ``kernels``, which the plan's reasons then call
+        excluded by the caller (not "not installed")."""
+        kernels = frozenset(kernels)
+        return self.replace(kernels=self.kernels - kernels, excluded=self.excluded | kernels)
+
+
+def device_target(device, tp: int = 1) -> Target:
+    """The planner's target for the torch ``device``: its platform,
+    architecture and SM count, the TP size ``tp`` and the installed kernels
+    (``installed_kernels``)."""
+    import torch
+
+    if device.type != "cuda":
+        return Target(platform="cpu", tp=tp, kernels=installed_kernels())
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = {9: "sm_90a", 10: "sm_100a"}.get(major, f"sm_{major}{minor}")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return Target("cuda", arch, sms, tp, installed_kernels())

@@ -35,10 +35,10 @@ from typing import Protocol
 
 import torch
 
-from dspark_core import policy
 from dspark_core.layers import capturing, linear, o_gate, residual_boundary
 from dspark_core.model import DraftModel, StepInputs, attend
 from dspark_core.plan import DraftPlan, plan_draft
+from dspark_core.policy import device_target
 
 log = logging.getLogger("dspark.decode")
 # The decode attention kernel's variants (dspark_cute.attention), both bit for
@@ -65,17 +65,6 @@ def provided_kernels() -> frozenset[str]:
     from ._provides import KERNELS
 
     return frozenset(KERNELS)
-
-
-def device_target(device: torch.device, tp: int = 1) -> policy.Target:
-    """The planner's target for ``device``: its platform, architecture and SM
-    count, the TP size and the kernels installed."""
-    if device.type != "cuda":
-        return policy.Target(platform="cpu", tp=tp, kernels=policy.installed_kernels())
-    major, minor = torch.cuda.get_device_capability(device)
-    arch = {9: "sm_90a", 10: "sm_100a"}.get(major, f"sm_{major}{minor}")
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return policy.Target("cuda", arch, sms, tp, policy.installed_kernels())
 
 
 class AllReduceBoundaries(Protocol):
@@ -449,9 +438,7 @@ def draft_plan(model: DraftModel, tp: int = 1, exclude=frozenset()) -> DraftPlan
     the kernels this package provides less ``exclude`` (which the plan's
     reasons call excluded): the plan ``build_draft_decode`` runs, for a TP
     adapter to bind its parts to."""
-    exclude = frozenset(exclude)
-    target = device_target(next(model.parameters()).device, tp)
-    return plan_draft(model, target.replace(kernels=target.kernels - exclude, excluded=exclude))
+    return plan_draft(model, device_target(next(model.parameters()).device, tp).without(exclude))
 
 
 def build_draft_decode(
