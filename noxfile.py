@@ -15,7 +15,10 @@ no network; the packages' src/ folders go on PYTHONPATH):
 
 Environment: DSPARK_TORCH (the torch requirement of the CPU sessions, default
 torch==2.13.0, the CPU build on this project's machines), DSPARK_SEED (fix the
-tests' random seed), DSPARK_BENCH_OUT (the benchmarks' output folder).
+tests' random seed), DSPARK_BENCH_OUT (the benchmarks' output folder),
+DSPARK_ATTENTION / DSPARK_PREFETCH (the specialized decode's attention variant
+and its opt-in weight prefetch; the GPU suites pass them explicitly where
+they depend on them).
 """
 
 from __future__ import annotations

@@ -11,7 +11,13 @@ python -m pip install -q "${DSPARK_TORCH:-torch==2.13.0}"
 # then shows what a GPU would run fused.
 python -m pip install -q -e ./packages/dspark-core -e ./packages/dspark-cute -e ./packages/dspark-comm
 python -m dspark_core.demo "$@"
-# With two GPUs, the TP2 demo too: the draft sharded over both (needs dspark-comm, installed above).
-if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  python -m dspark_core.demo --tp 2
-fi
+# With two GPUs, the TP2 demo too (the draft sharded over both; dspark-comm, installed above),
+# with the same arguments, unless they already chose a TP size.
+case " $* " in
+  *" --tp "* | *" --tp="*) ;;
+  *)
+    if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+      python -m dspark_core.demo --tp 2 "$@"
+    fi
+    ;;
+esac

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Every GPU suite and the benchmarks, on a device machine, each step under its own time
-# limit, with a short summary table last. Pick steps by name (default: all of them):
-#   bash scripts/gpu-check.sh [gpu] [multigpu] [bench]
-# On this project's device machines (one call stays under 10 minutes, so split the steps):
-#   run(command="bash scripts/gpu-check.sh gpu bench", carry=[".device"], kind="nvidia-h200")
-#   run(command="bash scripts/gpu-check.sh multigpu", carry=[".device"], kind="nvidia-h200-x2")
+# limit, with a short summary table last. Pick steps by name (default: gpu multigpu bench):
+#   bash scripts/gpu-check.sh [gpu] [decode] [multigpu] [bench] [demo] [bench-kernels] [bench-tp2] [demo-tp2]
+# On this project's device machines one call stays under 10 minutes, so split the steps
+# (gpu alone takes about 4-5 minutes):
+#   run(command="bash scripts/gpu-check.sh gpu", carry=[".device"], kind="nvidia-h200")
+#   run(command="bash scripts/gpu-check.sh bench demo", carry=[".device"], kind="nvidia-h200")
+#   run(command="bash scripts/gpu-check.sh multigpu bench-tp2", carry=[".device"], kind="nvidia-h200-x2")
+# gpu: every single-GPU suite; multigpu: the two-GPU suites (comm, package GEMM, TP2 draft);
+# bench: the decode profile and bench_decode with its --direct --exact --prefetch columns.
 # decode: the executor's GPU suite alone (part of gpu).
 # demo: the README's demo (front off, then on).
 # bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM and the draft step at TP2

@@ -2,7 +2,13 @@
 CUDA graphs, for the stock layers, torch.compile (Inductor) of the stock
 layers where it compiles, and the specialized decode; beside the step's GEMMs
 alone and its floor (its weight bytes at 4.3 TB/s). Prints a markdown table
-and writes it with a PNG plot into --out."""
+and writes it with a PNG plot into --out.
+
+Extra columns of the specialized decode, side by side in the same run:
+``--direct`` (the direct attention variant), ``--exact`` (the QKV front off:
+cuBLAS + the QKV epilogue, bit for bit), ``--prefetch`` (the L2 weight
+prefetch; with ``--exact`` also both). ``--m`` picks the token counts,
+``--no-compile`` skips the Inductor column."""
 
 from __future__ import annotations
 

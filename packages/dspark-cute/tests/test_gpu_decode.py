@@ -87,7 +87,7 @@ def test_direct_attention_variant_is_the_stock_forward(model, m):
     variant with the QKV front on."""
     decode = build_draft_decode(model, exclude={policy.QKV_FRONT}, attention_variant="direct")
     assert all(k is not None and not k.gated for k in decode.attentions)
-    staged = build_draft_decode(model, exclude={policy.QKV_FRONT})
+    staged = build_draft_decode(model, exclude={policy.QKV_FRONT}, attention_variant="staged")
     assert all(k is not None and k.gated for k in staged.attentions)
     ref_caches, got_caches = _with_context(model), _with_context(model, decode)
     x = _hidden(model, m, torch.bfloat16)
@@ -99,7 +99,7 @@ def test_direct_attention_variant_is_the_stock_forward(model, m):
     graph = StepGraph(decode.run, x, step1, graph_caches)
     assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), "direct attention graph replay")
     direct = build_draft_decode(model, attention_variant="direct")
-    default = build_draft_decode(model)
+    default = build_draft_decode(model, attention_variant="staged")
     a, b = _with_context(model, direct), _with_context(model, default)
     assert_bitwise(direct.run(x, step, a), default.run(x, step, b), "direct vs staged with the QKV front")
 
@@ -123,7 +123,7 @@ def test_the_weight_prefetch_changes_no_bit(model, m):
     step1 = StepInputs.block(CONTEXT + m, m, "cuda", span=SPAN)
     graph = StepGraph(decode.run, x, step1, graph_caches)
     assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), "prefetch graph replay")
-    with_front, without = build_draft_decode(model, prefetch=True), build_draft_decode(model)
+    with_front, without = build_draft_decode(model, prefetch=True), build_draft_decode(model, prefetch=False)
     a, b = _with_context(model, with_front), _with_context(model, without)
     assert_bitwise(with_front.run(x, step, a), without.run(x, step, b), "front on, prefetch vs none")
 
