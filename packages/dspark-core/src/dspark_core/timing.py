@@ -151,5 +151,6 @@ __all__ = [
     "gemm_weight_bytes",
     "gemms_replay",
     "median_us",
+    "step_case",
     "weight_floor_us",
 ]
