@@ -37,13 +37,12 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_comm.protocol import EPOCHS, ESCAPE, MARKER
+from dspark_cute import ptx
 
 
 def _asm(result_type, operands, text: str, constraints: str, loc, ip):
-    return llvm.inline_asm(
-        result_type, operands, text, constraints, has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
+    """``dspark_cute.ptx._asm`` with side effects."""
+    return ptx._asm(result_type, operands, text, constraints, True, loc, ip)
 
 
 def _l(value, loc, ip):

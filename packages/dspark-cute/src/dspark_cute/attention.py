@@ -64,12 +64,12 @@ import cutlass.cute as cute
 import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64, Uint32, Uint64
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.attention import LANES, scale
 from dspark_core.constants import HEAD_DIM, AttentionConstants
 from dspark_cute import ptx
+from dspark_cute.context_store import st_global_b32
 from dspark_cute.host import (
     CompileCache,
     LazyPdl,
@@ -80,6 +80,7 @@ from dspark_cute.host import (
     stream_capturing,
 )
 from dspark_cute.ptx_math import exp_rn
+from dspark_cute.skinny_gemm import ld_shared_v2_f32
 
 WARPS = LANES // ptx.WARP  # 4
 # Slots whose scores pass 1 keeps in shared memory (per thread: one FP32 per
@@ -125,10 +126,8 @@ def check_constants(c: AttentionConstants) -> None:
 
 
 def _asm(result_type, operands, text: str, constraints: str, loc, ip, side_effects: bool = True):
-    return llvm.inline_asm(
-        result_type, operands, text, constraints, has_side_effects=side_effects, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
+    """``ptx._asm`` with side effects unless said otherwise."""
+    return ptx._asm(result_type, operands, text, constraints, side_effects, loc, ip)
 
 
 @dsl_user_op
@@ -165,25 +164,10 @@ def st_shared_v4_f32(addr, values, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def ld_shared_v2_f32(addr, *, loc=None, ip=None) -> tuple:
-    """The 2 FP32 at the 8-byte aligned shared byte address ``addr`` (Int32)."""
-    pair = _asm(llvm.StructType.get_literal([T.f32(), T.f32()]), [Int32(addr).ir_value(loc=loc, ip=ip)],
-                "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r", loc, ip)
-    return tuple(Float32(llvm.extractvalue(T.f32(), pair, [i], loc=loc, ip=ip)) for i in range(2))
-
-
-@dsl_user_op
 def st_shared_v2_f32(addr, a, b, *, loc=None, ip=None) -> None:
     """Store 2 FP32 at the 8-byte aligned shared byte address ``addr`` (Int32)."""
     _asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), ptx._f(a, loc, ip), ptx._f(b, loc, ip)],
          "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f", loc, ip)
-
-
-@dsl_user_op
-def st_global_b32(addr, word, *, loc=None, ip=None) -> None:
-    """Store the 32-bit ``word`` at the 4-byte aligned global byte address ``addr``."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Uint32(word).ir_value(loc=loc, ip=ip)],
-         "st.global.b32 [$0], $1;", "l,r", loc, ip)
 
 
 # ---------------------------------------------------------------- traced math

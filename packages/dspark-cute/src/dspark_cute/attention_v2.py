@@ -91,8 +91,10 @@ from dspark_cute.attention import (
     warp_max,
     widen,
 )
+from dspark_cute.context_store import ld_global_b32
 from dspark_cute.host import compile_once, fake_stream
 from dspark_cute.ptx_math import sigmoid_rn
+from dspark_cute.skinny_gemm import ld_shared_v4
 
 # Chunks of 128 slots past the staged ones whose scores pass 1 keeps in
 # shared memory (later ones are recomputed in pass 2, as the default does
@@ -139,13 +141,6 @@ def check_constants_v2(c: AttentionConstants) -> None:
 
 
 @dsl_user_op
-def ld_global_b32(addr, *, loc=None, ip=None) -> Uint32:
-    """The 32-bit word at the 4-byte aligned global byte address ``addr``."""
-    return Uint32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.b32 $0, [$1];", "=r,l",
-                       loc, ip))
-
-
-@dsl_user_op
 def slot_entry(slot, num_slots, *, loc=None, ip=None) -> Int32:
     """The table entry of ``slot`` (Int64): its low 32 bits where ``0 <=
     slot < num_slots`` (an unsigned comparison), else ``num_slots`` (< 2^31)."""
@@ -169,16 +164,6 @@ def ld_shared_s32(addr, *, loc=None, ip=None) -> Int32:
     """The 32-bit integer at the shared byte address ``addr`` (Int32)."""
     return Int32(_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.s32 $0, [$1];", "=r,r",
                       loc, ip))
-
-
-@dsl_user_op
-def ld_shared_v4(addr, *, loc=None, ip=None) -> list:
-    """Four 32-bit words at the 16-byte aligned shared byte address ``addr``."""
-    from cutlass._mlir.dialects import llvm
-
-    words = _asm(llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
-                 "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", loc, ip)
-    return [Uint32(llvm.extractvalue(T.i32(), words, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
 @dsl_user_op

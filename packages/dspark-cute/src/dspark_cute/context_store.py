@@ -43,7 +43,6 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.constants import HEAD_DIM, ContextStoreConstants
@@ -77,10 +76,8 @@ def check_constants(c: ContextStoreConstants) -> None:
 
 
 def _asm(result_type, operands, text: str, constraints: str, loc, ip):
-    return llvm.inline_asm(
-        result_type, operands, text, constraints, has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
+    """``ptx._asm`` with side effects."""
+    return ptx._asm(result_type, operands, text, constraints, True, loc, ip)
 
 
 @dsl_user_op

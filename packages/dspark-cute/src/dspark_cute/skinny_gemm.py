@@ -206,11 +206,7 @@ def red_offset(warp, token, row):
 # ---------------------------------------------------------------- PTX primitives
 
 
-def _asm(result_type, operands, text, constraints, side_effects, loc, ip):
-    return llvm.inline_asm(
-        result_type, operands, text, constraints, has_side_effects=side_effects,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
+_asm = ptx._asm  # (kept as this module's name: qkv_front and qkv_epilogue call sg._asm)
 
 
 @dsl_user_op
