@@ -243,7 +243,11 @@ class OGate(LazyPdl):
                 f"the gate's rows must be contiguous (strides [S, {', '.join(map(str, inner))}]) with a row "
                 f"stride S of at least {self.width} and a multiple of {VEC} elements, not {describe(gate)}"
             )
-        return self.width if single else gate.stride(0)  # a single row's stride is never used
+        return self._row_stride(gate)
+
+    def _row_stride(self, gate: torch.Tensor) -> int:
+        """The row stride the kernel takes, unchecked (``gate_stride`` checks)."""
+        return self.width if gate.shape[0] == 1 else gate.stride(0)  # a single row's stride is never used
 
     def check(self, attn, gate, out=None) -> None:
         """ValueError with a sentence unless ``attn``, ``gate`` and ``out``
@@ -301,7 +305,7 @@ class OGate(LazyPdl):
         if out is None:
             out = torch.empty(attn.shape, dtype=torch.bfloat16, device=attn.device)
         kernel = compile_o_gate(self.constants, self.pdl)
-        kernel(ptr(attn), ptr(gate), ptr(out), Int32(attn.shape[0]), Int64(self.gate_stride(gate)),
+        kernel(ptr(attn), ptr(gate), ptr(out), Int32(attn.shape[0]), Int64(self._row_stride(gate)),
                current_stream())
         return out
 
