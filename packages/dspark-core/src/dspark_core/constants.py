@@ -40,16 +40,10 @@ def _identity(value):
 
 class _Key:
     """Equality, hash and ``key()`` by the exact bits of every field (the
-    dataclasses below are declared ``eq=False`` to use them). The dataclasses
-    are frozen, so both are computed once per instance: a kernel's compile
-    cache looks its variant up by them on every launch."""
+    dataclasses below are declared ``eq=False`` to use them)."""
 
     def _fields(self) -> tuple:
-        fields = self.__dict__.get("_key_fields")
-        if fields is None:
-            fields = _identity(dataclasses.astuple(self))
-            object.__setattr__(self, "_key_fields", fields)
-        return fields
+        return _identity(dataclasses.astuple(self))
 
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and self._fields() == other._fields()
@@ -59,12 +53,8 @@ class _Key:
 
     def key(self) -> str:
         """A short stable hash of the constants (the compiled variant's name)."""
-        key = self.__dict__.get("_key")
-        if key is None:
-            text = repr((type(self).__name__, self._fields()))
-            key = hashlib.sha256(text.encode()).hexdigest()[:16]
-            object.__setattr__(self, "_key", key)
-        return key
+        text = repr((type(self).__name__, self._fields()))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True, eq=False)
