@@ -7,7 +7,7 @@ and writes it with a PNG plot into --out.
 Extra columns of the specialized decode, side by side in the same run:
 ``--direct`` (the direct attention variant), ``--exact`` (the QKV front off:
 cuBLAS + the QKV epilogue, bit for bit), ``--prefetch`` (the L2 weight
-prefetch; with ``--exact`` also both). ``--m`` picks the token counts,
+prefetch, inline; with ``--exact`` also both; and its side-stream mode). ``--m`` picks the token counts,
 ``--no-compile`` skips the Inductor column."""
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     parser.add_argument("--exact", action="store_true",
                         help="also time the bit-for-bit decode (the QKV front off: cuBLAS + the QKV epilogue)")
     parser.add_argument("--prefetch", action="store_true",
-                        help="also time the decode with the L2 weight prefetch (and, with --exact, both)")
+                        help="also time the decode with the L2 weight prefetch, inline and side-stream "
+                             "(and, with --exact, exact with the inline prefetch)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA GPU, nothing to time")
@@ -68,8 +69,10 @@ def main(argv=None) -> int:
         variants = {
             "direct": args.direct and {"attention_variant": "direct"},
             "exact": args.exact and {"exclude": {"qkv_front"}},
-            "prefetch": args.prefetch and {"prefetch": True},
-            "exact+prefetch": args.exact and args.prefetch and {"exclude": {"qkv_front"}, "prefetch": True},
+            "prefetch": args.prefetch and {"prefetch": True, "prefetch_mode": "inline"},
+            "prefetch-side": args.prefetch and {"prefetch": True, "prefetch_mode": "side"},
+            "exact+prefetch": args.exact and args.prefetch and {"exclude": {"qkv_front"}, "prefetch": True,
+                                                                "prefetch_mode": "inline"},
         }
         for name, options in variants.items():
             if options:
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
     return 0
 
 
-NAMES = ("stock", "inductor", "specialized", "direct", "exact", "prefetch", "exact+prefetch")
+NAMES = ("stock", "inductor", "specialized", "direct", "exact", "prefetch", "prefetch-side", "exact+prefetch")
 FUSED = NAMES[2:]
 
 

@@ -7,7 +7,8 @@ The audit: the one ``prefetch.global.L2::evict_last`` sits in the inner
 (per-line) loop, whose address advances by 128 bytes; the outer loop
 strides rows by the grid's thread count; no ``ld.global``/``st.global``, no
 ``ld.local``/``st.local`` (spills), no ``bar.sync``, no ``griddepcontrol``
-(it runs on a side stream, not as a PDL dependent).
+in the side-stream variant; the inline (PDL) variant triggers its dependents
+before its first prefetch and waits for its primary after its last one.
 """
 
 from __future__ import annotations
@@ -43,6 +44,27 @@ def test_weight_prefetch_compiles_and_only_prefetches(arch, ctas, threads, tmp_p
     report = ptxas_report(ptx, arch, tmp_path)
     if report:
         assert "0 bytes spill stores" in report, report
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+def test_inline_prefetch_triggers_first_and_waits_last(arch):
+    """The PDL variant: ``launch_dependents`` before the first prefetch (the
+    next kernel may start while this one issues), ``wait`` after the last
+    one (this grid completes only after its primary), each exactly once, and
+    otherwise the same body as the side-stream variant."""
+    from dspark_cute.host import compile_ptx
+    from dspark_cute.weight_prefetch import WeightPrefetchKernel, fake_args
+
+    body = code(compile_ptx(WeightPrefetchKernel(pdl=True), *fake_args(), arch=arch))
+    assert count(body, r"\bgriddepcontrol\.launch_dependents\b") == 1
+    assert count(body, r"\bgriddepcontrol\.wait\b") == 1
+    trigger = body.index("griddepcontrol.launch_dependents")
+    wait = body.index("griddepcontrol.wait")
+    prefetch = [mo.start() for mo in re.finditer(r"prefetch\.global\.L2::evict_last", body)]
+    assert len(prefetch) == 1 and trigger < prefetch[0] < wait
+    assert not re.search(r"\b(?:ld|st)\.(?:global|local|shared)", body)
+    assert count(body, r"\bbar\.sync\b") == 0
 
 
 def test_prefetch_lines_clamps_to_the_row_and_refuses_bad_operands():
@@ -93,6 +115,10 @@ def test_the_prefetcher_checks_its_roles_and_sizes():
             WeightPrefetcher({"o_proj": bad}, "cpu")
     with pytest.raises(RuntimeError, match="prepare"):
         WeightPrefetcher({"o_proj": 256}, "cpu").fork(torch.empty(4, 64), "o_proj")
+    with pytest.raises(ValueError, match="prefetch mode"):
+        WeightPrefetcher({"o_proj": 256}, "cpu", mode="async")
+    assert WeightPrefetcher({"o_proj": 256}, "cpu").kernel.pdl  # inline by default: the PDL variant
+    assert not WeightPrefetcher({"o_proj": 256}, "cpu", mode="side").kernel.pdl
     with pytest.raises(ValueError, match="CTAs"):
         WeightPrefetch(ctas=0)
     with pytest.raises(ValueError, match="CTAs"):

@@ -349,8 +349,8 @@ def test_profile_decode_marks_only_the_gemms():
 
 
 class FakePrefetcher:
-    """Records forks and joins (a join only where a fork is pending, as the
-    real ``WeightPrefetcher``) into a shared event log."""
+    """Records forks, kicks and joins (a join only where a fork is pending,
+    as the real ``WeightPrefetcher``) into a shared event log."""
 
     def __init__(self, log):
         self.log, self.pending = log, False
@@ -359,6 +359,9 @@ class FakePrefetcher:
         self.log.append(("fork", role, tuple(weight.shape)))
         self.pending = True
 
+    def kick(self):
+        self.log.append(("kick",))
+
     def join(self):
         if self.pending:
             self.log.append(("join",))
@@ -366,8 +369,10 @@ class FakePrefetcher:
 
 
 def _prefetch_log(model, decode, monkeypatch, epilogues: bool):
-    """The event log of one step: forks, joins and every GEMM the executor
-    runs through ``linear`` (the stock front's own GEMM is ``("stock front",)``)."""
+    """The event log of one step: forks, kicks, joins, every GEMM the
+    executor runs through ``linear`` (the stock front's own GEMM is
+    ``("stock front",)``) and the small kernels between them (the first norm,
+    the QKV epilogue, the boundaries, the activation)."""
     hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     ref_caches, got_caches = model.make_caches(4), model.make_caches(4)
     ref = model.forward(hidden, StepInputs.block(3, 3), ref_caches)  # before the recording stand-ins
@@ -380,9 +385,21 @@ def _prefetch_log(model, decode, monkeypatch, epilogues: bool):
         return real_linear(x, weight)
 
     monkeypatch.setattr(decode_module, "linear", recording_linear)
+
+    def recording(name, method):
+        def wrapped(*args, **kwargs):
+            out = method(*args, **kwargs)
+            log.append((name,) + ((args[0],) if name == "boundary" else ()))
+            return out
+        return wrapped
+
+    for name, attr in (("first norm", "_first_norm"), ("boundary", "_boundary"), ("activation", "_activation")):
+        monkeypatch.setattr(decode, attr, recording(name, getattr(decode, attr)))
     holder = {}
     if epilogues:
         decode.epilogues = [FakeEpilogue(layer.self_attn, lambda: holder["caches"]) for layer in model.layers]
+        for epilogue in decode.epilogues:
+            epilogue.launch = recording("epilogue", epilogue.launch)
     else:
         for layer in model.layers:
             real_front = layer.self_attn.front
@@ -401,11 +418,13 @@ def _prefetch_log(model, decode, monkeypatch, epilogues: bool):
 
 
 @pytest.mark.parametrize("epilogues", [True, False])
-def test_the_prefetch_forks_after_each_gemm_and_joins_before_the_next(monkeypatch, epilogues):
-    """Each GEMM's weight is prefetched from right after the previous GEMM
-    (the first QKV weight from the step's start), every GEMM waits for its
-    prefetch, nothing is left pending at the step's end, and the result is
-    the stock forward's bits."""
+def test_the_prefetch_forks_after_each_gemm_kicks_after_the_next_small_kernel_and_joins(monkeypatch, epilogues):
+    """Each GEMM's weight is named to the prefetch right after the previous
+    GEMM (the first QKV weight at the step's start), kicked right after the
+    first small kernel that follows (the first norm, the QKV epilogue or
+    stock front, a boundary, the activation: where the inline mode
+    launches), joined before its GEMM; nothing is left pending at the step's
+    end, and the result is the stock forward's bits."""
     model = DraftModel(small_config())
     decode = _decode(model)
     log = _prefetch_log(model, decode, monkeypatch, epilogues)
@@ -419,17 +438,19 @@ def test_the_prefetch_forks_after_each_gemm_and_joins_before_the_next(monkeypatc
     for i in range(len(model.layers)):
         s = shapes[i]
         if i == 0:
-            expected.append(("fork", "qkv_proj", s["qkv_proj"]))
+            expected += [("fork", "qkv_proj", s["qkv_proj"]), ("first norm",), ("kick",)]
         expected.append(("join",))
         if epilogues:
-            expected += [("gemm", s["qkv_proj"]), ("fork", "o_proj", s["o_proj"])]
+            expected += [("gemm", s["qkv_proj"]), ("fork", "o_proj", s["o_proj"]), ("epilogue",)]
         else:
             expected += [("stock front",), ("fork", "o_proj", s["o_proj"])]
-        expected += [("join",), ("gemm", s["o_proj"]), ("fork", "gate_up", s["gate_up"]),
-                     ("join",), ("gemm", s["gate_up"]), ("fork", "down", s["down"]),
+        expected += [("kick",), ("join",), ("gemm", s["o_proj"]), ("fork", "gate_up", s["gate_up"]),
+                     ("boundary", 2 * i), ("kick",),
+                     ("join",), ("gemm", s["gate_up"]), ("fork", "down", s["down"]), ("activation",), ("kick",),
                      ("join",), ("gemm", s["down"])]
         if i + 1 < len(model.layers):
             expected.append(("fork", "qkv_proj", shapes[i + 1]["qkv_proj"]))
+        expected += [("boundary", 2 * i + 1), ("kick",)]
     assert log == expected
 
 
@@ -442,6 +463,10 @@ def test_the_prefetch_is_opt_in_and_checked():
     decode = DraftDecode(model, plan, prefetch=decode_module.DEFAULT_PREFETCH)
     assert isinstance(decode.prefetcher, WeightPrefetcher)
     assert decode.prefetcher.bytes_per_row == decode_module.DEFAULT_PREFETCH
+    assert decode.prefetcher.mode == "inline"
+    assert DraftDecode(model, plan, prefetch={"down": 512}, prefetch_mode="side").prefetcher.mode == "side"
+    with pytest.raises(ValueError, match="prefetch mode"):
+        DraftDecode(model, plan, prefetch={"down": 512}, prefetch_mode="eager")
     with pytest.raises(ValueError, match="prefetch roles"):
         DraftDecode(model, plan, prefetch={"lm_head": 256})
     with pytest.raises(ValueError, match="multiple of 128 bytes"):

@@ -104,38 +104,42 @@ def test_direct_attention_variant_is_the_stock_forward(model, m):
     assert_bitwise(direct.run(x, step, a), default.run(x, step, b), "direct vs staged with the QKV front")
 
 
+@pytest.mark.parametrize("mode", ["inline", "side"])
 @pytest.mark.parametrize("m", [1, 16])
-def test_the_weight_prefetch_changes_no_bit(model, m):
-    """WRITTEN, NOT YET RUN ON A GPU. With the L2 weight prefetch on (a side
-    stream forked after each GEMM and joined before the next), the front-off
-    forward is still the stock forward bit for bit, eagerly and in a graph
-    replay (the capture ends with every fork joined), and with the front on
-    it equals the same decode without the prefetch."""
-    decode = build_draft_decode(model, exclude={policy.QKV_FRONT}, prefetch=True)
-    assert decode.prefetcher is not None
+def test_the_weight_prefetch_changes_no_bit(model, m, mode):
+    """With the L2 weight prefetch on, in either mode (inline: a PDL
+    dependent of the small kernel after each GEMM that completes only after
+    it; side: a side stream forked after each GEMM and joined before the
+    next), the front-off forward is still the stock forward bit for bit,
+    eagerly and in a graph replay (the capture ends with nothing pending),
+    and with the front on it equals the same decode without the prefetch."""
+    decode = build_draft_decode(model, exclude={policy.QKV_FRONT}, prefetch=True, prefetch_mode=mode)
+    assert decode.prefetcher is not None and decode.prefetcher.mode == mode
     ref_caches, got_caches = _with_context(model), _with_context(model, decode)
     x = _hidden(model, m, torch.bfloat16)
     step = StepInputs.block(CONTEXT, m, "cuda", span=SPAN)
-    assert_bitwise(decode.run(x, step, got_caches), model(x, step, ref_caches), f"prefetch m={m}")
+    assert_bitwise(decode.run(x, step, got_caches), model(x, step, ref_caches), f"prefetch ({mode}) m={m}")
     assert not decode.prefetcher.pending
     graph_caches = _with_context(model)
     decode.run(x, step, graph_caches)
     step1 = StepInputs.block(CONTEXT + m, m, "cuda", span=SPAN)
     graph = StepGraph(decode.run, x, step1, graph_caches)
-    assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), "prefetch graph replay")
-    with_front, without = build_draft_decode(model, prefetch=True), build_draft_decode(model, prefetch=False)
+    assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), f"prefetch ({mode}) graph replay")
+    with_front = build_draft_decode(model, prefetch=True, prefetch_mode=mode)
+    without = build_draft_decode(model, prefetch=False)
     a, b = _with_context(model, with_front), _with_context(model, without)
-    assert_bitwise(with_front.run(x, step, a), without.run(x, step, b), "front on, prefetch vs none")
+    assert_bitwise(with_front.run(x, step, a), without.run(x, step, b), f"front on, prefetch ({mode}) vs none")
 
 
-def test_the_weight_prefetch_kernel_stays_inside_odd_weights():
-    """WRITTEN, NOT YET RUN ON A GPU. Prefetches of weights whose rows are not
-    whole lines, a row-slice view, one row, and more rows than the grid has
-    threads, each at the end of an allocation: no fault, and no byte of the
-    weights changes."""
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_weight_prefetch_kernel_stays_inside_odd_weights(pdl):
+    """Prefetches (either variant) of weights whose rows are not whole lines,
+    a row-slice view, one row, and more rows than the grid has threads, each
+    at the end of an allocation: no fault, and no byte of the weights
+    changes."""
     from dspark_cute.weight_prefetch import WeightPrefetch
 
-    prefetch = WeightPrefetch()
+    prefetch = WeightPrefetch(pdl=pdl)
     prefetch.prepare()
     weights = [
         torch.randn(3, 100, device="cuda"),  # 400-byte rows: 3 lines a row at most

@@ -20,10 +20,14 @@ store_stream)`` (dspark-comm's fused all-reduce boundary); without it the
 draft is TP1 and every branch is already whole.
 
 The opt-in L2 weight prefetch (``prefetch``; ``dspark_cute.weight_prefetch``)
-forks a prefetch of each GEMM's weight onto a side stream right after the
-previous GEMM (the first QKV weight at the step's start) and joins it before
-that GEMM, so it overlaps the norms, boundaries, attention and activation in
-between; ``run`` ends with every fork joined. It changes no value.
+brings the first bytes of every row of each GEMM's weight into L2 while the
+small kernels before that GEMM run. ``prefetch_mode`` "inline" (the default)
+launches it on the decode's stream right after the first small kernel that
+follows the previous GEMM (the first norm, the QKV epilogue or front, a
+boundary, the activation), as a PDL dependent that completes only after that
+kernel; "side" forks it onto a side stream right after the previous GEMM and
+joins it before the next. ``run`` ends with nothing pending. It changes no
+value.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ log = logging.getLogger("dspark.decode")
 ATTENTION_VARIANTS = ("staged", "direct")
 # Bytes a row of each GEMM weight that the opt-in L2 prefetch brings in while
 # the small kernels before that GEMM run (dspark_cute.weight_prefetch; the
-# H200 probe's best: 256-512). DSPARK_PREFETCH=1 turns it on.
+# H200 probe's best: 256-512). DSPARK_PREFETCH=1 (or "inline") turns it on,
+# DSPARK_PREFETCH=side picks the side-stream mode.
 DEFAULT_PREFETCH = {"qkv_proj": 256, "o_proj": 256, "gate_up": 256, "down": 512}
 _logged: set[str] = set()
 
@@ -91,7 +96,8 @@ class DraftDecode:
     ``build_draft_decode``; ``prepare`` binds and compiles the kernels."""
 
     def __init__(self, model: DraftModel, plan: DraftPlan, all_reduce: AllReduceBoundaries | None = None,
-                 attention_variant: str = "staged", prefetch: dict[str, int] | None = None) -> None:
+                 attention_variant: str = "staged", prefetch: dict[str, int] | None = None,
+                 prefetch_mode: str = "inline") -> None:
         if attention_variant not in ATTENTION_VARIANTS:
             raise ValueError(f"an attention variant of {ATTENTION_VARIANTS}, not {attention_variant!r}")
         self.attention_variant = attention_variant
@@ -100,7 +106,7 @@ class DraftDecode:
         if prefetch:
             from .weight_prefetch import WeightPrefetcher
 
-            self.prefetcher = WeightPrefetcher(prefetch, next(model.parameters()).device)
+            self.prefetcher = WeightPrefetcher(prefetch, next(model.parameters()).device, mode=prefetch_mode)
         if plan.draft_reason is not None:
             raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason}): nothing to run fused")
         model_tp = getattr(model, "tp", 1)
@@ -262,6 +268,7 @@ class DraftDecode:
         if front is not None and front.takes(x, step.positions, step.slots, cache.tensor):
             qkv = front.launch(x, step.positions, step.slots, cache.tensor)
             self._fork(attn.o_proj, "o_proj")
+            self._kick()
             q, _, _, og = attn.split_qkv(qkv)
         else:
             if front is not None:
@@ -281,21 +288,32 @@ class DraftDecode:
         if epilogue is None:
             q, og = attn.front(x, step, cache)
             self._fork(attn.o_proj, "o_proj")
+            self._kick()
             return q, og
         qkv = linear(x, attn.qkv_proj)
         self._fork(attn.o_proj, "o_proj")
         if epilogue.takes(qkv, step.positions, step.slots, cache.tensor):
             # run() checked positions and slots (the stock front raises there).
-            return epilogue.launch(qkv, step.positions, step.slots, cache.tensor), attn.split_qkv(qkv)[3]
+            q = epilogue.launch(qkv, step.positions, step.slots, cache.tensor)
+            self._kick()
+            return q, attn.split_qkv(qkv)[3]
         _log_once(logging.INFO, f"layer {index}'s QKV epilogue ran stock: "
                   f"{epilogue.problem(qkv, step.positions, step.slots, cache.tensor)}")
-        return attn.front_from(qkv, step, cache)
+        out = attn.front_from(qkv, step, cache)
+        self._kick()
+        return out
 
     def _fork(self, weight: torch.Tensor, role: str) -> None:
-        """Start the L2 prefetch of ``weight`` (its ``role``'s bytes a row) on
-        the side stream, where the prefetch is on."""
+        """Name the next GEMM's ``weight`` (its ``role``'s bytes a row) to the
+        prefetch, where it is on (side mode: it starts now)."""
         if self.prefetcher is not None:
             self.prefetcher.fork(weight, role)
+
+    def _kick(self) -> None:
+        """Right after the first small kernel past a GEMM: the inline
+        prefetch of the forked weight starts here."""
+        if self.prefetcher is not None:
+            self.prefetcher.kick()
 
     def _join(self) -> None:
         """The current stream waits for the pending prefetch (before a GEMM)."""
@@ -366,20 +384,24 @@ class DraftDecode:
             if self.layers:  # the first QKV weight, while the first norm runs
                 self._fork(self.layers[0].self_attn.qkv_proj, "qkv_proj")
             x = self._first_norm(stream.to(self.dtype).contiguous())
+            self._kick()
             for i, layer in enumerate(self.layers):
                 mlp = layer.mlp
                 attn_out, published = self._attention(i, x, step, caches[i])
                 self._fork(mlp.gate_up, "gate_up")
                 stream, ffn_in = self._boundary(2 * i, attn_out, stream, True, published)
+                self._kick()
                 self._join()
                 gate_up = linear(ffn_in, mlp.gate_up)
                 self._fork(mlp.down, "down")
                 hidden = self._activation(i, gate_up)
+                self._kick()
                 self._join()
                 ffn_out, published = self._project(2 * i + 1, hidden, mlp.down)
                 if i != last:
                     self._fork(self.layers[i + 1].self_attn.qkv_proj, "qkv_proj")
                 stream, x = self._boundary(2 * i + 1, ffn_out, stream, i != last, published)
+                self._kick()
         finally:
             self._join()  # no fork outlives the step (a capture must end joined)
         return x
@@ -447,6 +469,7 @@ def build_draft_decode(
     exclude: frozenset[str] | set[str] = frozenset(),
     attention_variant: str | None = None,
     prefetch: dict[str, int] | bool | None = None,
+    prefetch_mode: str | None = None,
 ) -> DraftDecode | None:
     """The draft's specialized decode, prepared, or None where it keeps its
     stock layers; every reason is logged. ``exclude`` names kernels not to
@@ -456,7 +479,9 @@ def build_draft_decode(
     ``prefetch`` (default: ``DEFAULT_PREFETCH`` where ``DSPARK_PREFETCH=1``,
     else off; True: ``DEFAULT_PREFETCH``; a dict: bytes a row per weight
     role) turns on the L2 prefetch of each GEMM's weight during the kernels
-    before it (``dspark_cute.weight_prefetch``; it changes no value).
+    before it (``dspark_cute.weight_prefetch``; it changes no value);
+    ``prefetch_mode`` (default: "side" where ``DSPARK_PREFETCH=side``, else
+    "inline") picks how it overlaps them.
 
     A rank's shard of a TP draft (``dspark_core.tp.TPDraftModel``, ``tp > 1``)
     needs ``all_reduce`` of its TP size (dspark-comm's ``DraftAllReduce``):
@@ -475,15 +500,19 @@ def build_draft_decode(
     for line in plan.refused():
         _log_once(logging.WARNING, line)
     variant = attention_variant or os.environ.get("DSPARK_ATTENTION", "staged")
+    env = os.environ.get("DSPARK_PREFETCH", "0")
     if prefetch is None:
-        prefetch = os.environ.get("DSPARK_PREFETCH", "0") not in ("", "0")
+        prefetch = env not in ("", "0")
     if prefetch is True:
         prefetch = DEFAULT_PREFETCH
-    decode = DraftDecode(model, plan, all_reduce, attention_variant=variant, prefetch=prefetch or None)
+    if prefetch_mode is None:
+        prefetch_mode = "side" if env == "side" else "inline"
+    decode = DraftDecode(model, plan, all_reduce, attention_variant=variant, prefetch=prefetch or None,
+                         prefetch_mode=prefetch_mode)
     if variant != "staged":
         _log_once(logging.INFO, f"the decode attention runs its {variant!r} variant")
     if decode.prefetcher is not None:
-        _log_once(logging.INFO, "the decode prefetches its GEMM weights into L2 (bytes a row: "
+        _log_once(logging.INFO, f"the decode prefetches its GEMM weights into L2 ({prefetch_mode}; bytes a row: "
                   f"{decode.prefetcher.bytes_per_row})")
     decode.prepare()
     if all_reduce is not None and hasattr(all_reduce, "prepare"):
