@@ -3,9 +3,9 @@ rank (spawned once for every test here, the style of ``test_comm_multigpu.py``
 and reusing its ``comm_workers`` helpers); each test asserts on its check's
 results from both ranks. Skipped with fewer than two GPUs.
 
-Ran on two H200s (2026-11-30): 5 passed, before the publish check also
-compared the opt-in ``early_epochs`` kernel, its finite m = 16 boundary case
-and its poisoned outputs (not yet run). Run with (the packages' src/ and
+Ran on two H200s (2026-11-30): 5 passed, with the publish check comparing
+the early-epochs kernel (now the default) with the in-round one, its finite
+m = 16 boundary case and its poisoned outputs. Run with (the packages' src/ and
 this folder on PYTHONPATH):
 
     python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -s
@@ -128,9 +128,10 @@ def check_publish(c):
     w = _operands(gen, H, k)
     c.gemm = gemm = PackageGemm(_constants("o_proj", k), w, c.mb)
     gemm.prepare()
-    # The opt-in early-epochs publish (written, not yet run on GPUs): the same bits.
-    early = PackageGemm(_constants("o_proj", k), w, c.mb, early_epochs=True)
-    early.prepare()
+    # The in-round epochs publish (early_epochs=False; the default loads them
+    # before the main loop): the same bits.
+    in_round = PackageGemm(_constants("o_proj", k), w, c.mb, early_epochs=False)
+    in_round.prepare()
     post, conn, pre = c.modules = _boundary_modules(shared)
     constants = boundary_constants(post, conn, pre, H)
     c.bd = bd = AllReduceBoundary(c.mb, constants, conn.alpha, conn.beta, post.weight, pre.weight)
@@ -153,7 +154,7 @@ def check_publish(c):
             gemm.run(x, publish=True)
             b = torch.full_like(a, 7.0)  # poisoned: an unwritten element shows
             consume.launch(m, None, (b,))
-            early.run(x, publish=True)
+            in_round.run(x, publish=True)
             e = torch.full_like(a, 7.0)
             consume.launch(m, None, (e,))
             res[f"allreduce/{order}/m{m}"] = bad(a, b) + bad(b, nccl(y)) + bad(a, e)

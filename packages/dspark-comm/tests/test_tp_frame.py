@@ -222,9 +222,10 @@ def test_bench_package_gemm_report_judges_the_publish_kernel(tmp_path):
         raw.append(res)
     text = bench._report(raw, str(tmp_path))
     # The slower rank's figure, and the target judged on the publish kernel alone.
-    assert "| package GEMM with publish: its kernel alone (profiler) | 4.00 | 4.00 | 7.00 |" in text
+    assert ("| package GEMM with publish: its kernel alone (profiler; epochs before the main loop, the default) "
+            "| 4.00 | 4.00 | 7.00 |") in text
     assert "no slower than cuBLAS alone: met at 6 of 9 (K, m) (the publish-mode kernel's own time); " \
-           "met at 3 of 9 (K, m) with its epochs loaded before the main loop;" in text
+           "met at 3 of 9 (K, m) with its epochs loaded in each round;" in text
     assert "(a stricter reading): met at 0 of 9 (K, m)" in text
 
 

@@ -57,13 +57,14 @@ the PDL wait, x (and, in publish mode, the epochs) read after it; dependents
 are released after the main loop (a consumer's PDL wait still waits for this
 grid's end before reading the mailbox).
 
-``early_epochs`` (opt-in, publish mode; written and compile-checked, not yet
-run on GPUs): every epilogue round's epoch is loaded right after the PDL wait
+``early_epochs`` (the default, publish mode): every epilogue round's epoch is loaded right after the PDL wait
 (before the main loop's x copies) instead of in its round, so the loads'
 latency hides behind the main loop; in round order the epilogue otherwise
 serializes one epoch load per round before its stores (2 rounds at m <= 8, 4
 at m <= 16 with 4 warps). The same values are read at a point where the same
-kernels have completed, so the bits are the same.
+kernels have completed, so the bits are the same. Measured on two H200s
+(bench_package_gemm, the publish kernel alone): 5.73 vs 6.14 µs at K = 1024,
+m = 16, the same within 0.3 µs elsewhere; bit for bit the in-round kernel.
 """
 
 from __future__ import annotations
@@ -311,7 +312,7 @@ class PackageGemm:
     (default and required: the mailbox's). ``k_warps``, ``stages``: the main
     loop's shape (``default_shape``); ``pdl``: programmatic dependent launch
     (default: sm_90+); ``early_epochs``: the publish epilogue's epochs loaded
-    before the main loop (module docstring; opt-in until its GPU run).
+    before the main loop (module docstring; False: in each round).
 
     - ``run(x, out=None)``: plain, returns BF16 ``[m, hidden_size]``;
     - ``run(x, publish=True)``: publishes the partial into the mailbox and
@@ -326,7 +327,7 @@ class PackageGemm:
 
     def __init__(self, constants: PackageGemmConstants, weight: torch.Tensor, mailbox=None,
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
-                 pdl: bool | None = None, early_epochs: bool = False) -> None:
+                 pdl: bool | None = None, early_epochs: bool = True) -> None:
         kw, st = default_shape(constants, k_warps, stages)
         c = constants
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.

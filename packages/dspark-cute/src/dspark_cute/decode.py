@@ -19,7 +19,8 @@ takes an object with ``takes(partial)`` and ``run(index, partial, stream,
 store_stream)`` (dspark-comm's fused all-reduce boundary); without it the
 draft is TP1 and every branch is already whole.
 
-The opt-in L2 weight prefetch (``prefetch``; ``dspark_cute.weight_prefetch``)
+The L2 weight prefetch (``prefetch``; ``dspark_cute.weight_prefetch``; on by
+default at TP1 in ``build_draft_decode``)
 brings the first bytes of every row of each GEMM's weight into L2 while the
 small kernels before that GEMM run. ``prefetch_mode`` "inline" (the default)
 launches it on the decode's stream right after the first small kernel that
@@ -51,10 +52,11 @@ log = logging.getLogger("dspark.decode")
 # (K/V read from global memory, a contiguous q, the o-gate a kernel of its
 # own). DSPARK_ATTENTION picks one for build_draft_decode.
 ATTENTION_VARIANTS = ("staged", "direct")
-# Bytes a row of each GEMM weight that the opt-in L2 prefetch brings in while
-# the small kernels before that GEMM run (dspark_cute.weight_prefetch; the
-# H200 probe's best: 256-512). DSPARK_PREFETCH=1 (or "inline") turns it on,
-# DSPARK_PREFETCH=side picks the side-stream mode.
+# Bytes a row of each GEMM weight that the L2 prefetch brings in while the
+# small kernels before that GEMM run (dspark_cute.weight_prefetch; the H200
+# probe's best: 256-512). build_draft_decode turns it on at TP1 (inline: 1-3
+# us off a step at m = 1 and 4 on an H200; the side mode was 6-8 us slower);
+# DSPARK_PREFETCH=0 turns it off, =1 on (also at TP), =side picks the side mode.
 DEFAULT_PREFETCH = {"qkv_proj": 256, "o_proj": 256, "gate_up": 256, "down": 512}
 _logged: set[str] = set()
 
@@ -476,8 +478,9 @@ def build_draft_decode(
     use (e.g. ``{"qkv_front"}``: the parts they would run stay stock).
     ``attention_variant`` (default: ``DSPARK_ATTENTION`` or "staged") picks
     the attention kernel's variant (``ATTENTION_VARIANTS``); it is logged.
-    ``prefetch`` (default: ``DEFAULT_PREFETCH`` where ``DSPARK_PREFETCH=1``,
-    else off; True: ``DEFAULT_PREFETCH``; a dict: bytes a row per weight
+    ``prefetch`` (default: ``DEFAULT_PREFETCH`` at TP1, off with
+    ``all_reduce``; ``DSPARK_PREFETCH=0`` or ``1``/``side`` overrides that
+    default; True: ``DEFAULT_PREFETCH``; a dict: bytes a row per weight
     role) turns on the L2 prefetch of each GEMM's weight during the kernels
     before it (``dspark_cute.weight_prefetch``; it changes no value);
     ``prefetch_mode`` (default: "side" where ``DSPARK_PREFETCH=side``, else
@@ -500,9 +503,10 @@ def build_draft_decode(
     for line in plan.refused():
         _log_once(logging.WARNING, line)
     variant = attention_variant or os.environ.get("DSPARK_ATTENTION", "staged")
-    env = os.environ.get("DSPARK_PREFETCH", "0")
+    env = os.environ.get("DSPARK_PREFETCH", "")
     if prefetch is None:
-        prefetch = env not in ("", "0")
+        # Measured at TP1 only: the TP steps keep it off unless asked for.
+        prefetch = env not in ("", "0") if env or all_reduce is not None else True
     if prefetch is True:
         prefetch = DEFAULT_PREFETCH
     if prefetch_mode is None:
