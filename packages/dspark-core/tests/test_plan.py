@@ -224,10 +224,41 @@ def test_front_refuses_no_o_gate_and_a_non_bf16_weight_and_a_subclass():
 
 
 def test_layer_kernels_fuse_in_the_reference_plan():
-    plan = plan_draft(DraftModel(DraftConfig(), device="meta"), ALL)
-    assert [p.constants for p in plan.attentions] == [K.AttentionConstants(64, 8, 64, 16, "int64")] * 2
+    """The staged attention (the default) carries the o-gate in its
+    epilogue: its constants say so, and the o-gate part names the attention
+    part whose kernel runs it; the direct variant keeps both apart."""
+    model = DraftModel(DraftConfig(), device="meta")
+    plan = plan_draft(model, ALL)
+    staged = K.AttentionConstants(64, 8, 64, 16, "int64", staged_slots=policy.DEFAULT_STAGED_SLOTS, o_gate_eps=1e-6)
+    assert [p.constants for p in plan.attentions] == [staged] * 2
     assert [p.constants for p in plan.o_gates] == [K.OGateConstants(64, 1e-6)] * 2
+    assert [(p.fused, p.via) for p in plan.o_gates] == [(True, "layer 0's attention"), (True, "layer 1's attention")]
     assert [p.constants for p in plan.mlp_activations] == [K.MlpActivationConstants(16384)] * 2
+    assert f"fused into layer 0's attention's kernel (OGateConstants {K.OGateConstants(64, 1e-6).key()})" \
+        in plan.format()
+    assert f"fused (AttentionConstants {staged.key()})" in plan.format()
+    direct = plan_draft(model, ALL.replace(attention="direct"))
+    assert [p.constants for p in direct.attentions] == [K.AttentionConstants(64, 8, 64, 16, "int64")] * 2
+    assert [(p.fused, p.via) for p in direct.o_gates] == [(True, None)] * 2
+    assert "fused into" not in direct.format()
+    assert plan.fused_count() == direct.fused_count()
+    assert ALL.key() != ALL.replace(attention="direct").key()
+
+
+def test_the_staged_attention_takes_the_o_gate_only_where_it_fuses():
+    no_gate = plan_draft(meta(), ALL.without({policy.O_GATE}))
+    assert [p.constants.o_gate_eps for p in no_gate.attentions] == [None, None]
+    assert [p.constants.staged_slots for p in no_gate.attentions] == [policy.DEFAULT_STAGED_SLOTS] * 2
+    assert reasons(no_gate)["layer 0's o-gate"] == "the caller excluded the o_gate kernel"
+    weighted = meta()
+    weighted.layers[0].self_attn.o_norm = HeadNorm(64, has_weight=True)
+    plan = plan_draft(weighted, ALL)
+    assert [p.constants.o_gate_eps for p in plan.attentions] == [None, 1e-6]
+    assert [p.via for p in plan.o_gates] == [None, "layer 1's attention"]
+    no_attention = plan_draft(meta(), ALL.without({policy.ATTENTION}))
+    assert [(p.fused, p.via) for p in no_attention.o_gates] == [(True, None)] * 2
+    with pytest.raises(ValueError, match="attention variant"):
+        Target(attention="fast")
 
 
 def test_attention_refuses_wide_heads_and_a_subclass():

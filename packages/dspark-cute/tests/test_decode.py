@@ -226,7 +226,41 @@ def test_the_plan_has_a_qkv_epilogue_per_layer():
 def test_an_unknown_attention_variant_is_refused():
     model = DraftModel(small_config(num_layers=1))
     with pytest.raises(ValueError, match="attention variant"):
-        DraftDecode(model, plan_draft(model, ALL), attention_variant="fast")
+        build_draft_decode(model, attention_variant="fast")
+    with pytest.raises(ValueError, match="attention variant"):
+        decode_module.draft_plan(model, attention="fast")
+
+
+@pytest.mark.parametrize("variant", ["staged", "direct"])
+def test_the_attention_kernel_is_bound_from_the_plans_constants(monkeypatch, variant):
+    """The executor builds its attention kernel from the plan's constants
+    (the variant the plan's target names), so the plan says what runs."""
+    model = DraftModel(small_config(num_layers=1))
+    plan = plan_draft(model, ALL.replace(attention=variant))
+    decode = DraftDecode(model, plan)
+    assert decode.attention_variant == variant
+    built = {}
+
+    def recorder(name):
+        class Recorder:
+            def __init__(self, *args, **kwargs):
+                built[name] = (args, kwargs)
+
+            def prepare(self):
+                pass
+        return Recorder
+
+    monkeypatch.setattr(decode, "_kernel_class",
+                        lambda part, module, name: recorder(name) if part is not None and part.fused else None)
+    decode._bind_layer(0)
+    attn = model.layers[0].self_attn
+    args, kwargs = built["PagedAttention"]
+    assert args == (attn.num_heads, attn.num_kv_heads, attn.head_dim, model.config.kv_block_size, torch.int64)
+    if variant == "staged":
+        assert kwargs == {"staged": True, "max_staged_slots": policy.DEFAULT_STAGED_SLOTS,
+                          "o_gate_eps": attn.o_norm.eps}
+    else:
+        assert kwargs == {"o_gate_eps": None}
 
 
 def test_a_refused_boundary_runs_its_stock_modules():

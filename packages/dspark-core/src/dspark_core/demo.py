@@ -104,18 +104,17 @@ def run_demo(
     print(f"built the reference draft ({config.num_layers} layers, hidden {config.hidden_size}) "
           f"on {device} in {time.perf_counter() - t0:.1f} s")
     # The QKV front's projection sums in its own order (not cuBLAS's): without
-    # --front the specialized decode leaves it stock and is bit for bit. The
-    # plans printed are the decode's (the same exclusion).
+    # --front the specialized decode leaves it stock and is bit for bit.
     exclude = set() if front else {policy.QKV_FRONT}
-    plans = [plan_draft(model, policy.device_target(device).without(exclude))]
+    build = executor_builder() if device.type == "cuda" else None
+    decode = build(model, exclude=exclude) if build is not None else None
+    # The plan printed is the one the decode runs, where there is one.
+    plans = [decode.plan if decode is not None else plan_draft(model, policy.device_target(device).without(exclude))]
     if device.type != "cuda":
         # What the same draft gets on one H200 with the installed backends.
         plans.append(plan_draft(model, policy.Target(kernels=policy.installed_kernels()).without(exclude)))
     for p in plans:
         print_plan(p)
-
-    build = executor_builder() if device.type == "cuda" else None
-    decode = build(model, exclude=exclude) if build is not None else None
     if device.type == "cuda" and decode is None:
         print("no specialized decode on this device (see the log above): the stock path runs alone")
 

@@ -11,13 +11,19 @@ modules and the plan says why, in words. The plan reads the configuration and
 the modules' types, shapes and dtypes only (a draft on the meta device
 plans), so every rank of a TP group makes the same plan.
 
-Run ``python -m dspark_core.plan [CONFIG.json] [--tp N] [--arch sm_90a]`` to
-print a plan and every reason.
+The attention part carries the constants of the kernel variant the target
+names (``Target.attention``): the staged variant's constants include the
+o-gate's eps where the o-gate fuses, and that o-gate part then says it runs
+in the attention's kernel (``Part.via``).
+
+Run ``python -m dspark_core.plan [CONFIG.json] [--tp N] [--arch sm_90a]
+[--attention staged|direct]`` to print a plan and every reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 
@@ -34,11 +40,14 @@ from .policy import Target
 @dataclass(frozen=True)
 class Part:
     """One planned part: ``fused`` with its kernel's ``constants``, or stock
-    with the ``reason`` in words."""
+    with the ``reason`` in words. ``via``: the name of the fused part whose
+    kernel runs this one in its epilogue (its ``constants`` then say how),
+    or None where this part has a kernel of its own."""
 
     name: str
     constants: object | None = None
     reason: str | None = None
+    via: str | None = None
 
     @property
     def fused(self) -> bool:
@@ -86,6 +95,8 @@ class DraftPlan:
             return "\n".join(lines)
         for p in self.parts():
             what = f"fused ({type(p.constants).__name__} {p.constants.key()})" if p.fused else f"stock: {p.reason}"
+            if p.fused and p.via is not None:
+                what = f"fused into {p.via}'s kernel ({type(p.constants).__name__} {p.constants.key()})"
             lines.append(f"  {p.name:<36} {what}")
         fused, total = self.fused_count()
         lines.append(f"  {fused} of {total} parts fused")
@@ -212,9 +223,18 @@ def plan_draft(model: DraftModel, target: Target | None = None) -> DraftPlan:
         # fused front does not take or where it is not used.
         part = _try(f"layer {i}'s QKV epilogue", K.qkv_front_constants, layer.self_attn)
         plan.qkv_epilogues.append(_with_kernels(part, target, policy.QKV_EPILOGUE))
-        plan.attentions.append(_with_kernels(_attention_part(i, layer.self_attn, model.config), target,
-                                             policy.ATTENTION))
-        plan.o_gates.append(_with_kernels(_o_gate_part(i, layer.self_attn), target, policy.O_GATE))
+        gate = _with_kernels(_o_gate_part(i, layer.self_attn), target, policy.O_GATE)
+        attention = _with_kernels(_attention_part(i, layer.self_attn, model.config), target, policy.ATTENTION)
+        if attention.fused and target.attention == "staged":
+            # The staged kernel (the executor's default) takes the o-gate into
+            # its epilogue where the o-gate fuses: its constants say so.
+            eps = gate.constants.eps if gate.fused else None
+            attention = Part(attention.name, dataclasses.replace(
+                attention.constants, staged_slots=policy.DEFAULT_STAGED_SLOTS, o_gate_eps=eps))
+            if gate.fused:
+                gate = Part(gate.name, gate.constants, via=attention.name)
+        plan.attentions.append(attention)
+        plan.o_gates.append(gate)
         part = _try(f"layer {i}'s MLP activation", K.mlp_activation_constants, layer.mlp)
         plan.mlp_activations.append(_with_kernels(part, target, policy.MLP_ACTIVATION))
 
@@ -305,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         help="'installed' (what the installed backends provide), 'all' (the whole design) "
         "or a comma-separated list of kernel names",
     )
+    parser.add_argument("--attention", default="staged", choices=policy.ATTENTION_VARIANTS,
+                        help="the attention kernel's variant (default: staged)")
     parser.add_argument("--print-config", action="store_true", help="print the config's JSON too")
     args = parser.parse_args(argv)
     try:
@@ -315,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             kernels = policy.ALL_KERNELS
         else:
             kernels = frozenset(k for k in args.kernels.split(",") if k)
-        target = Target(args.platform, args.arch, args.num_sms, args.tp, kernels)
+        target = Target(args.platform, args.arch, args.num_sms, args.tp, kernels, attention=args.attention)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -63,6 +63,13 @@ FUSED_TPS = (2, 4, 8)
 # TP sizes whose o_proj and down_proj run on the package GEMM, publishing their
 # partial into the boundary's mailbox.
 PACKAGE_GEMM_TPS = (2, 4, 8)
+# The decode attention kernel's variants: "staged" (the default: the K/V rows
+# of the first DEFAULT_STAGED_SLOTS slots staged in shared memory, q read as a
+# strided view, the o-gate in its epilogue where the o-gate fuses) and
+# "direct" (K/V read from global memory, the o-gate a kernel of its own). Both
+# are bit for bit the spec; the staged one measured faster on an H200.
+ATTENTION_VARIANTS = ("staged", "direct")
+DEFAULT_STAGED_SLOTS = 384
 # Rows per call of the QKV front and of the mailbox (a draft proposes 1 to 16
 # tokens); calls with more rows take the unfused path.
 MAX_DECODE_ROWS = 16
@@ -88,9 +95,10 @@ DRAFT_GEMMS = {
 @dataclass(frozen=True)
 class Target:
     """Where the plan runs: ``platform`` ("cuda" or "cpu"), the GPU ``arch``
-    (``ARCHS``), its SM count, the TP size and the kernels the installed
+    (``ARCHS``), its SM count, the TP size, the kernels the installed
     backends provide (``excluded``: those the caller chose not to use, kept
-    apart so a refusal can say so). Frozen and hashable; ``key()`` names it."""
+    apart so a refusal can say so) and the ``attention`` kernel's variant
+    (``ATTENTION_VARIANTS``). Frozen and hashable; ``key()`` names it."""
 
     platform: str = "cuda"
     arch: str = "sm_90a"
@@ -98,8 +106,11 @@ class Target:
     tp: int = 1
     kernels: frozenset[str] = field(default=ALL_KERNELS)
     excluded: frozenset[str] = field(default=frozenset())
+    attention: str = "staged"
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_VARIANTS:
+            raise ValueError(f"an attention variant is one of {ATTENTION_VARIANTS}, not {self.attention!r}")
         if self.platform not in ("cuda", "cpu"):
             raise ValueError(f"a target platform is 'cuda' or 'cpu', not {self.platform!r}")
         if self.tp < 1:
@@ -114,7 +125,8 @@ class Target:
         return self.arch in ARCHS
 
     def key(self) -> str:
-        text = repr((self.platform, self.arch, self.num_sms, self.tp, sorted(self.kernels), sorted(self.excluded)))
+        text = repr((self.platform, self.arch, self.num_sms, self.tp, sorted(self.kernels), sorted(self.excluded),
+                     self.attention))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def replace(self, **changes) -> Target:

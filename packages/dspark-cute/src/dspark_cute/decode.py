@@ -43,15 +43,12 @@ import torch
 from dspark_core.layers import capturing, linear, o_gate, residual_boundary
 from dspark_core.model import DraftModel, StepInputs, attend
 from dspark_core.plan import DraftPlan, plan_draft
-from dspark_core.policy import device_target
+from dspark_core.policy import ATTENTION_VARIANTS, device_target  # noqa: F401 (re-exported)
 
 log = logging.getLogger("dspark.decode")
-# The decode attention kernel's variants (dspark_cute.attention), both bit for
-# bit the spec on an H200: "staged" (the default: K/V staged in shared memory,
-# q read as the front's strided view, the o-gate in its epilogue) and "direct"
-# (K/V read from global memory, a contiguous q, the o-gate a kernel of its
-# own). DSPARK_ATTENTION picks one for build_draft_decode.
-ATTENTION_VARIANTS = ("staged", "direct")
+# The decode attention kernel's variants (dspark_core.policy; "staged" is the
+# default): the plan's attention constants are those of the variant its target
+# names. DSPARK_ATTENTION picks one for build_draft_decode.
 # Bytes a row of each GEMM weight that the L2 prefetch brings in while the
 # small kernels before that GEMM run (dspark_cute.weight_prefetch; the H200
 # probe's best: 256-512). build_draft_decode turns it on at TP1 (inline: 1-3
@@ -98,11 +95,9 @@ class DraftDecode:
     ``build_draft_decode``; ``prepare`` binds and compiles the kernels."""
 
     def __init__(self, model: DraftModel, plan: DraftPlan, all_reduce: AllReduceBoundaries | None = None,
-                 attention_variant: str = "staged", prefetch: dict[str, int] | None = None,
-                 prefetch_mode: str = "inline") -> None:
-        if attention_variant not in ATTENTION_VARIANTS:
-            raise ValueError(f"an attention variant of {ATTENTION_VARIANTS}, not {attention_variant!r}")
-        self.attention_variant = attention_variant
+                 prefetch: dict[str, int] | None = None, prefetch_mode: str = "inline") -> None:
+        # The plan's attention constants are the variant's (policy.Target.attention).
+        self.attention_variant = plan.target.attention
         # Opt-in: bytes a row per weight role (WeightPrefetcher checks them).
         self.prefetcher = None
         if prefetch:
@@ -197,13 +192,13 @@ class DraftDecode:
         kernels.append(cls and cls(epilogue.constants, attn.q_norm.weight, table))
         cls = self._kernel_class(attention, "attention", "PagedAttention")
         if cls is not None:
+            # The plan's constants: the staged variant's say how many slots it
+            # stages and whether it takes the o-gate into its epilogue.
             c = attention.constants
-            options = {}
-            if self.attention_variant == "staged":
-                gate_eps = gate.constants.eps if gate is not None and gate.fused else None
-                options = {"staged": True, "o_gate_eps": gate_eps}
             slot_dtype = {"int32": torch.int32, "int64": torch.int64}[c.slot_dtype]
-            kernels.append(cls(c.num_heads, c.kv_heads, c.head_dim, c.block_size, slot_dtype, **options))
+            staged = {"staged": True, "max_staged_slots": c.staged_slots} if c.staged_slots else {}
+            kernels.append(cls(c.num_heads, c.kv_heads, c.head_dim, c.block_size, slot_dtype, **staged,
+                               o_gate_eps=c.o_gate_eps))
         else:
             kernels.append(None)
         cls = self._kernel_class(gate, "o_gate", "OGate")
@@ -457,12 +452,14 @@ def _check_context_call(model: DraftModel, positions, caches, slots) -> None:
             raise ValueError(f"a slot beyond the cache's {num_slots} slots")
 
 
-def draft_plan(model: DraftModel, tp: int = 1, exclude=frozenset()) -> DraftPlan:
-    """The plan of ``model`` at TP size ``tp`` for the device it lives on and
+def draft_plan(model: DraftModel, tp: int = 1, exclude=frozenset(), attention: str = "staged") -> DraftPlan:
+    """The plan of ``model`` at TP size ``tp`` for the device it lives on,
     the kernels this package provides less ``exclude`` (which the plan's
-    reasons call excluded): the plan ``build_draft_decode`` runs, for a TP
-    adapter to bind its parts to."""
-    return plan_draft(model, device_target(next(model.parameters()).device, tp).without(exclude))
+    reasons call excluded) and the ``attention`` kernel variant
+    (``ATTENTION_VARIANTS``; ValueError for another): the plan
+    ``build_draft_decode`` runs, for a TP adapter to bind its parts to."""
+    target = device_target(next(model.parameters()).device, tp).without(exclude)
+    return plan_draft(model, target.replace(attention=attention))
 
 
 def build_draft_decode(
@@ -477,7 +474,8 @@ def build_draft_decode(
     stock layers; every reason is logged. ``exclude`` names kernels not to
     use (e.g. ``{"qkv_front"}``: the parts they would run stay stock).
     ``attention_variant`` (default: ``DSPARK_ATTENTION`` or "staged") picks
-    the attention kernel's variant (``ATTENTION_VARIANTS``); it is logged.
+    the attention kernel's variant (``ATTENTION_VARIANTS``; the plan carries
+    its constants; another name is a ValueError); it is logged.
     ``prefetch`` (default: ``DEFAULT_PREFETCH`` at TP1, off with
     ``all_reduce``; ``DSPARK_PREFETCH=0`` or ``1``/``side`` overrides that
     default; True: ``DEFAULT_PREFETCH``; a dict: bytes a row per weight
@@ -496,13 +494,13 @@ def build_draft_decode(
         raise ValueError(f"a TP{model_tp} shard of the draft needs its all-reduce boundaries (all_reduce=...)")
     if all_reduce is not None and model_tp > 1 and all_reduce.tp != model_tp:
         raise ValueError(f"TP{all_reduce.tp} all-reduce boundaries for a TP{model_tp} shard")
-    plan = draft_plan(model, all_reduce.tp if all_reduce is not None else 1, exclude)
+    variant = attention_variant or os.environ.get("DSPARK_ATTENTION", "staged")
+    plan = draft_plan(model, all_reduce.tp if all_reduce is not None else 1, exclude, variant)
     if plan.draft_reason is not None:
         _log_once(logging.WARNING, f"the DSpark draft keeps its stock layers: {plan.draft_reason}")
         return None
     for line in plan.refused():
         _log_once(logging.WARNING, line)
-    variant = attention_variant or os.environ.get("DSPARK_ATTENTION", "staged")
     env = os.environ.get("DSPARK_PREFETCH", "")
     if prefetch is None:
         # Measured at TP1 only: the TP steps keep it off unless asked for.
@@ -511,8 +509,7 @@ def build_draft_decode(
         prefetch = DEFAULT_PREFETCH
     if prefetch_mode is None:
         prefetch_mode = "side" if env == "side" else "inline"
-    decode = DraftDecode(model, plan, all_reduce, attention_variant=variant, prefetch=prefetch or None,
-                         prefetch_mode=prefetch_mode)
+    decode = DraftDecode(model, plan, all_reduce, prefetch=prefetch or None, prefetch_mode=prefetch_mode)
     if variant != "staged":
         _log_once(logging.INFO, f"the decode attention runs its {variant!r} variant")
     if decode.prefetcher is not None:
