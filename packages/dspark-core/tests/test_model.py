@@ -138,6 +138,46 @@ def test_model_rejects_bad_inputs(model):
         model(torch.zeros(1, 2048), step, caches[:1])
 
 
+def test_check_inputs_raises_the_stock_errors_in_one_host_read(model, monkeypatch):
+    """``check_inputs`` raises what the stock forward raises for each
+    out-of-range input (and nothing for good ones), reading the device once."""
+    from dspark_core.model import check_inputs
+
+    hidden = torch.zeros(2, model.config.hidden_size, dtype=torch.bfloat16)
+    slots_total = 4 * model.config.kv_block_size
+    cases = [
+        ("attn_slots", slots_total, "an attention slot beyond the cache's"),
+        ("slots", slots_total, "a slot beyond the cache's"),
+        ("positions", model.rotary.max_position, "RoPE positions must lie in"),
+        ("positions", -1, "RoPE positions must lie in"),
+        ("slots", None, "distinct slots"),  # the second row takes the first's slot
+    ]
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real(t))
+    for field, value, message in cases:
+        step = StepInputs.block(3, 2)
+        if value is None:
+            step.slots[1] = step.slots[0]
+        else:
+            getattr(step, field).view(-1)[0] = value
+        with pytest.raises(ValueError, match=message):
+            model(hidden, step, model.make_caches(4))
+        reads.clear()
+        with pytest.raises(ValueError, match=message):
+            check_inputs(model, step.positions, model.make_caches(4), step.slots, step.attn_slots, distinct=True)
+        assert len(reads) == 1
+    step = StepInputs.block(3, 2)
+    step.slots[1] = -1  # a skipped row, and a repeated skip, are fine
+    step.slots[0] = -1
+    check_inputs(model, step.positions, model.make_caches(4), step.slots, step.attn_slots, distinct=True)
+    caches = model.make_caches(4)
+    per_layer = [torch.tensor([0, slots_total - 1]), torch.tensor([slots_total, 1])]
+    with pytest.raises(ValueError, match=f"a slot beyond the cache's {slots_total} slots"):
+        check_inputs(model, torch.tensor([0, 1]), caches, per_layer)
+    check_inputs(model, torch.tensor([0, 1]), caches, [per_layer[0], per_layer[0]])
+
+
 def test_config_json_round_trip_and_validation(tmp_path):
     config = small_config(norm_overrides={"norm": {"has_weight": False}})
     path = tmp_path / "c.json"

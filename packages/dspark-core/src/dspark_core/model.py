@@ -180,6 +180,53 @@ class DraftLayer(nn.Module):
         self.add_ffn = _connection(config, f"layers.{index}.add_ffn")
 
 
+def check_inputs(model, positions: torch.Tensor, caches, slots, attn_slots: torch.Tensor | None = None,
+                 distinct: bool = False) -> None:
+    """The ValueErrors the stock draft raises for out-of-range integer inputs,
+    for a caller whose kernels would skip such rows instead (the specialized
+    decode and context chain), with one host read for all of them. Checked
+    in this order, each with the stock module's words: ``positions`` within
+    the RoPE table (``Rotary``); each layer's ``slots`` (one tensor for every
+    cache, or one per layer) below its cache's slot count (the KV insert);
+    with ``distinct``, no non-negative slot of ``slots`` twice (the KV
+    insert); ``attn_slots`` below the smallest cache's slot count
+    (``paged_attention``). A negative slot is a skip, as in the stock."""
+    rotary = model.rotary
+    per_layer = slots if isinstance(slots, (list, tuple)) else [slots] * len(caches)
+    probes: list[torch.Tensor] = []  # int64 scalars on the inputs' device, read once
+    if rotary is not None and positions.numel():
+        probes += [positions.min().long(), positions.max().long()]
+    tensors: dict[int, int] = {}  # a slot tensor shared by layers is probed once
+    for layer_slots in per_layer:
+        if layer_slots is not None and layer_slots.numel() and id(layer_slots) not in tensors:
+            tensors[id(layer_slots)] = len(probes)
+            probes.append(layer_slots.max().long())
+    check_distinct = distinct and not isinstance(slots, (list, tuple)) and slots.numel() > 1
+    if check_distinct:
+        ordered = slots.reshape(-1).sort().values
+        probes.append(((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any().long())
+    check_attn = attn_slots is not None and attn_slots.numel() and caches
+    if check_attn:
+        probes.append(attn_slots.max().long())
+    if not probes:
+        return
+    values = torch.stack([p.to(probes[0].device) for p in probes]).tolist()  # the one host read
+    if rotary is not None and positions.numel() and (values[0] < 0 or values[1] >= rotary.max_position):
+        raise ValueError(f"RoPE positions must lie in [0, {rotary.max_position})")
+    for cache, layer_slots in zip(caches, per_layer):
+        if layer_slots is None or not layer_slots.numel():
+            continue
+        num_slots = cache.num_slots if hasattr(cache, "num_slots") else cache.shape[0] * cache.shape[2]
+        if values[tensors[id(layer_slots)]] >= num_slots:
+            raise ValueError(f"a slot beyond the cache's {num_slots} slots")
+    if check_distinct and values[-2 if check_attn else -1]:
+        raise ValueError("the KV insert takes distinct slots; a non-negative slot repeats")
+    if check_attn:
+        smallest = min(cache.num_slots for cache in caches)
+        if values[-1] >= smallest:
+            raise ValueError(f"an attention slot beyond the cache's {smallest} slots")
+
+
 class DraftModel(nn.Module):
     """The reference DSpark draft (stock eager layers)."""
 

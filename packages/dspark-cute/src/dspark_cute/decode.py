@@ -41,7 +41,7 @@ from typing import Protocol
 import torch
 
 from dspark_core.layers import capturing, linear, o_gate, residual_boundary
-from dspark_core.model import DraftModel, StepInputs, attend
+from dspark_core.model import DraftModel, StepInputs, attend, check_inputs
 from dspark_core.plan import DraftPlan, plan_draft
 from dspark_core.policy import ATTENTION_VARIANTS, device_target  # noqa: F401 (re-exported)
 
@@ -372,7 +372,7 @@ class DraftDecode:
             raise ValueError(f"the draft takes one KV cache per layer ({len(self.layers)})")
         if any(k is not None for k in [*self.fronts, *self.epilogues, *self.attentions]) and not capturing():
             # The stock front and attention raise for these; the kernels would skip them.
-            _check_step(model, step, caches)
+            check_inputs(model, step.positions, caches, step.slots, step.attn_slots, distinct=True)
         # A BF16 row round-trips through the FP32 stream unchanged: the first
         # boundary reads it as is.
         stream = hidden_states if hidden_states.dtype == self.dtype else hidden_states.to(torch.float32)
@@ -411,45 +411,13 @@ class DraftDecode:
         if not capturing():
             # The stock chain raises for slots beyond a cache and positions
             # beyond the RoPE table; the kernel skips such rows: check first.
-            _check_context_call(self.model, positions, caches, slots)
+            check_inputs(self.model, positions, caches, slots)
         try:
             self.context.run(context_states, positions, caches, slots)
         except ValueError as error:
             _log_once(logging.INFO, f"the context K/V chain ran stock: {error}")
             return False
         return True
-
-
-def _check_step(model: DraftModel, step: StepInputs, caches) -> None:
-    """The stock front's ValueErrors for a step's positions and slots."""
-    _check_context_call(model, step.positions, caches, step.slots)
-    kept = step.slots[step.slots >= 0]
-    if torch.unique(kept).numel() != kept.numel():
-        raise ValueError("the KV insert takes distinct slots; a non-negative slot repeats")
-    if step.attn_slots.numel() and caches:
-        # One host read for every layer: they all attend over the same slots.
-        smallest = min(cache.num_slots for cache in caches)
-        if int(step.attn_slots.max()) >= smallest:
-            raise ValueError(f"an attention slot beyond the cache's {smallest} slots")
-
-
-def _check_context_call(model: DraftModel, positions, caches, slots) -> None:
-    """The stock chain's ValueErrors for out-of-range slots and positions."""
-    rotary = model.rotary
-    if rotary is not None and positions.numel() and (
-        int(positions.min()) < 0 or int(positions.max()) >= rotary.max_position
-    ):
-        raise ValueError(f"RoPE positions must lie in [0, {rotary.max_position})")
-    per_layer = slots if isinstance(slots, (list, tuple)) else [slots] * len(caches)
-    maxima: dict[int, int] = {}  # one host read per slot tensor, however many layers share it
-    for cache, layer_slots in zip(caches, per_layer):
-        if layer_slots is None or not layer_slots.numel():
-            continue
-        num_slots = cache.num_slots if hasattr(cache, "num_slots") else cache.shape[0] * cache.shape[2]
-        if id(layer_slots) not in maxima:
-            maxima[id(layer_slots)] = int(layer_slots.max())
-        if maxima[id(layer_slots)] >= num_slots:
-            raise ValueError(f"a slot beyond the cache's {num_slots} slots")
 
 
 def draft_plan(model: DraftModel, tp: int = 1, exclude=frozenset(), attention: str = "staged") -> DraftPlan:
