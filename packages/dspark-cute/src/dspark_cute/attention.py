@@ -49,10 +49,12 @@ it) and releases the next grid after pass 2.
 
 ``PagedAttention(..., staged=True)`` and/or ``o_gate_eps=...`` launch the
 opt-in variant instead (``dspark_cute.attention_v2``: K and V staged in
-shared memory, a row-strided ``q``, the o-gate fused; the same bits), which
-calls this module's pieces (``score``, ``add_slot``, ``fold_columns``,
-``quotients``, ...); the default kernel above compiles to the same PTX as
-before those pieces were factored out of it.
+shared memory, a row-strided ``q``, the o-gate fused; the same bits). Both
+kernels call the traced pieces of ``dspark_cute.attention_common`` (the
+score, the pass-2 step, the folds; passes 1 and 2 over global memory, the
+CTA max, steps 4-5), so that both run the same instructions on the same
+values; the default kernel above compiles to the same PTX as before those
+pieces were factored out of it.
 """
 
 from __future__ import annotations
@@ -63,13 +65,29 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils as cu_utils
 import torch
-from cutlass import Float32, Int32, Int64, Uint32, Uint64
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Float32, Int32, Int64, Uint32
 
-from dspark_core.attention import LANES, scale
+from dspark_core.attention import LANES
 from dspark_core.constants import HEAD_DIM, AttentionConstants
 from dspark_cute import ptx
-from dspark_cute.context_store import st_global_b32
+from dspark_cute.attention_common import (
+    PREFETCH_GROUP,
+    ROW_BYTES,
+    ROW_WORDS,
+    SLOT_BYTES,
+    WARPS,
+    SlotWalk,
+    cta_max,
+    finish,
+    lane_sums,
+    load_row,
+    pass1_global,
+    pass2_global,
+    prefetch_l2,
+    prefetch_rows,
+    score,
+    widen,
+)
 from dspark_cute.host import (
     CompileCache,
     LazyPdl,
@@ -79,23 +97,13 @@ from dspark_cute.host import (
     fake_stream,
     stream_capturing,
 )
-from dspark_cute.ptx_math import exp_rn
-from dspark_cute.skinny_gemm import ld_shared_v2_f32
 
-WARPS = LANES // ptx.WARP  # 4
 # Slots whose scores pass 1 keeps in shared memory (per thread: one FP32 per
 # chunk of 128 slots); later slots recompute their score in pass 2.
 SCORE_CHUNKS = 32
-# The transposed lane sums: one row of 64 FP32 per thread, padded to 68 words
-# so that 8 consecutive lanes' 16-byte stores hit distinct bank groups.
-ROW_WORDS = HEAD_DIM + 4
-# Chunks whose K and V rows one prefetch step covers (slot loads in flight together).
-PREFETCH_GROUP = 4
 SMEM_BYTES = 4 * (LANES * ROW_WORDS + 2 * WARPS + WARPS * HEAD_DIM)
 assert SCORE_CHUNKS * LANES <= LANES * ROW_WORDS
 SLOT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
-SLOT_BYTES = {"int32": 4, "int64": 8}
-ROW_BYTES = 2 * HEAD_DIM  # one K (or V) row of BF16
 # The staged variant (dspark_cute.attention_v2): slots whose K and V rows it
 # stages in shared memory by default, and at most (256 bytes per slot).
 DEFAULT_STAGED_SLOTS = 384
@@ -120,180 +128,6 @@ def check_constants(c: AttentionConstants) -> None:
         raise ValueError(f"staged slots of a multiple of {LANES} up to {MAX_STAGED_SLOTS}, not {staged}")
     if c.o_gate_eps is not None and not (isinstance(c.o_gate_eps, float) and c.o_gate_eps >= 0.0):
         raise ValueError(f"the o-norm's eps must be a non-negative float, not {c.o_gate_eps}")
-
-
-# ---------------------------------------------------------------- PTX primitives (own)
-
-
-def _asm(result_type, operands, text: str, constraints: str, loc, ip, side_effects: bool = True):
-    """``ptx._asm`` with side effects unless said otherwise."""
-    return ptx._asm(result_type, operands, text, constraints, side_effects, loc, ip)
-
-
-@dsl_user_op
-def ld_global_slot(addr, wide: bool, *, loc=None, ip=None) -> Int64:
-    """The slot at global ``addr`` (Int64): an int64, or an int32
-    sign-extended (``ld.global.s32`` + ``cvt.s64.s32``)."""
-    a = Int64(addr).ir_value(loc=loc, ip=ip)
-    if wide:
-        return Int64(_asm(T.i64(), [a], "ld.global.s64 $0, [$1];", "=l,l", loc, ip))
-    return Int64(_asm(T.i64(), [a], "{ .reg .s32 v; ld.global.s32 v, [$1]; cvt.s64.s32 $0, v; }",
-                      "=l,l", loc, ip))
-
-
-@dsl_user_op
-def prefetch_l2(addr, *, loc=None, ip=None) -> None:
-    """``prefetch.global.L2``: start bringing the line of global ``addr``
-    into L2 (no register written, nothing waits for it)."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", loc, ip)
-
-
-@dsl_user_op
-def max_nan(a, b, *, loc=None, ip=None) -> Float32:
-    """``max.NaN.f32``: the larger of ``a`` and ``b``, NaN if either is NaN
-    (``torch.amax``'s propagation)."""
-    return Float32(_asm(T.f32(), [ptx._f(a, loc, ip), ptx._f(b, loc, ip)], "max.NaN.f32 $0, $1, $2;",
-                        "=f,f,f", loc, ip, side_effects=False))
-
-
-@dsl_user_op
-def st_shared_v4_f32(addr, values, *, loc=None, ip=None) -> None:
-    """Store 4 FP32 at the 16-byte aligned shared byte address ``addr`` (Int32)."""
-    _asm(None, [Int32(addr).ir_value(loc=loc, ip=ip)] + [ptx._f(v, loc, ip) for v in values],
-         "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f", loc, ip)
-
-
-@dsl_user_op
-def st_shared_v2_f32(addr, a, b, *, loc=None, ip=None) -> None:
-    """Store 2 FP32 at the 8-byte aligned shared byte address ``addr`` (Int32)."""
-    _asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), ptx._f(a, loc, ip), ptx._f(b, loc, ip)],
-         "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f", loc, ip)
-
-
-# ---------------------------------------------------------------- traced math
-
-
-def load_row(addr) -> list:
-    """The 32 words (64 BF16) of a 128-byte row at global ``addr``: eight
-    16-byte loads."""
-    words = []
-    for k in range(ROW_BYTES // 16):
-        words += ptx.ld_global_v4(Int64(addr) + 16 * k)
-    return words
-
-
-def widen(words: list) -> list:
-    """64 BF16 packed in 32 words, widened to FP32 exactly (column order)."""
-    out = []
-    for w in words:
-        out.extend(ptx.bf16x2_to_f32(w))
-    return out
-
-
-def fold_halves(values: list) -> list:
-    """``values`` (a power-of-two count) folded by halves: ``v_k + v_(k+n/2)``
-    until one is left (each ``add.rn``). Returns a one-element list."""
-    while len(values) > 1:
-        half = len(values) // 2
-        values = [ptx.add_rn(values[k], values[k + half]) for k in range(half)]
-    return values
-
-
-def score(qf: list, k_words: list) -> Float32:
-    """Step 1: ``mul.rn(head_sum(q * k), SCALE)``; ``qf`` the 64 query values
-    (FP32), ``k_words`` the K row's 32 packed words."""
-    k = widen(k_words)
-    pairs = [ptx.add_rn(ptx.mul_rn(qf[2 * p], k[2 * p]), ptx.mul_rn(qf[2 * p + 1], k[2 * p + 1]))
-             for p in range(HEAD_DIM // 2)]
-    return ptx.mul_rn(fold_halves(pairs)[0], ptx.f32_const(scale(HEAD_DIM)))
-
-
-def cache_row(cache, slot, kv_head, kv_heads: int, bs: int) -> Int64:
-    """The byte address of KV head ``kv_head``'s row of ``slot`` (valid:
-    ``0 <= slot < num_slots < 2^31``): row ``slot % bs`` of block ``slot //
-    bs``, rows of ``2 * ROW_BYTES`` (K then V). Unsigned 32-bit division by
-    the constant ``bs``."""
-    s32 = Uint32(slot)
-    block, page = s32 // Uint32(bs), s32 % Uint32(bs)
-    return Int64(cache) + ((Int64(block) * kv_heads + kv_head) * bs + Int64(page)) * (2 * ROW_BYTES)
-
-
-def prefetch_rows(c: AttentionConstants, cache, slot_row, j0, s_len, num_slots, kv_head) -> None:
-    """L2 prefetches of the K and V rows of slots ``j0 + 128 k`` (``k <
-    PREFETCH_GROUP``): the slot loads first (indices clamped below ``s_len``),
-    then every row, each slot clamped into ``[0, num_slots)``: branch free,
-    so the loads are in flight together."""
-    width = SLOT_BYTES[c.slot_dtype]
-    last = Int32(s_len) - 1
-    slots = [ld_global_slot(slot_row + Int64(cutlass.min(j0 + k * LANES, last)) * width, width == 8)
-             for k in range(PREFETCH_GROUP)]
-    for slot in slots:
-        clamped = cutlass.min(cutlass.max(slot, Int64(0)), Int64(num_slots) - 1)
-        row = cache_row(cache, clamped, kv_head, c.kv_heads, c.block_size)
-        prefetch_l2(row)
-        prefetch_l2(row + ROW_BYTES)
-
-
-def fill(acc, value) -> None:
-    """Every element of the register tensor ``acc`` (64 FP32) set to ``value``."""
-    for d in range(HEAD_DIM):
-        acc[d] = value
-
-
-def accumulate(acc, p, v: list) -> None:
-    """Step 4 for one slot: ``acc[d] = add.rn(acc[d], mul.rn(p, v[d]))``."""
-    for d in range(HEAD_DIM):
-        acc[d] = ptx.add_rn(acc[d], ptx.mul_rn(p, v[d]))
-
-
-def add_slot(acc, lsum, s, top, v_words: list) -> None:
-    """Pass 2 for one valid slot of score ``s`` and V row ``v_words`` (32
-    packed words): ``p = exp_rn(sub.rn(s, top))``, ``l_t = add.rn(l_t, p)``,
-    then ``accumulate`` (``lsum`` a 1-element register tensor)."""
-    p = exp_rn(ptx.sub_rn(s, top))
-    lsum[0] = ptx.add_rn(lsum[0], p)
-    accumulate(acc, p, widen(v_words))
-
-
-def fold_columns(acc, red, wsums, tidx, warp, lane) -> None:
-    """Step 4 for the 64 ``a_t[d]``, after a CTA barrier past pass 2: each
-    thread's row to ``red`` (``[128][ROW_WORDS]`` FP32), a barrier, warp
-    ``w``'s columns ``2 lane``, ``2 lane + 1`` over its 32 lanes folded in
-    the butterfly's order (the spec's +64, +32, +16, +8, +4) into ``wsums``
-    (``[4][64]``), a barrier."""
-    row = Int32(red) + Int32(tidx) * (ROW_WORDS * 4)
-    for k in range(HEAD_DIM // 4):
-        st_shared_v4_f32(row + 16 * k, [acc[4 * k + e] for e in range(4)])
-    cute.arch.barrier()
-    col = Int32(red) + Int32(warp) * (ptx.WARP * ROW_WORDS * 4) + Int32(lane) * 8
-    pairs = [ld_shared_v2_f32(col + r * (ROW_WORDS * 4)) for r in range(ptx.WARP)]
-    w0 = fold_halves([p[0] for p in pairs])[0]
-    w1 = fold_halves([p[1] for p in pairs])[0]
-    st_shared_v2_f32(wsums + (Int32(warp) * HEAD_DIM + Int32(lane) * 2) * 4, w0, w1)
-    cute.arch.barrier()
-
-
-def quotients(lsums, wsums, lane) -> list:
-    """Steps 4-5 in warp 0: ``l`` (the 4 warp sums at ``lsums``, ``(W0 + W2)
-    + (W1 + W3)``) and lane ``lane``'s columns ``2 lane``, ``2 lane + 1`` of
-    ``a`` (the 4 warp sums at ``wsums``, the same order): ``[div.rn(a, l)]``
-    for the two columns."""
-    ls = [ptx.ld_shared_f32(lsums + 4 * w) for w in range(WARPS)]
-    total = ptx.add_rn(ptx.add_rn(ls[0], ls[2]), ptx.add_rn(ls[1], ls[3]))
-    ws = [ld_shared_v2_f32(wsums + (w * HEAD_DIM) * 4 + Int32(lane) * 8) for w in range(WARPS)]
-    res = []
-    for e in range(2):
-        a = ptx.add_rn(ptx.add_rn(ws[0][e], ws[2][e]), ptx.add_rn(ws[1][e], ws[3][e]))
-        res.append(ptx.div_rn(a, total))
-    return res
-
-
-def warp_max(value) -> Float32:
-    """The warp's ``max.NaN`` (butterfly 16, 8, 4, 2, 1), in every lane."""
-    v = Float32(value)
-    for offset in (16, 8, 4, 2, 1):
-        v = max_nan(v, cute.arch.shuffle_sync_bfly(v, offset=offset))
-    return v
 
 
 # ---------------------------------------------------------------- the kernel
@@ -324,9 +158,7 @@ class PagedAttentionKernel:
     @cute.kernel
     def kernel(self, q: Int64, cache: Int64, slots: Int64, out: Int64, s_len: Int32, num_slots: Int64):
         c = self.constants
-        wide = c.slot_dtype == "int64"
         group = c.num_heads // c.kv_heads
-        bs = c.block_size
         tidx, _, _ = cute.arch.thread_idx()
         head, token, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -348,6 +180,7 @@ class PagedAttentionKernel:
         # KV head g's rows of block b start at (b * kv_heads + g) * bs rows.
         kv_head = Int64(Uint32(head) // Uint32(group))
         chunks = (Int32(s_len) + (LANES - 1)) // LANES
+        walk = SlotWalk(c, cache, slot_row, kv_head, lane_t, s_len, num_slots, chunks, own, SCORE_CHUNKS)
 
         # Prefetches (nothing waits for them): the slot entries, then the K
         # and V rows of PREFETCH_GROUP chunks at a time (their slots loaded
@@ -360,59 +193,14 @@ class PagedAttentionKernel:
         qf = widen(load_row(q_row))
         mx = cute.make_rmem_tensor(1, Float32)
         mx[0] = ptx.f32_const(-math.inf)
-        # Pass 1: the scores and the thread's max.
-        for ch in cutlass.range(chunks, unroll=1):
-            j = ch * LANES + lane_t
-            if j < s_len:
-                slot = ld_global_slot(slot_row + Int64(j) * SLOT_BYTES[c.slot_dtype], wide)
-                if Uint64(slot) < Uint64(num_slots):
-                    k_row = cache_row(cache, slot, kv_head, c.kv_heads, bs)
-                    s = score(qf, load_row(k_row))
-                    mx[0] = max_nan(mx[0], s)
-                    if ch < SCORE_CHUNKS:
-                        ptx.st_shared_f32(own + ch * (LANES * 4), s)
-        # The CTA max: warp butterflies, then the 4 warp maxima.
-        wmax = warp_max(mx[0])
-        if lane == 0:
-            ptx.st_shared_f32(maxes + Int32(warp) * 4, wmax)
-        cute.arch.barrier()
-        m4 = [ptx.ld_shared_f32(maxes + 4 * w) for w in range(WARPS)]
-        top = max_nan(max_nan(m4[0], m4[2]), max_nan(m4[1], m4[3]))
-
-        acc = cute.make_rmem_tensor(HEAD_DIM, Float32)
-        lsum = cute.make_rmem_tensor(1, Float32)
-        zero = ptx.f32_const(0.0)
-        lsum[0] = zero
-        fill(acc, zero)
-        sc = cute.make_rmem_tensor(1, Float32)
-        # Pass 2: p_j, the lane sums l_t and a_t[d].
-        for ch in cutlass.range(chunks, unroll=1):
-            j = ch * LANES + lane_t
-            if j < s_len:
-                slot = ld_global_slot(slot_row + Int64(j) * SLOT_BYTES[c.slot_dtype], wide)
-                if Uint64(slot) < Uint64(num_slots):
-                    k_row = cache_row(cache, slot, kv_head, c.kv_heads, bs)
-                    v_words = load_row(k_row + ROW_BYTES)
-                    if ch < SCORE_CHUNKS:
-                        sc[0] = ptx.ld_shared_f32(own + ch * (LANES * 4))
-                    else:
-                        sc[0] = score(widen(load_row(q_row)), load_row(k_row))
-                    add_slot(acc, lsum, sc[0], top, v_words)
-        if cutlass.const_expr(self.pdl):
-            # Dependents still wait for this grid's end before they read `out`.
-            ptx.pdl_launch_dependents()
-
-        # The fold of l: butterflies (the spec's +64 .. +4), then the warps.
-        wl = ptx.warp_fold(lsum[0])
-        if lane == 0:
-            ptx.st_shared_f32(lsums + Int32(warp) * 4, wl)
-        # The scores are dead once every thread is past pass 2.
-        cute.arch.barrier()
-        fold_columns(acc, red, wsums, tidx, warp, lane)
-        if warp == 0:
-            res = quotients(lsums, wsums, lane)
-            out_row = Int64(out) + (Int64(token) * c.num_heads + Int64(head)) * ROW_BYTES
-            st_global_b32(out_row + Int64(lane) * 4, ptx.pack_bf16x2_rn(res[0], res[1]))
+        # Pass 1 (the scores, the thread's max), the CTA max, pass 2 (p_j,
+        # l_t, a_t[d]), then the folds and the output (attention_common).
+        pass1_global(walk, qf, mx, 0)
+        top = cta_max(mx[0], maxes, warp, lane)
+        acc, lsum = lane_sums()
+        pass2_global(walk, acc, lsum, top, q_row, 0)
+        # The scores are dead once every thread is past pass 2 (finish's first barrier).
+        finish(c, self.pdl, acc, lsum, red, lsums, wsums, out, token, head, tidx, warp, lane)
 
 
 def fake_args(constants: AttentionConstants) -> tuple:

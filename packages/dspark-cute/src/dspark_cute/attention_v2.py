@@ -4,9 +4,10 @@ the same bits, fewer memory round trips, a strided ``q``, an optional o-gate.
 ``PagedAttention(..., staged=True, max_staged_slots=384, o_gate_eps=None)``
 launches it (``AttentionConstants.staged_slots`` / ``o_gate_eps``); the
 default ``PagedAttention`` keeps the GPU-validated kernel of
-``dspark_cute.attention``, whose helpers (the score, the pass-2 step, the
-folds, the cache addressing) this kernel calls, so that both run the same
-instructions on the same values.
+``dspark_cute.attention``. Both call the traced pieces of
+``dspark_cute.attention_common`` (the score, the pass-2 step, the folds, the
+cache addressing; the passes over global memory, the CTA max, the folds and
+output), so that both run the same instructions on the same values.
 
 Layout: as the default kernel (one CTA of 128 threads per token and query
 head; the spec's lane ``t`` is the thread of warp ``t % 4`` and lane ``t //
@@ -35,10 +36,10 @@ What changes is where the K and V rows come from:
    (scores kept in shared memory for the first ``SCORE_CHUNKS_V2`` chunks,
    recomputed past them), V from global memory in pass 2. No refusal: any S
    works, the slots past the cap only run slower;
-5. the folds and ``div.rn`` as the default (``attention.fold_columns``,
-   ``attention.quotients``); then either the BF16 store, or the o-gate
-   epilogue (the CTA owns the whole head: warp 0's lane ``l`` holds columns
-   ``2l``, ``2l + 1``, i.e. the head tree's pair ``l``):
+5. the folds and ``div.rn`` as the default (``attention_common.finish``);
+   then either the BF16 store, or the o-gate epilogue (the CTA owns the
+   whole head: warp 0's lane ``l`` holds columns ``2l``, ``2l + 1``, i.e.
+   the head tree's pair ``l``):
    ``x = round_bf16(a / l)``, ``s = warp_fold(x_2l^2 + x_(2l+1)^2)`` (the
    butterfly 16, 8, 4, 2, 1 is the head tree's fold by halves),
    ``n = round_bf16(x * inv_rms(s, 64, eps))``, ``out = round_bf16(n *
@@ -62,38 +63,39 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils as cu_utils
-from cutlass import Float32, Int32, Int64, Uint32, Uint64
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.attention import LANES
 from dspark_core.constants import HEAD_DIM, AttentionConstants
 from dspark_cute import ptx
-from dspark_cute.attention import (
+from dspark_cute.attention import check_constants
+from dspark_cute.attention_common import (
     PREFETCH_GROUP,
     ROW_BYTES,
     ROW_WORDS,
     SLOT_BYTES,
     WARPS,
+    SlotWalk,
     _asm,
     add_slot,
     cache_row,
-    check_constants,
-    fill,
-    fold_columns,
+    cta_max,
+    finish,
+    lane_sums,
     ld_global_slot,
     load_row,
     max_nan,
+    o_gate_pair,
+    pass1_global,
+    pass2_global,
     prefetch_l2,
     prefetch_rows,
-    quotients,
     score,
-    st_global_b32,
-    warp_max,
     widen,
 )
 from dspark_cute.context_store import ld_global_b32
 from dspark_cute.host import compile_once, fake_stream
-from dspark_cute.ptx_math import sigmoid_rn
 from dspark_cute.skinny_gemm import ld_shared_v4
 
 # Chunks of 128 slots past the staged ones whose scores pass 1 keeps in
@@ -203,20 +205,6 @@ def load_staged(half, row) -> list:
     return words
 
 
-def o_gate_pair(res: list, gate_word, eps: float) -> Uint32:
-    """The o-gate of warp 0's lane ``l`` holding the quotients ``res`` of
-    columns ``2l``, ``2l + 1`` (module docstring, step 5): the BF16 output
-    word. The head tree of the BF16 output's squares is the pair sum of lane
-    ``l`` (the tree's pair ``l``) folded by ``ptx.warp_fold`` (offsets 16 ..
-    1: the fold by halves), in every lane."""
-    x0, x1 = ptx.round_bf16x2(res[0], res[1])
-    total = ptx.warp_fold(ptx.add_rn(ptx.mul_rn(x0, x0), ptx.mul_rn(x1, x1)))
-    r = ptx.inv_rms(total, HEAD_DIM, eps)
-    n0, n1 = ptx.round_bf16x2(ptx.mul_rn(x0, r), ptx.mul_rn(x1, r))
-    g0, g1 = ptx.bf16x2_to_f32(gate_word)
-    return ptx.pack_bf16x2_rn(ptx.mul_rn(n0, sigmoid_rn(g0)), ptx.mul_rn(n1, sigmoid_rn(g1)))
-
-
 # ---------------------------------------------------------------- the kernel
 
 
@@ -273,6 +261,7 @@ class PagedAttentionV2Kernel:
             ptx.pdl_wait()
         q_row = Int64(q) + Int64(token) * Int64(q_stride) * 2 + Int64(head) * ROW_BYTES
         q_words = load_row(q_row)
+        gate_word = None  # finish reads it only with the o-gate
         if cutlass.const_expr(c.o_gate_eps is not None):
             gate_row = Int64(gate) + (Int64(token) * Int64(gate_stride) + Int64(head) * HEAD_DIM) * 2
             gate_word = ld_global_b32(gate_row + Int64(lane) * 4)
@@ -280,6 +269,7 @@ class PagedAttentionV2Kernel:
         kv_head = Int64(Uint32(head) // Uint32(group))
         chunks = (Int32(s_len) + (LANES - 1)) // LANES
         ns = Int32(num_slots)  # < 2^31
+        walk = SlotWalk(c, cache, slot_row, kv_head, lane_t, s_len, num_slots, chunks, own, SCORE_CHUNKS_V2)
 
         if cutlass.const_expr(capc > 0):
             # The slot table: every load in flight (indices clamped below S), then the stores.
@@ -328,28 +318,9 @@ class PagedAttentionV2Kernel:
                     sc[sch] = score(qf, load_staged(base + sj * STAGED_ROW_BYTES, sj))
                     mx[0] = max_nan(mx[0], sc[sch])
         # Pass 1 past the cap: the default's.
-        for ch in cutlass.range(capc, chunks, unroll=1):
-            j = ch * LANES + lane_t
-            if j < s_len:
-                slot = ld_global_slot(slot_row + Int64(j) * width, wide)
-                if Uint64(slot) < Uint64(num_slots):
-                    s = score(qf, load_row(cache_row(cache, slot, kv_head, c.kv_heads, bs)))
-                    mx[0] = max_nan(mx[0], s)
-                    if ch < SCORE_CHUNKS_V2:
-                        ptx.st_shared_f32(own + ch * (LANES * 4), s)
-        # The CTA max: warp butterflies, then the 4 warp maxima.
-        wmax = warp_max(mx[0])
-        if lane == 0:
-            ptx.st_shared_f32(maxes + Int32(warp) * 4, wmax)
-        cute.arch.barrier()
-        m4 = [ptx.ld_shared_f32(maxes + 4 * w) for w in range(WARPS)]
-        top = max_nan(max_nan(m4[0], m4[2]), max_nan(m4[1], m4[3]))
-
-        acc = cute.make_rmem_tensor(HEAD_DIM, Float32)
-        lsum = cute.make_rmem_tensor(1, Float32)
-        zero = ptx.f32_const(0.0)
-        lsum[0] = zero
-        fill(acc, zero)
+        pass1_global(walk, qf, mx, capc)
+        top = cta_max(mx[0], maxes, warp, lane)
+        acc, lsum = lane_sums()
         # Pass 2, staged chunks: V from shared memory.
         for vch in cutlass.range_constexpr(capc):
             vj = vch * LANES + lane_t
@@ -357,37 +328,10 @@ class PagedAttentionV2Kernel:
                 if ld_shared_s32(table + vj * 4) < ns:
                     add_slot(acc, lsum, sc[vch], top, load_staged(base + vj * STAGED_ROW_BYTES + ROW_BYTES, vj))
         # Pass 2 past the cap: the default's.
-        sf = cute.make_rmem_tensor(1, Float32)
-        for ch in cutlass.range(capc, chunks, unroll=1):
-            j = ch * LANES + lane_t
-            if j < s_len:
-                slot = ld_global_slot(slot_row + Int64(j) * width, wide)
-                if Uint64(slot) < Uint64(num_slots):
-                    k_row = cache_row(cache, slot, kv_head, c.kv_heads, bs)
-                    v_words = load_row(k_row + ROW_BYTES)
-                    if ch < SCORE_CHUNKS_V2:
-                        sf[0] = ptx.ld_shared_f32(own + ch * (LANES * 4))
-                    else:
-                        sf[0] = score(widen(load_row(q_row)), load_row(k_row))
-                    add_slot(acc, lsum, sf[0], top, v_words)
-        if cutlass.const_expr(self.pdl):
-            # Dependents still wait for this grid's end before they read `out`.
-            ptx.pdl_launch_dependents()
-
-        # The fold of l: butterflies (the spec's +64 .. +4), then the warps.
-        wl = ptx.warp_fold(lsum[0])
-        if lane == 0:
-            ptx.st_shared_f32(lsums + Int32(warp) * 4, wl)
-        # The staged rows, scores and table are dead once every thread is past pass 2.
-        cute.arch.barrier()
-        fold_columns(acc, base, wsums, tidx, warp, lane)
-        if warp == 0:
-            res = quotients(lsums, wsums, lane)
-            out_row = Int64(out) + (Int64(token) * c.num_heads + Int64(head)) * ROW_BYTES
-            if cutlass.const_expr(c.o_gate_eps is None):
-                st_global_b32(out_row + Int64(lane) * 4, ptx.pack_bf16x2_rn(res[0], res[1]))
-            else:
-                st_global_b32(out_row + Int64(lane) * 4, o_gate_pair(res, gate_word, c.o_gate_eps))
+        pass2_global(walk, acc, lsum, top, q_row, capc)
+        # The staged rows, scores and table are dead once every thread is past
+        # pass 2 (finish's first barrier); the fold reuses them.
+        finish(c, self.pdl, acc, lsum, base, lsums, wsums, out, token, head, tidx, warp, lane, gate_word)
 
 
 def fake_args_v2(constants: AttentionConstants) -> tuple:
