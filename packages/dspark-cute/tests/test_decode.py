@@ -239,6 +239,9 @@ def test_the_attention_kernel_is_bound_from_the_plans_constants(monkeypatch, var
     plan = plan_draft(model, ALL.replace(attention=variant))
     decode = DraftDecode(model, plan)
     assert decode.attention_variant == variant
+    from dspark_cute.attention import check_constants
+
+    check_constants(plan.attentions[0].constants)  # the kernel takes the plan's constants
     built = {}
 
     def recorder(name):

@@ -69,6 +69,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from dspark_core.attention import LANES
 from dspark_core.constants import HEAD_DIM, AttentionConstants
+from dspark_core.policy import DEFAULT_STAGED_SLOTS
 from dspark_cute import ptx
 from dspark_cute.attention_common import (
     PREFETCH_GROUP,
@@ -105,8 +106,8 @@ SMEM_BYTES = 4 * (LANES * ROW_WORDS + 2 * WARPS + WARPS * HEAD_DIM)
 assert SCORE_CHUNKS * LANES <= LANES * ROW_WORDS
 SLOT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
 # The staged variant (dspark_cute.attention_v2): slots whose K and V rows it
-# stages in shared memory by default, and at most (256 bytes per slot).
-DEFAULT_STAGED_SLOTS = 384
+# stages in shared memory by default (the planner's, dspark_core.policy), and
+# at most (256 bytes per slot).
 MAX_STAGED_SLOTS = 768
 
 
