@@ -68,7 +68,7 @@ def _calls(m, gen, group, fused, plain, unfused, symm, one_shot) -> dict:
 
 
 def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -> None:
-    from dspark_comm.ranks import init_rank
+    from dspark_comm.ranks import init_rank, record_case
 
     init_rank(rank, world, init, timeout_s=60.0)
     import torch.distributed._symmetric_memory as symm_mem
@@ -104,11 +104,8 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
     for m in ROWS:
         fns = _calls(m, gen, group, fused, plain, unfused, symm, one_shot)
         for _, key in CASES:
-            try:
-                results[f"{key}/{m}"] = time_replays(capture(fns[key], iters, side_stream=True), reps,
-                                                     calls=iters)
-            except Exception as e:  # one case failing keeps the others
-                results[f"{key}/{m}"] = f"failed: {type(e).__name__}: {e}"[:200]
+            record_case(results, f"{key}/{m}",
+                        lambda fn=fns[key]: time_replays(capture(fn, iters, side_stream=True), reps, calls=iters))
             mb.check()
     gathered = group.all_gather_object(results)
     if rank == 0:
@@ -119,11 +116,7 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
 
 
 def _report(raw: list[dict], out: str) -> str:
-    def cell(key: str):
-        vals = [r[key] for r in raw]
-        if any(isinstance(v, str) for v in vals):
-            return None, next(v for v in vals if isinstance(v, str))
-        return max(vals), f"{max(vals):.2f}"
+    from dspark_comm.ranks import slower_rank
 
     lines = [
         "TP2 on two H200s (NVLink), H = 8192, BF16 partials, FP32 rank-order sum; microseconds per "
@@ -136,7 +129,7 @@ def _report(raw: list[dict], out: str) -> str:
     for label, key in CASES:
         row = []
         for m in ROWS:
-            value, text = cell(f"{key}/{m}")
+            value, text = slower_rank(raw, f"{key}/{m}")
             row.append(text)
             series.setdefault(label, []).append(value)
         lines.append(f"| {label} | " + " | ".join(row) + " |")

@@ -99,7 +99,7 @@ def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_p
 
 
 def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -> None:
-    from dspark_comm.ranks import init_rank
+    from dspark_comm.ranks import init_rank, record_case
 
     init_rank(rank, world, init, timeout_s=60.0)
     from dspark_comm.boundary import AllReduceBoundary
@@ -138,14 +138,12 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
         for m in ROWS:
             fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl)
             for _, key in CASES:
-                try:
-                    if key in PROFILED:
-                        results[f"{key}/{k}/{m}"] = _kernel_us(fns[PROFILED[key]], PUBLISH_KERNEL)
-                        continue
-                    results[f"{key}/{k}/{m}"] = time_replays(capture(fns[key], iters, side_stream=True), reps,
-                                                             calls=iters)
-                except Exception as e:  # one case failing keeps the others
-                    results[f"{key}/{k}/{m}"] = f"failed: {type(e).__name__}: {e}"[:200]
+                if key in PROFILED:
+                    measure = lambda fn=fns[PROFILED[key]]: _kernel_us(fn, PUBLISH_KERNEL)  # noqa: E731
+                else:
+                    measure = lambda fn=fns[key]: time_replays(  # noqa: E731
+                        capture(fn, iters, side_stream=True), reps, calls=iters)
+                record_case(results, f"{key}/{k}/{m}", measure)
                 mb.check()
     gathered = group.all_gather_object(results)
     if rank == 0:
@@ -156,11 +154,7 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
 
 
 def _report(raw: list[dict], out: str) -> str:
-    def cell(key: str):
-        vals = [r[key] for r in raw]
-        if any(isinstance(v, str) for v in vals):
-            return None, next(v for v in vals if isinstance(v, str))
-        return max(vals), f"{max(vals):.2f}"
+    from dspark_comm.ranks import slower_rank
 
     cols = [(k, m) for k in KS for m in ROWS]
     lines = [
@@ -175,7 +169,7 @@ def _report(raw: list[dict], out: str) -> str:
     for label, key in CASES:
         row = []
         for k, m in cols:
-            value, text = cell(f"{key}/{k}/{m}")
+            value, text = slower_rank(raw, f"{key}/{k}/{m}")
             row.append(text)
             series.setdefault(label, []).append(value)
         lines.append(f"| {label} | " + " | ".join(row) + " |")

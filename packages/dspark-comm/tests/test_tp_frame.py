@@ -253,3 +253,20 @@ def test_bench_draft_tp2_graphs_several_steps():
     assert bench._steps(step, 4)("h", "s", "c") == 4
     assert calls == [("h", "s", "c")] * 4
     assert bench._steps(step, 1)("h", "s", "c") == 5
+
+
+def test_record_case_and_slower_rank():
+    """A benchmark case that raises leaves its words in its cell, the others
+    run; a table cell is the slower rank's time, or the first failure."""
+    from dspark_comm.ranks import record_case, slower_rank
+
+    results = {}
+    record_case(results, "a", lambda: 3.5)
+    record_case(results, "b", lambda: 1 / 0)
+    record_case(results, "c", lambda: (_ for _ in ()).throw(RuntimeError("x" * 500)))
+    assert results["a"] == 3.5
+    assert results["b"] == "failed: ZeroDivisionError: division by zero"
+    assert results["c"].startswith("failed: RuntimeError: xxx") and len(results["c"]) == 200
+    assert slower_rank([{"k": 2.0}, {"k": 2.25}], "k") == (2.25, "2.25")
+    assert slower_rank([{"k": 2.0}, {"k": "failed: boom"}], "k") == (None, "failed: boom")
+    assert slower_rank([{"k": 1.0}], "k", "{:.1f}") == (1.0, "1.0")

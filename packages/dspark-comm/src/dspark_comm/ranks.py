@@ -141,4 +141,26 @@ def tp2_benchmark(what: str, fn, out: str, results_file: str, *args, timeout_s: 
     return raw, 0 if error is None else 1
 
 
-__all__ = ["MULTICAST_OFF", "finish_rank", "init_rank", "spawn_for_results", "spawn_ranks", "tp2_benchmark"]
+def record_case(results: dict, key: str, measure) -> None:
+    """``results[key] = measure()``, or, where it raises, the words
+    ``"failed: <type>: <message>"`` (200 characters at most): one benchmark
+    case failing is reported in its cell and keeps the others running."""
+    try:
+        results[key] = measure()
+    except Exception as e:  # noqa: BLE001 (reported in the table, not hidden)
+        results[key] = f"failed: {type(e).__name__}: {e}"[:200]
+
+
+def slower_rank(raw: list[dict], key: str, fmt: str = "{:.2f}") -> tuple[float | None, str]:
+    """The cell of ``key`` over the ranks' results ``raw``: ``(the largest
+    value, its text)``, or ``(None, the first rank's failure words)`` where a
+    rank recorded a failure (a string) instead of a time."""
+    vals = [r[key] for r in raw]
+    failed = next((v for v in vals if isinstance(v, str)), None)
+    if failed is not None:
+        return None, failed
+    return max(vals), fmt.format(max(vals))
+
+
+__all__ = ["MULTICAST_OFF", "finish_rank", "init_rank", "record_case", "slower_rank", "spawn_for_results",
+           "spawn_ranks", "tp2_benchmark"]
