@@ -150,13 +150,6 @@ def _widen(words: list) -> list:
     return out
 
 
-def _round_bf16(values: list) -> list:
-    out = []
-    for j in range(0, len(values), 2):
-        out.extend(ptx.round_bf16x2(values[j], values[j + 1]))
-    return out
-
-
 class AllReduceKernel:
     """The traced all-reduce of one layout, rank, sum order, epilogue and
     variant. Call: ``(partial, table, timeout_ns, o0, ..., o7, m, stream)``:
@@ -251,9 +244,9 @@ def _all_reduce_body(k: AllReduceKernel, ctx: RowContext, partial, table, timeou
         else:
             acc = [[ptx.add_rn(a, b) for a, b in zip(fa, fb)] for fa, fb in zip(acc, x)]
             if k.sum_order == BF16_RANK_ORDER:
-                acc = [_round_bf16(f) for f in acc]
+                acc = [ptx.round_bf16(f) for f in acc]
     if k.sum_order == FP32_RANK_ORDER:
-        acc = [_round_bf16(f) for f in acc]
+        acc = [ptx.round_bf16(f) for f in acc]
     k.epilogue.finish(ctx, state, acc)
     # Every thread has read the epoch; thread 0 advances it.
     cute.arch.barrier()

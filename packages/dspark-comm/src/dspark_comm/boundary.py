@@ -6,7 +6,7 @@ The all-reduce kernel's CTA for a row holds the whole summed row in the
 reference layout of the row tree (thread ``t``: fragments ``t * 8 + k *
 2048``), so the boundary runs on it exactly as ``dspark_cute``'s
 ``DraftBoundary`` runs on a loaded branch, with its building blocks
-(``rms_norm_fragments``, ``load_weight_words``):
+(``rms_norm_fragments``, ``gate_words``, ``gated_residual``):
 
 1. ``p = post(branch)``, ``branch`` the all-reduce's BF16 output (the sum of
    the mailbox's sum order, rounded to BF16), the post-norm's row sum in
@@ -29,10 +29,11 @@ from cutlass import Int32, Int64
 
 from dspark_comm.allreduce import Epilogue, FusedAllReduce, RowContext
 from dspark_comm.protocol import fallback_reason
-from dspark_core.constants import FP32_RANK_ORDER, BoundaryConstants, NormConstants
+from dspark_core.constants import FP32_RANK_ORDER, BoundaryConstants
 from dspark_cute import ptx
+from dspark_cute.boundary import DraftBoundary, gate_words, gated_residual
 from dspark_cute.host import check_operand
-from dspark_cute.row_norm import load_weight_words, rms_norm_fragments
+from dspark_cute.row_norm import rms_norm_fragments
 
 log = logging.getLogger("dspark_comm")
 
@@ -58,21 +59,8 @@ class BoundaryEpilogue(Epilogue):
         return ("boundary", self.constants.key(), self.stream_bf16, self.store_stream)
 
     def early(self, ctx: RowContext):
-        c = self.constants
         _, alpha, beta, post_w, pre_w, _, _ = ctx.operands[:7]
-
-        def weight(norm: NormConstants, base, col):
-            return load_weight_words(norm.weight_dtype, base, col) if norm.weight_dtype else None
-
-        return [
-            (
-                load_weight_words("fp32", alpha, col),
-                load_weight_words("fp32", beta, col),
-                weight(c.post, post_w, col),
-                weight(c.pre, pre_w, col),
-            )
-            for col in ctx.columns
-        ]
+        return [gate_words(self.constants, alpha, beta, post_w, pre_w, col) for col in ctx.columns]
 
     def late(self, ctx: RowContext, gates):
         h = ctx.hidden_size
@@ -91,23 +79,11 @@ class BoundaryEpilogue(Epilogue):
             ctx.smem, ctx.warp, ctx.lane,
         )
         new_row = Int64(new_stream) + Int64(ctx.row) * (4 * h)
-        z = []
-        for i, col in enumerate(ctx.columns):
-            a_words, b_words = gates[i][0], gates[i][1]
-            p = []
-            for j in range(0, ptx.VEC, 2):
-                p.extend(ptx.round_bf16x2(y[i][j], y[i][j + 1]))
-            # 2. the gated FP32 residual: each product rounded, then the sum.
-            new = [
-                ptx.add_rn(ptx.mul_rn(ptx.as_f32(a), sv), ptx.mul_rn(ptx.as_f32(b), pv))
-                for a, b, sv, pv in zip(a_words, b_words, s[i], p)
-            ]
-            if self.store_stream:
-                ptx.st_row8("fp32", new_row, col, new)
-            zi = []
-            for j in range(0, ptx.VEC, 2):
-                zi.extend(ptx.round_bf16x2(new[j], new[j + 1]))
-            z.append(zi)
+        # 2. the gated FP32 residual (stored if asked), rounded to BF16 for the pre-norm.
+        z = [
+            gated_residual(y[i], s[i], g[0], g[1], new_row, col, self.store_stream)
+            for i, (col, g) in enumerate(zip(ctx.columns, gates))
+        ]
         # 3. the pre-norm of the BF16-rounded stream, rounded to BF16.
         o = rms_norm_fragments(
             c.pre, h, z, [g[3] for g in gates] if c.pre.weight_dtype else None,
@@ -137,8 +113,6 @@ class AllReduceBoundary:
     def __init__(self, mailbox, constants: BoundaryConstants, alpha: torch.Tensor, beta: torch.Tensor,
                  post_weight: torch.Tensor | None, pre_weight: torch.Tensor | None,
                  sum_order: str = FP32_RANK_ORDER, *, pdl: bool | None = None) -> None:
-        from dspark_cute.boundary import DraftBoundary
-
         if not isinstance(constants, BoundaryConstants):
             raise ValueError(f"AllReduceBoundary takes BoundaryConstants, not {type(constants).__name__}")
         if constants.hidden_size != mailbox.layout.hidden_size:

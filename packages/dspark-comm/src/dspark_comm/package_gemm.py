@@ -81,7 +81,15 @@ from dspark_comm.protocol import HEADER_BYTES, MailboxLayout, fallback_reason
 from dspark_core.constants import MAX_DECODE_ROWS, PackageGemmConstants
 from dspark_cute import ptx
 from dspark_cute import skinny_gemm as sg
-from dspark_cute.host import CompileCache, check_operand, compile_kernel, current_stream, fake_stream, pdl_supported
+from dspark_cute.host import (
+    CompileCache,
+    check_operand,
+    compile_kernel,
+    current_stream,
+    fake_stream,
+    is_operand,
+    pdl_supported,
+)
 from dspark_cute.qkv_front import st_global_b32_if
 
 MODES = ("plain", "publish")
@@ -290,18 +298,6 @@ def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
     return kw, stages
 
 
-def _is_cuda(t, dtype, shape, align: int, device) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and t.is_cuda
-        and t.dtype == dtype
-        and tuple(t.shape) == tuple(shape)
-        and t.is_contiguous()
-        and t.data_ptr() % align == 0
-        and t.device == device
-    )
-
-
 class PackageGemm:
     """One rank's package GEMM of ``constants`` bound to its weight shard
     (module docstring).
@@ -395,11 +391,11 @@ class PackageGemm:
         if not (isinstance(x, torch.Tensor) and x.dim() == 2 and self.takes_rows(x.shape[0], publish)):
             return False
         m = x.shape[0]
-        if not _is_cuda(x, torch.bfloat16, (m, self.constants.k_shard), 16, self.device):
+        if not is_operand(x, torch.bfloat16, (m, self.constants.k_shard), 16, self.device):
             return False
         if publish:
             return out is None
-        return out is None or _is_cuda(out, torch.bfloat16, (m, self.constants.hidden_size), 4, self.device)
+        return out is None or is_operand(out, torch.bfloat16, (m, self.constants.hidden_size), 4, self.device)
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None, publish: bool = False):
         """Plain: ``x @ W^T`` as BF16 ``[m, hidden_size]`` (into ``out`` if

@@ -52,9 +52,10 @@ from dspark_cute.host import (
 from dspark_cute.row_norm import fragment_columns, load_weight_words, rms_norm_fragments
 
 
-def _gates(c: BoundaryConstants, alpha, beta, post_w, pre_w, column) -> tuple:
-    """Raw words of one fragment's alpha, beta (8 FP32 each) and norm weights
-    (None where a norm has no weight)."""
+def gate_words(c: BoundaryConstants, alpha, beta, post_w, pre_w, column) -> tuple:
+    """The raw words of the fragment at ``column``: alpha's, beta's (8 FP32
+    each), then the post-norm's and the pre-norm's weights (None where a
+    norm has no weight), loaded in that order (``load_weight_words``)."""
 
     def weight(norm: NormConstants, base):
         if norm.weight_dtype is None:
@@ -67,6 +68,23 @@ def _gates(c: BoundaryConstants, alpha, beta, post_w, pre_w, column) -> tuple:
         weight(c.post, post_w),
         weight(c.pre, pre_w),
     )
+
+
+def gated_residual(y: list, s: list, a_words: list, b_words: list, new_row, column, store: bool) -> list:
+    """Step 2 for the fragment at ``column``, and step 3's input: ``p`` =
+    the post-norm's ``y`` (8 FP32) rounded to BF16; ``new = alpha * s + beta
+    * p`` per column (``alpha``, ``beta`` from the raw words ``a_words``,
+    ``b_words``; the two products ``mul.rn``, then their ``add.rn``),
+    stored as FP32 into the row at byte address ``new_row`` when ``store``;
+    returns ``new`` rounded to BF16 (the pre-norm's input)."""
+    p = ptx.round_bf16(y)
+    new = [
+        ptx.add_rn(ptx.mul_rn(ptx.as_f32(a), sv), ptx.mul_rn(ptx.as_f32(b), pv))
+        for a, b, sv, pv in zip(a_words, b_words, s, p)
+    ]
+    if store:
+        ptx.st_row8("fp32", new_row, column, new)
+    return ptx.round_bf16(new)
 
 
 class BoundaryKernel:
@@ -159,7 +177,7 @@ def _boundary_body(k: BoundaryKernel, tidx, warp, lane, sums, addrs) -> None:
         columns = fragment_columns(tidx, h)
     gates = None
     if not k.late_gates:
-        gates = [_gates(c, alpha, beta, post_w, pre_w, col) for col in columns]
+        gates = [gate_words(c, alpha, beta, post_w, pre_w, col) for col in columns]
     if k.pdl:
         ptx.pdl_wait()
         ptx.pdl_launch_dependents()
@@ -192,20 +210,8 @@ def _boundary_body(k: BoundaryKernel, tidx, warp, lane, sums, addrs) -> None:
         else:
             a_words, b_words = gates[i][0], gates[i][1]
             pre_words.append(gates[i][3])
-        p = []
-        for j in range(0, ptx.VEC, 2):
-            p.extend(ptx.round_bf16x2(y[i][j], y[i][j + 1]))
-        # 2. the gated FP32 residual, each product rounded, then the sum.
-        new = [
-            ptx.add_rn(ptx.mul_rn(ptx.as_f32(a), sv), ptx.mul_rn(ptx.as_f32(b), pv))
-            for a, b, sv, pv in zip(a_words, b_words, s[i], p)
-        ]
-        if k.store_stream:
-            ptx.st_row8("fp32", new_row, col, new)
-        zi = []
-        for j in range(0, ptx.VEC, 2):
-            zi.extend(ptx.round_bf16x2(new[j], new[j + 1]))
-        z.append(zi)
+        # 2. the gated FP32 residual (stored if asked), rounded to BF16 for the pre-norm.
+        z.append(gated_residual(y[i], s[i], a_words, b_words, new_row, col, k.store_stream))
     # 3. the pre-norm of the BF16-rounded stream, rounded to BF16.
     o = rms_norm_fragments(
         c.pre, h, z, pre_words if c.pre.weight_dtype else None,
@@ -409,4 +415,4 @@ class DraftBoundary:
         return (new_stream if store_stream else None), out
 
 
-__all__ = ["BoundaryKernel", "DraftBoundary", "compile_boundary", "fake_args"]
+__all__ = ["BoundaryKernel", "DraftBoundary", "compile_boundary", "fake_args", "gate_words", "gated_residual"]

@@ -44,6 +44,7 @@ from dspark_cute.host import (
     current_stream,
     fake_ptr,
     fake_stream,
+    is_operand,
     ptr,
 )
 from dspark_cute.row_norm import fragment_columns, load_weight_words, rms_norm_fragments
@@ -140,12 +141,7 @@ def _context_norms_body(
     frags = [ptx.ld_row8("bf16", x_row, col) for col in columns]
     # 1. the hidden norm, rounded to BF16 (the stock chain's hidden states).
     y = rms_norm_fragments(c.hidden, h, frags, hidden_words, sums, warp, lane)
-    z = []
-    for f in y:
-        zf = []
-        for j in range(0, ptx.VEC, 2):
-            zf.extend(ptx.round_bf16x2(f[j], f[j + 1]))
-        z.append(zf)
+    z = [ptx.round_bf16(f) for f in y]
     # 2. this layer's input norm, rounded to BF16 at the store.
     o = rms_norm_fragments(c.pre, h, z, pre_words, Int32(sums) + 4 * ptx.WARPS, warp, lane)
     out_row = Int64(out) + (layer * Int64(m) + row) * (2 * h)
@@ -235,24 +231,13 @@ class ContextNorms(LazyPdl):
         h, layers = self.constants.hidden_size, self.constants.num_layers
         ok = (
             isinstance(x, torch.Tensor)
-            and x.is_cuda
-            and x.dtype == torch.bfloat16
             and x.dim() == 2
             and x.shape[1] == h
             and 1 <= x.shape[0] <= MAX_CTAS // layers
-            and x.is_contiguous()
-            and x.data_ptr() % 16 == 0
-            and (self.device is None or x.device == self.device)
+            and is_operand(x, torch.bfloat16, x.shape, 16, self.device)
         )
         if ok and out is not None:
-            ok = (
-                isinstance(out, torch.Tensor)
-                and tuple(out.shape) == (layers, x.shape[0], h)
-                and out.dtype == torch.bfloat16
-                and out.device == x.device
-                and out.is_contiguous()
-                and out.data_ptr() % 16 == 0
-            )
+            ok = is_operand(out, torch.bfloat16, (layers, x.shape[0], h), 16, x.device)
         return bool(ok)
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

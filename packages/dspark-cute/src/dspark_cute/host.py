@@ -18,9 +18,11 @@
   or a placeholder for compile signatures.
 - ``check_operand(t, shape, dtype, align, name)``: ValueError with a sentence
   unless ``t`` is a contiguous CUDA tensor of that shape, dtype and alignment;
-  ``describe(t)``: an operand's dtype, shape, strides and device, for such
-  sentences; ``cache_tensor(cache)``: a KV cache's tensor (given a tensor or
-  a ``PagedKVCache``).
+  ``is_operand(t, dtype, shape, align, device)``: the same test as a bool
+  (the kernels' ``takes``), with the device; ``describe(t)``: an operand's
+  dtype, shape, strides and device, for such sentences;
+  ``cache_tensor(cache)``: a KV cache's tensor (given a tensor or a
+  ``PagedKVCache``).
 - ``CompileCache``: compiled kernels keyed by hashable constants;
   ``compile_once(cache, name, kernel_class, constants, pdl, fake_args, what)``:
   the compile of a kernel of ``(constants, pdl)``, once per process.
@@ -144,6 +146,22 @@ def check_operand(t, shape: tuple, dtype: torch.dtype, align: int, name: str) ->
             f"{name} must be a contiguous CUDA {dtype} tensor of shape {tuple(shape)} "
             f"aligned to {align} bytes, not {t.dtype} {tuple(t.shape)} on {t.device}"
         )
+
+
+def is_operand(t, dtype: torch.dtype, shape: tuple, align: int, device=None) -> bool:
+    """Whether ``t`` is a torch tensor on CUDA of ``dtype`` and ``shape``,
+    contiguous, its data ``align``-byte aligned and (unless ``device`` is
+    None) on ``device``: checked in that order, each only where the ones
+    before hold."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.is_cuda
+        and t.dtype == dtype
+        and tuple(t.shape) == tuple(shape)
+        and t.is_contiguous()
+        and t.data_ptr() % align == 0
+        and (device is None or t.device == device)
+    )
 
 
 def cache_tensor(cache):
@@ -290,6 +308,7 @@ __all__ = [
     "fake_ptr",
     "fake_stream",
     "fake_tensor",
+    "is_operand",
     "pdl_supported",
     "ptr",
     "sm_count",

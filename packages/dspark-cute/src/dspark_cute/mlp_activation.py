@@ -29,10 +29,9 @@ comes from the previous kernel: nothing to read before the wait).
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Int32, Int64, Uint32
+from cutlass import Int32, Int64
 
 from dspark_core.constants import MlpActivationConstants, mlp_activation_constants
 from dspark_cute import ptx, ptx_math
@@ -94,14 +93,8 @@ class MlpActivationKernel:
 
 
 def _activation_body(i: int, pdl: bool, tidx, cta, m, gu, out) -> None:
-    vecs = i // VEC
-    total = Int32(m) * vecs
-    v = Int32(cta) * THREADS + Int32(tidx)
     # Past the end: redo the last vector (in bounds), the store is skipped.
-    vc = cutlass.min(v, total - 1)
-    # (Unsigned: vc >= 0, so a plain division by the constant, no floor fix-up.)
-    row = Int32(Uint32(vc) // vecs)
-    col = vc - row * vecs
+    v, vc, row, col, total = ptx_math.vector_index(tidx, cta, m, i // VEC, THREADS)
     if pdl:
         ptx.pdl_wait()
         # Dependents still wait for this grid's end before they read `out`.

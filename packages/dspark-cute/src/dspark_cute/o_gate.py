@@ -41,7 +41,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Int32, Int64, Uint32
+from cutlass import Int32, Int64
 
 from dspark_core.constants import HEAD_DIM, OGateConstants, o_gate_constants
 from dspark_cute import ptx, ptx_math
@@ -136,15 +136,9 @@ class OGateKernel:
 
 
 def _o_gate_body(c: OGateConstants, pdl: bool, tidx, cta, m, gate_stride, attn, gate, out) -> None:
-    vecs = c.num_heads * HEAD_THREADS
-    total = Int32(m) * vecs
-    v = Int32(cta) * THREADS + Int32(tidx)
     # Past the end: redo the last vector (a whole head: total is a multiple
     # of 8), the store is skipped; every lane takes part in the shuffles.
-    vc = cutlass.min(v, total - 1)
-    # (Unsigned: vc >= 0, so a plain division by the constant, no floor fix-up.)
-    row = Int32(Uint32(vc) // vecs)
-    col = vc - row * vecs
+    v, vc, row, col, total = ptx_math.vector_index(tidx, cta, m, c.num_heads * HEAD_THREADS, THREADS)
     if pdl:
         ptx.pdl_wait()
         # Dependents still wait for this grid's end before they read `out`.

@@ -24,7 +24,7 @@ API summary (all traced):
 - bits: ``f32_bits`` (host: a float to its FP32 bit pattern, rounded to
   nearest even), ``f32_const``, ``as_f32``, ``as_u32``;
 - conversions: ``bf16x2_to_f32``, ``f16x2_to_f32``, ``pack_bf16x2_rn``,
-  ``pack_f16x2_rn``, ``round_bf16x2``;
+  ``pack_f16x2_rn``, ``round_bf16x2``, ``round_bf16`` (a list, pair by pair);
 - memory: ``ld_global_v4``, ``st_global_v4``, ``ld_f32x8``, ``ld_bf16x8``,
   ``ld_f16x8``, ``ld_row8`` (by dtype name), ``st_f32x8``, ``st_bf16x8``,
   ``st_f16x8``, ``st_row8``; ``ld_shared_f32``, ``st_shared_f32``;
@@ -189,6 +189,15 @@ def round_bf16x2(a, b) -> tuple:
     """``(a, b)`` each rounded to BF16 (nearest even) and widened back to
     FP32: ``x.to(bfloat16).to(float32)``."""
     return bf16x2_to_f32(pack_bf16x2_rn(a, b))
+
+
+def round_bf16(values: list) -> list:
+    """``values`` (an even count of FP32) each rounded to BF16 and widened
+    back, pair by pair in order (``round_bf16x2``)."""
+    out = []
+    for j in range(0, len(values), 2):
+        out.extend(round_bf16x2(values[j], values[j + 1]))
+    return out
 
 
 # ---------------------------------------------------------------- global memory
@@ -495,6 +504,7 @@ __all__ = [
     "pack_f16x2_rn",
     "pdl_launch_dependents",
     "pdl_wait",
+    "round_bf16",
     "round_bf16x2",
     "row_sum",
     "sqrt_rn",

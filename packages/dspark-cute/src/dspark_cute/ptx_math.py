@@ -31,13 +31,15 @@ nothing is contracted into an FMA, flushed or approximated:
 - ``silu_rn(x)``: ``mul.rn(x, sigmoid_rn(x))``.
 
 API summary (all traced): ``neg_f32``, ``exp_rn``, ``sigmoid_rn``,
-``silu_rn``, and ``st_global_v4_if`` (a 16-byte store guarded by an index,
-the elementwise kernels' tail); on the host, ``EXP_BITS``: the FP32 bit
-patterns of the constants.
+``silu_rn``; the elementwise kernels' head and tail: ``vector_index`` (a
+thread's 16-byte vector, row and column) and ``st_global_v4_if`` (a 16-byte
+store guarded by an index); on the host, ``EXP_BITS``: the FP32 bit patterns
+of the constants.
 """
 
 from __future__ import annotations
 
+import cutlass
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -144,7 +146,23 @@ def silu_rn(x) -> Float32:
     return ptx.mul_rn(x, sigmoid_rn(x))
 
 
-# ---------------------------------------------------------------- a guarded store
+# ---------------------------------------------------------------- the elementwise kernels' head and tail
+
+
+def vector_index(tidx, cta, m, vecs: int, threads: int) -> tuple:
+    """The vector a thread of a 1-D grid of ``threads``-thread CTAs handles,
+    over ``m`` rows of ``vecs`` vectors each: ``total = m * vecs``, ``v =
+    cta * threads + tidx``, ``vc = min(v, total - 1)`` (past the end the
+    last vector again, in bounds; its store is to be guarded by ``v <
+    total``), ``row = vc // vecs`` (unsigned), ``col = vc - row * vecs``; all
+    Int32. Returns ``(v, vc, row, col, total)``."""
+    total = Int32(m) * vecs
+    v = Int32(cta) * threads + Int32(tidx)
+    vc = cutlass.min(v, total - 1)
+    # (Unsigned: vc >= 0, so a plain division by the constant, no floor fix-up.)
+    row = Int32(Uint32(vc) // vecs)
+    col = vc - row * vecs
+    return v, vc, row, col, total
 
 
 @dsl_user_op
@@ -167,4 +185,4 @@ def st_global_v4_if(addr, words, index, limit, *, loc=None, ip=None) -> None:
     )
 
 
-__all__ = ["EXP_BITS", "exp_rn", "neg_f32", "sigmoid_rn", "silu_rn", "st_global_v4_if"]
+__all__ = ["EXP_BITS", "exp_rn", "neg_f32", "sigmoid_rn", "silu_rn", "st_global_v4_if", "vector_index"]

@@ -74,6 +74,7 @@ from dspark_cute.host import (
     current_stream,
     describe,
     fake_stream,
+    is_operand,
 )
 
 # Warps per CTA and heads per CTA (each thread copies 16 bytes of a 128-byte head).
@@ -238,13 +239,6 @@ def compile_qkv_epilogue(constants: QKVFrontConstants, pdl: bool):
 # ---------------------------------------------------------------- host API
 
 
-def _is_cuda(t, dtype, shape, align: int, device) -> bool:
-    return (
-        isinstance(t, torch.Tensor) and t.is_cuda and t.dtype == dtype and tuple(t.shape) == tuple(shape)
-        and t.is_contiguous() and t.data_ptr() % align == 0 and (device is None or t.device == device)
-    )
-
-
 class QKVEpilogue(LazyPdl):
     """``DraftAttention.front`` after the projection for ``constants``
     (module docstring): ``q = epilogue(qkv, positions, slots, cache)``
@@ -267,7 +261,7 @@ class QKVEpilogue(LazyPdl):
         c = constants
         device = None
         if c.q_weight:
-            if not _is_cuda(q_norm_weight, torch.bfloat16, (HEAD_DIM,), 4, None):
+            if not is_operand(q_norm_weight, torch.bfloat16, (HEAD_DIM,), 4):
                 raise ValueError(f"the q-norm weight must be a contiguous CUDA bfloat16 tensor of [{HEAD_DIM}], "
                                  f"not {describe(q_norm_weight)}")
             device = q_norm_weight.device
@@ -276,7 +270,7 @@ class QKVEpilogue(LazyPdl):
         if c.rope:
             dtype = torch.bfloat16 if c.table_dtype == "bf16" else torch.float32
             rows = cos_sin.shape[0] if isinstance(cos_sin, torch.Tensor) and cos_sin.dim() == 2 else 0
-            if not (rows >= 1 and _is_cuda(cos_sin, dtype, (rows, HEAD_DIM), 4, device)):
+            if not (rows >= 1 and is_operand(cos_sin, dtype, (rows, HEAD_DIM), 4, device)):
                 raise ValueError(f"the RoPE table must be a contiguous CUDA {dtype} tensor of [max_position, "
                                  f"{HEAD_DIM}] on the q-norm weight's device, not {describe(cos_sin)}")
             device = cos_sin.device
@@ -311,20 +305,20 @@ class QKVEpilogue(LazyPdl):
                     f"not {describe(qkv)}")
         m = qkv.shape[0]
         device = self.device or qkv.device
-        if not _is_cuda(qkv, torch.bfloat16, qkv.shape, 16, device):
+        if not is_operand(qkv, torch.bfloat16, qkv.shape, 16, device):
             return f"qkv must be a contiguous, 16-byte aligned CUDA bfloat16 tensor on {device}, not {describe(qkv)}"
         for name, t in (("positions", positions), ("slots", slots)):
-            if not _is_cuda(t, torch.int64, (m,), 8, device):
+            if not is_operand(t, torch.int64, (m,), 8, device):
                 return f"{name} must be a contiguous CUDA int64 tensor of [{m}] on {device}, not {describe(t)}"
         t = cache_tensor(cache)
         shape = tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else None
         if not (shape and shape[0] >= 1 and shape[2] >= 1 and shape[1:2] + shape[3:] == (c.kv_heads, HEAD_BYTES)
-                and _is_cuda(t, torch.bfloat16, shape, 16, device)):
+                and is_operand(t, torch.bfloat16, shape, 16, device)):
             return (f"the cache must be a contiguous, 16-byte aligned CUDA bfloat16 tensor of [num_blocks, "
                     f"{c.kv_heads}, block_size, {HEAD_BYTES}] on {device}, not {describe(t)}")
         if shape[2] >= 2**31:
             return "a cache block of 2^31 slots or more"
-        if out is not None and not _is_cuda(out, torch.bfloat16, (m, c.num_heads, HEAD_DIM), 16, device):
+        if out is not None and not is_operand(out, torch.bfloat16, (m, c.num_heads, HEAD_DIM), 16, device):
             return (f"out must be a contiguous, 16-byte aligned CUDA bfloat16 tensor of [{m}, {c.num_heads}, "
                     f"{HEAD_DIM}] on {device}, not {describe(out)}")
         return None

@@ -61,6 +61,7 @@ from dspark_cute.host import (
     current_stream,
     fake_ptr,
     fake_stream,
+    is_operand,
     pdl_supported,
     ptr,
 )
@@ -311,18 +312,6 @@ def _i64_ptr(t: torch.Tensor):
     return _int64_ptr(t.data_ptr())
 
 
-def _is_cuda_tensor(t, dtype, shape, align: int, device) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and t.is_cuda
-        and t.dtype == dtype
-        and tuple(t.shape) == tuple(shape)
-        and t.is_contiguous()
-        and t.data_ptr() % align == 0
-        and t.device == device
-    )
-
-
 class QKVFront:
     """``DraftAttention.front`` of ``constants`` bound to its weights, as one
     kernel launch (module docstring): ``run(x, positions, slots, cache)``
@@ -376,7 +365,7 @@ class QKVFront:
             dtype = torch.bfloat16 if c.table_dtype == "bf16" else torch.float32
             ok = isinstance(rope_table, torch.Tensor) and rope_table.dim() == 2
             positions = rope_table.shape[0] if ok else 0
-            if not (1 <= positions < 2**31 and _is_cuda_tensor(rope_table, dtype, (positions, HEAD_DIM), 4, device)):
+            if not (1 <= positions < 2**31 and is_operand(rope_table, dtype, (positions, HEAD_DIM), 4, device)):
                 raise ValueError(f"the RoPE table must be a contiguous {dtype} tensor of [max_position, "
                                  f"{HEAD_DIM}] on the QKV weight's device")
         elif rope_table is not None:
@@ -409,18 +398,18 @@ class QKVFront:
             return False
         m = x.shape[0]
         ok = (
-            _is_cuda_tensor(x, torch.bfloat16, (m, self.constants.hidden_size), 16, self.device)
-            and _is_cuda_tensor(positions, torch.int64, (m,), 8, self.device)
-            and _is_cuda_tensor(slots, torch.int64, (m,), 8, self.device)
+            is_operand(x, torch.bfloat16, (m, self.constants.hidden_size), 16, self.device)
+            and is_operand(positions, torch.int64, (m,), 8, self.device)
+            and is_operand(slots, torch.int64, (m,), 8, self.device)
             and isinstance(cache, torch.Tensor)
             and cache.dim() == 4
             and cache.numel() > 0
-            and _is_cuda_tensor(cache, torch.bfloat16, (cache.shape[0], self.constants.kv_heads, cache.shape[2],
+            and is_operand(cache, torch.bfloat16, (cache.shape[0], self.constants.kv_heads, cache.shape[2],
                                                          2 * HEAD_DIM), 4, self.device)
             and cache.shape[2] < 2**31
         )
         if ok and out is not None:
-            ok = _is_cuda_tensor(out, torch.bfloat16, (m, self.rows), 4, self.device)
+            ok = is_operand(out, torch.bfloat16, (m, self.rows), 4, self.device)
         return bool(ok)
 
     def run(self, x, positions, slots, cache, out=None) -> torch.Tensor:
@@ -455,13 +444,13 @@ class QKVFront:
         """Step 1 alone (the ``raw`` variant): the BF16 projection ``[m,
         rows]`` of ``x``, the exact values the front's epilogue starts from."""
         if not (isinstance(x, torch.Tensor) and x.dim() == 2 and 1 <= x.shape[0] <= MAX_DECODE_ROWS
-                and _is_cuda_tensor(x, torch.bfloat16, (x.shape[0], self.constants.hidden_size), 16, self.device)):
+                and is_operand(x, torch.bfloat16, (x.shape[0], self.constants.hidden_size), 16, self.device)):
             raise ValueError(f"QKVFront.project takes x of bf16 [m, {self.constants.hidden_size}] "
                              f"(1 <= m <= {MAX_DECODE_ROWS}), contiguous, 16-byte aligned, on the weight's device")
         m = x.shape[0]
         if out is None:
             out = torch.empty((m, self.rows), dtype=torch.bfloat16, device=x.device)
-        elif not _is_cuda_tensor(out, torch.bfloat16, (m, self.rows), 4, self.device):
+        elif not is_operand(out, torch.bfloat16, (m, self.rows), 4, self.device):
             raise ValueError(f"QKVFront.project writes a contiguous bf16 [{m}, {self.rows}] CUDA output")
         w = self.weight
         self._kernel(m, raw=True)(

@@ -35,6 +35,7 @@ from dspark_cute.host import (
     current_stream,
     fake_ptr,
     fake_stream,
+    is_operand,
     ptr,
 )
 
@@ -236,24 +237,13 @@ class RowNorm(LazyPdl):
         h = self.constants.hidden_size
         ok = (
             isinstance(x, torch.Tensor)
-            and x.is_cuda
-            and x.dtype == self.in_dtype
             and x.dim() >= 1
             and x.shape[-1] == h
             and x.numel() >= h
-            and x.is_contiguous()
-            and x.data_ptr() % 16 == 0
-            and (self.device is None or x.device == self.device)
+            and is_operand(x, self.in_dtype, x.shape, 16, self.device)
         )
         if ok and out is not None:
-            ok = (
-                isinstance(out, torch.Tensor)
-                and out.shape == x.shape
-                and out.dtype == self.out_dtype
-                and out.device == x.device
-                and out.is_contiguous()
-                and out.data_ptr() % 16 == 0
-            )
+            ok = is_operand(out, self.out_dtype, x.shape, 16, x.device)
         return bool(ok)
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
