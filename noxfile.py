@@ -16,9 +16,10 @@ no network; the packages' src/ folders go on PYTHONPATH):
 Environment: DSPARK_TORCH (the torch requirement of the CPU sessions, default
 torch==2.13.0, the CPU build on this project's machines), DSPARK_SEED (fix the
 tests' random seed), DSPARK_BENCH_OUT (the benchmarks' output folder),
-DSPARK_ATTENTION / DSPARK_PREFETCH (the specialized decode's attention variant
-and its weight prefetch, on at TP1 unless DSPARK_PREFETCH=0; the GPU suites
-pass them explicitly where they depend on them).
+DSPARK_ATTENTION / DSPARK_PREFETCH / DSPARK_QKV_FRONT (the specialized
+decode's attention variant, its weight prefetch, on at TP1 unless
+DSPARK_PREFETCH=0, and its opt-in fused QKV front; the GPU suites pass them
+explicitly where they depend on them).
 """
 
 from __future__ import annotations

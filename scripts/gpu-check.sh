@@ -8,7 +8,7 @@
 #   run(command="bash scripts/gpu-check.sh bench demo", carry=[".device"], kind="nvidia-h200")
 #   run(command="bash scripts/gpu-check.sh multigpu bench-tp2", carry=[".device"], kind="nvidia-h200-x2")
 # gpu: every single-GPU suite; multigpu: the two-GPU suites (comm, package GEMM, TP2 draft);
-# bench: the decode profile and bench_decode with its --direct --exact --prefetch columns.
+# bench: the decode profile and bench_decode with its --direct --front --prefetch columns.
 # decode: the executor's GPU suite alone (part of gpu).
 # demo: the README's demo (front off, then on).
 # bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM and the draft step at TP2
@@ -61,7 +61,7 @@ if wanted demo; then
 fi
 if wanted bench; then
   step profile-decode 90 python packages/dspark-cute/benchmarks/profile_decode.py --out "$OUT"
-  step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --direct --exact --prefetch --out "$OUT"
+  step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --direct --front --prefetch --out "$OUT"
 fi
 if wanted bench-kernels; then
   step bench-qkv-front 60 python packages/dspark-cute/benchmarks/bench_qkv_front.py --out "$OUT"

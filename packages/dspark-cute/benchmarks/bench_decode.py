@@ -4,11 +4,12 @@ layers where it compiles, and the specialized decode; beside the step's GEMMs
 alone and its floor (its weight bytes at 4.3 TB/s). Prints a markdown table
 and writes it with a PNG plot into --out.
 
-Extra columns of the specialized decode, side by side in the same run:
-``--direct`` (the direct attention variant), ``--exact`` (the QKV front off:
-cuBLAS + the QKV epilogue, bit for bit), ``--prefetch`` (the L2 weight
-prefetch, inline; with ``--exact`` also both; and its side-stream mode). ``--m`` picks the token counts,
-``--no-compile`` skips the Inductor column."""
+The "specialized" column is ``build_draft_decode``'s default (bit for bit:
+cuBLAS + the QKV epilogue, the staged attention, the inline L2 prefetch).
+Extra columns of variants, side by side in the same run: ``--direct`` (the
+direct attention variant), ``--front`` (the fused QKV front on),
+``--prefetch`` (the prefetch off, and in its side-stream mode). ``--m``
+picks the token counts, ``--no-compile`` skips the Inductor column."""
 
 from __future__ import annotations
 
@@ -40,11 +41,10 @@ def main(argv=None) -> int:
     parser.add_argument("--m", default="1,4,16", help="comma-separated tokens per step")
     parser.add_argument("--direct", action="store_true",
                         help="also time the decode with the direct attention variant")
-    parser.add_argument("--exact", action="store_true",
-                        help="also time the bit-for-bit decode (the QKV front off: cuBLAS + the QKV epilogue)")
+    parser.add_argument("--front", action="store_true",
+                        help="also time the decode with the fused QKV front (not bit for bit)")
     parser.add_argument("--prefetch", action="store_true",
-                        help="also time the decode with the L2 weight prefetch, inline and side-stream "
-                             "(and, with --exact, exact with the inline prefetch)")
+                        help="also time the decode without the L2 weight prefetch and with its side-stream mode")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA GPU, nothing to time")
@@ -68,11 +68,9 @@ def main(argv=None) -> int:
         # Variants of the specialized decode, for side-by-side ratios.
         variants = {
             "direct": args.direct and {"attention_variant": "direct"},
-            "exact": args.exact and {"exclude": {"qkv_front"}},
-            "prefetch": args.prefetch and {"prefetch": True, "prefetch_mode": "inline"},
+            "front": args.front and {"qkv_front": True},
+            "no-prefetch": args.prefetch and {"prefetch": False},
             "prefetch-side": args.prefetch and {"prefetch": True, "prefetch_mode": "side"},
-            "exact+prefetch": args.exact and args.prefetch and {"exclude": {"qkv_front"}, "prefetch": True,
-                                                                "prefetch_mode": "inline"},
         }
         for name, options in variants.items():
             if options:
@@ -97,7 +95,7 @@ def main(argv=None) -> int:
     return 0
 
 
-NAMES = ("stock", "inductor", "specialized", "direct", "exact", "prefetch", "prefetch-side", "exact+prefetch")
+NAMES = ("stock", "inductor", "specialized", "direct", "front", "no-prefetch", "prefetch-side")
 FUSED = NAMES[2:]
 
 

@@ -151,6 +151,20 @@ def test_on_a_cpu_the_build_says_not_cuda_and_returns_none(caplog, monkeypatch):
     assert "the DSpark draft keeps its stock layers: not CUDA" in caplog.text
 
 
+def test_the_fused_qkv_front_is_opt_in(monkeypatch):
+    """``draft_plan`` (the plan ``build_draft_decode`` runs) leaves the QKV
+    front stock unless asked for it, so the default decode is bit for bit;
+    the QKV epilogue then takes each layer's stock projection."""
+    model = DraftModel(small_config())
+    monkeypatch.setattr(decode_module, "device_target", lambda device, tp: ALL.replace(tp=tp))
+    default = decode_module.draft_plan(model)
+    assert [p.reason for p in default.qkv_fronts] == ["the caller excluded the qkv_front kernel"] * 2
+    assert all(p.fused for p in default.qkv_epilogues)
+    opted = decode_module.draft_plan(model, qkv_front=True)
+    assert all(p.fused for p in opted.qkv_fronts)
+    assert decode_module.draft_plan(model, exclude={"boundary"}, qkv_front=True).target.excluded == {"boundary"}
+
+
 def test_fused_parts_run_their_kernels_and_match_the_stock_forward():
     model = DraftModel(small_config())
     decode = _decode(model)

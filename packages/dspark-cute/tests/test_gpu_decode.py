@@ -62,8 +62,8 @@ def _hidden(model, m, dtype):
 @pytest.mark.parametrize("m", [1, 2, 7, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_whole_forward_front_off_is_the_stock_forward(model, m, dtype):
-    decode = build_draft_decode(model, exclude={policy.QKV_FRONT})
-    assert decode is not None
+    decode = build_draft_decode(model)  # the default: the fused front is opt-in
+    assert decode is not None and all(f is None for f in decode.fronts)
     fused, _ = decode.plan.fused_count()
     assert fused >= 1 + len(model.boundaries())
     ref_caches, got_caches = _with_context(model), _with_context(model, decode)
@@ -98,8 +98,8 @@ def test_direct_attention_variant_is_the_stock_forward(model, m):
     step1 = StepInputs.block(CONTEXT + m, m, "cuda", span=SPAN)
     graph = StepGraph(decode.run, x, step1, graph_caches)
     assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), "direct attention graph replay")
-    direct = build_draft_decode(model, attention_variant="direct")
-    default = build_draft_decode(model, attention_variant="staged")
+    direct = build_draft_decode(model, attention_variant="direct", qkv_front=True)
+    default = build_draft_decode(model, attention_variant="staged", qkv_front=True)
     a, b = _with_context(model, direct), _with_context(model, default)
     assert_bitwise(direct.run(x, step, a), default.run(x, step, b), "direct vs staged with the QKV front")
 
@@ -125,8 +125,8 @@ def test_the_weight_prefetch_changes_no_bit(model, m, mode):
     step1 = StepInputs.block(CONTEXT + m, m, "cuda", span=SPAN)
     graph = StepGraph(decode.run, x, step1, graph_caches)
     assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), f"prefetch ({mode}) graph replay")
-    with_front = build_draft_decode(model, prefetch=True, prefetch_mode=mode)
-    without = build_draft_decode(model, prefetch=False)
+    with_front = build_draft_decode(model, prefetch=True, prefetch_mode=mode, qkv_front=True)
+    without = build_draft_decode(model, prefetch=False, qkv_front=True)
     a, b = _with_context(model, with_front), _with_context(model, without)
     assert_bitwise(with_front.run(x, step, a), without.run(x, step, b), f"front on, prefetch ({mode}) vs none")
 
@@ -192,7 +192,7 @@ def test_refused_parts_are_still_the_stock_bits():
 
 def test_a_non_power_of_two_kv_head_count_keeps_attention_stock():
     model = _reference(num_layers=1, num_heads=48, num_kv_heads=6)
-    decode = build_draft_decode(model)
+    decode = build_draft_decode(model, qkv_front=True)  # the front refuses 6 KV heads too
     assert decode.fronts == [None] and decode.context is None
     caches_ref, caches_got = _with_context(model), _with_context(model, decode)
     x = _hidden(model, 3, torch.bfloat16)
@@ -212,7 +212,7 @@ def test_greedy_tokens_with_every_fused_part_follow_stock(model):
     exempt but counted, and at least 32 of the 64 steps must be decisive so
     the test cannot pass vacuously."""
     margin = 0.1
-    decode = build_draft_decode(model)
+    decode = build_draft_decode(model, qkv_front=True)
     if all(f is None for f in decode.fronts):
         pytest.skip("this build has no QKV front kernel: the front-on decode is the front-off one tested above")
     caches = {name: _with_context(model, decode if name == "fused" else None) for name in ("stock", "fused")}

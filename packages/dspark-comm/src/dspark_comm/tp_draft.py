@@ -72,9 +72,11 @@ class TPDraftRank:
         from dspark_cute.decode import build_draft_decode, draft_plan
 
         exclude = frozenset(exclude)
+        front = QKV_FRONT not in exclude  # the fused front is opt-in in build_draft_decode: ask for it here
         # The plan build_draft_decode makes too (one function: the two cannot drift).
-        adapter = DraftAllReduce(self.mailbox, draft_plan(self.shard, self.world, exclude), self.shard, self.rank)
-        decode = build_draft_decode(self.shard, all_reduce=adapter, exclude=exclude)
+        plan = draft_plan(self.shard, self.world, exclude, qkv_front=front)
+        adapter = DraftAllReduce(self.mailbox, plan, self.shard, self.rank)
+        decode = build_draft_decode(self.shard, all_reduce=adapter, exclude=exclude, qkv_front=front)
         if decode is None:
             raise RuntimeError(f"build_draft_decode kept the TP{self.world} draft stock on {self.device} "
                                "(the reason is in the log)")

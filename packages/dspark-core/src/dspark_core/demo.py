@@ -50,8 +50,9 @@ EXECUTORS_ENTRY_POINTS = "dspark.executors"
 
 
 def executor_builder():
-    """The installed backend's ``build(model) -> decode or None`` (the
-    ``dspark.executors`` entry point), or None where no backend provides one."""
+    """The installed backend's ``build(model, exclude=, qkv_front=) -> decode
+    or None`` (the ``dspark.executors`` entry point), or None where no
+    backend provides one."""
     for ep in entry_points(group=EXECUTORS_ENTRY_POINTS):
         return ep.load()
     try:  # dspark-cute importable from the path but not installed
@@ -107,7 +108,7 @@ def run_demo(
     # --front the specialized decode leaves it stock and is bit for bit.
     exclude = set() if front else {policy.QKV_FRONT}
     build = executor_builder() if device.type == "cuda" else None
-    decode = build(model, exclude=exclude) if build is not None else None
+    decode = build(model, exclude=exclude, qkv_front=front) if build is not None else None
     # The plan printed is the one the decode runs, where there is one.
     plans = [decode.plan if decode is not None else plan_draft(model, policy.device_target(device).without(exclude))]
     if device.type != "cuda":
