@@ -3,6 +3,7 @@ draft, determinism, and the CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -429,3 +430,25 @@ def test_a_target_without_kernels_calls_them_excluded():
 def test_device_target_on_a_cpu():
     t = policy.device_target(torch.device("cpu"), tp=2)
     assert (t.platform, t.tp, t.kernels) == ("cpu", 2, policy.installed_kernels())
+
+
+def test_constants_keys_are_memoized_per_object_and_outside_it():
+    """``key()``, the hash and equality are computed once per constants
+    object, kept outside the instance (``Cls(**c.__dict__)`` still copies it:
+    its ``__dict__`` is its fields) and dropped with the object; equal
+    constants agree, and -0.0 still differs from 0.0."""
+    import gc
+
+    a = K.AttentionConstants(64, 8, 64, 16, "int64", staged_slots=384, o_gate_eps=1e-6)
+    b = K.AttentionConstants(**a.__dict__)
+    assert set(a.__dict__) == {f.name for f in dataclasses.fields(a)}
+    assert a == b and hash(a) == hash(b) and a.key() == b.key() and a is not b
+    assert set(a.__dict__) == {f.name for f in dataclasses.fields(a)}  # the memo is not in the instance
+    assert id(a) in K._MEMO and id(b) in K._MEMO
+    held = id(b)
+    del b
+    gc.collect()
+    assert held not in K._MEMO
+    zero, negative = K.OGateConstants(64, 0.0), K.OGateConstants(64, -0.0)
+    assert zero != negative and zero.key() != negative.key()
+    assert K.AttentionConstants(64, 8, 64, 16, "int64").key() != a.key()

@@ -11,8 +11,10 @@ sentence into its refusal.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import struct
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -38,23 +40,46 @@ def _identity(value):
     return value
 
 
+# (a weak reference, fields, hash, key) of each live constants object, by id:
+# a launch looks its compiled kernel up by these, and computing them takes
+# 3-15 us a time. Kept outside the instance, whose __dict__ is exactly its
+# fields (Cls(**c.__dict__) copies one); an entry goes with its object.
+_MEMO: dict[int, tuple] = {}
+
+
+def _forget(ident: int, _ref) -> None:
+    _MEMO.pop(ident, None)
+
+
+def _memo(obj) -> tuple:
+    entry = _MEMO.get(id(obj))
+    if entry is None or entry[0]() is not obj:
+        fields = obj._fields()
+        name = type(obj).__name__
+        ref = weakref.ref(obj, functools.partial(_forget, id(obj)))
+        entry = (ref, fields, hash((name, fields)), hashlib.sha256(repr((name, fields)).encode()).hexdigest()[:16])
+        _MEMO[id(obj)] = entry
+    return entry
+
+
 class _Key:
     """Equality, hash and ``key()`` by the exact bits of every field (the
-    dataclasses below are declared ``eq=False`` to use them)."""
+    dataclasses below are declared ``eq=False`` to use them), each computed
+    once per object (the dataclasses are frozen)."""
 
     def _fields(self) -> tuple:
         return _identity(dataclasses.astuple(self))
 
     def __eq__(self, other) -> bool:
-        return type(other) is type(self) and self._fields() == other._fields()
+        return type(other) is type(self) and _memo(self)[1] == _memo(other)[1]
 
     def __hash__(self) -> int:
-        return hash((type(self).__name__, self._fields()))
+        return _memo(self)[2]
 
     def key(self) -> str:
-        """A short stable hash of the constants (the compiled variant's name)."""
-        text = repr((type(self).__name__, self._fields()))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        """A short stable hash of the constants (the compiled variant's name):
+        the first 16 hex digits of the SHA-256 of ``repr((type name, fields))``."""
+        return _memo(self)[3]
 
 
 @dataclass(frozen=True, eq=False)
