@@ -8,7 +8,7 @@
 #   run(command="bash scripts/gpu-check.sh bench demo", carry=[".device"], kind="nvidia-h200")
 #   run(command="bash scripts/gpu-check.sh multigpu bench-tp2", carry=[".device"], kind="nvidia-h200-x2")
 # gpu: every single-GPU suite; multigpu: the two-GPU suites (comm, package GEMM, TP2 draft);
-# bench: the decode profile and bench_decode with its --direct --front --prefetch columns.
+# bench: the decode profile (graph replays) and bench_decode with its --direct --front --prefetch columns.
 # decode: the executor's GPU suite alone (part of gpu).
 # demo: the README's demo (front off, then on).
 # bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM and the draft step at TP2

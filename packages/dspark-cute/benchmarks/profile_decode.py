@@ -1,12 +1,16 @@
 """Where a draft step's GPU time goes: the specialized decode and the stock
-forward at m = 1, 4, 16 run eagerly under torch.profiler; prints each path's
-kernels grouped by name with their summed device time per step (the GEMMs
-marked), so the non-GEMM share can be attributed to parts. Writes
-profile_decode.md into --out."""
+forward at m = 1, 4, 16 under torch.profiler, as bench_decode times them:
+replays of a captured CUDA graph of the step (``--eager``: eager steps,
+which also run the host-side input checks' kernels). Where the profiler
+records no kernel inside the graph replays, the path is profiled eagerly
+and its heading says so. Prints each path's kernels grouped by name with
+their summed device time per step (the GEMMs marked), so the non-GEMM share
+can be attributed to parts. Writes profile_decode.md into --out."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -14,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dspark_core.config import DraftConfig
+from dspark_core.graphs import StepGraph
 from dspark_core.model import DraftModel
 from dspark_core.timing import step_case
 from dspark_cute.decode import build_draft_decode
@@ -33,13 +38,15 @@ def _gemm(name: str) -> bool:
     return any(k in lowered for k in GEMM_NAMES)
 
 
-def _profile(fn, x, step, caches) -> dict[str, tuple[int, float]]:
+def _profile(run) -> dict[str, tuple[int, float]]:
+    """The kernels of ``STEPS`` calls of ``run()`` (after 3 warm-up calls):
+    name -> (launches per call, device µs per call)."""
     for _ in range(3):
-        fn(x, step, caches)
+        run()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(STEPS):
-            fn(x, step, caches)
+            run()
         torch.cuda.synchronize()
     per = defaultdict(lambda: [0, 0.0])
     for evt in prof.events():
@@ -53,6 +60,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--eager", action="store_true", help="profile eager steps instead of graph replays")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode: no CUDA GPU")
@@ -68,11 +76,21 @@ def main(argv=None) -> int:
         if decode is not None:
             paths["specialized"] = decode.run
         for name, fn in paths.items():
-            kernels = _profile(fn, x, step, caches)
+            kernels, how = {}, "eager"
+            if not args.eager:
+                try:
+                    graph = StepGraph(fn, x, step, caches)
+                    kernels, how = _profile(graph.graph.replay), "graph replays"
+                    if not kernels:  # this profiler saw nothing inside the graph
+                        how = "eager (the profiler recorded no kernel in graph replays)"
+                except Exception as error:  # said in the heading, not hidden
+                    kernels, how = {}, f"eager (graph replays failed: {type(error).__name__}: {error})"[:160]
+            if not kernels:
+                kernels = _profile(functools.partial(fn, x, step, caches))
             total = sum(t for _, t in kernels.values())
             gemm = sum(t for k, (_, t) in kernels.items() if _gemm(k))
             launches = sum(n for n, _ in kernels.values())
-            lines.append(f"\n### m={m} {name}: {total:.1f} us of kernels per step, {launches} launches, "
+            lines.append(f"\n### m={m} {name} ({how}): {total:.1f} us of kernels per step, {launches} launches, "
                          f"GEMMs {gemm:.1f} us, rest {total - gemm:.1f} us")
             lines.append("| us/step | launches | kernel |")
             lines.append("|---|---|---|")
