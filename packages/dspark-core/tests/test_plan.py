@@ -262,6 +262,16 @@ def test_the_staged_attention_takes_the_o_gate_only_where_it_fuses():
         Target(attention="fast")
 
 
+def test_a_declined_opt_in_kernel_says_it_is_opt_in():
+    target = ALL.decline({policy.QKV_FRONT})
+    r = reasons(plan_draft(meta(), target))
+    assert r["layer 0's QKV front"] == policy.OPT_IN[policy.QKV_FRONT]
+    assert "layer 0's QKV epilogue" not in r  # the bit-for-bit front still fuses
+    assert target.key() != ALL.without({policy.QKV_FRONT}).key() != ALL.key()
+    with pytest.raises(ValueError, match="opt-in kernels"):
+        Target(declined=frozenset({policy.BOUNDARY}))
+
+
 def test_attention_refuses_wide_heads_and_a_subclass():
     r = reasons(plan_draft(meta(head_dim=128, num_heads=4), ALL))
     assert r["layer 0's attention"] == "128-wide heads, not 64"

@@ -158,11 +158,15 @@ def test_the_fused_qkv_front_is_opt_in(monkeypatch):
     model = DraftModel(small_config())
     monkeypatch.setattr(decode_module, "device_target", lambda device, tp: ALL.replace(tp=tp))
     default = decode_module.draft_plan(model)
-    assert [p.reason for p in default.qkv_fronts] == ["the caller excluded the qkv_front kernel"] * 2
+    assert [p.reason for p in default.qkv_fronts] == [policy.OPT_IN[policy.QKV_FRONT]] * 2
+    assert "opt-in (qkv_front=True)" in default.qkv_fronts[0].reason
     assert all(p.fused for p in default.qkv_epilogues)
     opted = decode_module.draft_plan(model, qkv_front=True)
     assert all(p.fused for p in opted.qkv_fronts)
     assert decode_module.draft_plan(model, exclude={"boundary"}, qkv_front=True).target.excluded == {"boundary"}
+    excluded = decode_module.draft_plan(model, exclude={policy.QKV_FRONT})  # the caller's word wins
+    assert excluded.qkv_fronts[0].reason == "the caller excluded the qkv_front kernel"
+    assert not excluded.target.declined
 
 
 def test_fused_parts_run_their_kernels_and_match_the_stock_forward():

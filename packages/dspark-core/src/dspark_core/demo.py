@@ -50,9 +50,9 @@ EXECUTORS_ENTRY_POINTS = "dspark.executors"
 
 
 def executor_builder():
-    """The installed backend's ``build(model, exclude=, qkv_front=) -> decode
-    or None`` (the ``dspark.executors`` entry point), or None where no
-    backend provides one."""
+    """The installed backend's ``build(model, qkv_front=) -> decode or None``
+    (the ``dspark.executors`` entry point), or None where no backend
+    provides one."""
     for ep in entry_points(group=EXECUTORS_ENTRY_POINTS):
         return ep.load()
     try:  # dspark-cute importable from the path but not installed
@@ -104,16 +104,16 @@ def run_demo(
     model = DraftModel(config, device=device)
     print(f"built the reference draft ({config.num_layers} layers, hidden {config.hidden_size}) "
           f"on {device} in {time.perf_counter() - t0:.1f} s")
-    # The QKV front's projection sums in its own order (not cuBLAS's): without
-    # --front the specialized decode leaves it stock and is bit for bit.
-    exclude = set() if front else {policy.QKV_FRONT}
+    # The QKV front's projection sums in its own order (not cuBLAS's): it is
+    # opt-in (--front); without it the specialized decode is bit for bit.
+    declined = set() if front else {policy.QKV_FRONT}
     build = executor_builder() if device.type == "cuda" else None
-    decode = build(model, exclude=exclude, qkv_front=front) if build is not None else None
+    decode = build(model, qkv_front=front) if build is not None else None
     # The plan printed is the one the decode runs, where there is one.
-    plans = [decode.plan if decode is not None else plan_draft(model, policy.device_target(device).without(exclude))]
+    plans = [decode.plan if decode is not None else plan_draft(model, policy.device_target(device).decline(declined))]
     if device.type != "cuda":
         # What the same draft gets on one H200 with the installed backends.
-        plans.append(plan_draft(model, policy.Target(kernels=policy.installed_kernels()).without(exclude)))
+        plans.append(plan_draft(model, policy.Target(kernels=policy.installed_kernels()).decline(declined)))
     for p in plans:
         print_plan(p)
     if device.type == "cuda" and decode is None:

@@ -105,6 +105,8 @@ class DraftPlan:
 
 def _kernel_missing(target: Target, *kernels: str) -> str | None:
     for kernel in kernels:
+        if kernel in target.declined:
+            return policy.OPT_IN[kernel]
         if kernel in target.excluded:
             return f"the caller excluded the {kernel} kernel"
         if kernel not in target.kernels:

@@ -69,6 +69,13 @@ PACKAGE_GEMM_TPS = (2, 4, 8)
 # "direct" (K/V read from global memory, the o-gate a kernel of its own). Both
 # are bit for bit the spec; the staged one measured faster on an H200.
 ATTENTION_VARIANTS = ("staged", "direct")
+# Kernels that run only where the caller asks for them, with the plan's reason
+# where it does not (Target.declined): the fused QKV front sums its projection
+# in its own order, so the default decode keeps the bit-for-bit front.
+OPT_IN = {
+    QKV_FRONT: "the fused QKV front is opt-in (qkv_front=True): it sums its projection in its own order, "
+               "and the stock projection with the QKV epilogue kernel is bit for bit",
+}
 DEFAULT_STAGED_SLOTS = 384
 # Rows per call of the QKV front and of the mailbox (a draft proposes 1 to 16
 # tokens); calls with more rows take the unfused path.
@@ -97,7 +104,8 @@ class Target:
     """Where the plan runs: ``platform`` ("cuda" or "cpu"), the GPU ``arch``
     (``ARCHS``), its SM count, the TP size, the kernels the installed
     backends provide (``excluded``: those the caller chose not to use, kept
-    apart so a refusal can say so) and the ``attention`` kernel's variant
+    apart so a refusal can say so; ``declined``: opt-in kernels the caller did
+    not ask for, ``OPT_IN``) and the ``attention`` kernel's variant
     (``ATTENTION_VARIANTS``). Frozen and hashable; ``key()`` names it."""
 
     platform: str = "cuda"
@@ -107,8 +115,11 @@ class Target:
     kernels: frozenset[str] = field(default=ALL_KERNELS)
     excluded: frozenset[str] = field(default=frozenset())
     attention: str = "staged"
+    declined: frozenset[str] = field(default=frozenset())
 
     def __post_init__(self) -> None:
+        if not set(self.declined) <= set(OPT_IN):
+            raise ValueError(f"only the opt-in kernels {sorted(OPT_IN)} can be declined, not {sorted(self.declined)}")
         if self.attention not in ATTENTION_VARIANTS:
             raise ValueError(f"an attention variant is one of {ATTENTION_VARIANTS}, not {self.attention!r}")
         if self.platform not in ("cuda", "cpu"):
@@ -126,11 +137,17 @@ class Target:
 
     def key(self) -> str:
         text = repr((self.platform, self.arch, self.num_sms, self.tp, sorted(self.kernels), sorted(self.excluded),
-                     self.attention))
+                     self.attention, sorted(self.declined)))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def replace(self, **changes) -> Target:
         return dataclasses.replace(self, **changes)
+
+    def decline(self, kernels) -> Target:
+        """This target less the opt-in ``kernels`` (``OPT_IN``), which the
+        plan's reasons then call opt-in."""
+        kernels = frozenset(kernels)
+        return self.replace(kernels=self.kernels - kernels, declined=self.declined | kernels)
 
     def without(self, kernels) -> Target:
         """This target less ``kernels``, which the plan's reasons then call

@@ -47,7 +47,7 @@ import torch
 from dspark_core.layers import capturing, linear, o_gate, residual_boundary
 from dspark_core.model import DraftModel, StepInputs, attend, check_inputs
 from dspark_core.plan import DraftPlan, plan_draft
-from dspark_core.policy import ATTENTION_VARIANTS, QKV_FRONT, device_target  # noqa: F401 (re-exported)
+from dspark_core.policy import ATTENTION_VARIANTS, OPT_IN, QKV_FRONT, device_target  # noqa: F401 (re-exported)
 
 log = logging.getLogger("dspark.decode")
 # The decode attention kernel's variants (dspark_core.policy; "staged" is the
@@ -428,12 +428,13 @@ def draft_plan(model: DraftModel, tp: int = 1, exclude=frozenset(), attention: s
                qkv_front: bool = False) -> DraftPlan:
     """The plan of ``model`` at TP size ``tp`` for the device it lives on,
     the kernels this package provides less ``exclude`` (which the plan's
-    reasons call excluded; the QKV front too unless ``qkv_front``) and the
+    reasons call excluded; the QKV front declined unless ``qkv_front``) and the
     ``attention`` kernel variant (``ATTENTION_VARIANTS``; ValueError for
     another): the plan ``build_draft_decode`` runs, for a TP adapter to bind
     its parts to."""
-    exclude = frozenset(exclude) | (frozenset() if qkv_front else {QKV_FRONT})
     target = device_target(next(model.parameters()).device, tp).without(exclude)
+    if not qkv_front and QKV_FRONT not in target.excluded:
+        target = target.decline({QKV_FRONT})
     return plan_draft(model, target.replace(attention=attention))
 
 
@@ -481,11 +482,11 @@ def build_draft_decode(
     if plan.draft_reason is not None:
         _log_once(logging.WARNING, f"the DSpark draft keeps its stock layers: {plan.draft_reason}")
         return None
-    for line in plan.refused():
-        _log_once(logging.WARNING, line)
-    if not qkv_front and QKV_FRONT not in exclude:
-        _log_once(logging.INFO, "the fused QKV front is opt-in (qkv_front=True or DSPARK_QKV_FRONT=1): without it "
-                  "the decode is bit for bit (the stock projection, then the QKV epilogue kernel)")
+    opt_in = set(OPT_IN.values())
+    for part in plan.parts():
+        if not part.fused:  # a part the caller did not opt in to is no warning
+            _log_once(logging.INFO if part.reason in opt_in else logging.WARNING,
+                      f"{part.name} keeps its stock modules: {part.reason}")
     env = os.environ.get("DSPARK_PREFETCH", "")
     if prefetch is None:
         # Measured at TP1 only: the TP steps keep it off unless asked for.
