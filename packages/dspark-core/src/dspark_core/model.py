@@ -201,12 +201,13 @@ def check_inputs(model, positions: torch.Tensor, caches, slots, attn_slots: torc
         if layer_slots is not None and layer_slots.numel() and id(layer_slots) not in tensors:
             tensors[id(layer_slots)] = len(probes)
             probes.append(layer_slots.max().long())
-    check_distinct = distinct and not isinstance(slots, (list, tuple)) and slots.numel() > 1
-    if check_distinct:
+    repeated = attn_max = None  # their probes' indices, where checked
+    if distinct and not isinstance(slots, (list, tuple)) and slots.numel() > 1:
         ordered = slots.reshape(-1).sort().values
+        repeated = len(probes)
         probes.append(((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any().long())
-    check_attn = attn_slots is not None and attn_slots.numel() and caches
-    if check_attn:
+    if attn_slots is not None and attn_slots.numel() and caches:
+        attn_max = len(probes)
         probes.append(attn_slots.max().long())
     if not probes:
         return
@@ -219,11 +220,11 @@ def check_inputs(model, positions: torch.Tensor, caches, slots, attn_slots: torc
         num_slots = cache.num_slots if hasattr(cache, "num_slots") else cache.shape[0] * cache.shape[2]
         if values[tensors[id(layer_slots)]] >= num_slots:
             raise ValueError(f"a slot beyond the cache's {num_slots} slots")
-    if check_distinct and values[-2 if check_attn else -1]:
+    if repeated is not None and values[repeated]:
         raise ValueError("the KV insert takes distinct slots; a non-negative slot repeats")
-    if check_attn:
+    if attn_max is not None:
         smallest = min(cache.num_slots for cache in caches)
-        if values[-1] >= smallest:
+        if values[attn_max] >= smallest:
             raise ValueError(f"an attention slot beyond the cache's {smallest} slots")
 
 

@@ -53,6 +53,16 @@ class Part:
     def fused(self) -> bool:
         return self.reason is None
 
+    @property
+    def declined(self) -> bool:
+        """Stock only because the caller did not opt in to its kernel (``policy.OPT_IN``)."""
+        return self.reason in policy.OPT_IN.values()
+
+    @property
+    def refusal(self) -> str:
+        """Why a stock part is stock, as a sentence."""
+        return f"{self.name} keeps its stock modules: {self.reason}"
+
 
 @dataclass
 class DraftPlan:
@@ -81,7 +91,7 @@ class DraftPlan:
         """Every stock part with its reason, as sentences."""
         if self.draft_reason is not None:
             return [f"the whole draft keeps its stock layers: {self.draft_reason}"]
-        return [f"{p.name} keeps its stock modules: {p.reason}" for p in self.parts() if not p.fused]
+        return [p.refusal for p in self.parts() if not p.fused]
 
     def fused_count(self) -> tuple[int, int]:
         parts = self.parts()

@@ -69,6 +69,7 @@ PACKAGE_GEMM_TPS = (2, 4, 8)
 # "direct" (K/V read from global memory, the o-gate a kernel of its own). Both
 # are bit for bit the spec; the staged one measured faster on an H200.
 ATTENTION_VARIANTS = ("staged", "direct")
+DEFAULT_STAGED_SLOTS = 384
 # Kernels that run only where the caller asks for them, with the plan's reason
 # where it does not (Target.declined): the fused QKV front sums its projection
 # in its own order, so the default decode keeps the bit-for-bit front.
@@ -76,7 +77,6 @@ OPT_IN = {
     QKV_FRONT: "the fused QKV front is opt-in (qkv_front=True): it sums its projection in its own order, "
                "and the stock projection with the QKV epilogue kernel is bit for bit",
 }
-DEFAULT_STAGED_SLOTS = 384
 # Rows per call of the QKV front and of the mailbox (a draft proposes 1 to 16
 # tokens); calls with more rows take the unfused path.
 MAX_DECODE_ROWS = 16

@@ -47,12 +47,9 @@ import torch
 from dspark_core.layers import capturing, linear, o_gate, residual_boundary
 from dspark_core.model import DraftModel, StepInputs, attend, check_inputs
 from dspark_core.plan import DraftPlan, plan_draft
-from dspark_core.policy import ATTENTION_VARIANTS, OPT_IN, QKV_FRONT, device_target  # noqa: F401 (re-exported)
+from dspark_core.policy import ATTENTION_VARIANTS, QKV_FRONT, device_target  # noqa: F401 (re-exported)
 
 log = logging.getLogger("dspark.decode")
-# The decode attention kernel's variants (dspark_core.policy; "staged" is the
-# default): the plan's attention constants are those of the variant its target
-# names. DSPARK_ATTENTION picks one for build_draft_decode.
 # Bytes a row of each GEMM weight that the L2 prefetch brings in while the
 # small kernels before that GEMM run (dspark_cute.weight_prefetch; the H200
 # probe's best: 256-512). build_draft_decode turns it on at TP1 (inline: 1-3
@@ -102,7 +99,7 @@ class DraftDecode:
                  prefetch: dict[str, int] | None = None, prefetch_mode: str = "inline") -> None:
         # The plan's attention constants are the variant's (policy.Target.attention).
         self.attention_variant = plan.target.attention
-        # Opt-in: bytes a row per weight role (WeightPrefetcher checks them).
+        # Bytes a row per weight role, or None: no prefetch (WeightPrefetcher checks them).
         self.prefetcher = None
         if prefetch:
             from .weight_prefetch import WeightPrefetcher
@@ -482,15 +479,13 @@ def build_draft_decode(
     if plan.draft_reason is not None:
         _log_once(logging.WARNING, f"the DSpark draft keeps its stock layers: {plan.draft_reason}")
         return None
-    opt_in = set(OPT_IN.values())
     for part in plan.parts():
         if not part.fused:  # a part the caller did not opt in to is no warning
-            _log_once(logging.INFO if part.reason in opt_in else logging.WARNING,
-                      f"{part.name} keeps its stock modules: {part.reason}")
+            _log_once(logging.INFO if part.declined else logging.WARNING, part.refusal)
     env = os.environ.get("DSPARK_PREFETCH", "")
     if prefetch is None:
         # Measured at TP1 only: the TP steps keep it off unless asked for.
-        prefetch = env not in ("", "0") if env or all_reduce is not None else True
+        prefetch = env != "0" if env else all_reduce is None
     if prefetch is True:
         prefetch = DEFAULT_PREFETCH
     if prefetch_mode is None:
