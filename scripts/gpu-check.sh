@@ -8,7 +8,7 @@
 #   run(command="bash scripts/gpu-check.sh bench demo", carry=[".device"], kind="nvidia-h200")
 #   run(command="bash scripts/gpu-check.sh multigpu bench-tp2", carry=[".device"], kind="nvidia-h200-x2")
 # gpu: every single-GPU suite; multigpu: the two-GPU suites (comm, package GEMM, TP2 draft);
-# bench: the decode profile (graph replays) and bench_decode with its --direct --front --prefetch columns.
+# bench: the decode profile (graph replays) and bench_decode with its --direct --front --prefetch --gemv columns.
 # decode: the executor's GPU suite alone (part of gpu).
 # demo: the README's demo (front off, then on).
 # bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM and the draft step at TP2
@@ -26,11 +26,13 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(gpu multigpu bench)
 wanted() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 summary=()
+failed=0
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
+  [ "$rc" -ne 0 ] && failed=1
   local last
   last=$(grep -E "passed|failed|error" "$OUT/$name.log" | tail -1)
   summary+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$last")")
@@ -61,10 +63,11 @@ if wanted demo; then
 fi
 if wanted bench; then
   step profile-decode 90 python packages/dspark-cute/benchmarks/profile_decode.py --out "$OUT"
-  step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --direct --front --prefetch --out "$OUT"
+  step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --direct --front --prefetch --gemv --out "$OUT"
 fi
 if wanted bench-kernels; then
   step bench-qkv-front 60 python packages/dspark-cute/benchmarks/bench_qkv_front.py --out "$OUT"
 fi
 echo; echo "== summary =="; printf '%s\n' "${summary[@]}"
 for f in "$OUT"/*.md; do [ -f "$f" ] && { echo "-- $f"; cat "$f"; }; done
+exit $failed  # non-zero when any step failed or ran out of time

@@ -8,7 +8,9 @@ The "specialized" column is ``build_draft_decode``'s default (bit for bit:
 cuBLAS + the QKV epilogue, the staged attention, the inline L2 prefetch).
 Extra columns of variants, side by side in the same run: ``--direct`` (the
 direct attention variant), ``--front`` (the fused QKV front on),
-``--prefetch`` (the prefetch off, and in its side-stream mode). ``--m``
+``--prefetch`` (the prefetch off, and in its side-stream mode), ``--gemv``
+(the one-token GEMV for the projections at m = 1: not cuBLAS's bits; its
+steps of more tokens are the default's). ``--m``
 picks the token counts, ``--no-compile`` skips the Inductor column."""
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def main(argv=None) -> int:
                         help="also time the decode with the fused QKV front (not bit for bit)")
     parser.add_argument("--prefetch", action="store_true",
                         help="also time the decode without the L2 weight prefetch and with its side-stream mode")
+    parser.add_argument("--gemv", action="store_true",
+                        help="also time the decode with the one-token GEMV projections (m = 1; not cuBLAS's bits)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA GPU, nothing to time")
@@ -71,6 +75,7 @@ def main(argv=None) -> int:
             "front": args.front and {"qkv_front": True},
             "no-prefetch": args.prefetch and {"prefetch": False},
             "prefetch-side": args.prefetch and {"prefetch": True, "prefetch_mode": "side"},
+            "gemv": args.gemv and {"gemv": True},
         }
         for name, options in variants.items():
             if options:
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
     return 0
 
 
-NAMES = ("stock", "inductor", "specialized", "direct", "front", "no-prefetch", "prefetch-side")
+NAMES = ("stock", "inductor", "specialized", "direct", "front", "no-prefetch", "prefetch-side", "gemv")
 FUSED = NAMES[2:]
 
 

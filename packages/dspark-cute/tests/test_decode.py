@@ -166,7 +166,73 @@ def test_the_fused_qkv_front_is_opt_in(monkeypatch):
     assert decode_module.draft_plan(model, exclude={"boundary"}, qkv_front=True).target.excluded == {"boundary"}
     excluded = decode_module.draft_plan(model, exclude={policy.QKV_FRONT})  # the caller's word wins
     assert excluded.qkv_fronts[0].reason == "the caller excluded the qkv_front kernel"
-    assert not excluded.target.declined
+    assert excluded.target.declined == {policy.GEMV}
+
+
+def test_the_one_token_gemv_is_opt_in(monkeypatch):
+    """``draft_plan`` declines the GEMV projections unless ``gemv=True``
+    (they sum in the spec's stated order, not cuBLAS's); the build on a CPU
+    still says "not CUDA"; DSPARK_GEMV=1 asks for them."""
+    model = DraftModel(small_config())
+    monkeypatch.setattr(decode_module, "device_target", lambda device, tp: ALL.replace(tp=tp))
+    default = decode_module.draft_plan(model)
+    assert len(default.gemvs) == 8 and all(p.declined for p in default.gemvs)
+    assert "opt-in (gemv=True)" in default.gemvs[0].reason
+    opted = decode_module.draft_plan(model, gemv=True)
+    assert all(p.fused for p in opted.gemvs)
+    assert [p.constants.role for p in opted.gemvs[:4]] == list(policy.GEMV_ROLES)
+    tp2 = decode_module.draft_plan(model, tp=2, gemv=True)
+    assert tp2.gemvs == []  # at TP the branch GEMMs feed the all-reduce
+
+
+def test_the_gemv_runs_one_row_and_says_why_not_otherwise(monkeypatch, caplog):
+    """``DraftDecode._linear``: a bound GEMV takes a one-row operand it
+    covers; anything else runs the stock projection, logged with the reason."""
+    model = DraftModel(small_config(num_layers=1))
+    calls = []
+
+    class FakeGemv:
+        def takes(self, x):
+            return x.shape[0] == 1 and x.is_contiguous()
+
+        def launch(self, x):
+            calls.append(tuple(x.shape))
+            return torch.zeros(1, 4)
+
+    monkeypatch.setattr(decode_module, "_logged", set())
+    decode = object.__new__(decode_module.DraftDecode)
+    decode.gemvs = {(0, "o_proj"): FakeGemv()}
+    w = model.layers[0].self_attn.o_proj
+    x1 = torch.randn(1, w.shape[1]).to(torch.bfloat16)
+    assert decode._linear(0, "o_proj", x1, w).shape == (1, 4) and calls == [(1, w.shape[1])]
+    with caplog.at_level(logging.INFO, logger="dspark.decode"):
+        x3 = torch.randn(3, w.shape[1]).to(torch.bfloat16)
+        assert torch.equal(decode._linear(0, "o_proj", x3, w), torch.matmul(x3, w.t()))
+    assert "layer 0's o_proj GEMV ran stock: it takes one contiguous bf16 row, not (3, " in caplog.text
+    assert torch.equal(decode._linear(0, "down", x1, w), torch.matmul(x1, w.t()))  # not bound: stock, silent
+    assert calls == [(1, w.shape[1])]
+
+
+
+def test_a_one_token_step_prefetches_no_gemv_weight():
+    """The L2 prefetch skips a weight a bound GEMV streams itself (one-token
+    steps only); other weights and steps of more tokens still fork."""
+    forks = []
+
+    class FakePrefetcher:
+        def fork(self, weight, role):
+            forks.append(role)
+
+    decode = object.__new__(decode_module.DraftDecode)
+    decode.prefetcher = FakePrefetcher()
+    gemv_weight, other = torch.zeros(4, 4), torch.zeros(4, 4)
+    decode._gemv_weights = {gemv_weight.data_ptr()}
+    decode._one_row = True
+    decode._fork(gemv_weight, "o_proj")
+    decode._fork(other, "down")
+    decode._one_row = False
+    decode._fork(gemv_weight, "o_proj")
+    assert forks == ["down", "o_proj"]
 
 
 def test_fused_parts_run_their_kernels_and_match_the_stock_forward():

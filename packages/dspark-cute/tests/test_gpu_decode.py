@@ -200,8 +200,10 @@ def test_a_non_power_of_two_kv_head_count_keeps_attention_stock():
     assert_bitwise(decode.run(x, step, caches_got), model(x, step, caches_ref), "6 KV heads")
 
 
-def test_greedy_tokens_with_every_fused_part_follow_stock(model):
-    """64 greedy steps with every fused part, the QKV front included, both
+@pytest.mark.parametrize("options", [{"qkv_front": True}, {"gemv": True}], ids=["front", "gemv"])
+def test_greedy_tokens_with_every_fused_part_follow_stock(model, options):
+    """64 greedy steps with every fused part, the QKV front (or the one-token
+    GEMV projections) included, both
     decodes fed the stock path's token (teacher forcing; each keeps its own
     caches). The front's projection differs from cuBLAS in its summation
     order (within its stated bound), so the logits are not bitwise: at every
@@ -212,9 +214,11 @@ def test_greedy_tokens_with_every_fused_part_follow_stock(model):
     exempt but counted, and at least 32 of the 64 steps must be decisive so
     the test cannot pass vacuously."""
     margin = 0.1
-    decode = build_draft_decode(model, qkv_front=True)
-    if all(f is None for f in decode.fronts):
+    decode = build_draft_decode(model, **options)
+    if "qkv_front" in options and all(f is None for f in decode.fronts):
         pytest.skip("this build has no QKV front kernel: the front-on decode is the front-off one tested above")
+    if "gemv" in options:
+        assert len(decode.gemvs) == 4 * len(model.layers)
     caches = {name: _with_context(model, decode if name == "fused" else None) for name in ("stock", "fused")}
     tok = torch.tensor([11], device="cuda")
     agreed, near_ties, worst = 0, 0, 0.0
@@ -233,3 +237,44 @@ def test_greedy_tokens_with_every_fused_part_follow_stock(model):
         tok = stock.argmax().view(1)
     print(f"greedy: {agreed} decisive steps agreed, {near_ties} near ties exempt; max |logit diff| {worst:.4f}")
     assert agreed >= 32, f"only {agreed} of 64 steps were decisive (margin {margin})"
+
+
+def _gemv_stock(monkeypatch):
+    """The stock forward with every one-row projection computed by the
+    GEMV's spec (``dspark_core.gemv.gemv``) instead of cuBLAS."""
+    from dspark_core import gemv as spec
+    from dspark_core import layers
+    from dspark_core import model as model_module
+
+    stock = layers.linear
+
+    def linear(x, weight):
+        if x.shape[0] == 1 and spec.gemv_unsupported(weight) is None:
+            return spec.gemv(x.to(weight.dtype), weight)
+        return stock(x, weight)
+
+    monkeypatch.setattr(layers, "linear", linear)
+    monkeypatch.setattr(model_module, "linear", linear)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_decode_is_the_stock_forward_with_gemv_projections(model, m, monkeypatch):
+    """With ``gemv=True`` a one-token step is bit for bit the stock forward
+    whose projections are the GEMV's spec (eagerly and in a whole-step CUDA
+    graph); a step of more tokens is bit for bit the plain stock forward."""
+    decode = build_draft_decode(model, gemv=True)
+    assert len(decode.gemvs) == 4 * len(model.layers) and decode.prefetcher is not None
+    ref_caches, got_caches, graph_caches = _with_context(model), _with_context(model, decode), _with_context(model)
+    x = _hidden(model, m, torch.bfloat16)
+    graph = StepGraph(decode.run, x, StepInputs.block(CONTEXT, m, "cuda", span=SPAN), graph_caches)
+    if m == 1:
+        _gemv_stock(monkeypatch)
+    for start in (CONTEXT, CONTEXT + m):
+        step = StepInputs.block(start, m, "cuda", span=SPAN)
+        ref = model(x, step, ref_caches)
+        got = decode.run(x, step, got_caches)
+        assert_bitwise(got, ref, f"gemv decode m={m} at {start}")
+        for c_ref, c_got in zip(ref_caches, got_caches):
+            assert_bitwise(c_got.tensor, c_ref.tensor, "caches after the step")
+        if start != CONTEXT:  # the capture's warm-up ran the first step on graph_caches
+            assert_bitwise(graph.replay(x, step), ref, f"gemv decode graph replay m={m}")

@@ -310,6 +310,28 @@ class PackageGemmConstants(_Key):
 
 
 @dataclass(frozen=True, eq=False)
+class GemvConstants(_Key):
+    """The one-token projection of one weight in the stated order
+    (``dspark_core.gemv``): BF16 ``x [1, k] @ W[n, k]^T``; ``role`` names the
+    projection (``qkv_proj``, ``o_proj``, ``gate_up``, ``down``)."""
+
+    role: str
+    n: int
+    k: int
+
+
+def gemv_constants(role: str, weight: torch.Tensor) -> GemvConstants:
+    """The GEMV's constants for ``weight`` (BF16 ``[N, K]``), or ValueError
+    with the reason (``dspark_core.gemv.gemv_unsupported``)."""
+    from .gemv import gemv_unsupported
+
+    why = gemv_unsupported(weight)
+    if why is not None:
+        raise ValueError(why)
+    return GemvConstants(role, int(weight.shape[0]), int(weight.shape[1]))
+
+
+@dataclass(frozen=True, eq=False)
 class MlpActivationConstants(_Key):
     """The gated SiLU activation kernel (``GatedMLP.activation``): BF16
     ``gu [m, 2I]`` to BF16 ``h [m, I]``, I = ``intermediate_size``."""

@@ -96,7 +96,8 @@ def _time_step(fn, model, caches, block, start, span, device, reps: int = 50) ->
 
 @torch.no_grad()
 def run_demo(
-    config: DraftConfig, steps: int, block: int, context: int, device: torch.device, front: bool = False
+    config: DraftConfig, steps: int, block: int, context: int, device: torch.device, front: bool = False,
+    gemv: bool = False,
 ) -> dict:
     """Build, plan and decode on the stock path and, where a backend provides
     it on this device, the specialized decode; compare and time them."""
@@ -106,9 +107,11 @@ def run_demo(
           f"on {device} in {time.perf_counter() - t0:.1f} s")
     # The QKV front's projection sums in its own order (not cuBLAS's): it is
     # opt-in (--front); without it the specialized decode is bit for bit.
-    declined = set() if front else {policy.QKV_FRONT}
+    # Likewise the one-token GEMV projections (--gemv: the spec's stated order).
+    declined = (set() if front else {policy.QKV_FRONT}) | (set() if gemv else {policy.GEMV})
     build = executor_builder() if device.type == "cuda" else None
-    decode = build(model, qkv_front=front) if build is not None else None
+    options = {"qkv_front": front, **({"gemv": True} if gemv else {})}
+    decode = build(model, **options) if build is not None else None
     # The plan printed is the one the decode runs, where there is one.
     plans = [decode.plan if decode is not None else plan_draft(model, policy.device_target(device).decline(declined))]
     if device.type != "cuda":
@@ -142,6 +145,8 @@ def run_demo(
         (st, sh, ss), (ft, fh, fs) = results["stock"], results["specialized"]
         bad = sum(int(mismatches(a, b).sum()) for a, b in zip(fh, sh))
         same = "bit for bit equal" if bad == 0 else f"NOT equal: {bad} elements differ"
+        if bad and (front or gemv):
+            same += " (expected: --front/--gemv sum projections in their own order, not cuBLAS's)"
         print(f"specialized vs stock hidden states over {steps} steps: {same}; "
               f"tokens {'equal' if ft == st else 'differ'}; step time {ss / fs:.2f}x faster")
     elif device.type != "cuda":
@@ -160,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         "--front",
         action="store_true",
         help="also run the fused QKV front (exact up to its projection's summation order, so not bitwise)",
+    )
+    parser.add_argument(
+        "--gemv",
+        action="store_true",
+        help="run the projections of one-token steps on the GEMV (the spec's stated order, not cuBLAS's bits)",
     )
     parser.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor-parallel size (2: two GPUs)")
     args = parser.parse_args(argv)
@@ -180,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
-    run_demo(config, args.steps, args.block, args.context, device, args.front)
+    run_demo(config, args.steps, args.block, args.context, device, args.front, args.gemv)
     return 0
 
 

@@ -81,11 +81,13 @@ class DraftPlan:
     mlp_activations: list[Part] = field(default_factory=list)
     all_reduce: Part | None = None
     package_gemms: list[Part] = field(default_factory=list)
+    # At TP1, per layer, one per policy.GEMV_ROLES role in that order.
+    gemvs: list[Part] = field(default_factory=list)
 
     def parts(self) -> list[Part]:
         single = [p for p in (self.input_norm, self.context, self.all_reduce) if p is not None]
         return [*single, *self.boundaries, *self.qkv_fronts, *self.qkv_epilogues, *self.attentions, *self.o_gates,
-                *self.mlp_activations, *self.package_gemms]
+                *self.mlp_activations, *self.package_gemms, *self.gemvs]
 
     def refused(self) -> list[str]:
         """Every stock part with its reason, as sentences."""
@@ -250,12 +252,29 @@ def plan_draft(model: DraftModel, target: Target | None = None) -> DraftPlan:
         part = _try(f"layer {i}'s MLP activation", K.mlp_activation_constants, layer.mlp)
         plan.mlp_activations.append(_with_kernels(part, target, policy.MLP_ACTIVATION))
 
+    if target.tp == 1:  # at TP the branch GEMMs feed the all-reduce (the package GEMM's parts)
+        for i, layer in enumerate(model.layers):
+            for role, path in policy.GEMV_ROLES.items():
+                plan.gemvs.append(_gemv_part(i, role, _attr(layer, path), target))
+
     plan.all_reduce = _with_kernels(_all_reduce_part(model, plan), target, policy.ALL_REDUCE_BOUNDARY)
     if target.tp > 1:
         for i, layer in enumerate(model.layers):
             for role, weight in (("o_proj", layer.self_attn.o_proj), ("down_proj", layer.mlp.down)):
                 plan.package_gemms.append(_package_gemm_part(i, role, weight, h, plan, sharded))
     return plan
+
+
+def _attr(obj, path: str):
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _gemv_part(i: int, role: str, weight, target: Target) -> Part:
+    """Layer ``i``'s ``role`` projection on the one-token GEMV (``dspark_core.gemv``)."""
+    name = f"layer {i}'s {role} GEMV"
+    return _with_kernels(_try(name, K.gemv_constants, role, weight), target, policy.GEMV)
 
 
 def _attention_part(i: int, attn, config: DraftConfig) -> Part:

@@ -19,9 +19,10 @@ ATTENTION = "attention"
 O_GATE = "o_gate"
 MLP_ACTIVATION = "mlp_activation"
 QKV_EPILOGUE = "qkv_epilogue"
+GEMV = "gemv"
 ALL_KERNELS = frozenset(
     {ROW_NORM, BOUNDARY, CONTEXT_NORMS, CONTEXT_STORE, QKV_FRONT, ALL_REDUCE_BOUNDARY, PACKAGE_GEMM,
-     ATTENTION, O_GATE, MLP_ACTIVATION, QKV_EPILOGUE}
+     ATTENTION, O_GATE, MLP_ACTIVATION, QKV_EPILOGUE, GEMV}
 )
 
 # Backends advertise the kernels they provide under this entry-point group,
@@ -76,7 +77,14 @@ DEFAULT_STAGED_SLOTS = 384
 OPT_IN = {
     QKV_FRONT: "the fused QKV front is opt-in (qkv_front=True): it sums its projection in its own order, "
                "and the stock projection with the QKV epilogue kernel is bit for bit",
+    GEMV: "the one-token GEMV is opt-in (gemv=True): it sums the projection in the order dspark_core.gemv "
+          "states, not the stock cuBLAS order",
 }
+# The projections the one-token GEMV may take over, per layer, with their
+# module attribute paths (the GEMV runs at TP1 only: at TP the branch GEMMs
+# feed the all-reduce and were not measured on it).
+GEMV_ROLES = {"qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj", "gate_up": "mlp.gate_up",
+              "down": "mlp.down"}
 # Rows per call of the QKV front and of the mailbox (a draft proposes 1 to 16
 # tokens); calls with more rows take the unfused path.
 MAX_DECODE_ROWS = 16

@@ -23,6 +23,13 @@ takes an object with ``takes(partial)`` and ``run(index, partial, stream,
 store_stream)`` (dspark-comm's fused all-reduce boundary); without it the
 draft is TP1 and every branch is already whole.
 
+The one-token GEMV (``gemv=True``, opt-in; ``dspark_cute.gemv``) runs each
+layer's QKV, o_proj, gate_up and down projections of a one-token step on a
+coalesced warp-per-row kernel in the order ``dspark_core.gemv`` states (bit
+for bit that spec, not cuBLAS's bits), launched with PDL so its weight
+streams while the small kernel before it runs; steps of more tokens keep the
+stock projections.
+
 The L2 weight prefetch (``prefetch``; ``dspark_cute.weight_prefetch``; on by
 default at TP1 in ``build_draft_decode``)
 brings the first bytes of every row of each GEMM's weight into L2 while the
@@ -47,7 +54,7 @@ import torch
 from dspark_core.layers import capturing, linear, o_gate, residual_boundary
 from dspark_core.model import DraftModel, StepInputs, attend, check_inputs
 from dspark_core.plan import DraftPlan, plan_draft
-from dspark_core.policy import ATTENTION_VARIANTS, QKV_FRONT, device_target  # noqa: F401 (re-exported)
+from dspark_core.policy import ATTENTION_VARIANTS, GEMV, QKV_FRONT, device_target  # noqa: F401 (re-exported)
 
 log = logging.getLogger("dspark.decode")
 # Bytes a row of each GEMM weight that the L2 prefetch brings in while the
@@ -127,6 +134,10 @@ class DraftDecode:
         self.attentions: list = []
         self.o_gates: list = []
         self.activations: list = []
+        # (layer, role) -> the bound one-token GEMV (policy.GEMV_ROLES), where the plan fuses it.
+        self.gemvs: dict = {}
+        self._gemv_weights: set = set()  # their weights' addresses: the prefetch skips them at m = 1
+        self._one_row = False
         self.context = None
         self.prepared = False
 
@@ -160,6 +171,8 @@ class DraftDecode:
         self.fronts, self.epilogues, self.attentions, self.o_gates, self.activations = (
             [b[k] for b in bound] for k in range(5)
         )
+        self.gemvs = self._bind_gemvs()
+        self._gemv_weights = {g.weight.data_ptr() for g in self.gemvs.values()}
         self.context = self._bind_context(plan.context)
         if self.prefetcher is not None:
             self.prefetcher.prepare()
@@ -211,6 +224,35 @@ class DraftDecode:
                 kernel.prepare()
         return tuple(kernels)
 
+    def _bind_gemvs(self) -> dict:
+        """The one-token GEMV of every (layer, role) the plan fuses, compiled."""
+        from dspark_core.policy import GEMV_ROLES
+
+        gemvs = {}
+        roles = list(GEMV_ROLES.items())
+        for n, part in enumerate(self.plan.gemvs):
+            layer, (role, path) = divmod(n, len(roles))[0], roles[n % len(roles)]
+            cls = self._kernel_class(part, "gemv", "Gemv")
+            if cls is None:
+                continue
+            weight = self.layers[layer]
+            for name in path.split("."):
+                weight = getattr(weight, name)
+            gemvs[(layer, role)] = cls(part.constants, weight)
+            gemvs[(layer, role)].prepare()
+        return gemvs
+
+    def _linear(self, layer: int, role: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``linear(x, weight)``: on the one-token GEMV where bound and where
+        it takes ``x`` (one row), else the stock projection."""
+        gemv = self.gemvs.get((layer, role))
+        if gemv is not None:
+            if gemv.takes(x):
+                return gemv.launch(x)
+            _log_once(logging.INFO, f"layer {layer}'s {role} GEMV ran stock: it takes one contiguous bf16 row, "
+                      f"not {tuple(x.shape)} with strides {x.stride()}")
+        return linear(x, weight)
+
     def _bind_context(self, part):
         cls = self._kernel_class(part, "context", "ContextChain")
         if cls is None:
@@ -236,7 +278,7 @@ class DraftDecode:
         project = getattr(self.all_reduce, "project", None)
         if project is not None:
             return project(index, x, weight)
-        return linear(x, weight), False
+        return self._linear(index // 2, "o_proj" if index % 2 == 0 else "down", x, weight), False
 
     def _boundary(self, index: int, branch, stream: torch.Tensor, store: bool, published: bool = False):
         if published:  # the package GEMM already pushed this rank's partial
@@ -288,7 +330,7 @@ class DraftDecode:
             self._fork(attn.o_proj, "o_proj")
             self._kick()
             return q, og
-        qkv = linear(x, attn.qkv_proj)
+        qkv = self._linear(index, "qkv_proj", x, attn.qkv_proj)
         self._fork(attn.o_proj, "o_proj")
         if epilogue.takes(qkv, step.positions, step.slots, cache.tensor):
             # run() checked positions and slots (the stock front raises there).
@@ -304,7 +346,8 @@ class DraftDecode:
     def _fork(self, weight: torch.Tensor, role: str) -> None:
         """Name the next GEMM's ``weight`` (its ``role``'s bytes a row) to the
         prefetch, where it is on (side mode: it starts now)."""
-        if self.prefetcher is not None:
+        if self.prefetcher is not None and not (self._one_row and weight.data_ptr() in self._gemv_weights):
+            # (A one-token GEMV streams its own weight before its PDL wait.)
             self.prefetcher.fork(weight, role)
 
     def _kick(self) -> None:
@@ -377,6 +420,7 @@ class DraftDecode:
         # A BF16 row round-trips through the FP32 stream unchanged: the first
         # boundary reads it as is.
         stream = hidden_states if hidden_states.dtype == self.dtype else hidden_states.to(torch.float32)
+        self._one_row = hidden_states.shape[0] == 1
         last = len(self.layers) - 1
         try:
             if self.layers:  # the first QKV weight, while the first norm runs
@@ -390,7 +434,7 @@ class DraftDecode:
                 stream, ffn_in = self._boundary(2 * i, attn_out, stream, True, published)
                 self._kick()
                 self._join()
-                gate_up = linear(ffn_in, mlp.gate_up)
+                gate_up = self._linear(i, "gate_up", ffn_in, mlp.gate_up)
                 self._fork(mlp.down, "down")
                 hidden = self._activation(i, gate_up)
                 self._kick()
@@ -422,16 +466,19 @@ class DraftDecode:
 
 
 def draft_plan(model: DraftModel, tp: int = 1, exclude=frozenset(), attention: str = "staged",
-               qkv_front: bool = False) -> DraftPlan:
+               qkv_front: bool = False, gemv: bool = False) -> DraftPlan:
     """The plan of ``model`` at TP size ``tp`` for the device it lives on,
     the kernels this package provides less ``exclude`` (which the plan's
-    reasons call excluded; the QKV front declined unless ``qkv_front``) and the
+    reasons call excluded; the QKV front declined unless ``qkv_front``, the
+    one-token GEMV unless ``gemv``) and the
     ``attention`` kernel variant (``ATTENTION_VARIANTS``; ValueError for
     another): the plan ``build_draft_decode`` runs, for a TP adapter to bind
     its parts to."""
     target = device_target(next(model.parameters()).device, tp).without(exclude)
     if not qkv_front and QKV_FRONT not in target.excluded:
         target = target.decline({QKV_FRONT})
+    if not gemv and GEMV not in target.excluded:
+        target = target.decline({GEMV})
     return plan_draft(model, target.replace(attention=attention))
 
 
@@ -443,6 +490,7 @@ def build_draft_decode(
     prefetch: dict[str, int] | bool | None = None,
     prefetch_mode: str | None = None,
     qkv_front: bool | None = None,
+    gemv: bool | None = None,
 ) -> DraftDecode | None:
     """The draft's specialized decode, prepared, or None where it keeps its
     stock layers; every reason is logged. ``exclude`` names kernels not to
@@ -451,6 +499,13 @@ def build_draft_decode(
     fused QKV front where the plan allows it: the decode then equals the
     stock forward up to the front's projection summation order (module
     docstring); without it the decode is bit for bit.
+    ``gemv`` (default: ``DSPARK_GEMV=1``, else False) runs the four
+    projections of every layer at m = 1 on the one-token GEMV
+    (``dspark_cute.gemv``): a step of one token then equals the stock forward
+    with those projections computed by ``dspark_core.gemv.gemv`` (a stated
+    order, not cuBLAS's); steps of more tokens keep the stock projections.
+    A GEMV streams its weight before its PDL wait, so a one-token step
+    prefetches no weight of a GEMV-run projection into L2.
     ``attention_variant`` (default: ``DSPARK_ATTENTION`` or "staged") picks
     the attention kernel's variant (``ATTENTION_VARIANTS``; the plan carries
     its constants; another name is a ValueError); it is logged.
@@ -475,7 +530,10 @@ def build_draft_decode(
     variant = attention_variant or os.environ.get("DSPARK_ATTENTION", "staged")
     if qkv_front is None:
         qkv_front = os.environ.get("DSPARK_QKV_FRONT", "0") not in ("", "0")
-    plan = draft_plan(model, all_reduce.tp if all_reduce is not None else 1, exclude, variant, bool(qkv_front))
+    if gemv is None:
+        gemv = os.environ.get("DSPARK_GEMV", "0") not in ("", "0")
+    plan = draft_plan(model, all_reduce.tp if all_reduce is not None else 1, exclude, variant, bool(qkv_front),
+                      bool(gemv))
     if plan.draft_reason is not None:
         _log_once(logging.WARNING, f"the DSpark draft keeps its stock layers: {plan.draft_reason}")
         return None

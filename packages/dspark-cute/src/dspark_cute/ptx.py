@@ -220,6 +220,23 @@ def ld_global_v4(addr, *, loc=None, ip=None) -> list:
 
 
 @dsl_user_op
+def ld_global_nc_v4(addr, *, loc=None, ip=None) -> list:
+    """``ld_global_v4`` through the non-coherent path without an L1 line
+    (``ld.global.nc.L1::no_allocate.v4.b32``): for data that no kernel writes
+    while this one runs and that is read once (a weight streamed by a GEMV)."""
+    words = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_l(addr, loc, ip)],
+        "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        True,
+        loc,
+        ip,
+    )
+    return [Uint32(llvm.extractvalue(T.i32(), words, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
 def st_global_v4(addr, words, *, loc=None, ip=None) -> None:
     """Store four 32-bit words at the 16-byte aligned global byte address
     ``addr`` (one ``st.global.v4.b32``)."""
@@ -496,6 +513,7 @@ __all__ = [
     "ld_f16x8",
     "ld_f32x8",
     "ld_dsmem_f32",
+    "ld_global_nc_v4",
     "ld_global_v4",
     "ld_row8",
     "ld_shared_f32",
