@@ -69,14 +69,22 @@ def test_whole_forward_front_off_is_the_stock_forward(model, m, dtype):
     ref_caches, got_caches = _with_context(model), _with_context(model, decode)
     for c_ref, c_got in zip(ref_caches, got_caches):
         assert_bitwise(c_got.tensor, c_ref.tensor, "context caches")
-    x = _hidden(model, m, dtype)
-    for start in (CONTEXT, CONTEXT + m):  # two steps: the second reads the first's K/V
+    _two_steps_bitwise(model, decode, _hidden(model, m, dtype), ref_caches, got_caches, f"draft forward m={m}")
+
+
+def _two_steps_bitwise(model, decode, x, ref_caches, got_caches, what: str, graph=None) -> None:
+    """Two steps of ``x`` (the second reads the first's K/V): the decode's
+    output and caches bit for bit the stock forward's; the second step's
+    ``graph`` replay too, where given (its capture ran the first step)."""
+    m = x.shape[0]
+    for start in (CONTEXT, CONTEXT + m):
         step = StepInputs.block(start, m, "cuda", span=SPAN)
         ref = model(x, step, ref_caches)
-        got = decode.run(x, step, got_caches)
-        assert_bitwise(got, ref, f"draft forward m={m}")
+        assert_bitwise(decode.run(x, step, got_caches), ref, f"{what} at {start}")
         for c_ref, c_got in zip(ref_caches, got_caches):
-            assert_bitwise(c_got.tensor, c_ref.tensor, "caches after the step")
+            assert_bitwise(c_got.tensor, c_ref.tensor, f"{what}: caches after the step")
+        if graph is not None and start != CONTEXT:
+            assert_bitwise(graph.replay(x, step), ref, f"{what}: graph replay")
 
 
 @pytest.mark.parametrize("m", [1, 7, 16])
@@ -269,12 +277,4 @@ def test_gemv_decode_is_the_stock_forward_with_gemv_projections(model, m, monkey
     graph = StepGraph(decode.run, x, StepInputs.block(CONTEXT, m, "cuda", span=SPAN), graph_caches)
     if m == 1:
         _gemv_stock(monkeypatch)
-    for start in (CONTEXT, CONTEXT + m):
-        step = StepInputs.block(start, m, "cuda", span=SPAN)
-        ref = model(x, step, ref_caches)
-        got = decode.run(x, step, got_caches)
-        assert_bitwise(got, ref, f"gemv decode m={m} at {start}")
-        for c_ref, c_got in zip(ref_caches, got_caches):
-            assert_bitwise(c_got.tensor, c_ref.tensor, "caches after the step")
-        if start != CONTEXT:  # the capture's warm-up ran the first step on graph_caches
-            assert_bitwise(graph.replay(x, step), ref, f"gemv decode graph replay m={m}")
+    _two_steps_bitwise(model, decode, x, ref_caches, got_caches, f"gemv decode m={m}", graph)

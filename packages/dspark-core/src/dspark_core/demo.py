@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = DraftConfig.from_json(args.config) if args.config else DraftConfig()
     if args.tp > 1:
+        if args.gemv:
+            print("--gemv: the one-token GEMV runs at TP1 only (at TP the branch GEMMs feed the all-reduce)")
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus >= args.tp:
             return _run_tp(config, args)

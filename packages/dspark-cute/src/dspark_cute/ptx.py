@@ -203,20 +203,24 @@ def round_bf16(values: list) -> list:
 # ---------------------------------------------------------------- global memory
 
 
-@dsl_user_op
-def ld_global_v4(addr, *, loc=None, ip=None) -> list:
-    """Four 32-bit words from the 16-byte aligned global byte address
-    ``addr`` (one ``ld.global.v4.b32``), kept in program order."""
+def _ld_global_v4(opcode: str, addr, loc, ip) -> list:
     words = _asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [_l(addr, loc, ip)],
-        "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];",
+        f"{opcode}.v4.b32 {{$0, $1, $2, $3}}, [$4];",
         "=r,=r,=r,=r,l",
         True,
         loc,
         ip,
     )
     return [Uint32(llvm.extractvalue(T.i32(), words, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def ld_global_v4(addr, *, loc=None, ip=None) -> list:
+    """Four 32-bit words from the 16-byte aligned global byte address
+    ``addr`` (one ``ld.global.v4.b32``), kept in program order."""
+    return _ld_global_v4("ld.global", addr, loc, ip)
 
 
 @dsl_user_op
@@ -224,16 +228,7 @@ def ld_global_nc_v4(addr, *, loc=None, ip=None) -> list:
     """``ld_global_v4`` through the non-coherent path without an L1 line
     (``ld.global.nc.L1::no_allocate.v4.b32``): for data that no kernel writes
     while this one runs and that is read once (a weight streamed by a GEMV)."""
-    words = _asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [_l(addr, loc, ip)],
-        "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l",
-        True,
-        loc,
-        ip,
-    )
-    return [Uint32(llvm.extractvalue(T.i32(), words, [i], loc=loc, ip=ip)) for i in range(4)]
+    return _ld_global_v4("ld.global.nc.L1::no_allocate", addr, loc, ip)
 
 
 @dsl_user_op
