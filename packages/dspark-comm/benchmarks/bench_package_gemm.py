@@ -48,6 +48,8 @@ CASES = [
     ("package GEMM with publish: its kernel alone (profiler; epochs before the main loop, the default)",
      "publish_kernel"),
     ("the same, epochs loaded in each round (early_epochs=False)", "publish_kernel_early"),
+    ("package GEMM on the register-direct main loop (tile_n 16)", "gemm_direct"),
+    ("its publish kernel alone (profiler; tile_n 16)", "publish_kernel_direct"),
 ]
 # The row that issue 6's target names ("the GEMM with its publish no slower
 # than cuBLAS alone"): the publish-mode GEMM kernel's own device time. It is
@@ -56,7 +58,8 @@ CASES = [
 # which itself waits for the peer (measured so: 200-330 us on eager calls).
 PUBLISH_KERNEL = "PackageGemmKernel"
 # The profiled rows: the call (of ``_calls``) each profiles.
-PROFILED = {"publish_kernel": "publish_bd_no_pdl", "publish_kernel_early": "publish_bd_early_no_pdl"}
+PROFILED = {"publish_kernel": "publish_bd_no_pdl", "publish_kernel_early": "publish_bd_early_no_pdl",
+            "publish_kernel_direct": "publish_bd_direct_no_pdl"}
 
 
 def _kernel_us(fn, name: str, calls: int = 30) -> float:
@@ -78,7 +81,7 @@ def _kernel_us(fn, name: str, calls: int = 30) -> float:
     return float(statistics.median(durations))
 
 
-def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl) -> dict:
+def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl) -> dict:
     """The timed call of each case over ``m`` rows (operands allocated once)."""
     x = torch.randn((m, k), generator=gen, device="cuda").to(torch.bfloat16)
     y = torch.empty((m, H), dtype=torch.bfloat16, device="cuda")
@@ -87,6 +90,8 @@ def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_p
     new = torch.empty((m, H), dtype=torch.float32, device="cuda")
     return {
         "gemm": lambda: gemm.run(x, y),
+        "gemm_direct": lambda: direct.run(x, y),
+        "publish_bd_direct_no_pdl": lambda: direct_no_pdl.run_boundary(x, fused, stream, True, o, new),
         "cublas": lambda: torch.matmul(x, w.t(), out=y),
         "publish_bd": lambda: gemm.run_boundary(x, fused, stream, True, o, new),
         "publish_bd_no_pdl": lambda: gemm_no_pdl.run_boundary(x, fused, stream, True, o, new),
@@ -132,11 +137,15 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
         gemm = PackageGemm(constants, w, mb)
         gemm_no_pdl = PackageGemm(constants, w, mb, pdl=False)
         early_no_pdl = PackageGemm(constants, w, mb, pdl=False, early_epochs=False)
-        for g in (gemm, gemm_no_pdl, early_no_pdl):
+        # The register-direct main loop (tile_n 16; skinny_direct): the same bits.
+        direct_constants = PackageGemmConstants(role, H, k, 16, s.split_k, s.max_rows)
+        direct = PackageGemm(direct_constants, w, mb)
+        direct_no_pdl = PackageGemm(direct_constants, w, mb, pdl=False)
+        for g in (gemm, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl):
             g.prepare()
         results[f"shape/{k}"] = f"k_warps {gemm.k_warps}, stages {gemm.stages}"
         for m in ROWS:
-            fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl)
+            fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl)
             for _, key in CASES:
                 if key in PROFILED:
                     measure = lambda fn=fns[PROFILED[key]]: _kernel_us(fn, PUBLISH_KERNEL)  # noqa: E731
@@ -182,7 +191,8 @@ def _report(raw: list[dict], out: str) -> str:
     label = {key: name for name, key in CASES}
     lines += ["", "Target (issue 6): the GEMM with its publish no slower than cuBLAS alone: "
               + verdict(series[label["publish_kernel"]]) + " (the publish-mode kernel's own time); "
-              + verdict(series[label["publish_kernel_early"]]) + " with its epochs loaded in each round;",
+              + verdict(series[label["publish_kernel_early"]]) + " with its epochs loaded in each round; "
+              + verdict(series[label["publish_kernel_direct"]]) + " on the register-direct main loop;",
               "with the consuming fused boundary too (a stricter reading): "
               + verdict(series[label["publish_bd"]]) + "."]
     text = "\n".join(lines) + "\n"

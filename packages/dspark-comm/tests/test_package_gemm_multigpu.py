@@ -16,6 +16,9 @@ Checks:
   for K in {1024, 4096, 8192} and m in 1..16 (zero violations), cuBLAS
   (``x @ W.T``) against the same bound (recorded), the two variants (m <= 8,
   m <= 16) bit for bit on the same rows;
+- ``plain`` and ``publish`` also run the register-direct main loop
+  (``tile_n`` 16, ``dspark_cute.skinny_direct``): bit for bit the 64-row
+  kernel (not yet run on a GPU when written);
 - ``publish``: publish + ``FusedAllReduce(published=True)`` bit for bit the
   plain GEMM into a buffer + the pushing ``MailboxAllReduce`` (both sum
   orders) and NCCL; publish + ``AllReduceBoundary(published=True)`` bit for
@@ -55,12 +58,13 @@ def _operands(gen: torch.Generator, m: int, k: int) -> torch.Tensor:
     return (x * torch.exp2(scale)).to(BF16)
 
 
-def _constants(role: str, k: int):
+def _constants(role: str, k: int, tile_n: int | None = None):
+    """The policy's constants (``tile_n`` 16: the register-direct main loop)."""
     from dspark_core.constants import PackageGemmConstants
     from dspark_core.policy import DRAFT_GEMMS
 
     s = DRAFT_GEMMS[role]
-    return PackageGemmConstants(role, H, k, s.tile_n, s.split_k, s.max_rows)
+    return PackageGemmConstants(role, H, k, tile_n or s.tile_n, s.split_k, s.max_rows)
 
 
 def check_setup(c):
@@ -82,7 +86,10 @@ def check_plain(c):
         w = _operands(gen, H, k)
         gemm = PackageGemm(_constants(role, k), w)
         gemm.prepare(publish=(False,))
-        ours_bad = cublas_bad = variant_bad = 0
+        # The register-direct main loop (tile_n 16): the same sums, so the same bits.
+        direct = PackageGemm(_constants(role, k, tile_n=16), w)
+        direct.prepare(publish=(False,))
+        ours_bad = cublas_bad = variant_bad = direct_bad = 0
         worst_ours = worst_cublas = 0.0
         for m in range(1, CAPACITY + 1):
             x = _operands(gen, m, k)
@@ -99,6 +106,7 @@ def check_plain(c):
             worst_cublas = max(worst_cublas, float((cerr / cb).max()))
             if m > 8:  # the 8-token variant on the first 8 rows: the same bits
                 variant_bad += bad(gemm.run(x[:8].contiguous()), out[:8])
+            direct_bad += bad(direct.run(x), out)
         # Non-finite inputs propagate as they do in float64 (NaN where it is NaN).
         x = _operands(gen, 4, k)
         x[0, 0], x[1, 5], x[2, 7] = float("inf"), float("nan"), float("-inf")
@@ -110,7 +118,7 @@ def check_plain(c):
             "k_warps": gemm.k_warps, "stages": gemm.stages,
             "ours_over_bound": ours_bad, "cublas_over_bound": cublas_bad,
             "worst_ours_err_over_bound": worst_ours, "worst_cublas_err_over_bound": worst_cublas,
-            "variants_differ": variant_bad, "nonfinite_mismatch": nonfinite_bad,
+            "variants_differ": variant_bad, "nonfinite_mismatch": nonfinite_bad, "direct_differs": direct_bad,
         }
     return {"cases": res}
 
@@ -132,6 +140,8 @@ def check_publish(c):
     # before the main loop): the same bits.
     in_round = PackageGemm(_constants("o_proj", k), w, c.mb, early_epochs=False)
     in_round.prepare()
+    direct = PackageGemm(_constants("o_proj", k, tile_n=16), w, c.mb)  # the register-direct main loop
+    direct.prepare()
     post, conn, pre = c.modules = _boundary_modules(shared)
     constants = boundary_constants(post, conn, pre, H)
     c.bd = bd = AllReduceBoundary(c.mb, constants, conn.alpha, conn.beta, post.weight, pre.weight)
@@ -157,7 +167,10 @@ def check_publish(c):
             in_round.run(x, publish=True)
             e = torch.full_like(a, 7.0)
             consume.launch(m, None, (e,))
-            res[f"allreduce/{order}/m{m}"] = bad(a, b) + bad(b, nccl(y)) + bad(a, e)
+            direct.run(x, publish=True)
+            d = torch.full_like(a, 7.0)
+            consume.launch(m, None, (d,))
+            res[f"allreduce/{order}/m{m}"] = bad(a, b) + bad(b, nccl(y)) + bad(a, e) + bad(a, d)
     # m = 1..CAPACITY with finite inputs, then CAPACITY rows again with NaN and inf.
     for i, m in enumerate([*range(1, CAPACITY + 1), CAPACITY]):
         for stream_dtype, store in ((FP32, True), (BF16, False)):
@@ -317,6 +330,7 @@ def test_plain_gemm_within_the_bound(suite):
             assert v["ours_over_bound"] == 0, (rank, case, v)
             assert v["variants_differ"] == 0, (rank, case, v)
             assert v["nonfinite_mismatch"] == 0, (rank, case, v)
+            assert v["direct_differs"] == 0, (rank, case, v)
             print(f"rank {rank} {case}: worst |err| / bound ours {v['worst_ours_err_over_bound']:.3f}, "
                   f"cuBLAS {v['worst_cublas_err_over_bound']:.3f} ({v['cublas_over_bound']} over)")
 

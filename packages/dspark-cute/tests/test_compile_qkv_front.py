@@ -38,27 +38,6 @@ ARCHS = ["sm_90a", "sm_100a"]
 # ---------------------------------------------------------------- index-map emulation
 
 
-def _mma_emulated(lane_a: list, lane_b: list) -> np.ndarray:
-    """``A @ B`` of one m16n8k16 from the 32 lanes' registers (each register a
-    (lo, hi) pair), by the PTX ISA's layouts: A reg r holds row g + 8 (r & 1),
-    columns 2t + 8 (r >> 1) + {0, 1}; B reg r holds rows (k) 2t + 8 r + {0, 1}
-    of column g. Returns D [32 lanes, 4]: c_r is row g + 8 (r >> 1), column
-    2t + (r & 1)."""
-    a = np.full((16, 16), np.nan)
-    b = np.full((16, 8), np.nan)
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        for r in range(4):
-            for e in range(2):
-                a[g + 8 * (r & 1), 2 * t + e + 8 * (r >> 1)] = lane_a[lane][r][e]
-        for r in range(2):
-            for e in range(2):
-                b[2 * t + e + 8 * r, g] = lane_b[lane][r][e]
-    assert not np.isnan(a).any() and not np.isnan(b).any(), "a fragment element no lane holds"
-    d = a @ b
-    return np.array([[d[lane // 4 + 8 * (r >> 1), 2 * (lane % 4) + (r & 1)] for r in range(4)] for lane in range(32)])
-
-
 def emulate_tile(cfg: sg.SkinnyConfig, w: np.ndarray, x: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
     """The tile's sums ``[8 n_tiles, 64]`` as the kernel's index maps compute
     them (exact on integer data), and how often each weight element is copied."""
@@ -88,7 +67,7 @@ def emulate_tile(cfg: sg.SkinnyConfig, w: np.ndarray, x: np.ndarray, m: int) -> 
                     for nt in range(cfg.n_tiles):
                         a = [sg.a_fragment(lw, i, half) for lw in lane_words]
                         b = [sg.b_fragment(lw, nt, half) for lw in lane_words]
-                        acc[i, nt] += _mma_emulated(a, b)
+                        acc[i, nt] += sg.mma_emulated(a, b)
         for lane in range(32):
             for (i, nt), v in acc.items():
                 for reg in range(4):

@@ -33,6 +33,15 @@ bytes). ``epilogue_token``, ``output_column``, ``plain_offset`` and
 ``publish_offset`` are those index maps as plain integer arithmetic (traced
 here, emulated by the CPU tests against ``dspark_comm.protocol``).
 
+With ``tile_n`` 16 (constants) the CTA owns one 16-row tile on the
+register-direct main loop (``dspark_cute.skinny_direct``: ``N / 16`` CTAs,
+the operands loaded straight into registers, ``stages`` steps in flight);
+thread ``q`` of epilogue round ``r`` takes output word ``q + threads r``
+(token ``word // 8``, columns ``16 tile + 2 (word % 8)`` and ``+ 1``). It
+computes the same sums in the same order as the 64-row tiles, so the same
+bits; it is an experiment for issue 6 (not yet run on a GPU; the policy
+keeps ``tile_n`` 64).
+
 **Summation order** of ``y[n, r] = sum_k x[n, k] W[r, k]`` (the skinny main
 loop's, ``dspark_cute.skinny_gemm``): each warp accumulates its K-slice in
 FP32 from +0.0, one ``mma.sync.m16n8k16`` after another in K order (the
@@ -80,6 +89,7 @@ from dspark_comm import device as dev
 from dspark_comm.protocol import HEADER_BYTES, MailboxLayout, fallback_reason
 from dspark_core.constants import MAX_DECODE_ROWS, PackageGemmConstants
 from dspark_cute import ptx
+from dspark_cute import skinny_direct as sd
 from dspark_cute import skinny_gemm as sg
 from dspark_cute.host import (
     CompileCache,
@@ -93,6 +103,11 @@ from dspark_cute.host import (
 from dspark_cute.qkv_front import st_global_b32_if
 
 MODES = ("plain", "publish")
+# Output features per CTA: 64 (the ring main loop, skinny_gemm) or 16 (the
+# register-direct one, skinny_direct: not yet run on a GPU).
+TILE_ROWS = (sg.TILE_ROWS, sd.TILE_ROWS)
+# The register-direct main loop's steps in flight per lane (its stages).
+DIRECT_DEPTH = 8
 # Shared memory a CTA may take (one CTA per SM is the design: 128 tiles for H = 8192).
 MAX_SMEM_BYTES = 160 * 1024
 
@@ -161,12 +176,15 @@ class PackageGemmKernel:
     (``tp`` Int64; unused in plain mode), ``m`` Int32 (1 .. 8 n_tiles)."""
 
     def __init__(self, n: int, cfg: sg.SkinnyConfig, mode: str, layout: MailboxLayout | None, rank: int,
-                 pdl: bool, early_epochs: bool = False) -> None:
+                 pdl: bool, early_epochs: bool = False, tile_rows: int = sg.TILE_ROWS) -> None:
         if mode not in MODES:
             raise ValueError(f"a package GEMM mode is one of {', '.join(MODES)}, not {mode!r}")
-        if n <= 0 or n % sg.TILE_ROWS:
-            raise ValueError(f"the package GEMM computes 64 output features per CTA; N = {n} is not a "
-                             "positive multiple of 64")
+        if tile_rows not in TILE_ROWS:
+            raise ValueError(f"a package GEMM CTA computes {' or '.join(map(str, TILE_ROWS))} output features, "
+                             f"not {tile_rows}")
+        if n <= 0 or n % tile_rows:
+            raise ValueError(f"the package GEMM computes {tile_rows} output features per CTA; N = {n} is not a "
+                             f"positive multiple of {tile_rows}")
         if mode == "publish":
             if not isinstance(layout, MailboxLayout):
                 raise ValueError("a publishing package GEMM needs the mailbox's MailboxLayout")
@@ -177,11 +195,12 @@ class PackageGemmKernel:
                 raise ValueError(f"rank {rank} is outside a TP group of {layout.tp}")
         self.n, self.cfg, self.mode, self.layout, self.rank, self.pdl = n, cfg, mode, layout, rank, pdl
         self.early_epochs = bool(early_epochs) and mode == "publish"
+        self.tile_rows = tile_rows
 
     @cute.jit
     def __call__(self, x: Int64, weight: Int64, out: Int64, table: Int64, m: Int32, stream):
         self.kernel(x, weight, out, table, m).launch(
-            grid=[self.n // sg.TILE_ROWS, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream, use_pdl=self.pdl
+            grid=[self.n // self.tile_rows, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
@@ -190,8 +209,17 @@ class PackageGemmKernel:
         tile, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        ring = cu_utils.SmemAllocator().allocate(self.cfg.smem_bytes, 128).toint()
-        _gemm_body(self, x, weight, out, table, m, tidx, tile, warp, lane, ring)
+        ring = cu_utils.SmemAllocator().allocate(smem_bytes(self.cfg, self.tile_rows), 128).toint()
+        if cutlass.const_expr(self.tile_rows == sd.TILE_ROWS):
+            _direct_body(self, x, weight, out, table, m, tidx, tile, warp, lane, ring)
+        else:
+            _gemm_body(self, x, weight, out, table, m, tidx, tile, warp, lane, ring)
+
+
+def smem_bytes(cfg: sg.SkinnyConfig, tile_rows: int) -> int:
+    """Shared memory of a CTA: the ring main loop's ring (reused for the
+    partials), or the register-direct one's partials alone."""
+    return sd.red_bytes(cfg) if tile_rows == sd.TILE_ROWS else cfg.smem_bytes
 
 
 def _gemm_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp, lane, ring) -> None:
@@ -236,6 +264,45 @@ def _gemm_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp,
             st_global_b32_if(Int64(out) + plain_offset(k.n, Int64(tok), col), word, tok, m)
 
 
+def _direct_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp, lane, red) -> None:
+    """The 16-row tile on the register-direct main loop (``skinny_direct``):
+    the same values as ``_gemm_body``'s, stored or published the same way;
+    thread ``tidx`` of round ``r`` takes one output word (``epilogue_word``)."""
+    cfg = k.cfg
+    publish = k.mode == "publish"
+    bases = [dev.ld_u64(Int64(table) + 8 * r) for r in range(k.layout.tp)] if publish else None
+    w_tile = Int64(weight) + Int64(tile) * (sd.TILE_ROWS * cfg.k * 2)
+    rounds = sd.epilogue_rounds(cfg)
+    words = [sd.epilogue_word(cfg, Int32(tidx), rnd) for rnd in range(rounds)]
+    early: list = []
+
+    def before_x() -> None:
+        if k.pdl:
+            ptx.pdl_wait()
+        if k.early_epochs:
+            for tok, _ in words:
+                early.append(dev.ld_relaxed_u32(bases[k.rank] + Int64(cutlass.min(tok, m - 1)) * 4))
+
+    acc = sd.mainloop(cfg, w_tile, Int64(x), m, warp, lane, before_x=before_x if k.pdl or k.early_epochs else None)
+    if k.pdl:
+        ptx.pdl_launch_dependents()
+    sd.store_partials(cfg, acc, red, warp, lane)
+    for rnd, (tok, row) in enumerate(words):
+        # A word past m (or past the 8 n_tiles tokens) reads row m - 1's partials and stores nothing.
+        tok_c = cutlass.min(tok, m - 1)
+        a, b = sd.reduced_pair(cfg, red, tok_c, row)
+        word = ptx.pack_bf16x2_rn(a, b)
+        col = Int64(tile) * sd.TILE_ROWS + Int64(row)
+        if publish:
+            epoch = early[rnd] if k.early_epochs else dev.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4)
+            encoded = dev.encode(word)
+            for peer in range(k.layout.tp):
+                addr = bases[peer] + publish_offset(k.layout, Int64(epoch), k.rank, Int64(tok_c), col)
+                st_relaxed_sys_b32_if(addr, encoded, tok, m)
+        else:
+            st_global_b32_if(Int64(out) + plain_offset(k.n, Int64(tok_c), col), word, tok, m)
+
+
 def fake_args() -> tuple:
     """The compile signature of ``PackageGemmKernel`` (no GPU memory needed)."""
     return (Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), fake_stream())
@@ -252,7 +319,8 @@ def compile_package_gemm(constants: PackageGemmConstants, cfg: sg.SkinnyConfig, 
     key = ("package_gemm", constants.key(), cfg, mode, layout if mode == "publish" else None,
            rank if mode == "publish" else 0, pdl, early_epochs)
     return _CACHE.get(key, lambda: compile_kernel(
-        PackageGemmKernel(constants.hidden_size, cfg, mode, layout, rank, pdl, early_epochs), *fake_args(),
+        PackageGemmKernel(constants.hidden_size, cfg, mode, layout, rank, pdl, early_epochs, constants.tile_n),
+        *fake_args(),
         what="PackageGemm",
     ))
 
@@ -265,12 +333,12 @@ def check_constants(constants) -> None:
     if not isinstance(constants, PackageGemmConstants):
         raise ValueError(f"PackageGemm takes PackageGemmConstants, not {type(constants).__name__}")
     c = constants
-    if c.tile_n != sg.TILE_ROWS:
-        raise ValueError(f"the package GEMM computes {sg.TILE_ROWS} output features per CTA (tile_n "
-                         f"{sg.TILE_ROWS}), not tile_n {c.tile_n}")
-    if c.hidden_size <= 0 or c.hidden_size % sg.TILE_ROWS:
-        raise ValueError(f"the package GEMM's output features must be a positive multiple of {sg.TILE_ROWS}, "
-                         f"not {c.hidden_size}")
+    if c.tile_n not in TILE_ROWS:
+        raise ValueError(f"the package GEMM computes 64 output features per CTA (tile_n 64: the ring main loop) "
+                         f"or 16 (tile_n 16: the register-direct one), not tile_n {c.tile_n}")
+    if c.hidden_size <= 0 or c.hidden_size % c.tile_n:
+        raise ValueError(f"the package GEMM's output features must be a positive multiple of {c.tile_n} (its "
+                         f"tile_n), not {c.hidden_size}")
     if not 1 <= c.max_rows <= MAX_DECODE_ROWS:
         raise ValueError(f"the package GEMM takes 1 to {MAX_DECODE_ROWS} rows per call, not max_rows "
                          f"{c.max_rows}")
@@ -283,11 +351,14 @@ def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
                   stages: int | None = None) -> tuple[int, int]:
     """``(k_warps, stages)`` of the main loop: ``k_warps`` (default ``4 *
     split_k``) a multiple of ``split_k``; ``stages`` (default: up to 4, as
-    many as the steps and ``MAX_SMEM_BYTES`` allow)."""
+    many as the steps and ``MAX_SMEM_BYTES`` allow; the register-direct main
+    loop, ``tile_n`` 16: up to ``DIRECT_DEPTH`` steps in flight)."""
     check_constants(constants)
     kw = 4 * constants.split_k if k_warps is None else k_warps
     if not isinstance(kw, int) or kw % constants.split_k:
         raise ValueError(f"k_warps {kw} does not split into the constants' {constants.split_k} K-slices")
+    if stages is None and constants.tile_n == sd.TILE_ROWS:
+        stages = min(DIRECT_DEPTH, sg.SkinnyConfig(constants.k_shard, kw, 1, 2).steps)
     if stages is None:
         steps = sg.SkinnyConfig(constants.k_shard, kw, 1, 2).steps  # raises for a K it cannot split
         stages = 1
@@ -328,9 +399,9 @@ class PackageGemm:
         c = constants
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
         self.configs = {nt: sg.SkinnyConfig(c.k_shard, kw, st, nt) for nt in (1, 2)}
-        if self.configs[2].smem_bytes > MAX_SMEM_BYTES:
-            raise ValueError(f"{st} stages of {kw} warps take {self.configs[2].smem_bytes} bytes of shared "
-                             f"memory, above {MAX_SMEM_BYTES}")
+        if smem_bytes(self.configs[2], c.tile_n) > MAX_SMEM_BYTES:
+            raise ValueError(f"{st} stages of {kw} warps take {smem_bytes(self.configs[2], c.tile_n)} bytes of "
+                             f"shared memory, above {MAX_SMEM_BYTES}")
         self.layout = None
         if mailbox is not None:
             layout = getattr(mailbox, "layout", None)

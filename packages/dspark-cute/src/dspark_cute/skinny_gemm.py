@@ -356,6 +356,34 @@ def reduced_pair(cfg: SkinnyConfig, red, token, lane) -> tuple:
     return fold_halves([p[0] for p in pairs]), fold_halves([p[1] for p in pairs])
 
 
+# ---------------------------------------------------------------- fragment layouts (host, for emulation)
+
+
+def mma_emulated(lane_a: list, lane_b: list):
+    """``A @ B`` of one m16n8k16 from the 32 lanes' registers (each register a
+    (lo, hi) pair), by the PTX ISA's layouts: A reg r holds row g + 8 (r & 1),
+    columns 2t + 8 (r >> 1) + {0, 1}; B reg r holds rows (k) 2t + 8 r + {0, 1}
+    of column g. Returns D [32 lanes, 4]: c_r is row g + 8 (r >> 1), column
+    2t + (r & 1). Host code for the CPU tests' emulation of the main loops
+    (float64 NumPy, exact on small integers)."""
+    import numpy as np
+
+    a = np.full((16, 16), np.nan)
+    b = np.full((16, 8), np.nan)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for r in range(4):
+            for e in range(2):
+                a[g + 8 * (r & 1), 2 * t + e + 8 * (r >> 1)] = lane_a[lane][r][e]
+        for r in range(2):
+            for e in range(2):
+                b[2 * t + e + 8 * r, g] = lane_b[lane][r][e]
+    if np.isnan(a).any() or np.isnan(b).any():
+        raise ValueError("the lanes' registers leave a fragment element unheld")
+    d = a @ b
+    return np.array([[d[lane // 4 + 8 * (r >> 1), 2 * (lane % 4) + (r & 1)] for r in range(4)] for lane in range(32)])
+
+
 # ---------------------------------------------------------------- the stated bound (host)
 
 
@@ -395,6 +423,7 @@ __all__ = [
     "ld_shared_v4",
     "mainloop",
     "mma_bf16",
+    "mma_emulated",
     "output_error_bound",
     "projection_error_bound",
     "reduced_pair",
