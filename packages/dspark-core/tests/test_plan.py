@@ -410,6 +410,17 @@ def test_cli_prints_the_reference_plan():
     assert "the fused all-reduce keeps its stock modules: TP1: there is no all-reduce" in out.stdout
 
 
+def test_cli_declines_the_opt_in_kernels_unless_asked():
+    out = _cli("--kernels", "all")
+    assert "layer 0's QKV front keeps its stock modules: " + policy.OPT_IN[policy.QKV_FRONT] in out.stdout
+    assert "layer 1's down GEMV keeps its stock modules: " + policy.OPT_IN[policy.GEMV] in out.stdout
+    out = _cli("--kernels", "all", "--front", "--gemv")
+    assert out.returncode == 0, out.stderr
+    assert "keeps its stock modules: the fused QKV front is opt-in" not in out.stdout
+    assert "layer 1's down GEMV" in out.stdout and "GEMV is opt-in" not in out.stdout
+    assert "fused (GemvConstants" in out.stdout
+
+
 def test_cli_prints_reasons_of_a_refusing_config(tmp_path):
     path = tmp_path / "draft.json"
     path.write_text(json.dumps({"num_heads": 48, "num_kv_heads": 6}))

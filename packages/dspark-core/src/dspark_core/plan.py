@@ -6,7 +6,8 @@ must answer yes to before it may replace the stock modules bit for bit: the
 whole draft (platform, dtypes), each residual boundary, the first layer's
 input norm, the context K/V chain, each layer's QKV front (or, where the
 front does not run, its QKV epilogue after the stock projection), attention,
-o-gate and MLP activation, the fused all-reduce and each branch's package GEMM. A refused part keeps its stock
+o-gate and MLP activation, the fused all-reduce and each branch's package GEMM, and at TP1 each layer's
+projections on the one-token GEMV. A refused part keeps its stock
 modules and the plan says why, in words. The plan reads the configuration and
 the modules' types, shapes and dtypes only (a draft on the meta device
 plans), so every rank of a TP group makes the same plan.
@@ -17,7 +18,9 @@ o-gate's eps where the o-gate fuses, and that o-gate part then says it runs
 in the attention's kernel (``Part.via``).
 
 Run ``python -m dspark_core.plan [CONFIG.json] [--tp N] [--arch sm_90a]
-[--attention staged|direct]`` to print a plan and every reason.
+[--attention staged|direct] [--front] [--gemv]`` to print a plan and every
+reason: as ``build_draft_decode`` plans, the opt-in kernels (``policy.OPT_IN``)
+are declined unless their flag asks for them.
 """
 
 from __future__ import annotations
@@ -358,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--attention", default="staged", choices=policy.ATTENTION_VARIANTS,
                         help="the attention kernel's variant (default: staged)")
+    parser.add_argument("--front", action="store_true", help="plan with the opt-in fused QKV front")
+    parser.add_argument("--gemv", action="store_true", help="plan with the opt-in one-token GEMV projections")
     parser.add_argument("--print-config", action="store_true", help="print the config's JSON too")
     args = parser.parse_args(argv)
     try:
@@ -369,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             kernels = frozenset(k for k in args.kernels.split(",") if k)
         target = Target(args.platform, args.arch, args.num_sms, args.tp, kernels, attention=args.attention)
+        asked = {policy.QKV_FRONT: args.front, policy.GEMV: args.gemv}
+        target = target.decline({k for k, yes in asked.items() if not yes and k in target.kernels})
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
