@@ -251,17 +251,26 @@ def _gemm_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp,
         tok = Int32(epilogue_token(cfg, warp, rnd))
         a, b = sg.reduced_pair(cfg, ring, tok, lane)
         word = ptx.pack_bf16x2_rn(a, b)
-        if publish:
-            # The row's epoch, read (never advanced) after the PDL wait; a
-            # token at or beyond m reads row m - 1's and stores nothing.
-            tok_c = cutlass.min(tok, m - 1)
-            epoch = early[rnd] if k.early_epochs else dev.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4)
-            encoded = dev.encode(word)
-            for peer in range(k.layout.tp):
-                addr = bases[peer] + publish_offset(k.layout, Int64(epoch), k.rank, Int64(tok_c), col)
-                st_relaxed_sys_b32_if(addr, encoded, tok, m)
-        else:
-            st_global_b32_if(Int64(out) + plain_offset(k.n, Int64(tok), col), word, tok, m)
+        # Publishing, a token at or beyond m reads row m - 1's epoch and stores nothing.
+        tok_c = cutlass.min(tok, m - 1) if publish else tok
+        _emit(k, bases, out, word, tok, tok_c, col, m, early[rnd] if k.early_epochs else None)
+
+
+def _emit(k: PackageGemmKernel, bases, out, word, tok, tok_c, col, m, epoch=None) -> None:
+    """Store ``word`` (columns ``col``, ``col + 1`` of token ``tok``) if
+    ``tok < m``: plain, at ``out[tok_c, col]``; publishing, encoded into slot
+    (epoch, rank, ``tok_c``) of every rank's mailbox, the epoch the row's
+    (read now from the own mailbox's header, never advanced, unless given:
+    the early epochs)."""
+    if k.mode == "publish":
+        if epoch is None:
+            epoch = dev.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4)
+        encoded = dev.encode(word)
+        for peer in range(k.layout.tp):
+            addr = bases[peer] + publish_offset(k.layout, Int64(epoch), k.rank, Int64(tok_c), col)
+            st_relaxed_sys_b32_if(addr, encoded, tok, m)
+    else:
+        st_global_b32_if(Int64(out) + plain_offset(k.n, Int64(tok_c), col), word, tok, m)
 
 
 def _direct_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp, lane, red) -> None:
@@ -293,14 +302,7 @@ def _direct_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, war
         a, b = sd.reduced_pair(cfg, red, tok_c, row)
         word = ptx.pack_bf16x2_rn(a, b)
         col = Int64(tile) * sd.TILE_ROWS + Int64(row)
-        if publish:
-            epoch = early[rnd] if k.early_epochs else dev.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4)
-            encoded = dev.encode(word)
-            for peer in range(k.layout.tp):
-                addr = bases[peer] + publish_offset(k.layout, Int64(epoch), k.rank, Int64(tok_c), col)
-                st_relaxed_sys_b32_if(addr, encoded, tok, m)
-        else:
-            st_global_b32_if(Int64(out) + plain_offset(k.n, Int64(tok_c), col), word, tok, m)
+        _emit(k, bases, out, word, tok, tok_c, col, m, early[rnd] if k.early_epochs else None)
 
 
 def fake_args() -> tuple:
