@@ -32,11 +32,6 @@ from dspark_cute.ptx_audit import code, count, ptxas_report
 ARCHS = ["sm_90a", "sm_100a"]
 
 
-def _words(flat: np.ndarray, offset: int) -> list:
-    v = flat[offset : offset + 8]
-    return [(v[2 * q], v[2 * q + 1]) for q in range(4)]
-
-
 def _direct_chain(cfg, w, x, m):
     """Per warp, the list of (A, B) operand sets of every MMA in chain order
     (per n_tile), the copies count, and the tile's sums [8 n_tiles, 16]."""
@@ -46,16 +41,7 @@ def _direct_chain(cfg, w, x, m):
     for warp in range(cfg.k_warps):
         acc = {nt: np.zeros((32, 4)) for nt in range(cfg.n_tiles)}
         for s in range(cfg.steps):
-            lane_words = []
-            for lane in range(32):
-                lw = []
-                for load in range(sd.W_LOADS):
-                    off = sd.weight_offset(cfg, warp, lane, s, load)
-                    copies.flat[off : off + 8] += 1
-                    lw.append(_words(w.ravel(), off))
-                for nt in range(cfg.n_tiles):
-                    lw.append(_words(x.ravel(), sg.x_offset(cfg, warp, lane, s, sg.x_token(lane, nt, m))))
-                lane_words.append(lw)
+            lane_words = sg.emulated_lane_words(cfg, w, x, m, warp, s, sd.weight_offset, sd.W_LOADS, copies)
             for half in range(2):
                 for nt in range(cfg.n_tiles):
                     a = [sd.a_fragment(lw, half) for lw in lane_words]
@@ -83,12 +69,7 @@ def _ring_chain(cfg, w64, x, m, tile_i):
     chains = {}
     for warp in range(cfg.k_warps):
         for s in range(cfg.steps):
-            lane_words = []
-            for lane in range(32):
-                lw = [_words(w64.ravel(), sg.weight_offset(cfg, warp, lane, s, load)) for load in range(sg.W_LOADS)]
-                for nt in range(cfg.n_tiles):
-                    lw.append(_words(x.ravel(), sg.x_offset(cfg, warp, lane, s, sg.x_token(lane, nt, m))))
-                lane_words.append(lw)
+            lane_words = sg.emulated_lane_words(cfg, w64, x, m, warp, s)
             for half in range(2):
                 for nt in range(cfg.n_tiles):
                     a = [sg.a_fragment(lw, tile_i, half) for lw in lane_words]

@@ -43,25 +43,10 @@ def emulate_tile(cfg: sg.SkinnyConfig, w: np.ndarray, x: np.ndarray, m: int) -> 
     them (exact on integer data), and how often each weight element is copied."""
     copies = np.zeros(w.shape, dtype=np.int64)
     red = np.full(cfg.k_warps * sg.MAX_TOKENS * sg.RED_STRIDE, np.nan)
-
-    def words(flat: np.ndarray, offset: int) -> list:
-        v = flat[offset : offset + 8]
-        return [(v[2 * q], v[2 * q + 1]) for q in range(4)]
-
     for warp in range(cfg.k_warps):
         acc = {(i, nt): np.zeros((32, 4)) for i in range(sg.MMA_TILES) for nt in range(cfg.n_tiles)}
         for s in range(cfg.steps):
-            lane_words = []
-            for lane in range(32):
-                lw = []
-                for load in range(sg.W_LOADS):
-                    off = sg.weight_offset(cfg, warp, lane, s, load)
-                    copies.flat[off : off + 8] += 1
-                    lw.append(words(w.ravel(), off))
-                for nt in range(cfg.n_tiles):
-                    tok = sg.x_token(lane, nt, m)
-                    lw.append(words(x.ravel(), sg.x_offset(cfg, warp, lane, s, tok)))
-                lane_words.append(lw)
+            lane_words = sg.emulated_lane_words(cfg, w, x, m, warp, s, copies=copies)
             for half in range(2):
                 for i in range(sg.MMA_TILES):
                     for nt in range(cfg.n_tiles):

@@ -384,6 +384,35 @@ def mma_emulated(lane_a: list, lane_b: list):
     return np.array([[d[lane // 4 + 8 * (r >> 1), 2 * (lane % 4) + (r & 1)] for r in range(4)] for lane in range(32)])
 
 
+def emulated_lane_words(cfg: SkinnyConfig, w, x, m: int, warp: int, step: int, offset=None, loads: int = W_LOADS,
+                        copies=None) -> list:
+    """Every lane's copied words of one step, as a main loop's index maps
+    read them from the host arrays ``w`` (the tile) and ``x`` (NumPy):
+    ``loads`` weight copies at ``offset(cfg, warp, lane, step, load)``
+    (default ``weight_offset``), then one x copy per n_tile; each word a
+    (lo, hi) pair. ``copies`` (an array shaped like ``w``), where given,
+    counts each weight element copied."""
+    offset = offset or weight_offset
+    wf, xf = w.ravel(), x.ravel()
+
+    def words(flat, at: int) -> list:
+        v = flat[at : at + 8]
+        return [(v[2 * q], v[2 * q + 1]) for q in range(4)]
+
+    lanes = []
+    for lane in range(32):
+        lw = []
+        for load in range(loads):
+            at = offset(cfg, warp, lane, step, load)
+            if copies is not None:
+                copies.flat[at : at + 8] += 1
+            lw.append(words(wf, at))
+        for nt in range(cfg.n_tiles):
+            lw.append(words(xf, x_offset(cfg, warp, lane, step, x_token(lane, nt, m))))
+        lanes.append(lw)
+    return lanes
+
+
 # ---------------------------------------------------------------- the stated bound (host)
 
 
@@ -418,6 +447,7 @@ __all__ = [
     "cp_async_16",
     "cp_async_commit",
     "cp_async_wait",
+    "emulated_lane_words",
     "fold_halves",
     "ld_shared_v2_f32",
     "ld_shared_v4",
