@@ -62,11 +62,12 @@ if wanted demo; then
   step demo-front 150 python -m dspark_core.demo --front
 fi
 if wanted bench; then
-  step profile-decode 90 python packages/dspark-cute/benchmarks/profile_decode.py --out "$OUT"
+  step profile-decode 120 python packages/dspark-cute/benchmarks/profile_decode.py --gemv --out "$OUT"
   step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --direct --front --prefetch --gemv --out "$OUT"
 fi
 if wanted bench-kernels; then
   step bench-qkv-front 60 python packages/dspark-cute/benchmarks/bench_qkv_front.py --out "$OUT"
+  step bench-gemv 120 python packages/dspark-cute/benchmarks/bench_gemv.py --sweep --out "$OUT"
 fi
 echo; echo "== summary =="; printf '%s\n' "${summary[@]}"
 for f in "$OUT"/*.md; do [ -f "$f" ] && { echo "-- $f"; cat "$f"; }; done

@@ -5,7 +5,8 @@ which also run the host-side input checks' kernels). Where the profiler
 records no kernel inside the graph replays, the path is profiled eagerly
 and its heading says so. Prints each path's kernels grouped by name with
 their summed device time per step (the GEMMs marked), so the non-GEMM share
-can be attributed to parts. Writes profile_decode.md into --out."""
+can be attributed to parts (``--gemv``: also the decode with the one-token
+GEMV at m = 1). Writes profile_decode.md into --out."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ STEPS = 5
 
 
 # Name fragments of the GEMM kernels: cuBLAS's (with its split-K reduction),
-# the package GEMM and the QKV front (its projection). Not "cutlass": every
+# the package GEMM, the QKV front (its projection) and the one-token GEMV. Not "cutlass": every
 # CuTe DSL kernel's name has it, the norms and attention too.
-GEMM_NAMES = ("gemm", "sm90_xmma", "nvjet", "splitkreduce", "skinny", "qkvfront")
+GEMM_NAMES = ("gemm", "sm90_xmma", "nvjet", "splitkreduce", "skinny", "qkvfront", "gemvkernel")
 
 
 def _gemm(name: str) -> bool:
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--eager", action="store_true", help="profile eager steps instead of graph replays")
+    parser.add_argument("--gemv", action="store_true",
+                        help="also profile the decode with the one-token GEMV projections (gemv=True)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode: no CUDA GPU")
@@ -69,12 +72,15 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = DraftModel(DraftConfig(num_layers=args.layers), device="cuda")
     decode = build_draft_decode(model)
+    with_gemv = build_draft_decode(model, gemv=True) if args.gemv and decode is not None else None
     lines = []
     for m in (1, 4, 16):
         x, step, caches = step_case(model, m, CONTEXT)
         paths = {"stock": model.forward}
         if decode is not None:
             paths["specialized"] = decode.run
+        if with_gemv is not None and m == 1:  # the GEMV runs one-token steps only
+            paths["specialized with the GEMV"] = with_gemv.run
         for name, fn in paths.items():
             kernels, how = {}, "eager"
             if not args.eager:

@@ -445,7 +445,7 @@ def test_bound_kernels_keep_the_stock_range_errors():
 
 def test_profile_decode_marks_only_the_gemms():
     """The profile's GEMM/rest split: cuBLAS, its split-K reduction, the
-    package GEMM and the QKV front are GEMMs; the other CuTe kernels (whose
+    package GEMM, the QKV front and the one-token GEMV are GEMMs; the other CuTe kernels (whose
     names all carry "cutlass") are not."""
     import importlib
     import sys
@@ -459,7 +459,8 @@ def test_profile_decode_marks_only_the_gemms():
     gemms = ["nvjet_sm90_tst_256x8_64x6_2x1_v_bz_TNT",
              "void cublasLt::splitKreduce_kernel<32, 16, int, float>",
              "kernel_cutlass_kernel_dspark_cuteqkv_frontQKVFrontKernel_object_at_",
-             "kernel_cutlass_kernel_dspark_commpackage_gemmPackageGemmKernel_object_at_"]
+             "kernel_cutlass_kernel_dspark_commpackage_gemmPackageGemmKernel_object_at_",
+             "kernel_cutlass_kernel_dspark_cutegemvGemvKernel_object_at_"]
     others = ["kernel_cutlass_kernel_dspark_cuteattention_v2PagedAttentionV2Kernel_object_at_",
               "kernel_cutlass_kernel_dspark_cuteboundaryBoundaryKernel_object_at_",
               "kernel_cutlass_kernel_dspark_cutemlp_activationMlpActivationKernel_object_at_",
