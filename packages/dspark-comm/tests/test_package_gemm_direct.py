@@ -44,8 +44,8 @@ def _direct_chain(cfg, w, x, m):
             lane_words = sg.emulated_lane_words(cfg, w, x, m, warp, s, sd.weight_offset, sd.W_LOADS, copies)
             for half in range(2):
                 for nt in range(cfg.n_tiles):
-                    a = [sd.a_fragment(lw, half) for lw in lane_words]
-                    b = [sd.b_fragment(lw, nt, half) for lw in lane_words]
+                    a = [sg.a_fragment(lw, 0, half) for lw in lane_words]
+                    b = [sg.b_fragment(lw, nt, half, sd.W_LOADS) for lw in lane_words]
                     chains.setdefault((warp, nt), []).append((a, b))
                     acc[nt] += sg.mma_emulated(a, b)
         for lane in range(32):

@@ -108,15 +108,15 @@ def run_demo(
     # The QKV front's projection sums in its own order (not cuBLAS's): it is
     # opt-in (--front); without it the specialized decode is bit for bit.
     # Likewise the one-token GEMV projections (--gemv: the spec's stated order).
-    declined = (set() if front else {policy.QKV_FRONT}) | (set() if gemv else {policy.GEMV})
+    asked = {k for k, yes in ((policy.QKV_FRONT, front), (policy.GEMV, gemv)) if yes}
     build = executor_builder() if device.type == "cuda" else None
     options = {"qkv_front": front, **({"gemv": True} if gemv else {})}
     decode = build(model, **options) if build is not None else None
     # The plan printed is the one the decode runs, where there is one.
-    plans = [decode.plan if decode is not None else plan_draft(model, policy.device_target(device).decline(declined))]
+    plans = [decode.plan if decode is not None else plan_draft(model, policy.device_target(device).opt_in(asked))]
     if device.type != "cuda":
         # What the same draft gets on one H200 with the installed backends.
-        plans.append(plan_draft(model, policy.Target(kernels=policy.installed_kernels()).decline(declined)))
+        plans.append(plan_draft(model, policy.Target(kernels=policy.installed_kernels()).opt_in(asked)))
     for p in plans:
         print_plan(p)
     if device.type == "cuda" and decode is None:

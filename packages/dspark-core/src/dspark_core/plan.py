@@ -257,8 +257,8 @@ def plan_draft(model: DraftModel, target: Target | None = None) -> DraftPlan:
 
     if target.tp == 1:  # at TP the branch GEMMs feed the all-reduce (the package GEMM's parts)
         for i, layer in enumerate(model.layers):
-            for role, path in policy.GEMV_ROLES.items():
-                plan.gemvs.append(_gemv_part(i, role, _attr(layer, path), target))
+            for role in policy.GEMV_ROLES:
+                plan.gemvs.append(_gemv_part(i, role, policy.gemv_weight(layer, role), target))
 
     plan.all_reduce = _with_kernels(_all_reduce_part(model, plan), target, policy.ALL_REDUCE_BOUNDARY)
     if target.tp > 1:
@@ -266,12 +266,6 @@ def plan_draft(model: DraftModel, target: Target | None = None) -> DraftPlan:
             for role, weight in (("o_proj", layer.self_attn.o_proj), ("down_proj", layer.mlp.down)):
                 plan.package_gemms.append(_package_gemm_part(i, role, weight, h, plan, sharded))
     return plan
-
-
-def _attr(obj, path: str):
-    for name in path.split("."):
-        obj = getattr(obj, name)
-    return obj
 
 
 def _gemv_part(i: int, role: str, weight, target: Target) -> Part:
@@ -374,8 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             kernels = frozenset(k for k in args.kernels.split(",") if k)
         target = Target(args.platform, args.arch, args.num_sms, args.tp, kernels, attention=args.attention)
-        asked = {policy.QKV_FRONT: args.front, policy.GEMV: args.gemv}
-        target = target.decline({k for k, yes in asked.items() if not yes and k in target.kernels})
+        target = target.opt_in({k for k, yes in ((policy.QKV_FRONT, args.front), (policy.GEMV, args.gemv)) if yes})
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

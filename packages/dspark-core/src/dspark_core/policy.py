@@ -85,6 +85,14 @@ OPT_IN = {
 # feed the all-reduce and were not measured on it).
 GEMV_ROLES = {"qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj", "gate_up": "mlp.gate_up",
               "down": "mlp.down"}
+
+
+def gemv_weight(layer, role: str):
+    """The weight of ``layer``'s projection ``role`` (``GEMV_ROLES``)."""
+    obj = layer
+    for name in GEMV_ROLES[role].split("."):
+        obj = getattr(obj, name)
+    return obj
 # Rows per call of the QKV front and of the mailbox (a draft proposes 1 to 16
 # tokens); calls with more rows take the unfused path.
 MAX_DECODE_ROWS = 16
@@ -156,6 +164,12 @@ class Target:
         plan's reasons then call opt-in."""
         kernels = frozenset(kernels)
         return self.replace(kernels=self.kernels - kernels, declined=self.declined | kernels)
+
+    def opt_in(self, asked) -> Target:
+        """This target with every opt-in kernel (``OPT_IN``) that ``asked``
+        does not name declined, except those the caller excluded (whose
+        reason stays "excluded")."""
+        return self.decline(set(OPT_IN) - set(asked) - self.excluded)
 
     def without(self, kernels) -> Target:
         """This target less ``kernels``, which the plan's reasons then call

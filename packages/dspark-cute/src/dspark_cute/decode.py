@@ -226,20 +226,16 @@ class DraftDecode:
 
     def _bind_gemvs(self) -> dict:
         """The one-token GEMV of every (layer, role) the plan fuses, compiled."""
-        from dspark_core.policy import GEMV_ROLES
+        from dspark_core.policy import GEMV_ROLES, gemv_weight
 
         gemvs = {}
-        roles = list(GEMV_ROLES.items())
-        for n, part in enumerate(self.plan.gemvs):
-            layer, (role, path) = divmod(n, len(roles))[0], roles[n % len(roles)]
+        roles = list(GEMV_ROLES)
+        for n, part in enumerate(self.plan.gemvs):  # per layer, in GEMV_ROLES order
+            layer, role = divmod(n, len(roles))[0], roles[n % len(roles)]
             cls = self._kernel_class(part, "gemv", "Gemv")
-            if cls is None:
-                continue
-            weight = self.layers[layer]
-            for name in path.split("."):
-                weight = getattr(weight, name)
-            gemvs[(layer, role)] = cls(part.constants, weight)
-            gemvs[(layer, role)].prepare()
+            if cls is not None:
+                gemvs[(layer, role)] = cls(part.constants, gemv_weight(self.layers[layer], role))
+                gemvs[(layer, role)].prepare()
         return gemvs
 
     def _linear(self, layer: int, role: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -474,11 +470,8 @@ def draft_plan(model: DraftModel, tp: int = 1, exclude=frozenset(), attention: s
     ``attention`` kernel variant (``ATTENTION_VARIANTS``; ValueError for
     another): the plan ``build_draft_decode`` runs, for a TP adapter to bind
     its parts to."""
-    target = device_target(next(model.parameters()).device, tp).without(exclude)
-    if not qkv_front and QKV_FRONT not in target.excluded:
-        target = target.decline({QKV_FRONT})
-    if not gemv and GEMV not in target.excluded:
-        target = target.decline({GEMV})
+    asked = {k for k, yes in ((QKV_FRONT, qkv_front), (GEMV, gemv)) if yes}
+    target = device_target(next(model.parameters()).device, tp).without(exclude).opt_in(asked)
     return plan_draft(model, target.replace(attention=attention))
 
 

@@ -183,9 +183,7 @@ class Gemv(LazyPdl):
         why = gemv_unsupported(weight)
         if why is not None:
             raise ValueError(f"the GEMV cannot take this weight: {why}")
-        check_operand(weight, (constants.n, constants.k), torch.bfloat16, 16, "the GEMV's weight")
-        if not weight.is_cuda:
-            raise ValueError(f"the GEMV's weight must be on a CUDA device, not {weight.device}")
+        check_operand(weight, (constants.n, constants.k), torch.bfloat16, 16, "the GEMV's weight")  # CUDA too
         self.constants, self.weight, self.device = constants, weight, weight.device
         self.rows_per_warp, self.depth = rows_per_warp, depth
         self._pdl = None if pdl is None else bool(pdl)

@@ -71,17 +71,6 @@ def epilogue_word(cfg: sg.SkinnyConfig, tid, rnd: int) -> tuple:
     return word // WORDS, 2 * (word % WORDS)
 
 
-def a_fragment(words: list, half: int) -> list:
-    """The 4 A registers of ``half`` (``skinny_gemm.a_fragment`` of tile 0)."""
-    r0, r1 = words[0], words[1]
-    return [r0[2 * half], r1[2 * half], r0[2 * half + 1], r1[2 * half + 1]]
-
-
-def b_fragment(words: list, n_tile: int, half: int) -> list:
-    xw = words[W_LOADS + n_tile]
-    return [xw[2 * half], xw[2 * half + 1]]
-
-
 def mainloop(cfg: sg.SkinnyConfig, w_tile, x, m, warp, lane, before_x=None) -> list:
     """Trace the main loop of one 16-row tile: ``w_tile`` the byte address
     (Int64) of its first weight row, ``x`` of x's first row, ``m`` the token
@@ -116,7 +105,9 @@ def mainloop(cfg: sg.SkinnyConfig, w_tile, x, m, warp, lane, before_x=None) -> l
         words = w_words.pop(s) + x_words.pop(s)
         for half in range(2):
             for nt in range(cfg.n_tiles):
-                acc[nt] = sg.mma_bf16(a_fragment(words, half), b_fragment(words, nt, half), acc[nt])
+                # The fragments of skinny_gemm's MMA tile 0, x after this step's 2 weight words.
+                a, b = sg.a_fragment(words, 0, half), sg.b_fragment(words, nt, half, W_LOADS)
+                acc[nt] = sg.mma_bf16(a, b, acc[nt])
     return acc
 
 
@@ -144,8 +135,6 @@ __all__ = [
     "TILE_ROWS",
     "W_LOADS",
     "WORDS",
-    "a_fragment",
-    "b_fragment",
     "epilogue_rounds",
     "epilogue_word",
     "mainloop",

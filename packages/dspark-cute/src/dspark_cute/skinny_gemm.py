@@ -184,10 +184,10 @@ def a_fragment(words: list, i: int, half: int) -> list:
     return [r0[2 * half], r1[2 * half], r0[2 * half + 1], r1[2 * half + 1]]
 
 
-def b_fragment(words: list, n_tile: int, half: int) -> list:
+def b_fragment(words: list, n_tile: int, half: int, loads: int = W_LOADS) -> list:
     """The 2 B registers of ``n_tile``, ``half``: the x words matching
-    ``a_fragment``'s columns."""
-    xw = words[W_LOADS + n_tile]
+    ``a_fragment``'s columns (after the step's ``loads`` weight words)."""
+    xw = words[loads + n_tile]
     return [xw[2 * half], xw[2 * half + 1]]
 
 
