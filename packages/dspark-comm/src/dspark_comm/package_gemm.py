@@ -222,26 +222,34 @@ def smem_bytes(cfg: sg.SkinnyConfig, tile_rows: int) -> int:
     return sd.red_bytes(cfg) if tile_rows == sd.TILE_ROWS else cfg.smem_bytes
 
 
-def _gemm_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp, lane, ring) -> None:
-    # A plain function: the DSL rewrites loops only in the kernel itself.
-    cfg = k.cfg
-    publish = k.mode == "publish"
-    # The address table is constant: read before the PDL wait.
-    bases = [dev.ld_u64(Int64(table) + 8 * r) for r in range(k.layout.tp)] if publish else None
-    w_tile = Int64(weight) + Int64(tile) * (sg.TILE_ROWS * cfg.k * 2)
-    rounds = epilogue_rounds(cfg)
-    early: list = []  # early_epochs: each round's epoch, loaded after the PDL wait
+def _prologue(k: PackageGemmKernel, table, m, rounds: int, token_of) -> tuple:
+    """``(bases, early, before_x)`` of either main loop: the mailbox's address
+    table (publishing; constant, so read before the PDL wait); the list that
+    ``before_x`` fills with each epilogue round's epoch (early epochs: round
+    ``r``'s token ``token_of(r)``, clamped to ``m - 1``); ``before_x`` (the
+    PDL wait, then those loads), or None where neither applies."""
+    bases = [dev.ld_u64(Int64(table) + 8 * r) for r in range(k.layout.tp)] if k.mode == "publish" else None
+    early: list = []
 
     def before_x() -> None:
         if k.pdl:
             ptx.pdl_wait()
         if k.early_epochs:
             for rnd in range(rounds):
-                tok_c = cutlass.min(Int32(epilogue_token(cfg, warp, rnd)), m - 1)
+                tok_c = cutlass.min(token_of(rnd), m - 1)
                 early.append(dev.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4))
 
-    acc = sg.mainloop(cfg, w_tile, Int64(x), m, ring, tidx, warp, lane,
-                      before_x=before_x if k.pdl or k.early_epochs else None)
+    return bases, early, before_x if k.pdl or k.early_epochs else None
+
+
+def _gemm_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp, lane, ring) -> None:
+    # A plain function: the DSL rewrites loops only in the kernel itself.
+    cfg = k.cfg
+    publish = k.mode == "publish"
+    rounds = epilogue_rounds(cfg)
+    bases, early, before_x = _prologue(k, table, m, rounds, lambda rnd: Int32(epilogue_token(cfg, warp, rnd)))
+    w_tile = Int64(weight) + Int64(tile) * (sg.TILE_ROWS * cfg.k * 2)
+    acc = sg.mainloop(cfg, w_tile, Int64(x), m, ring, tidx, warp, lane, before_x=before_x)
     if k.pdl:
         # Dependents still wait for this grid's end before they read its output.
         ptx.pdl_launch_dependents()
@@ -278,21 +286,11 @@ def _direct_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, war
     the same values as ``_gemm_body``'s, stored or published the same way;
     thread ``tidx`` of round ``r`` takes one output word (``epilogue_word``)."""
     cfg = k.cfg
-    publish = k.mode == "publish"
-    bases = [dev.ld_u64(Int64(table) + 8 * r) for r in range(k.layout.tp)] if publish else None
-    w_tile = Int64(weight) + Int64(tile) * (sd.TILE_ROWS * cfg.k * 2)
     rounds = sd.epilogue_rounds(cfg)
+    bases, early, before_x = _prologue(k, table, m, rounds, lambda rnd: words[rnd][0])
+    w_tile = Int64(weight) + Int64(tile) * (sd.TILE_ROWS * cfg.k * 2)
     words = [sd.epilogue_word(cfg, Int32(tidx), rnd) for rnd in range(rounds)]
-    early: list = []
-
-    def before_x() -> None:
-        if k.pdl:
-            ptx.pdl_wait()
-        if k.early_epochs:
-            for tok, _ in words:
-                early.append(dev.ld_relaxed_u32(bases[k.rank] + Int64(cutlass.min(tok, m - 1)) * 4))
-
-    acc = sd.mainloop(cfg, w_tile, Int64(x), m, warp, lane, before_x=before_x if k.pdl or k.early_epochs else None)
+    acc = sd.mainloop(cfg, w_tile, Int64(x), m, warp, lane, before_x=before_x)
     if k.pdl:
         ptx.pdl_launch_dependents()
     sd.store_partials(cfg, acc, red, warp, lane)
