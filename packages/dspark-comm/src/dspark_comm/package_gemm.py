@@ -377,7 +377,9 @@ class PackageGemm:
     on CUDA. ``mailbox``: the TP group's ``dspark_comm.Mailbox`` of
     ``hidden_size`` columns (None: plain mode only); ``rank``: this rank
     (default and required: the mailbox's). ``k_warps``, ``stages``: the main
-    loop's shape (``default_shape``); ``pdl``: programmatic dependent launch
+    loop's shape (``default_shape``); ``group``: the register-direct main
+    loop's refill burst (``skinny_direct.mainloop``; 1 for the ring main
+    loop); ``pdl``: programmatic dependent launch
     (default: sm_90+); ``early_epochs``: the publish epilogue's epochs loaded
     before the main loop (module docstring; False: in each round).
 
@@ -394,11 +396,14 @@ class PackageGemm:
 
     def __init__(self, constants: PackageGemmConstants, weight: torch.Tensor, mailbox=None,
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
-                 pdl: bool | None = None, early_epochs: bool = True) -> None:
+                 group: int = 1, pdl: bool | None = None, early_epochs: bool = True) -> None:
         kw, st = default_shape(constants, k_warps, stages)
         c = constants
+        if group != 1 and c.tile_n != sd.TILE_ROWS:
+            raise ValueError(f"refill bursts (group {group}) are the register-direct main loop's (tile_n "
+                             f"{sd.TILE_ROWS}); the ring main loop (tile_n {c.tile_n}) refills one step at a time")
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
-        self.configs = {nt: sg.SkinnyConfig(c.k_shard, kw, st, nt) for nt in (1, 2)}
+        self.configs = {nt: sg.SkinnyConfig(c.k_shard, kw, st, nt, group) for nt in (1, 2)}
         if smem_bytes(self.configs[2], c.tile_n) > MAX_SMEM_BYTES:
             raise ValueError(f"{st} stages of {kw} warps take {smem_bytes(self.configs[2], c.tile_n)} bytes of "
                              f"shared memory, above {MAX_SMEM_BYTES}")
@@ -423,7 +428,7 @@ class PackageGemm:
         self.constants, self.weight, self.mailbox = c, weight, mailbox
         self.rank = 0 if rank is None else rank
         self.device = weight.device
-        self.k_warps, self.stages = kw, st
+        self.k_warps, self.stages, self.group = kw, st, group
         self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
         self.early_epochs = bool(early_epochs)
 

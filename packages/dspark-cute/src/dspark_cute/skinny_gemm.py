@@ -90,6 +90,9 @@ class SkinnyConfig:
     k_warps: int = 4
     stages: int = 4
     n_tiles: int = 2
+    # The register-direct main loop's refill burst (skinny_direct): steps
+    # whose loads issue together; the ring main loop refills one step at a time.
+    group: int = 1
 
     def __post_init__(self) -> None:
         if self.k_warps not in (1, 2, 4, 8, 16):
@@ -103,6 +106,8 @@ class SkinnyConfig:
             raise ValueError(f"the skinny GEMM covers 8 or 16 tokens (n_tiles 1 or 2), not {self.n_tiles}")
         if not 1 <= self.stages <= self.steps:
             raise ValueError(f"{self.stages} stages for {self.steps} steps")
+        if not 1 <= self.group <= self.stages:
+            raise ValueError(f"a refill burst of {self.group} steps with {self.stages} steps in flight")
         if self.mmas_per_warp * BETA > 2.0**-10:
             raise ValueError(f"K = {self.k} over {self.k_warps} warps is beyond the stated error bound")
 
