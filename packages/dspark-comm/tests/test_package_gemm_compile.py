@@ -240,12 +240,36 @@ def test_package_gemm_compiles(arch, variant, tmp_path):
 
 def test_default_shapes_of_the_policy():
     """The policy's roles at the draft's shards: o_proj 4 warps, down_proj
-    (split_k 2) 8 warps, up to 4 stages within the shared-memory cap."""
-    for role, k, kw in (("o_proj", 2048, 4), ("o_proj", 512, 4), ("down_proj", 8192, 8), ("down_proj", 2048, 8)):
-        got_kw, st = pg.default_shape(_constants(role, 8192, k))
-        assert got_kw == kw
-        cfg = sg.SkinnyConfig(k, kw, st, 2)
-        assert 1 <= st <= 4 and cfg.smem_bytes <= pg.MAX_SMEM_BYTES
+    (split_k 2) 8 warps; the ring main loop up to RING_DEPTH stages within
+    the shared-memory cap, for either token tile."""
+    for role, k, kw in (("o_proj", 4096, 4), ("o_proj", 512, 4), ("down_proj", 8192, 8), ("down_proj", 2048, 8)):
+        for nt in (1, 2):
+            got_kw, st = pg.default_shape(_constants(role, 8192, k), n_tiles=nt)
+            assert got_kw == kw
+            cfg = sg.SkinnyConfig(k, kw, st, nt)
+            assert 1 <= st <= min(pg.RING_DEPTH, cfg.steps) and cfg.smem_bytes <= pg.MAX_SMEM_BYTES
+    # The measured optimum (module comment): 6 stages of 4 warps at K = 4096.
+    assert pg.default_shape(_constants("o_proj", 8192, 4096), n_tiles=1) == (4, 6)
+    assert pg.default_shape(_constants("o_proj", 8192, 4096)) == (4, 6)
+    # 8 warps at K = 8192: the cap leaves 4 stages.
+    assert pg.default_shape(_constants("down_proj", 8192, 8192)) == (8, 4)
+    with pytest.raises(ValueError, match="n_tiles 1 or 2"):
+        pg.default_shape(_constants("o_proj", 8192, 4096), n_tiles=3)
+
+
+def test_policy_shape_by_shard():
+    """draft_gemm_shape: the register-direct tile for shards up to
+    DIRECT_MAX_K input features, the role's ring tile above, the role's
+    split_k either way; a role without a package GEMM is refused."""
+    from dspark_core import policy
+
+    for role in policy.DRAFT_GEMMS:
+        base = policy.DRAFT_GEMMS[role]
+        for k, tile in ((1024, 16), (policy.DIRECT_MAX_K, 16), (policy.DIRECT_MAX_K + 512, 64), (8192, 64)):
+            shape = policy.draft_gemm_shape(role, k)
+            assert (shape.tile_n, shape.split_k, shape.max_rows) == (tile, base.split_k, base.max_rows)
+    with pytest.raises(ValueError, match="not 'qkv_proj'"):
+        policy.draft_gemm_shape("qkv_proj", 1024)
 
 
 # ---------------------------------------------------------------- host (no GPU needed)

@@ -1,5 +1,6 @@
 """CPU tests of the package GEMM on the register-direct main loop
-(``dspark_cute.skinny_direct``, ``tile_n`` 16; not yet run on a GPU):
+(``dspark_cute.skinny_direct``, ``tile_n`` 16; its GPU checks are in the
+two-GPU suite):
 
 - the index maps, emulated on integer data: every weight element loaded
   exactly once, the tile's sums exactly ``x @ W^T``, and every output's
@@ -195,8 +196,10 @@ def test_refill_bursts_compile(arch, variant, tmp_path):
 
 def test_direct_shapes_and_refusals():
     c = _direct("o_proj", 8192, 1024)
-    assert pg.default_shape(c) == (4, 8)  # 8 steps a warp, all in flight
-    assert pg.default_shape(_direct("o_proj", 8192, 8192)) == (4, pg.DIRECT_DEPTH)
+    # 8 steps a warp: all in flight for 8 tokens, 4 for 16 (DIRECT_DEPTH: measured).
+    assert pg.default_shape(c, n_tiles=1) == (4, 8) and pg.default_shape(c) == (4, 4)
+    assert pg.default_shape(_direct("o_proj", 8192, 8192)) == (4, pg.DIRECT_DEPTH[2])
+    assert pg.default_shape(_direct("o_proj", 8192, 256), n_tiles=1) == (4, 2)  # at most the steps
     assert pg.smem_bytes(sg.SkinnyConfig(1024, 4, 8, 2), 16) == sd.red_bytes(sg.SkinnyConfig(1024, 4, 8, 2))
     with pytest.raises(ValueError, match="tile_n 16"):
         pg.check_constants(PackageGemmConstants("o_proj", 8192, 1024, 32, 1, 16))

@@ -51,6 +51,16 @@ def test_reference_plan_at_tp2_fuses_the_all_reduce_and_package_gemms():
     # o_proj takes the rank's shard of the heads, down_proj of the MLP.
     assert plan.package_gemms[0].constants.k_shard == 64 * 64 // 2
     assert plan.package_gemms[1].constants.k_shard == 16384 // 2
+    # Shards this wide run on the ring main loop (policy.draft_gemm_shape).
+    assert {p.constants.tile_n for p in plan.package_gemms} == {64}
+
+
+def test_reference_plan_at_tp8_puts_short_shards_on_the_direct_main_loop():
+    plan = plan_draft(DraftModel(DraftConfig(), device="meta"), ALL.replace(tp=8))
+    assert reasons(plan) == {}
+    shapes = {(p.constants.role, p.constants.k_shard, p.constants.tile_n) for p in plan.package_gemms}
+    # o_proj's shard (512) is within policy.DIRECT_MAX_K, down_proj's (2048) is not.
+    assert shapes == {("o_proj", 512, 16), ("down_proj", 2048, 64)}
 
 
 @pytest.mark.parametrize(

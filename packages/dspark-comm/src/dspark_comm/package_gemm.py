@@ -39,8 +39,11 @@ the operands loaded straight into registers, ``stages`` steps in flight);
 thread ``q`` of epilogue round ``r`` takes output word ``q + threads r``
 (token ``word // 8``, columns ``16 tile + 2 (word % 8)`` and ``+ 1``). It
 computes the same sums in the same order as the 64-row tiles, so the same
-bits; it is an experiment for issue 6 (not yet run on a GPU; the policy
-keeps ``tile_n`` 64).
+bits (two H200s: bit for bit, plain and publishing). It is the faster loop
+while every step of a warp's K-slice is in flight at once (K = 1024: 3.5 us
+against the ring's 6.4 and cuBLAS's 5.3 at m = 1), the slower one beyond
+(K = 4096: 20-31 us against 18.8-21.3); ``policy.draft_gemm_shape`` picks it
+for shards up to ``policy.DIRECT_MAX_K``.
 
 **Summation order** of ``y[n, r] = sum_k x[n, k] W[r, k]`` (the skinny main
 loop's, ``dspark_cute.skinny_gemm``): each warp accumulates its K-slice in
@@ -104,10 +107,17 @@ from dspark_cute.qkv_front import st_global_b32_if
 
 MODES = ("plain", "publish")
 # Output features per CTA: 64 (the ring main loop, skinny_gemm) or 16 (the
-# register-direct one, skinny_direct: not yet run on a GPU).
+# register-direct one, skinny_direct).
 TILE_ROWS = (sg.TILE_ROWS, sd.TILE_ROWS)
-# The register-direct main loop's steps in flight per lane (its stages).
-DIRECT_DEPTH = 8
+# Default steps in flight (stages) per n_tiles (1: m <= 8, 2: m <= 16):
+# the register-direct main loop's per lane, the ring's at most (within
+# MAX_SMEM_BYTES). The fastest measured on an H200
+# (scripts/probes/package_gemm_sweep.py): the direct loop at K = 1024 (8 / 4:
+# 3.50 / 4.23 us at m = 1 / 16, against 5.91 / 4.68 for 4 / 8), the ring at K =
+# 4096 with 4 warps (6: 21.3 / 18.8 / 18.9 us at m = 1 / 4 / 16, against 22.6
+# / 20.0 / 20.4 for 4 and 21.9 / 19.1 / 19.5 for 8).
+DIRECT_DEPTH = {1: 8, 2: 4}
+RING_DEPTH = 6
 # Shared memory a CTA may take (one CTA per SM is the design: 128 tiles for H = 8192).
 MAX_SMEM_BYTES = 160 * 1024
 
@@ -348,22 +358,26 @@ def check_constants(constants) -> None:
 
 
 def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
-                  stages: int | None = None) -> tuple[int, int]:
-    """``(k_warps, stages)`` of the main loop: ``k_warps`` (default ``4 *
-    split_k``) a multiple of ``split_k``; ``stages`` (default: up to 4, as
-    many as the steps and ``MAX_SMEM_BYTES`` allow; the register-direct main
-    loop, ``tile_n`` 16: up to ``DIRECT_DEPTH`` steps in flight)."""
+                  stages: int | None = None, n_tiles: int = 2) -> tuple[int, int]:
+    """``(k_warps, stages)`` of the main loop for ``n_tiles`` (1: m <= 8, 2:
+    m <= 16): ``k_warps`` (default ``4 * split_k``) a multiple of
+    ``split_k``; ``stages`` (default: the ring main loop up to
+    ``RING_DEPTH``, as many as the steps and ``MAX_SMEM_BYTES`` allow; the
+    register-direct one, ``tile_n`` 16, ``DIRECT_DEPTH[n_tiles]`` steps in
+    flight, at most the steps)."""
     check_constants(constants)
     kw = 4 * constants.split_k if k_warps is None else k_warps
     if not isinstance(kw, int) or kw % constants.split_k:
         raise ValueError(f"k_warps {kw} does not split into the constants' {constants.split_k} K-slices")
+    if n_tiles not in (1, 2):
+        raise ValueError(f"the package GEMM covers 8 or 16 tokens (n_tiles 1 or 2), not {n_tiles}")
+    steps = sg.SkinnyConfig(constants.k_shard, kw, 1, n_tiles).steps  # raises for a K it cannot split
     if stages is None and constants.tile_n == sd.TILE_ROWS:
-        stages = min(DIRECT_DEPTH, sg.SkinnyConfig(constants.k_shard, kw, 1, 2).steps)
+        stages = min(DIRECT_DEPTH[n_tiles], steps)
     if stages is None:
-        steps = sg.SkinnyConfig(constants.k_shard, kw, 1, 2).steps  # raises for a K it cannot split
         stages = 1
-        for s in range(min(4, steps), 0, -1):
-            if sg.SkinnyConfig(constants.k_shard, kw, s, 2).smem_bytes <= MAX_SMEM_BYTES:
+        for s in range(min(RING_DEPTH, steps), 0, -1):
+            if sg.SkinnyConfig(constants.k_shard, kw, s, n_tiles).smem_bytes <= MAX_SMEM_BYTES:
                 stages = s
                 break
     return kw, stages
@@ -398,15 +412,17 @@ class PackageGemm:
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
                  group: int = 1, pdl: bool | None = None, early_epochs: bool = True) -> None:
         kw, st = default_shape(constants, k_warps, stages)
+        depth = {nt: default_shape(constants, kw, stages, nt)[1] for nt in (1, 2)}
         c = constants
         if group != 1 and c.tile_n != sd.TILE_ROWS:
             raise ValueError(f"refill bursts (group {group}) are the register-direct main loop's (tile_n "
                              f"{sd.TILE_ROWS}); the ring main loop (tile_n {c.tile_n}) refills one step at a time")
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
-        self.configs = {nt: sg.SkinnyConfig(c.k_shard, kw, st, nt, group) for nt in (1, 2)}
-        if smem_bytes(self.configs[2], c.tile_n) > MAX_SMEM_BYTES:
-            raise ValueError(f"{st} stages of {kw} warps take {smem_bytes(self.configs[2], c.tile_n)} bytes of "
-                             f"shared memory, above {MAX_SMEM_BYTES}")
+        self.configs = {nt: sg.SkinnyConfig(c.k_shard, kw, depth[nt], nt, group) for nt in (1, 2)}
+        for nt, cfg in self.configs.items():
+            if smem_bytes(cfg, c.tile_n) > MAX_SMEM_BYTES:
+                raise ValueError(f"{cfg.stages} stages of {kw} warps ({8 * nt} tokens) take "
+                                 f"{smem_bytes(cfg, c.tile_n)} bytes of shared memory, above {MAX_SMEM_BYTES}")
         self.layout = None
         if mailbox is not None:
             layout = getattr(mailbox, "layout", None)
@@ -428,7 +444,9 @@ class PackageGemm:
         self.constants, self.weight, self.mailbox = c, weight, mailbox
         self.rank = 0 if rank is None else rank
         self.device = weight.device
+        # stages: the m <= 16 variant's (the m <= 8 one may differ: stages_by_tiles).
         self.k_warps, self.stages, self.group = kw, st, group
+        self.stages_by_tiles = depth
         self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
         self.early_epochs = bool(early_epochs)
 

@@ -335,7 +335,7 @@ def _package_gemm_part(
         return Part(name, reason=f"{k} input features do not split over TP{tp}")
     else:
         k_shard = k // tp
-    shape = policy.DRAFT_GEMMS[role]
+    shape = policy.draft_gemm_shape(role, k_shard)
     constants = K.PackageGemmConstants(role, hidden, k_shard, shape.tile_n, shape.split_k, shape.max_rows)
     return _with_kernels(Part(name, constants), plan.target, policy.PACKAGE_GEMM)
 

@@ -108,11 +108,32 @@ class GemmShape:
     max_rows: int = MAX_DECODE_ROWS
 
 
-# The package GEMM's launch shape per projection role.
+# The package GEMM's launch shape per projection role (``tile_n`` 64: the
+# ring main loop; ``draft_gemm_shape`` narrows it for short shards).
 DRAFT_GEMMS = {
     "o_proj": GemmShape(tile_n=64, split_k=1),
     "down_proj": GemmShape(tile_n=64, split_k=2),
 }
+# Shards of at most this many input features run on the register-direct main
+# loop (tile_n 16). Measured on an H200 (scripts/probes/package_gemm_sweep.py,
+# N = 8192, weight L2-resident as in bench_package_gemm): K = 1024, m = 1 / 4 /
+# 16: 3.50 / 3.60 / 4.23 us against the ring's 6.40 / 5.63 / 4.79 and cuBLAS's
+# 5.34 / 4.97 / 4.76; at K = 4096 it is slower than the ring (20-31 us against
+# 18.8-21.3). Its steady state (more steps than in flight) is what loses, so
+# K = 2048 (16 steps of 4 warps) stays on the ring until measured.
+DIRECT_MAX_K = 1024
+
+
+def draft_gemm_shape(role: str, k_shard: int) -> GemmShape:
+    """The package GEMM's launch shape for ``role`` (``DRAFT_GEMMS``) at a
+    rank's shard of ``k_shard`` input features: the role's, with ``tile_n``
+    16 (the register-direct main loop: the same sums as tile_n 64) where
+    ``k_shard <= DIRECT_MAX_K``. ValueError for a role the policy has no
+    package GEMM for."""
+    if role not in DRAFT_GEMMS:
+        raise ValueError(f"the package GEMM runs {', '.join(DRAFT_GEMMS)}, not {role!r}")
+    shape = DRAFT_GEMMS[role]
+    return dataclasses.replace(shape, tile_n=16) if 0 < k_shard <= DIRECT_MAX_K else shape
 
 
 @dataclass(frozen=True)

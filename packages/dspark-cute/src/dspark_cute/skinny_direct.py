@@ -10,9 +10,11 @@ registers beat cuBLAS at m = 1 (``scripts/probes/skinny_sweep.py``). Here a
 CTA owns 16 rows (``N / 16`` CTAs: four times the grid), each lane keeps
 ``depth`` steps of its copies in flight in registers (no shared-memory ring,
 no ``cp.async``), and only the warp partials meet in shared memory.
-**Not yet run on a GPU**: the package GEMM takes it with ``tile_n = 16``
-(``PackageGemmConstants``); the policy keeps ``tile_n = 64`` until it is
-measured.
+The package GEMM takes it with ``tile_n = 16`` (``PackageGemmConstants``);
+on an H200 it beats the ring and cuBLAS while all of a warp's steps are in
+flight at once (K = 1024) and trails both beyond (K >= 4096), so
+``dspark_core.policy.draft_gemm_shape`` picks it for short shards only.
+Refill bursts (``group``) did not help there (``scripts/probes/package_gemm_sweep.py``).
 
 Layout (``SkinnyConfig``: ``k``, ``k_warps``, ``stages`` = the register
 depth, ``n_tiles``): warp ``w`` owns the K-slice ``[w K / W_K, (w + 1) K /
