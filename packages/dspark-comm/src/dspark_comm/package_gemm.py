@@ -111,13 +111,15 @@ MODES = ("plain", "publish")
 TILE_ROWS = (sg.TILE_ROWS, sd.TILE_ROWS)
 # Default steps in flight (stages) per n_tiles (1: m <= 8, 2: m <= 16):
 # the register-direct main loop's per lane, the ring's at most (within
-# MAX_SMEM_BYTES). The fastest measured on an H200
-# (scripts/probes/package_gemm_sweep.py): the direct loop at K = 1024 (8 / 4:
-# 3.50 / 4.23 us at m = 1 / 16, against 5.91 / 4.68 for 4 / 8), the ring at K =
-# 4096 with 4 warps (6: 21.3 / 18.8 / 18.9 us at m = 1 / 4 / 16, against 22.6
-# / 20.0 / 20.4 for 4 and 21.9 / 19.1 / 19.5 for 8).
+# MAX_SMEM_BYTES). Measured on H200s: the direct loop at K = 1024 (8 / 4: 3.50
+# / 4.23 us at m = 1 / 16, against 5.91 / 4.68 for 4 / 8;
+# scripts/probes/package_gemm_sweep.py); the ring at K = 4096 with 4 warps, 16
+# tokens: 6 stages 18.9 us against 20.4 for 4 (the TP2 draft step at m = 16:
+# 362.2 against 367.3). For 8 tokens 6 stages were faster alone (18.8 against
+# 20.0 at m = 4) but made the TP2 draft step slower at m = 1 (329.5 against
+# 314.7 without the package GEMM; 4 stages: 316.8 against 316.3), so 4 stay.
 DIRECT_DEPTH = {1: 8, 2: 4}
-RING_DEPTH = 6
+RING_DEPTH = {1: 4, 2: 6}
 # Shared memory a CTA may take (one CTA per SM is the design: 128 tiles for H = 8192).
 MAX_SMEM_BYTES = 160 * 1024
 
@@ -362,7 +364,7 @@ def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
     """``(k_warps, stages)`` of the main loop for ``n_tiles`` (1: m <= 8, 2:
     m <= 16): ``k_warps`` (default ``4 * split_k``) a multiple of
     ``split_k``; ``stages`` (default: the ring main loop up to
-    ``RING_DEPTH``, as many as the steps and ``MAX_SMEM_BYTES`` allow; the
+    ``RING_DEPTH[n_tiles]``, as many as the steps and ``MAX_SMEM_BYTES`` allow; the
     register-direct one, ``tile_n`` 16, ``DIRECT_DEPTH[n_tiles]`` steps in
     flight, at most the steps)."""
     check_constants(constants)
@@ -376,7 +378,7 @@ def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
         stages = min(DIRECT_DEPTH[n_tiles], steps)
     if stages is None:
         stages = 1
-        for s in range(min(RING_DEPTH, steps), 0, -1):
+        for s in range(min(RING_DEPTH[n_tiles], steps), 0, -1):
             if sg.SkinnyConfig(constants.k_shard, kw, s, n_tiles).smem_bytes <= MAX_SMEM_BYTES:
                 stages = s
                 break
