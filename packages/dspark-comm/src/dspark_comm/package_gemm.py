@@ -113,13 +113,14 @@ TILE_ROWS = (sg.TILE_ROWS, sd.TILE_ROWS)
 # the register-direct main loop's per lane, the ring's at most (within
 # MAX_SMEM_BYTES). Measured on H200s: the direct loop at K = 1024 (8 / 4: 3.50
 # / 4.23 us at m = 1 / 16, against 5.91 / 4.68 for 4 / 8;
-# scripts/probes/package_gemm_sweep.py); the ring at K = 4096 with 4 warps, 16
-# tokens: 6 stages 18.9 us against 20.4 for 4 (the TP2 draft step at m = 16:
-# 362.2 against 367.3). For 8 tokens 6 stages were faster alone (18.8 against
-# 20.0 at m = 4) but made the TP2 draft step slower at m = 1 (329.5 against
-# 314.7 without the package GEMM; 4 stages: 316.8 against 316.3), so 4 stay.
+# scripts/probes/package_gemm_sweep.py); the ring at K = 4096 with 4 warps: 6
+# stages 21.3 / 18.8 / 18.9 us at m = 1 / 4 / 16 against 22.6 / 20.0 / 20.4
+# for 4 and 21.9 / 19.1 / 19.5 for 8 (bench_package_gemm's publish kernel
+# agrees: 21.9 / 19.5 / 20.4 against 22.6 / 20.7 / 20.9). The TP2 draft step
+# could not tell 4 from 6: its package GEMM column moved by up to 15 us
+# between runs of one build.
 DIRECT_DEPTH = {1: 8, 2: 4}
-RING_DEPTH = {1: 4, 2: 6}
+RING_DEPTH = {1: 6, 2: 6}
 # Shared memory a CTA may take (one CTA per SM is the design: 128 tiles for H = 8192).
 MAX_SMEM_BYTES = 160 * 1024
 
