@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU suite and the benchmarks, on a device machine, each step under its own time
 # limit, with a short summary table last. Pick steps by name (default: gpu multigpu bench):
-#   bash scripts/gpu-check.sh [gpu] [decode] [multigpu] [bench] [demo] [bench-kernels] [bench-tp2] [demo-tp2]
+#   bash scripts/gpu-check.sh [gpu] [decode] [multigpu] [bench] [demo] [bench-kernels] [bench-tp2] [demo-tp2] [sweep]
 # On this project's device machines one call stays under 10 minutes, so split the steps
 # (gpu alone takes about 4-5 minutes):
 #   run(command="bash scripts/gpu-check.sh gpu", carry=[".device"], kind="nvidia-h200")
@@ -12,12 +12,13 @@
 # decode: the executor's GPU suite alone (part of gpu).
 # demo: the README's demo (front off, then on).
 # bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM and the draft step at TP2
-# (two GPUs); demo-tp2: the demo at TP2 (two GPUs).
+# (two GPUs); demo-tp2: the demo at TP2 (two GPUs); sweep: the package GEMM's main-loop shapes
+# against cuBLAS (scripts/probes/package_gemm_sweep.py, one GPU, about 6 minutes).
 # Logs, benchmark tables and plots go to $OUT (default bench-results/).
 set -u
 cd "$(dirname "$0")/.."
 [ -f .device/env.sh ] && source .device/env.sh
-OUT=${OUT:-bench-results}
+export OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
 # Append, never replace: env.sh puts the CuTe DSL on PYTHONPATH.
 export PYTHONPATH=packages/dspark-core/src:packages/dspark-cute/src:packages/dspark-comm/src:packages/dspark-vllm/src:packages/dspark-comm/tests${PYTHONPATH:+:$PYTHONPATH}
@@ -53,6 +54,9 @@ fi
 if wanted bench-tp2; then
   step bench-package-gemm 200 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
   step bench-draft-tp2 200 python packages/dspark-comm/benchmarks/bench_draft_tp2.py --out "$OUT"
+fi
+if wanted sweep; then
+  step package-gemm-sweep 560 python scripts/probes/package_gemm_sweep.py
 fi
 if wanted demo-tp2; then
   step demo-tp2 150 python -m dspark_core.demo --tp 2

@@ -5,10 +5,26 @@
 Variants: the ring main loop (tile_n 64) for ``k_warps`` in {4, 8, 16} and
 ``stages`` up to 8 (shared memory up to 227 KB); the register-direct one
 (tile_n 16) for the same ``k_warps``, ``(stages, group)`` in-flight depths
-and refill bursts (``skinny_direct.mainloop``). ``k_warps`` is part of the
+and refill bursts (``skinny_direct.mainloop``); a few of both with rotated
+K-slices (``SkinnyConfig.rotate``: does the ring's m = 1 penalty come from
+every CTA reading the same x line at once?). ``k_warps`` is part of the
 sum order; every variant of one ``k_warps`` must give the same bits, which
 the probe checks on the GPU (m = 16, against the ring loop of that
 ``k_warps``).
+
+Measured on an H200 (2026-11-30, before K = 2048, m = 2 and the rotated
+variants were added; us, L2 timing, plain epilogue):
+
+| K | m | cuBLAS | best ring (kw, st) | best direct (kw, st, group) |
+|---|---|---|---|---|
+| 1024 | 1 / 4 / 16 | 5.34 / 4.97 / 4.76 | 5.63 / 4.97 / 4.73 (16, 2) | 3.49 / 3.55 / 4.23 (kw 4-8) |
+| 4096 | 1 / 4 / 16 | 18.78 / 18.68 / 18.93 | 21.27 / 18.78 / 18.90 (4, 6) | 20.01 / 20.23 / 21.08 |
+| 8192 | 1 / 4 / 16 | 34.16 / 33.77 / 34.16 | 35.43 / 34.78 (8, 4) / 34.22 (4, 6) | 44.75 / 45.18 / 42.64 |
+
+HBM timings matched L2 ones from K = 4096 on; at K = 1024 cuBLAS took 6.8
+from HBM. Refill bursts did not help the direct loop. The ring is slower
+at m = 1 than at m = 4 with the same kernel (21.3 against 18.8 at K =
+4096), which the direct loop (x through L1) is not.
 
 Two timings per call, CUDA graphs of back-to-back calls: ``l2``, the same
 weight every call (as ``bench_package_gemm``: a K = 1024 shard stays in
@@ -30,8 +46,8 @@ from dspark_core.constants import PackageGemmConstants
 from dspark_core.timing import capture_on_side_stream, median_us
 
 H = 8192
-KS = (1024, 4096, 8192)
-ROWS = (1, 4, 16)
+KS = (1024, 2048, 4096, 8192)
+ROWS = (1, 2, 4, 16)
 KWS = (4, 8, 16)
 RING_STAGES = (2, 4, 6, 8)
 DIRECT = ((4, 1), (8, 1), (8, 2), (8, 4), (4, 2))  # (stages, group)
@@ -39,13 +55,19 @@ CALLS = 20
 HBM_BYTES = 320 << 20
 
 
+# Rotated K-slices (SkinnyConfig.rotate), tried on these shapes: (loop, k_warps, stages).
+ROTATED = (("ring", 4, 6), ("ring", 8, 4), ("direct", 4, 8), ("direct", 4, 4))
+
+
 def variants(k: int):
     for kw in KWS:
         split = kw // 4
         for st in RING_STAGES:
-            yield ("ring", kw, st, 1, PackageGemmConstants("o_proj", H, k, 64, split, 16))
+            yield ("ring", kw, st, 1, False, PackageGemmConstants("o_proj", H, k, 64, split, 16))
         for st, grp in DIRECT:
-            yield ("direct", kw, st, grp, PackageGemmConstants("o_proj", H, k, 16, split, 16))
+            yield ("direct", kw, st, grp, False, PackageGemmConstants("o_proj", H, k, 16, split, 16))
+    for loop, kw, st in ROTATED:
+        yield (loop, kw, st, 1, True, PackageGemmConstants("o_proj", H, k, 64 if loop == "ring" else 16, kw // 4, 16))
 
 
 def timed(fns) -> float:
@@ -73,9 +95,10 @@ def main() -> int:
                 us = timed(fns)
                 rows.append({"k": k, "m": m, "timing": mode, "loop": "cublas", "us": us})
         ref = {}
-        for loop, kw, st, grp, c in variants(k):
+        for loop, kw, st, grp, rot, c in variants(k):
+            loop = loop + (" rotated" if rot else "")
             try:
-                gemms = [pg.PackageGemm(c, w, k_warps=kw, stages=st, group=grp) for w in ws]
+                gemms = [pg.PackageGemm(c, w, k_warps=kw, stages=st, group=grp, rotate=rot) for w in ws]
                 gemms[0].prepare(publish=(False,))
             except ValueError as e:  # a shape the loop cannot take (K, stages, smem)
                 print(f"  skip {loop} kw{kw} st{st} g{grp} K{k}: {e}", flush=True)
@@ -105,8 +128,9 @@ def main() -> int:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "package_gemm_sweep.json"), "w") as f:
         json.dump({"seed": seed, "rows": rows}, f, indent=0)
-    print("\n| K | m | timing | cuBLAS | best ring (kw, st) | best direct (kw, st, group) | best direct kw4 |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| K | m | timing | cuBLAS | best ring (kw, st) | best direct (kw, st, group) | best direct kw4 | "
+          "ring kw4 st6: plain / rotated | direct kw4 st8: plain / rotated |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for k in KS:
         for m in ROWS:
             for mode in ("l2", "hbm"):
@@ -122,8 +146,16 @@ def main() -> int:
                 ring = [r for r in sel if r["loop"] == "ring"]
                 direct = [r for r in sel if r["loop"] == "direct"]
                 d4 = [r for r in direct if r["k_warps"] == 4]
+
+                def pair(loop, st, sel=sel):
+                    got = [next((f"{r['us']:.2f}" for r in sel if r["loop"] == name and r["k_warps"] == 4
+                                 and r["stages"] == st and r["group"] == 1), "-")
+                           for name in (loop, loop + " rotated")]
+                    return " / ".join(got)
+
                 print(f"| {k} | {m} | {mode} | {cub:.2f} | {fmt(ring, ('k_warps', 'stages'))} | "
-                      f"{fmt(direct, ('k_warps', 'stages', 'group'))} | {fmt(d4, ('stages', 'group'))} |")
+                      f"{fmt(direct, ('k_warps', 'stages', 'group'))} | {fmt(d4, ('stages', 'group'))} | "
+                      f"{pair('ring', 6)} | {pair('direct', 8)} |")
     print(f"\nbit mismatches within a k_warps: {mismatches}")
     return 1 if mismatches else 0
 

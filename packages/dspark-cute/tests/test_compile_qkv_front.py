@@ -196,6 +196,17 @@ def test_qkv_front_compiles(arch, variant):
 # ---------------------------------------------------------------- host checks (no GPU needed)
 
 
+@pytest.mark.parametrize("extra", [{"group": 2}, {"rotate": True}])
+def test_front_refuses_the_package_gemm_loop_options(extra):
+    """Refill bursts and rotated K-slices are the package GEMM's; the front's
+    kernel (ring main loop, head epilogue) refuses them rather than ignore them."""
+    from dspark_cute.qkv_front import QKVFrontKernel
+
+    cfg = sg.SkinnyConfig(REF.hidden_size, 8, 2, 2, **extra)
+    with pytest.raises(ValueError, match="the package GEMM's"):
+        QKVFrontKernel(REF, cfg, False, True)
+
+
 def test_host_refuses_bad_operands():
     from dspark_cute.qkv_front import QKVFront
 

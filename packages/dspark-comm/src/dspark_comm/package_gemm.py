@@ -262,11 +262,12 @@ def _gemm_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp,
     rounds = epilogue_rounds(cfg)
     bases, early, before_x = _prologue(k, table, m, rounds, lambda rnd: Int32(epilogue_token(cfg, warp, rnd)))
     w_tile = Int64(weight) + Int64(tile) * (sg.TILE_ROWS * cfg.k * 2)
-    acc = sg.mainloop(cfg, w_tile, Int64(x), m, ring, tidx, warp, lane, before_x=before_x)
+    part = sg.k_slice(cfg, warp, tile)  # this warp's K-slice, and the index of its partial
+    acc = sg.mainloop(cfg, w_tile, Int64(x), m, ring, tidx, part, lane, before_x=before_x)
     if k.pdl:
         # Dependents still wait for this grid's end before they read its output.
         ptx.pdl_launch_dependents()
-    sg.store_partials(cfg, acc, ring, warp, lane)
+    sg.store_partials(cfg, acc, ring, part, lane)
     col = output_column(Int64(tile), Int64(lane))
     for rnd in range(rounds):
         tok = Int32(epilogue_token(cfg, warp, rnd))
@@ -303,10 +304,11 @@ def _direct_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, war
     bases, early, before_x = _prologue(k, table, m, rounds, lambda rnd: words[rnd][0])
     w_tile = Int64(weight) + Int64(tile) * (sd.TILE_ROWS * cfg.k * 2)
     words = [sd.epilogue_word(cfg, Int32(tidx), rnd) for rnd in range(rounds)]
-    acc = sd.mainloop(cfg, w_tile, Int64(x), m, warp, lane, before_x=before_x)
+    part = sg.k_slice(cfg, warp, tile)  # as _gemm_body
+    acc = sd.mainloop(cfg, w_tile, Int64(x), m, part, lane, before_x=before_x)
     if k.pdl:
         ptx.pdl_launch_dependents()
-    sd.store_partials(cfg, acc, red, warp, lane)
+    sd.store_partials(cfg, acc, red, part, lane)
     for rnd, (tok, row) in enumerate(words):
         # A word past m (or past the 8 n_tiles tokens) reads row m - 1's partials and stores nothing.
         tok_c = cutlass.min(tok, m - 1)
@@ -396,7 +398,9 @@ class PackageGemm:
     (default and required: the mailbox's). ``k_warps``, ``stages``: the main
     loop's shape (``default_shape``); ``group``: the register-direct main
     loop's refill burst (``skinny_direct.mainloop``; 1 for the ring main
-    loop); ``pdl``: programmatic dependent launch
+    loop); ``rotate``: rotated K-slices (``skinny_gemm.SkinnyConfig``: the
+    same bits, an experiment; ``scripts/probes/package_gemm_sweep.py`` times
+    it); ``pdl``: programmatic dependent launch
     (default: sm_90+); ``early_epochs``: the publish epilogue's epochs loaded
     before the main loop (module docstring; False: in each round).
 
@@ -413,7 +417,8 @@ class PackageGemm:
 
     def __init__(self, constants: PackageGemmConstants, weight: torch.Tensor, mailbox=None,
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
-                 group: int = 1, pdl: bool | None = None, early_epochs: bool = True) -> None:
+                 group: int = 1, rotate: bool = False, pdl: bool | None = None,
+                 early_epochs: bool = True) -> None:
         kw, st = default_shape(constants, k_warps, stages)
         depth = {nt: default_shape(constants, kw, stages, nt)[1] for nt in (1, 2)}
         c = constants
@@ -421,7 +426,7 @@ class PackageGemm:
             raise ValueError(f"refill bursts (group {group}) are the register-direct main loop's (tile_n "
                              f"{sd.TILE_ROWS}); the ring main loop (tile_n {c.tile_n}) refills one step at a time")
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
-        self.configs = {nt: sg.SkinnyConfig(c.k_shard, kw, depth[nt], nt, group) for nt in (1, 2)}
+        self.configs = {nt: sg.SkinnyConfig(c.k_shard, kw, depth[nt], nt, group, rotate) for nt in (1, 2)}
         for nt, cfg in self.configs.items():
             if smem_bytes(cfg, c.tile_n) > MAX_SMEM_BYTES:
                 raise ValueError(f"{cfg.stages} stages of {kw} warps ({8 * nt} tokens) take "

@@ -93,6 +93,11 @@ class SkinnyConfig:
     # The register-direct main loop's refill burst (skinny_direct): steps
     # whose loads issue together; the ring main loop refills one step at a time.
     group: int = 1
+    # Rotated K-slices (the package GEMM's kernels, ``k_slice``): CTA ``c``'s
+    # warp ``w`` takes slice ``(w + c) mod W_K``. The same sums (each slice's
+    # chain and the fold over slices are unchanged); at any moment the CTAs
+    # read W_K different parts of x instead of all the same one.
+    rotate: bool = False
 
     def __post_init__(self) -> None:
         if self.k_warps not in (1, 2, 4, 8, 16):
@@ -108,6 +113,8 @@ class SkinnyConfig:
             raise ValueError(f"{self.stages} stages for {self.steps} steps")
         if not 1 <= self.group <= self.stages:
             raise ValueError(f"a refill burst of {self.group} steps with {self.stages} steps in flight")
+        if not isinstance(self.rotate, bool):
+            raise ValueError(f"rotate is True or False, not {self.rotate!r}")
         if self.mmas_per_warp * BETA > 2.0**-10:
             raise ValueError(f"K = {self.k} over {self.k_warps} warps is beyond the stated error bound")
 
@@ -146,6 +153,13 @@ class SkinnyConfig:
 # ---------------------------------------------------------------- index maps
 # Plain integer arithmetic, traced in the kernel and evaluated on Python ints
 # by the CPU tests (which emulate the whole tile from them).
+
+
+def k_slice(cfg: SkinnyConfig, warp, tile):
+    """The K-slice (index into the W_K slices and partials) warp ``warp`` of
+    CTA ``tile`` takes: ``warp``, or ``(warp + tile) mod W_K`` with
+    ``cfg.rotate``."""
+    return (warp + tile) & (cfg.k_warps - 1) if cfg.rotate else warp  # W_K: a power of two
 
 
 def lane_coords(lane):
