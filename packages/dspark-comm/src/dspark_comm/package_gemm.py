@@ -198,6 +198,7 @@ class PackageGemmKernel:
         if n <= 0 or n % tile_rows:
             raise ValueError(f"the package GEMM computes {tile_rows} output features per CTA; N = {n} is not a "
                              f"positive multiple of {tile_rows}")
+        _check_group(cfg.group, tile_rows)
         if mode == "publish":
             if not isinstance(layout, MailboxLayout):
                 raise ValueError("a publishing package GEMM needs the mailbox's MailboxLayout")
@@ -227,6 +228,12 @@ class PackageGemmKernel:
             _direct_body(self, x, weight, out, table, m, tidx, tile, warp, lane, ring)
         else:
             _gemm_body(self, x, weight, out, table, m, tidx, tile, warp, lane, ring)
+
+
+def _check_group(group: int, tile_rows: int) -> None:
+    if group != 1 and tile_rows != sd.TILE_ROWS:
+        raise ValueError(f"refill bursts (group {group}) are the register-direct main loop's (tile_n "
+                         f"{sd.TILE_ROWS}); the ring main loop (tile_n {tile_rows}) refills one step at a time")
 
 
 def smem_bytes(cfg: sg.SkinnyConfig, tile_rows: int) -> int:
@@ -422,9 +429,7 @@ class PackageGemm:
         kw, st = default_shape(constants, k_warps, stages)
         depth = {nt: default_shape(constants, kw, stages, nt)[1] for nt in (1, 2)}
         c = constants
-        if group != 1 and c.tile_n != sd.TILE_ROWS:
-            raise ValueError(f"refill bursts (group {group}) are the register-direct main loop's (tile_n "
-                             f"{sd.TILE_ROWS}); the ring main loop (tile_n {c.tile_n}) refills one step at a time")
+        _check_group(group, c.tile_n)
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
         self.configs = {nt: sg.SkinnyConfig(c.k_shard, kw, depth[nt], nt, group, rotate) for nt in (1, 2)}
         for nt, cfg in self.configs.items():
