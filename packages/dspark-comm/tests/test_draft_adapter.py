@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dspark_comm.draft import DraftAllReduce
+from dspark_comm.group import TPGroup
 from dspark_comm.protocol import MailboxLayout
 from dspark_core import policy
 from dspark_core.compare import assert_bitwise
@@ -28,13 +29,17 @@ from dspark_cute.decode import DraftDecode, build_draft_decode
 TP2 = policy.Target(kernels=policy.ALL_KERNELS, tp=2)
 
 
-class FakeGroup:
-    """A TP group whose stock all-reduce is the local group's."""
+class FakeGroup(TPGroup):
+    """A TP group whose stock all-reduce and gather are the local group's."""
 
     def __init__(self, local: LocalGroup, rank: int) -> None:
         self.rank, self.size, self.device = rank, local.tp, torch.device("cpu")
         self.reduce = local.all_reduce(rank)
+        self.gather = local.all_gather(rank)
         self.calls = 0
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        return self.gather(bytes(data))
 
     def all_reduce_(self, t):
         self.calls += 1
@@ -140,12 +145,48 @@ def test_each_boundary_is_bound_to_its_constants_and_weights_in_order():
 
 
 def test_prepare_compiles_what_the_executor_launches():
-    local = LocalGroup(2)
-    _, _, adapter, _ = _rank(DraftModel(small_config()), local, 0)
-    adapter.prepare()
+    local = LocalGroup(2, timeout_s=30)
+    model = DraftModel(small_config())
+    adapters = [_rank(model, local, r)[2] for r in range(2)]
+    local.run(lambda r: adapters[r].prepare())  # collective: every rank prepares
     f32, bf16 = torch.float32, torch.bfloat16
-    assert [b.prepared for b in adapter.boundaries] == [
-        [((f32, bf16), (True,))], [((f32,), (True,))], [((f32,), (True,))], [((f32,), (False,))]]
+    for adapter in adapters:
+        assert [b.prepared for b in adapter.boundaries] == [
+            [((f32, bf16), (True,))], [((f32,), (True,))], [((f32,), (True,))], [((f32,), (False,))]]
+
+
+@pytest.mark.parametrize("where", ["boundary", "decode"])
+def test_prepare_fails_on_every_rank_when_one_rank_fails(where):
+    """A compile error on rank 1 alone, in one of its boundaries or earlier
+    in the decode (``failed=``, as build_draft_decode passes it): both ranks
+    raise (none is left to wait for it in a mailbox call), rank 1 with its
+    own error chained."""
+    local = LocalGroup(2, timeout_s=30)
+    model = DraftModel(small_config())
+    adapters = [_rank(model, local, r)[2] for r in range(2)]
+
+    def broken(**kwargs):
+        raise ValueError("no kernel for this shape")
+
+    if where == "boundary":
+        adapters[1].boundaries[2].prepare = broken
+    errors = [None, None]
+
+    def prepare(r):
+        try:
+            if where == "decode" and r == 1:
+                adapters[r].prepare(failed=ValueError("no kernel for this shape"))
+            else:
+                adapters[r].prepare()
+        except RuntimeError as e:
+            errors[r] = e
+
+    local.run(prepare)
+    for r, e in enumerate(errors):
+        assert isinstance(e, RuntimeError), r
+        assert "failed on rank(s) [1]" in str(e) and "DraftAllReduce.prepare" in str(e)
+    assert errors[0].__cause__ is None
+    assert isinstance(errors[1].__cause__, ValueError) and "no kernel" in str(errors[1].__cause__)
 
 
 @pytest.mark.parametrize("capacity, fused", [(16, [False, True, True, True, True, False]),
@@ -278,8 +319,8 @@ def test_published_partials_run_on_the_package_gemm_and_are_only_consumed(m):
             assert [g.calls for g in adapter.gemms] == [[]] * 4
             assert all(b.calls == [] for b in adapter.boundaries)
         assert adapter.mailbox.published == []
+    local.run(lambda r: ranks[r][2].prepare())  # collective
     adapter = ranks[0][2]
-    adapter.prepare()
     assert [g.prepared for g in adapter.gemms] == [1] * 4
     assert adapter.boundaries[1].prepared == [((torch.float32,), (True,), (False, True))]
     with pytest.raises(ValueError, match="bound to another weight"):

@@ -35,7 +35,9 @@ NCCL's order is not fixed: the fused path is then bit for bit
 
 ``prepare()`` compiles every variant the executor launches (the first
 boundary on an FP32 and a BF16 stream; every boundary but the last stores its
-new stream) before CUDA graph capture; ``build_draft_decode`` calls it.
+new stream) before CUDA graph capture; ``build_draft_decode`` calls it. It is
+collective: it ends by agreeing over the mailbox's group that every rank
+compiled (a failure on any rank raises on all).
 """
 
 from __future__ import annotations
@@ -94,18 +96,35 @@ class DraftAllReduce:
                 if p.fused:
                     self.gemms[index] = gemm(p.constants, weight, mailbox, rank)
 
-    def prepare(self) -> None:
-        """Compile every variant the executor launches (module docstring)."""
+    def prepare(self, failed: BaseException | None = None) -> None:
+        """Compile every variant the executor launches (module docstring),
+        then agree with the other ranks over the mailbox's group (collective:
+        every rank calls it). No rank leaves before every rank has compiled,
+        so none waits in a mailbox call on a peer still compiling; and a rank
+        whose compile failed makes every rank raise RuntimeError (its own
+        error chained) instead of leaving the others waiting for it.
+        ``failed``: an error this rank already hit preparing the rest of the
+        decode; it compiles nothing more and only takes part in the agreement."""
         import torch
 
-        last = len(self.boundaries) - 1
-        for index, (b, g) in enumerate(zip(self.boundaries, self.gemms)):
-            dtypes = (torch.float32, torch.bfloat16) if index == 0 else (torch.float32,)
-            if g is None:
-                b.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
-                continue
-            b.prepare(stream_dtypes=dtypes, store_stream=(index != last,), published=(False, True))
-            g.prepare()
+        error = failed
+        try:
+            if failed is not None:
+                raise failed
+            last = len(self.boundaries) - 1
+            for index, (b, g) in enumerate(zip(self.boundaries, self.gemms)):
+                dtypes = (torch.float32, torch.bfloat16) if index == 0 else (torch.float32,)
+                if g is None:
+                    b.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
+                    continue
+                b.prepare(stream_dtypes=dtypes, store_stream=(index != last,), published=(False, True))
+                g.prepare()
+        except Exception as e:  # noqa: BLE001 (re-raised below, after every rank has heard of it)
+            error = e
+        try:  # raises on every rank where any rank failed
+            self.mailbox.group.agree(error is None, "compiling the fused all-reduce kernels (DraftAllReduce.prepare)")
+        except RuntimeError as disagreement:
+            raise disagreement from error
 
     def takes(self, partial) -> bool:
         """Whether a call runs fused: its row count alone."""

@@ -233,7 +233,8 @@ class LocalGroup:
     single-process reference of a TP forward): ``all_reduce(rank)`` is rank
     ``rank``'s all-reduce callable, which waits for every rank's partial and
     returns ``rank_order_sum`` of them (a new tensor, the same bits on every
-    rank); ``run(fn)`` calls ``fn(rank)`` on one thread per rank and returns
+    rank); ``all_gather(rank)`` is its gather of any object (every rank's, in
+    rank order); ``run(fn)`` calls ``fn(rank)`` on one thread per rank and returns
     the results in rank order, re-raising the first error. Every wait is
     bounded by ``timeout_s``; a rank that fails breaks the others' waits."""
 
@@ -245,6 +246,7 @@ class LocalGroup:
         self.tp = tp
         self._barrier = threading.Barrier(tp, timeout=timeout_s)
         self._slots: list[torch.Tensor | None] = [None] * tp
+        self._objects: list = [None] * tp
         self.calls = 0
 
     def all_reduce(self, rank: int) -> AllReduce:
@@ -258,6 +260,16 @@ class LocalGroup:
             return out
 
         return reduce
+
+    def all_gather(self, rank: int) -> Callable[[object], list]:
+        def gather(obj: object) -> list:
+            self._objects[rank] = obj
+            self._barrier.wait()
+            out = list(self._objects)
+            self._barrier.wait()  # nobody overwrites a slot before every rank has read
+            return out
+
+        return gather
 
     def run(self, fn: Callable[[int], object]) -> list:
         import threading

@@ -513,8 +513,10 @@ def build_draft_decode(
     A rank's shard of a TP draft (``dspark_core.tp.TPDraftModel``, ``tp > 1``)
     needs ``all_reduce`` of its TP size (dspark-comm's ``DraftAllReduce``):
     without it the branches' partials would never be summed (ValueError).
-    ``all_reduce.prepare()``, where it has one, runs with the decode's, so
-    nothing compiles during CUDA graph capture."""
+    ``all_reduce.prepare()``, where it has one, runs after the decode's, so
+    nothing compiles during CUDA graph capture; it is collective (every rank
+    learns of any rank's failure), and a rank whose own prepare failed still
+    calls it, with ``failed=``, before raising."""
     model_tp = getattr(model, "tp", 1)
     if model_tp > 1 and all_reduce is None:
         raise ValueError(f"a TP{model_tp} shard of the draft needs its all-reduce boundaries (all_reduce=...)")
@@ -547,9 +549,20 @@ def build_draft_decode(
     if decode.prefetcher is not None:
         _log_once(logging.INFO, f"the decode prefetches its GEMM weights into L2 ({prefetch_mode}; bytes a row: "
                   f"{decode.prefetcher.bytes_per_row})")
-    decode.prepare()
+    error = None
+    try:
+        decode.prepare()
+    except Exception as e:  # noqa: BLE001 (re-raised below)
+        error = e
     if all_reduce is not None and hasattr(all_reduce, "prepare"):
-        all_reduce.prepare()
+        # Collective (dspark-comm's DraftAllReduce): it takes part even after
+        # this rank failed, so every rank raises instead of waiting for this one.
+        if error is None:
+            all_reduce.prepare()
+        else:
+            all_reduce.prepare(failed=error)
+    if error is not None:
+        raise error
     fused, total = plan.fused_count()
     _log_once(logging.INFO, f"the DSpark draft runs {fused} of {total} parts fused")
     return decode
