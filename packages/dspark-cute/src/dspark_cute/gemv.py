@@ -32,7 +32,6 @@ the wait (they still wait for this grid's end before reading ``y``).
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
@@ -85,11 +84,18 @@ class GemvKernel:
         _gemv_body(self, x, weight, out, Int64(cta) * WARPS + Int64(warp), lane)
 
 
-def _gemv_body(g: GemvKernel, x, weight, out, warp_id, lane) -> None:
+def mainloop(k: int, rows_per_warp: int, depth: int, x, weight, warp_id, lane, before_x=None) -> tuple:
+    """Trace one warp's rows of the GEMV (module docstring: layout, order):
+    ``x``, ``weight`` the byte addresses (Int64) of x's row and of the
+    weight (rows of ``k``), ``warp_id`` the warp's index over the grid
+    (Int64). The weight loads of the first ``depth`` fragments are issued,
+    then ``before_x()`` runs (the PDL wait), then x's loads. Returns
+    ``(row0, sums)``: the warp's first row (Int64) and the FP32 sums of its
+    ``rows_per_warp`` rows, the same in every lane (after the butterfly)."""
     # A plain function: its Python loops unroll at trace time (K is a constant).
-    frags = g.k // FRAGMENT
-    row0 = warp_id * g.rows
-    rows = [Int64(weight) + (row0 + r) * (g.k * 2) + Int64(lane) * (VEC * 2) for r in range(g.rows)]
+    frags = k // FRAGMENT
+    row0 = warp_id * rows_per_warp
+    rows = [Int64(weight) + (row0 + r) * (k * 2) + Int64(lane) * (VEC * 2) for r in range(rows_per_warp)]
     x_lane = Int64(x) + Int64(lane) * (VEC * 2)
     w_words: dict = {}
     x_words: dict = {}
@@ -100,24 +106,35 @@ def _gemv_body(g: GemvKernel, x, weight, out, warp_id, lane) -> None:
     def load_x(f: int) -> None:
         x_words[f] = ptx.ld_global_v4(x_lane + f * FRAGMENT * 2)
 
-    ahead = min(g.depth, frags)
+    ahead = min(depth, frags)
     for f in range(ahead):  # constant data: before the PDL wait
         load_weight(f)
-    if cutlass.const_expr(g.pdl):
-        ptx.pdl_wait()
-        ptx.pdl_launch_dependents()
+    if before_x is not None:
+        before_x()
     for f in range(ahead):
         load_x(f)
-    acc: list = [None] * g.rows
+    acc: list = [None] * rows_per_warp
     for f in range(frags):
-        if f + g.depth < frags:
-            load_weight(f + g.depth)
-            load_x(f + g.depth)
+        if f + depth < frags:
+            load_weight(f + depth)
+            load_x(f + depth)
         xs = _widen(x_words.pop(f))
         for r, words in enumerate(w_words.pop(f)):
             s = ptx.fragment_sum([ptx.mul_rn(w, xv) for w, xv in zip(_widen(words), xs)])
             acc[r] = s if f == 0 else ptx.add_rn(acc[r], s)
-    sums = [ptx.warp_fold(a) for a in acc]
+    return row0, [ptx.warp_fold(a) for a in acc]
+
+
+def pdl_release() -> None:
+    """The GEMV's ``before_x`` under PDL: wait for the previous grid, then
+    release the dependents (they still wait for this grid's end)."""
+    ptx.pdl_wait()
+    ptx.pdl_launch_dependents()
+
+
+def _gemv_body(g: GemvKernel, x, weight, out, warp_id, lane) -> None:
+    row0, sums = mainloop(g.k, g.rows, g.depth, x, weight, warp_id, lane,
+                          before_x=pdl_release if g.pdl else None)
     for pair in range(g.rows // 2):
         word = ptx.pack_bf16x2_rn(sums[2 * pair], sums[2 * pair + 1])
         # Every lane holds the same sums; lane 0 stores (lane < 1).
@@ -223,4 +240,4 @@ class Gemv(LazyPdl):
 
 
 __all__ = ["DEPTH", "Gemv", "GemvKernel", "ROWS_PER_WARP", "THREADS", "WARPS", "check_settings", "compile_gemv",
-           "fake_args"]
+           "fake_args", "mainloop", "pdl_release"]
