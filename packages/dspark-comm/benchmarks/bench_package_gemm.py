@@ -11,6 +11,8 @@ barrier before each replay; the table shows the slower rank's median):
   policy's shape (``policy.draft_gemm_shape``: the register-direct main loop
   for K <= ``DIRECT_MAX_K``, the ring above), and the same on the other main
   loop (the same bits), each with its publish kernel alone (profiler);
+- the one-row GEMV path (``one_row_gemv=True``, m = 1): plain, and its
+  publish kernel alone (profiler);
 - ``cuBLAS``: ``torch.matmul(x, W.T, out=...)``; and its kernels' own
   device time per call (profiler), to set beside the publish kernel's own
   device time (also profiled): the like-for-like reading of the target;
@@ -56,7 +58,11 @@ CASES = [
     ("package GEMM on the other main loop (tile_n 64 where the policy takes 16, else 16)", "gemm_direct"),
     ("its publish kernel alone (profiler; the other main loop)", "publish_kernel_direct"),
     ("cuBLAS: its kernels alone (profiler; device time per call)", "cublas_kernel"),
+    ("package GEMM with the one-row GEMV (one_row_gemv=True; m = 1 only)", "gemm_gemv"),
+    ("its publish kernel alone (profiler; the one-row GEMV)", "publish_kernel_gemv"),
 ]
+# The rows of the one-row GEMV path (m = 1 only; more rows run the skinny loop, timed above).
+ONE_ROW = {"gemm_gemv", "publish_kernel_gemv"}
 # The row that issue 6's target names ("the GEMM with its publish no slower
 # than cuBLAS alone"): the publish-mode GEMM kernel's own device time. It is
 # profiled on a twin built without PDL: with PDL the kernel starts early and
@@ -65,7 +71,7 @@ CASES = [
 PUBLISH_KERNEL = "PackageGemmKernel"
 # The profiled rows: the call (of ``_calls``) each profiles.
 PROFILED = {"publish_kernel": "publish_bd_no_pdl", "publish_kernel_early": "publish_bd_early_no_pdl",
-            "publish_kernel_direct": "publish_bd_direct_no_pdl"}
+            "publish_kernel_direct": "publish_bd_direct_no_pdl", "publish_kernel_gemv": "publish_bd_gemv_no_pdl"}
 
 
 def _profiled(fn, name: str, calls: int) -> list[float]:
@@ -99,8 +105,10 @@ def _device_us_per_call(fn, calls: int = 30) -> float:
     return float(sum(_profiled(fn, "", calls)) / calls)
 
 
-def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl) -> dict:
-    """The timed call of each case over ``m`` rows (operands allocated once)."""
+def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl,
+           one_row) -> dict:
+    """The timed call of each case over ``m`` rows (operands allocated once);
+    ``one_row``: the one-row GEMV twins ``(with PDL, without)``, or None."""
     x = torch.randn((m, k), generator=gen, device="cuda").to(torch.bfloat16)
     y = torch.empty((m, H), dtype=torch.bfloat16, device="cuda")
     stream = torch.randn((m, H), generator=gen, device="cuda")
@@ -118,6 +126,9 @@ def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_p
         "cublas_bd": lambda: (torch.matmul(x, w.t(), out=y), fused.run(y, stream, True, o, new)),
         "cublas_nccl_bd": lambda: (torch.matmul(x, w.t(), out=y), dist.all_reduce(y),
                                    unfused.run(y, stream, True, o, new)),
+        **({} if one_row is None else {
+            "gemm_gemv": lambda: one_row[0].run(x, y),
+            "publish_bd_gemv_no_pdl": lambda: one_row[1].run_boundary(x, fused, stream, True, o, new)}),
     }
 
 
@@ -159,15 +170,26 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
         direct_constants = PackageGemmConstants(role, H, k, 64 if s.tile_n == 16 else 16, s.split_k, s.max_rows)
         direct = PackageGemm(direct_constants, w, mb)
         direct_no_pdl = PackageGemm(direct_constants, w, mb, pdl=False)
-        for g in (gemm, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl):
+        try:  # the one-row GEMV twins (opt-in path; ValueError where the GEMV cannot take the weight)
+            one_row = (PackageGemm(constants, w, mb, one_row_gemv=True),
+                       PackageGemm(constants, w, mb, pdl=False, one_row_gemv=True))
+        except ValueError as e:
+            one_row, one_row_why = None, f"failed: {e}"[:200]
+        for g in (gemm, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl, *(one_row or ())):
             g.prepare()
         results[f"shape/{k}"] = (f"tile_n {s.tile_n}, k_warps {gemm.k_warps}, stages "
                                  f"{gemm.stages_by_tiles[1]} / {gemm.stages_by_tiles[2]} (m <= 8 / 16)")
         for m in ROWS:
-            fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl)
+            fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl,
+                         one_row)
             for _, key in CASES:
+                if key in ONE_ROW and (m != 1 or one_row is None):
+                    results[f"{key}/{k}/{m}"] = "-" if m != 1 else one_row_why
+                    continue
                 if key == "cublas_kernel":  # like for like with the publish kernel's own time
                     measure = lambda fn=fns["cublas"]: _device_us_per_call(fn)  # noqa: E731
+                elif key == "publish_kernel_gemv":
+                    measure = lambda fn=fns[PROFILED[key]]: _kernel_us(fn, "PackageGemvKernel")  # noqa: E731
                 elif key in PROFILED:
                     measure = lambda fn=fns[PROFILED[key]]: _kernel_us(fn, PUBLISH_KERNEL)  # noqa: E731
                 else:
@@ -211,6 +233,8 @@ def _report(raw: list[dict], out: str) -> str:
 
     label = {key: name for name, key in CASES}
     cub_kernel = series[label["cublas_kernel"]]
+    with_gemv = [g if m == 1 else p for (_, m), g, p in
+                 zip(cols, series[label["publish_kernel_gemv"]], series[label["publish_kernel"]])]
     like = [p is not None and c is not None and p <= c for p, c in zip(series[label["publish_kernel"]], cub_kernel)]
     lines += ["", "Target (issue 6): the GEMM with its publish no slower than cuBLAS alone: "
               + verdict(series[label["publish_kernel"]]) + " (the publish-mode kernel's own time); "
@@ -219,7 +243,9 @@ def _report(raw: list[dict], out: str) -> str:
               "with the consuming fused boundary too (a stricter reading): "
               + verdict(series[label["publish_bd"]]) + ";",
               f"like for like (the publish kernel's device time against cuBLAS's, both profiled): met at "
-              f"{sum(like)} of {len(like)} (K, m)."]
+              f"{sum(like)} of {len(like)} (K, m);",
+              "with the one-row GEMV at m = 1 (one_row_gemv=True; the policy's kernel above): "
+              + verdict(with_gemv) + "."]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "package_gemm_tp2.md"), "w") as f:
         f.write(text)

@@ -19,6 +19,10 @@ Checks:
 - ``plain`` and ``publish`` also run the register-direct main loop
   (``tile_n`` 16, ``dspark_cute.skinny_direct``): bit for bit the 64-row
   kernel (passed on two H200s);
+- ``publish`` also runs the one-row GEMV path (``one_row_gemv=True``,
+  ``dspark_comm.package_gemv``; not yet run on a GPU): one row bit for bit
+  ``dspark_core.gemv.gemv``, more rows the 64-row kernel's, and its
+  published partial consumed bit for bit its plain output pushed;
 - ``publish``: publish + ``FusedAllReduce(published=True)`` bit for bit the
   plain GEMM into a buffer + the pushing ``MailboxAllReduce`` (both sum
   orders) and NCCL; publish + ``AllReduceBoundary(published=True)`` bit for
@@ -142,6 +146,11 @@ def check_publish(c):
     in_round.prepare()
     direct = PackageGemm(_constants("o_proj", k, tile_n=16), w, c.mb)  # the register-direct main loop
     direct.prepare()
+    # The one-row GEMV path: one row in dspark_core.gemv's order, more rows as gemm.
+    one_row = PackageGemm(_constants("o_proj", k), w, c.mb, one_row_gemv=True)
+    one_row.prepare()
+    from dspark_core.gemv import gemv as gemv_spec
+
     post, conn, pre = c.modules = _boundary_modules(shared)
     constants = boundary_constants(post, conn, pre, H)
     c.bd = bd = AllReduceBoundary(c.mb, constants, conn.alpha, conn.beta, post.weight, pre.weight)
@@ -171,6 +180,13 @@ def check_publish(c):
             d = torch.full_like(a, 7.0)
             consume.launch(m, None, (d,))
             res[f"allreduce/{order}/m{m}"] = bad(a, b) + bad(b, nccl(y)) + bad(a, e) + bad(a, d)
+            # One row on the GEMV: the spec's bits, published as they are; more rows: gemm's.
+            y1 = one_row.run(x)
+            a1 = pushed.run(y1)
+            one_row.run(x, publish=True)
+            g = torch.full_like(a, 7.0)
+            consume.launch(m, None, (g,))
+            res[f"allreduce/{order}/m{m}"] += bad(y1, gemv_spec(x, w) if m == 1 else y) + bad(a1, g)
     # m = 1..CAPACITY with finite inputs, then CAPACITY rows again with NaN and inf.
     for i, m in enumerate([*range(1, CAPACITY + 1), CAPACITY]):
         for stream_dtype, store in ((FP32, True), (BF16, False)):

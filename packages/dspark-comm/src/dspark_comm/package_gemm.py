@@ -409,7 +409,12 @@ class PackageGemm:
     same bits, an experiment; ``scripts/probes/package_gemm_sweep.py`` times
     it); ``pdl``: programmatic dependent launch
     (default: sm_90+); ``early_epochs``: the publish epilogue's epochs loaded
-    before the main loop (module docstring; False: in each round).
+    before the main loop (module docstring; False: in each round);
+    ``one_row_gemv`` (opt-in; not yet run on a GPU): a one-row call runs the
+    one-token GEMV (``dspark_comm.package_gemv``) and sums in
+    ``dspark_core.gemv``'s order, not the skinny loop's, so its row may
+    differ in the last bits from the same row in a call of more rows
+    (ValueError where the GEMV cannot take the weight).
 
     - ``run(x, out=None)``: plain, returns BF16 ``[m, hidden_size]``;
     - ``run(x, publish=True)``: publishes the partial into the mailbox and
@@ -425,7 +430,7 @@ class PackageGemm:
     def __init__(self, constants: PackageGemmConstants, weight: torch.Tensor, mailbox=None,
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
                  group: int = 1, rotate: bool = False, pdl: bool | None = None,
-                 early_epochs: bool = True) -> None:
+                 early_epochs: bool = True, one_row_gemv: bool = False) -> None:
         kw, st = default_shape(constants, k_warps, stages)
         depth = {nt: default_shape(constants, kw, stages, nt)[1] for nt in (1, 2)}
         c = constants
@@ -462,6 +467,13 @@ class PackageGemm:
         self.stages_by_tiles = depth
         self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
         self.early_epochs = bool(early_epochs)
+        self.one_row_gemv = bool(one_row_gemv)
+        if self.one_row_gemv:
+            from dspark_comm.package_gemv import one_row_unsupported
+
+            why = one_row_unsupported(c, weight)
+            if why is not None:
+                raise ValueError(f"the one-row GEMV cannot take this package GEMM: {why}")
 
     @property
     def max_rows(self) -> int:
@@ -469,17 +481,24 @@ class PackageGemm:
 
     def _kernel(self, m: int, publish: bool):
         mode = "publish" if publish else "plain"
+        if m == 1 and self.one_row_gemv:
+            from dspark_comm.package_gemv import compile_package_gemv
+
+            return compile_package_gemv(self.constants, mode, self.layout, self.rank, self.pdl)
         return compile_package_gemm(self.constants, self.configs[1 if m <= 8 else 2], mode, self.layout,
                                     self.rank, self.pdl, self.early_epochs)
 
     def prepare(self, publish: tuple = (False, True)) -> None:
         """Compile the variants ``run`` launches (m <= 8 and m <= 16 where
-        ``max_rows`` reaches them), in the given modes (publish only with a
-        mailbox). Call before CUDA graph capture."""
+        ``max_rows`` reaches them, and the one-row GEMV's), in the given modes
+        (publish only with a mailbox). Call before CUDA graph capture."""
+        rows = {1, self.max_rows} | ({8} if self.max_rows > 8 else set())
+        if self.one_row_gemv and self.max_rows >= 2:
+            rows.add(2)  # m = 1 runs the GEMV: 2 .. 8 need the 8-token variant too
         for pub in publish:
             if pub and self.mailbox is None:
                 continue
-            for m in sorted({1, self.max_rows} | ({8} if self.max_rows > 8 else set())):
+            for m in sorted(rows):
                 self._kernel(m, pub)
 
     def takes_rows(self, m: int, publish: bool = False) -> bool:
