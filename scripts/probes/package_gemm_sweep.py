@@ -7,7 +7,9 @@ Variants: the ring main loop (tile_n 64) for ``k_warps`` in {4, 8, 16} and
 (tile_n 16) for the same ``k_warps``, ``(stages, group)`` in-flight depths
 and refill bursts (``skinny_direct.mainloop``); a few of both with rotated
 K-slices (``SkinnyConfig.rotate``: does the ring's m = 1 penalty come from
-every CTA reading the same x line at once?). ``k_warps`` is part of the
+every CTA reading the same x line at once?); and at m = 1 the one-row GEMV
+path (``one_row_gemv=True``), checked bit for bit against
+``dspark_core.gemv.gemv``. ``k_warps`` is part of the
 sum order; every variant of one ``k_warps`` must give the same bits, which
 the probe checks on the GPU (m = 16, against the ring loop of that
 ``k_warps``).
@@ -43,6 +45,7 @@ import torch
 
 from dspark_comm import package_gemm as pg
 from dspark_core.constants import PackageGemmConstants
+from dspark_core.gemv import gemv as gemv_spec
 from dspark_core.timing import capture_on_side_stream, median_us
 
 H = 8192
@@ -121,16 +124,27 @@ def main() -> int:
                     us = timed([lambda g=g, x=x, y=y: g.launch(x, y) for g in gs])
                     rows.append({"k": k, "m": m, "timing": mode, "loop": loop, "k_warps": kw, "stages": st,
                                  "group": grp, "us": us})
+        # The one-row GEMV path (one_row_gemv=True) at m = 1: the spec's bits, and its time.
+        gemvs = [pg.PackageGemm(PackageGemmConstants("o_proj", H, k, 64, 1, 16), w, one_row_gemv=True) for w in ws]
+        gemvs[0].prepare(publish=(False,))
+        got = gemvs[0].run(xs[1])
+        if not torch.equal(got.view(torch.int16), gemv_spec(xs[1], ws[0]).view(torch.int16)):
+            mismatches += 1
+            print(f"  MISMATCH one-row gemv K{k}: not dspark_core.gemv's bits", flush=True)
+        for mode, gs in (("l2", gemvs[:1]), ("hbm", gemvs)):
+            us = timed([lambda g=g, x=xs[1], y=ys[1]: g.launch(x, y) for g in gs])
+            rows.append({"k": k, "m": 1, "timing": mode, "loop": "gemv", "k_warps": 0, "stages": 0, "group": 1,
+                         "us": us})
         print(f"K {k} done ({time.time() - t0:.0f} s)", flush=True)
-        ws = gemms = None  # free this K's copies before the next
+        ws = gemms = gemvs = None  # free this K's copies before the next
         torch.cuda.empty_cache()
     out_dir = os.environ.get("OUT", "bench-results")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "package_gemm_sweep.json"), "w") as f:
         json.dump({"seed": seed, "rows": rows}, f, indent=0)
     print("\n| K | m | timing | cuBLAS | best ring (kw, st) | best direct (kw, st, group) | best direct kw4 | "
-          "ring kw4 st6: plain / rotated | direct kw4 st8: plain / rotated |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "ring kw4 st6: plain / rotated | direct kw4 st8: plain / rotated | one-row GEMV |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for k in KS:
         for m in ROWS:
             for mode in ("l2", "hbm"):
@@ -147,6 +161,8 @@ def main() -> int:
                 direct = [r for r in sel if r["loop"] == "direct"]
                 d4 = [r for r in direct if r["k_warps"] == 4]
 
+                gemv_cell = next((f"{r['us']:.2f}" for r in sel if r["loop"] == "gemv"), "-")
+
                 def pair(loop, st, sel=sel):
                     got = [next((f"{r['us']:.2f}" for r in sel if r["loop"] == name and r["k_warps"] == 4
                                  and r["stages"] == st and r["group"] == 1), "-")
@@ -155,7 +171,7 @@ def main() -> int:
 
                 print(f"| {k} | {m} | {mode} | {cub:.2f} | {fmt(ring, ('k_warps', 'stages'))} | "
                       f"{fmt(direct, ('k_warps', 'stages', 'group'))} | {fmt(d4, ('stages', 'group'))} | "
-                      f"{pair('ring', 6)} | {pair('direct', 8)} |")
+                      f"{pair('ring', 6)} | {pair('direct', 8)} | {gemv_cell} |")
     print(f"\nbit mismatches within a k_warps: {mismatches}")
     return 1 if mismatches else 0
 
