@@ -18,6 +18,9 @@ H200s). The table shows the slower rank's median, in microseconds per step:
   boundaries, the branch GEMMs on cuBLAS (the package GEMM excluded);
 - ``specialized + package GEMM``: the same with each layer's o_proj and
   down_proj on the package GEMM, publishing into the mailbox;
+- ``the same, one-row GEMV``: with the package GEMMs' one-row calls on the
+  one-token GEMV (``one_row_gemv=True``, opt-in; m = 1 differs, the other
+  rows run as the column before; not yet run on a GPU);
 - ``GEMMs alone``: a graph of the rank's four cuBLAS GEMMs per layer (the
   shard's QKV, o_proj, gate_up and down shapes) and nothing else;
 - ``floor``: the rank's GEMM weight bytes read once at 4.3 TB/s.
@@ -41,7 +44,8 @@ import torch
 
 ROWS = (1, 4, 16)
 CONTEXT = 256
-PATHS = [("stock TP2 (NCCL)", "stock"), ("specialized", "spec"), ("specialized + package GEMM", "package")]
+PATHS = [("stock TP2 (NCCL)", "stock"), ("specialized", "spec"), ("specialized + package GEMM", "package"),
+         ("the same, one-row GEMV (opt-in)", "one_row")]
 
 
 def _steps(fn, count: int):
@@ -73,10 +77,11 @@ def _worker(rank: int, world: int, init: str, out: str, reps: int, exclude: list
     res: dict = {"build_s": tp.build_s, "floor": weight_floor_us(tp.shard),
                  "device": torch.cuda.get_device_name(tp.device)}
     fns = {"stock": tp.shard.forward}
-    for key, ex in (("spec", {*exclude, PACKAGE_GEMM}), ("package", set(exclude))):
+    for key, ex, one_row in (("spec", {*exclude, PACKAGE_GEMM}, False), ("package", set(exclude), False),
+                             ("one_row", set(exclude), True)):
         err = None
         try:
-            decode, _ = tp.decode(ex)
+            decode, _ = tp.decode(ex, one_row_gemv=one_row)
             fns[key] = decode.run
             res[f"plan/{key}"] = decode.plan.format()
         except Exception as e:  # compile errors are the same on every rank
@@ -125,7 +130,7 @@ def _cell(raw: list[dict], key: str):
 def _report(raw: list[dict], out: str, reps: int, exclude: list) -> str:
     cols = [*PATHS, ("GEMMs alone (cuBLAS)", "gemms")]
     head = "| m | " + " | ".join(f"{label} (us)" for label, _ in cols) + " | floor (us) | stock / specialized |"
-    head += " stock / + package GEMM |"
+    head += " stock / + package GEMM | stock / + one-row GEMV |"
     lines = [
         f"One step of the reference draft ({raw[0].get('layers', 2)} layers, hidden 8192) at TP2 on "
         f"{raw[0].get('device', 'GPU')} x2: microseconds per step, CUDA graphs of "
@@ -134,7 +139,7 @@ def _report(raw: list[dict], out: str, reps: int, exclude: list) -> str:
         + (f"; excluded: {', '.join(exclude)}" if exclude else "") + ".",
         "",
         head,
-        "|" + " --- |" * (len(cols) + 4),
+        "|" + " --- |" * (len(cols) + 5),
     ]
     series: dict = {label: [] for label, _ in cols}
     floor = max(r["floor"] for r in raw)
@@ -146,7 +151,7 @@ def _report(raw: list[dict], out: str, reps: int, exclude: list) -> str:
             values[key] = value
             series[label].append(value)
         ratios = [f"{values['stock'] / values[k]:.2f}x" if values["stock"] and values[k] else "-"
-                  for k in ("spec", "package")]
+                  for k in ("spec", "package", "one_row")]
         lines.append(f"| {m} | " + " | ".join(row) + f" | {floor:.1f} | " + " | ".join(ratios) + " |")
     failures = sorted({v for r in raw for k, v in r.items() if isinstance(v, str) and v.startswith("failed")})
     if failures:

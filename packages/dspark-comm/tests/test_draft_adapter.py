@@ -325,3 +325,21 @@ def test_published_partials_run_on_the_package_gemm_and_are_only_consumed(m):
     assert adapter.boundaries[1].prepared == [((torch.float32,), (True,), (False, True))]
     with pytest.raises(ValueError, match="bound to another weight"):
         adapter.project(0, torch.zeros(1, 256, dtype=torch.bfloat16), ranks[0][0].layers[0].mlp.down)
+
+
+@pytest.mark.parametrize("one_row", [False, True])
+def test_one_row_gemv_reaches_every_package_gemm(one_row):
+    """``one_row_gemv=True`` builds every package GEMM with it (the opt-in
+    one-row GEMV path); by default none is asked for it."""
+    model = DraftModel(small_config())
+    local = LocalGroup(2)
+    shard = shard_draft(model, 0, 2, all_reduce=local.all_reduce(0))
+    built = []
+
+    def gemm(constants, weight, mailbox, rank, **kwargs):
+        built.append(kwargs)
+        return FakeGemm(constants, weight, mailbox, rank)
+
+    DraftAllReduce(FakeMailbox(FakeGroup(local, 0), 2048), plan_draft(shard, TP2), shard, 0,
+                   boundary=fake_boundary(shard), gemm=gemm, one_row_gemv=one_row)
+    assert built == [{"one_row_gemv": True} if one_row else {}] * 4

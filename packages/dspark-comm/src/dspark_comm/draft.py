@@ -50,10 +50,12 @@ class DraftAllReduce:
     docstring). ``boundary`` builds each boundary (default
     ``dspark_comm.boundary.AllReduceBoundary``) and ``gemm`` each package GEMM
     (default ``dspark_comm.package_gemm.PackageGemm``; CPU tests pass
-    stand-ins); ``package_gemm=False`` keeps every branch GEMM stock."""
+    stand-ins); ``package_gemm=False`` keeps every branch GEMM stock;
+    ``one_row_gemv=True`` (opt-in) runs the package GEMMs' one-row calls on
+    the one-token GEMV (``PackageGemm(one_row_gemv=True)``: its own order)."""
 
     def __init__(self, mailbox, plan, model, rank: int, *, boundary=None, gemm=None,
-                 package_gemm: bool = True) -> None:
+                 package_gemm: bool = True, one_row_gemv: bool = False) -> None:
         tp = plan.target.tp
         if plan.draft_reason is not None:
             raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason})")
@@ -92,9 +94,10 @@ class DraftAllReduce:
         if package_gemm and plan.package_gemms:
             if gemm is None:
                 from dspark_comm.package_gemm import PackageGemm as gemm
+            extra = {"one_row_gemv": True} if one_row_gemv else {}
             for index, (p, weight) in enumerate(zip(plan.package_gemms, self.weights)):
                 if p.fused:
-                    self.gemms[index] = gemm(p.constants, weight, mailbox, rank)
+                    self.gemms[index] = gemm(p.constants, weight, mailbox, rank, **extra)
 
     def prepare(self, failed: BaseException | None = None) -> None:
         """Compile every variant the executor launches (module docstring),

@@ -65,9 +65,11 @@ class TPDraftRank:
         self.group = TorchGroup()
         self.mailbox = Mailbox(self.group, self.config.hidden_size, capacity, timeout_s=timeout_s)
 
-    def decode(self, exclude=frozenset()):
+    def decode(self, exclude=frozenset(), one_row_gemv: bool = False):
         """``(decode, adapter)`` planned without the kernels ``exclude``
-        (module docstring). RuntimeError where no part of the draft fuses."""
+        (module docstring); ``one_row_gemv``: the package GEMMs' one-row calls
+        on the one-token GEMV (``DraftAllReduce``). RuntimeError where no part
+        of the draft fuses."""
         from dspark_comm.draft import DraftAllReduce
         from dspark_cute.decode import build_draft_decode, draft_plan
 
@@ -75,7 +77,7 @@ class TPDraftRank:
         front = QKV_FRONT not in exclude  # the fused front is opt-in in build_draft_decode: ask for it here
         # The plan build_draft_decode makes too (one function: the two cannot drift).
         plan = draft_plan(self.shard, self.world, exclude, qkv_front=front)
-        adapter = DraftAllReduce(self.mailbox, plan, self.shard, self.rank)
+        adapter = DraftAllReduce(self.mailbox, plan, self.shard, self.rank, one_row_gemv=one_row_gemv)
         decode = build_draft_decode(self.shard, all_reduce=adapter, exclude=exclude, qkv_front=front)
         if decode is None:
             raise RuntimeError(f"build_draft_decode kept the TP{self.world} draft stock on {self.device} "
