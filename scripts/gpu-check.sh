@@ -52,8 +52,8 @@ if wanted multigpu; then
   step draft-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_draft_multigpu.py -q -p no:cacheprovider
 fi
 if wanted bench-tp2; then
-  step bench-package-gemm 200 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
-  step bench-draft-tp2 200 python packages/dspark-comm/benchmarks/bench_draft_tp2.py --out "$OUT"
+  step bench-package-gemm 260 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
+  step bench-draft-tp2 240 python packages/dspark-comm/benchmarks/bench_draft_tp2.py --out "$OUT"
 fi
 if wanted sweep; then
   step package-gemm-sweep 560 python scripts/probes/package_gemm_sweep.py
