@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--exclude", default="", help="comma-separated kernels both specialized paths leave out")
     parser.add_argument("--steps-per-graph", type=int, default=4, help="consecutive steps in each timed graph")
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds before the ranks are killed")
+    parser.add_argument("--timeout", type=float, default=220.0, help="seconds before the ranks are killed")
     args = parser.parse_args(argv)
     if args.reps < 1 or args.layers < 1 or args.steps_per_graph < 1:
         parser.error("--reps, --layers and --steps-per-graph are at least 1")

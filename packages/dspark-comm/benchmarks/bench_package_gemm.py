@@ -280,7 +280,7 @@ def main() -> int:
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds before the ranks are killed")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds before the ranks are killed")
     args = parser.parse_args()
     from dspark_comm.ranks import tp2_benchmark
 
