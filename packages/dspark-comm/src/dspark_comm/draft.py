@@ -111,19 +111,18 @@ class DraftAllReduce:
         import torch
 
         error = failed
-        try:
-            if failed is not None:
-                raise failed
-            last = len(self.boundaries) - 1
-            for index, (b, g) in enumerate(zip(self.boundaries, self.gemms)):
-                dtypes = (torch.float32, torch.bfloat16) if index == 0 else (torch.float32,)
-                if g is None:
-                    b.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
-                    continue
-                b.prepare(stream_dtypes=dtypes, store_stream=(index != last,), published=(False, True))
-                g.prepare()
-        except Exception as e:  # noqa: BLE001 (re-raised below, after every rank has heard of it)
-            error = e
+        if error is None:
+            try:
+                last = len(self.boundaries) - 1
+                for index, (b, g) in enumerate(zip(self.boundaries, self.gemms)):
+                    dtypes = (torch.float32, torch.bfloat16) if index == 0 else (torch.float32,)
+                    if g is None:
+                        b.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
+                        continue
+                    b.prepare(stream_dtypes=dtypes, store_stream=(index != last,), published=(False, True))
+                    g.prepare()
+            except Exception as e:  # noqa: BLE001 (re-raised below, after every rank has heard of it)
+                error = e
         try:  # raises on every rank where any rank failed
             self.mailbox.group.agree(error is None, "compiling the fused all-reduce kernels (DraftAllReduce.prepare)")
         except RuntimeError as disagreement:

@@ -4,7 +4,7 @@
 warp, each warp load 512 contiguous bytes of a row), with the package GEMM's
 two epilogues.
 
-Why: at m = 1 the package GEMM's tensor-core ring trails cuBLAS by 7-15% at
+Why: at m = 1 the package GEMM's tensor-core ring trails cuBLAS by 9-15% at
 the TP2 shards (K = 4096: 21.9 against 19.0 µs; K = 8192: 37.1 against 34.0;
 two H200s, bench_package_gemm), while the warp-per-row GEMV streamed every
 projection of the reference draft faster than cuBLAS at m = 1
