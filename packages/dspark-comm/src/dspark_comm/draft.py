@@ -124,7 +124,7 @@ class DraftAllReduce:
             except Exception as e:  # noqa: BLE001 (re-raised below, after every rank has heard of it)
                 error = e
         try:  # raises on every rank where any rank failed
-            self.mailbox.group.agree(error is None, "compiling the fused all-reduce kernels (DraftAllReduce.prepare)")
+            self.mailbox.group.agree(error is None, "preparing the TP draft's kernels (DraftAllReduce.prepare)")
         except RuntimeError as disagreement:
             raise disagreement from error
 

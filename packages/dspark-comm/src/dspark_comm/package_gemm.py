@@ -492,9 +492,8 @@ class PackageGemm:
         """Compile the variants ``run`` launches (m <= 8 and m <= 16 where
         ``max_rows`` reaches them, and the one-row GEMV's), in the given modes
         (publish only with a mailbox). Call before CUDA graph capture."""
+        # With one_row_gemv, m = 1 compiles the GEMV; max_rows or 8 the 8-token variant.
         rows = {1, self.max_rows} | ({8} if self.max_rows > 8 else set())
-        if self.one_row_gemv and self.max_rows >= 2:
-            rows.add(2)  # m = 1 runs the GEMV: 2 .. 8 need the 8-token variant too
         for pub in publish:
             if pub and self.mailbox is None:
                 continue

@@ -560,7 +560,10 @@ def build_draft_decode(
         if error is None:
             all_reduce.prepare()
         else:
-            all_reduce.prepare(failed=error)
+            try:
+                all_reduce.prepare(failed=error)
+            except RuntimeError:
+                pass  # the other ranks now raise too; this rank raises its own error below
     if error is not None:
         raise error
     fused, total = plan.fused_count()

@@ -78,9 +78,10 @@ def mainloop(cfg: sg.SkinnyConfig, w_tile, x, m, warp, lane, before_x=None) -> l
     (Int64) of its first weight row, ``x`` of x's first row, ``m`` the token
     count (Int32). The weight loads of the first ``cfg.stages`` steps are
     issued first, then ``before_x()`` (the PDL wait), then x's. Each later
-    step is loaded ``stages`` steps ahead: one step before each step's MMAs
-    (``cfg.group`` 1), or ``group`` steps together after every ``group``-th
-    step's MMAs (weights, then x): the same loads, issued in bursts. Returns
+    step is loaded ``stages`` steps ahead, one step before each step's MMAs
+    (``cfg.group`` 1); or, in bursts of ``group`` steps after every
+    ``group``-th step's MMAs (weights, then x), ``stages - group + 1`` to
+    ``stages`` steps ahead: the same loads either way. Returns
     ``acc[n_tile]`` (4 FP32 each, ``skinny_gemm.acc_coords`` of tile 0)."""
     tokens = [sg.x_token(lane, nt, m, minimum=sg._min_i32) for nt in range(cfg.n_tiles)]
     w_words: dict = {}
