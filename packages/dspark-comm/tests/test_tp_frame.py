@@ -199,11 +199,11 @@ def test_bench_draft_tp2_report(tmp_path):
                "layers": 2}
         for i, m in enumerate(bench.ROWS):
             res.update({f"stock/{m}": 400.0 + i + r, f"spec/{m}": 300.0 + i, f"gemms/{m}": 250.0 + i,
-                        f"package/{m}": "failed to capture: RuntimeError: boom"})
+                        f"package/{m}": "failed to capture: RuntimeError: boom", f"one_row/{m}": 290.0 + i})
         raw.append(res)
     text = bench._report(raw, str(tmp_path), 50, ["qkv_front"])
     assert (tmp_path / "draft_tp2.md").read_text() == text.split("\n(matplotlib")[0]
-    assert "| 1 | 401.0 | 300.0 | failed to capture | 250.0 | 238.4 | 1.34x | - |" in text
+    assert "| 1 | 401.0 | 300.0 | failed to capture | 290.0 | 250.0 | 238.4 | 1.34x | - | 1.38x |" in text
     assert "Failures: failed to capture: RuntimeError: boom" in text and "excluded: qkv_front" in text
     json.dumps(raw)  # the raw results are JSON as the ranks write them
 
@@ -227,6 +227,10 @@ def test_bench_package_gemm_report_judges_the_publish_kernel(tmp_path):
     assert "no slower than cuBLAS alone: met at 6 of 9 (K, m) (the publish-mode kernel's own time); " \
            "met at 3 of 9 (K, m) with its epochs loaded in each round;" in text
     assert "(a stricter reading): met at 0 of 9 (K, m)" in text
+    # Like for like: the publish kernel (4.0 / 7.0) against cuBLAS's own device time (10.0 / 11.0 here).
+    assert "both profiled): met at 9 of 9 (K, m)" in text
+    # The one-row GEMV's row (10.0 / 11.0 at m = 1) replaces the publish kernel there: m = 1 then misses.
+    assert "(one_row_gemv=True; the policy's kernel above): met at 3 of 9 (K, m)" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() >= 2, reason="a two-GPU machine runs them")
