@@ -106,13 +106,7 @@ def mainloop(k: int, rows_per_warp: int, depth: int, x, weight, warp_id, lane, b
     def load_x(f: int) -> None:
         x_words[f] = ptx.ld_global_v4(x_lane + f * FRAGMENT * 2)
 
-    ahead = min(depth, frags)
-    for f in range(ahead):  # constant data: before the PDL wait
-        load_weight(f)
-    if before_x is not None:
-        before_x()
-    for f in range(ahead):
-        load_x(f)
+    ptx.weight_first(min(depth, frags), load_weight, load_x, before_x)
     acc: list = [None] * rows_per_warp
     for f in range(frags):
         if f + depth < frags:

@@ -410,6 +410,20 @@ def pdl_launch_dependents() -> None:
     cute.arch.griddepcontrol_launch_dependents()
 
 
+def weight_first(ahead: int, load_weight, load_x, before_x=None) -> None:
+    """The prologue of the main loops that load into registers (the GEMV,
+    ``skinny_direct``): ``load_weight(s)`` for the first ``ahead`` steps
+    (the weight is constant while the decode runs, so its loads may precede
+    the PDL wait), then ``before_x()`` where given (the wait), then
+    ``load_x(s)`` for the same steps (x is the previous kernel's output)."""
+    for s in range(ahead):
+        load_weight(s)
+    if before_x is not None:
+        before_x()
+    for s in range(ahead):
+        load_x(s)
+
+
 # ---------------------------------------------------------------- clusters
 
 
@@ -530,4 +544,5 @@ __all__ = [
     "sub_rn",
     "thread_sum",
     "warp_fold",
+    "weight_first",
 ]

@@ -96,12 +96,7 @@ def mainloop(cfg: sg.SkinnyConfig, w_tile, x, m, warp, lane, before_x=None) -> l
                          for tok in tokens]
 
     ahead = min(cfg.stages, cfg.steps)
-    for s in range(ahead):  # constant data: before the PDL wait
-        load_weight(s)
-    if before_x is not None:
-        before_x()
-    for s in range(ahead):
-        load_x(s)
+    ptx.weight_first(ahead, load_weight, load_x, before_x)
     zero = ptx.f32_const(0.0)
     acc = [[zero] * 4 for _ in range(cfg.n_tiles)]
     for s in range(cfg.steps):
