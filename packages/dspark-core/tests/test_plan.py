@@ -280,6 +280,10 @@ def test_a_declined_opt_in_kernel_says_it_is_opt_in():
     assert target.key() != ALL.without({policy.QKV_FRONT}).key() != ALL.key()
     with pytest.raises(ValueError, match="opt-in kernels"):
         Target(declined=frozenset({policy.BOUNDARY}))
+    # The switches name the opt-in kernels they ask for; opt_in declines the rest.
+    assert policy.asked_opt_ins() == frozenset()
+    assert policy.asked_opt_ins(qkv_front=True, gemv=True) == frozenset(policy.OPT_IN)
+    assert ALL.opt_in(policy.asked_opt_ins(gemv=True)).declined == {policy.QKV_FRONT}
 
 
 def test_attention_refuses_wide_heads_and_a_subclass():

@@ -108,7 +108,7 @@ def run_demo(
     # The QKV front's projection sums in its own order (not cuBLAS's): it is
     # opt-in (--front); without it the specialized decode is bit for bit.
     # Likewise the one-token GEMV projections (--gemv: the spec's stated order).
-    asked = {k for k, yes in ((policy.QKV_FRONT, front), (policy.GEMV, gemv)) if yes}
+    asked = policy.asked_opt_ins(front, gemv)
     build = executor_builder() if device.type == "cuda" else None
     options = {"qkv_front": front, **({"gemv": True} if gemv else {})}
     decode = build(model, **options) if build is not None else None

@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             kernels = frozenset(k for k in args.kernels.split(",") if k)
         target = Target(args.platform, args.arch, args.num_sms, args.tp, kernels, attention=args.attention)
-        target = target.opt_in({k for k, yes in ((policy.QKV_FRONT, args.front), (policy.GEMV, args.gemv)) if yes})
+        target = target.opt_in(policy.asked_opt_ins(args.front, args.gemv))
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

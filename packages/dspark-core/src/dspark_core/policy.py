@@ -199,6 +199,12 @@ class Target:
         return self.replace(kernels=self.kernels - kernels, excluded=self.excluded | kernels)
 
 
+def asked_opt_ins(qkv_front: bool = False, gemv: bool = False) -> frozenset[str]:
+    """The opt-in kernels (``OPT_IN``) a caller's switches ask for: the fused
+    QKV front and the one-token GEMV (``Target.opt_in`` declines the rest)."""
+    return frozenset(k for k, yes in ((QKV_FRONT, qkv_front), (GEMV, gemv)) if yes)
+
+
 def device_target(device, tp: int = 1) -> Target:
     """The planner's target for the torch ``device``: its platform,
     architecture and SM count, the TP size ``tp`` and the installed kernels

@@ -54,7 +54,13 @@ import torch
 from dspark_core.layers import capturing, linear, o_gate, residual_boundary
 from dspark_core.model import DraftModel, StepInputs, attend, check_inputs
 from dspark_core.plan import DraftPlan, plan_draft
-from dspark_core.policy import ATTENTION_VARIANTS, GEMV, QKV_FRONT, device_target  # noqa: F401 (re-exported)
+from dspark_core.policy import (  # noqa: F401 (ATTENTION_VARIANTS, GEMV and QKV_FRONT re-exported)
+    ATTENTION_VARIANTS,
+    GEMV,
+    QKV_FRONT,
+    asked_opt_ins,
+    device_target,
+)
 
 log = logging.getLogger("dspark.decode")
 # Bytes a row of each GEMM weight that the L2 prefetch brings in while the
@@ -470,8 +476,8 @@ def draft_plan(model: DraftModel, tp: int = 1, exclude=frozenset(), attention: s
     ``attention`` kernel variant (``ATTENTION_VARIANTS``; ValueError for
     another): the plan ``build_draft_decode`` runs, for a TP adapter to bind
     its parts to."""
-    asked = {k for k, yes in ((QKV_FRONT, qkv_front), (GEMV, gemv)) if yes}
-    target = device_target(next(model.parameters()).device, tp).without(exclude).opt_in(asked)
+    target = device_target(next(model.parameters()).device, tp).without(exclude)
+    target = target.opt_in(asked_opt_ins(qkv_front, gemv))
     return plan_draft(model, target.replace(attention=attention))
 
 
