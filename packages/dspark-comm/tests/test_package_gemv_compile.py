@@ -48,7 +48,7 @@ def test_one_row_gemv_compiles(arch, variant, tmp_path):
     _, n, k, mode, tp, rank, pdl = variant
     c = _constants(n, k)
     layout = MailboxLayout(tp, n, 16) if mode == "publish" else None
-    kernel = pv.PackageGemvKernel(pv.gemv_constants(c), mode, layout, rank, pdl)
+    kernel = pv.PackageGemvKernel(pv.one_row_constants(c), mode, layout, rank, pdl)
     ptx = compile_ptx(kernel, *pv.fake_args(), arch=arch)
     body = code(ptx)
     frags, rows = k // 256, gv.ROWS_PER_WARP
@@ -99,7 +99,7 @@ def test_refusals():
     assert why is not None and "256" in why
     why = pv.one_row_unsupported(_constants(8200, 1024), torch.zeros(8200, 1024, dtype=torch.bfloat16))
     assert why is not None and "16" in why
-    g = pv.gemv_constants(_constants(8192, 4096))
+    g = pv.one_row_constants(_constants(8192, 4096))
     assert (g.n, g.k, g.role) == (8192, 4096, "o_proj")
     with pytest.raises(ValueError, match="MailboxLayout"):
         pv.PackageGemvKernel(g, "publish", None, 0, True)

@@ -177,6 +177,22 @@ def st_relaxed_sys_b32_if(addr, word, token, m, *, loc=None, ip=None) -> None:
             "l,r,r,r", True, loc, ip)
 
 
+def check_mode(n: int, mode: str, layout: MailboxLayout | None, rank: int) -> None:
+    """ValueError with a sentence unless a package GEMM kernel of ``n``
+    output features can run in ``mode``: plain, or publishing into a mailbox
+    of ``layout`` (``n`` columns) as ``rank`` of its TP group."""
+    if mode not in MODES:
+        raise ValueError(f"a package GEMM mode is one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "publish":
+        if not isinstance(layout, MailboxLayout):
+            raise ValueError("a publishing package GEMM needs the mailbox's MailboxLayout")
+        if layout.hidden_size != n:
+            raise ValueError(f"a package GEMM of {n} output features cannot publish into a mailbox of "
+                             f"{layout.hidden_size} columns")
+        if not 0 <= rank < layout.tp:
+            raise ValueError(f"rank {rank} is outside a TP group of {layout.tp}")
+
+
 # ---------------------------------------------------------------- the kernel
 
 
@@ -190,8 +206,6 @@ class PackageGemmKernel:
 
     def __init__(self, n: int, cfg: sg.SkinnyConfig, mode: str, layout: MailboxLayout | None, rank: int,
                  pdl: bool, early_epochs: bool = False, tile_rows: int = sg.TILE_ROWS) -> None:
-        if mode not in MODES:
-            raise ValueError(f"a package GEMM mode is one of {', '.join(MODES)}, not {mode!r}")
         if tile_rows not in TILE_ROWS:
             raise ValueError(f"a package GEMM CTA computes {' or '.join(map(str, TILE_ROWS))} output features, "
                              f"not {tile_rows}")
@@ -199,14 +213,7 @@ class PackageGemmKernel:
             raise ValueError(f"the package GEMM computes {tile_rows} output features per CTA; N = {n} is not a "
                              f"positive multiple of {tile_rows}")
         _check_group(cfg.group, tile_rows)
-        if mode == "publish":
-            if not isinstance(layout, MailboxLayout):
-                raise ValueError("a publishing package GEMM needs the mailbox's MailboxLayout")
-            if layout.hidden_size != n:
-                raise ValueError(f"a package GEMM of {n} output features cannot publish into a mailbox of "
-                                 f"{layout.hidden_size} columns")
-            if not 0 <= rank < layout.tp:
-                raise ValueError(f"rank {rank} is outside a TP group of {layout.tp}")
+        check_mode(n, mode, layout, rank)
         self.n, self.cfg, self.mode, self.layout, self.rank, self.pdl = n, cfg, mode, layout, rank, pdl
         self.early_epochs = bool(early_epochs) and mode == "publish"
         self.tile_rows = tile_rows
@@ -242,8 +249,9 @@ def smem_bytes(cfg: sg.SkinnyConfig, tile_rows: int) -> int:
     return sd.red_bytes(cfg) if tile_rows == sd.TILE_ROWS else cfg.smem_bytes
 
 
-def _prologue(k: PackageGemmKernel, table, m, rounds: int, token_of) -> tuple:
-    """``(bases, early, before_x)`` of either main loop: the mailbox's address
+def kernel_prologue(k: PackageGemmKernel, table, m, rounds: int, token_of) -> tuple:
+    """``(bases, early, before_x)`` of every package GEMM kernel (both main
+    loops here, the one-row GEMV in ``package_gemv``): the mailbox's address
     table (publishing; constant, so read before the PDL wait); the list that
     ``before_x`` fills with each epilogue round's epoch (early epochs: round
     ``r``'s token ``token_of(r)``, clamped to ``m - 1``); ``before_x`` (the
@@ -267,7 +275,8 @@ def _gemm_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp,
     cfg = k.cfg
     publish = k.mode == "publish"
     rounds = epilogue_rounds(cfg)
-    bases, early, before_x = _prologue(k, table, m, rounds, lambda rnd: Int32(epilogue_token(cfg, warp, rnd)))
+    bases, early, before_x = kernel_prologue(k, table, m, rounds,
+                                             lambda rnd: Int32(epilogue_token(cfg, warp, rnd)))
     w_tile = Int64(weight) + Int64(tile) * (sg.TILE_ROWS * cfg.k * 2)
     part = sg.k_slice(cfg, warp, tile)  # this warp's K-slice, and the index of its partial
     acc = sg.mainloop(cfg, w_tile, Int64(x), m, ring, tidx, part, lane, before_x=before_x)
@@ -282,10 +291,10 @@ def _gemm_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp,
         word = ptx.pack_bf16x2_rn(a, b)
         # Publishing, a token at or beyond m reads row m - 1's epoch and stores nothing.
         tok_c = cutlass.min(tok, m - 1) if publish else tok
-        _emit(k, bases, out, word, tok, tok_c, col, m, early[rnd] if k.early_epochs else None)
+        emit_word(k, bases, out, word, tok, tok_c, col, m, early[rnd] if k.early_epochs else None)
 
 
-def _emit(k: PackageGemmKernel, bases, out, word, tok, tok_c, col, m, epoch=None) -> None:
+def emit_word(k: PackageGemmKernel, bases, out, word, tok, tok_c, col, m, epoch=None) -> None:
     """Store ``word`` (columns ``col``, ``col + 1`` of token ``tok``) if
     ``tok < m``: plain, at ``out[tok_c, col]``; publishing, encoded into slot
     (epoch, rank, ``tok_c``) of every rank's mailbox, the epoch the row's
@@ -308,7 +317,7 @@ def _direct_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, war
     thread ``tidx`` of round ``r`` takes one output word (``epilogue_word``)."""
     cfg = k.cfg
     rounds = sd.epilogue_rounds(cfg)
-    bases, early, before_x = _prologue(k, table, m, rounds, lambda rnd: words[rnd][0])
+    bases, early, before_x = kernel_prologue(k, table, m, rounds, lambda rnd: words[rnd][0])
     w_tile = Int64(weight) + Int64(tile) * (sd.TILE_ROWS * cfg.k * 2)
     words = [sd.epilogue_word(cfg, Int32(tidx), rnd) for rnd in range(rounds)]
     part = sg.k_slice(cfg, warp, tile)  # as _gemm_body
@@ -322,7 +331,7 @@ def _direct_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, war
         a, b = sd.reduced_pair(cfg, red, tok_c, row)
         word = ptx.pack_bf16x2_rn(a, b)
         col = Int64(tile) * sd.TILE_ROWS + Int64(row)
-        _emit(k, bases, out, word, tok, tok_c, col, m, early[rnd] if k.early_epochs else None)
+        emit_word(k, bases, out, word, tok, tok_c, col, m, early[rnd] if k.early_epochs else None)
 
 
 def fake_args() -> tuple:
@@ -590,12 +599,15 @@ __all__ = [
     "PackageGemm",
     "PackageGemmKernel",
     "check_constants",
+    "check_mode",
     "compile_package_gemm",
     "default_shape",
+    "emit_word",
     "epilogue_rounds",
     "epilogue_token",
     "error_bound",
     "fake_args",
+    "kernel_prologue",
     "output_column",
     "plain_offset",
     "projection_error_bound",

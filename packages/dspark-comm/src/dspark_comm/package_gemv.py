@@ -42,18 +42,16 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
 
-from dspark_comm import device as dev
-from dspark_comm.package_gemm import MODES, publish_offset, st_relaxed_sys_b32_if
+from dspark_comm.package_gemm import check_mode, emit_word, kernel_prologue
 from dspark_comm.protocol import MailboxLayout
 from dspark_core.constants import GemvConstants, PackageGemmConstants
 from dspark_core.gemv import gemv_unsupported
 from dspark_cute import gemv as gv
 from dspark_cute import ptx
 from dspark_cute.host import CompileCache, compile_kernel, fake_stream
-from dspark_cute.qkv_front import st_global_b32_if
 
 
-def gemv_constants(constants: PackageGemmConstants) -> GemvConstants:
+def one_row_constants(constants: PackageGemmConstants) -> GemvConstants:
     """The GEMV's constants of a package GEMM's (``N = hidden_size``, ``K =
     k_shard``)."""
     return GemvConstants(constants.role, constants.hidden_size, constants.k_shard)
@@ -68,7 +66,7 @@ def one_row_unsupported(constants: PackageGemmConstants, weight: torch.Tensor,
     if why is not None:
         return why
     try:
-        gv.check_settings(gemv_constants(constants), rows_per_warp, depth)
+        gv.check_settings(one_row_constants(constants), rows_per_warp, depth)
     except ValueError as e:
         return str(e)
     return None
@@ -90,18 +88,11 @@ class PackageGemvKernel:
     def __init__(self, constants: GemvConstants, mode: str, layout: MailboxLayout | None, rank: int, pdl: bool,
                  rows_per_warp: int = gv.ROWS_PER_WARP, depth: int = gv.DEPTH) -> None:
         gv.check_settings(constants, rows_per_warp, depth)
-        if mode not in MODES:
-            raise ValueError(f"a package GEMM mode is one of {', '.join(MODES)}, not {mode!r}")
-        if mode == "publish":
-            if not isinstance(layout, MailboxLayout):
-                raise ValueError("a publishing package GEMM needs the mailbox's MailboxLayout")
-            if layout.hidden_size != constants.n:
-                raise ValueError(f"a package GEMM of {constants.n} output features cannot publish into a mailbox "
-                                 f"of {layout.hidden_size} columns")
-            if not 0 <= rank < layout.tp:
-                raise ValueError(f"rank {rank} is outside a TP group of {layout.tp}")
+        check_mode(constants.n, mode, layout, rank)
         self.n, self.k = constants.n, constants.k
         self.mode, self.layout, self.rank, self.pdl = mode, layout, rank, bool(pdl)
+        # Row 0's epoch is read right after the PDL wait (package_gemm.kernel_prologue).
+        self.early_epochs = mode == "publish"
         self.rows, self.depth = rows_per_warp, depth
 
     @cute.jit
@@ -119,32 +110,17 @@ class PackageGemvKernel:
 
 
 def _body(k: PackageGemvKernel, x, weight, out, table, warp_id, lane) -> None:
-    publish = k.mode == "publish"
-    # The address table is constant: read before the PDL wait.
-    bases = [dev.ld_u64(Int64(table) + 8 * r) for r in range(k.layout.tp)] if publish else None
-    epoch: list = []
-
-    def before_x() -> None:
-        if k.pdl:
-            ptx.pdl_wait()
-        if publish:  # row 0's epoch, after the wait (the previous consumer has finished with the slot)
-            epoch.append(dev.ld_relaxed_u32(bases[k.rank]))
-
-    row0, sums = gv.mainloop(k.k, k.rows, k.depth, x, weight, warp_id, lane,
-                             before_x=before_x if k.pdl or publish else None)
+    # The package GEMM's prologue and stores with one token (row 0) and one
+    # epilogue round: the table before the PDL wait, row 0's epoch after it.
+    one = Int32(1)
+    bases, early, before_x = kernel_prologue(k, table, one, 1, lambda rnd: Int32(0))
+    row0, sums = gv.mainloop(k.k, k.rows, k.depth, x, weight, warp_id, lane, before_x=before_x)
     if k.pdl:
         ptx.pdl_launch_dependents()
     for pair in range(k.rows // 2):
         word = ptx.pack_bf16x2_rn(sums[2 * pair], sums[2 * pair + 1])
-        col = row0 + 2 * pair
-        # Every lane holds the same sums; lane 0 stores (lane < 1).
-        if publish:
-            encoded = dev.encode(word)
-            for peer in range(k.layout.tp):
-                addr = bases[peer] + publish_offset(k.layout, Int64(epoch[0]), k.rank, Int64(0), col)
-                st_relaxed_sys_b32_if(addr, encoded, Int32(lane), Int32(1))
-        else:
-            st_global_b32_if(Int64(out) + col * 2, word, Int32(lane), Int32(1))
+        # Every lane holds the same sums; lane 0 stores ("token" lane < m = 1).
+        emit_word(k, bases, out, word, Int32(lane), 0, row0 + 2 * pair, one, early[0] if k.early_epochs else None)
 
 
 def fake_args() -> tuple:
@@ -159,12 +135,12 @@ def compile_package_gemv(constants: PackageGemmConstants, mode: str, layout: Mai
                          pdl: bool, rows_per_warp: int = gv.ROWS_PER_WARP, depth: int = gv.DEPTH):
     """The compiled one-row kernel of one variant, once per process
     (RuntimeError during CUDA graph capture)."""
-    g = gemv_constants(constants)
+    g = one_row_constants(constants)
     key = ("package_gemv", g.key(), mode, layout if mode == "publish" else None, rank if mode == "publish" else 0,
            bool(pdl), rows_per_warp, depth)
     return _CACHE.get(key, lambda: compile_kernel(
         PackageGemvKernel(g, mode, layout, rank, pdl, rows_per_warp, depth), *fake_args(), what="PackageGemv"))
 
 
-__all__ = ["PackageGemvKernel", "compile_package_gemv", "fake_args", "gemv_constants", "one_row_unsupported",
+__all__ = ["PackageGemvKernel", "compile_package_gemv", "fake_args", "one_row_constants", "one_row_unsupported",
            "published_columns"]
