@@ -440,8 +440,9 @@ class PackageGemm:
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
                  group: int = 1, rotate: bool = False, pdl: bool | None = None,
                  early_epochs: bool = True, one_row_gemv: bool = False) -> None:
-        kw, st = default_shape(constants, k_warps, stages)
-        depth = {nt: default_shape(constants, kw, stages, nt)[1] for nt in (1, 2)}
+        shapes = {nt: default_shape(constants, k_warps, stages, nt) for nt in (1, 2)}
+        kw = shapes[2][0]  # the same for both token tiles (the sums must not depend on m)
+        depth = {nt: st for nt, (_, st) in shapes.items()}
         c = constants
         _check_group(group, c.tile_n)
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
@@ -471,9 +472,7 @@ class PackageGemm:
         self.constants, self.weight, self.mailbox = c, weight, mailbox
         self.rank = 0 if rank is None else rank
         self.device = weight.device
-        # stages: the m <= 16 variant's (the m <= 8 one may differ: stages_by_tiles).
-        self.k_warps, self.stages, self.group = kw, st, group
-        self.stages_by_tiles = depth
+        self.k_warps, self.stages_by_tiles = kw, depth
         self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
         self.early_epochs = bool(early_epochs)
         self.one_row_gemv = bool(one_row_gemv)
@@ -483,6 +482,11 @@ class PackageGemm:
             why = one_row_unsupported(c, weight)
             if why is not None:
                 raise ValueError(f"the one-row GEMV cannot take this package GEMM: {why}")
+
+    @property
+    def stages(self) -> int:
+        """The m <= 16 variant's stages (the m <= 8 one's may differ: ``stages_by_tiles``)."""
+        return self.stages_by_tiles[2]
 
     @property
     def max_rows(self) -> int:
