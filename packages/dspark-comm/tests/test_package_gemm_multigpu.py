@@ -181,7 +181,7 @@ def check_publish(c):
             consume.launch(m, None, (d,))
             res[f"allreduce/{order}/m{m}"] = bad(a, b) + bad(b, nccl(y)) + bad(a, e) + bad(a, d)
             # One row on the GEMV: the spec's bits, published as they are; more rows: gemm's.
-            y1 = one_row.run(x)
+            y1 = one_row.run(x, torch.full_like(y, float("nan")))  # poisoned: an unwritten element shows
             a1 = pushed.run(y1)
             one_row.run(x, publish=True)
             g = torch.full_like(a, 7.0)
