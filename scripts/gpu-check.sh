@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU suite and the benchmarks, on a device machine, each step under its own time
 # limit, with a short summary table last. Pick steps by name (default: gpu multigpu bench):
-#   bash scripts/gpu-check.sh [gpu] [decode] [multigpu] [bench] [demo] [bench-kernels] [bench-tp2] [demo-tp2] [sweep]
+#   bash scripts/gpu-check.sh [gpu] [decode] [multigpu] [bench] [demo] [bench-kernels] [bench-tp2] [demo-tp2] [sweep] [sweep-quick]
 # On this project's device machines one call stays under 10 minutes, so split the steps
 # (gpu alone takes about 4-5 minutes):
 #   run(command="bash scripts/gpu-check.sh gpu", carry=[".device"], kind="nvidia-h200")
@@ -57,6 +57,9 @@ if wanted bench-tp2; then
 fi
 if wanted sweep; then
   step package-gemm-sweep 560 python scripts/probes/package_gemm_sweep.py
+fi
+if wanted sweep-quick; then  # the policy's k_warps only, K >= 2048, m 1 / 4 / 16 (about 3 minutes)
+  step package-gemm-sweep-quick 300 python scripts/probes/package_gemm_sweep.py --quick
 fi
 if wanted demo-tp2; then
   step demo-tp2 150 python -m dspark_core.demo --tp 2

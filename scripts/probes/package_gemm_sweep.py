@@ -1,32 +1,37 @@
 """Probe (not part of any package): which main-loop shape of the package GEMM
 (plain epilogue) is fastest at the TP shards of issue 6 (N = 8192, K in
-{1024, 4096, 8192}, m in {1, 4, 16}), against cuBLAS, on one GPU.
+{1024, 2048, 4096, 8192}, m in {1, 2, 4, 16}), against cuBLAS, on one GPU.
 
 Variants: the ring main loop (tile_n 64) for ``k_warps`` in {4, 8, 16} and
 ``stages`` up to 8 (shared memory up to 227 KB); the register-direct one
 (tile_n 16) for the same ``k_warps``, ``(stages, group)`` in-flight depths
-and refill bursts (``skinny_direct.mainloop``); a few of both with rotated
-K-slices (``SkinnyConfig.rotate``: does the ring's m = 1 penalty come from
-every CTA reading the same x line at once?); and at m = 1 the one-row GEMV
-path (``one_row_gemv=True``), checked bit for bit against
-``dspark_core.gemv.gemv``. ``k_warps`` is part of the
-sum order; every variant of one ``k_warps`` must give the same bits, which
-the probe checks on the GPU (m = 16, against the ring loop of that
+and refill bursts (``skinny_direct.mainloop``); the ring with x through
+registers (``SkinnyConfig.x_regs``) for 4 and 8 warps; and at m = 1 the
+one-row GEMV path (``one_row_gemv=True``), checked bit for bit against
+``dspark_core.gemv.gemv``. ``--quick`` (about 3 minutes): K >= 2048, m in
+{1, 4, 16}, the ring at the policy's ``k_warps`` (4 and 8) with x in the
+ring and in registers, and the GEMV. ``k_warps`` is part of the sum order;
+every variant of one ``k_warps`` must give the same bits, which the probe
+checks on the GPU (m = 1 and m = 16, against the first ring variant of that
 ``k_warps``).
 
-Measured on an H200 (2026-11-30, before K = 2048, m = 2 and the rotated
-variants were added; us, L2 timing, plain epilogue):
+Measured on an H200 (2026-11-30; us, L2 timing, plain epilogue; full sweep):
 
-| K | m | cuBLAS | best ring (kw, st) | best direct (kw, st, group) |
-|---|---|---|---|---|
-| 1024 | 1 / 4 / 16 | 5.34 / 4.97 / 4.76 | 5.63 / 4.97 / 4.73 (16, 2) | 3.49 / 3.55 / 4.23 (kw 4-8) |
-| 4096 | 1 / 4 / 16 | 18.78 / 18.68 / 18.93 | 21.27 / 18.78 / 18.90 (4, 6) | 20.01 / 20.23 / 21.08 |
-| 8192 | 1 / 4 / 16 | 34.16 / 33.77 / 34.16 | 35.43 / 34.78 (8, 4) / 34.22 (4, 6) | 44.75 / 45.18 / 42.64 |
+| K | m | cuBLAS | best ring (kw, st) | best direct (kw, st, group) | one-row GEMV |
+|---|---|---|---|---|---|
+| 1024 | 1 / 4 / 16 | 5.50 / 5.07 / 4.88 | 5.64 / 4.99 / 4.71 (16, 2) | 3.41 / 3.54 / 4.23 (kw 4) | 3.28 |
+| 2048 | 1 / 4 / 16 | 7.80 / 7.45 / 7.02 | 8.29 / 7.38 / 6.91 | 5.80 / 5.96 / 6.36 | 8.09 |
+| 4096 | 1 / 4 / 16 | 18.68 / 18.86 / 19.14 | 20.81 / 18.62 / 18.97 | 19.98 / 20.22 / 21.26 | 18.24 |
+| 8192 | 1 / 4 / 16 | 34.20 / 34.37 / 34.11 | 35.86 / 34.10 / 34.90 | 44.21 / 44.58 / 42.24 | 35.98 |
 
-HBM timings matched L2 ones from K = 4096 on; at K = 1024 cuBLAS took 6.8
-from HBM. Refill bursts did not help the direct loop. The ring is slower
-at m = 1 than at m = 4 with the same kernel (21.3 against 18.8 at K =
-4096), which the direct loop (x through L1) is not.
+HBM timings matched L2 ones from K = 4096 on (the weight no longer fits in
+L2); at K = 2048 from HBM the direct loop wins at 8 warps (8 steps a warp),
+not at 4 (16 steps): ``policy.DIRECT_MAX_STEPS``. Refill bursts did not
+help the direct loop. Rotated K-slices (CTA c's warp w on slice (w + c) mod
+W_K, since removed) did not remove the ring's m = 1 penalty; x through
+registers did (``--quick``, m = 1, K = 2048 / 4096 / 8192: 6.13 / 18.65 /
+35.26 against the ring's 8.68 / 20.78 / 38.53; at m = 16 it is slower,
+43.68 against 34.53 at K = 8192): ``package_gemm.RING_X_DEPTH``.
 
 Two timings per call, CUDA graphs of back-to-back calls: ``l2``, the same
 weight every call (as ``bench_package_gemm``: a K = 1024 shard stays in
@@ -35,7 +40,7 @@ L2), and ``hbm``, rotating over weight copies of >= 320 MB a cycle.
 Prints the best of each loop per (K, m, timing) and writes every row to
 ``$OUT/package_gemm_sweep.json``. Run on one GPU with the packages on
 PYTHONPATH (as ``scripts/gpu-check.sh`` sets it):
-``python scripts/probes/package_gemm_sweep.py``."""
+``python scripts/probes/package_gemm_sweep.py [--quick]``."""
 import json
 import os
 import sys
@@ -58,19 +63,29 @@ CALLS = 20
 HBM_BYTES = 320 << 20
 
 
-# Rotated K-slices (SkinnyConfig.rotate), tried on these shapes: (loop, k_warps, stages).
-ROTATED = (("ring", 4, 6), ("ring", 8, 4), ("direct", 4, 8), ("direct", 4, 4))
+# The ring main loop with x through registers (SkinnyConfig.x_regs): (k_warps, stages).
+X_REGS = ((4, 4), (4, 6), (4, 8), (8, 4), (8, 5), (8, 6))
+# --quick: the policy's k_warps (4: o_proj, 8: down_proj) on the ring, plain and x_regs.
+QUICK_KS = (2048, 4096, 8192)
+QUICK_ROWS = (1, 4, 16)
+QUICK_RING = ((4, 4), (4, 6), (8, 4))
 
 
-def variants(k: int):
-    for kw in KWS:
-        split = kw // 4
-        for st in RING_STAGES:
-            yield ("ring", kw, st, 1, False, PackageGemmConstants("o_proj", H, k, 64, split, 16))
-        for st, grp in DIRECT:
-            yield ("direct", kw, st, grp, False, PackageGemmConstants("o_proj", H, k, 16, split, 16))
-    for loop, kw, st in ROTATED:
-        yield (loop, kw, st, 1, True, PackageGemmConstants("o_proj", H, k, 64 if loop == "ring" else 16, kw // 4, 16))
+def variants(k: int, quick: bool):
+    """(loop, k_warps, stages, group, x_regs, constants) of every variant at ``k``."""
+    def ring(kw, st, x_regs=False):
+        return ("ring x_regs" if x_regs else "ring", kw, st, 1, x_regs,
+                PackageGemmConstants("o_proj", H, k, 64, kw // 4, 16))
+
+    if quick:
+        yield from (ring(kw, st) for kw, st in QUICK_RING)
+    else:
+        for kw in KWS:
+            for st in RING_STAGES:
+                yield ring(kw, st)
+            for st, grp in DIRECT:
+                yield ("direct", kw, st, grp, False, PackageGemmConstants("o_proj", H, k, 16, kw // 4, 16))
+    yield from (ring(kw, st, True) for kw, st in X_REGS)
 
 
 def _save(seed: int, rows: list) -> None:
@@ -86,6 +101,8 @@ def timed(fns) -> float:
 
 
 def main() -> int:
+    quick = "--quick" in sys.argv[1:]
+    ks, rows_m = (QUICK_KS, QUICK_ROWS) if quick else (KS, ROWS)
     pg.MAX_SMEM_BYTES = 227 * 1024  # the probe may go past the package's own cap
     seed = int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31))
     print(f"seed {seed}; {torch.cuda.get_device_name()}", flush=True)
@@ -93,22 +110,21 @@ def main() -> int:
     rows = []
     mismatches = 0
     t0 = time.time()
-    for k in KS:
+    for k in ks:
         copies = max(2, -(-HBM_BYTES // (H * k * 2)))
         ws = [(torch.randn((H, k), generator=gen, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies)]
-        xs = {m: (torch.randn((m, k), generator=gen, device="cuda")).to(torch.bfloat16) for m in ROWS}
-        ys = {m: torch.empty((m, H), dtype=torch.bfloat16, device="cuda") for m in ROWS}
-        for m in ROWS:
+        xs = {m: (torch.randn((m, k), generator=gen, device="cuda")).to(torch.bfloat16) for m in set(rows_m) | {1, 16}}
+        ys = {m: torch.empty((m, H), dtype=torch.bfloat16, device="cuda") for m in xs}
+        for m in rows_m:
             x, y = xs[m], ys[m]
             fn = [lambda w=w, x=x, y=y: torch.matmul(x, w.t(), out=y) for w in ws]
             for mode, fns in (("l2", fn[:1]), ("hbm", fn)):
                 us = timed(fns)
                 rows.append({"k": k, "m": m, "timing": mode, "loop": "cublas", "us": us})
         ref = {}
-        for loop, kw, st, grp, rot, c in variants(k):
-            loop = loop + (" rotated" if rot else "")
+        for loop, kw, st, grp, x_regs, c in variants(k, quick):
             try:
-                gemms = [pg.PackageGemm(c, w, k_warps=kw, stages=st, group=grp, rotate=rot) for w in ws]
+                gemms = [pg.PackageGemm(c, w, k_warps=kw, stages=st, group=grp, x_regs=x_regs) for w in ws]
                 gemms[0].prepare(publish=(False,))
             except ValueError as e:  # a shape the loop cannot take (K, stages, smem)
                 print(f"  skip {loop} kw{kw} st{st} g{grp} K{k}: {e}", flush=True)
@@ -116,16 +132,15 @@ def main() -> int:
             except Exception as e:  # a compile failure is a finding, not the end of the sweep
                 print(f"  FAIL {loop} kw{kw} st{st} g{grp} K{k}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            out = gemms[0].run(xs[16])
-            torch.cuda.synchronize()
-            bits = out.view(torch.int16)
-            if kw not in ref:
-                ref[kw] = bits.clone()
-            elif not torch.equal(ref[kw], bits):
-                mismatches += 1
-                print(f"  MISMATCH {loop} kw{kw} st{st} g{grp} K{k}: "
-                      f"{int((ref[kw] != bits).sum())} BF16 words differ", flush=True)
-            for m in ROWS:
+            for mc in (1, 16):  # both token tiles
+                bits = gemms[0].run(xs[mc]).view(torch.int16)
+                if (kw, mc) not in ref:
+                    ref[kw, mc] = bits.clone()
+                elif not torch.equal(ref[kw, mc], bits):
+                    mismatches += 1
+                    print(f"  MISMATCH {loop} kw{kw} st{st} g{grp} K{k} m{mc}: "
+                          f"{int((ref[kw, mc] != bits).sum())} BF16 words differ", flush=True)
+            for m in rows_m:
                 x, y = xs[m], ys[m]
                 for mode, gs in (("l2", gemms[:1]), ("hbm", gemms)):
                     us = timed([lambda g=g, x=x, y=y: g.launch(x, y) for g in gs])
@@ -152,10 +167,10 @@ def main() -> int:
         ws = gemms = gemvs = None  # free this K's copies before the next
         torch.cuda.empty_cache()
     print("\n| K | m | timing | cuBLAS | best ring (kw, st) | best direct (kw, st, group) | best direct kw4 | "
-          "ring kw4 st6: plain / rotated | direct kw4 st8: plain / rotated | one-row GEMV |")
+          "best ring x_regs (kw, st) | ring x_regs kw4 / kw8 | one-row GEMV |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for k in KS:
-        for m in ROWS:
+    for k in ks:
+        for m in rows_m:
             for mode in ("l2", "hbm"):
                 sel = [r for r in rows if r["k"] == k and r["m"] == m and r["timing"] == mode]
                 cub = next(r["us"] for r in sel if r["loop"] == "cublas")
@@ -172,15 +187,12 @@ def main() -> int:
 
                 gemv_cell = next((f"{r['us']:.2f}" for r in sel if r["loop"] == "gemv"), "-")
 
-                def pair(loop, st, sel=sel):
-                    got = [next((f"{r['us']:.2f}" for r in sel if r["loop"] == name and r["k_warps"] == 4
-                                 and r["stages"] == st and r["group"] == 1), "-")
-                           for name in (loop, loop + " rotated")]
-                    return " / ".join(got)
+                xr = [r for r in sel if r["loop"] == "ring x_regs"]
+                by_kw = " / ".join(fmt([r for r in xr if r["k_warps"] == kw], ("stages",)) for kw in (4, 8))
 
                 print(f"| {k} | {m} | {mode} | {cub:.2f} | {fmt(ring, ('k_warps', 'stages'))} | "
                       f"{fmt(direct, ('k_warps', 'stages', 'group'))} | {fmt(d4, ('stages', 'group'))} | "
-                      f"{pair('ring', 6)} | {pair('direct', 8)} | {gemv_cell} |")
+                      f"{fmt(xr, ('k_warps', 'stages'))} | {by_kw} | {gemv_cell} |")
     print(f"\nbit mismatches within a k_warps: {mismatches}")
     return 1 if mismatches else 0
 

@@ -1,7 +1,7 @@
 """TP2 benchmark of the package GEMM (two GPUs, one process each).
 
-Ran on two H200s (2026-11-30), all but the one-row GEMV rows and the
-profiled cuBLAS row (added after; not yet run on a GPU).
+Ran on two H200s (2026-11-30), every row (the table is in the package's
+README).
 
 For K in {1024, 4096, 8192} (the rank's shard) and m in {1, 4, 16} rows,
 N = H = 8192 output features, each case timed in a CUDA graph of ``--iters``
@@ -10,7 +10,7 @@ barrier before each replay; the table shows the slower rank's median):
 
 - ``package GEMM``: ``PackageGemm.run(x, out)`` (plain epilogue) at the
   policy's shape (``policy.draft_gemm_shape``: the register-direct main loop
-  for K <= ``DIRECT_MAX_K``, the ring above), and the same on the other main
+  for shards of at most ``DIRECT_MAX_STEPS`` steps per warp, the ring above), and the same on the other main
   loop (the same bits), each with its publish kernel alone (profiler);
 - the one-row GEMV path (``one_row_gemv=True``, m = 1): plain, and its
   publish kernel alone (profiler);
@@ -179,7 +179,8 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
         for g in (gemm, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl, *(one_row or ())):
             g.prepare()
         results[f"shape/{k}"] = (f"tile_n {s.tile_n}, k_warps {gemm.k_warps}, stages "
-                                 f"{gemm.stages_by_tiles[1]} / {gemm.stages_by_tiles[2]} (m <= 8 / 16)")
+                                 f"{gemm.stages_by_tiles[0]} / {gemm.stages_by_tiles[1]} / {gemm.stages_by_tiles[2]}"
+                                 f" (m = 1{', x through registers' if gemm.configs[0].x_regs else ''} / <= 8 / <= 16)")
         for m in ROWS:
             fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl,
                          one_row)

@@ -171,11 +171,11 @@ def audit(body: str, cfg: sg.SkinnyConfig, mode: str, tp: int, pdl: bool) -> Non
     for op in re.findall(r"\b(?:add|sub|mul|div)(?:\.\w+)*\.f32\b", body):
         assert ".rn." in op, f"an FP32 operation without an explicit rounding: {op}"
     assert count(body, r"\badd\.rn\.f32") == (cfg.k_warps - 1) * 2 * pg.epilogue_rounds(cfg)
-    # The weight (and x) stream: 16-byte cp.async copies only.
+    # The weight (and x, unless x_regs) stream: 16-byte cp.async copies only.
     copies = re.findall(r"\bcp\.async[.\w:]*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\d+);", body)
     assert copies and all(size == "16" for size in copies), "a cp.async other than 16 bytes"
-    assert len(copies) == cfg.steps * cfg.loads
-    assert count(body, r"\bcp\.async\.cg\.shared\.global\.L2::256B\b") == cfg.steps * cfg.loads
+    assert len(copies) == cfg.steps * cfg.ring_loads
+    assert count(body, r"\bcp\.async\.cg\.shared\.global\.L2::256B\b") == cfg.steps * cfg.ring_loads
     assert count(body, r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32") == (
         cfg.steps * 2 * sg.MMA_TILES * cfg.n_tiles)
     assert count(body, r"\bbar\.sync\b") == 2
@@ -183,6 +183,9 @@ def audit(body: str, cfg: sg.SkinnyConfig, mode: str, tp: int, pdl: bool) -> Non
     assert count(body, r"\bcvt\.rn\.bf16x2\.f32") == rounds
     stores = re.findall(r"\bst\.[\w.]*global[\w.]*", body)
     loads = re.findall(r"\bld\.[\w.]*global[\w.]*", body)
+    x_loads = cfg.steps * cfg.n_tiles if cfg.x_regs else 0  # x's 16-byte loads into registers
+    assert loads.count("ld.global.v4.b32") == x_loads
+    loads = [op for op in loads if op != "ld.global.v4.b32"]
     if mode == "publish":
         assert stores == ["st.relaxed.sys.global.b32"] * (rounds * tp), stores
         assert sorted(set(loads)) == ["ld.global.b64", "ld.relaxed.gpu.global.b32"], loads
@@ -198,7 +201,9 @@ def audit(body: str, cfg: sg.SkinnyConfig, mode: str, tp: int, pdl: bool) -> Non
         head, sep, tail = body.partition("griddepcontrol.wait")
         assert sep, "no PDL wait"
         assert count(head, r"\bcp\.async\.cg") == sg.W_LOADS * cfg.stages, "not exactly the weight prologue"
-        assert "commit_group" not in head and "ld.relaxed" not in head
+        # (x_regs: each prologue step's weight is its own commit group.)
+        assert count(head, r"\bcp\.async\.commit_group") == (cfg.stages if cfg.x_regs else 0)
+        assert "ld.relaxed" not in head and count(head, r"\bld\.global\.v4\b") == 0
         assert count(head, r"\bld\.global\.b64") == (tp if mode == "publish" else 0)
         _, sep, after = tail.rpartition("mma.sync")
         assert sep and "griddepcontrol.launch_dependents" in after.partition("bar.sync")[0]
@@ -238,6 +243,55 @@ def test_package_gemm_compiles(arch, variant, tmp_path):
         assert "0 bytes spill stores" in report
 
 
+# x through registers (SkinnyConfig.x_regs): (label, constants, stages or None, n_tiles, mode, pdl)
+X_REGS = [
+    ("down-tp2-k8192-pub-st6", _constants("down_proj", 8192, 8192), None, 2, "publish", True),
+    ("o_proj-tp2-k4096-plain-nt1", _constants("o_proj", 8192, 4096), None, 1, "plain", True),
+    ("o_proj-k2048-plain-nopdl", _constants("o_proj", 8192, 2048), 4, 2, "plain", False),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", X_REGS, ids=[v[0] for v in X_REGS])
+def test_x_through_registers_compiles(arch, variant, tmp_path):
+    """The ring main loop with x loaded into registers: the weight's copies
+    alone in the ring, x's ``ld.global.v4`` loads after the PDL wait, the
+    same MMAs and stores as with x in the ring (``audit``), and the room for
+    more stages: 5 of 8 warps at 16 tokens (4 with x in the ring)."""
+    from dspark_cute.host import compile_ptx
+
+    _, c, st, nt, mode, pdl = variant
+    kw, st = pg.default_shape(c, None, st, nt, x_regs=True)
+    cfg = sg.SkinnyConfig(c.k_shard, kw, st, nt, x_regs=True)
+    assert cfg.smem_bytes <= pg.MAX_SMEM_BYTES
+    layout = MailboxLayout(2, c.hidden_size, 16) if mode == "publish" else None
+    ptx = compile_ptx(pg.PackageGemmKernel(c.hidden_size, cfg, mode, layout, 0, pdl), *pg.fake_args(), arch=arch)
+    audit(code(ptx), cfg, mode, 2, pdl)
+    report = ptxas_report(ptx, arch, tmp_path)
+    if report and arch == "sm_90a":
+        assert "0 bytes spill stores" in report, report
+
+
+def test_x_through_registers_shapes():
+    """x_regs leaves the ring to the weight (W_LOADS copies a step), so the
+    default depth goes deeper where x's copies made it stop short (8 warps,
+    16 tokens: 5 stages of 32 KB within MAX_SMEM_BYTES, against 4 of 40 KB);
+    the register-direct loop refuses it."""
+    c = _constants("down_proj", 8192, 8192)
+    assert pg.MAX_SMEM_BYTES == 160 * 1024
+    assert pg.default_shape(c) == (8, 4) and pg.default_shape(c, x_regs=True) == (8, 5)
+    cfg = sg.SkinnyConfig(8192, 8, 6, 2, x_regs=True)
+    assert cfg.ring_loads == sg.W_LOADS and cfg.loads == sg.W_LOADS + 2
+    assert cfg.ring_bytes == 6 * sg.W_LOADS * 256 * 16
+    assert sg.ring_offset(cfg, 255, 5, sg.W_LOADS - 1) + 16 == cfg.ring_bytes
+    with pytest.raises(ValueError, match="x_regs is True or False"):
+        sg.SkinnyConfig(512, 1, 1, 2, x_regs=1)
+    with pytest.raises(ValueError, match="x_regs is the ring main loop's"):
+        pg.PackageGemm(_constants("o_proj", 8192, 1024, tile_n=16), torch.zeros(8192, 1024, dtype=torch.bfloat16),
+                       x_regs=True)
+
+
 def test_default_shapes_of_the_policy():
     """The policy's roles at the draft's shards: o_proj 4 warps, down_proj
     (split_k 2) 8 warps; the ring main loop up to RING_DEPTH stages within
@@ -258,14 +312,17 @@ def test_default_shapes_of_the_policy():
 
 
 def test_policy_shape_by_shard():
-    """draft_gemm_shape: the register-direct tile for shards up to
-    DIRECT_MAX_K input features, the role's ring tile above, the role's
-    split_k either way; a role without a package GEMM is refused."""
+    """draft_gemm_shape: the register-direct tile for shards of at most
+    DIRECT_MAX_STEPS steps per warp (o_proj, 4 warps: K <= 1024; down_proj,
+    8 warps: K <= 2048), the role's ring tile above, the role's split_k
+    either way; a role without a package GEMM is refused."""
     from dspark_core import policy
 
-    for role in policy.DRAFT_GEMMS:
+    assert policy.DIRECT_MAX_STEPS == 8
+    for role, last in (("o_proj", 1024), ("down_proj", 2048)):
         base = policy.DRAFT_GEMMS[role]
-        for k, tile in ((1024, 16), (policy.DIRECT_MAX_K, 16), (policy.DIRECT_MAX_K + 512, 64), (8192, 64)):
+        assert policy.direct_steps(role, last) == policy.DIRECT_MAX_STEPS
+        for k, tile in ((512, 16), (last, 16), (last + 512, 64), (2 * last, 64), (8192, 64)):
             shape = policy.draft_gemm_shape(role, k)
             assert (shape.tile_n, shape.split_k, shape.max_rows) == (tile, base.split_k, base.max_rows)
     with pytest.raises(ValueError, match="not 'qkv_proj'"):

@@ -194,55 +194,6 @@ def test_refill_bursts_compile(arch, variant, tmp_path):
         assert "0 bytes spill stores" in report, report
 
 
-ROTATED = [  # (id, constants, n_tiles, mode)
-    ("ring-k4096-plain", _direct("o_proj", 8192, 4096, tile_n=64), 1, "plain"),
-    ("ring-k8192-pub", _direct("down_proj", 8192, 8192, 2, tile_n=64), 2, "publish"),
-    ("direct-k1024-pub", _direct("o_proj", 8192, 1024), 2, "publish"),
-]
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variant", ROTATED, ids=[v[0] for v in ROTATED])
-def test_rotated_k_slices_compile(arch, variant, tmp_path):
-    """Rotated K-slices (``SkinnyConfig.rotate``) on either main loop: the
-    same loads, MMAs and stores as without, no spills."""
-    from dspark_cute.host import compile_ptx
-
-    _, c, nt, mode = variant
-    kw, st = pg.default_shape(c, n_tiles=nt)
-    layout = MailboxLayout(2, c.hidden_size, 16) if mode == "publish" else None
-    bodies = []
-    for rotate in (False, True):
-        cfg = sg.SkinnyConfig(c.k_shard, kw, st, nt, rotate=rotate)
-        ptx = compile_ptx(pg.PackageGemmKernel(c.hidden_size, cfg, mode, layout, 0, True, True, c.tile_n),
-                          *pg.fake_args(), arch=arch)
-        bodies.append(code(ptx))
-    assert bodies[0] != bodies[1]
-    for pattern in (r"\bld\.global\.nc\b", r"\bcp\.async\.cg\b", r"\bld\.global\.v4\b", r"\bmma\.sync\b",
-                    r"\bst\.(relaxed\.sys\.)?global\.b32\b", r"\bld\.shared\b", r"\bst\.shared\b"):
-        assert count(bodies[0], pattern) == count(bodies[1], pattern), pattern
-    assert not re.search(r"\bfma\b|\.local\b", bodies[1])
-    report = ptxas_report(ptx, arch, tmp_path)
-    if report and arch == "sm_90a":
-        assert "0 bytes spill stores" in report, report
-
-
-@pytest.mark.parametrize("kw", [1, 2, 4, 8, 16])
-def test_rotated_k_slices_permute(kw):
-    """Every CTA's warps take every K-slice once (so every partial the fold
-    reads is written, by the warp that summed that slice), and the slices
-    rotate with the CTA: at any step the CTAs read kw parts of x."""
-    cfg = sg.SkinnyConfig(512 * kw, kw, 1, 2, rotate=True)
-    plain = sg.SkinnyConfig(512 * kw, kw, 1, 2)
-    for tile in range(64):
-        assert sorted(sg.k_slice(cfg, w, tile) for w in range(kw)) == list(range(kw))
-        assert [sg.k_slice(plain, w, tile) for w in range(kw)] == list(range(kw))
-    assert {sg.k_slice(cfg, 0, tile) for tile in range(64)} == set(range(kw))
-    with pytest.raises(ValueError, match="rotate is True or False"):
-        sg.SkinnyConfig(512, 1, 1, 2, rotate=1)
-
-
 def test_direct_shapes_and_refusals():
     c = _direct("o_proj", 8192, 1024)
     # 8 steps a warp: all in flight for 8 tokens, 4 for 16 (DIRECT_DEPTH: measured).

@@ -5,7 +5,8 @@ results from both ranks. Skipped with fewer than two GPUs.
 
 Ran on two H200s (2026-11-30): 5 passed, with the publish check comparing
 the early-epochs kernel (now the default) with the in-round one, its finite
-m = 16 boundary case and its poisoned outputs. Run with (the packages' src/ and
+m = 16 boundary case and its poisoned outputs; again 5 passed with the
+one-row GEMV path and the one-row variant with x through registers. Run with (the packages' src/ and
 this folder on PYTHONPATH):
 
     python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -s
@@ -14,13 +15,14 @@ Checks:
 
 - ``plain``: the plain GEMM against float64 within ``package_gemm.error_bound``
   for K in {1024, 4096, 8192} and m in 1..16 (zero violations), cuBLAS
-  (``x @ W.T``) against the same bound (recorded), the two variants (m <= 8,
-  m <= 16) bit for bit on the same rows;
+  (``x @ W.T``) against the same bound (recorded), the three variants (one
+  row, with x through registers on the ring main loop; m <= 8; m <= 16) bit
+  for bit on the same rows;
 - ``plain`` and ``publish`` also run the register-direct main loop
   (``tile_n`` 16, ``dspark_cute.skinny_direct``): bit for bit the 64-row
   kernel (passed on two H200s);
 - ``publish`` also runs the one-row GEMV path (``one_row_gemv=True``,
-  ``dspark_comm.package_gemv``; not yet run on a GPU): one row bit for bit
+  ``dspark_comm.package_gemv``): one row bit for bit
   ``dspark_core.gemv.gemv``, more rows the 64-row kernel's, and its
   published partial consumed bit for bit its plain output pushed;
 - ``publish``: publish + ``FusedAllReduce(published=True)`` bit for bit the
@@ -93,7 +95,7 @@ def check_plain(c):
         # The register-direct main loop (tile_n 16): the same sums, so the same bits.
         direct = PackageGemm(_constants(role, k, tile_n=16), w)
         direct.prepare(publish=(False,))
-        ours_bad = cublas_bad = variant_bad = direct_bad = 0
+        ours_bad = cublas_bad = variant_bad = direct_bad = row_bad = 0
         worst_ours = worst_cublas = 0.0
         for m in range(1, CAPACITY + 1):
             x = _operands(gen, m, k)
@@ -110,6 +112,8 @@ def check_plain(c):
             worst_cublas = max(worst_cublas, float((cerr / cb).max()))
             if m > 8:  # the 8-token variant on the first 8 rows: the same bits
                 variant_bad += bad(gemm.run(x[:8].contiguous()), out[:8])
+            if m > 1:  # the one-row variant (x through registers) on row 0: the same bits
+                row_bad += bad(gemm.run(x[:1].contiguous()), out[:1])
             direct_bad += bad(direct.run(x), out)
         # Non-finite inputs propagate as they do in float64 (NaN where it is NaN).
         x = _operands(gen, 4, k)
@@ -122,7 +126,8 @@ def check_plain(c):
             "k_warps": gemm.k_warps, "stages": gemm.stages,
             "ours_over_bound": ours_bad, "cublas_over_bound": cublas_bad,
             "worst_ours_err_over_bound": worst_ours, "worst_cublas_err_over_bound": worst_cublas,
-            "variants_differ": variant_bad, "nonfinite_mismatch": nonfinite_bad, "direct_differs": direct_bad,
+            "variants_differ": variant_bad + row_bad, "one_row_x_regs": gemm.configs[0].x_regs,
+            "nonfinite_mismatch": nonfinite_bad, "direct_differs": direct_bad,
         }
     return {"cases": res}
 
@@ -345,6 +350,7 @@ def test_plain_gemm_within_the_bound(suite):
         for case, v in r["cases"].items():
             assert v["ours_over_bound"] == 0, (rank, case, v)
             assert v["variants_differ"] == 0, (rank, case, v)
+            assert v["one_row_x_regs"], (rank, case, v)  # (the ring main loop: the default)
             assert v["nonfinite_mismatch"] == 0, (rank, case, v)
             assert v["direct_differs"] == 0, (rank, case, v)
             print(f"rank {rank} {case}: worst |err| / bound ours {v['worst_ours_err_over_bound']:.3f}, "

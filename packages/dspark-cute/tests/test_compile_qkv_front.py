@@ -196,7 +196,7 @@ def test_qkv_front_compiles(arch, variant):
 # ---------------------------------------------------------------- host checks (no GPU needed)
 
 
-@pytest.mark.parametrize("extra", [{"group": 2}, {"rotate": True}])
+@pytest.mark.parametrize("extra", [{"group": 2}, {"x_regs": True}])
 def test_front_refuses_the_package_gemm_loop_options(extra):
     """Refill bursts and rotated K-slices are the package GEMM's; the front's
     kernel (ring main loop, head epilogue) refuses them rather than ignore them."""

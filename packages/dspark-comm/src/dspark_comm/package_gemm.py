@@ -43,7 +43,14 @@ bits (two H200s: bit for bit, plain and publishing). It is the faster loop
 while every step of a warp's K-slice is in flight at once (K = 1024: 3.5 us
 against the ring's 6.4 and cuBLAS's 5.3 at m = 1), the slower one beyond
 (K = 4096: 20-31 us against 18.8-21.3); ``policy.draft_gemm_shape`` picks it
-for shards up to ``policy.DIRECT_MAX_K``.
+for shards of at most ``policy.DIRECT_MAX_STEPS`` steps per warp.
+
+**Token tiles.** A call of ``m`` rows runs one of three compiled variants
+(``PackageGemm.token_tile``): m = 1, m <= 8 (``n_tiles`` 1) and m <= 16
+(``n_tiles`` 2). On the ring main loop the one-row variant loads x into
+registers instead of copying it into the ring (``SkinnyConfig.x_regs``,
+``RING_X_DEPTH``: faster at m = 1 only, measured). All three issue the same
+MMAs on the same operands for a row, so a row's bits do not depend on ``m``.
 
 **Summation order** of ``y[n, r] = sum_k x[n, k] W[r, k]`` (the skinny main
 loop's, ``dspark_cute.skinny_gemm``): each warp accumulates its K-slice in
@@ -121,6 +128,17 @@ TILE_ROWS = (sg.TILE_ROWS, sd.TILE_ROWS)
 # between runs of one build.
 DIRECT_DEPTH = {1: 8, 2: 4}
 RING_DEPTH = {1: 6, 2: 6}
+# The ring main loop with x through registers (SkinnyConfig.x_regs), which
+# PackageGemm runs for one-row calls: steps in flight at most (within
+# MAX_SMEM_BYTES). Measured on an H200 (package_gemm_sweep.py --quick, m = 1,
+# L2 / HBM-cold weight): 4 warps, 8 stages: K = 2048 6.51 / 10.97, K = 4096
+# 18.96 / 18.96, K = 8192 35.26 / 34.77 us, against 6.13 / 11.35, 18.65 /
+# 18.78, 37.94 / 38.36 for 4; the ring with x in it took 8.68 / 11.92, 20.78
+# / 20.81, 38.53 / 38.56 (its best stages) and cuBLAS 8.37 / 10.98, 18.78 /
+# 18.84, 34.24 / 34.31. At 4 and 16 rows x in the ring was as fast or faster
+# (K = 8192, m = 16: 34.53 against 43.68), so more rows keep it there. 8 warps
+# (down_proj) fit 5 stages: K = 8192 35.26 / 35.04.
+RING_X_DEPTH = 8
 # Shared memory a CTA may take (one CTA per SM is the design: 128 tiles for H = 8192).
 MAX_SMEM_BYTES = 160 * 1024
 
@@ -237,10 +255,13 @@ class PackageGemmKernel:
             _gemm_body(self, x, weight, out, table, m, tidx, tile, warp, lane, ring)
 
 
-def _check_group(group: int, tile_rows: int) -> None:
+def _check_group(group: int, tile_rows: int, x_regs: bool = False) -> None:
     if group != 1 and tile_rows != sd.TILE_ROWS:
         raise ValueError(f"refill bursts (group {group}) are the register-direct main loop's (tile_n "
                          f"{sd.TILE_ROWS}); the ring main loop (tile_n {tile_rows}) refills one step at a time")
+    if x_regs and tile_rows == sd.TILE_ROWS:
+        raise ValueError(f"x_regs is the ring main loop's (tile_n {sg.TILE_ROWS}); the register-direct one "
+                         f"(tile_n {tile_rows}) always loads x into registers")
 
 
 def smem_bytes(cfg: sg.SkinnyConfig, tile_rows: int) -> int:
@@ -278,12 +299,11 @@ def _gemm_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp,
     bases, early, before_x = kernel_prologue(k, table, m, rounds,
                                              lambda rnd: Int32(epilogue_token(cfg, warp, rnd)))
     w_tile = Int64(weight) + Int64(tile) * (sg.TILE_ROWS * cfg.k * 2)
-    part = sg.k_slice(cfg, warp, tile)  # this warp's K-slice, and the index of its partial
-    acc = sg.mainloop(cfg, w_tile, Int64(x), m, ring, tidx, part, lane, before_x=before_x)
+    acc = sg.mainloop(cfg, w_tile, Int64(x), m, ring, tidx, warp, lane, before_x=before_x)
     if k.pdl:
         # Dependents still wait for this grid's end before they read its output.
         ptx.pdl_launch_dependents()
-    sg.store_partials(cfg, acc, ring, part, lane)
+    sg.store_partials(cfg, acc, ring, warp, lane)
     col = output_column(Int64(tile), Int64(lane))
     for rnd in range(rounds):
         tok = Int32(epilogue_token(cfg, warp, rnd))
@@ -320,11 +340,10 @@ def _direct_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, war
     bases, early, before_x = kernel_prologue(k, table, m, rounds, lambda rnd: words[rnd][0])
     w_tile = Int64(weight) + Int64(tile) * (sd.TILE_ROWS * cfg.k * 2)
     words = [sd.epilogue_word(cfg, Int32(tidx), rnd) for rnd in range(rounds)]
-    part = sg.k_slice(cfg, warp, tile)  # as _gemm_body
-    acc = sd.mainloop(cfg, w_tile, Int64(x), m, part, lane, before_x=before_x)
+    acc = sd.mainloop(cfg, w_tile, Int64(x), m, warp, lane, before_x=before_x)
     if k.pdl:
         ptx.pdl_launch_dependents()
-    sd.store_partials(cfg, acc, red, part, lane)
+    sd.store_partials(cfg, acc, red, warp, lane)
     for rnd, (tok, row) in enumerate(words):
         # A word past m (or past the 8 n_tiles tokens) reads row m - 1's partials and stores nothing.
         tok_c = cutlass.min(tok, m - 1)
@@ -379,13 +398,14 @@ def check_constants(constants) -> None:
 
 
 def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
-                  stages: int | None = None, n_tiles: int = 2) -> tuple[int, int]:
+                  stages: int | None = None, n_tiles: int = 2, x_regs: bool = False) -> tuple[int, int]:
     """``(k_warps, stages)`` of the main loop for ``n_tiles`` (1: m <= 8, 2:
     m <= 16): ``k_warps`` (default ``4 * split_k``) a multiple of
     ``split_k``; ``stages`` (default: the ring main loop up to
-    ``RING_DEPTH[n_tiles]``, as many as the steps and ``MAX_SMEM_BYTES`` allow; the
+    ``RING_DEPTH[n_tiles]``, as many as the steps and ``MAX_SMEM_BYTES`` allow
+    (with ``x_regs`` the ring holds the weight only); the
     register-direct one, ``tile_n`` 16, ``DIRECT_DEPTH[n_tiles]`` steps in
-    flight, at most the steps)."""
+    flight, at most the steps; with ``x_regs``, the ring up to ``RING_X_DEPTH``)."""
     check_constants(constants)
     kw = 4 * constants.split_k if k_warps is None else k_warps
     if not isinstance(kw, int) or kw % constants.split_k:
@@ -397,8 +417,8 @@ def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
         stages = min(DIRECT_DEPTH[n_tiles], steps)
     if stages is None:
         stages = 1
-        for s in range(min(RING_DEPTH[n_tiles], steps), 0, -1):
-            if sg.SkinnyConfig(constants.k_shard, kw, s, n_tiles).smem_bytes <= MAX_SMEM_BYTES:
+        for s in range(min(RING_X_DEPTH if x_regs else RING_DEPTH[n_tiles], steps), 0, -1):
+            if sg.SkinnyConfig(constants.k_shard, kw, s, n_tiles, x_regs=x_regs).smem_bytes <= MAX_SMEM_BYTES:
                 stages = s
                 break
     return kw, stages
@@ -414,12 +434,15 @@ class PackageGemm:
     (default and required: the mailbox's). ``k_warps``, ``stages``: the main
     loop's shape (``default_shape``); ``group``: the register-direct main
     loop's refill burst (``skinny_direct.mainloop``; 1 for the ring main
-    loop); ``rotate``: rotated K-slices (``skinny_gemm.SkinnyConfig``: the
-    same bits, an experiment; ``scripts/probes/package_gemm_sweep.py`` times
-    it); ``pdl``: programmatic dependent launch
+    loop); ``x_regs``: whether the ring main loop loads x into registers
+    instead of copying it into the ring (``skinny_gemm.SkinnyConfig``: the
+    same bits, so a row's bits never depend on the call's row count): None
+    (default) for one-row calls only, with up to ``RING_X_DEPTH`` stages
+    (measured: ``RING_X_DEPTH``'s comment), True or False for every call
+    (``scripts/probes/package_gemm_sweep.py`` times them); ``pdl``: programmatic dependent launch
     (default: sm_90+); ``early_epochs``: the publish epilogue's epochs loaded
     before the main loop (module docstring; False: in each round);
-    ``one_row_gemv`` (opt-in; not yet run on a GPU): a one-row call runs the
+    ``one_row_gemv`` (opt-in): a one-row call runs the
     one-token GEMV (``dspark_comm.package_gemv``) and sums in
     ``dspark_core.gemv``'s order, not the skinny loop's, so its row may
     differ in the last bits from the same row in a call of more rows
@@ -438,18 +461,25 @@ class PackageGemm:
 
     def __init__(self, constants: PackageGemmConstants, weight: torch.Tensor, mailbox=None,
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
-                 group: int = 1, rotate: bool = False, pdl: bool | None = None,
+                 group: int = 1, x_regs: bool | None = None, pdl: bool | None = None,
                  early_epochs: bool = True, one_row_gemv: bool = False) -> None:
-        shapes = {nt: default_shape(constants, k_warps, stages, nt) for nt in (1, 2)}
-        kw = shapes[2][0]  # the same for both token tiles (the sums must not depend on m)
-        depth = {nt: st for nt, (_, st) in shapes.items()}
         c = constants
-        _check_group(group, c.tile_n)
+        check_constants(c)
+        if x_regs not in (None, True, False):
+            raise ValueError(f"x_regs is None (one-row calls), True or False, not {x_regs!r}")
+        _check_group(group, c.tile_n, bool(x_regs))
+        # Per token tile (0: one row, 1: m <= 8, 2: m <= 16) whether x goes
+        # through registers: the register-direct loop always does, unasked.
+        ring = c.tile_n == sg.TILE_ROWS
+        xr = {0: ring if x_regs is None else x_regs, 1: bool(x_regs), 2: bool(x_regs)}
+        shapes = {t: default_shape(c, k_warps, stages, max(t, 1), xr[t]) for t in (0, 1, 2)}
+        kw = shapes[2][0]  # the same for every token tile (the sums must not depend on m)
+        depth = {t: st for t, (_, st) in shapes.items()}
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
-        self.configs = {nt: sg.SkinnyConfig(c.k_shard, kw, depth[nt], nt, group, rotate) for nt in (1, 2)}
-        for nt, cfg in self.configs.items():
+        self.configs = {t: sg.SkinnyConfig(c.k_shard, kw, depth[t], max(t, 1), group, xr[t]) for t in (0, 1, 2)}
+        for cfg in self.configs.values():
             if smem_bytes(cfg, c.tile_n) > MAX_SMEM_BYTES:
-                raise ValueError(f"{cfg.stages} stages of {kw} warps ({8 * nt} tokens) take "
+                raise ValueError(f"{cfg.stages} stages of {kw} warps ({8 * cfg.n_tiles} tokens) take "
                                  f"{smem_bytes(cfg, c.tile_n)} bytes of shared memory, above {MAX_SMEM_BYTES}")
         self.layout = None
         if mailbox is not None:
@@ -485,8 +515,14 @@ class PackageGemm:
 
     @property
     def stages(self) -> int:
-        """The m <= 16 variant's stages (the m <= 8 one's may differ: ``stages_by_tiles``)."""
+        """The m <= 16 variant's stages (the m = 1 and m <= 8 ones' may
+        differ: ``stages_by_tiles``, keyed by ``token_tile``)."""
         return self.stages_by_tiles[2]
+
+    @staticmethod
+    def token_tile(m: int) -> int:
+        """The variant a call of ``m`` rows runs: 0 (one row), 1 (m <= 8) or 2 (m <= 16)."""
+        return 0 if m == 1 else 1 if m <= 8 else 2
 
     @property
     def max_rows(self) -> int:
@@ -498,15 +534,15 @@ class PackageGemm:
             from dspark_comm.package_gemv import compile_package_gemv
 
             return compile_package_gemv(self.constants, mode, self.layout, self.rank, self.pdl)
-        return compile_package_gemm(self.constants, self.configs[1 if m <= 8 else 2], mode, self.layout,
+        return compile_package_gemm(self.constants, self.configs[self.token_tile(m)], mode, self.layout,
                                     self.rank, self.pdl, self.early_epochs)
 
     def prepare(self, publish: tuple = (False, True)) -> None:
-        """Compile the variants ``run`` launches (m <= 8 and m <= 16 where
-        ``max_rows`` reaches them, and the one-row GEMV's), in the given modes
-        (publish only with a mailbox). Call before CUDA graph capture."""
-        # With one_row_gemv, m = 1 compiles the GEMV; max_rows or 8 the 8-token variant.
-        rows = {1, self.max_rows} | ({8} if self.max_rows > 8 else set())
+        """Compile the variants ``run`` launches (one row, m <= 8 and m <=
+        16 where ``max_rows`` reaches them; one row: the one-row GEMV's with
+        ``one_row_gemv``), in the given modes (publish only with a mailbox).
+        Call before CUDA graph capture."""
+        rows = {1, min(2, self.max_rows), self.max_rows}  # one of each token_tile up to max_rows
         for pub in publish:
             if pub and self.mailbox is None:
                 continue

@@ -21,7 +21,10 @@ columns ``8t + 4 half + {0, 1}`` and ``8t + 4 half + {2, 3}``. So the weight
 goes from global memory to the tensor cores without a shuffle or a CTA
 barrier: each thread reads back only what it copied itself (``cp.async.wait_group``).
 The ring holds ``stages`` steps per thread; a step's slot is refilled with the
-step ``stages`` later as soon as its MMAs are issued. Before the first x load
+step ``stages`` later as soon as its MMAs are issued. With ``x_regs`` (the
+package GEMM's one-row calls) the x words skip the ring: each is loaded with
+``ld.global.v4`` (through L1) when its step's weight copies are issued, held
+in registers until that step's MMAs, which read the same values either way. Before the first x load
 the caller's ``before_x`` runs (the PDL wait: the weight prologue overlaps the
 previous kernel).
 
@@ -93,11 +96,11 @@ class SkinnyConfig:
     # The register-direct main loop's refill burst (skinny_direct): steps
     # whose loads issue together; the ring main loop refills one step at a time.
     group: int = 1
-    # Rotated K-slices (the package GEMM's kernels, ``k_slice``): CTA ``c``'s
-    # warp ``w`` takes slice ``(w + c) mod W_K``. The same sums (each slice's
-    # chain and the fold over slices are unchanged); at any moment the CTAs
-    # read W_K different parts of x instead of all the same one.
-    rotate: bool = False
+    # x through registers (the package GEMM's ring main loop): each step's x
+    # words are loaded with ``ld.global.v4`` (through L1) ``stages`` steps
+    # ahead instead of copied into the ring, which then holds the weight only
+    # (so more stages fit). The same MMAs on the same values: the same bits.
+    x_regs: bool = False
 
     def __post_init__(self) -> None:
         if self.k_warps not in (1, 2, 4, 8, 16):
@@ -113,8 +116,8 @@ class SkinnyConfig:
             raise ValueError(f"{self.stages} stages for {self.steps} steps")
         if not 1 <= self.group <= self.stages:
             raise ValueError(f"a refill burst of {self.group} steps with {self.stages} steps in flight")
-        if not isinstance(self.rotate, bool):
-            raise ValueError(f"rotate is True or False, not {self.rotate!r}")
+        if not isinstance(self.x_regs, bool):
+            raise ValueError(f"x_regs is True or False, not {self.x_regs!r}")
         if self.mmas_per_warp * BETA > 2.0**-10:
             raise ValueError(f"K = {self.k} over {self.k_warps} warps is beyond the stated error bound")
 
@@ -137,8 +140,14 @@ class SkinnyConfig:
         return self.k // (16 * self.k_warps)
 
     @property
+    def ring_loads(self) -> int:
+        """16-byte copies per thread and step into the ring: the weight's,
+        and x's unless ``x_regs``."""
+        return W_LOADS if self.x_regs else self.loads
+
+    @property
     def ring_bytes(self) -> int:
-        return self.stages * self.loads * self.threads * 16
+        return self.stages * self.ring_loads * self.threads * 16
 
     @property
     def red_bytes(self) -> int:
@@ -153,13 +162,6 @@ class SkinnyConfig:
 # ---------------------------------------------------------------- index maps
 # Plain integer arithmetic, traced in the kernel and evaluated on Python ints
 # by the CPU tests (which emulate the whole tile from them).
-
-
-def k_slice(cfg: SkinnyConfig, warp, tile):
-    """The K-slice (index into the W_K slices and partials) warp ``warp`` of
-    CTA ``tile`` takes: ``warp``, or ``(warp + tile) mod W_K`` with
-    ``cfg.rotate``."""
-    return (warp + tile) & (cfg.k_warps - 1) if cfg.rotate else warp  # W_K: a power of two
 
 
 def lane_coords(lane):
@@ -192,7 +194,7 @@ def x_offset(cfg: SkinnyConfig, warp, lane, step: int, token):
 def ring_offset(cfg: SkinnyConfig, tid, stage: int, load: int):
     """Byte offset in the ring of a thread's 16-byte slot (a warp's 32 slots
     are contiguous: conflict-free)."""
-    return ((stage * cfg.loads + load) * cfg.threads + tid) * 16
+    return ((stage * cfg.ring_loads + load) * cfg.threads + tid) * 16
 
 
 def a_fragment(words: list, i: int, half: int) -> list:
@@ -291,10 +293,13 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=No
     (Int64) of the tile's first weight row, ``x`` of x's first row, ``m``
     the token count (Int32), ``ring`` the shared-memory ring (Int32,
     ``cfg.ring_bytes``, 16-byte aligned). ``before_x()`` runs after the
-    weight copies of the first ``stages`` steps, before any x copy.
-    Returns the accumulators ``acc[i][n_tile]`` (4 FP32 each, ``acc_coords``),
-    this warp's partial sums over its K-slice."""
+    weight copies of the first ``stages`` steps, before any x load.
+    With ``cfg.x_regs`` x's words are loaded into registers (``ld.global``)
+    when the ring copies of their step are issued, instead of copied into
+    the ring. Returns the accumulators ``acc[i][n_tile]`` (4 FP32 each,
+    ``acc_coords``), this warp's partial sums over its K-slice."""
     tokens = [x_token(lane, nt, m, minimum=_min_i32) for nt in range(cfg.n_tiles)]
+    x_words: dict = {}  # x_regs: step -> its x words, loaded ahead
 
     def copy_weight(step: int, stage: int) -> None:
         for load in range(W_LOADS):
@@ -304,17 +309,23 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=No
     def copy_x(step: int, stage: int) -> None:
         for nt, tok in enumerate(tokens):
             src = Int64(x) + Int64(x_offset(cfg, warp, lane, step, tok)) * 2
-            cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, W_LOADS + nt), src)
+            if cfg.x_regs:
+                x_words.setdefault(step, []).append(ptx.ld_global_v4(src))
+            else:
+                cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, W_LOADS + nt), src)
 
     # Prologue: the weight of the first stages (constant data: before the
-    # PDL wait), then x, one commit group per step.
+    # PDL wait), then x, one commit group per step (x_regs: the weight's).
     for p in range(cfg.stages):
         copy_weight(p, p)
+        if cfg.x_regs:
+            cp_async_commit()
     if before_x is not None:
         before_x()
     for p in range(cfg.stages):
         copy_x(p, p)
-        cp_async_commit()
+        if not cfg.x_regs:
+            cp_async_commit()
 
     zero = ptx.f32_const(0.0)
     acc = [[[zero] * 4 for _ in range(cfg.n_tiles)] for _ in range(MMA_TILES)]
@@ -323,7 +334,9 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=No
         # Committed so far: stages + s groups (one per step, empty at the end);
         # step s's is complete once at most stages - 1 are pending.
         cp_async_wait(cfg.stages - 1)
-        words = [ld_shared_v4(Int32(ring) + ring_offset(cfg, tid, stage, load)) for load in range(cfg.loads)]
+        words = [ld_shared_v4(Int32(ring) + ring_offset(cfg, tid, stage, load)) for load in range(cfg.ring_loads)]
+        if cfg.x_regs:
+            words += x_words.pop(s)
         for half in range(2):
             for i in range(MMA_TILES):
                 for nt in range(cfg.n_tiles):
