@@ -59,8 +59,9 @@ def test_reference_plan_at_tp8_puts_short_shards_on_the_direct_main_loop():
     plan = plan_draft(DraftModel(DraftConfig(), device="meta"), ALL.replace(tp=8))
     assert reasons(plan) == {}
     shapes = {(p.constants.role, p.constants.k_shard, p.constants.tile_n) for p in plan.package_gemms}
-    # o_proj's shard (512) is within policy.DIRECT_MAX_K, down_proj's (2048) is not.
-    assert shapes == {("o_proj", 512, 16), ("down_proj", 2048, 64)}
+    # o_proj's shard (512: 4 steps of 4 warps) and down_proj's (2048: 8 steps
+    # of 8 warps) are within policy.DIRECT_MAX_STEPS.
+    assert shapes == {("o_proj", 512, 16), ("down_proj", 2048, 16)}
 
 
 @pytest.mark.parametrize(

@@ -114,26 +114,38 @@ DRAFT_GEMMS = {
     "o_proj": GemmShape(tile_n=64, split_k=1),
     "down_proj": GemmShape(tile_n=64, split_k=2),
 }
-# Shards of at most this many input features run on the register-direct main
-# loop (tile_n 16). Measured on an H200 (scripts/probes/package_gemm_sweep.py,
-# N = 8192, weight L2-resident as in bench_package_gemm): K = 1024, m = 1 / 4 /
-# 16: 3.50 / 3.60 / 4.23 us against the ring's 6.40 / 5.63 / 4.79 and cuBLAS's
-# 5.34 / 4.97 / 4.76; at K = 4096 it is slower than the ring (20-31 us against
-# 18.8-21.3). Its steady state (more steps than in flight) is what loses, so
-# K = 2048 (16 steps of 4 warps) stays on the ring until measured.
-DIRECT_MAX_K = 1024
+# Shards whose K-slices take at most this many 32-column steps per warp
+# (``k_shard / (32 * 4 * split_k)``: 4 warps per K-slice of split_k) run on
+# the register-direct main loop (tile_n 16), which keeps all of a warp's steps
+# in flight at once. Measured on an H200 (scripts/probes/package_gemm_sweep.py,
+# N = 8192; us, weight L2-resident / HBM-cold; m = 1 / 4 / 16): 8 steps win --
+# K = 1024, 4 warps: 3.41 / 3.54 / 4.23 against the ring's 5.64 / 4.99 / 4.71
+# and cuBLAS's 5.50 / 5.07 / 4.88; K = 2048, 8 warps: 5.80 / 6.14 / 7.16 and
+# 11.43 / 11.56 / 11.72 against 8.71 / 7.72 / 7.49 and 12.86 / 11.91 / 11.49
+# (cuBLAS 7.80 / 7.45 / 7.02 and 10.74 / 10.70 / 10.74). 16 steps lose from
+# HBM -- K = 2048, 4 warps: 12.69 / 12.79 / 13.63 against 11.97 / 11.22 /
+# 10.85 -- and K = 4096 on either loses by 7-50%.
+DIRECT_MAX_STEPS = 8
+
+
+def direct_steps(role: str, k_shard: int) -> int:
+    """32-column steps per warp of ``role``'s K-slices at a shard of
+    ``k_shard`` input features (4 warps per K-slice, ``split_k`` slices)."""
+    return k_shard // (32 * 4 * DRAFT_GEMMS[role].split_k)
 
 
 def draft_gemm_shape(role: str, k_shard: int) -> GemmShape:
     """The package GEMM's launch shape for ``role`` (``DRAFT_GEMMS``) at a
     rank's shard of ``k_shard`` input features: the role's, with ``tile_n``
     16 (the register-direct main loop: the same sums as tile_n 64) where
-    ``k_shard <= DIRECT_MAX_K``. ValueError for a role the policy has no
-    package GEMM for."""
+    ``direct_steps(role, k_shard) <= DIRECT_MAX_STEPS`` (o_proj: K <= 1024;
+    down_proj: K <= 2048). ValueError for a role the policy has no package
+    GEMM for."""
     if role not in DRAFT_GEMMS:
         raise ValueError(f"the package GEMM runs {', '.join(DRAFT_GEMMS)}, not {role!r}")
     shape = DRAFT_GEMMS[role]
-    return dataclasses.replace(shape, tile_n=16) if 0 < k_shard <= DIRECT_MAX_K else shape
+    return dataclasses.replace(shape, tile_n=16) if 0 < k_shard and direct_steps(role, k_shard) <= DIRECT_MAX_STEPS \
+        else shape
 
 
 @dataclass(frozen=True)
