@@ -20,7 +20,7 @@ H200s). The table shows the slower rank's median, in microseconds per step:
   down_proj on the package GEMM, publishing into the mailbox;
 - ``the same, one-row GEMV``: with the package GEMMs' one-row calls on the
   one-token GEMV (``one_row_gemv=True``, opt-in; m = 1 differs, the other
-  rows run as the column before; not yet run on a GPU);
+  rows run as the column before);
 - ``GEMMs alone``: a graph of the rank's four cuBLAS GEMMs per layer (the
   shard's QKV, o_proj, gate_up and down shapes) and nothing else;
 - ``floor``: the rank's GEMM weight bytes read once at 4.3 TB/s.

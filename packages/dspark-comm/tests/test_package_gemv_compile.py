@@ -1,6 +1,6 @@
 """CPU tests of the package GEMM's one-row path (``dspark_comm.package_gemv``,
 ``PackageGemm(one_row_gemv=True)``; its GPU checks are in the two-GPU suite,
-not yet run): compiles for sm_90a and sm_100a, plain and publishing, with and
+passed on two H200s): compiles for sm_90a and sm_100a, plain and publishing, with and
 without PDL, at TP2 and TP8, with a PTX audit (the GEMV's instruction counts:
 no ``fma``; the stores, one word per row pair, ``tp`` relaxed system-scope
 stores to publish; the weight prologue before the PDL wait, x and the epoch

@@ -9,10 +9,14 @@ from HBM, as a draft step does (median of trials, microseconds per call).
 Launch settings: the default (2 rows a warp, 4 fragments in flight) and
 ``--sweep`` others (they change no bit). The weight bandwidth is its bytes
 over the time. Writes ``gemv.md`` and ``gemv.png`` into ``--out`` (default
-``bench-results/``, or ``DSPARK_BENCH_OUT``). Not yet run on a GPU as a
-benchmark (the probe ``scripts/probes/skinny_sweep.py`` measured the same
-design: 37.6 / 18.1 / 124.4 / 64.4 µs against cuBLAS's 43.4 / 19.1 / 128.8 /
-66.5 on an H200)."""
+``bench-results/``, or ``DSPARK_BENCH_OUT``). Ran on an H200 (2026-11-30,
+``--sweep``; µs, QKV / o_proj / gate_up / down): cuBLAS 41.5 / 18.4 / 123.1 /
+65.3; the default (2 rows, depth 4) 41.6 / 19.4 / 119.4 / 61.3; 2 rows,
+depth 8: 36.4 / 17.3 / 117.9 / 62.8; 4 rows, depth 4: 40.7 / 16.7 / 119.3 /
+61.1. The probe ``scripts/probes/skinny_sweep.py`` measured the default
+design at 37.6 / 18.1 / 124.4 / 64.4 µs against cuBLAS's 43.4 / 19.1 / 128.8
+/ 66.5 in an earlier session: runs differ by up to 10%, so one run does not
+move the default."""
 
 from __future__ import annotations
 
