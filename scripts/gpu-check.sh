@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU suite and the benchmarks, on a device machine, each step under its own time
 # limit, with a short summary table last. Pick steps by name (default: gpu multigpu bench):
-#   bash scripts/gpu-check.sh [gpu] [decode] [multigpu] [bench] [demo] [bench-kernels] [bench-tp2] [demo-tp2] [sweep] [sweep-quick]
+#   bash scripts/gpu-check.sh [gpu] [decode] [multigpu] [bench] [demo] [bench-kernels] [bench-tp2] [demo-tp2] [sweep] [sweep-quick] [sweep-deep] [gemm-tp2]
 # On this project's device machines one call stays under 10 minutes, so split the steps
 # (gpu alone takes about 4-5 minutes):
 #   run(command="bash scripts/gpu-check.sh gpu", carry=[".device"], kind="nvidia-h200")
@@ -51,12 +51,19 @@ if wanted multigpu; then
   step gemm-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -p no:cacheprovider
   step draft-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_draft_multigpu.py -q -p no:cacheprovider
 fi
+if wanted gemm-tp2; then  # the package GEMM alone at TP2: its two-GPU suite and its benchmark (two GPUs)
+  step gemm-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -p no:cacheprovider
+  step bench-package-gemm 260 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
+fi
 if wanted bench-tp2; then
   step bench-package-gemm 260 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
   step bench-draft-tp2 240 python packages/dspark-comm/benchmarks/bench_draft_tp2.py --out "$OUT"
 fi
 if wanted sweep; then
   step package-gemm-sweep 560 python scripts/probes/package_gemm_sweep.py
+fi
+if wanted sweep-deep; then  # K = 8192's 8 warps past the package's shared-memory cap (about 1.5 minutes)
+  step package-gemm-sweep-deep 200 python scripts/probes/package_gemm_sweep.py --deep
 fi
 if wanted sweep-quick; then  # the policy's k_warps only, K >= 2048, m 1 / 4 / 16 (about 3 minutes)
   step package-gemm-sweep-quick 300 python scripts/probes/package_gemm_sweep.py --quick

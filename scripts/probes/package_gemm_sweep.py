@@ -13,7 +13,8 @@ one-row GEMV path (``one_row_gemv=True``), checked bit for bit against
 ring and in registers, and the GEMV. ``k_warps`` is part of the sum order;
 every variant of one ``k_warps`` must give the same bits, which the probe
 checks on the GPU (m = 1 and m = 16, against the first ring variant of that
-``k_warps``).
+``k_warps``). ``--deep``: K = 8192, the ring of 8 warps deeper than the
+package's shared-memory cap allows (``DEEP_RING``).
 
 Measured on an H200 (2026-11-30; us, L2 timing, plain epilogue; full sweep):
 
@@ -40,7 +41,7 @@ L2), and ``hbm``, rotating over weight copies of >= 320 MB a cycle.
 Prints the best of each loop per (K, m, timing) and writes every row to
 ``$OUT/package_gemm_sweep.json``. Run on one GPU with the packages on
 PYTHONPATH (as ``scripts/gpu-check.sh`` sets it):
-``python scripts/probes/package_gemm_sweep.py [--quick]``."""
+``python scripts/probes/package_gemm_sweep.py [--quick | --deep]``."""
 import json
 import os
 import sys
@@ -69,14 +70,20 @@ X_REGS = ((4, 4), (4, 6), (4, 8), (8, 4), (8, 5), (8, 6))
 QUICK_KS = (2048, 4096, 8192)
 QUICK_ROWS = (1, 4, 16)
 QUICK_RING = ((4, 4), (4, 6), (8, 4))
+# --deep: K = 8192's 8 warps deeper than MAX_SMEM_BYTES allows (None: the most
+# within the probe's 227 KB per token tile, 6 / 5 stages for 8 / 16 tokens).
+DEEP_RING = ((8, 4), (8, 5), (8, None), (4, 6))
 
 
-def variants(k: int, quick: bool):
+def variants(k: int, quick: bool, deep: bool = False):
     """(loop, k_warps, stages, group, x_regs, constants) of every variant at ``k``."""
     def ring(kw, st, x_regs=False):
         return ("ring x_regs" if x_regs else "ring", kw, st, 1, x_regs,
                 PackageGemmConstants("o_proj", H, k, 64, kw // 4, 16))
 
+    if deep:
+        yield from (ring(kw, st) for kw, st in DEEP_RING)
+        return
     if quick:
         yield from (ring(kw, st) for kw, st in QUICK_RING)
     else:
@@ -101,8 +108,8 @@ def timed(fns) -> float:
 
 
 def main() -> int:
-    quick = "--quick" in sys.argv[1:]
-    ks, rows_m = (QUICK_KS, QUICK_ROWS) if quick else (KS, ROWS)
+    quick, deep = "--quick" in sys.argv[1:], "--deep" in sys.argv[1:]
+    ks, rows_m = ((8192,), QUICK_ROWS) if deep else (QUICK_KS, QUICK_ROWS) if quick else (KS, ROWS)
     pg.MAX_SMEM_BYTES = 227 * 1024  # the probe may go past the package's own cap
     seed = int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31))
     print(f"seed {seed}; {torch.cuda.get_device_name()}", flush=True)
@@ -122,7 +129,7 @@ def main() -> int:
                 us = timed(fns)
                 rows.append({"k": k, "m": m, "timing": mode, "loop": "cublas", "us": us})
         ref = {}
-        for loop, kw, st, grp, x_regs, c in variants(k, quick):
+        for loop, kw, st, grp, x_regs, c in variants(k, quick, deep):
             try:
                 gemms = [pg.PackageGemm(c, w, k_warps=kw, stages=st, group=grp, x_regs=x_regs) for w in ws]
                 gemms[0].prepare(publish=(False,))
@@ -132,6 +139,8 @@ def main() -> int:
             except Exception as e:  # a compile failure is a finding, not the end of the sweep
                 print(f"  FAIL {loop} kw{kw} st{st} g{grp} K{k}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
+            if st is None:  # the label of the depths the cap gave (8 / 16 tokens)
+                st = f"{gemms[0].stages_by_tiles[1]}/{gemms[0].stages_by_tiles[2]}"
             for mc in (1, 16):  # both token tiles
                 bits = gemms[0].run(xs[mc]).view(torch.int16)
                 if (kw, mc) not in ref:

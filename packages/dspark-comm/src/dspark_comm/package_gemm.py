@@ -137,10 +137,15 @@ RING_DEPTH = {1: 6, 2: 6}
 # / 20.81, 38.53 / 38.56 (its best stages) and cuBLAS 8.37 / 10.98, 18.78 /
 # 18.84, 34.24 / 34.31. At 4 and 16 rows x in the ring was as fast or faster
 # (K = 8192, m = 16: 34.53 against 43.68), so more rows keep it there. 8 warps
-# (down_proj) fit 5 stages: K = 8192 35.26 / 35.04.
+# (down_proj) fit 6 stages: K = 8192 35.44 / 35.20 (5: 35.26 / 35.04).
 RING_X_DEPTH = 8
-# Shared memory a CTA may take (one CTA per SM is the design: 128 tiles for H = 8192).
-MAX_SMEM_BYTES = 160 * 1024
+# Shared memory a CTA may take (one CTA per SM is the design: 128 tiles for
+# H = 8192; sm_90 and sm_100 allow 227 KB). 200 KB gives 8 warps 5 stages at
+# K = 8192 for either token tile: on an H200 (package_gemm_sweep.py --deep, one
+# run, side by side) m = 1 / 4 / 16 took 35.70 / 34.24 / 34.73 us against 36.01
+# / 34.46 / 35.68 with 4 (the 160 KB cap's); 6 stages for 8 tokens were slower
+# (36.89 / 34.98); cuBLAS 34.04 / 34.29 / 34.08.
+MAX_SMEM_BYTES = 200 * 1024
 
 # The bound of the module docstring (``dspark_cute.skinny_gemm``).
 error_bound = sg.output_error_bound
