@@ -50,6 +50,7 @@ import time
 import torch
 
 from dspark_comm import package_gemm as pg
+from dspark_comm import package_gemm_shape as pgs
 from dspark_core.constants import PackageGemmConstants
 from dspark_core.gemv import gemv as gemv_spec
 from dspark_core.timing import capture_on_side_stream, median_us
@@ -110,7 +111,7 @@ def timed(fns) -> float:
 def main() -> int:
     quick, deep = "--quick" in sys.argv[1:], "--deep" in sys.argv[1:]
     ks, rows_m = ((8192,), QUICK_ROWS) if deep else (QUICK_KS, QUICK_ROWS) if quick else (KS, ROWS)
-    pg.MAX_SMEM_BYTES = 227 * 1024  # the probe may go past the package's own cap
+    pgs.MAX_SMEM_BYTES = 227 * 1024  # the probe may go past the package's own cap (read there)
     seed = int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31))
     print(f"seed {seed}; {torch.cuda.get_device_name()}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(seed)

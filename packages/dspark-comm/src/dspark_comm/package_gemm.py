@@ -96,8 +96,20 @@ from cutlass import Int32, Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
 from dspark_comm import device as dev
+from dspark_comm import package_gemm_shape as shape
+from dspark_comm.package_gemm_shape import (
+    DIRECT_DEPTH,
+    MAX_SMEM_BYTES,
+    RING_DEPTH,
+    RING_X_DEPTH,
+    TILE_ROWS,
+    check_constants,
+    check_loop_options,
+    default_shape,
+    smem_bytes,
+)
 from dspark_comm.protocol import HEADER_BYTES, MailboxLayout, fallback_reason
-from dspark_core.constants import MAX_DECODE_ROWS, PackageGemmConstants
+from dspark_core.constants import PackageGemmConstants
 from dspark_cute import ptx
 from dspark_cute import skinny_direct as sd
 from dspark_cute import skinny_gemm as sg
@@ -113,40 +125,6 @@ from dspark_cute.host import (
 from dspark_cute.qkv_front import st_global_b32_if
 
 MODES = ("plain", "publish")
-# Output features per CTA: 64 (the ring main loop, skinny_gemm) or 16 (the
-# register-direct one, skinny_direct).
-TILE_ROWS = (sg.TILE_ROWS, sd.TILE_ROWS)
-# Default steps in flight (stages) per n_tiles (1: m <= 8, 2: m <= 16):
-# the register-direct main loop's per lane, the ring's at most (within
-# MAX_SMEM_BYTES). Measured on H200s: the direct loop at K = 1024 (8 / 4: 3.50
-# / 4.23 us at m = 1 / 16, against 5.91 / 4.68 for 4 / 8;
-# scripts/probes/package_gemm_sweep.py); the ring at K = 4096 with 4 warps: 6
-# stages 21.3 / 18.8 / 18.9 us at m = 1 / 4 / 16 against 22.6 / 20.0 / 20.4
-# for 4 and 21.9 / 19.1 / 19.5 for 8 (bench_package_gemm's publish kernel
-# agrees: 21.9 / 19.5 / 20.4 against 22.6 / 20.7 / 20.9). The TP2 draft step
-# could not tell 4 from 6: its package GEMM column moved by up to 15 us
-# between runs of one build.
-DIRECT_DEPTH = {1: 8, 2: 4}
-RING_DEPTH = {1: 6, 2: 6}
-# The ring main loop with x through registers (SkinnyConfig.x_regs), which
-# PackageGemm runs for one-row calls: steps in flight at most (within
-# MAX_SMEM_BYTES). Measured on an H200 (package_gemm_sweep.py --quick, m = 1,
-# L2 / HBM-cold weight): 4 warps, 8 stages: K = 2048 6.51 / 10.97, K = 4096
-# 18.96 / 18.96, K = 8192 35.26 / 34.77 us, against 6.13 / 11.35, 18.65 /
-# 18.78, 37.94 / 38.36 for 4; the ring with x in it took 8.68 / 11.92, 20.78
-# / 20.81, 38.53 / 38.56 (its best stages) and cuBLAS 8.37 / 10.98, 18.78 /
-# 18.84, 34.24 / 34.31. At 4 and 16 rows x in the ring was as fast or faster
-# (K = 8192, m = 16: 34.53 against 43.68), so more rows keep it there. 8 warps
-# (down_proj) fit 6 stages: K = 8192 35.44 / 35.20 (5: 35.26 / 35.04).
-RING_X_DEPTH = 8
-# Shared memory a CTA may take (one CTA per SM is the design: 128 tiles for
-# H = 8192; sm_90 and sm_100 allow 227 KB). 200 KB gives 8 warps 5 stages at
-# K = 8192 for either token tile: on an H200 (package_gemm_sweep.py --deep, one
-# run, side by side) m = 1 / 4 / 16 took 35.70 / 34.24 / 34.73 us against 36.01
-# / 34.46 / 35.68 with 4 (the 160 KB cap's); 6 stages for 8 tokens were slower
-# (36.89 / 34.98); cuBLAS 34.04 / 34.29 / 34.08.
-MAX_SMEM_BYTES = 200 * 1024
-
 # The bound of the module docstring (``dspark_cute.skinny_gemm``).
 error_bound = sg.output_error_bound
 projection_error_bound = sg.projection_error_bound
@@ -235,7 +213,7 @@ class PackageGemmKernel:
         if n <= 0 or n % tile_rows:
             raise ValueError(f"the package GEMM computes {tile_rows} output features per CTA; N = {n} is not a "
                              f"positive multiple of {tile_rows}")
-        _check_group(cfg.group, tile_rows)
+        check_loop_options(cfg.group, tile_rows)
         check_mode(n, mode, layout, rank)
         self.n, self.cfg, self.mode, self.layout, self.rank, self.pdl = n, cfg, mode, layout, rank, pdl
         self.early_epochs = bool(early_epochs) and mode == "publish"
@@ -258,21 +236,6 @@ class PackageGemmKernel:
             _direct_body(self, x, weight, out, table, m, tidx, tile, warp, lane, ring)
         else:
             _gemm_body(self, x, weight, out, table, m, tidx, tile, warp, lane, ring)
-
-
-def _check_group(group: int, tile_rows: int, x_regs: bool = False) -> None:
-    if group != 1 and tile_rows != sd.TILE_ROWS:
-        raise ValueError(f"refill bursts (group {group}) are the register-direct main loop's (tile_n "
-                         f"{sd.TILE_ROWS}); the ring main loop (tile_n {tile_rows}) refills one step at a time")
-    if x_regs and tile_rows == sd.TILE_ROWS:
-        raise ValueError(f"x_regs is the ring main loop's (tile_n {sg.TILE_ROWS}); the register-direct one "
-                         f"(tile_n {tile_rows}) always loads x into registers")
-
-
-def smem_bytes(cfg: sg.SkinnyConfig, tile_rows: int) -> int:
-    """Shared memory of a CTA: the ring main loop's ring (reused for the
-    partials), or the register-direct one's partials alone."""
-    return sd.red_bytes(cfg) if tile_rows == sd.TILE_ROWS else cfg.smem_bytes
 
 
 def kernel_prologue(k: PackageGemmKernel, table, m, rounds: int, token_of) -> tuple:
@@ -383,52 +346,6 @@ def compile_package_gemm(constants: PackageGemmConstants, cfg: sg.SkinnyConfig, 
 # ---------------------------------------------------------------- host API
 
 
-def check_constants(constants) -> None:
-    """ValueError with a sentence unless the kernel covers ``constants``."""
-    if not isinstance(constants, PackageGemmConstants):
-        raise ValueError(f"PackageGemm takes PackageGemmConstants, not {type(constants).__name__}")
-    c = constants
-    if c.tile_n not in TILE_ROWS:
-        raise ValueError(f"the package GEMM computes 64 output features per CTA (tile_n 64: the ring main loop) "
-                         f"or 16 (tile_n 16: the register-direct one), not tile_n {c.tile_n}")
-    if c.hidden_size <= 0 or c.hidden_size % c.tile_n:
-        raise ValueError(f"the package GEMM's output features must be a positive multiple of {c.tile_n} (its "
-                         f"tile_n), not {c.hidden_size}")
-    if not 1 <= c.max_rows <= MAX_DECODE_ROWS:
-        raise ValueError(f"the package GEMM takes 1 to {MAX_DECODE_ROWS} rows per call, not max_rows "
-                         f"{c.max_rows}")
-    if c.split_k not in (1, 2, 4):
-        raise ValueError(f"the package GEMM splits K into 1, 2 or 4 slices (inside one CTA), not "
-                         f"split_k {c.split_k}")
-
-
-def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
-                  stages: int | None = None, n_tiles: int = 2, x_regs: bool = False) -> tuple[int, int]:
-    """``(k_warps, stages)`` of the main loop for ``n_tiles`` (1: m <= 8, 2:
-    m <= 16): ``k_warps`` (default ``4 * split_k``) a multiple of
-    ``split_k``; ``stages`` (default: the ring main loop up to
-    ``RING_DEPTH[n_tiles]``, as many as the steps and ``MAX_SMEM_BYTES`` allow
-    (with ``x_regs`` the ring holds the weight only); the
-    register-direct one, ``tile_n`` 16, ``DIRECT_DEPTH[n_tiles]`` steps in
-    flight, at most the steps; with ``x_regs``, the ring up to ``RING_X_DEPTH``)."""
-    check_constants(constants)
-    kw = 4 * constants.split_k if k_warps is None else k_warps
-    if not isinstance(kw, int) or kw % constants.split_k:
-        raise ValueError(f"k_warps {kw} does not split into the constants' {constants.split_k} K-slices")
-    if n_tiles not in (1, 2):
-        raise ValueError(f"the package GEMM covers 8 or 16 tokens (n_tiles 1 or 2), not {n_tiles}")
-    steps = sg.SkinnyConfig(constants.k_shard, kw, 1, n_tiles).steps  # raises for a K it cannot split
-    if stages is None and constants.tile_n == sd.TILE_ROWS:
-        stages = min(DIRECT_DEPTH[n_tiles], steps)
-    if stages is None:
-        stages = 1
-        for s in range(min(RING_X_DEPTH if x_regs else RING_DEPTH[n_tiles], steps), 0, -1):
-            if sg.SkinnyConfig(constants.k_shard, kw, s, n_tiles, x_regs=x_regs).smem_bytes <= MAX_SMEM_BYTES:
-                stages = s
-                break
-    return kw, stages
-
-
 class PackageGemm:
     """One rank's package GEMM of ``constants`` bound to its weight shard
     (module docstring).
@@ -472,7 +389,7 @@ class PackageGemm:
         check_constants(c)
         if x_regs not in (None, True, False):
             raise ValueError(f"x_regs is None (one-row calls), True or False, not {x_regs!r}")
-        _check_group(group, c.tile_n, bool(x_regs))
+        check_loop_options(group, c.tile_n, bool(x_regs))
         # Per token tile (0: one row, 1: m <= 8, 2: m <= 16) whether x goes
         # through registers: the register-direct loop always does, unasked.
         ring = c.tile_n == sg.TILE_ROWS
@@ -483,9 +400,9 @@ class PackageGemm:
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
         self.configs = {t: sg.SkinnyConfig(c.k_shard, kw, depth[t], max(t, 1), group, xr[t]) for t in (0, 1, 2)}
         for cfg in self.configs.values():
-            if smem_bytes(cfg, c.tile_n) > MAX_SMEM_BYTES:
+            if smem_bytes(cfg, c.tile_n) > shape.MAX_SMEM_BYTES:
                 raise ValueError(f"{cfg.stages} stages of {kw} warps ({8 * cfg.n_tiles} tokens) take "
-                                 f"{smem_bytes(cfg, c.tile_n)} bytes of shared memory, above {MAX_SMEM_BYTES}")
+                                 f"{smem_bytes(cfg, c.tile_n)} bytes of shared memory, above {shape.MAX_SMEM_BYTES}")
         self.layout = None
         if mailbox is not None:
             layout = getattr(mailbox, "layout", None)
@@ -638,12 +555,17 @@ class PackageGemm:
         return boundary.run(None, stream, store_stream, out, new_stream, published=True)
 
 
-__all__ = [
+__all__ = [  # (the shape names are package_gemm_shape's, re-exported)
+    "DIRECT_DEPTH",
     "MAX_SMEM_BYTES",
     "MODES",
+    "RING_DEPTH",
+    "RING_X_DEPTH",
+    "TILE_ROWS",
     "PackageGemm",
     "PackageGemmKernel",
     "check_constants",
+    "check_loop_options",
     "check_mode",
     "compile_package_gemm",
     "default_shape",
@@ -657,5 +579,6 @@ __all__ = [
     "plain_offset",
     "projection_error_bound",
     "publish_offset",
+    "smem_bytes",
     "st_relaxed_sys_b32_if",
 ]
