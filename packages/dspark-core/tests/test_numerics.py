@@ -491,33 +491,43 @@ def test_sigmoid_and_silu_match_independent(rng):
     I.assert_same_bits(N.silu_rn(I.to_torch(xb, "bf16")), I.silu(xb), "silu_rn of bf16")
 
 
+def _edge() -> np.ndarray:
+    """FP32 ``-EXP_OVERFLOW`` (where ``exp_rn(-x)`` first overflows: a
+    uniform draw lands on it about once in a hundred runs) and its neighbour
+    above, as float32."""
+    edge = np.float32(-N.EXP_OVERFLOW)
+    return np.array([edge, np.nextafter(edge, np.float32(0))], dtype=np.float32)
+
+
 def test_sigmoid_rn_accuracy(rng):
     """``e = exp_rn(-x)`` is within 4 ulp <= 8u relative; ``1 + e`` rounds
     (u) and carries e's error scaled by ``e / (1 + e) <= 1``: <= 9u; the
     division adds u: ``|sigmoid_rn(x) - s| <= 10u * s + 2**-150`` (the last
-    term: half a subnormal ulp) for ``x >= -EXP_OVERFLOW``. Below that,
-    ``exp_rn(-x) = inf`` and ``sigmoid_rn(x) = +0`` while ``s < e**x <
-    2**-128``: the spec flushes the subnormal sigmoid of x < -88.72 to zero."""
-    x = np.concatenate([np.linspace(-120.0, 120.0, 600001), rng.uniform(-100, 30, 200000)]).astype(np.float32)
+    term: half a subnormal ulp) for ``x > -EXP_OVERFLOW``. At and below
+    it, ``exp_rn(-x) = inf`` (EXP_OVERFLOW itself overflows) and
+    ``sigmoid_rn(x) = +0`` while ``s < e**x < 2**-128``: the spec flushes the
+    subnormal sigmoid of x <= -88.72 to zero. The boundary and its neighbour
+    are always among the inputs."""
+    x = np.concatenate([np.linspace(-120.0, 120.0, 600001), rng.uniform(-100, 30, 200000), _edge()]).astype(np.float32)
     y = N.sigmoid_rn(t32(x)).numpy().astype(np.float64)
     xd = x.astype(np.float64)
     s = 1.0 / (1.0 + np.exp(-xd))
-    ok_range = xd >= -N.EXP_OVERFLOW
+    ok_range = xd > -N.EXP_OVERFLOW
     assert np.all(np.abs(y - s)[ok_range] <= 10 * U * s[ok_range] + 2.0**-150)
     assert np.all(y[~ok_range] == 0.0) and np.all(s[~ok_range] < 2.0**-128)
 
 
 def test_silu_rn_accuracy(rng):
     """``silu_rn(x) = RN(x * sigmoid_rn(x))``: ``<= 11u * |x s| + |x| 2**-149``
-    for ``x >= -EXP_OVERFLOW`` (the second term: below about -87 the sigmoid
+    for ``x > -EXP_OVERFLOW`` (the second term: below about -87 the sigmoid
     is an FP32 subnormal, exact only to its quantum 2**-149, which x scales);
-    below, ``-0.0`` against a true value of
+    at and below it, ``-0.0`` against a true value of
     magnitude ``|x| e**x <= 88.73 * 2**-128 < 2**-121``."""
-    x = np.concatenate([np.linspace(-120.0, 120.0, 600001), rng.uniform(-100, 30, 200000)]).astype(np.float32)
+    x = np.concatenate([np.linspace(-120.0, 120.0, 600001), rng.uniform(-100, 30, 200000), _edge()]).astype(np.float32)
     y = N.silu_rn(t32(x)).numpy().astype(np.float64)
     xd = x.astype(np.float64)
     s = xd / (1.0 + np.exp(-xd))
-    ok_range = xd >= -N.EXP_OVERFLOW
+    ok_range = xd > -N.EXP_OVERFLOW
     bound = 11 * U * np.abs(s) + np.abs(xd) * 2.0**-149
     assert np.all((np.abs(y - s) <= bound)[ok_range])
     assert np.all(I.f32_bits(y[~ok_range].astype(np.float32)) == 0x80000000)
