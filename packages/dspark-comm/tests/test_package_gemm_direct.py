@@ -214,5 +214,7 @@ def test_direct_shapes_and_refusals():
                        torch.zeros(8192, 1024, dtype=torch.bfloat16), group=2)
     with pytest.raises(ValueError, match="the ring main loop"):
         pg.PackageGemmKernel(8192, sg.SkinnyConfig(1024, 4, 2, 2, 2), "plain", None, 0, False, False, 64)
+    with pytest.raises(ValueError, match="x_regs is the ring main loop's"):  # the direct loop would ignore it
+        pg.PackageGemmKernel(8192, sg.SkinnyConfig(1024, 4, 2, 2, x_regs=True), "plain", None, 0, False, False, 16)
     with pytest.raises(ValueError, match="CUDA"):  # the host class checks its weight as for tile_n 64
         pg.PackageGemm(c, torch.zeros(8192, 1024, dtype=torch.bfloat16), pdl=False)

@@ -213,7 +213,7 @@ class PackageGemmKernel:
         if n <= 0 or n % tile_rows:
             raise ValueError(f"the package GEMM computes {tile_rows} output features per CTA; N = {n} is not a "
                              f"positive multiple of {tile_rows}")
-        check_loop_options(cfg.group, tile_rows)
+        check_loop_options(cfg.group, tile_rows, cfg.x_regs)
         check_mode(n, mode, layout, rank)
         self.n, self.cfg, self.mode, self.layout, self.rank, self.pdl = n, cfg, mode, layout, rank, pdl
         self.early_epochs = bool(early_epochs) and mode == "publish"
