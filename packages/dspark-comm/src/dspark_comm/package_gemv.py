@@ -46,13 +46,14 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
 
-from dspark_comm.package_gemm import check_mode, emit_word, kernel_prologue
+# fake_args: the package GEMM's compile signature, which the one-row kernel keeps (re-exported).
+from dspark_comm.package_gemm import check_mode, emit_word, fake_args, kernel_prologue
 from dspark_comm.protocol import MailboxLayout
 from dspark_core.constants import GemvConstants, PackageGemmConstants
 from dspark_core.gemv import gemv_unsupported
 from dspark_cute import gemv as gv
 from dspark_cute import ptx
-from dspark_cute.host import CompileCache, compile_kernel, fake_stream
+from dspark_cute.host import CompileCache, compile_kernel
 
 
 def one_row_constants(constants: PackageGemmConstants) -> GemvConstants:
@@ -125,11 +126,6 @@ def _body(k: PackageGemvKernel, x, weight, out, table, warp_id, lane) -> None:
         word = ptx.pack_bf16x2_rn(sums[2 * pair], sums[2 * pair + 1])
         # Every lane holds the same sums; lane 0 stores ("token" lane < m = 1).
         emit_word(k, bases, out, word, Int32(lane), 0, row0 + 2 * pair, one, early[0] if k.early_epochs else None)
-
-
-def fake_args() -> tuple:
-    """The compile signature of ``PackageGemvKernel`` (no GPU memory needed)."""
-    return (Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), fake_stream())
 
 
 _CACHE = CompileCache()

@@ -144,8 +144,9 @@ def draft_gemm_shape(role: str, k_shard: int) -> GemmShape:
     if role not in DRAFT_GEMMS:
         raise ValueError(f"the package GEMM runs {', '.join(DRAFT_GEMMS)}, not {role!r}")
     shape = DRAFT_GEMMS[role]
-    return dataclasses.replace(shape, tile_n=16) if 0 < k_shard and direct_steps(role, k_shard) <= DIRECT_MAX_STEPS \
-        else shape
+    if 0 < k_shard and direct_steps(role, k_shard) <= DIRECT_MAX_STEPS:
+        return dataclasses.replace(shape, tile_n=16)
+    return shape
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ The ring holds ``stages`` steps per thread; a step's slot is refilled with the
 step ``stages`` later as soon as its MMAs are issued. With ``x_regs`` (the
 package GEMM's one-row calls) the x words skip the ring: each is loaded with
 ``ld.global.v4`` (through L1) when its step's weight copies are issued, held
-in registers until that step's MMAs, which read the same values either way. Before the first x load
-the caller's ``before_x`` runs (the PDL wait: the weight prologue overlaps the
+in registers until that step's MMAs, which read the same values either way.
+Before the first x load the caller's ``before_x`` runs (the PDL wait: the weight prologue overlaps the
 previous kernel).
 
 Summation order of one output ``y[n, r] = sum_k x[n, k] W[r, k]``:
