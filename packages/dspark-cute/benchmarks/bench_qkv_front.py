@@ -145,16 +145,16 @@ def main() -> None:
     # Written now and again after the sweep (so a cut-short sweep keeps the main table).
     (out_dir / "qkv_front.md").write_text("\n".join(lines) + "\n")
     if args.sweep:
-        lines += ["", "## Main-loop shapes (graph, PDL)", "", "| k_warps | stages | smem KB (m<=16) | m | us | TB/s |",
-                  "|---|---|---|---|---|---|"]
-        for kw, st in ((8, 2), (4, 4), (4, 5)):
-            fs = fronts(k_warps=kw, stages=st)
+        lines += ["", "## Main-loop shapes (graph, PDL)", "",
+                  "| k_warps | stages | copies | smem KB (m<=16) | m | us | TB/s |", "|---|---|---|---|---|---|---|"]
+        for kw, st, cp in ((8, 2, "lane"), (4, 4, "lane"), (4, 5, "lane"), (4, 4, "rows"), (4, 6, "rows")):
+            fs = fronts(k_warps=kw, stages=st, copy=cp)
             for m in ROWS_M:
                 x = torch.randn((m, cfg.hidden_size), generator=gen, device="cuda").to(torch.bfloat16)
                 step = StepInputs.block(100, m, "cuda")
                 outs = [torch.empty((m, fs[0].rows), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
                 t = time_graph(front_calls(fs, x, step, cache, outs))
-                lines.append(f"| {kw} | {st} | {fs[0].configs[2].smem_bytes / 1024:.0f} | {m} | {t:.1f} | "
+                lines.append(f"| {kw} | {st} | {cp} | {fs[0].configs[2].smem_bytes / 1024:.0f} | {m} | {t:.1f} | "
                              f"{tbs(t):.2f} |")
                 print(lines[-1], flush=True)
 

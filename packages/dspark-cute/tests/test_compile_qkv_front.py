@@ -70,13 +70,14 @@ def emulate_tile(cfg: sg.SkinnyConfig, w: np.ndarray, x: np.ndarray, m: int) -> 
     return out, copies
 
 
+@pytest.mark.parametrize("k_order", sg.K_ORDERS)
 @pytest.mark.parametrize(
     "k,k_warps,n_tiles,m",
     [(512, 1, 1, 1), (512, 2, 1, 3), (512, 4, 2, 16), (512, 8, 2, 9), (512, 16, 1, 8), (1024, 8, 1, 5)],
 )
-def test_index_maps_give_the_product(k, k_warps, n_tiles, m):
+def test_index_maps_give_the_product(k, k_warps, n_tiles, m, k_order):
     rng = np.random.default_rng(k + 7 * k_warps + 31 * m)
-    cfg = sg.SkinnyConfig(k=k, k_warps=k_warps, stages=1, n_tiles=n_tiles)
+    cfg = sg.SkinnyConfig(k=k, k_warps=k_warps, stages=1, n_tiles=n_tiles, k_order=k_order)
     w = rng.integers(-8, 9, size=(sg.TILE_ROWS, k)).astype(np.float64)
     x = rng.integers(-8, 9, size=(m, k)).astype(np.float64)
     out, copies = emulate_tile(cfg, w, x, m)
@@ -86,7 +87,8 @@ def test_index_maps_give_the_product(k, k_warps, n_tiles, m):
 
 def test_skinny_config_refuses():
     for kwargs in ({"k": 8192, "k_warps": 3}, {"k": 100}, {"k": 8192, "n_tiles": 3},
-                   {"k": 256, "k_warps": 8, "stages": 2}, {"k": 2**17, "k_warps": 8}):
+                   {"k": 256, "k_warps": 8, "stages": 2}, {"k": 2**17, "k_warps": 8},
+                   {"k": 256, "k_order": "rows"}, {"k": 256, "l2_prefetch": 512}):
         with pytest.raises(ValueError):
             sg.SkinnyConfig(**kwargs)
 
@@ -191,6 +193,22 @@ def test_qkv_front_compiles(arch, variant):
         # The table's cos/sin loads: 16-bit for BF16, 32-bit for FP32.
         width = "b16" if c.table_dtype == "bf16" else "b32"
         assert count(body, rf"\bld\.global\.{width}\b") >= 4
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("n_tiles", [1, 2])
+def test_qkv_front_row_copies_compile(arch, n_tiles):
+    """Row copies (``SkinnyConfig.copy`` "rows"): the same audit (MMAs,
+    epilogue, 16-byte copies), plus the warp's two meetings a pair of steps."""
+    from dspark_cute.host import compile_ptx
+    from dspark_cute.qkv_front import QKVFrontKernel, fake_args
+
+    cfg = sg.SkinnyConfig(REF.hidden_size, 4, 4, n_tiles, copy="rows")
+    ptx = compile_ptx(QKVFrontKernel(REF, cfg, False, True), *fake_args(REF), arch=arch)
+    body = "\n".join(line.split("//")[0] for line in ptx.splitlines())
+    audit(body, REF, cfg, False, True)
+    assert count(body, r"\bbar\.warp\.sync\b") == cfg.steps
 
 
 # ---------------------------------------------------------------- host checks (no GPU needed)

@@ -181,6 +181,22 @@ def test_main_loop_shapes(k_warps, stages, pdl, seed):
         check_bound(s, x, raw, f"kw{k_warps} st{stages} m={m}")
 
 
+def test_row_copies_same_bits(seed):
+    """Row copies (the warp's 128-byte row pieces) feed the same MMAs the
+    same words as lane copies: the same raw projection and outputs, bit for
+    bit, for both token tiles."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lane = Setup("small-noqw-fp32", gen, k_warps=4, stages=4)
+    rows = Setup("small-noqw-fp32", torch.Generator(device="cuda").manual_seed(seed), k_warps=4, stages=4,
+                 copy="rows")
+    assert rows.front.configs[2].copy == "rows" and lane.front.configs[2].copy == "lane"
+    for m in (1, 5, 16):
+        x = random_rows(gen, m, lane.cfg.hidden_size, BF16, "cuda")
+        a = check_epilogue(lane, x, f"lane m={m}")
+        b = check_epilogue(rows, x, f"rows m={m}")
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"m={m}: row copies changed the projection"
+
+
 def test_special_values(ref_setup, seed):
     """Rows of -0.0, subnormals, inf, -inf, NaN, huge and tiny values (plus
     random rows up to 16): the epilogue bit for bit on whatever the

@@ -330,7 +330,9 @@ class QKVFront:
     ``Rotary.cos_sin`` table ``[max_position, 64]`` of
     ``constants.table_dtype`` on the weight's device (None without RoPE).
     ``k_warps`` and ``stages``: the main loop's shape (``SkinnyConfig``);
-    ``pdl``: launch with programmatic dependent launch (default: sm_90+).
+    ``pdl``: launch with programmatic dependent launch (default: sm_90+);
+    ``copy``: who copies the weight (``SkinnyConfig.copy``: "lane" or the
+    warp's 128-byte "rows"; the same bits).
     Call ``prepare()`` before CUDA graph capture."""
 
     def __init__(
@@ -343,6 +345,7 @@ class QKVFront:
         k_warps: int = 4,
         stages: int = 4,
         pdl: bool | None = None,
+        copy: str = "lane",
     ) -> None:
         if not isinstance(constants, QKVFrontConstants):
             raise ValueError(f"QKVFront takes QKVFrontConstants, not {type(constants).__name__}")
@@ -354,7 +357,7 @@ class QKVFront:
         if c.table_dtype not in ("bf16", "fp32"):
             raise ValueError(f"the QKV front reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
         # SkinnyConfig raises the ValueError for a hidden size it cannot split.
-        self.configs = {nt: sg.SkinnyConfig(c.hidden_size, k_warps, stages, nt) for nt in (1, 2)}
+        self.configs = {nt: sg.SkinnyConfig(c.hidden_size, k_warps, stages, nt, copy=copy) for nt in (1, 2)}
         self.rows = (2 * c.num_heads + 2 * kv) * HEAD_DIM
         check_operand(weight, (self.rows, c.hidden_size), torch.bfloat16, 16, "the QKV weight")
         device = weight.device

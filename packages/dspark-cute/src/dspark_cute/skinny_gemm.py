@@ -21,7 +21,14 @@ columns ``8t + 4 half + {0, 1}`` and ``8t + 4 half + {2, 3}``. So the weight
 goes from global memory to the tensor cores without a shuffle or a CTA
 barrier: each thread reads back only what it copied itself (``cp.async.wait_group``).
 The ring holds ``stages`` steps per thread; a step's slot is refilled with the
-step ``stages`` later as soon as its MMAs are issued. With ``x_regs`` (the
+step ``stages`` later as soon as its MMAs are issued. With ``copy`` "rows"
+(``dspark_cute.skinny_rows``; the package GEMM's ring) the warp copies the
+same words two steps at a time in whole 128-byte row pieces (full-line L2
+requests instead of half lines) and each lane reads its own words back after
+a ``bar.warp.sync``: the same MMAs on the same words. ``l2_prefetch`` sets the
+copies' L2 prefetch hint; ``k_order`` "interleaved" (probe only) gives warp
+``w`` the steps ``w, w + W_K, ...`` instead of a contiguous slice: a
+different sum order, stated in step 1 below. With ``x_regs`` (the
 package GEMM's one-row calls) the x words skip the ring: each is loaded with
 ``ld.global.v4`` (through L1) when its step's weight copies are issued, held
 in registers until that step's MMAs, which read the same values either way.
@@ -32,7 +39,8 @@ Summation order of one output ``y[n, r] = sum_k x[n, k] W[r, k]``:
 
 1. warp ``w`` accumulates its slice in FP32 starting from +0.0, one
    ``mma.sync.m16n8k16`` (16 products) after another: step ``s``, half 0
-   then half 1 (columns ``k0 + 32 s + 8 t + 4 half + {0..3}``, t = 0..3); the
+   then half 1 (columns ``k0 + 32 s + 8 t + 4 half + {0..3}``, t = 0..3;
+   ``k_order`` "interleaved": ``32 (W_K s + w) + 8 t + 4 half + {0..3}``); the
    order of the 16 products and the accumulator inside one MMA is the tensor
    core's (undocumented; not IEEE);
 2. the W_K warp partials are folded by halves with ``add.rn.f32``:
@@ -81,6 +89,9 @@ STEP_K = 32  # columns per warp and step
 RED_STRIDE = TILE_ROWS + 4  # floats per token row of the partials (bank spread)
 MAX_TOKENS = 16
 BETA = 2.0**-18  # the assumed per-MMA relative error (module docstring)
+K_ORDERS = ("slices", "interleaved")
+L2_PREFETCH = (0, 64, 128, 256)
+COPIES = ("lane", "rows")
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,24 @@ class SkinnyConfig:
     # ahead instead of copied into the ring, which then holds the weight only
     # (so more stages fit). The same MMAs on the same values: the same bits.
     x_regs: bool = False
+    # Which columns a warp sums (part of the sum order): "slices", warp w the
+    # contiguous K / W_K columns from w K / W_K (its steps in K order); or
+    # "interleaved", warp w the 32-column steps w, w + W_K, w + 2 W_K, ...
+    # (the CTA's warps then read each weight row front to back together).
+    k_order: str = "slices"
+    # The cp.async copies' L2 prefetch size in bytes (0: no hint); bits unchanged.
+    l2_prefetch: int = 256
+    # Who copies a weight word: "lane", the lane that reads it (one step at a
+    # time; 8 rows x 64 bytes per warp instruction); "rows", the warp, two
+    # steps at a time in 128-byte row pieces (4 rows x 128 bytes per
+    # instruction: whole-line L2 requests) into a swizzled ring read back
+    # after the wait and a __syncwarp. The same words reach the same MMAs.
+    copy: str = "lane"
+    # Row copies only: refill a pair's slot "after" its MMAs are issued, or
+    # "before" them (both steps' words loaded first, then the warp meets and
+    # refills: the copies of the pair `stages / 2` ahead start earlier, at
+    # the price of both steps' words in registers at once). The same bits.
+    refill: str = "after"
 
     def __post_init__(self) -> None:
         if self.k_warps not in (1, 2, 4, 8, 16):
@@ -118,6 +147,18 @@ class SkinnyConfig:
             raise ValueError(f"a refill burst of {self.group} steps with {self.stages} steps in flight")
         if not isinstance(self.x_regs, bool):
             raise ValueError(f"x_regs is True or False, not {self.x_regs!r}")
+        if self.k_order not in K_ORDERS:
+            raise ValueError(f"k_order is one of {', '.join(K_ORDERS)}, not {self.k_order!r}")
+        if self.l2_prefetch not in L2_PREFETCH:
+            raise ValueError(f"l2_prefetch is one of {L2_PREFETCH} bytes, not {self.l2_prefetch!r}")
+        if self.copy not in COPIES:
+            raise ValueError(f"copy is one of {', '.join(COPIES)}, not {self.copy!r}")
+        if self.copy == "rows" and (self.k_order != "slices" or self.stages % 2 or self.steps % 2):
+            raise ValueError(f"row copies take two contiguous steps at a time: k_order slices, an even number of "
+                             f"stages and steps, not {self.k_order}, {self.stages} stages, {self.steps} steps")
+        if self.refill not in ("after", "before") or (self.refill == "before" and self.copy != "rows"):
+            raise ValueError(f"refill is 'after', or 'before' with row copies, not {self.refill!r} "
+                             f"with {self.copy} copies")
         if self.mmas_per_warp * BETA > 2.0**-10:
             raise ValueError(f"K = {self.k} over {self.k_warps} warps is beyond the stated error bound")
 
@@ -169,13 +210,20 @@ def lane_coords(lane):
     return lane >> 2, lane & 3
 
 
+def step_column(cfg: SkinnyConfig, warp, step: int):
+    """The first of the 32 columns warp ``warp`` covers in ``step``: ``w K /
+    W_K + 32 s`` (``k_order`` "slices") or ``32 (W_K s + w)`` ("interleaved")."""
+    if cfg.k_order == "interleaved":
+        return STEP_K * (cfg.k_warps * step + warp)
+    return warp * (cfg.k // cfg.k_warps) + STEP_K * step
+
+
 def weight_offset(cfg: SkinnyConfig, warp, lane, step: int, load: int):
     """Element offset in the tile (rows of ``cfg.k``) of weight copy ``load``
     (``2 i + h``: row ``16 i + g + 8 h``) of ``step`` for this thread."""
     g, t = lane_coords(lane)
     i, h = divmod(load, 2)
-    k0 = warp * (cfg.k // cfg.k_warps) + 8 * t
-    return (16 * i + 8 * h + g) * cfg.k + k0 + STEP_K * step
+    return (16 * i + 8 * h + g) * cfg.k + step_column(cfg, warp, step) + 8 * t
 
 
 def x_token(lane, n_tile: int, m, minimum=min):
@@ -188,12 +236,16 @@ def x_token(lane, n_tile: int, m, minimum=min):
 def x_offset(cfg: SkinnyConfig, warp, lane, step: int, token):
     """Element offset in x (rows of ``cfg.k``) of this thread's copy of ``token``."""
     _, t = lane_coords(lane)
-    return token * cfg.k + warp * (cfg.k // cfg.k_warps) + 8 * t + STEP_K * step
+    return token * cfg.k + step_column(cfg, warp, step) + 8 * t
 
 
 def ring_offset(cfg: SkinnyConfig, tid, stage: int, load: int):
     """Byte offset in the ring of a thread's 16-byte slot (a warp's 32 slots
-    are contiguous: conflict-free)."""
+    are contiguous: conflict-free). Under row copies only x's slots (loads
+    ``W_LOADS`` ..) are the thread's, after the weight's rows."""
+    if cfg.copy == "rows":
+        weight = cfg.stages * W_LOADS * cfg.threads * 16
+        return weight + ((stage * cfg.n_tiles + load - W_LOADS) * cfg.threads + tid) * 16
     return ((stage * cfg.ring_loads + load) * cfg.threads + tid) * 16
 
 
@@ -231,13 +283,14 @@ _asm = ptx._asm  # (kept as this module's name: qkv_front and qkv_epilogue call 
 
 
 @dsl_user_op
-def cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None) -> None:
+def cp_async_16(smem_addr, gmem_addr, prefetch: int = 256, *, loc=None, ip=None) -> None:
     """Copy 16 bytes from global ``gmem_addr`` (Int64, 16-byte aligned) to
     shared ``smem_addr`` (Int32) asynchronously, caching in L2 only with a
-    256-byte L2 prefetch (``cp.async.cg...L2::256B``; the next steps read
-    the rest of each 256 bytes)."""
+    ``prefetch``-byte L2 prefetch (``cp.async.cg...L2::256B`` by default: the
+    next steps read the rest of each 256 bytes; 0: no hint)."""
+    hint = f".L2::{int(prefetch)}B" if prefetch else ""
     _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-         "cp.async.cg.shared.global.L2::256B [$0], [$1], 16;", "r,l", True, loc, ip)
+         f"cp.async.cg.shared.global{hint} [$0], [$1], 16;", "r,l", True, loc, ip)
 
 
 @dsl_user_op
@@ -298,13 +351,17 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=No
     when the ring copies of their step are issued, instead of copied into
     the ring. Returns the accumulators ``acc[i][n_tile]`` (4 FP32 each,
     ``acc_coords``), this warp's partial sums over its K-slice."""
+    if cfg.copy == "rows":
+        from dspark_cute import skinny_rows  # (it builds on this module)
+
+        return skinny_rows.mainloop(cfg, w_tile, x, m, ring, tid, warp, lane, before_x)
     tokens = [x_token(lane, nt, m, minimum=_min_i32) for nt in range(cfg.n_tiles)]
     x_words: dict = {}  # x_regs: step -> its x words, loaded ahead
 
     def copy_weight(step: int, stage: int) -> None:
         for load in range(W_LOADS):
             src = Int64(w_tile) + Int64(weight_offset(cfg, warp, lane, step, load)) * 2
-            cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, load), src)
+            cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, load), src, cfg.l2_prefetch)
 
     def copy_x(step: int, stage: int) -> None:
         for nt, tok in enumerate(tokens):
@@ -312,7 +369,7 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=No
             if cfg.x_regs:
                 x_words.setdefault(step, []).append(ptx.ld_global_v4(src))
             else:
-                cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, W_LOADS + nt), src)
+                cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, W_LOADS + nt), src, cfg.l2_prefetch)
 
     # Prologue: the weight of the first stages (constant data: before the
     # PDL wait), then x, one commit group per step (x_regs: the weight's).
@@ -467,6 +524,8 @@ def output_error_bound(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 __all__ = [
     "BETA",
+    "K_ORDERS",
+    "L2_PREFETCH",
     "MMA_TILES",
     "RED_STRIDE",
     "STEP_K",
@@ -490,6 +549,7 @@ __all__ = [
     "projection_error_bound",
     "reduced_pair",
     "red_offset",
+    "step_column",
     "ring_offset",
     "store_partials",
     "weight_offset",

@@ -1,0 +1,168 @@
+"""Row copies for the skinny GEMM's ring main loop (``SkinnyConfig.copy``
+"rows"; ``skinny_gemm.mainloop`` runs ``mainloop`` here for them).
+
+With lane copies each lane copies the 16 bytes it later reads: one warp
+instruction covers 8 weight rows x 64 bytes, so the L2 sees 64-byte requests
+(half lines). With row copies the warp copies two steps (64 columns) of its
+K-slice at a time, as whole 128-byte row pieces: copy ``q`` of lane ``l``
+takes tile row ``4 q + (l >> 3)``, 16-byte chunk ``l & 7`` (``row_copy``), so
+one instruction covers 4 rows x 128 bytes and every request is a full line.
+The ring then holds ``stages / 2`` pairs of steps per warp, each 64 rows of
+128 bytes, chunk ``c`` of row ``r`` stored at chunk ``c ^ 4 (r & 1)``
+(``rows_ring_offset``): a copy's 8 lanes of one row and a fragment read's
+quarter-warp (rows ``g``, ``g + 1``, chunks ``t``) each cover all 32 banks.
+A lane then reads the chunk ``4 (s & 1) + t`` of rows ``16 i + 8 h + g``
+(``rows_read_offset``): exactly the words lane copies would have given it,
+so the MMAs, their operands and their order are those of lane copies (the
+same bits). Copies of other lanes become visible through
+``cp.async.wait_group`` and then ``bar.warp.sync``; a second
+``bar.warp.sync`` after a pair's MMAs keeps any lane from refilling a slot
+another lane still reads (``refill`` "before": the pair's words are all
+loaded, then the warp meets and refills, then the MMAs run). x is copied (or, ``x_regs``, loaded) per lane as
+with lane copies. Needs an even number of steps and stages (``SkinnyConfig``
+refuses others).
+"""
+
+from __future__ import annotations
+
+from cutlass import Int32, Int64
+from cutlass.cutlass_dsl import dsl_user_op
+
+from dspark_cute import ptx
+from dspark_cute.skinny_gemm import (
+    MMA_TILES,
+    STEP_K,
+    TILE_ROWS,
+    W_LOADS,
+    SkinnyConfig,
+    _min_i32,
+    a_fragment,
+    b_fragment,
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait,
+    lane_coords,
+    ld_shared_v4,
+    mma_bf16,
+    ring_offset,
+    step_column,
+    x_offset,
+    x_token,
+)
+
+PAIR_ROW_BYTES = 2 * STEP_K * 2  # a weight row's two steps in the ring: one 128-byte line
+PAIR_COPIES = TILE_ROWS * PAIR_ROW_BYTES // (32 * 16)  # 16-byte copies per lane and pair of steps
+
+
+def row_copy(cfg: SkinnyConfig, warp, lane, pair: int, q: int) -> tuple:
+    """Row copies (``copy`` "rows"): ``(row, chunk, offset)`` of this lane's
+    copy ``q`` (of ``PAIR_COPIES``) of ``pair`` (steps ``2 pair``, ``+ 1``):
+    tile row ``4 q + lane >> 3``, 16-byte chunk ``lane & 7`` of the row's 64
+    columns, at element ``offset`` of the tile."""
+    row, chunk = 4 * q + (lane >> 3), lane & 7
+    return row, chunk, row * cfg.k + step_column(cfg, warp, 2 * pair) + 8 * chunk
+
+
+def rows_ring_offset(cfg: SkinnyConfig, warp, pair_stage: int, row, chunk):
+    """Byte offset in the row-copy ring of a row's 16-byte chunk: 128-byte
+    rows, chunk ``c`` stored at ``c ^ 4 (row & 1)`` (rows ``g`` and ``g + 1``,
+    read by one quarter-warp, then use all 32 banks; a copy's 8 chunks do)."""
+    return ((pair_stage * cfg.k_warps + warp) * TILE_ROWS + row) * PAIR_ROW_BYTES + (chunk ^ ((row & 1) * 4)) * 16
+
+
+def rows_read_offset(cfg: SkinnyConfig, warp, lane, step: int, load: int, pair_stage: int):
+    """The ring offset holding ``weight_offset(cfg, warp, lane, step, load)``'s
+    16 bytes under row copies: row ``16 i + 8 h + g``, chunk ``4 (step & 1) + t``."""
+    g, t = lane_coords(lane)
+    i, h = divmod(load, 2)
+    return rows_ring_offset(cfg, warp, pair_stage, 16 * i + 8 * h + g, 4 * (step % 2) + t)
+
+
+@dsl_user_op
+def sync_warp(*, loc=None, ip=None) -> None:
+    """``bar.warp.sync 0xffffffff``: the warp's lanes meet; their shared-memory
+    accesses before it are ordered before those after it (row copies)."""
+    ptx._asm(None, [], "bar.warp.sync 0xffffffff;", "", True, loc, ip)
+
+
+def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x) -> list:
+    """``skinny_gemm.mainloop`` with row copies (``copy`` "rows"): the ring holds
+    ``stages / 2`` pairs of steps; a pair's weight is copied by the warp in
+    128-byte row pieces (``row_copy``), one commit group per pair (with its
+    steps' x copies), waited for and then shared by a ``sync_warp``. The
+    same MMAs on the same words in the same order as ``mainloop``."""
+    tokens = [x_token(lane, nt, m, minimum=_min_i32) for nt in range(cfg.n_tiles)]
+    x_words: dict = {}
+    pairs, depth = cfg.steps // 2, cfg.stages // 2
+
+    def copy_weight(pair: int, pair_stage: int) -> None:
+        for q in range(PAIR_COPIES):
+            row, chunk, off = row_copy(cfg, warp, lane, pair, q)
+            cp_async_16(Int32(ring) + rows_ring_offset(cfg, warp, pair_stage, row, chunk),
+                        Int64(w_tile) + Int64(off) * 2, cfg.l2_prefetch)
+
+    def copy_x(pair: int) -> None:
+        for step in (2 * pair, 2 * pair + 1):
+            for nt, tok in enumerate(tokens):
+                src = Int64(x) + Int64(x_offset(cfg, warp, lane, step, tok)) * 2
+                if cfg.x_regs:
+                    x_words.setdefault(step, []).append(ptx.ld_global_v4(src))
+                else:
+                    cp_async_16(Int32(ring) + ring_offset(cfg, tid, step % cfg.stages, W_LOADS + nt), src,
+                                cfg.l2_prefetch)
+
+    def refill(p: int, ps: int) -> None:
+        sync_warp()  # every lane's reads of the slot before any lane refills it
+        if p + depth < pairs:
+            copy_weight(p + depth, ps)
+            copy_x(p + depth)
+        cp_async_commit()
+
+    def words_of(s: int, ps: int) -> list:
+        words = [ld_shared_v4(Int32(ring) + rows_read_offset(cfg, warp, lane, s, load, ps)) for load in range(W_LOADS)]
+        if cfg.x_regs:
+            return words + x_words.pop(s)
+        return words + [ld_shared_v4(Int32(ring) + ring_offset(cfg, tid, s % cfg.stages, W_LOADS + nt))
+                        for nt in range(cfg.n_tiles)]
+
+    for p in range(depth):
+        copy_weight(p, p)
+        if cfg.x_regs:
+            cp_async_commit()
+    if before_x is not None:
+        before_x()
+    for p in range(depth):
+        copy_x(p)
+        if not cfg.x_regs:
+            cp_async_commit()
+
+    zero = ptx.f32_const(0.0)
+    acc = [[[zero] * 4 for _ in range(cfg.n_tiles)] for _ in range(MMA_TILES)]
+    for p in range(pairs):
+        ps = p % depth
+        cp_async_wait(depth - 1)
+        sync_warp()  # the other lanes' copies of this pair are visible after it
+        pair_words = [words_of(2 * p, ps), words_of(2 * p + 1, ps)] if cfg.refill == "before" else None
+        if cfg.refill == "before":
+            refill(p, ps)
+        for e in range(2):
+            words = pair_words[e] if pair_words else words_of(2 * p + e, ps)
+            for half in range(2):
+                for i in range(MMA_TILES):
+                    for nt in range(cfg.n_tiles):
+                        acc[i][nt] = mma_bf16(a_fragment(words, i, half), b_fragment(words, nt, half), acc[i][nt])
+        if cfg.refill == "after":
+            refill(p, ps)
+    cp_async_wait(0)
+    return acc
+
+
+__all__ = [
+    "PAIR_COPIES",
+    "PAIR_ROW_BYTES",
+    "mainloop",
+    "row_copy",
+    "rows_read_offset",
+    "rows_ring_offset",
+    "sync_warp",
+]
