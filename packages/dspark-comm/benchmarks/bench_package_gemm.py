@@ -17,6 +17,11 @@ barrier before each replay; the table shows the slower rank's median):
 - ``cuBLAS``: ``torch.matmul(x, W.T, out=...)``; and its kernels' own
   device time per call (profiler), to set beside the publish kernel's own
   device time (also profiled): the like-for-like reading of the target;
+  and beside the plain kernel's (profiled, no PDL);
+- ``package GEMM with publish alone``: ``PackageGemm.run(x, publish=True)``
+  back to back in a graph (the same partials into the same slots; one
+  consuming ``AllReduceBoundary.run(None, ..., published=True)`` frees them
+  afterwards, untimed): the target's reading in the draft's setting;
 - ``package GEMM + publish + fused boundary``: ``PackageGemm.run_boundary``
   (the GEMM publishing into the mailbox, then ``AllReduceBoundary`` with
   ``published=True``);
@@ -59,6 +64,8 @@ CASES = [
     ("package GEMM on the other main loop (tile_n 64 where the policy takes 16, else 16)", "gemm_other"),
     ("its publish kernel alone (profiler; the other main loop)", "publish_kernel_other"),
     ("cuBLAS: its kernels alone (profiler; device time per call)", "cublas_kernel"),
+    ("package GEMM with publish alone (graph, PDL; the mailbox consumed once after)", "publish_graph"),
+    ("package GEMM, plain: its kernel alone (profiler, no PDL)", "gemm_kernel"),
     ("package GEMM with the one-row GEMV (one_row_gemv=True; m = 1 only)", "gemm_gemv"),
     ("its publish kernel alone (profiler; the one-row GEMV)", "publish_kernel_gemv"),
 ]
@@ -71,7 +78,8 @@ ONE_ROW = {"gemm_gemv", "publish_kernel_gemv"}
 # which itself waits for the peer (measured so: 200-330 us on eager calls).
 PUBLISH_KERNEL = "PackageGemmKernel"
 # The profiled rows: the call (of ``_calls``) each profiles.
-PROFILED = {"publish_kernel": "publish_bd_no_pdl", "publish_kernel_early": "publish_bd_early_no_pdl",
+PROFILED = {"gemm_kernel": "gemm_no_pdl",
+            "publish_kernel": "publish_bd_no_pdl", "publish_kernel_early": "publish_bd_early_no_pdl",
             "publish_kernel_other": "publish_bd_other_no_pdl", "publish_kernel_gemv": "publish_bd_gemv_no_pdl"}
 
 
@@ -117,6 +125,9 @@ def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_p
     new = torch.empty((m, H), dtype=torch.float32, device="cuda")
     return {
         "gemm": lambda: gemm.run(x, y),
+        "gemm_no_pdl": lambda: gemm_no_pdl.run(x, y),
+        "publish_graph": lambda: gemm.run(x, publish=True),
+        "consume": lambda: fused.run(None, stream, True, o, new, published=True),
         "gemm_other": lambda: direct.run(x, y),
         "publish_bd_other_no_pdl": lambda: direct_no_pdl.run_boundary(x, fused, stream, True, o, new),
         "cublas": lambda: torch.matmul(x, w.t(), out=y),
@@ -180,7 +191,8 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
             g.prepare()
         results[f"shape/{k}"] = (f"tile_n {s.tile_n}, k_warps {gemm.k_warps}, stages "
                                  f"{gemm.stages_by_tiles[0]} / {gemm.stages_by_tiles[1]} / {gemm.stages_by_tiles[2]}"
-                                 f" (m = 1{', x through registers' if gemm.configs[0].x_regs else ''} / <= 8 / <= 16)")
+                                 f" (m = 1{', x through registers' if gemm.configs[0].x_regs else ''} / <= 8 / <= 16)"
+                                 + (f", {gemm.configs[2].copy} copies" if s.tile_n == 64 else ""))
         for m in ROWS:
             fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl,
                          one_row)
@@ -198,6 +210,13 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
                     measure = lambda fn=fns[key]: time_replays(  # noqa: E731
                         capture(fn, iters, side_stream=True), reps, calls=iters)
                 record_case(results, f"{key}/{k}/{m}", measure)
+                if key == "publish_graph":
+                    # The replays published without consuming (the same partials into the same
+                    # slots): once every rank is done, one consuming call frees the slots.
+                    torch.cuda.synchronize()
+                    dist.barrier()
+                    fns["consume"]()
+                    torch.cuda.synchronize()
                 mb.check()
     gathered = group.all_gather_object(results)
     if rank == 0:
@@ -238,14 +257,17 @@ def _report(raw: list[dict], out: str) -> str:
     with_gemv = [g if m == 1 else p for (_, m), g, p in
                  zip(cols, series[label["publish_kernel_gemv"]], series[label["publish_kernel"]])]
     like = [p is not None and c is not None and p <= c for p, c in zip(series[label["publish_kernel"]], cub_kernel)]
+    plain_like = [p is not None and c is not None and p <= c
+                  for p, c in zip(series[label["gemm_kernel"]], cub_kernel)]
     lines += ["", "Target (issue 6): the GEMM with its publish no slower than cuBLAS alone: "
-              + verdict(series[label["publish_kernel"]]) + " (the publish-mode kernel's own time); "
+              + verdict(series[label["publish_graph"]]) + " per call in a CUDA graph (the draft's setting); "
+              + verdict(series[label["publish_kernel"]]) + " by the publish-mode kernel's own time; "
               + verdict(series[label["publish_kernel_early"]]) + " with its epochs loaded in each round; "
               + verdict(series[label["publish_kernel_other"]]) + " on the other main loop;",
               "with the consuming fused boundary too (a stricter reading): "
               + verdict(series[label["publish_bd"]]) + ";",
               f"like for like (the publish kernel's device time against cuBLAS's, both profiled): met at "
-              f"{sum(like)} of {len(like)} (K, m);",
+              f"{sum(like)} of {len(like)} (K, m); the plain kernel's: {sum(plain_like)} of {len(plain_like)};",
               "with the one-row GEMV at m = 1 (one_row_gemv=True; the policy's kernel above): "
               + verdict(with_gemv) + "."]
     text = "\n".join(lines) + "\n"

@@ -175,7 +175,10 @@ def audit(body: str, cfg: sg.SkinnyConfig, mode: str, tp: int, pdl: bool) -> Non
     copies = re.findall(r"\bcp\.async[.\w:]*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\d+);", body)
     assert copies and all(size == "16" for size in copies), "a cp.async other than 16 bytes"
     assert len(copies) == cfg.steps * cfg.ring_loads
-    assert count(body, r"\bcp\.async\.cg\.shared\.global\.L2::256B\b") == cfg.steps * cfg.ring_loads
+    hint = rf"\.L2::{cfg.l2_prefetch}B" if cfg.l2_prefetch else ""
+    assert count(body, rf"\bcp\.async\.cg\.shared\.global{hint}\s") == cfg.steps * cfg.ring_loads
+    # Row copies: the warp meets twice a pair of steps (the copies visible, the slot read).
+    assert count(body, r"\bbar\.warp\.sync\b") == (cfg.steps if cfg.copy == "rows" else 0)
     assert count(body, r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32") == (
         cfg.steps * 2 * sg.MMA_TILES * cfg.n_tiles)
     assert count(body, r"\bbar\.sync\b") == 2
@@ -201,8 +204,9 @@ def audit(body: str, cfg: sg.SkinnyConfig, mode: str, tp: int, pdl: bool) -> Non
         head, sep, tail = body.partition("griddepcontrol.wait")
         assert sep, "no PDL wait"
         assert count(head, r"\bcp\.async\.cg") == sg.W_LOADS * cfg.stages, "not exactly the weight prologue"
-        # (x_regs: each prologue step's weight is its own commit group.)
-        assert count(head, r"\bcp\.async\.commit_group") == (cfg.stages if cfg.x_regs else 0)
+        # (x_regs: each prologue step's weight, or pair's under row copies, is its own commit group.)
+        groups = cfg.stages // 2 if cfg.copy == "rows" else cfg.stages
+        assert count(head, r"\bcp\.async\.commit_group") == (groups if cfg.x_regs else 0)
         assert "ld.relaxed" not in head and count(head, r"\bld\.global\.v4\b") == 0
         assert count(head, r"\bld\.global\.b64") == (tp if mode == "publish" else 0)
         _, sep, after = tail.rpartition("mma.sync")
@@ -230,8 +234,8 @@ def test_package_gemm_compiles(arch, variant, tmp_path):
     from dspark_cute.host import compile_ptx
 
     _, c, kw, st, nt, mode, tp, rank, pdl = variant
-    kw, st = pg.default_shape(c, kw, st)
-    cfg = sg.SkinnyConfig(c.k_shard, kw, st, nt)
+    kw, st = pg.default_shape(c, kw, st, nt)
+    cfg = pg.ring_config(c.k_shard, kw, st, nt)
     layout = MailboxLayout(tp, c.hidden_size, 16) if mode == "publish" else None
     ptx = compile_ptx(pg.PackageGemmKernel(c.hidden_size, cfg, mode, layout, rank, pdl), *pg.fake_args(),
                       arch=arch)
@@ -263,7 +267,7 @@ def test_x_through_registers_compiles(arch, variant, tmp_path):
 
     _, c, st, nt, mode, pdl = variant
     kw, st = pg.default_shape(c, None, st, nt, x_regs=True)
-    cfg = sg.SkinnyConfig(c.k_shard, kw, st, nt, x_regs=True)
+    cfg = pg.ring_config(c.k_shard, kw, st, nt, x_regs=True)
     assert cfg.smem_bytes <= pg.MAX_SMEM_BYTES
     layout = MailboxLayout(2, c.hidden_size, 16) if mode == "publish" else None
     ptx = compile_ptx(pg.PackageGemmKernel(c.hidden_size, cfg, mode, layout, 0, pdl), *pg.fake_args(), arch=arch)
@@ -273,14 +277,38 @@ def test_x_through_registers_compiles(arch, variant, tmp_path):
         assert "0 bytes spill stores" in report, report
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("refill", ["after", "before"])
+def test_row_copies_compile(arch, refill, tmp_path):
+    """Row copies (``SkinnyConfig.copy`` "rows", the ring's default) with the
+    refill after a pair's MMAs (the default) or before them: the whole audit
+    (the same MMAs, copies, epilogue), no spills."""
+    import dataclasses
+
+    from dspark_cute.host import compile_ptx
+
+    c = _constants("down_proj", 8192, 8192)
+    kw, st = pg.default_shape(c)
+    cfg = dataclasses.replace(pg.ring_config(c.k_shard, kw, st, 2), refill=refill)
+    assert cfg.copy == "rows" and st % 2 == 0
+    layout = MailboxLayout(2, c.hidden_size, 16)
+    ptx = compile_ptx(pg.PackageGemmKernel(c.hidden_size, cfg, "publish", layout, 1, True), *pg.fake_args(),
+                      arch=arch)
+    audit(code(ptx), cfg, "publish", 2, True)
+    report = ptxas_report(ptx, arch, tmp_path)
+    if report and arch == "sm_90a":
+        assert "0 bytes spill stores" in report, report
+
+
 def test_x_through_registers_shapes():
     """x_regs leaves the ring to the weight (W_LOADS copies a step), so the
     default depth goes deeper where x's copies made it stop short (8 warps,
-    16 tokens: 6 stages of 32 KB within MAX_SMEM_BYTES, against 5 of 40 KB);
-    the register-direct loop refuses it."""
+    16 tokens, row copies: 6 stages of 32 KB within MAX_SMEM_BYTES, against 4
+    of 40 KB); the register-direct loop refuses it."""
     c = _constants("down_proj", 8192, 8192)
-    assert pg.MAX_SMEM_BYTES == 200 * 1024
-    assert pg.default_shape(c) == (8, 5) and pg.default_shape(c, x_regs=True) == (8, 6)
+    assert pg.MAX_SMEM_BYTES == 227 * 1024
+    assert pg.default_shape(c) == (8, 4) and pg.default_shape(c, x_regs=True) == (8, 6)
     cfg = sg.SkinnyConfig(8192, 8, 6, 2, x_regs=True)
     assert cfg.ring_loads == sg.W_LOADS and cfg.loads == sg.W_LOADS + 2
     assert cfg.ring_bytes == 6 * sg.W_LOADS * 256 * 16
@@ -300,14 +328,29 @@ def test_default_shapes_of_the_policy():
         for nt in (1, 2):
             got_kw, st = pg.default_shape(_constants(role, 8192, k), n_tiles=nt)
             assert got_kw == kw
-            cfg = sg.SkinnyConfig(k, kw, st, nt)
+            cfg = pg.ring_config(k, kw, st, nt)
             assert 1 <= st <= min(pg.RING_DEPTH[nt], cfg.steps) and cfg.smem_bytes <= pg.MAX_SMEM_BYTES
+            # Row copies wherever the warp's steps are even (all of these): stages in pairs.
+            assert cfg.copy == pg.RING_COPY == "rows" and st % 2 == 0 and cfg.l2_prefetch == pg.RING_L2_PREFETCH
     # The measured choice (module comment): 6 stages of 4 warps at K = 4096.
     assert pg.default_shape(_constants("o_proj", 8192, 4096), n_tiles=1) == (4, 6)
     assert pg.default_shape(_constants("o_proj", 8192, 4096)) == (4, 6)
-    # 8 warps at K = 8192: the cap (MAX_SMEM_BYTES) leaves 5 stages for either token tile.
-    assert pg.default_shape(_constants("down_proj", 8192, 8192)) == (8, 5)
-    assert pg.default_shape(_constants("down_proj", 8192, 8192), n_tiles=1) == (8, 5)
+    # 8 warps at K = 8192: the cap (MAX_SMEM_BYTES) leaves 6 stages for 8 tokens, 4 (pairs) for 16.
+    assert pg.default_shape(_constants("down_proj", 8192, 8192)) == (8, 4)
+    assert pg.default_shape(_constants("down_proj", 8192, 8192), n_tiles=1) == (8, 6)
+    # An odd number of steps per warp: lane copies, any depth.
+    odd = pg.ring_config(4096 + 128, 4, 5, 2)
+    assert odd.copy == "lane" and odd.l2_prefetch == pg.LANE_L2_PREFETCH
+    assert pg.default_shape(_constants("o_proj", 8192, 4096 + 128), n_tiles=1) == (4, 6)
+    assert pg.ring_config(4096, 4, 5, 2).copy == "lane"  # an odd depth given: lane copies
+    assert pg.default_shape(_constants("down_proj", 8192, 8192), copy="lane") == (8, 5)  # (lane copies: any depth)
+    with pytest.raises(ValueError, match="copy is None"):
+        pg.ring_config(4096, 4, 6, 2, copy="tma")
+    with pytest.raises(ValueError, match="row copies take two contiguous steps"):
+        pg.ring_config(4096, 4, 5, 2, copy="rows")
+    with pytest.raises(ValueError, match="copy is the ring main loop's"):
+        pg.PackageGemm(_constants("o_proj", 8192, 1024, tile_n=16), torch.zeros(8192, 1024, dtype=torch.bfloat16),
+                       copy="rows")
     with pytest.raises(ValueError, match="n_tiles 1 or 2"):
         pg.default_shape(_constants("o_proj", 8192, 4096), n_tiles=3)
 
@@ -435,8 +478,8 @@ def test_early_epochs_are_loaded_before_the_main_loop(arch, variant, tmp_path):
     from dspark_cute.host import compile_ptx
 
     _, c, nt, tp, rank, pdl = variant
-    kw, st = pg.default_shape(c)
-    cfg = sg.SkinnyConfig(c.k_shard, kw, st, nt)
+    kw, st = pg.default_shape(c, n_tiles=nt)
+    cfg = pg.ring_config(c.k_shard, kw, st, nt)
     kernel = pg.PackageGemmKernel(c.hidden_size, cfg, "publish", MailboxLayout(tp, c.hidden_size, 16), rank, pdl,
                                   early_epochs=True)
     assert kernel.early_epochs

@@ -95,7 +95,10 @@ def check_plain(c):
         # The register-direct main loop (tile_n 16): the same sums, so the same bits.
         direct = PackageGemm(_constants(role, k, tile_n=16), w)
         direct.prepare(publish=(False,))
-        ours_bad = cublas_bad = variant_bad = direct_bad = row_bad = 0
+        # The ring with lane copies (the default copies rows): the same MMAs, so the same bits.
+        lane = PackageGemm(_constants(role, k), w, copy="lane")
+        lane.prepare(publish=(False,))
+        ours_bad = cublas_bad = variant_bad = direct_bad = row_bad = lane_bad = 0
         worst_ours = worst_cublas = 0.0
         for m in range(1, CAPACITY + 1):
             x = _operands(gen, m, k)
@@ -115,6 +118,7 @@ def check_plain(c):
             if m > 1:  # the one-row variant (x through registers) on row 0: the same bits
                 row_bad += bad(gemm.run(x[:1].contiguous()), out[:1])
             direct_bad += bad(direct.run(x), out)
+            lane_bad += bad(lane.run(x), out)
         # Non-finite inputs propagate as they do in float64 (NaN where it is NaN).
         x = _operands(gen, 4, k)
         x[0, 0], x[1, 5], x[2, 7] = float("inf"), float("nan"), float("-inf")
@@ -128,6 +132,7 @@ def check_plain(c):
             "worst_ours_err_over_bound": worst_ours, "worst_cublas_err_over_bound": worst_cublas,
             "variants_differ": variant_bad + row_bad, "one_row_x_regs": gemm.configs[0].x_regs,
             "nonfinite_mismatch": nonfinite_bad, "direct_differs": direct_bad,
+            "copies": [cfg.copy for cfg in gemm.configs.values()], "lane_copies_differ": lane_bad,
         }
     return {"cases": res}
 
@@ -353,6 +358,8 @@ def test_plain_gemm_within_the_bound(suite):
             assert v["one_row_x_regs"], (rank, case, v)  # (the ring main loop: the default)
             assert v["nonfinite_mismatch"] == 0, (rank, case, v)
             assert v["direct_differs"] == 0, (rank, case, v)
+            assert v["lane_copies_differ"] == 0, (rank, case, v)
+            assert v["copies"] == ["rows"] * 3, (rank, case, v)  # (the ring's default)
             print(f"rank {rank} {case}: worst |err| / bound ours {v['worst_ours_err_over_bound']:.3f}, "
                   f"cuBLAS {v['worst_cublas_err_over_bound']:.3f} ({v['cublas_over_bound']} over)")
 

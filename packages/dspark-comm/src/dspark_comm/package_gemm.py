@@ -45,6 +45,13 @@ against the ring's 6.4 and cuBLAS's 5.3 at m = 1), the slower one beyond
 (K = 4096: 20-31 us against 18.8-21.3); ``policy.draft_gemm_shape`` picks it
 for shards of at most ``policy.DIRECT_MAX_STEPS`` steps per warp.
 
+**Weight copies.** The ring main loop copies the weight in whole 128-byte
+row pieces, two steps at a time (``skinny_gemm.SkinnyConfig.copy`` "rows",
+``dspark_cute.skinny_rows``; ``ring_config``), wherever a warp's steps are
+even, and otherwise each lane its own 16 bytes: the same MMAs on the same
+words, so the same bits (two H200s: bit for bit the lane-copy and
+register-direct kernels). Measured: ``RING_COPY``'s comment.
+
 **Token tiles.** A call of ``m`` rows runs one of three compiled variants
 (``PackageGemm.token_tile``): m = 1, m <= 8 (``n_tiles`` 1) and m <= 16
 (``n_tiles`` 2). On the ring main loop the one-row variant loads x into
@@ -99,13 +106,17 @@ from dspark_comm import device as dev
 from dspark_comm import package_gemm_shape as shape
 from dspark_comm.package_gemm_shape import (
     DIRECT_DEPTH,
+    LANE_L2_PREFETCH,
     MAX_SMEM_BYTES,
+    RING_COPY,
     RING_DEPTH,
+    RING_L2_PREFETCH,
     RING_X_DEPTH,
     TILE_ROWS,
     check_constants,
     check_loop_options,
     default_shape,
+    ring_config,
     smem_bytes,
 )
 from dspark_comm.protocol import HEADER_BYTES, MailboxLayout, fallback_reason
@@ -361,7 +372,11 @@ class PackageGemm:
     same bits, so a row's bits never depend on the call's row count): None
     (default) for one-row calls only, with up to ``RING_X_DEPTH`` stages
     (measured: ``RING_X_DEPTH``'s comment), True or False for every call
-    (``scripts/probes/package_gemm_sweep.py`` times them); ``pdl``: programmatic dependent launch
+    (``scripts/probes/package_gemm_sweep.py`` times them); ``copy``: who
+    copies the ring main loop's weight (``skinny_gemm.SkinnyConfig.copy``;
+    the same bits): None (default) the warp's 128-byte row pieces wherever
+    the warp's steps are even (``ring_config``; measured: ``RING_COPY``'s
+    comment), "rows" or "lane" always; ``pdl``: programmatic dependent launch
     (default: sm_90+); ``early_epochs``: the publish epilogue's epochs loaded
     before the main loop (module docstring; False: in each round);
     ``one_row_gemv`` (opt-in): a one-row call runs the
@@ -384,21 +399,25 @@ class PackageGemm:
     def __init__(self, constants: PackageGemmConstants, weight: torch.Tensor, mailbox=None,
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
                  group: int = 1, x_regs: bool | None = None, pdl: bool | None = None,
-                 early_epochs: bool = True, one_row_gemv: bool = False) -> None:
+                 early_epochs: bool = True, one_row_gemv: bool = False, copy: str | None = None) -> None:
         c = constants
         check_constants(c)
         if x_regs not in (None, True, False):
             raise ValueError(f"x_regs is None (one-row calls), True or False, not {x_regs!r}")
         check_loop_options(group, c.tile_n, bool(x_regs))
+        if copy is not None and c.tile_n != sg.TILE_ROWS:
+            raise ValueError(f"copy is the ring main loop's (tile_n {sg.TILE_ROWS}); the register-direct one "
+                             f"(tile_n {c.tile_n}) loads into registers")
         # Per token tile (0: one row, 1: m <= 8, 2: m <= 16) whether x goes
         # through registers: the register-direct loop always does, unasked.
         ring = c.tile_n == sg.TILE_ROWS
         xr = {0: ring if x_regs is None else x_regs, 1: bool(x_regs), 2: bool(x_regs)}
-        shapes = {t: default_shape(c, k_warps, stages, max(t, 1), xr[t]) for t in (0, 1, 2)}
+        shapes = {t: default_shape(c, k_warps, stages, max(t, 1), xr[t], copy) for t in (0, 1, 2)}
         kw = shapes[2][0]  # the same for every token tile (the sums must not depend on m)
         depth = {t: st for t, (_, st) in shapes.items()}
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
-        self.configs = {t: sg.SkinnyConfig(c.k_shard, kw, depth[t], max(t, 1), group, xr[t]) for t in (0, 1, 2)}
+        self.configs = {t: shape.ring_config(c.k_shard, kw, depth[t], max(t, 1), xr[t], copy) if ring else
+                        sg.SkinnyConfig(c.k_shard, kw, depth[t], max(t, 1), group, xr[t]) for t in (0, 1, 2)}
         for cfg in self.configs.values():
             if smem_bytes(cfg, c.tile_n) > shape.MAX_SMEM_BYTES:
                 raise ValueError(f"{cfg.stages} stages of {kw} warps ({8 * cfg.n_tiles} tokens) take "
@@ -557,11 +576,14 @@ class PackageGemm:
 
 __all__ = [  # (the shape names are package_gemm_shape's, re-exported)
     "DIRECT_DEPTH",
+    "LANE_L2_PREFETCH",
     "MAX_SMEM_BYTES",
     "MODES",
     "PackageGemm",
     "PackageGemmKernel",
+    "RING_COPY",
     "RING_DEPTH",
+    "RING_L2_PREFETCH",
     "RING_X_DEPTH",
     "TILE_ROWS",
     "check_constants",
@@ -579,6 +601,7 @@ __all__ = [  # (the shape names are package_gemm_shape's, re-exported)
     "plain_offset",
     "projection_error_bound",
     "publish_offset",
+    "ring_config",
     "smem_bytes",
     "st_relaxed_sys_b32_if",
 ]

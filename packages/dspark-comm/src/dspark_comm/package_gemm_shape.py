@@ -39,12 +39,38 @@ RING_DEPTH = {1: 6, 2: 6}
 # (down_proj) fit 6 stages: K = 8192 35.44 / 35.20 (5: 35.26 / 35.04).
 RING_X_DEPTH = 8
 # Shared memory a CTA may take (one CTA per SM is the design: 128 tiles for
-# H = 8192; sm_90 and sm_100 allow 227 KB). 200 KB gives 8 warps 5 stages at
-# K = 8192 for either token tile: on an H200 (package_gemm_sweep.py --deep, one
-# run, side by side) m = 1 / 4 / 16 took 35.70 / 34.24 / 34.73 us against 36.01
-# / 34.46 / 35.68 with 4 (the 160 KB cap's); 6 stages for 8 tokens were slower
-# (36.89 / 34.98); cuBLAS 34.04 / 34.29 / 34.08.
-MAX_SMEM_BYTES = 200 * 1024
+# H = 8192): the sm_90 / sm_100 opt-in maximum, 227 KB. With row copies
+# (stages in pairs) it gives K = 8192's 8 warps 6 / 6 / 4 stages at m = 1 /
+# <= 8 / <= 16, the depths measured with them (RING_COPY's comment). With
+# lane copies 200 KB was measured (5 stages) against 160 KB (4): m = 1 / 4 /
+# 16 35.70 / 34.24 / 34.73 us against 36.01 / 34.46 / 35.68 (one H200).
+MAX_SMEM_BYTES = 227 * 1024
+# How the ring main loop copies the weight (SkinnyConfig.copy, l2_prefetch):
+# the warp's 128-byte row pieces, two steps at a time, with a 128-byte L2
+# prefetch, wherever a warp's steps are even (stages then even too); else
+# each lane its own 16 bytes with a 256-byte prefetch. The same MMAs on the
+# same words: the same bits (GPU-checked). Measured on an H200
+# (package_gemm_sweep.py --order, one run, side by side, weight from HBM, m
+# = 1 / 4 / 16, us): K = 4096, 4 warps: row copies 18.50 / 18.10 / 18.13,
+# lane copies 20.83 / 19.64 / 19.38, cuBLAS 18.78 / 18.93 / 19.23; K = 8192,
+# 8 warps: 32.22 / 32.76 / 33.22 (6 / 6 / 4 stages) against 35.21 / 35.03 /
+# 35.42 (7 / 6 / 5) and cuBLAS 33.98 / 33.30 / 33.32. Nsight Compute: lane
+# copies make 64-byte L2 requests (2.2 sectors each), row copies and
+# cuBLAS's TMA 128-byte ones; at K = 8192, m = 1 the DRAM ran at 81% of
+# peak (cuBLAS 81%, lane copies 75%). Without the prefetch hint row copies
+# were as fast (32.28 / 32.73 / 33.60); a 256-byte one was slower. At TP2
+# (bench_package_gemm, two H200s, graphs with PDL) the publishing kernel took
+# 3.60 / 3.73 / 5.31 (K = 1024, the register-direct loop), 18.69 / 18.97 /
+# 19.71 (4096) and 33.05 / 34.03 / 34.97 (8192) against cuBLAS's 5.30 / 5.01
+# / 5.09, 19.01 / 19.47 / 19.44 and 34.53 / 34.40 / 34.21. Refilling a pair's
+# slot before its MMAs (SkinnyConfig.refill "before", not the default: the
+# two-GPU suite has not run it) was a little faster on one H200 (--refill,
+# one run: 17.22 / 17.99 / 18.01 and 31.86 / 32.75 / 33.32 against 18.62 /
+# 18.12 / 18.33 and 32.22 / 32.72 / 33.47; cuBLAS 18.79 / 18.72 / 18.90 and
+# 33.82 / 33.31 / 33.17; the same bits as lane copies).
+RING_COPY = "rows"
+RING_L2_PREFETCH = 128
+LANE_L2_PREFETCH = 256
 
 
 def check_loop_options(group: int, tile_rows: int, x_regs: bool = False) -> None:
@@ -56,6 +82,21 @@ def check_loop_options(group: int, tile_rows: int, x_regs: bool = False) -> None
     if x_regs and tile_rows == sd.TILE_ROWS:
         raise ValueError(f"x_regs is the ring main loop's (tile_n {sg.TILE_ROWS}); the register-direct one "
                          f"(tile_n {tile_rows}) always loads x into registers")
+
+
+def ring_config(k_shard: int, k_warps: int, stages: int, n_tiles: int, x_regs: bool = False,
+                copy: str | None = None) -> sg.SkinnyConfig:
+    """The ring main loop's ``SkinnyConfig``. ``copy`` None: row copies
+    (``RING_COPY``) where ``k_shard / (32 k_warps)`` steps and ``stages`` are
+    both even, else lane copies (the same bits either way); "rows" or "lane":
+    that one. ValueError (``SkinnyConfig``) for a shape the loop cannot take."""
+    if copy not in (None, *sg.COPIES):
+        raise ValueError(f"copy is None, {' or '.join(map(repr, sg.COPIES))}, not {copy!r}")
+    steps = sg.SkinnyConfig(k_shard, k_warps, 1, n_tiles).steps
+    if copy == "rows" or (copy is None and steps % 2 == 0 and stages % 2 == 0):
+        return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, copy=RING_COPY,
+                               l2_prefetch=RING_L2_PREFETCH)
+    return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, l2_prefetch=LANE_L2_PREFETCH)
 
 
 def smem_bytes(cfg: sg.SkinnyConfig, tile_rows: int) -> int:
@@ -84,12 +125,15 @@ def check_constants(constants) -> None:
 
 
 def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
-                  stages: int | None = None, n_tiles: int = 2, x_regs: bool = False) -> tuple[int, int]:
+                  stages: int | None = None, n_tiles: int = 2, x_regs: bool = False,
+                  copy: str | None = None) -> tuple[int, int]:
     """``(k_warps, stages)`` of the main loop for ``n_tiles`` (1: m <= 8, 2:
     m <= 16): ``k_warps`` (default ``4 * split_k``) a multiple of
     ``split_k``; ``stages`` (default: the ring main loop up to
     ``RING_DEPTH[n_tiles]``, as many as the steps and ``MAX_SMEM_BYTES`` allow
-    (with ``x_regs`` the ring holds the weight only); the
+    (with ``x_regs`` the ring holds the weight only), an even number where
+    the warp's steps are even, unless ``copy`` is "lane" (row copies:
+    ``ring_config``); the
     register-direct one, ``tile_n`` 16, ``DIRECT_DEPTH[n_tiles]`` steps in
     flight, at most the steps; with ``x_regs``, the ring up to ``RING_X_DEPTH``)."""
     check_constants(constants)
@@ -104,7 +148,9 @@ def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
     if stages is None:
         stages = 1
         for s in range(min(RING_X_DEPTH if x_regs else RING_DEPTH[n_tiles], steps), 0, -1):
-            if sg.SkinnyConfig(constants.k_shard, kw, s, n_tiles, x_regs=x_regs).smem_bytes <= MAX_SMEM_BYTES:
+            if steps % 2 == 0 and s % 2 and s > 1 and copy != "lane":
+                continue  # row copies take pairs of steps
+            if ring_config(constants.k_shard, kw, s, n_tiles, x_regs, copy).smem_bytes <= MAX_SMEM_BYTES:
                 stages = s
                 break
     return kw, stages
@@ -112,12 +158,16 @@ def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
 
 __all__ = [
     "DIRECT_DEPTH",
+    "LANE_L2_PREFETCH",
     "MAX_SMEM_BYTES",
+    "RING_COPY",
     "RING_DEPTH",
+    "RING_L2_PREFETCH",
     "RING_X_DEPTH",
     "TILE_ROWS",
     "check_constants",
     "check_loop_options",
     "default_shape",
+    "ring_config",
     "smem_bytes",
 ]
