@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU suite and the benchmarks, on a device machine, each step under its own time
 # limit, with a short summary table last. Pick steps by name (default: gpu multigpu bench):
-#   bash scripts/gpu-check.sh [gpu] [decode] [multigpu] [bench] [demo] [bench-kernels] [bench-tp2] [demo-tp2] [sweep] [sweep-quick] [sweep-deep] [gemm-tp2]
+#   bash scripts/gpu-check.sh [gpu] [decode] [multigpu] [bench] [demo] [bench-kernels] [bench-tp2] [demo-tp2] [sweep] [sweep-quick] [sweep-deep] [sweep-order] [ncu] [gemm-tp2] [tp2-gemm-draft]
 # On this project's device machines one call stays under 10 minutes, so split the steps
 # (gpu alone takes about 4-5 minutes):
 #   run(command="bash scripts/gpu-check.sh gpu", carry=[".device"], kind="nvidia-h200")
@@ -55,6 +55,12 @@ if wanted gemm-tp2; then  # the package GEMM alone at TP2: its two-GPU suite and
   step gemm-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -p no:cacheprovider
   step bench-package-gemm 260 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
 fi
+if wanted tp2-gemm-draft; then  # the package GEMM and TP2 draft suites, then their benchmarks (two GPUs)
+  step gemm-multigpu 150 python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -p no:cacheprovider
+  step bench-package-gemm 250 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
+  step draft-multigpu 150 python -m pytest -m multigpu packages/dspark-comm/tests/test_draft_multigpu.py -q -p no:cacheprovider
+  step bench-draft-tp2 150 python packages/dspark-comm/benchmarks/bench_draft_tp2.py --out "$OUT"
+fi
 if wanted bench-tp2; then
   step bench-package-gemm 260 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
   step bench-draft-tp2 240 python packages/dspark-comm/benchmarks/bench_draft_tp2.py --out "$OUT"
@@ -64,6 +70,14 @@ if wanted sweep; then
 fi
 if wanted sweep-deep; then  # K = 8192's 8 warps past the package's shared-memory cap (about 1.5 minutes)
   step package-gemm-sweep-deep 200 python scripts/probes/package_gemm_sweep.py --deep
+fi
+if wanted sweep-order; then  # k_order x L2 prefetch at K = 4096 / 8192 (scripts/probes/package_gemm_sweep.py --order)
+  step package-gemm-sweep-order 300 python scripts/probes/package_gemm_sweep.py --order
+fi
+if wanted ncu; then  # hardware counters: the ring main loop against cuBLAS (scripts/probes/ncu_gemm.py)
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  step ncu 300 bash -c "'$NCU' --profile-from-start off --clock-control none --csv --page raw --log-file '$OUT/ncu.csv' \
+    --metrics \"\$(python scripts/probes/ncu_gemm.py metrics)\" python scripts/probes/ncu_gemm.py run && python scripts/probes/ncu_gemm.py report"
 fi
 if wanted sweep-quick; then  # the policy's k_warps only, K >= 2048, m 1 / 4 / 16 (about 3 minutes)
   step package-gemm-sweep-quick 300 python scripts/probes/package_gemm_sweep.py --quick

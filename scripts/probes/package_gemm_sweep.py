@@ -34,6 +34,20 @@ registers did (``--quick``, m = 1, K = 2048 / 4096 / 8192: 6.13 / 18.65 /
 35.26 against the ring's 8.68 / 20.78 / 38.53; at m = 16 it is slower,
 43.68 against 34.53 at K = 8192): ``package_gemm.RING_X_DEPTH``.
 
+``--order`` (about 2.5 minutes): K = 4096 (4 warps) and 8192 (8 warps), m
+in {1, 4, 16}, HBM timing: who copies the weight (``SkinnyConfig.copy``:
+each lane its own 16 bytes, or the warp's 128-byte row pieces), the copies'
+L2 prefetch size and which columns a warp sums (``k_order``, a different sum
+order, checked against float64). Measured (one H200, m = 1 / 4 / 16, us):
+K = 4096: lane copies 20.83 / 19.64 / 19.38, row copies with a 128-byte
+prefetch 18.50 / 18.10 / 18.13, interleaved lane copies 23.17 / 18.67 /
+18.69, cuBLAS 18.78 / 18.93 / 19.23; K = 8192: 35.21 / 35.03 / 35.42, 32.22
+/ 32.76 / 33.22, 34.30 / 32.98 / 33.63, cuBLAS 33.98 / 33.30 / 33.32:
+``package_gemm_shape.RING_COPY``. ``--xregs``: row copies with x through
+registers for every call (slower at m = 16: 20.47 against 18.66 at K = 4096).
+``--refill``: row copies refilling a pair's slot before its MMAs
+(``SkinnyConfig.refill``; a little faster, not yet the default).
+
 Two timings per call, CUDA graphs of back-to-back calls: ``l2``, the same
 weight every call (as ``bench_package_gemm``: a K = 1024 shard stays in
 L2), and ``hbm``, rotating over weight copies of >= 320 MB a cycle.
@@ -41,7 +55,8 @@ L2), and ``hbm``, rotating over weight copies of >= 320 MB a cycle.
 Prints the best of each loop per (K, m, timing) and writes every row to
 ``$OUT/package_gemm_sweep.json``. Run on one GPU with the packages on
 PYTHONPATH (as ``scripts/gpu-check.sh`` sets it):
-``python scripts/probes/package_gemm_sweep.py [--quick | --deep]``."""
+``python scripts/probes/package_gemm_sweep.py [--quick | --deep | --order |
+--xregs | --refill]``."""
 import json
 import os
 import sys
@@ -96,6 +111,117 @@ def variants(k: int, quick: bool, deep: bool = False):
     yield from (ring(kw, st, True) for kw, st in X_REGS)
 
 
+# --order: the columns a warp sums (SkinnyConfig.k_order; a different sum
+# order), the cp.async L2 prefetch size and who copies the weight
+# (SkinnyConfig.copy; row copies take an even number of stages: the default
+# rounded down), at the policy's k_warps, HBM timing:
+# (k, k_warps, k_order, l2_prefetch, copy).
+ORDER = [(k, kw, order, pf, cp) for k, kw in ((4096, 4), (8192, 8))
+         for order, pf, cp in (("slices", 256, "lane"), ("interleaved", 128, "lane"), ("slices", 256, "rows"),
+                               ("slices", 128, "rows"), ("slices", 0, "rows"))]
+
+
+# --xregs and --refill: (k, k_warps) of their side-by-side runs.
+SIDE_BY_SIDE = ((4096, 4), (8192, 8))
+# --xregs: x in the ring (the default) against x through registers for every
+# call; --refill: lane copies, row copies refilling after a pair's MMAs (the
+# default) and before them. (label, PackageGemm arguments, SkinnyConfig changes)
+XREGS = [("row copies, x in the ring", {}, {}), ("row copies, x_regs", {"x_regs": True}, {})]
+REFILL = [("lane copies", {"copy": "lane"}, {}), ("row copies, refill after", {}, {}),
+          ("row copies, refill before", {}, {"refill": "before"})]
+
+
+def side_by_side(seed: int, variants: list) -> int:
+    """Time each of ``variants`` (the default depths), m = 1 / 4 / 16, HBM
+    timing, against cuBLAS, at each ``SIDE_BY_SIDE`` shape; every variant's
+    bits against the first's (the same MMAs). Prints a table as it goes."""
+    import dataclasses
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    bad = 0
+    print("| K | variant | m 1 | m 4 | m 16 |\n| --- | --- | --- | --- | --- |", flush=True)
+    for k, kw in SIDE_BY_SIDE:
+        copies = max(2, -(-HBM_BYTES // (H * k * 2)))
+        ws = [(torch.randn((H, k), generator=gen, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies)]
+        xs = {m: torch.randn((m, k), generator=gen, device="cuda").to(torch.bfloat16) for m in QUICK_ROWS}
+        ys = {m: torch.empty((m, H), dtype=torch.bfloat16, device="cuda") for m in xs}
+        cub = [timed([lambda w=w, x=xs[m], y=ys[m]: torch.matmul(x, w.t(), out=y) for w in ws]) for m in QUICK_ROWS]
+        print(f"| {k} | cuBLAS | " + " | ".join(f"{t:.2f}" for t in cub) + " |", flush=True)
+        c = PackageGemmConstants("o_proj", H, k, 64, kw // 4, 16)
+        ref = {}
+        for label, kwargs, changes in variants:
+            gemms = [pg.PackageGemm(c, w, k_warps=kw, **kwargs) for w in ws]
+            for g in gemms:
+                g.configs = {t: dataclasses.replace(cfg, **changes) for t, cfg in g.configs.items()}
+            gemms[0].prepare(publish=(False,))
+            us = []
+            for m in QUICK_ROWS:
+                bits = gemms[0].run(xs[m]).view(torch.int16)
+                if not torch.equal(ref.setdefault(m, bits.clone()), bits):
+                    bad += 1
+                    print(f"  MISMATCH {label} K{k} m{m}", flush=True)
+                us.append(timed([lambda g=g, x=xs[m], y=ys[m]: g.launch(x, y) for g in gemms]))
+            st = "/".join(str(gemms[0].configs[t].stages) for t in (0, 1, 2))
+            print(f"| {k} | kw{kw} {label}, st {st} | " + " | ".join(f"{t:.2f}" for t in us) + " |", flush=True)
+        ws = gemms = None
+        torch.cuda.empty_cache()
+    print(f"\nbit mismatches: {bad}")
+    return 1 if bad else 0
+
+
+def order_sweep(seed: int) -> int:
+    """``--order``: time each ``ORDER`` variant against cuBLAS (m = 1 / 4 /
+    16, weight copies of >= 320 MB a cycle), check bits within a (k_warps,
+    k_order) and every variant against float64 within ``pg.error_bound``."""
+    import dataclasses
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows, bad = [], 0
+    for k in sorted({v[0] for v in ORDER}):
+        copies = max(2, -(-HBM_BYTES // (H * k * 2)))
+        ws = [(torch.randn((H, k), generator=gen, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies)]
+        xs = {m: torch.randn((m, k), generator=gen, device="cuda").to(torch.bfloat16) for m in QUICK_ROWS}
+        ys = {m: torch.empty((m, H), dtype=torch.bfloat16, device="cuda") for m in xs}
+        for m in QUICK_ROWS:
+            fns = [lambda w=w, x=xs[m], y=ys[m]: torch.matmul(x, w.t(), out=y) for w in ws]
+            rows.append({"k": k, "m": m, "variant": "cublas", "us": timed(fns)})
+        ref = {}
+        for _, kw, order, pf, cp in [v for v in ORDER if v[0] == k]:
+            c = PackageGemmConstants("o_proj", H, k, 64, kw // 4, 16)
+            gemms = [pg.PackageGemm(c, w, k_warps=kw) for w in ws]
+            for g in gemms:  # the probe's knobs (not PackageGemm arguments)
+                g.configs = {t: dataclasses.replace(cfg, k_order=order, l2_prefetch=pf, copy=cp,
+                                                    stages=cfg.stages - (cfg.stages % 2 if cp == "rows" else 0))
+                             for t, cfg in g.configs.items()}
+            name = f"kw{kw} {order} pf{pf} {cp} st" + "/".join(str(g.configs[t].stages) for t in (0, 1, 2))
+            gemms[0].prepare(publish=(False,))
+            for m in QUICK_ROWS:
+                got = gemms[0].run(xs[m])
+                exact = xs[m].double() @ ws[0].double().t()
+                over = int(((got.double() - exact).abs() > pg.error_bound(got, xs[m], ws[0], kw)).sum())
+                bits = got.view(torch.int16)
+                key = (kw, order, m)
+                same = ref.setdefault(key, bits.clone())
+                if over or not torch.equal(same, bits):
+                    bad += 1
+                    print(f"  BAD {name} K{k} m{m}: {over} outside the bound, "
+                          f"{int((same != bits).sum())} words differ from the first of its k_order", flush=True)
+                fns = [lambda g=g, x=xs[m], y=ys[m]: g.launch(x, y) for g in gemms]
+                rows.append({"k": k, "m": m, "variant": name, "us": timed(fns)})
+            print(f"  K {k} {name}: " + " / ".join(f"{r['us']:.2f}" for r in rows[-3:]), flush=True)
+        _save(seed, rows)
+        ws = gemms = None
+        torch.cuda.empty_cache()
+    print("\n| K | variant | " + " | ".join(f"m {m}" for m in QUICK_ROWS) + " |\n| --- | --- |" + " --- |" * 3)
+    for k in sorted({v[0] for v in ORDER}):
+        names = list(dict.fromkeys(r["variant"] for r in rows if r["k"] == k))
+        for name in names:
+            us = {r["m"]: r["us"] for r in rows if r["k"] == k and r["variant"] == name}
+            print(f"| {k} | {name} | " + " | ".join(f"{us[m]:.2f}" for m in QUICK_ROWS) + " |")
+    print(f"\nbad variants: {bad}")
+    return 1 if bad else 0
+
+
 def _save(seed: int, rows: list) -> None:
     out_dir = os.environ.get("OUT", "bench-results")
     os.makedirs(out_dir, exist_ok=True)
@@ -114,6 +240,12 @@ def main() -> int:
     pgs.MAX_SMEM_BYTES = 227 * 1024  # the probe may go past the package's own cap (read there)
     seed = int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31))
     print(f"seed {seed}; {torch.cuda.get_device_name()}", flush=True)
+    if "--order" in sys.argv[1:]:
+        return order_sweep(seed)
+    if "--xregs" in sys.argv[1:]:
+        return side_by_side(seed, XREGS)
+    if "--refill" in sys.argv[1:]:
+        return side_by_side(seed, REFILL)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows = []
     mismatches = 0
