@@ -192,7 +192,7 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
         results[f"shape/{k}"] = (f"tile_n {s.tile_n}, k_warps {gemm.k_warps}, stages "
                                  f"{gemm.stages_by_tiles[0]} / {gemm.stages_by_tiles[1]} / {gemm.stages_by_tiles[2]}"
                                  f" (m = 1{', x through registers' if gemm.configs[0].x_regs else ''} / <= 8 / <= 16)"
-                                 + (f", {gemm.configs[2].copy} copies" if s.tile_n == 64 else ""))
+                                 + (f", {gemm.configs[2].copy.rstrip('s')} copies" if s.tile_n == 64 else ""))
         for m in ROWS:
             fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl,
                          one_row)
