@@ -221,10 +221,15 @@ def step_column(cfg: SkinnyConfig, warp, step: int):
 
 def weight_offset(cfg: SkinnyConfig, warp, lane, step: int, load: int):
     """Element offset in the tile (rows of ``cfg.k``) of weight copy ``load``
-    (``2 i + h``: row ``16 i + g + 8 h``) of ``step`` for this thread."""
+    (``2 i + h``: row ``16 i + g + 8 h``) of ``step`` for this thread:
+    ``step_column + 8 t`` in its row."""
     g, t = lane_coords(lane)
     i, h = divmod(load, 2)
-    return (16 * i + 8 * h + g) * cfg.k + step_column(cfg, warp, step) + 8 * t
+    if cfg.k_order == "interleaved":
+        return (16 * i + 8 * h + g) * cfg.k + step_column(cfg, warp, step) + 8 * t
+    # (Summed in this order the slices' PTX is the one the GPU suites validated.)
+    k0 = warp * (cfg.k // cfg.k_warps) + 8 * t
+    return (16 * i + 8 * h + g) * cfg.k + k0 + STEP_K * step
 
 
 def x_token(lane, n_tile: int, m, minimum=min):
@@ -237,7 +242,9 @@ def x_token(lane, n_tile: int, m, minimum=min):
 def x_offset(cfg: SkinnyConfig, warp, lane, step: int, token):
     """Element offset in x (rows of ``cfg.k``) of this thread's copy of ``token``."""
     _, t = lane_coords(lane)
-    return token * cfg.k + step_column(cfg, warp, step) + 8 * t
+    if cfg.k_order == "interleaved":
+        return token * cfg.k + step_column(cfg, warp, step) + 8 * t
+    return token * cfg.k + warp * (cfg.k // cfg.k_warps) + 8 * t + STEP_K * step
 
 
 def ring_offset(cfg: SkinnyConfig, tid, stage: int, load: int):

@@ -46,7 +46,6 @@ from dspark_cute.skinny_gemm import (
     mma_bf16,
     ring_offset,
     step_column,
-    x_offset,
     x_token,
 )
 
@@ -78,6 +77,13 @@ def rows_read_offset(cfg: SkinnyConfig, warp, lane, step: int, load: int, pair_s
     return rows_ring_offset(cfg, warp, pair_stage, 16 * i + 8 * h + g, 4 * (step % 2) + t)
 
 
+def _x_offset(cfg: SkinnyConfig, warp, lane, step: int, token):
+    """``skinny_gemm.x_offset``'s value, summed as ``step_column + 8 t`` (the
+    order of the row-copy kernels the GPU runs validated)."""
+    _, t = lane_coords(lane)
+    return token * cfg.k + step_column(cfg, warp, step) + 8 * t
+
+
 @dsl_user_op
 def sync_warp(*, loc=None, ip=None) -> None:
     """``bar.warp.sync 0xffffffff``: the warp's lanes meet; their shared-memory
@@ -104,7 +110,7 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x) -
     def copy_x(pair: int) -> None:
         for step in (2 * pair, 2 * pair + 1):
             for nt, tok in enumerate(tokens):
-                src = Int64(x) + Int64(x_offset(cfg, warp, lane, step, tok)) * 2
+                src = Int64(x) + Int64(_x_offset(cfg, warp, lane, step, tok)) * 2
                 if cfg.x_regs:
                     x_words.setdefault(step, []).append(ptx.ld_global_v4(src))
                 else:
