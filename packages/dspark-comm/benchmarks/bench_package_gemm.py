@@ -10,8 +10,10 @@ barrier before each replay; the table shows the slower rank's median):
 
 - ``package GEMM``: ``PackageGemm.run(x, out)`` (plain epilogue) at the
   policy's shape (``policy.draft_gemm_shape``: the register-direct main loop
-  for shards of at most ``DIRECT_MAX_STEPS`` steps per warp, the ring above), and the same on the other main
-  loop (the same bits), each with its publish kernel alone (profiler);
+  for shards of at most ``DIRECT_MAX_STEPS`` steps per warp, the ring above), with its publish kernel
+  alone (profiler); where the policy takes the ring, the same with row copies
+  refilled before a pair's MMAs (``refill="before"``, the same bits), plain
+  and publishing alone in a graph;
 - the one-row GEMV path (``one_row_gemv=True``, m = 1): plain, and its
   publish kernel alone (profiler);
 - ``cuBLAS``: ``torch.matmul(x, W.T, out=...)``; and its kernels' own
@@ -61,8 +63,9 @@ CASES = [
     ("package GEMM with publish: its kernel alone (profiler; epochs before the main loop, the default)",
      "publish_kernel"),
     ("the same, epochs loaded in each round (early_epochs=False)", "publish_kernel_early"),
-    ("package GEMM on the other main loop (tile_n 64 where the policy takes 16, else 16)", "gemm_other"),
-    ("its publish kernel alone (profiler; the other main loop)", "publish_kernel_other"),
+    ("package GEMM, row copies refilled before a pair's MMAs (refill='before'; where the policy takes the ring)",
+     "gemm_before"),
+    ("the same with publish alone (graph, PDL; the mailbox consumed once after)", "publish_graph_before"),
     ("cuBLAS: its kernels alone (profiler; device time per call)", "cublas_kernel"),
     ("package GEMM with publish alone (graph, PDL; the mailbox consumed once after)", "publish_graph"),
     ("package GEMM, plain: its kernel alone (profiler, no PDL)", "gemm_kernel"),
@@ -80,7 +83,11 @@ PUBLISH_KERNEL = "PackageGemmKernel"
 # The profiled rows: the call (of ``_calls``) each profiles.
 PROFILED = {"gemm_kernel": "gemm_no_pdl",
             "publish_kernel": "publish_bd_no_pdl", "publish_kernel_early": "publish_bd_early_no_pdl",
-            "publish_kernel_other": "publish_bd_other_no_pdl", "publish_kernel_gemv": "publish_bd_gemv_no_pdl"}
+            "publish_kernel_gemv": "publish_bd_gemv_no_pdl"}
+# The rows of the refill-before twin (the ring only: "-" where the policy takes the register-direct loop).
+BEFORE = {"gemm_before", "publish_graph_before"}
+# Rows that publish without consuming: one consuming call follows them (untimed).
+PUBLISH_ONLY = {"publish_graph", "publish_graph_before"}
 
 
 def _profiled(fn, name: str, calls: int) -> list[float]:
@@ -114,10 +121,10 @@ def _device_us_per_call(fn, calls: int = 30) -> float:
     return float(sum(_profiled(fn, "", calls)) / calls)
 
 
-def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl,
-           one_row) -> dict:
+def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, before, one_row) -> dict:
     """The timed call of each case over ``m`` rows (operands allocated once);
-    ``one_row``: the one-row GEMV twins ``(with PDL, without)``, or None."""
+    ``before``: the refill-before twin, or None; ``one_row``: the one-row
+    GEMV twins ``(with PDL, without)``, or None."""
     x = torch.randn((m, k), generator=gen, device="cuda").to(torch.bfloat16)
     y = torch.empty((m, H), dtype=torch.bfloat16, device="cuda")
     stream = torch.randn((m, H), generator=gen, device="cuda")
@@ -128,8 +135,6 @@ def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_p
         "gemm_no_pdl": lambda: gemm_no_pdl.run(x, y),
         "publish_graph": lambda: gemm.run(x, publish=True),
         "consume": lambda: fused.run(None, stream, True, o, new, published=True),
-        "gemm_other": lambda: direct.run(x, y),
-        "publish_bd_other_no_pdl": lambda: direct_no_pdl.run_boundary(x, fused, stream, True, o, new),
         "cublas": lambda: torch.matmul(x, w.t(), out=y),
         "publish_bd": lambda: gemm.run_boundary(x, fused, stream, True, o, new),
         "publish_bd_no_pdl": lambda: gemm_no_pdl.run_boundary(x, fused, stream, True, o, new),
@@ -138,6 +143,9 @@ def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_p
         "cublas_bd": lambda: (torch.matmul(x, w.t(), out=y), fused.run(y, stream, True, o, new)),
         "cublas_nccl_bd": lambda: (torch.matmul(x, w.t(), out=y), dist.all_reduce(y),
                                    unfused.run(y, stream, True, o, new)),
+        **({} if before is None else {
+            "gemm_before": lambda: before.run(x, y),
+            "publish_graph_before": lambda: before.run(x, publish=True)}),
         **({} if one_row is None else {
             "gemm_gemv": lambda: one_row[0].run(x, y),
             "publish_bd_gemv_no_pdl": lambda: one_row[1].run_boundary(x, fused, stream, True, o, new)}),
@@ -178,27 +186,27 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
         gemm = PackageGemm(constants, w, mb)
         gemm_no_pdl = PackageGemm(constants, w, mb, pdl=False)
         early_no_pdl = PackageGemm(constants, w, mb, pdl=False, early_epochs=False)
-        # The other main loop (ring tile_n 64 / register-direct tile_n 16): the same bits.
-        direct_constants = PackageGemmConstants(role, H, k, 64 if s.tile_n == 16 else 16, s.split_k, s.max_rows)
-        direct = PackageGemm(direct_constants, w, mb)
-        direct_no_pdl = PackageGemm(direct_constants, w, mb, pdl=False)
+        # Row copies refilled before a pair's MMAs (the ring only): the same bits.
+        before = PackageGemm(constants, w, mb, refill="before") if s.tile_n == 64 else None
         try:  # the one-row GEMV twins (opt-in path; ValueError where the GEMV cannot take the weight)
             one_row = (PackageGemm(constants, w, mb, one_row_gemv=True),
                        PackageGemm(constants, w, mb, pdl=False, one_row_gemv=True))
         except ValueError as e:
             one_row, one_row_why = None, f"failed: {e}"[:200]
-        for g in (gemm, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl, *(one_row or ())):
+        for g in (gemm, gemm_no_pdl, early_no_pdl, *([before] if before else []), *(one_row or ())):
             g.prepare()
         results[f"shape/{k}"] = (f"tile_n {s.tile_n}, k_warps {gemm.k_warps}, stages "
                                  f"{gemm.stages_by_tiles[0]} / {gemm.stages_by_tiles[1]} / {gemm.stages_by_tiles[2]}"
                                  f" (m = 1{', x through registers' if gemm.configs[0].x_regs else ''} / <= 8 / <= 16)"
                                  + (f", {gemm.configs[2].copy.rstrip('s')} copies" if s.tile_n == 64 else ""))
         for m in ROWS:
-            fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, direct, direct_no_pdl,
-                         one_row)
+            fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, before, one_row)
             for _, key in CASES:
                 if key in ONE_ROW and (m != 1 or one_row is None):
                     results[f"{key}/{k}/{m}"] = "-" if m != 1 else one_row_why
+                    continue
+                if key in BEFORE and before is None:
+                    results[f"{key}/{k}/{m}"] = "-"
                     continue
                 if key == "cublas_kernel":  # like for like with the publish kernel's own time
                     measure = lambda fn=fns["cublas"]: _device_us_per_call(fn)  # noqa: E731
@@ -210,7 +218,7 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
                     measure = lambda fn=fns[key]: time_replays(  # noqa: E731
                         capture(fn, iters, side_stream=True), reps, calls=iters)
                 record_case(results, f"{key}/{k}/{m}", measure)
-                if key == "publish_graph":
+                if key in PUBLISH_ONLY:
                     # The replays published without consuming (the same partials into the same
                     # slots): once every rank is done, one consuming call frees the slots.
                     torch.cuda.synchronize()
@@ -256,6 +264,8 @@ def _report(raw: list[dict], out: str) -> str:
     cub_kernel = series[label["cublas_kernel"]]
     with_gemv = [g if m == 1 else p for (_, m), g, p in
                  zip(cols, series[label["publish_kernel_gemv"]], series[label["publish_kernel"]])]
+    with_before = [b if b is not None else p for b, p in
+                   zip(series[label["publish_graph_before"]], series[label["publish_graph"]])]
     like = [p is not None and c is not None and p <= c for p, c in zip(series[label["publish_kernel"]], cub_kernel)]
     plain_like = [p is not None and c is not None and p <= c
                   for p, c in zip(series[label["gemm_kernel"]], cub_kernel)]
@@ -263,7 +273,8 @@ def _report(raw: list[dict], out: str) -> str:
               + verdict(series[label["publish_graph"]]) + " per call in a CUDA graph (the draft's setting); "
               + verdict(series[label["publish_kernel"]]) + " by the publish-mode kernel's own time; "
               + verdict(series[label["publish_kernel_early"]]) + " with its epochs loaded in each round; "
-              + verdict(series[label["publish_kernel_other"]]) + " on the other main loop;",
+              + verdict(with_before) + " per call in a graph with row copies refilled before the MMAs (the "
+              "policy's kernel where it is not the ring);",
               "with the consuming fused boundary too (a stricter reading): "
               + verdict(series[label["publish_bd"]]) + ";",
               f"like for like (the publish kernel's device time against cuBLAS's, both profiled): met at "

@@ -348,9 +348,14 @@ def test_default_shapes_of_the_policy():
         pg.ring_config(4096, 4, 6, 2, copy="tma")
     with pytest.raises(ValueError, match="row copies take two contiguous steps"):
         pg.ring_config(4096, 4, 5, 2, copy="rows")
-    with pytest.raises(ValueError, match="copy is the ring main loop's"):
+    with pytest.raises(ValueError, match="copy and refill are the ring main loop's"):
         pg.PackageGemm(_constants("o_proj", 8192, 1024, tile_n=16), torch.zeros(8192, 1024, dtype=torch.bfloat16),
                        copy="rows")
+    # The refill: the default RING_REFILL for row copies; "before" needs row copies.
+    assert pg.ring_config(4096, 4, 6, 2).refill == pg.RING_REFILL == "after"
+    assert pg.ring_config(4096, 4, 6, 2, refill="before").refill == "before"
+    with pytest.raises(ValueError, match="refill is 'after', or 'before' with row copies"):
+        pg.ring_config(4096, 4, 6, 2, copy="lane", refill="before")
     with pytest.raises(ValueError, match="n_tiles 1 or 2"):
         pg.default_shape(_constants("o_proj", 8192, 4096), n_tiles=3)
 

@@ -98,7 +98,10 @@ def check_plain(c):
         # The ring with lane copies (the default copies rows): the same MMAs, so the same bits.
         lane = PackageGemm(_constants(role, k), w, copy="lane")
         lane.prepare(publish=(False,))
-        ours_bad = cublas_bad = variant_bad = direct_bad = row_bad = lane_bad = 0
+        # Row copies refilling before the pair's MMAs (the opt-in order): the same bits too.
+        before = PackageGemm(_constants(role, k), w, refill="before")
+        before.prepare(publish=(False,))
+        ours_bad = cublas_bad = variant_bad = direct_bad = row_bad = lane_bad = before_bad = 0
         worst_ours = worst_cublas = 0.0
         for m in range(1, CAPACITY + 1):
             x = _operands(gen, m, k)
@@ -119,6 +122,7 @@ def check_plain(c):
                 row_bad += bad(gemm.run(x[:1].contiguous()), out[:1])
             direct_bad += bad(direct.run(x), out)
             lane_bad += bad(lane.run(x), out)
+            before_bad += bad(before.run(x), out)
         # Non-finite inputs propagate as they do in float64 (NaN where it is NaN).
         x = _operands(gen, 4, k)
         x[0, 0], x[1, 5], x[2, 7] = float("inf"), float("nan"), float("-inf")
@@ -133,6 +137,7 @@ def check_plain(c):
             "variants_differ": variant_bad + row_bad, "one_row_x_regs": gemm.configs[0].x_regs,
             "nonfinite_mismatch": nonfinite_bad, "direct_differs": direct_bad,
             "copies": [cfg.copy for cfg in gemm.configs.values()], "lane_copies_differ": lane_bad,
+            "refill_before_differs": before_bad,
         }
     return {"cases": res}
 
@@ -358,7 +363,7 @@ def test_plain_gemm_within_the_bound(suite):
             assert v["one_row_x_regs"], (rank, case, v)  # (the ring main loop: the default)
             assert v["nonfinite_mismatch"] == 0, (rank, case, v)
             assert v["direct_differs"] == 0, (rank, case, v)
-            assert v["lane_copies_differ"] == 0, (rank, case, v)
+            assert v["lane_copies_differ"] == 0 and v["refill_before_differs"] == 0, (rank, case, v)
             assert v["copies"] == ["rows"] * 3, (rank, case, v)  # (the ring's default)
             print(f"rank {rank} {case}: worst |err| / bound ours {v['worst_ours_err_over_bound']:.3f}, "
                   f"cuBLAS {v['worst_cublas_err_over_bound']:.3f} ({v['cublas_over_bound']} over)")

@@ -221,6 +221,7 @@ def test_bench_package_gemm_report_judges_the_publish_kernel(tmp_path):
                 res[f"publish_kernel_early/{k}/{m}"] = 4.0 if k == 1024 else 5.5
                 res[f"publish_graph/{k}/{m}"] = 4.5 if k != 8192 else 5.0 + r
                 res[f"gemm_kernel/{k}/{m}"] = 12.0 if m == 1 else 9.0
+                res[f"publish_graph_before/{k}/{m}"] = "-" if k == 1024 else 4.0
         raw.append(res)
     text = bench._report(raw, str(tmp_path))
     # The slower rank's figure, and the target judged on the publish kernel alone.
@@ -230,6 +231,8 @@ def test_bench_package_gemm_report_judges_the_publish_kernel(tmp_path):
     assert "no slower than cuBLAS alone: met at 6 of 9 (K, m) per call in a CUDA graph (the draft's setting); " \
            "met at 6 of 9 (K, m) by the publish-mode kernel's own time; " \
            "met at 3 of 9 (K, m) with its epochs loaded in each round;" in text
+    # The refill-before twin at K > 1024, the policy's kernel (4.5) at K = 1024 ("-" there).
+    assert "met at every K and m per call in a graph with row copies refilled before the MMAs" in text
     assert "(a stricter reading): met at 0 of 9 (K, m)" in text
     # Like for like: the publish kernel (4.0 / 7.0) against cuBLAS's own device time (10.0 / 11.0 here);
     # the plain kernel (12.0 at m = 1, else 9.0) likewise.

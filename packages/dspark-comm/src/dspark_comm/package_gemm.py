@@ -111,6 +111,7 @@ from dspark_comm.package_gemm_shape import (
     RING_COPY,
     RING_DEPTH,
     RING_L2_PREFETCH,
+    RING_REFILL,
     RING_X_DEPTH,
     TILE_ROWS,
     check_constants,
@@ -376,7 +377,9 @@ class PackageGemm:
     copies the ring main loop's weight (``skinny_gemm.SkinnyConfig.copy``;
     the same bits): None (default) the warp's 128-byte row pieces wherever
     the warp's steps are even (``ring_config``; measured: ``RING_COPY``'s
-    comment), "rows" or "lane" always; ``pdl``: programmatic dependent launch
+    comment), "rows" or "lane" always; ``refill``: when row copies refill a
+    pair's slot (``SkinnyConfig.refill``; the same bits): None for
+    ``RING_REFILL``, "after" or "before" its MMAs; ``pdl``: programmatic dependent launch
     (default: sm_90+); ``early_epochs``: the publish epilogue's epochs loaded
     before the main loop (module docstring; False: in each round);
     ``one_row_gemv`` (opt-in): a one-row call runs the
@@ -399,15 +402,16 @@ class PackageGemm:
     def __init__(self, constants: PackageGemmConstants, weight: torch.Tensor, mailbox=None,
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
                  group: int = 1, x_regs: bool | None = None, pdl: bool | None = None,
-                 early_epochs: bool = True, one_row_gemv: bool = False, copy: str | None = None) -> None:
+                 early_epochs: bool = True, one_row_gemv: bool = False, copy: str | None = None,
+                 refill: str | None = None) -> None:
         c = constants
         check_constants(c)
         if x_regs not in (None, True, False):
             raise ValueError(f"x_regs is None (one-row calls), True or False, not {x_regs!r}")
         check_loop_options(group, c.tile_n, bool(x_regs))
-        if copy is not None and c.tile_n != sg.TILE_ROWS:
-            raise ValueError(f"copy is the ring main loop's (tile_n {sg.TILE_ROWS}); the register-direct one "
-                             f"(tile_n {c.tile_n}) loads into registers")
+        if (copy is not None or refill is not None) and c.tile_n != sg.TILE_ROWS:
+            raise ValueError(f"copy and refill are the ring main loop's (tile_n {sg.TILE_ROWS}); the "
+                             f"register-direct one (tile_n {c.tile_n}) loads into registers")
         # Per token tile (0: one row, 1: m <= 8, 2: m <= 16) whether x goes
         # through registers: the register-direct loop always does, unasked.
         ring = c.tile_n == sg.TILE_ROWS
@@ -416,7 +420,7 @@ class PackageGemm:
         kw = shapes[2][0]  # the same for every token tile (the sums must not depend on m)
         depth = {t: st for t, (_, st) in shapes.items()}
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
-        self.configs = {t: shape.ring_config(c.k_shard, kw, depth[t], max(t, 1), xr[t], copy) if ring else
+        self.configs = {t: shape.ring_config(c.k_shard, kw, depth[t], max(t, 1), xr[t], copy, refill) if ring else
                         sg.SkinnyConfig(c.k_shard, kw, depth[t], max(t, 1), group, xr[t]) for t in (0, 1, 2)}
         for cfg in self.configs.values():
             if smem_bytes(cfg, c.tile_n) > shape.MAX_SMEM_BYTES:
@@ -584,6 +588,7 @@ __all__ = [  # (the shape names are package_gemm_shape's, re-exported)
     "RING_COPY",
     "RING_DEPTH",
     "RING_L2_PREFETCH",
+    "RING_REFILL",
     "RING_X_DEPTH",
     "TILE_ROWS",
     "check_constants",

@@ -70,6 +70,11 @@ MAX_SMEM_BYTES = 227 * 1024
 # 33.82 / 33.31 / 33.17; the same bits as lane copies).
 RING_COPY = "rows"
 RING_L2_PREFETCH = 128
+# When a row-copy ring refills a pair's slot (SkinnyConfig.refill): "after"
+# its MMAs, the order the two-GPU suite and benchmark ran; "before" them was
+# faster on one H200 (above) and waits for its two-GPU run
+# (bench_package_gemm's "refill before" rows) before it becomes the default.
+RING_REFILL = "after"
 LANE_L2_PREFETCH = 256
 
 
@@ -85,18 +90,21 @@ def check_loop_options(group: int, tile_rows: int, x_regs: bool = False) -> None
 
 
 def ring_config(k_shard: int, k_warps: int, stages: int, n_tiles: int, x_regs: bool = False,
-                copy: str | None = None) -> sg.SkinnyConfig:
+                copy: str | None = None, refill: str | None = None) -> sg.SkinnyConfig:
     """The ring main loop's ``SkinnyConfig``. ``copy`` None: row copies
     (``RING_COPY``) where ``k_shard / (32 k_warps)`` steps and ``stages`` are
     both even, else lane copies (the same bits either way); "rows" or "lane":
-    that one. ValueError (``SkinnyConfig``) for a shape the loop cannot take."""
+    that one. ``refill`` (row copies): None for ``RING_REFILL``, or "after" /
+    "before". ValueError (``SkinnyConfig``) for a shape the loop cannot take
+    or a refill "before" with lane copies."""
     if copy not in (None, *sg.COPIES):
         raise ValueError(f"copy is None, {' or '.join(map(repr, sg.COPIES))}, not {copy!r}")
     steps = sg.SkinnyConfig(k_shard, k_warps, 1, n_tiles).steps
     if copy == "rows" or (copy is None and steps % 2 == 0 and stages % 2 == 0):
-        return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, copy=RING_COPY,
-                               l2_prefetch=RING_L2_PREFETCH)
-    return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, l2_prefetch=LANE_L2_PREFETCH)
+        return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, copy="rows",
+                               l2_prefetch=RING_L2_PREFETCH, refill=refill or RING_REFILL)
+    return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, l2_prefetch=LANE_L2_PREFETCH,
+                           refill=refill or "after")
 
 
 def smem_bytes(cfg: sg.SkinnyConfig, tile_rows: int) -> int:
@@ -163,6 +171,7 @@ __all__ = [
     "RING_COPY",
     "RING_DEPTH",
     "RING_L2_PREFETCH",
+    "RING_REFILL",
     "RING_X_DEPTH",
     "TILE_ROWS",
     "check_constants",
