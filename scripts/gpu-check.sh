@@ -13,7 +13,11 @@
 # demo: the README's demo (front off, then on).
 # bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM and the draft step at TP2
 # (two GPUs); demo-tp2: the demo at TP2 (two GPUs); sweep: the package GEMM's main-loop shapes
-# against cuBLAS (scripts/probes/package_gemm_sweep.py, one GPU, about 6 minutes).
+# against cuBLAS (scripts/probes/package_gemm_sweep.py, one GPU, about 6 minutes); sweep-order: row
+# and lane copies side by side (about 2.5 minutes); ncu: Nsight Compute counters against cuBLAS (about
+# 1.5 minutes); gemm-tp2: the package GEMM's two-GPU suite and benchmark (about 6 minutes);
+# tp2-gemm-draft: those, then the TP2 draft's suite and step benchmark (about 9.5 minutes: near the
+# 10-minute limit of one call).
 # Logs, benchmark tables and plots go to $OUT (default bench-results/).
 set -u
 cd "$(dirname "$0")/.."
