@@ -100,7 +100,9 @@ def ring_config(k_shard: int, k_warps: int, stages: int, n_tiles: int, x_regs: b
     if copy not in (None, *sg.COPIES):
         raise ValueError(f"copy is None, {' or '.join(map(repr, sg.COPIES))}, not {copy!r}")
     steps = sg.SkinnyConfig(k_shard, k_warps, 1, n_tiles).steps
-    if copy == "rows" or (copy is None and steps % 2 == 0 and stages % 2 == 0):
+    if copy is None:
+        copy = RING_COPY if steps % 2 == 0 and stages % 2 == 0 else "lane"
+    if copy == "rows":
         return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, copy="rows",
                                l2_prefetch=RING_L2_PREFETCH, refill=refill or RING_REFILL)
     return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, l2_prefetch=LANE_L2_PREFETCH,
@@ -156,7 +158,7 @@ def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,
     if stages is None:
         stages = 1
         for s in range(min(RING_X_DEPTH if x_regs else RING_DEPTH[n_tiles], steps), 0, -1):
-            if steps % 2 == 0 and s % 2 and s > 1 and copy != "lane":
+            if (copy or RING_COPY) == "rows" and steps % 2 == 0 and s % 2 and s > 1:
                 continue  # row copies take pairs of steps
             if ring_config(constants.k_shard, kw, s, n_tiles, x_regs, copy).smem_bytes <= MAX_SMEM_BYTES:
                 stages = s

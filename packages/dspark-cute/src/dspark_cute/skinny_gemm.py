@@ -1,10 +1,11 @@
 """The skinny GEMM main loop: ``x[m, K] @ W[N, K]^T`` for 1 <= m <= 16 rows of
 ``x``, streaming the BF16 weight once with 16-byte ``cp.async`` loads into a
 shared-memory ring (thread-private with lane copies, warp-private with row
-copies), on BF16 tensor cores with FP32 accumulation. A kernel built on it owns whole 64-row tiles of ``W`` (one CTA
-each), so its epilogue sees finished rows (the QKV front norms 64-wide heads;
-a package GEMM stores them): the epilogue is the caller's code, run after
-``store_partials`` on the values ``reduced_pair`` returns.
+copies), on BF16 tensor cores with FP32 accumulation. A kernel built on it
+owns whole 64-row tiles of ``W`` (one CTA each), so its epilogue sees
+finished rows (the QKV front norms 64-wide heads; a package GEMM stores
+them): the epilogue is the caller's code, run after ``store_partials`` on
+the values ``reduced_pair`` returns.
 
 Layout of one CTA (``SkinnyConfig``; ``k_warps`` = W_K warps, 32 * W_K
 threads). Warp ``w`` owns the K-slice ``[w * K / W_K, (w + 1) * K / W_K)`` of
@@ -27,9 +28,9 @@ same words two steps at a time in whole 128-byte row pieces (full-line L2
 requests instead of half lines) and each lane reads its own words back after
 a ``bar.warp.sync`` (``refill`` says whether a pair's slot is refilled
 after or before its MMAs): the same MMAs on the same words. ``l2_prefetch``
-sets the copies' L2 prefetch hint; ``k_order`` "interleaved" (probe only) gives warp
-``w`` the steps ``w, w + W_K, ...`` instead of a contiguous slice: a
-different sum order, stated in step 1 below. With ``x_regs`` (the
+sets the copies' L2 prefetch hint; ``k_order`` "interleaved" (probe only)
+gives warp ``w`` the steps ``w, w + W_K, ...`` instead of a contiguous
+slice: a different sum order, stated in step 1 below. With ``x_regs`` (the
 package GEMM's one-row calls) the x words skip the ring: each is loaded with
 ``ld.global.v4`` (through L1) when its step's weight copies are issued, held
 in registers until that step's MMAs, which read the same values either way.
