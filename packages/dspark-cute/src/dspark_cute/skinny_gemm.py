@@ -350,6 +350,40 @@ def mma_bf16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
 # ---------------------------------------------------------------- the main loop
 
 
+def prologue(slots: int, copy_weight, copy_x, x_regs: bool, before_x) -> None:
+    """The ring main loops' prologue over the first ``slots`` ring slots
+    (steps; pairs of steps under row copies): ``copy_weight(p)`` for every
+    slot (constant data: before the PDL wait; with ``x_regs`` one commit
+    group each), then ``before_x()``, then ``copy_x(p)`` for every slot
+    (without ``x_regs`` one commit group each, the first also holding every
+    prologue weight copy)."""
+    for p in range(slots):
+        copy_weight(p)
+        if x_regs:
+            cp_async_commit()
+    if before_x is not None:
+        before_x()
+    for p in range(slots):
+        copy_x(p)
+        if not x_regs:
+            cp_async_commit()
+
+
+def zero_accumulators(cfg: SkinnyConfig) -> list:
+    """``acc[i][n_tile]``: 4 FP32 +0.0 each, the start of every chain."""
+    zero = ptx.f32_const(0.0)
+    return [[[zero] * 4 for _ in range(cfg.n_tiles)] for _ in range(MMA_TILES)]
+
+
+def step_mmas(cfg: SkinnyConfig, words: list, acc: list) -> None:
+    """One step's MMAs on its copied ``words`` into ``acc`` (in place): half
+    0 then half 1, MMA tiles ``i`` in order, token tiles in order."""
+    for half in range(2):
+        for i in range(MMA_TILES):
+            for nt in range(cfg.n_tiles):
+                acc[i][nt] = mma_bf16(a_fragment(words, i, half), b_fragment(words, nt, half), acc[i][nt])
+
+
 def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=None) -> list:
     """Trace the main loop of one 64-row tile: ``w_tile`` the byte address
     (Int64) of the tile's first weight row, ``x`` of x's first row, ``m``
@@ -380,21 +414,8 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=No
             else:
                 cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, W_LOADS + nt), src, cfg.l2_prefetch)
 
-    # Prologue: the weight of the first stages (constant data: before the
-    # PDL wait), then x, one commit group per step (x_regs: the weight's).
-    for p in range(cfg.stages):
-        copy_weight(p, p)
-        if cfg.x_regs:
-            cp_async_commit()
-    if before_x is not None:
-        before_x()
-    for p in range(cfg.stages):
-        copy_x(p, p)
-        if not cfg.x_regs:
-            cp_async_commit()
-
-    zero = ptx.f32_const(0.0)
-    acc = [[[zero] * 4 for _ in range(cfg.n_tiles)] for _ in range(MMA_TILES)]
+    prologue(cfg.stages, lambda p: copy_weight(p, p), lambda p: copy_x(p, p), cfg.x_regs, before_x)
+    acc = zero_accumulators(cfg)
     for s in range(cfg.steps):
         stage = s % cfg.stages
         # Committed so far: stages + s groups (one per step, empty at the end);
@@ -403,10 +424,7 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=No
         words = [ld_shared_v4(Int32(ring) + ring_offset(cfg, tid, stage, load)) for load in range(cfg.ring_loads)]
         if cfg.x_regs:
             words += x_words.pop(s)
-        for half in range(2):
-            for i in range(MMA_TILES):
-                for nt in range(cfg.n_tiles):
-                    acc[i][nt] = mma_bf16(a_fragment(words, i, half), b_fragment(words, nt, half), acc[i][nt])
+        step_mmas(cfg, words, acc)
         # Refill the slot just read (its values are in registers, consumed
         # by the MMAs above) with the step `stages` ahead.
         if s + cfg.stages < cfg.steps:
@@ -560,7 +578,10 @@ __all__ = [
     "red_offset",
     "step_column",
     "ring_offset",
+    "prologue",
+    "step_mmas",
     "store_partials",
+    "zero_accumulators",
     "weight_offset",
     "x_offset",
     "x_token",

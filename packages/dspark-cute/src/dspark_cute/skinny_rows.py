@@ -30,23 +30,22 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from dspark_cute import ptx
 from dspark_cute.skinny_gemm import (
-    MMA_TILES,
     STEP_K,
     TILE_ROWS,
     W_LOADS,
     SkinnyConfig,
     _min_i32,
-    a_fragment,
-    b_fragment,
     cp_async_16,
     cp_async_commit,
     cp_async_wait,
     lane_coords,
     ld_shared_v4,
-    mma_bf16,
+    prologue,
     ring_offset,
     step_column,
+    step_mmas,
     x_token,
+    zero_accumulators,
 )
 
 PAIR_ROW_BYTES = 2 * STEP_K * 2  # a weight row's two steps in the ring: one 128-byte line
@@ -131,19 +130,8 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x) -
         return words + [ld_shared_v4(Int32(ring) + ring_offset(cfg, tid, s % cfg.stages, W_LOADS + nt))
                         for nt in range(cfg.n_tiles)]
 
-    for p in range(depth):
-        copy_weight(p, p)
-        if cfg.x_regs:
-            cp_async_commit()
-    if before_x is not None:
-        before_x()
-    for p in range(depth):
-        copy_x(p)
-        if not cfg.x_regs:
-            cp_async_commit()
-
-    zero = ptx.f32_const(0.0)
-    acc = [[[zero] * 4 for _ in range(cfg.n_tiles)] for _ in range(MMA_TILES)]
+    prologue(depth, lambda p: copy_weight(p, p), copy_x, cfg.x_regs, before_x)
+    acc = zero_accumulators(cfg)
     for p in range(pairs):
         ps = p % depth
         cp_async_wait(depth - 1)
@@ -152,11 +140,7 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x) -
         if cfg.refill == "before":
             refill(p, ps)
         for e in range(2):
-            words = pair_words[e] if pair_words else words_of(2 * p + e, ps)
-            for half in range(2):
-                for i in range(MMA_TILES):
-                    for nt in range(cfg.n_tiles):
-                        acc[i][nt] = mma_bf16(a_fragment(words, i, half), b_fragment(words, nt, half), acc[i][nt])
+            step_mmas(cfg, pair_words[e] if pair_words else words_of(2 * p + e, ps), acc)
         if cfg.refill == "after":
             refill(p, ps)
     cp_async_wait(0)
