@@ -360,6 +360,14 @@ def test_default_shapes_of_the_policy():
         pg.default_shape(_constants("o_proj", 8192, 4096), n_tiles=3)
 
 
+def test_shape_names_are_reexported():
+    """package_gemm re-exports every launch-shape name of package_gemm_shape (the same objects)."""
+    from dspark_comm import package_gemm_shape as shape
+
+    for name in shape.__all__:
+        assert name in pg.__all__ and getattr(pg, name) is getattr(shape, name), name
+
+
 def test_policy_shape_by_shard():
     """draft_gemm_shape: the register-direct tile for shards of at most
     DIRECT_MAX_STEPS steps per warp (o_proj, 4 warps: K <= 1024; down_proj,

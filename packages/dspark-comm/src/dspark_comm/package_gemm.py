@@ -104,20 +104,12 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from dspark_comm import device as dev
 from dspark_comm import package_gemm_shape as shape
+from dspark_comm.package_gemm_shape import *  # noqa: F403 (re-exported: __all__ names them)
 from dspark_comm.package_gemm_shape import (
-    DIRECT_DEPTH,
-    LANE_L2_PREFETCH,
-    MAX_SMEM_BYTES,
-    RING_COPY,
-    RING_DEPTH,
-    RING_L2_PREFETCH,
-    RING_REFILL,
-    RING_X_DEPTH,
     TILE_ROWS,
     check_constants,
     check_loop_options,
     default_shape,
-    ring_config,
     smem_bytes,
 )
 from dspark_comm.protocol import HEADER_BYTES, MailboxLayout, fallback_reason
@@ -578,24 +570,13 @@ class PackageGemm:
         return boundary.run(None, stream, store_stream, out, new_stream, published=True)
 
 
-__all__ = [  # (the shape names are package_gemm_shape's, re-exported)
-    "DIRECT_DEPTH",
-    "LANE_L2_PREFETCH",
-    "MAX_SMEM_BYTES",
+__all__ = [  # the launch-shape names first: package_gemm_shape's, re-exported
+    *shape.__all__,
     "MODES",
     "PackageGemm",
     "PackageGemmKernel",
-    "RING_COPY",
-    "RING_DEPTH",
-    "RING_L2_PREFETCH",
-    "RING_REFILL",
-    "RING_X_DEPTH",
-    "TILE_ROWS",
-    "check_constants",
-    "check_loop_options",
     "check_mode",
     "compile_package_gemm",
-    "default_shape",
     "emit_word",
     "epilogue_rounds",
     "epilogue_token",
@@ -606,7 +587,5 @@ __all__ = [  # (the shape names are package_gemm_shape's, re-exported)
     "plain_offset",
     "projection_error_bound",
     "publish_offset",
-    "ring_config",
-    "smem_bytes",
     "st_relaxed_sys_b32_if",
 ]
