@@ -141,11 +141,8 @@ def side_by_side(seed: int, variants: list) -> int:
     bad = 0
     print("| K | variant | m 1 | m 4 | m 16 |\n| --- | --- | --- | --- | --- |", flush=True)
     for k, kw in SIDE_BY_SIDE:
-        copies = max(2, -(-HBM_BYTES // (H * k * 2)))
-        ws = [(torch.randn((H, k), generator=gen, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies)]
-        xs = {m: torch.randn((m, k), generator=gen, device="cuda").to(torch.bfloat16) for m in QUICK_ROWS}
-        ys = {m: torch.empty((m, H), dtype=torch.bfloat16, device="cuda") for m in xs}
-        cub = [timed([lambda w=w, x=xs[m], y=ys[m]: torch.matmul(x, w.t(), out=y) for w in ws]) for m in QUICK_ROWS]
+        ws, xs, ys = operands(gen, k, QUICK_ROWS)
+        cub = [cublas_us(ws, xs[m], ys[m]) for m in QUICK_ROWS]
         print(f"| {k} | cuBLAS | " + " | ".join(f"{t:.2f}" for t in cub) + " |", flush=True)
         c = PackageGemmConstants("o_proj", H, k, 64, kw // 4, 16)
         ref = {}
@@ -178,13 +175,9 @@ def order_sweep(seed: int) -> int:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows, bad = [], 0
     for k in sorted({v[0] for v in ORDER}):
-        copies = max(2, -(-HBM_BYTES // (H * k * 2)))
-        ws = [(torch.randn((H, k), generator=gen, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies)]
-        xs = {m: torch.randn((m, k), generator=gen, device="cuda").to(torch.bfloat16) for m in QUICK_ROWS}
-        ys = {m: torch.empty((m, H), dtype=torch.bfloat16, device="cuda") for m in xs}
+        ws, xs, ys = operands(gen, k, QUICK_ROWS)
         for m in QUICK_ROWS:
-            fns = [lambda w=w, x=xs[m], y=ys[m]: torch.matmul(x, w.t(), out=y) for w in ws]
-            rows.append({"k": k, "m": m, "variant": "cublas", "us": timed(fns)})
+            rows.append({"k": k, "m": m, "variant": "cublas", "us": cublas_us(ws, xs[m], ys[m])})
         ref = {}
         for _, kw, order, pf, cp in [v for v in ORDER if v[0] == k]:
             c = PackageGemmConstants("o_proj", H, k, 64, kw // 4, 16)
@@ -234,6 +227,22 @@ def timed(fns) -> float:
     return median_us(replay, 30, warmup=2, calls=CALLS)
 
 
+def operands(gen, k: int, rows) -> tuple:
+    """``(ws, xs, ys)`` at ``k``: BF16 weight copies ``[H, k]`` of at least
+    ``HBM_BYTES`` a cycle (at least two), x ``[m, k]`` and an output ``[m, H]``
+    for each ``m`` of ``rows`` (drawn in that order)."""
+    copies = max(2, -(-HBM_BYTES // (H * k * 2)))
+    ws = [(torch.randn((H, k), generator=gen, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies)]
+    xs = {m: torch.randn((m, k), generator=gen, device="cuda").to(torch.bfloat16) for m in rows}
+    ys = {m: torch.empty((m, H), dtype=torch.bfloat16, device="cuda") for m in xs}
+    return ws, xs, ys
+
+
+def cublas_us(ws, x, y) -> float:
+    """cuBLAS ``x @ W^T`` into ``y``, rotating over the weight copies ``ws`` (HBM timing)."""
+    return timed([lambda w=w: torch.matmul(x, w.t(), out=y) for w in ws])
+
+
 def main() -> int:
     quick, deep = "--quick" in sys.argv[1:], "--deep" in sys.argv[1:]
     ks, rows_m = ((8192,), QUICK_ROWS) if deep else (QUICK_KS, QUICK_ROWS) if quick else (KS, ROWS)
@@ -251,10 +260,7 @@ def main() -> int:
     mismatches = 0
     t0 = time.time()
     for k in ks:
-        copies = max(2, -(-HBM_BYTES // (H * k * 2)))
-        ws = [(torch.randn((H, k), generator=gen, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies)]
-        xs = {m: (torch.randn((m, k), generator=gen, device="cuda")).to(torch.bfloat16) for m in set(rows_m) | {1, 16}}
-        ys = {m: torch.empty((m, H), dtype=torch.bfloat16, device="cuda") for m in xs}
+        ws, xs, ys = operands(gen, k, set(rows_m) | {1, 16})
         for m in rows_m:
             x, y = xs[m], ys[m]
             fn = [lambda w=w, x=x, y=y: torch.matmul(x, w.t(), out=y) for w in ws]
