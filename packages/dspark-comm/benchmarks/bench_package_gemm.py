@@ -1,7 +1,7 @@
 """TP2 benchmark of the package GEMM (two GPUs, one process each).
 
-Ran on two H200s (2026-11-30), every row (the table is in the package's
-README).
+Ran on two H200s (2026-11-30), every row, the rounds too (the table is in
+the package's README).
 
 For K in {1024, 4096, 8192} (the rank's shard) and m in {1, 4, 16} rows,
 N = H = 8192 output features, each case timed in a CUDA graph of ``--iters``

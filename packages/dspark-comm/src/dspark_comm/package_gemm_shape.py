@@ -63,17 +63,19 @@ MAX_SMEM_BYTES = 227 * 1024
 # 3.60 / 3.73 / 5.31 (K = 1024, the register-direct loop), 18.69 / 18.97 /
 # 19.71 (4096) and 33.05 / 34.03 / 34.97 (8192) against cuBLAS's 5.30 / 5.01
 # / 5.09, 19.01 / 19.47 / 19.44 and 34.53 / 34.40 / 34.21. Refilling a pair's
-# slot before its MMAs (SkinnyConfig.refill "before", not the default: the
-# two-GPU suite has not run it) was a little faster on one H200 (--refill,
+# slot before its MMAs (SkinnyConfig.refill "before", not the default) was a
+# little faster on one H200 (--refill,
 # one run: 17.22 / 17.99 / 18.01 and 31.86 / 32.75 / 33.32 against 18.62 /
 # 18.12 / 18.33 and 32.22 / 32.72 / 33.47; cuBLAS 18.79 / 18.72 / 18.90 and
 # 33.82 / 33.31 / 33.17; the same bits as lane copies).
 RING_COPY = "rows"
 RING_L2_PREFETCH = 128
 # When a row-copy ring refills a pair's slot (SkinnyConfig.refill): "after"
-# its MMAs, the order the two-GPU suite and benchmark ran; "before" them was
-# faster on one H200 (above) and waits for its two-GPU run
-# (bench_package_gemm's "refill before" rows) before it becomes the default.
+# its MMAs. "before" them (the same bits, the two-GPU suite checks it) was
+# faster on one H200 (above) but not at TP2 (bench_package_gemm, two H200s,
+# 2026-11-30, publishing alone in a graph, m = 1 / 4 / 16: 17.87 / 18.45 /
+# 18.93 at K = 4096 and 31.83 / 32.89 / 34.08 at 8192 against "after"'s
+# 17.85 / 18.30 / 18.95 and 31.71 / 32.75 / 33.76 in the same run).
 RING_REFILL = "after"
 LANE_L2_PREFETCH = 256
 
