@@ -101,7 +101,13 @@ def check_plain(c):
         # Row copies refilling before the pair's MMAs (the opt-in order): the same bits too.
         before = PackageGemm(_constants(role, k), w, refill="before")
         before.prepare(publish=(False,))
-        ours_bad = cublas_bad = variant_bad = direct_bad = row_bad = lane_bad = before_bad = 0
+        # x copied the other way (SkinnyConfig.x_copy: lanes or token rows): the same words, so the same bits.
+        from dspark_comm.package_gemm_shape import RING_X_COPY
+
+        x_other = "rows" if RING_X_COPY == "lane" else "lane"
+        x_twin = PackageGemm(_constants(role, k), w, x_copy=x_other)
+        x_twin.prepare(publish=(False,))
+        ours_bad = cublas_bad = variant_bad = direct_bad = row_bad = lane_bad = before_bad = x_twin_bad = 0
         worst_ours = worst_cublas = 0.0
         for m in range(1, CAPACITY + 1):
             x = _operands(gen, m, k)
@@ -124,6 +130,7 @@ def check_plain(c):
             direct_bad += bad(direct.run(x, torch.full_like(out, float("nan"))), out)
             lane_bad += bad(lane.run(x, torch.full_like(out, float("nan"))), out)
             before_bad += bad(before.run(x, torch.full_like(out, float("nan"))), out)
+            x_twin_bad += bad(x_twin.run(x, torch.full_like(out, float("nan"))), out)
         # Non-finite inputs propagate as they do in float64 (NaN where it is NaN).
         x = _operands(gen, 4, k)
         x[0, 0], x[1, 5], x[2, 7] = float("inf"), float("nan"), float("-inf")
@@ -138,7 +145,8 @@ def check_plain(c):
             "variants_differ": variant_bad + row_bad, "one_row_x_regs": gemm.configs[0].x_regs,
             "nonfinite_mismatch": nonfinite_bad, "direct_differs": direct_bad,
             "copies": [cfg.copy for cfg in gemm.configs.values()], "lane_copies_differ": lane_bad,
-            "refill_before_differs": before_bad,
+            "refill_before_differs": before_bad, "x_copy_twin": x_other, "x_copy_twin_differs": x_twin_bad,
+            "x_copies": [cfg.x_copy for cfg in x_twin.configs.values()],
         }
     return {"cases": res}
 
@@ -365,6 +373,9 @@ def test_plain_gemm_within_the_bound(suite):
             assert v["nonfinite_mismatch"] == 0, (rank, case, v)
             assert v["direct_differs"] == 0, (rank, case, v)
             assert v["lane_copies_differ"] == 0 and v["refill_before_differs"] == 0, (rank, case, v)
+            assert v["x_copy_twin_differs"] == 0, (rank, case, v)
+            if v["copies"][2] == "rows":  # the twin's m > 1 variants copy x the other way (m = 1: registers)
+                assert v["x_copies"][1:] == [v["x_copy_twin"]] * 2, (rank, case, v)
             assert v["copies"] == ["rows"] * 3, (rank, case, v)  # (the ring's default)
             print(f"rank {rank} {case}: worst |err| / bound ours {v['worst_ours_err_over_bound']:.3f}, "
                   f"cuBLAS {v['worst_cublas_err_over_bound']:.3f} ({v['cublas_over_bound']} over)")

@@ -371,7 +371,9 @@ class PackageGemm:
     the warp's steps are even (``ring_config``; measured: ``RING_COPY``'s
     comment), "rows" or "lane" always; ``refill``: when row copies refill a
     pair's slot (``SkinnyConfig.refill``; the same bits): None for
-    ``RING_REFILL``, "after" or "before" its MMAs; ``pdl``: programmatic dependent launch
+    ``RING_REFILL``, "after" or "before" its MMAs; ``x_copy``: who copies x
+    into a row-copy ring (``SkinnyConfig.x_copy``; the same bits): None for
+    ``RING_X_COPY``, "lane" or "rows"; ``pdl``: programmatic dependent launch
     (default: sm_90+); ``early_epochs``: the publish epilogue's epochs loaded
     before the main loop (module docstring; False: in each round);
     ``one_row_gemv`` (opt-in): a one-row call runs the
@@ -395,14 +397,14 @@ class PackageGemm:
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
                  group: int = 1, x_regs: bool | None = None, pdl: bool | None = None,
                  early_epochs: bool = True, one_row_gemv: bool = False, copy: str | None = None,
-                 refill: str | None = None) -> None:
+                 refill: str | None = None, x_copy: str | None = None) -> None:
         c = constants
         check_constants(c)
         if x_regs not in (None, True, False):
             raise ValueError(f"x_regs is None (one-row calls), True or False, not {x_regs!r}")
         check_loop_options(group, c.tile_n, bool(x_regs))
-        if (copy is not None or refill is not None) and c.tile_n != sg.TILE_ROWS:
-            raise ValueError(f"copy and refill are the ring main loop's (tile_n {sg.TILE_ROWS}); the "
+        if (copy is not None or refill is not None or x_copy is not None) and c.tile_n != sg.TILE_ROWS:
+            raise ValueError(f"copy, refill and x_copy are the ring main loop's (tile_n {sg.TILE_ROWS}); the "
                              f"register-direct one (tile_n {c.tile_n}) loads into registers")
         # Per token tile (0: one row, 1: m <= 8, 2: m <= 16) whether x goes
         # through registers: the register-direct loop always does, unasked.
@@ -412,7 +414,7 @@ class PackageGemm:
         kw = shapes[2][0]  # the same for every token tile (the sums must not depend on m)
         depth = {t: st for t, (_, st) in shapes.items()}
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
-        self.configs = {t: shape.ring_config(c.k_shard, kw, depth[t], max(t, 1), xr[t], copy, refill) if ring else
+        self.configs = {t: shape.ring_config(c.k_shard, kw, depth[t], max(t, 1), xr[t], copy, refill, x_copy) if ring else
                         sg.SkinnyConfig(c.k_shard, kw, depth[t], max(t, 1), group, xr[t]) for t in (0, 1, 2)}
         for cfg in self.configs.values():
             if smem_bytes(cfg, c.tile_n) > shape.MAX_SMEM_BYTES:

@@ -77,6 +77,10 @@ RING_L2_PREFETCH = 128
 # 18.93 at K = 4096 and 31.83 / 32.89 / 34.08 at 8192 against "after"'s
 # 17.85 / 18.30 / 18.95 and 31.71 / 32.75 / 33.76 in the same run).
 RING_REFILL = "after"
+# Who copies x under row copies where x goes through the ring (m > 1;
+# SkinnyConfig.x_copy): "lane" (8 tokens x 64 bytes per instruction) or
+# "rows" (4 tokens x 128 bytes: half the L2 requests); the same bits.
+RING_X_COPY = "lane"
 LANE_L2_PREFETCH = 256
 
 
@@ -92,13 +96,15 @@ def check_loop_options(group: int, tile_rows: int, x_regs: bool = False) -> None
 
 
 def ring_config(k_shard: int, k_warps: int, stages: int, n_tiles: int, x_regs: bool = False,
-                copy: str | None = None, refill: str | None = None) -> sg.SkinnyConfig:
+                copy: str | None = None, refill: str | None = None, x_copy: str | None = None) -> sg.SkinnyConfig:
     """The ring main loop's ``SkinnyConfig``. ``copy`` None: row copies
     (``RING_COPY``) where ``k_shard / (32 k_warps)`` steps and ``stages`` are
     both even, else lane copies (the same bits either way); "rows" or "lane":
     that one. ``refill`` (row copies): None for ``RING_REFILL``, or "after" /
-    "before". ValueError (``SkinnyConfig``) for a shape the loop cannot take
-    or a refill "before" with lane copies."""
+    "before". ``x_copy`` (row copies, x through the ring): None for
+    ``RING_X_COPY``, or "lane" / "rows"; with ``x_regs`` there are no x
+    copies and it is "lane". ValueError (``SkinnyConfig``) for a shape the
+    loop cannot take, a refill "before" or x_copy "rows" with lane copies."""
     if copy not in (None, *sg.COPIES):
         raise ValueError(f"copy is None, {' or '.join(map(repr, sg.COPIES))}, not {copy!r}")
     steps = sg.SkinnyConfig(k_shard, k_warps, 1, n_tiles).steps
@@ -106,9 +112,10 @@ def ring_config(k_shard: int, k_warps: int, stages: int, n_tiles: int, x_regs: b
         copy = RING_COPY if steps % 2 == 0 and stages % 2 == 0 else "lane"
     if copy == "rows":
         return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, copy="rows",
-                               l2_prefetch=RING_L2_PREFETCH, refill=refill or RING_REFILL)
+                               l2_prefetch=RING_L2_PREFETCH, refill=refill or RING_REFILL,
+                               x_copy="lane" if x_regs else x_copy or RING_X_COPY)
     return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, l2_prefetch=LANE_L2_PREFETCH,
-                           refill=refill or "after")
+                           refill=refill or "after", x_copy=x_copy or "lane")
 
 
 def smem_bytes(cfg: sg.SkinnyConfig, tile_rows: int) -> int:
@@ -176,6 +183,7 @@ __all__ = [
     "RING_DEPTH",
     "RING_L2_PREFETCH",
     "RING_REFILL",
+    "RING_X_COPY",
     "RING_X_DEPTH",
     "TILE_ROWS",
     "check_constants",

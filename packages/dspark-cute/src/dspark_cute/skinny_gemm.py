@@ -132,6 +132,12 @@ class SkinnyConfig:
     # refills: the copies of the pair `stages / 2` ahead start earlier, at
     # the price of both steps' words in registers at once). The same bits.
     refill: str = "after"
+    # Row copies only: who copies x's words where they go through the ring:
+    # "lane", the lane that reads them (8 tokens x 64 bytes per instruction);
+    # "rows", the warp, a pair of steps at a time in 128-byte token rows (4
+    # tokens x 128 bytes per instruction: half the L2 requests), into a
+    # swizzled region read back like the weight's. The same words.
+    x_copy: str = "lane"
 
     def __post_init__(self) -> None:
         if self.k_warps not in (1, 2, 4, 8, 16):
@@ -161,6 +167,9 @@ class SkinnyConfig:
         if self.refill not in ("after", "before") or (self.refill == "before" and self.copy != "rows"):
             raise ValueError(f"refill is 'after', or 'before' with row copies, not {self.refill!r} "
                              f"with {self.copy} copies")
+        if self.x_copy not in COPIES or (self.x_copy == "rows" and (self.copy != "rows" or self.x_regs)):
+            raise ValueError(f"x_copy is 'lane', or 'rows' with row copies of the weight and x through the "
+                             f"ring, not {self.x_copy!r} with {self.copy} copies and x_regs {self.x_regs}")
         if self.mmas_per_warp * BETA > 2.0**-10:
             raise ValueError(f"K = {self.k} over {self.k_warps} warps is beyond the stated error bound")
 
@@ -251,7 +260,8 @@ def x_offset(cfg: SkinnyConfig, warp, lane, step: int, token):
 def ring_offset(cfg: SkinnyConfig, tid, stage: int, load: int):
     """Byte offset in the ring of a thread's 16-byte slot (a warp's 32 slots
     are contiguous: conflict-free). Under row copies only x's slots (loads
-    ``W_LOADS`` ..) are the thread's, after the weight's rows."""
+    ``W_LOADS`` ..) are the thread's, after the weight's rows (``x_copy``
+    "rows": the region of ``skinny_rows.x_rows_offset`` instead)."""
     if cfg.copy == "rows":
         weight = cfg.stages * W_LOADS * cfg.threads * 16
         return weight + ((stage * cfg.n_tiles + load - W_LOADS) * cfg.threads + tid) * 16

@@ -19,8 +19,15 @@ same bits). Copies of other lanes become visible through
 ``bar.warp.sync`` after a pair's MMAs keeps any lane from refilling a slot
 another lane still reads (``refill`` "before": the pair's words are all
 loaded, then the warp meets and refills, then the MMAs run). x is copied (or, ``x_regs``, loaded) per lane as
-with lane copies. Needs an even number of steps and stages (``SkinnyConfig``
-refuses others).
+with lane copies, or (``x_copy`` "rows") by the warp like the weight: copy
+``q`` of lane ``l`` takes token slot ``4 q + (l >> 3)`` (x's row
+``min(slot, m - 1)``, the row a lane copy of that slot takes), chunk ``l &
+7`` of the pair's 64 columns (``x_row_copy``), into 128-byte slot rows
+swizzled the same way (``x_rows_offset``); a lane reads chunk ``4 (s & 1) +
+t`` of slot ``8 n_tile + g``: its lane copy's words. One instruction then
+covers 4 tokens x 128 bytes instead of 8 tokens x 64 bytes, halving x's L2
+requests (at m = 16 x's 16 rows are a fifth of the copied bytes). Needs an
+even number of steps and stages (``SkinnyConfig`` refuses others).
 """
 
 from __future__ import annotations
@@ -76,6 +83,31 @@ def rows_read_offset(cfg: SkinnyConfig, warp, lane, step: int, load: int, pair_s
     return rows_ring_offset(cfg, warp, pair_stage, 16 * i + 8 * h + g, 4 * (step % 2) + t)
 
 
+def x_row_copy(cfg: SkinnyConfig, warp, lane, pair: int, q: int, m, minimum=min) -> tuple:
+    """x row copies (``x_copy`` "rows"): ``(slot, chunk, offset)`` of this
+    lane's copy ``q`` (of ``2 n_tiles``) of ``pair``: token slot ``4 q + lane
+    >> 3``, 16-byte chunk ``lane & 7``, at element ``offset`` of x (row
+    ``min(slot, m - 1)``: a clamped slot only feeds MMA columns no one reads)."""
+    slot, chunk = 4 * q + (lane >> 3), lane & 7
+    return slot, chunk, minimum(slot, m - 1) * cfg.k + step_column(cfg, warp, 2 * pair) + 8 * chunk
+
+
+def x_rows_offset(cfg: SkinnyConfig, warp, pair_stage: int, slot, chunk):
+    """Byte offset of an x slot row's 16-byte chunk under ``x_copy`` "rows":
+    after the weight's rows, ``8 n_tiles`` 128-byte slot rows per warp and
+    pair stage, chunk ``c`` at ``c ^ 4 (slot & 1)`` (as ``rows_ring_offset``)."""
+    weight = cfg.stages * W_LOADS * cfg.threads * 16
+    return (weight + ((pair_stage * cfg.k_warps + warp) * 8 * cfg.n_tiles + slot) * PAIR_ROW_BYTES
+            + (chunk ^ ((slot & 1) * 4)) * 16)
+
+
+def x_rows_read_offset(cfg: SkinnyConfig, warp, lane, step: int, n_tile: int, pair_stage: int):
+    """The ring offset holding this lane's x words of ``n_tile`` in ``step``
+    under ``x_copy`` "rows": slot ``8 n_tile + g``, chunk ``4 (step & 1) + t``."""
+    g, t = lane_coords(lane)
+    return x_rows_offset(cfg, warp, pair_stage, 8 * n_tile + g, 4 * (step % 2) + t)
+
+
 def _x_offset(cfg: SkinnyConfig, warp, lane, step: int, token):
     """``skinny_gemm.x_offset``'s value, summed as ``step_column + 8 t`` (the
     order of the row-copy kernels the GPU runs validated)."""
@@ -107,6 +139,12 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x) -
                         Int64(w_tile) + Int64(off) * 2, cfg.l2_prefetch)
 
     def copy_x(pair: int) -> None:
+        if cfg.x_copy == "rows":
+            for q in range(2 * cfg.n_tiles):
+                slot, chunk, off = x_row_copy(cfg, warp, lane, pair, q, m, minimum=_min_i32)
+                cp_async_16(Int32(ring) + x_rows_offset(cfg, warp, pair % depth, slot, chunk),
+                            Int64(x) + Int64(off) * 2, cfg.l2_prefetch)
+            return
         for step in (2 * pair, 2 * pair + 1):
             for nt, tok in enumerate(tokens):
                 src = Int64(x) + Int64(_x_offset(cfg, warp, lane, step, tok)) * 2
@@ -127,6 +165,9 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x) -
         words = [ld_shared_v4(Int32(ring) + rows_read_offset(cfg, warp, lane, s, load, ps)) for load in range(W_LOADS)]
         if cfg.x_regs:
             return words + x_words.pop(s)
+        if cfg.x_copy == "rows":
+            return words + [ld_shared_v4(Int32(ring) + x_rows_read_offset(cfg, warp, lane, s, nt, ps))
+                            for nt in range(cfg.n_tiles)]
         return words + [ld_shared_v4(Int32(ring) + ring_offset(cfg, tid, s % cfg.stages, W_LOADS + nt))
                         for nt in range(cfg.n_tiles)]
 
@@ -155,4 +196,7 @@ __all__ = [
     "rows_read_offset",
     "rows_ring_offset",
     "sync_warp",
+    "x_row_copy",
+    "x_rows_offset",
+    "x_rows_read_offset",
 ]
