@@ -414,8 +414,9 @@ class PackageGemm:
         kw = shapes[2][0]  # the same for every token tile (the sums must not depend on m)
         depth = {t: st for t, (_, st) in shapes.items()}
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
-        self.configs = {t: shape.ring_config(c.k_shard, kw, depth[t], max(t, 1), xr[t], copy, refill, x_copy) if ring else
-                        sg.SkinnyConfig(c.k_shard, kw, depth[t], max(t, 1), group, xr[t]) for t in (0, 1, 2)}
+        self.configs = {
+            t: shape.ring_config(c.k_shard, kw, depth[t], max(t, 1), xr[t], copy, refill, x_copy) if ring
+            else sg.SkinnyConfig(c.k_shard, kw, depth[t], max(t, 1), group, xr[t]) for t in (0, 1, 2)}
         for cfg in self.configs.values():
             if smem_bytes(cfg, c.tile_n) > shape.MAX_SMEM_BYTES:
                 raise ValueError(f"{cfg.stages} stages of {kw} warps ({8 * cfg.n_tiles} tokens) take "
