@@ -57,16 +57,16 @@ if wanted multigpu; then
 fi
 if wanted gemm-tp2; then  # the package GEMM alone at TP2: its two-GPU suite and its benchmark (two GPUs)
   step gemm-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -p no:cacheprovider
-  step bench-package-gemm 280 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
+  step bench-package-gemm 330 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT" --timeout 310
 fi
 if wanted tp2-gemm-draft; then  # the package GEMM and TP2 draft suites, then their benchmarks (two GPUs)
   step gemm-multigpu 150 python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -p no:cacheprovider
-  step bench-package-gemm 280 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
+  step bench-package-gemm 330 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT" --timeout 310
   step draft-multigpu 150 python -m pytest -m multigpu packages/dspark-comm/tests/test_draft_multigpu.py -q -p no:cacheprovider
   step bench-draft-tp2 150 python packages/dspark-comm/benchmarks/bench_draft_tp2.py --out "$OUT"
 fi
 if wanted bench-tp2; then
-  step bench-package-gemm 280 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT"
+  step bench-package-gemm 330 python packages/dspark-comm/benchmarks/bench_package_gemm.py --out "$OUT" --timeout 310
   step bench-draft-tp2 240 python packages/dspark-comm/benchmarks/bench_draft_tp2.py --out "$OUT"
 fi
 if wanted sweep; then
