@@ -80,7 +80,7 @@ RING_REFILL = "after"
 # Who copies x under row copies where x goes through the ring (m > 1;
 # SkinnyConfig.x_copy): "lane" (8 tokens x 64 bytes per instruction) or
 # "rows" (4 tokens x 128 bytes: half the L2 requests); the same bits.
-RING_X_COPY = "lane"
+RING_X_COPY = "rows"
 LANE_L2_PREFETCH = 256
 
 
