@@ -50,7 +50,10 @@ row pieces, two steps at a time (``skinny_gemm.SkinnyConfig.copy`` "rows",
 ``dspark_cute.skinny_rows``; ``ring_config``), wherever a warp's steps are
 even, and otherwise each lane its own 16 bytes: the same MMAs on the same
 words, so the same bits (two H200s: bit for bit the lane-copy and
-register-direct kernels). Measured: ``RING_COPY``'s comment.
+register-direct kernels). Measured: ``RING_COPY``'s comment. Where x goes
+through such a ring (m > 1) the warp copies it the same way, in 128-byte
+token rows (``SkinnyConfig.x_copy`` "rows", ``RING_X_COPY``; the same
+words, bit for bit on two H200s). Measured: ``RING_X_COPY``'s comment.
 
 **Token tiles.** A call of ``m`` rows runs one of three compiled variants
 (``PackageGemm.token_tile``): m = 1, m <= 8 (``n_tiles`` 1) and m <= 16

@@ -79,7 +79,13 @@ RING_L2_PREFETCH = 128
 RING_REFILL = "after"
 # Who copies x under row copies where x goes through the ring (m > 1;
 # SkinnyConfig.x_copy): "lane" (8 tokens x 64 bytes per instruction) or
-# "rows" (4 tokens x 128 bytes: half the L2 requests); the same bits.
+# "rows" (4 tokens x 128 bytes: half the L2 requests); the same bits (the
+# two-GPU suite checks both). Measured on two H200s (bench_package_gemm,
+# 2026-11-30, publishing alone in a graph, medians of 7 alternating rounds,
+# m = 4 / 16): rows 18.83 / 19.22 (K = 4096) and 33.53 / 34.63 (8192)
+# against lanes' 18.93 / 19.46 and 33.80 / 35.01, faster at m = 16 in 7 of 7
+# rounds; with rows the default, the next run: 18.85 / 19.26 and 33.50 /
+# 34.46 against lanes' 18.98 / 19.51 and 33.77 / 34.98.
 RING_X_COPY = "rows"
 LANE_L2_PREFETCH = 256
 
