@@ -215,6 +215,18 @@ def audit(body: str, cfg: sg.SkinnyConfig, mode: str, tp: int, pdl: bool) -> Non
         assert "griddepcontrol" not in body
 
 
+def spill_bytes(report: str) -> int:
+    """The most spill-store bytes of any function in a ptxas ``-v`` report."""
+    return max((int(b) for b in re.findall(r"(\d+) bytes spill stores", report)), default=0)
+
+
+# Spills ptxas (CUDA 13.0) makes in a variant's PTX from a given CuTe DSL: (label, arch, DSL major.minor) ->
+# bytes. CuTe DSL 4.8's PTX of the 8-token K = 2048 ring variant with x in token rows (x_copy "rows")
+# spills 16 bytes at 72 registers, although the 16-token one takes 108 without a spill; 4.3.5's PTX
+# (the one the H200 runs validated) does not spill, nor 4.8's at K = 4096 or 8192 (measured 2026-11-30).
+KNOWN_SPILLS = {("o_proj-tp2-k2048-pub-nt1", "sm_90a", "4.8"): 16}
+
+
 # (label, constants, k_warps or None, stages or None, n_tiles, mode, tp, rank, pdl)
 VARIANTS = [
     ("o_proj-tp8-k512-plain", _constants("o_proj", 8192, 512), None, None, 2, "plain", 2, 0, True),
@@ -233,7 +245,7 @@ VARIANTS = [
 def test_package_gemm_compiles(arch, variant, tmp_path):
     from dspark_cute.host import compile_ptx
 
-    _, c, kw, st, nt, mode, tp, rank, pdl = variant
+    label, c, kw, st, nt, mode, tp, rank, pdl = variant
     kw, st = pg.default_shape(c, kw, st, nt)
     cfg = pg.ring_config(c.k_shard, kw, st, nt)
     layout = MailboxLayout(tp, c.hidden_size, 16) if mode == "publish" else None
@@ -244,7 +256,10 @@ def test_package_gemm_compiles(arch, variant, tmp_path):
     report = ptxas_report(ptx, arch, tmp_path)
     if report and arch == "sm_90a":
         # (sm_100a's ptxas spills 8 bytes in the 8-warp K = 8192 variant.)
-        assert "0 bytes spill stores" in report
+        from importlib.metadata import version
+
+        dsl = ".".join(version("nvidia-cutlass-dsl").split(".")[:2])
+        assert spill_bytes(report) <= KNOWN_SPILLS.get((label, arch, dsl), 0), report
 
 
 # x through registers (SkinnyConfig.x_regs): (label, constants, stages or None, n_tiles, mode, pdl)
