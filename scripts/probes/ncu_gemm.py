@@ -47,13 +47,13 @@ def run() -> None:
         w = (torch.randn((H, k), generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
         c = PackageGemmConstants("o_proj", H, k, 64, kw // 4, 16)
         variants = {}
-        for order, pf, cp in (("slices", 256, "lane"), ("interleaved", 128, "lane"), ("slices", 128, "rows")):
+        for xc, pf, cp in (("lane", 256, "lane"), ("lane", 128, "rows"), ("rows", 128, "rows")):
             g = pg.PackageGemm(c, w, pdl=False)
-            g.configs = {t: dataclasses.replace(cfg, k_order=order, l2_prefetch=pf, copy=cp,
+            g.configs = {t: dataclasses.replace(cfg, x_copy="lane" if cfg.x_regs else xc, l2_prefetch=pf, copy=cp,
                                                 stages=cfg.stages - (cfg.stages % 2 if cp == "rows" else 0))
                          for t, cfg in g.configs.items()}
             g.prepare(publish=(False,))
-            variants[f"{order}/{pf}/{cp}"] = g
+            variants[f"x-{xc}/{pf}/{cp}"] = g
         for m in (1, 16):
             x = torch.randn((m, k), generator=gen, device="cuda").to(torch.bfloat16)
             y = torch.empty((m, H), dtype=torch.bfloat16, device="cuda")

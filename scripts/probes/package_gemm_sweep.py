@@ -34,16 +34,18 @@ registers did (``--quick``, m = 1, K = 2048 / 4096 / 8192: 6.13 / 18.65 /
 35.26 against the ring's 8.68 / 20.78 / 38.53; at m = 16 it is slower,
 43.68 against 34.53 at K = 8192): ``package_gemm.RING_X_DEPTH``.
 
-``--order`` (about 2.5 minutes): K = 4096 (4 warps) and 8192 (8 warps), m
+``--copies`` (about 2.5 minutes): K = 4096 (4 warps) and 8192 (8 warps), m
 in {1, 4, 16}, HBM timing: who copies the weight (``SkinnyConfig.copy``:
-each lane its own 16 bytes, or the warp's 128-byte row pieces), the copies'
-L2 prefetch size and which columns a warp sums (``k_order``, a different sum
-order, checked against float64). Measured (one H200, m = 1 / 4 / 16, us):
-K = 4096: lane copies 20.83 / 19.64 / 19.38, row copies with a 128-byte
-prefetch 18.50 / 18.10 / 18.13, interleaved lane copies 23.17 / 18.67 /
-18.69, cuBLAS 18.78 / 18.93 / 19.23; K = 8192: 35.21 / 35.03 / 35.42, 32.22
-/ 32.76 / 33.22, 34.30 / 32.98 / 33.63, cuBLAS 33.98 / 33.30 / 33.32:
-``package_gemm_shape.RING_COPY``. ``--xregs``: row copies with x through
+each lane its own 16 bytes, or the warp's 128-byte row pieces), who copies
+x (``SkinnyConfig.x_copy``) and the copies' L2 prefetch size; all the same
+bits (checked), and against float64. Measured before x rows existed (one
+H200, m = 1 / 4 / 16, us): K = 4096: lane copies 20.83 / 19.64 / 19.38,
+row copies with a 128-byte prefetch 18.50 / 18.10 / 18.13, cuBLAS 18.78 /
+18.93 / 19.23; K = 8192: 35.21 / 35.03 / 35.42, 32.22 / 32.76 / 33.22,
+cuBLAS 33.98 / 33.30 / 33.32: ``package_gemm_shape.RING_COPY``. (Warps
+summing interleaved steps instead of contiguous slices, a different sum
+order once measured here, were slower: 23.17 / 18.67 / 18.69 and 34.30 /
+32.98 / 33.63; removed.) ``--xregs``: row copies with x through
 registers for every call (slower at m = 16: 20.47 against 18.66 at K = 4096).
 ``--refill``: row copies refilling a pair's slot before its MMAs
 (``SkinnyConfig.refill``; a little faster, not yet the default).
@@ -55,7 +57,7 @@ L2), and ``hbm``, rotating over weight copies of >= 320 MB a cycle.
 Prints the best of each loop per (K, m, timing) and writes every row to
 ``$OUT/package_gemm_sweep.json``. Run on one GPU with the packages on
 PYTHONPATH (as ``scripts/gpu-check.sh`` sets it):
-``python scripts/probes/package_gemm_sweep.py [--quick | --deep | --order |
+``python scripts/probes/package_gemm_sweep.py [--quick | --deep | --copies |
 --xregs | --refill]``."""
 import json
 import os
@@ -111,14 +113,14 @@ def variants(k: int, quick: bool, deep: bool = False):
     yield from (ring(kw, st, True) for kw, st in X_REGS)
 
 
-# --order: the columns a warp sums (SkinnyConfig.k_order; a different sum
-# order), the cp.async L2 prefetch size and who copies the weight
-# (SkinnyConfig.copy; row copies take an even number of stages: the default
-# rounded down), at the policy's k_warps, HBM timing:
-# (k, k_warps, k_order, l2_prefetch, copy).
-ORDER = [(k, kw, order, pf, cp) for k, kw in ((4096, 4), (8192, 8))
-         for order, pf, cp in (("slices", 256, "lane"), ("interleaved", 128, "lane"), ("slices", 256, "rows"),
-                               ("slices", 128, "rows"), ("slices", 0, "rows"))]
+# --copies: who copies x where it goes through a row-copy ring
+# (SkinnyConfig.x_copy), the cp.async L2 prefetch size and who copies the
+# weight (SkinnyConfig.copy; row copies take an even number of stages: the
+# default rounded down), at the policy's k_warps, HBM timing:
+# (k, k_warps, x_copy, l2_prefetch, copy).
+COPIES = [(k, kw, xc, pf, cp) for k, kw in ((4096, 4), (8192, 8))
+          for xc, pf, cp in (("lane", 256, "lane"), ("lane", 128, "rows"), ("rows", 128, "rows"),
+                             ("rows", 256, "rows"), ("rows", 0, "rows"))]
 
 
 # --xregs and --refill: (k, k_warps) of their side-by-side runs.
@@ -166,39 +168,41 @@ def side_by_side(seed: int, variants: list) -> int:
     return 1 if bad else 0
 
 
-def order_sweep(seed: int) -> int:
-    """``--order``: time each ``ORDER`` variant against cuBLAS (m = 1 / 4 /
-    16, weight copies of >= 320 MB a cycle), check bits within a (k_warps,
-    k_order) and every variant against float64 within ``pg.error_bound``."""
+def copies_sweep(seed: int) -> int:
+    """``--copies``: time each ``COPIES`` variant against cuBLAS (m = 1 / 4
+    / 16, weight copies of >= 320 MB a cycle), check that every variant of a
+    k_warps gives the same bits and each is within ``pg.error_bound`` of
+    float64."""
     import dataclasses
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows, bad = [], 0
-    for k in sorted({v[0] for v in ORDER}):
+    for k in sorted({v[0] for v in COPIES}):
         ws, xs, ys = operands(gen, k, QUICK_ROWS)
         for m in QUICK_ROWS:
             rows.append({"k": k, "m": m, "variant": "cublas", "us": cublas_us(ws, xs[m], ys[m])})
         ref = {}
-        for _, kw, order, pf, cp in [v for v in ORDER if v[0] == k]:
+        for _, kw, xc, pf, cp in [v for v in COPIES if v[0] == k]:
             c = PackageGemmConstants("o_proj", H, k, 64, kw // 4, 16)
             gemms = [pg.PackageGemm(c, w, k_warps=kw) for w in ws]
             for g in gemms:  # the probe's knobs (not PackageGemm arguments)
-                g.configs = {t: dataclasses.replace(cfg, k_order=order, l2_prefetch=pf, copy=cp,
+                g.configs = {t: dataclasses.replace(cfg, x_copy="lane" if cfg.x_regs else xc, l2_prefetch=pf,
+                                                    copy=cp,
                                                     stages=cfg.stages - (cfg.stages % 2 if cp == "rows" else 0))
                              for t, cfg in g.configs.items()}
-            name = f"kw{kw} {order} pf{pf} {cp} st" + "/".join(str(g.configs[t].stages) for t in (0, 1, 2))
+            name = f"kw{kw} x-{xc} pf{pf} {cp} st" + "/".join(str(g.configs[t].stages) for t in (0, 1, 2))
             gemms[0].prepare(publish=(False,))
             for m in QUICK_ROWS:
                 got = gemms[0].run(xs[m])
                 exact = xs[m].double() @ ws[0].double().t()
                 over = int(((got.double() - exact).abs() > pg.error_bound(got, xs[m], ws[0], kw)).sum())
                 bits = got.view(torch.int16)
-                key = (kw, order, m)
+                key = (kw, m)
                 same = ref.setdefault(key, bits.clone())
                 if over or not torch.equal(same, bits):
                     bad += 1
                     print(f"  BAD {name} K{k} m{m}: {over} outside the bound, "
-                          f"{int((same != bits).sum())} words differ from the first of its k_order", flush=True)
+                          f"{int((same != bits).sum())} words differ from the first variant", flush=True)
                 fns = [lambda g=g, x=xs[m], y=ys[m]: g.launch(x, y) for g in gemms]
                 rows.append({"k": k, "m": m, "variant": name, "us": timed(fns)})
             print(f"  K {k} {name}: " + " / ".join(f"{r['us']:.2f}" for r in rows[-3:]), flush=True)
@@ -206,7 +210,7 @@ def order_sweep(seed: int) -> int:
         ws = gemms = None
         torch.cuda.empty_cache()
     print("\n| K | variant | " + " | ".join(f"m {m}" for m in QUICK_ROWS) + " |\n| --- | --- |" + " --- |" * 3)
-    for k in sorted({v[0] for v in ORDER}):
+    for k in sorted({v[0] for v in COPIES}):
         names = list(dict.fromkeys(r["variant"] for r in rows if r["k"] == k))
         for name in names:
             us = {r["m"]: r["us"] for r in rows if r["k"] == k and r["variant"] == name}
@@ -249,8 +253,8 @@ def main() -> int:
     pgs.MAX_SMEM_BYTES = 227 * 1024  # the probe may go past the package's own cap (read there)
     seed = int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31))
     print(f"seed {seed}; {torch.cuda.get_device_name()}", flush=True)
-    if "--order" in sys.argv[1:]:
-        return order_sweep(seed)
+    if "--copies" in sys.argv[1:]:
+        return copies_sweep(seed)
     if "--xregs" in sys.argv[1:]:
         return side_by_side(seed, XREGS)
     if "--refill" in sys.argv[1:]:

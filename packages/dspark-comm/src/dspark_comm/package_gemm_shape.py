@@ -50,7 +50,7 @@ MAX_SMEM_BYTES = 227 * 1024
 # prefetch, wherever a warp's steps are even (stages then even too); else
 # each lane its own 16 bytes with a 256-byte prefetch. The same MMAs on the
 # same words: the same bits (GPU-checked). Measured on an H200
-# (package_gemm_sweep.py --order, one run, side by side, weight from HBM, m
+# (package_gemm_sweep.py --copies, one run, side by side, weight from HBM, m
 # = 1 / 4 / 16, us): K = 4096, 4 warps: row copies 18.50 / 18.10 / 18.13,
 # lane copies 20.83 / 19.64 / 19.38, cuBLAS 18.78 / 18.93 / 19.23; K = 8192,
 # 8 warps: 32.22 / 32.76 / 33.22 (6 / 6 / 4 stages) against 35.21 / 35.03 /

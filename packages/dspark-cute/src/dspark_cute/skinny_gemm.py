@@ -28,9 +28,7 @@ same words two steps at a time in whole 128-byte row pieces (full-line L2
 requests instead of half lines) and each lane reads its own words back after
 a ``bar.warp.sync`` (``refill`` says whether a pair's slot is refilled
 after or before its MMAs): the same MMAs on the same words. ``l2_prefetch``
-sets the copies' L2 prefetch hint; ``k_order`` "interleaved" (probe only)
-gives warp ``w`` the steps ``w, w + W_K, ...`` instead of a contiguous
-slice: a different sum order, stated in step 1 below. With ``x_regs`` (the
+sets the copies' L2 prefetch hint. With ``x_regs`` (the
 package GEMM's one-row calls) the x words skip the ring: each is loaded with
 ``ld.global.v4`` (through L1) when its step's weight copies are issued, held
 in registers until that step's MMAs, which read the same values either way.
@@ -41,10 +39,10 @@ Summation order of one output ``y[n, r] = sum_k x[n, k] W[r, k]``:
 
 1. warp ``w`` accumulates its slice in FP32 starting from +0.0, one
    ``mma.sync.m16n8k16`` (16 products) after another: step ``s``, half 0
-   then half 1 (columns ``k0 + 32 s + 8 t + 4 half + {0..3}``, t = 0..3;
-   ``k_order`` "interleaved": ``32 (W_K s + w) + 8 t + 4 half + {0..3}``); the
-   order of the 16 products and the accumulator inside one MMA is the tensor
-   core's (undocumented; not IEEE);
+   then half 1 (columns ``k0 + 32 s + 8 t + 4 half + {0..3}``, t = 0..3,
+   ``k0 = w K / W_K``: the warp's contiguous slice); the order of the 16
+   products and the accumulator inside one MMA is the tensor core's
+   (undocumented; not IEEE);
 2. the W_K warp partials are folded by halves with ``add.rn.f32``:
    ``p_w + p_(w + W_K/2)``, then the same on the halves, down to one;
 3. the sum is rounded to BF16 (``cvt.rn.bf16x2.f32``) by the epilogue.
@@ -91,7 +89,6 @@ STEP_K = 32  # columns per warp and step
 RED_STRIDE = TILE_ROWS + 4  # floats per token row of the partials (bank spread)
 MAX_TOKENS = 16
 BETA = 2.0**-18  # the assumed per-MMA relative error (module docstring)
-K_ORDERS = ("slices", "interleaved")
 L2_PREFETCH = (0, 64, 128, 256)
 COPIES = ("lane", "rows")
 
@@ -114,11 +111,6 @@ class SkinnyConfig:
     # ahead instead of copied into the ring, which then holds the weight only
     # (so more stages fit). The same MMAs on the same values: the same bits.
     x_regs: bool = False
-    # Which columns a warp sums (part of the sum order): "slices", warp w the
-    # contiguous K / W_K columns from w K / W_K (its steps in K order); or
-    # "interleaved", warp w the 32-column steps w, w + W_K, w + 2 W_K, ...
-    # (the CTA's warps then read each weight row front to back together).
-    k_order: str = "slices"
     # The cp.async copies' L2 prefetch size in bytes (0: no hint); bits unchanged.
     l2_prefetch: int = 256
     # Who copies a weight word: "lane", the lane that reads it (one step at a
@@ -155,15 +147,13 @@ class SkinnyConfig:
             raise ValueError(f"a refill burst of {self.group} steps with {self.stages} steps in flight")
         if not isinstance(self.x_regs, bool):
             raise ValueError(f"x_regs is True or False, not {self.x_regs!r}")
-        if self.k_order not in K_ORDERS:
-            raise ValueError(f"k_order is one of {', '.join(K_ORDERS)}, not {self.k_order!r}")
         if self.l2_prefetch not in L2_PREFETCH:
             raise ValueError(f"l2_prefetch is one of {L2_PREFETCH} bytes, not {self.l2_prefetch!r}")
         if self.copy not in COPIES:
             raise ValueError(f"copy is one of {', '.join(COPIES)}, not {self.copy!r}")
-        if self.copy == "rows" and (self.k_order != "slices" or self.stages % 2 or self.steps % 2):
-            raise ValueError(f"row copies take two contiguous steps at a time: k_order slices, an even number of "
-                             f"stages and steps, not {self.k_order}, {self.stages} stages, {self.steps} steps")
+        if self.copy == "rows" and (self.stages % 2 or self.steps % 2):
+            raise ValueError(f"row copies take two contiguous steps at a time: an even number of stages and "
+                             f"steps, not {self.stages} stages, {self.steps} steps")
         if self.refill not in ("after", "before") or (self.refill == "before" and self.copy != "rows"):
             raise ValueError(f"refill is 'after', or 'before' with row copies, not {self.refill!r} "
                              f"with {self.copy} copies")
@@ -223,9 +213,7 @@ def lane_coords(lane):
 
 def step_column(cfg: SkinnyConfig, warp, step: int):
     """The first of the 32 columns warp ``warp`` covers in ``step``: ``w K /
-    W_K + 32 s`` (``k_order`` "slices") or ``32 (W_K s + w)`` ("interleaved")."""
-    if cfg.k_order == "interleaved":
-        return STEP_K * (cfg.k_warps * step + warp)
+    W_K + 32 s``."""
     return warp * (cfg.k // cfg.k_warps) + STEP_K * step
 
 
@@ -235,8 +223,6 @@ def weight_offset(cfg: SkinnyConfig, warp, lane, step: int, load: int):
     ``step_column + 8 t`` in its row."""
     g, t = lane_coords(lane)
     i, h = divmod(load, 2)
-    if cfg.k_order == "interleaved":
-        return (16 * i + 8 * h + g) * cfg.k + step_column(cfg, warp, step) + 8 * t
     # (Summed in this order the slices' PTX is the one the GPU suites validated.)
     k0 = warp * (cfg.k // cfg.k_warps) + 8 * t
     return (16 * i + 8 * h + g) * cfg.k + k0 + STEP_K * step
@@ -252,8 +238,6 @@ def x_token(lane, n_tile: int, m, minimum=min):
 def x_offset(cfg: SkinnyConfig, warp, lane, step: int, token):
     """Element offset in x (rows of ``cfg.k``) of this thread's copy of ``token``."""
     _, t = lane_coords(lane)
-    if cfg.k_order == "interleaved":
-        return token * cfg.k + step_column(cfg, warp, step) + 8 * t
     return token * cfg.k + warp * (cfg.k // cfg.k_warps) + 8 * t + STEP_K * step
 
 
@@ -561,7 +545,6 @@ def output_error_bound(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 __all__ = [
     "BETA",
-    "K_ORDERS",
     "L2_PREFETCH",
     "MMA_TILES",
     "RED_STRIDE",
