@@ -59,20 +59,36 @@ PAIR_ROW_BYTES = 2 * STEP_K * 2  # a weight row's two steps in the ring: one 128
 PAIR_COPIES = TILE_ROWS * PAIR_ROW_BYTES // (32 * 16)  # 16-byte copies per lane and pair of steps
 
 
+def _line_copy(cfg: SkinnyConfig, warp, lane, pair: int, q: int, source_row=None) -> tuple:
+    """``(line, chunk, offset)`` of a lane's 16-byte copy ``q`` of a pair of
+    steps, 4 lines x 128 bytes per warp instruction: line ``4 q + lane >>
+    3``, chunk ``lane & 7`` of the pair's 64 columns, at element ``offset``
+    of a matrix of ``cfg.k`` columns, in its row ``source_row`` (default:
+    the line)."""
+    line, chunk = 4 * q + (lane >> 3), lane & 7
+    row = line if source_row is None else source_row(line)
+    return line, chunk, row * cfg.k + step_column(cfg, warp, 2 * pair) + 8 * chunk
+
+
+def _swizzle(line, chunk):
+    """Byte offset of ``chunk`` within its 128-byte ``line`` in the ring: it is
+    stored at chunk ``c ^ 4 (line & 1)``, so two neighbouring lines, read by
+    one quarter-warp, use all 32 banks (a copy's 8 chunks of a line do)."""
+    return (chunk ^ ((line & 1) * 4)) * 16
+
+
 def row_copy(cfg: SkinnyConfig, warp, lane, pair: int, q: int) -> tuple:
     """Row copies (``copy`` "rows"): ``(row, chunk, offset)`` of this lane's
     copy ``q`` (of ``PAIR_COPIES``) of ``pair`` (steps ``2 pair``, ``+ 1``):
     tile row ``4 q + lane >> 3``, 16-byte chunk ``lane & 7`` of the row's 64
     columns, at element ``offset`` of the tile."""
-    row, chunk = 4 * q + (lane >> 3), lane & 7
-    return row, chunk, row * cfg.k + step_column(cfg, warp, 2 * pair) + 8 * chunk
+    return _line_copy(cfg, warp, lane, pair, q)
 
 
 def rows_ring_offset(cfg: SkinnyConfig, warp, pair_stage: int, row, chunk):
     """Byte offset in the row-copy ring of a row's 16-byte chunk: 128-byte
-    rows, chunk ``c`` stored at ``c ^ 4 (row & 1)`` (rows ``g`` and ``g + 1``,
-    read by one quarter-warp, then use all 32 banks; a copy's 8 chunks do)."""
-    return ((pair_stage * cfg.k_warps + warp) * TILE_ROWS + row) * PAIR_ROW_BYTES + (chunk ^ ((row & 1) * 4)) * 16
+    rows, chunks swizzled (``_swizzle``)."""
+    return ((pair_stage * cfg.k_warps + warp) * TILE_ROWS + row) * PAIR_ROW_BYTES + _swizzle(row, chunk)
 
 
 def rows_read_offset(cfg: SkinnyConfig, warp, lane, step: int, load: int, pair_stage: int):
@@ -88,17 +104,16 @@ def x_row_copy(cfg: SkinnyConfig, warp, lane, pair: int, q: int, m, minimum=min)
     lane's copy ``q`` (of ``2 n_tiles``) of ``pair``: token slot ``4 q + lane
     >> 3``, 16-byte chunk ``lane & 7``, at element ``offset`` of x (row
     ``min(slot, m - 1)``: a clamped slot only feeds MMA columns no one reads)."""
-    slot, chunk = 4 * q + (lane >> 3), lane & 7
-    return slot, chunk, minimum(slot, m - 1) * cfg.k + step_column(cfg, warp, 2 * pair) + 8 * chunk
+    return _line_copy(cfg, warp, lane, pair, q, lambda slot: minimum(slot, m - 1))
 
 
 def x_rows_offset(cfg: SkinnyConfig, warp, pair_stage: int, slot, chunk):
     """Byte offset of an x slot row's 16-byte chunk under ``x_copy`` "rows":
     after the weight's rows, ``8 n_tiles`` 128-byte slot rows per warp and
-    pair stage, chunk ``c`` at ``c ^ 4 (slot & 1)`` (as ``rows_ring_offset``)."""
+    pair stage, chunks swizzled as the weight's (``_swizzle``)."""
     weight = cfg.stages * W_LOADS * cfg.threads * 16
-    return (weight + ((pair_stage * cfg.k_warps + warp) * 8 * cfg.n_tiles + slot) * PAIR_ROW_BYTES
-            + (chunk ^ ((slot & 1) * 4)) * 16)
+    line = (pair_stage * cfg.k_warps + warp) * 8 * cfg.n_tiles + slot
+    return weight + line * PAIR_ROW_BYTES + _swizzle(slot, chunk)
 
 
 def x_rows_read_offset(cfg: SkinnyConfig, warp, lane, step: int, n_tile: int, pair_stage: int):
