@@ -84,7 +84,7 @@ def check_setup(c):
 
 
 def check_plain(c):
-    from dspark_comm.package_gemm import PackageGemm, error_bound
+    from dspark_comm.package_gemm import RING_X_COPY, PackageGemm, error_bound
 
     gen = torch.Generator(device="cuda").manual_seed(100 + c.rank)
     res = {}
@@ -102,8 +102,6 @@ def check_plain(c):
         before = PackageGemm(_constants(role, k), w, refill="before")
         before.prepare(publish=(False,))
         # x copied the other way (SkinnyConfig.x_copy: lanes or token rows): the same words, so the same bits.
-        from dspark_comm.package_gemm_shape import RING_X_COPY
-
         x_other = "rows" if RING_X_COPY == "lane" else "lane"
         x_twin = PackageGemm(_constants(role, k), w, x_copy=x_other)
         x_twin.prepare(publish=(False,))
