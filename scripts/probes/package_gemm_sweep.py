@@ -48,7 +48,8 @@ order once measured here, were slower: 23.17 / 18.67 / 18.69 and 34.30 /
 32.98 / 33.63; removed.) ``--xregs``: row copies with x through
 registers for every call (slower at m = 16: 20.47 against 18.66 at K = 4096).
 ``--refill``: row copies refilling a pair's slot before its MMAs
-(``SkinnyConfig.refill``; a little faster, not yet the default).
+(``SkinnyConfig.refill``; a little faster on one H200, not at TP2:
+``package_gemm_shape.RING_REFILL``'s comment).
 
 Two timings per call, CUDA graphs of back-to-back calls: ``l2``, the same
 weight every call (as ``bench_package_gemm``: a K = 1024 shard stays in

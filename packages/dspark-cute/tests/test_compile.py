@@ -32,7 +32,7 @@ import torch
 from cute_testing import WEIGHT_KINDS, WORDS, audit_forbidden, has_f32_constant, norm_constants
 
 from dspark_core.constants import BoundaryConstants, NormConstants, RowNormConstants
-from dspark_cute.ptx_audit import count
+from dspark_cute.ptx_audit import count, spill_bytes
 
 pytestmark = pytest.mark.compile
 
@@ -214,3 +214,15 @@ def test_compile_refuses_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="prepare"):
         host.compile_kernel(object())
+
+
+def test_spill_bytes_reads_the_largest_spill_of_a_report():
+    """``spill_bytes``: the most spill-store bytes over a report's functions
+    (a ptxas ``-v`` report of two functions here), 0 without any line."""
+    report = ("ptxas info    : Function properties for k_a\n"
+              "    8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
+              "ptxas info    : Function properties for k_b\n"
+              "    16 bytes stack frame, 16 bytes spill stores, 12 bytes spill loads\n")
+    assert spill_bytes(report) == 16
+    assert spill_bytes(report.replace("16 bytes spill stores", "0 bytes spill stores")) == 8
+    assert spill_bytes("") == 0

@@ -34,3 +34,9 @@ def ptxas_report(ptx: str, arch: str, workdir: str | Path) -> str:
     if r.returncode != 0:
         raise RuntimeError(f"ptxas rejected the PTX: {r.stderr}")
     return r.stderr
+
+
+def spill_bytes(report: str) -> int:
+    """The most spill-store bytes of any function in a ptxas ``-v`` report
+    (``ptxas_report``; 0 for an empty one)."""
+    return max((int(b) for b in re.findall(r"(\d+) bytes spill stores", report)), default=0)
