@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU suite and the benchmarks, on a device machine, each step under its own time
 # limit, with a short summary table last. Pick steps by name (default: gpu multigpu bench):
-#   bash scripts/gpu-check.sh [gpu] [decode] [multigpu] [bench] [demo] [bench-kernels] [bench-tp2] [demo-tp2] [sweep] [sweep-quick] [sweep-deep] [sweep-copies] [ncu] [gemm-tp2] [tp2-gemm-draft]
+#   bash scripts/gpu-check.sh [gpu] [decode] [multigpu] [bench] [demo] [bench-kernels] [bench-tp2] [demo-tp2] [sweep] [sweep-quick] [sweep-deep] [sweep-copies] [sweep-depth] [ncu] [gemm-tp2] [tp2-gemm-draft]
 # On this project's device machines one call stays under 10 minutes, so split the steps
 # (gpu alone takes about 4-5 minutes):
 #   run(command="bash scripts/gpu-check.sh gpu", carry=[".device"], kind="nvidia-h200")
@@ -14,7 +14,8 @@
 # bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM and the draft step at TP2
 # (two GPUs); demo-tp2: the demo at TP2 (two GPUs); sweep: the package GEMM's main-loop shapes
 # against cuBLAS (scripts/probes/package_gemm_sweep.py, one GPU, about 6 minutes); sweep-copies: row
-# and lane copies of the weight and x side by side (about 2.5 minutes); ncu: Nsight Compute counters
+# and lane copies of the weight and x side by side (about 2.5 minutes); sweep-depth: the ring's warps and
+# depth side by side; ncu: Nsight Compute counters
 # against cuBLAS (about 1.5 minutes); gemm-tp2: the package GEMM's two-GPU suite and benchmark (about 6 minutes);
 # tp2-gemm-draft: those, then the TP2 draft's suite and step benchmark (about 9.5 minutes: near the
 # 10-minute limit of one call).
@@ -77,6 +78,9 @@ if wanted sweep-deep; then  # K = 8192's 8 warps past the package's shared-memor
 fi
 if wanted sweep-copies; then  # weight and x copies x L2 prefetch at K = 4096 / 8192 (package_gemm_sweep.py --copies)
   step package-gemm-sweep-copies 300 python scripts/probes/package_gemm_sweep.py --copies
+fi
+if wanted sweep-depth; then  # the ring's warps and depth at K = 4096 / 8192 (package_gemm_sweep.py --depth)
+  step package-gemm-sweep-depth 400 python scripts/probes/package_gemm_sweep.py --depth
 fi
 if wanted ncu; then  # hardware counters: the ring main loop against cuBLAS (scripts/probes/ncu_gemm.py)
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)

@@ -49,7 +49,14 @@ order once measured here, were slower: 23.17 / 18.67 / 18.69 and 34.30 /
 registers for every call (slower at m = 16: 20.47 against 18.66 at K = 4096).
 ``--refill``: row copies refilling a pair's slot before its MMAs
 (``SkinnyConfig.refill``; a little faster on one H200, not at TP2:
-``package_gemm_shape.RING_REFILL``'s comment).
+``package_gemm_shape.RING_REFILL``'s comment). ``--depth`` (about 2
+minutes): the ring's warps and depth side by side at K = 4096 and 8192
+(``DEPTHS``), medians of alternating rounds. Measured (one H200, m = 1 / 4
+/ 16, us): K = 4096: 8 warps 16.81 / 17.17 / 18.27, 4 warps 18.96 / 17.98
+/ 18.49 (8 / 6 / 6 stages; 8 / 8 / 8 and 12 / 12 / 10 no better), cuBLAS
+19.17 / 18.87 / 19.13; K = 8192: 8 warps 33.26 / 33.56 / 34.56, 4 warps
+with 8 / 8 / 8 stages 32.65 / 33.55 / 34.25, cuBLAS 34.29 / 34.09 / 34.13.
+At TP2 4 warps lost at K = 8192 (``dspark_core.policy.RING_SPLIT_K``).
 
 Two timings per call, CUDA graphs of back-to-back calls: ``l2``, the same
 weight every call (as ``bench_package_gemm``: a K = 1024 shard stays in
@@ -59,7 +66,7 @@ Prints the best of each loop per (K, m, timing) and writes every row to
 ``$OUT/package_gemm_sweep.json``. Run on one GPU with the packages on
 PYTHONPATH (as ``scripts/gpu-check.sh`` sets it):
 ``python scripts/probes/package_gemm_sweep.py [--quick | --deep | --copies |
---xregs | --refill]``."""
+--xregs | --refill | --depth]``."""
 import json
 import os
 import sys
@@ -220,6 +227,70 @@ def copies_sweep(seed: int) -> int:
     return 1 if bad else 0
 
 
+# --depth: the ring's warps and depth at the shards whose m = 16 cell is
+# closest to cuBLAS: (k, k_warps, {n_tiles: ring depth cap}, x_regs depth cap);
+# None: the package's defaults. Fewer warps have half the bytes a step, so
+# the same shared memory holds twice the steps (row copies: an even number).
+DEPTHS = [(8192, 8, None, None), (8192, 4, None, None), (8192, 4, {1: 8, 2: 8}, 8),
+          (8192, 4, {1: 12, 2: 10}, 12), (4096, 4, None, None), (4096, 4, {1: 8, 2: 8}, 8),
+          (4096, 4, {1: 12, 2: 10}, 12), (4096, 8, None, None)]
+DEPTH_ROUNDS = 5
+
+
+def depth_sweep(seed: int) -> int:
+    """``--depth``: each ``DEPTHS`` variant against cuBLAS, m = 1 / 4 / 16,
+    HBM timing, in ``DEPTH_ROUNDS`` rounds whose order reverses every other
+    round (clock drift favours no variant); medians over rounds. Every
+    variant within ``pg.error_bound`` of float64, and of one k_warps the
+    same bits."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    bad, table = 0, []
+    for k in sorted({v[0] for v in DEPTHS}):
+        ws, xs, ys = operands(gen, k, QUICK_ROWS)
+        fns = {("cuBLAS", m): [lambda w=w, x=xs[m], y=ys[m]: torch.matmul(x, w.t(), out=y) for w in ws]
+               for m in QUICK_ROWS}
+        ref = {}
+        for _, kw, ring_depth, x_depth in [v for v in DEPTHS if v[0] == k]:
+            saved = dict(pgs.RING_DEPTH), pgs.RING_X_DEPTH
+            if ring_depth is not None:  # read by default_shape while PackageGemm is built
+                pgs.RING_DEPTH.update(ring_depth)
+                pgs.RING_X_DEPTH = x_depth
+            try:
+                gemms = [pg.PackageGemm(PackageGemmConstants("o_proj", H, k, 64, kw // 4, 16), w, k_warps=kw)
+                         for w in ws]
+            finally:
+                pgs.RING_DEPTH.update(saved[0])
+                pgs.RING_X_DEPTH = saved[1]
+            name = f"kw{kw} st " + "/".join(str(gemms[0].stages_by_tiles[t]) for t in (0, 1, 2))
+            gemms[0].prepare(publish=(False,))
+            for m in QUICK_ROWS:
+                got = gemms[0].run(xs[m])
+                exact = xs[m].double() @ ws[0].double().t()
+                over = int(((got.double() - exact).abs() > pg.error_bound(got, xs[m], ws[0], kw)).sum())
+                same = ref.setdefault((kw, m), got.view(torch.int16).clone())
+                if over or not torch.equal(same, got.view(torch.int16)):
+                    bad += 1
+                    print(f"  BAD {name} K{k} m{m}: {over} outside the bound, "
+                          f"{int((same != got.view(torch.int16)).sum())} words differ", flush=True)
+                fns[name, m] = [lambda g=g, x=xs[m], y=ys[m]: g.launch(x, y) for g in gemms]
+        replays = {key: capture_on_side_stream(f, CALLS) for key, f in fns.items()}
+        times = {key: [] for key in replays}
+        for rnd in range(DEPTH_ROUNDS):
+            for key in (list(replays) if rnd % 2 == 0 else list(replays)[::-1]):
+                times[key].append(median_us(replays[key], 30, warmup=2, calls=CALLS))
+        for name in dict.fromkeys(n for n, _ in replays):
+            med = [sorted(times[name, m])[DEPTH_ROUNDS // 2] for m in QUICK_ROWS]
+            table.append(f"| {k} | {name} | " + " | ".join(f"{t:.2f}" for t in med) + " |")
+            print(table[-1], flush=True)
+        ws = gemms = fns = replays = None
+        torch.cuda.empty_cache()
+    print(f"\n| K | variant (medians of {DEPTH_ROUNDS} rounds, HBM) | m 1 | m 4 | m 16 |")
+    print("| --- | --- | --- | --- | --- |")
+    print("\n".join(table))
+    print(f"\nbad variants: {bad}")
+    return 1 if bad else 0
+
+
 def _save(seed: int, rows: list) -> None:
     out_dir = os.environ.get("OUT", "bench-results")
     os.makedirs(out_dir, exist_ok=True)
@@ -256,6 +327,8 @@ def main() -> int:
     print(f"seed {seed}; {torch.cuda.get_device_name()}", flush=True)
     if "--copies" in sys.argv[1:]:
         return copies_sweep(seed)
+    if "--depth" in sys.argv[1:]:
+        return depth_sweep(seed)
     if "--xregs" in sys.argv[1:]:
         return side_by_side(seed, XREGS)
     if "--refill" in sys.argv[1:]:
