@@ -1,7 +1,7 @@
 """TP2 benchmark of the package GEMM (two GPUs, one process each).
 
-Ran on two H200s (2026-11-30), every row, the rounds too (the table is in
-the package's README).
+Ran on two H200s (2026-11-30; 2026-12-01 with the warp-count twin), every
+row, the rounds too (the table is in the package's README).
 
 For K in {1024, 4096, 8192} (the rank's shard) and m in {1, 4, 16} rows,
 N = H = 8192 output features, each case timed in a CUDA graph of ``--iters``
@@ -28,9 +28,9 @@ barrier before each replay; the table shows the slower rank's median):
   the rounds, and in how many rounds the publish was no slower. One
   round's medians move by some tenths of a microsecond between runs, as
   much as the margin at m = 16, so the verdict rests on the rounds; a third
-  contender in the rounds where the policy takes the ring: the publish
-  with x copied the other way (``x_copy``, the same bits: token rows where
-  ``RING_X_COPY`` is lanes, else lanes);
+  contender in the rounds where the policy takes the ring: the publish at
+  the other ring warp count (8 warps where the policy takes 4, else 4; its
+  own sums, so its own bits), for the policy's choice (``RING_SPLIT_K``);
 - ``package GEMM + publish + fused boundary``: ``PackageGemm.run_boundary``
   (the GEMM publishing into the mailbox, then ``AllReduceBoundary`` with
   ``published=True``);
@@ -89,13 +89,13 @@ PROFILED = {"gemm_kernel": "gemm_no_pdl",
             "publish_kernel": "publish_bd_no_pdl", "publish_kernel_early": "publish_bd_early_no_pdl",
             "publish_kernel_gemv": "publish_bd_gemv_no_pdl"}
 # Rows that publish without consuming: one consuming call follows them (untimed).
-PUBLISH_ONLY = {"publish_graph", "publish_graph_x"}
+PUBLISH_ONLY = {"publish_graph", "publish_graph_kw"}
 # The target's pair, timed again in alternating rounds: (label, key of the round's values, the call).
 ROUNDS = [("cuBLAS, alternating rounds (median over the rounds)", "rounds_cublas", "cublas"),
           ("package GEMM with publish alone, alternating rounds (median over the rounds)", "rounds_publish",
            "publish_graph"),
-          ("the same, x copied the other way (x_copy; the ring only), alternating rounds", "rounds_publish_x",
-           "publish_graph_x")]
+          ("the same at the other warp count (4 <-> 8; the ring only), alternating rounds", "rounds_publish_kw",
+           "publish_graph_kw")]
 
 
 def _profiled(fn, name: str, calls: int) -> list[float]:
@@ -129,10 +129,10 @@ def _device_us_per_call(fn, calls: int = 30) -> float:
     return float(sum(_profiled(fn, "", calls)) / calls)
 
 
-def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, one_row, x_twin) -> dict:
+def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, one_row, kw_twin) -> dict:
     """The timed call of each case over ``m`` rows (operands allocated once);
     ``one_row``: the one-row GEMV twins ``(with PDL, without)``, or None;
-    ``x_twin``: the publish twin copying x the other way, or None."""
+    ``kw_twin``: the publish twin at the other ring warp count, or None."""
     x = torch.randn((m, k), generator=gen, device="cuda").to(torch.bfloat16)
     y = torch.empty((m, H), dtype=torch.bfloat16, device="cuda")
     stream = torch.randn((m, H), generator=gen, device="cuda")
@@ -151,7 +151,7 @@ def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_p
         "cublas_bd": lambda: (torch.matmul(x, w.t(), out=y), fused.run(y, stream, True, o, new)),
         "cublas_nccl_bd": lambda: (torch.matmul(x, w.t(), out=y), dist.all_reduce(y),
                                    unfused.run(y, stream, True, o, new)),
-        **({} if x_twin is None else {"publish_graph_x": lambda: x_twin.run(x, publish=True)}),
+        **({} if kw_twin is None else {"publish_graph_kw": lambda: kw_twin.run(x, publish=True)}),
         **({} if one_row is None else {
             "gemm_gemv": lambda: one_row[0].run(x, y),
             "publish_bd_gemv_no_pdl": lambda: one_row[1].run_boundary(x, fused, stream, True, o, new)}),
@@ -199,7 +199,7 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int, r
     from dspark_comm.boundary import AllReduceBoundary
     from dspark_comm.group import TorchGroup
     from dspark_comm.mailbox import Mailbox
-    from dspark_comm.package_gemm import RING_X_COPY, PackageGemm
+    from dspark_comm.package_gemm import PackageGemm
     from dspark_comm.tp_draft import time_replays
     from dspark_core.constants import PackageGemmConstants, boundary_constants
     from dspark_core.layers import GatedResidual, RMSNorm
@@ -231,17 +231,20 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int, r
                        PackageGemm(constants, w, mb, pdl=False, one_row_gemv=True))
         except ValueError as e:
             one_row, one_row_why = None, f"failed: {e}"[:200]
-        # The publish with x copied the other way (the ring only): the same bits.
-        x_twin = (PackageGemm(constants, w, mb, x_copy="rows" if RING_X_COPY == "lane" else "lane")
-                  if s.tile_n == 64 else None)
-        for g in (gemm, gemm_no_pdl, early_no_pdl, *(one_row or ()), *([x_twin] if x_twin else [])):
+        # The publish at the other ring warp count (the ring only; its own sums).
+        kw_twin = (PackageGemm(constants, w, mb, k_warps=8 if gemm.k_warps == 4 else 4)
+                   if s.tile_n == 64 else None)
+        for g in (gemm, gemm_no_pdl, early_no_pdl, *(one_row or ()), *([kw_twin] if kw_twin else [])):
             g.prepare()
         results[f"shape/{k}"] = (f"tile_n {s.tile_n}, k_warps {gemm.k_warps}, stages "
                                  f"{gemm.stages_by_tiles[0]} / {gemm.stages_by_tiles[1]} / {gemm.stages_by_tiles[2]}"
                                  f" (m = 1{', x through registers' if gemm.configs[0].x_regs else ''} / <= 8 / <= 16)"
-                                 + (f", {gemm.configs[2].copy.rstrip('s')} copies" if s.tile_n == 64 else ""))
+                                 + (f", {gemm.configs[2].copy.rstrip('s')} copies; its twin k_warps "
+                                    f"{kw_twin.k_warps}, stages " + " / ".join(
+                                        str(kw_twin.stages_by_tiles[t]) for t in (0, 1, 2))
+                                    if kw_twin else ""))
         for m in ROWS:
-            fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, one_row, x_twin)
+            fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, one_row, kw_twin)
             for _, key in CASES:
                 if key in ONE_ROW and (m != 1 or one_row is None):
                     results[f"{key}/{k}/{m}"] = "-" if m != 1 else one_row_why
@@ -358,11 +361,11 @@ def _report(raw: list[dict], out: str) -> str:
               f"{sum(like)} of {len(like)} (K, m); the plain kernel's: {sum(plain_like)} of {len(plain_like)};",
               "with the one-row GEMV at m = 1 (one_row_gemv=True; the policy's kernel above): "
               + verdict(with_gemv) + ";",
-              "x copied the other way (x_copy, the ring's shards): by the median over the rounds "
-              + by_rounds([t if t is not None else p for t, p in zip(series[round_label["rounds_publish_x"]],
+              "at the other warp count (the ring's shards): by the median over the rounds "
+              + by_rounds([t if t is not None else p for t, p in zip(series[round_label["rounds_publish_kw"]],
                                                                      series[round_label["rounds_publish"]])])
               + " (the policy's publish where it has no twin); no slower than the policy's publish in "
-              + rounds_won("rounds_publish_x", "rounds_publish") + " rounds."]
+              + rounds_won("rounds_publish_kw", "rounds_publish") + " rounds."]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "package_gemm_tp2.md"), "w") as f:
         f.write(text)

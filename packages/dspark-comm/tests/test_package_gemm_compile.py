@@ -43,7 +43,7 @@ from dspark_comm.protocol import (
 )
 from dspark_core.compare import mismatches
 from dspark_core.constants import FP32_RANK_ORDER, PackageGemmConstants
-from dspark_core.policy import DRAFT_GEMMS
+from dspark_core.policy import DRAFT_GEMMS, draft_gemm_shape
 from dspark_cute import skinny_gemm as sg
 from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
 
@@ -51,9 +51,11 @@ ARCHS = ["sm_90a", "sm_100a"]
 
 
 def _constants(role: str, hidden: int, k: int, **over) -> PackageGemmConstants:
+    """The policy's constants of ``role`` at shard ``k`` on the ring main
+    loop (tile_n 64, the policy's split_k there: ``draft_gemm_shape``)."""
     shape = DRAFT_GEMMS[role]
-    fields = dict(role=role, hidden_size=hidden, k_shard=k, tile_n=shape.tile_n, split_k=shape.split_k,
-                  max_rows=shape.max_rows)
+    fields = dict(role=role, hidden_size=hidden, k_shard=k, tile_n=shape.tile_n,
+                  split_k=draft_gemm_shape(role, k).split_k, max_rows=shape.max_rows)
     fields.update(over)
     return PackageGemmConstants(**fields)
 
@@ -334,10 +336,11 @@ def test_x_through_registers_shapes():
 
 
 def test_default_shapes_of_the_policy():
-    """The policy's roles at the draft's shards: o_proj 4 warps, down_proj
-    (split_k 2) 8 warps; the ring main loop up to RING_DEPTH stages within
-    the shared-memory cap, for either token tile."""
-    for role, k, kw in (("o_proj", 4096, 4), ("o_proj", 512, 4), ("down_proj", 8192, 8), ("down_proj", 2048, 8)):
+    """The policy's shapes at the draft's shards (draft_gemm_shape's split_k,
+    4 warps each): the ring main loop up to RING_DEPTH stages within the
+    shared-memory cap, for either token tile."""
+    for role, k, kw in (("o_proj", 2048, 4), ("o_proj", 4096, 8), ("o_proj", 512, 4), ("down_proj", 4096, 8),
+                        ("down_proj", 8192, 8), ("down_proj", 2048, 8), ("o_proj", 8192, 8)):
         for nt in (1, 2):
             got_kw, st = pg.default_shape(_constants(role, 8192, k), n_tiles=nt)
             assert got_kw == kw
@@ -345,18 +348,21 @@ def test_default_shapes_of_the_policy():
             assert 1 <= st <= min(pg.RING_DEPTH[nt], cfg.steps) and cfg.smem_bytes <= pg.MAX_SMEM_BYTES
             # Row copies wherever the warp's steps are even (all of these): stages in pairs.
             assert cfg.copy == pg.RING_COPY == "rows" and st % 2 == 0 and cfg.l2_prefetch == pg.RING_L2_PREFETCH
-    # The measured choice (module comment): 6 stages of 4 warps at K = 4096.
-    assert pg.default_shape(_constants("o_proj", 8192, 4096), n_tiles=1) == (4, 6)
-    assert pg.default_shape(_constants("o_proj", 8192, 4096)) == (4, 6)
-    # 8 warps at K = 8192: the cap (MAX_SMEM_BYTES) leaves 6 stages for 8 tokens, 4 (pairs) for 16.
-    assert pg.default_shape(_constants("down_proj", 8192, 8192)) == (8, 4)
-    assert pg.default_shape(_constants("down_proj", 8192, 8192), n_tiles=1) == (8, 6)
+    # The measured choices (the module comments): 6 stages of 4 warps at K = 2048; 8 warps at K = 4096 and
+    # 8192, where the cap (MAX_SMEM_BYTES) leaves 6 stages for 8 tokens, 4 (pairs) for 16.
+    assert pg.default_shape(_constants("o_proj", 8192, 2048)) == (4, 6)
+    assert pg.default_shape(_constants("o_proj", 8192, 2048), n_tiles=1) == (4, 6)
+    for role, k in (("o_proj", 4096), ("down_proj", 8192)):
+        assert pg.default_shape(_constants(role, 8192, k)) == (8, 4)
+        assert pg.default_shape(_constants(role, 8192, k), n_tiles=1) == (8, 6)
     # An odd number of steps per warp: lane copies, any depth.
     odd = pg.ring_config(4096 + 128, 4, 5, 2)
     assert odd.copy == "lane" and odd.l2_prefetch == pg.LANE_L2_PREFETCH
-    assert pg.default_shape(_constants("o_proj", 8192, 4096 + 128), n_tiles=1) == (4, 6)
+    # (17 steps a warp: the cap's 5 stages of 8 warps for 16 tokens, not rounded down to pairs)
+    assert pg.default_shape(_constants("o_proj", 8192, 4096 + 256), k_warps=8) == (8, 5)
     assert pg.ring_config(4096, 4, 5, 2).copy == "lane"  # an odd depth given: lane copies
-    assert pg.default_shape(_constants("down_proj", 8192, 8192), copy="lane") == (8, 5)  # (lane copies: any depth)
+    # (lane copies: any depth; 8 warps at K = 4096 fit 5 stages for 16 tokens)
+    assert pg.default_shape(_constants("down_proj", 8192, 4096), copy="lane") == (8, 5)
     with pytest.raises(ValueError, match="copy is None"):
         pg.ring_config(4096, 4, 6, 2, copy="tma")
     with pytest.raises(ValueError, match="row copies take two contiguous steps"):
@@ -392,19 +398,26 @@ def test_shape_names_are_reexported():
 
 
 def test_policy_shape_by_shard():
-    """draft_gemm_shape: the register-direct tile for shards of at most
-    DIRECT_MAX_STEPS steps per warp (o_proj, 4 warps: K <= 1024; down_proj,
-    8 warps: K <= 2048), the role's ring tile above, the role's split_k
-    either way; a role without a package GEMM is refused."""
+    """draft_gemm_shape: the register-direct tile with the role's split_k for
+    shards of at most DIRECT_MAX_STEPS steps per warp (o_proj, 4 warps: K <=
+    1024; down_proj, 8 warps: K <= 2048), the ring tile above with
+    RING_SPLIT_K's split_k (1 up to K = 2048, else 2); a role without a
+    package GEMM is refused."""
     from dspark_core import policy
 
     assert policy.DIRECT_MAX_STEPS == 8
+    assert policy.RING_SPLIT_K == ((2048, 1), (None, 2))
+    for k, split in ((1536, 1), (2048, 1), (2560, 2), (4096, 2), (8192, 2), (16384, 2)):
+        assert policy.ring_split_k(k) == split
     for role, last in (("o_proj", 1024), ("down_proj", 2048)):
         base = policy.DRAFT_GEMMS[role]
         assert policy.direct_steps(role, last) == policy.DIRECT_MAX_STEPS
-        for k, tile in ((512, 16), (last, 16), (last + 512, 64), (2 * last, 64), (8192, 64)):
+        for k in (512, last):
             shape = policy.draft_gemm_shape(role, k)
-            assert (shape.tile_n, shape.split_k, shape.max_rows) == (tile, base.split_k, base.max_rows)
+            assert (shape.tile_n, shape.split_k, shape.max_rows) == (16, base.split_k, base.max_rows)
+        for k in (last + 512, 2 * last, 4096, 8192):
+            shape = policy.draft_gemm_shape(role, k)
+            assert (shape.tile_n, shape.split_k, shape.max_rows) == (64, policy.ring_split_k(k), base.max_rows)
     with pytest.raises(ValueError, match="not 'qkv_proj'"):
         policy.draft_gemm_shape("qkv_proj", 1024)
 

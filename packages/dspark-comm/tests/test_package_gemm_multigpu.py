@@ -65,12 +65,14 @@ def _operands(gen: torch.Generator, m: int, k: int) -> torch.Tensor:
 
 
 def _constants(role: str, k: int, tile_n: int | None = None):
-    """The policy's constants (``tile_n`` 16: the register-direct main loop)."""
+    """The role's constants on the ring main loop (tile_n 64) with the
+    policy's split_k at shard ``k`` (``draft_gemm_shape``); ``tile_n`` 16:
+    the register-direct main loop with the same split_k (the same sums)."""
     from dspark_core.constants import PackageGemmConstants
-    from dspark_core.policy import DRAFT_GEMMS
+    from dspark_core.policy import DRAFT_GEMMS, draft_gemm_shape
 
     s = DRAFT_GEMMS[role]
-    return PackageGemmConstants(role, H, k, tile_n or s.tile_n, s.split_k, s.max_rows)
+    return PackageGemmConstants(role, H, k, tile_n or s.tile_n, draft_gemm_shape(role, k).split_k, s.max_rows)
 
 
 def check_setup(c):

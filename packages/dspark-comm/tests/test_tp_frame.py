@@ -227,8 +227,8 @@ def test_bench_package_gemm_report_judges_the_publish_kernel(tmp_path):
                 res[f"rounds_publish/{k}/{m}"] = [4.9, 4.9, 5.2 if (m == 16 and r) else 4.9, 4.9, 4.9]
                 if (k, m) == (4096, 4):
                     res[f"rounds_publish/{k}/{m}"] = [5.1] * 5
-                # The x-copy twin: not run at K = 1024 ("-"); 4.8 (faster than both) but 5.3 at m = 16.
-                res[f"rounds_publish_x/{k}/{m}"] = "-" if k == 1024 else [4.8, 4.8, 4.8, 4.8, 5.3 if m == 16 else 4.8]
+                # The warp-count twin: not run at K = 1024 ("-"); 4.8 (faster than both) but 5.3 at m = 16.
+                res[f"rounds_publish_kw/{k}/{m}"] = "-" if k == 1024 else [4.8, 4.8, 4.8, 4.8, 5.3 if m == 16 else 4.8]
         res["rounds_cublas/8192/1"] = "failed: RuntimeError: boom" if r else [5.0] * 5
         raw.append(res)
     text = bench._report(raw, str(tmp_path))
@@ -250,8 +250,9 @@ def test_bench_package_gemm_report_judges_the_publish_kernel(tmp_path):
             "K 4096 m 16: 4 of 5, K 8192 m 1: failed, K 8192 m 4: 5 of 5, K 8192 m 16: 4 of 5 rounds;") in text
     # The twin: "-" at K = 1024 (the policy's publish counts there); 4.8 everywhere by the median, so it meets
     # the target where the publish (5.1 at K 4096 m 4) did not; K 8192 m 1 has no cuBLAS rounds (failed).
-    assert "| the same, x copied the other way (x_copy; the ring only), alternating rounds | - | - | - | 4.80 |" in text
-    assert ("x copied the other way (x_copy, the ring's shards): by the median over the rounds met at 8 of 9 (K, m) "
+    assert ("| the same at the other warp count (4 <-> 8; the ring only), alternating rounds "
+            "| - | - | - | 4.80 |") in text
+    assert ("at the other warp count (the ring's shards): by the median over the rounds met at 8 of 9 (K, m) "
             "(the policy's publish where it has no twin); no slower than the policy's publish in K 4096 m 1: 5 of 5, "
             "K 4096 m 4: 5 of 5, K 4096 m 16: 4 of 5, K 8192 m 1: 5 of 5, K 8192 m 4: 5 of 5, "
             "K 8192 m 16: 4 of 5 rounds.") in text

@@ -24,7 +24,15 @@ TILE_ROWS = (sg.TILE_ROWS, sd.TILE_ROWS)
 # for 4 and 21.9 / 19.1 / 19.5 for 8 (bench_package_gemm's publish kernel
 # agrees: 21.9 / 19.5 / 20.4 against 22.6 / 20.7 / 20.9). The TP2 draft step
 # could not tell 4 from 6: its package GEMM column moved by up to 15 us
-# between runs of one build.
+# between runs of one build. With row copies and x in token rows, 4 warps
+# at K = 8192 (package_gemm_sweep.py --depth, one H200, weight from HBM,
+# medians of 5 alternating rounds, m = 1 / 4 / 16): 8 stages for 8 and 16
+# tokens 32.65 / 33.55 / 34.25 us against 6's 32.64 / 34.41 / 34.56; at K =
+# 4096 8 and 6 tied (18.99 / 17.94 / 18.51 against 18.96 / 17.98 / 18.49).
+# The policy gives such shards 8 warps (dspark_core.policy.RING_SPLIT_K),
+# whose depth the cap sets, and at TP2 the 4-warp 16-token kernel of 8
+# stages took 53 us at K = 8192 whenever a boundary kernel ran between its
+# calls, so 6 stays.
 DIRECT_DEPTH = {1: 8, 2: 4}
 RING_DEPTH = {1: 6, 2: 6}
 # The ring main loop with x through registers (SkinnyConfig.x_regs), which

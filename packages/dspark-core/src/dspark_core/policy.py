@@ -109,7 +109,8 @@ class GemmShape:
 
 
 # The package GEMM's launch shape per projection role (``tile_n`` 64: the
-# ring main loop; ``draft_gemm_shape`` narrows it for short shards).
+# ring main loop; ``draft_gemm_shape`` narrows it for short shards, which
+# keep the role's split_k, and sets the ring's split_k by shard).
 DRAFT_GEMMS = {
     "o_proj": GemmShape(tile_n=64, split_k=1),
     "down_proj": GemmShape(tile_n=64, split_k=2),
@@ -134,19 +135,42 @@ def direct_steps(role: str, k_shard: int) -> int:
     return k_shard // (32 * 4 * DRAFT_GEMMS[role].split_k)
 
 
+# The ring main loop's K-slices (split_k, 4 warps each) by shard, whatever
+# the role: ``(largest k_shard, split_k)`` in order, None for any larger.
+# Measured at TP2 (bench_package_gemm, two H200s, 2026-12-01, publishing
+# alone in a graph, medians of 7 alternating rounds, m = 1 / 4 / 16, us):
+# K = 4096: 8 warps 16.92 / 17.35 / 18.19 against 4 warps' 18.13 / 18.51 /
+# 19.00 (cuBLAS 18.96 / 19.32 / 19.22), faster in 7 of 7 rounds at each m;
+# K = 8192: 8 warps 31.76 / 32.33 / 33.81 against 4 warps' 31.96 / 32.67 /
+# 34.02 (cuBLAS 33.85 / 33.97 / 33.91), faster in 7 of 7 rounds. One H200
+# had found 4 warps faster at K = 8192 (package_gemm_sweep.py --depth); and
+# at TP2 the 4-warp 16-token kernel (8 stages) took 53 us there whenever a
+# boundary kernel ran between its calls (33.5 alone). K = 2048 (the draft's
+# o_proj at TP2) keeps 4 warps; 8 were not measured there.
+RING_SPLIT_K = ((2048, 1), (None, 2))
+
+
+def ring_split_k(k_shard: int) -> int:
+    """``split_k`` of the ring main loop at a shard of ``k_shard`` input
+    features (``RING_SPLIT_K``)."""
+    return next(s for top, s in RING_SPLIT_K if top is None or k_shard <= top)
+
+
 def draft_gemm_shape(role: str, k_shard: int) -> GemmShape:
     """The package GEMM's launch shape for ``role`` (``DRAFT_GEMMS``) at a
     rank's shard of ``k_shard`` input features: the role's, with ``tile_n``
-    16 (the register-direct main loop: the same sums as tile_n 64) where
-    ``direct_steps(role, k_shard) <= DIRECT_MAX_STEPS`` (o_proj: K <= 1024;
-    down_proj: K <= 2048). ValueError for a role the policy has no package
-    GEMM for."""
+    16 (the register-direct main loop: the same sums as tile_n 64 of the
+    same split_k) where ``direct_steps(role, k_shard) <= DIRECT_MAX_STEPS``
+    (o_proj: K <= 1024; down_proj: K <= 2048); above, the ring main loop
+    with ``ring_split_k(k_shard)`` K-slices (4 warps up to K = 2048, else
+    8). ValueError for a role the policy has no package GEMM
+    for."""
     if role not in DRAFT_GEMMS:
         raise ValueError(f"the package GEMM runs {', '.join(DRAFT_GEMMS)}, not {role!r}")
     shape = DRAFT_GEMMS[role]
     if 0 < k_shard and direct_steps(role, k_shard) <= DIRECT_MAX_STEPS:
         return dataclasses.replace(shape, tile_n=16)
-    return shape
+    return dataclasses.replace(shape, split_k=ring_split_k(k_shard))
 
 
 @dataclass(frozen=True)
