@@ -128,7 +128,7 @@ def _allreduce(c, order):
     ar = MailboxAllReduce(c.mb, order)
     ar.prepare()
     c.ars[order] = ar
-    gen = torch.Generator(device="cuda").manual_seed(1000 + c.rank)
+    gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 1000 + c.rank)
     vs_nccl, vs_ref, unwritten = {}, {}, 0
     for _rep in range(2):
         for m in range(1, CAPACITY + 1):
@@ -160,7 +160,7 @@ def check_allreduce_bf16(c):
 
 
 def check_special(c):
-    gen = torch.Generator(device="cuda").manual_seed(77)  # the same on both ranks
+    gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 77)  # the same on both ranks
     patterns = all_patterns()
     shuffled = all_patterns(gen)
     zeros = torch.zeros((8, H), dtype=BF16, device="cuda")
@@ -209,14 +209,14 @@ def check_boundary(c):
     from dspark_core.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, boundary_constants
     from dspark_core.layers import residual_boundary
 
-    shared = torch.Generator(device="cuda").manual_seed(5)  # weights and streams: replicated
+    shared = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 5)  # weights and streams: replicated
     c.modules = post, conn, pre = _boundary_modules(shared)
     constants = boundary_constants(post, conn, pre, H)
     c.bds = {
         order: AllReduceBoundary(c.mb, constants, conn.alpha, conn.beta, post.weight, pre.weight, order)
         for order in (FP32_RANK_ORDER, BF16_RANK_ORDER)
     }
-    gen = torch.Generator(device="cuda").manual_seed(2000 + c.rank)
+    gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 2000 + c.rank)
     res, same = {}, 0
     for order, bd in c.bds.items():
         rows = range(1, CAPACITY + 1) if order == FP32_RANK_ORDER else (1, 16)
@@ -252,8 +252,8 @@ def check_published(c):
     pub = Publisher(c.mb)
     consume = FusedAllReduce(c.mb, StoreEpilogue(), FP32_RANK_ORDER, published=True)
     ar = c.ars[FP32_RANK_ORDER]
-    gen = torch.Generator(device="cuda").manual_seed(3000 + c.rank)
-    shared = torch.Generator(device="cuda").manual_seed(6)
+    gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 3000 + c.rank)
+    shared = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 6)
     post, conn, pre = c.modules
     res = {}
     for m in (1, 5, 16, 2, 16):
@@ -280,8 +280,8 @@ def check_bias_epilogue(c):
     from dspark_comm.examples import AddBiasEpilogue
 
     fused = FusedAllReduce(c.mb, AddBiasEpilogue())
-    bias = random_rows(torch.Generator(device="cuda").manual_seed(8), 1)[0].contiguous()
-    gen = torch.Generator(device="cuda").manual_seed(4000 + c.rank)
+    bias = random_rows(torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 8), 1)[0].contiguous()
+    gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 4000 + c.rank)
     res = {}
     for m in (1, 8, 16):
         x = random_rows(gen, m)
@@ -305,8 +305,8 @@ def check_fallback(c):
     handler = Keep()
     logging.getLogger("dspark_comm").addHandler(handler)
     try:
-        gen = torch.Generator(device="cuda").manual_seed(5000 + c.rank)
-        shared = torch.Generator(device="cuda").manual_seed(9)
+        gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 5000 + c.rank)
+        shared = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 9)
         res = {}
         for m in (17, 40):
             x = random_rows(gen, m)
@@ -334,7 +334,7 @@ def check_other_backend(c):
     mb = Mailbox(c.group, H, CAPACITY, timeout_s=2.0, backend=backend)
     try:
         ar = MailboxAllReduce(mb)
-        gen = torch.Generator(device="cuda").manual_seed(6000 + c.rank)
+        gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 6000 + c.rank)
         res = {}
         for m in (1, 16, 7):
             x = random_rows(gen, m)
@@ -361,7 +361,7 @@ def check_cupy_group(c):
     mb = Mailbox(group, H, CAPACITY, timeout_s=2.0, backend="cuda_ipc")
     try:
         ar = MailboxAllReduce(mb)
-        gen = torch.Generator(device="cuda").manual_seed(7000 + c.rank)
+        gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 7000 + c.rank)
         res = {}
         for m in (1, 16, 20):  # 20: the fallback through cupy's NCCL
             x = random_rows(gen, m)
@@ -391,8 +391,8 @@ def check_stress(c):
     G = 64
     shared = random.Random(11)
     own = random.Random(100 + c.rank)
-    gen = torch.Generator(device="cuda").manual_seed(8000 + c.rank)
-    sgen = torch.Generator(device="cuda").manual_seed(12)
+    gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 8000 + c.rank)
+    sgen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 12)
     xs = torch.stack([random_rows(gen, CAPACITY) for _ in range(G)])
     # No zero partials, so a sign flip flips every sum but exact cancellations
     # (CUDA randn returns exact zeros now and then).
@@ -464,7 +464,7 @@ def check_timeout(c):
     res = {}
     try:
         ar = MailboxAllReduce(mb)
-        gen = torch.Generator(device="cuda").manual_seed(9000 + c.rank)
+        gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 9000 + c.rank)
         x = random_rows(gen, 2)
         res["before"] = bad(ar.run(x), nccl(x))
         torch.cuda.synchronize()

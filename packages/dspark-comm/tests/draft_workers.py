@@ -93,12 +93,12 @@ def check_bitwise(c):
     cases = [(m, torch.bfloat16) for m in ROWS] + [(7, torch.float32), (17, torch.bfloat16)]
     mism: dict = {}
     for m, dtype in cases:
-        gen = torch.Generator(device=dev).manual_seed(1000 + m)
+        gen = torch.Generator(device=dev).manual_seed(c.cfg["seed"] + 1000 + m)
         hidden = torch.randn(m, H, generator=gen, device=dev).to(dtype)
         step = StepInputs.block(CONTEXT, m, device=dev, span=CONTEXT + 32)
         # A context first: the stock chain on the stock path, the decode's
         # (fused where planned) on the other.
-        context = c.tp.context(CONTEXT, 2000 + m)
+        context = c.tp.context(CONTEXT, c.cfg["seed"] + 2000 + m)
         ref_caches = c.tp.caches(context, CONTEXT + 32)
         got_caches = c.tp.caches(context, CONTEXT + 32, decode)
         with torch.no_grad():
@@ -138,7 +138,7 @@ def _graph_mismatches(c, decode, seed: int) -> int:
 
 
 def check_graph(c):
-    mismatches = _graph_mismatches(c, c.decode, 77)
+    mismatches = _graph_mismatches(c, c.decode, c.cfg["seed"] + 77)
     c.tp.mailbox.check()
     return {"graph_mismatches": mismatches, "status": c.tp.mailbox.status()}
 
@@ -155,7 +155,7 @@ def check_package_setup(c):
 def check_greedy(c):
     from dspark_comm.tp_draft import greedy
 
-    context = c.tp.context(CONTEXT, 3000)
+    context = c.tp.context(CONTEXT, c.cfg["seed"] + 3000)
     stock_caches = c.tp.caches(context, GREEDY_SPAN)
     fused_caches = c.tp.caches(context, GREEDY_SPAN, c.pdecode)
     first = torch.tensor([11], device=c.tp.device)
@@ -166,7 +166,7 @@ def check_greedy(c):
 
 
 def check_package_graph(c):
-    mismatches = _graph_mismatches(c, c.pdecode, 78)
+    mismatches = _graph_mismatches(c, c.pdecode, c.cfg["seed"] + 78)
     c.tp.mailbox.check()
     return {"graph_mismatches": mismatches, "status": c.tp.mailbox.status()}
 

@@ -115,8 +115,10 @@ def replay_stress(body, calls_per_graph: int, eager: int, target: int, t0: float
 
 def run_suite(tmp_path_factory, worker, name: str, cfg: dict, timeout_s: float, keep_as: str | None = None) -> dict:
     """Spawn ``worker(rank, WORLD, init_file, out_dir, cfg)`` on ``WORLD``
-    ranks (skip the module with fewer GPUs), wait up to ``timeout_s``, and
-    return ``{"ranks": [rank r's recorded checks], "timed_out": bool,
+    ranks (skip the module with fewer GPUs), ``cfg`` with ``"seed"`` added
+    (``DSPARK_SEED``, else fresh; printed; the checks add it to every
+    generator's seed), wait up to ``timeout_s``, and return ``{"seed": the
+    seed, "ranks": [rank r's recorded checks], "timed_out": bool,
     "error": why the ranks did not all end cleanly, or None}``; with
     ``DSPARK_COMM_OUT`` set, the results are also written there as
     ``keep_as``."""
@@ -125,6 +127,11 @@ def run_suite(tmp_path_factory, worker, name: str, cfg: dict, timeout_s: float, 
                     "run nox -s tests-multigpu on a two-GPU device machine")
     from dspark_comm.ranks import spawn_ranks
 
+    # Fresh inputs every run: one seed for both ranks (cfg is shared, so
+    # generators seeded alike on both ranks stay alike), printed.
+    seed = int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31))
+    print(f"{name} suite: seed {seed} (set DSPARK_SEED={seed} to repeat)")
+    cfg = {**cfg, "seed": seed}
     out = tmp_path_factory.mktemp(name)
     error = spawn_ranks(worker, WORLD, str(out), cfg, timeout_s=timeout_s)
     if error is not None:
@@ -134,7 +141,8 @@ def run_suite(tmp_path_factory, worker, name: str, cfg: dict, timeout_s: float, 
         path = out / f"rank{r}.json"
         results.append(json.loads(path.read_text()) if path.exists() else {})
     print(json.dumps(results, indent=1)[:20000])
-    suite = {"ranks": results, "timed_out": error is not None and "still running" in error, "error": error}
+    suite = {"seed": seed, "ranks": results, "timed_out": error is not None and "still running" in error,
+             "error": error}
     keep = os.environ.get("DSPARK_COMM_OUT")  # a folder to keep the raw results in
     if keep and keep_as:
         with open(os.path.join(keep, keep_as), "w") as f:

@@ -88,7 +88,7 @@ def check_setup(c):
 def check_plain(c):
     from dspark_comm.package_gemm import RING_X_COPY, PackageGemm, error_bound
 
-    gen = torch.Generator(device="cuda").manual_seed(100 + c.rank)
+    gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 100 + c.rank)
     res = {}
     for role, k in (("o_proj", 1024), ("o_proj", 4096), ("down_proj", 8192)):
         w = _operands(gen, H, k)
@@ -158,8 +158,8 @@ def check_publish(c):
     from dspark_core.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, boundary_constants
     from dspark_core.layers import residual_boundary
 
-    shared = torch.Generator(device="cuda").manual_seed(5)  # weights of the boundary, streams
-    gen = torch.Generator(device="cuda").manual_seed(200 + c.rank)
+    shared = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 5)  # weights of the boundary, streams
+    gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 200 + c.rank)
     k = 2048
     w = _operands(gen, H, k)
     c.gemm = gemm = PackageGemm(_constants("o_proj", k), w, c.mb)
@@ -247,8 +247,8 @@ def check_stress(c):
     pushed.prepare()
     G = 48
     shared_rng, own = random.Random(21), random.Random(300 + c.rank)
-    gen = torch.Generator(device="cuda").manual_seed(400 + c.rank)
-    sgen = torch.Generator(device="cuda").manual_seed(22)
+    gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 400 + c.rank)
+    sgen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 22)
     xs = torch.stack([_operands(gen, CAPACITY, k) for _ in range(G)])
     streams = torch.stack([_operands(sgen, CAPACITY, H).float() for _ in range(G)])
     plan = [(shared_rng.randint(1, CAPACITY), shared_rng.choice(["pub_bd", "pub_ar", "push_ar"])) for _ in range(G)]
