@@ -401,14 +401,14 @@ def test_policy_shape_by_shard():
     """draft_gemm_shape: the register-direct tile with the role's split_k for
     shards of at most DIRECT_MAX_STEPS steps per warp (o_proj, 4 warps: K <=
     1024; down_proj, 8 warps: K <= 2048), the ring tile above with
-    RING_SPLIT_K's split_k (1 up to K = 2048, else 2); a role without a
-    package GEMM is refused."""
+    RING_SPLIT_K's split_k (1 up to K = 2048, else 2 where 8 warps' steps
+    divide K); a role without a package GEMM is refused."""
     from dspark_core import policy
 
     assert policy.DIRECT_MAX_STEPS == 8
     assert policy.RING_SPLIT_K == ((2048, 1), (None, 2))
-    for k, split in ((1536, 1), (2048, 1), (2560, 2), (4096, 2), (8192, 2), (16384, 2)):
-        assert policy.ring_split_k(k) == split
+    for k, split in ((1536, 1), (2048, 1), (2560, 2), (4096, 2), (8192, 2), (16384, 2), (2176, 1), (4224, 1)):
+        assert policy.ring_split_k(k) == split  # (2176 and 4224: 17 and 33 steps of 128, not of 256)
     for role, last in (("o_proj", 1024), ("down_proj", 2048)):
         base = policy.DRAFT_GEMMS[role]
         assert policy.direct_steps(role, last) == policy.DIRECT_MAX_STEPS

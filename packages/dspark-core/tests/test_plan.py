@@ -359,6 +359,12 @@ def test_package_gemm_refusals():
     r = reasons(plan_draft(meta(intermediate_size=1002), ALL.replace(tp=4)))
     assert r["layer 0's down_proj package GEMM"] == "1002 input features do not split over TP4"
     assert "layer 0's o_proj package GEMM" not in r
+    # A shard the kernel's warps cannot step through (down_proj's 8 warps: 256 features a step).
+    r = reasons(plan_draft(meta(intermediate_size=4 * 1000), ALL.replace(tp=4)))
+    assert r["layer 0's down_proj package GEMM"] == (
+        "a shard of 1000 input features is not a multiple of 256 (the steps of the package GEMM's 8 warps, "
+        "32 features each)")
+    assert "layer 0's o_proj package GEMM" not in r
     r = reasons(plan_draft(meta(), Target(tp=2, kernels=policy.ALL_KERNELS - {"package_gemm"})))
     assert r["layer 0's o_proj package GEMM"] == "the installed backends do not provide the package_gemm kernel"
 

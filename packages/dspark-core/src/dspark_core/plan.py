@@ -336,6 +336,10 @@ def _package_gemm_part(
     else:
         k_shard = k // tp
     shape = policy.draft_gemm_shape(role, k_shard)
+    unit = policy.gemm_step_unit(shape.split_k)
+    if k_shard % unit:
+        return Part(name, reason=f"a shard of {k_shard} input features is not a multiple of {unit} (the steps "
+                                 f"of the package GEMM's {4 * shape.split_k} warps, 32 features each)")
     constants = K.PackageGemmConstants(role, hidden, k_shard, shape.tile_n, shape.split_k, shape.max_rows)
     return _with_kernels(Part(name, constants), plan.target, policy.PACKAGE_GEMM)
 

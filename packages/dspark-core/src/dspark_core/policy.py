@@ -132,7 +132,7 @@ DIRECT_MAX_STEPS = 8
 def direct_steps(role: str, k_shard: int) -> int:
     """32-column steps per warp of ``role``'s K-slices at a shard of
     ``k_shard`` input features (4 warps per K-slice, ``split_k`` slices)."""
-    return k_shard // (32 * 4 * DRAFT_GEMMS[role].split_k)
+    return k_shard // gemm_step_unit(DRAFT_GEMMS[role].split_k)
 
 
 # The ring main loop's K-slices (split_k, 4 warps each) by shard, whatever
@@ -152,8 +152,16 @@ RING_SPLIT_K = ((2048, 1), (None, 2))
 
 def ring_split_k(k_shard: int) -> int:
     """``split_k`` of the ring main loop at a shard of ``k_shard`` input
-    features (``RING_SPLIT_K``)."""
-    return next(s for top, s in RING_SPLIT_K if top is None or k_shard <= top)
+    features: ``RING_SPLIT_K``'s, or 1 where its warps' 32-feature steps do
+    not divide the shard."""
+    split = next(s for top, s in RING_SPLIT_K if top is None or k_shard <= top)
+    return split if k_shard % gemm_step_unit(split) == 0 else 1
+
+
+def gemm_step_unit(split_k: int) -> int:
+    """The input features one step of every warp covers at ``split_k``
+    K-slices of 4 warps (32 each): a package GEMM's shard is a multiple."""
+    return 32 * 4 * split_k
 
 
 def draft_gemm_shape(role: str, k_shard: int) -> GemmShape:
@@ -163,7 +171,7 @@ def draft_gemm_shape(role: str, k_shard: int) -> GemmShape:
     same split_k) where ``direct_steps(role, k_shard) <= DIRECT_MAX_STEPS``
     (o_proj: K <= 1024; down_proj: K <= 2048); above, the ring main loop
     with ``ring_split_k(k_shard)`` K-slices (4 warps up to K = 2048, else
-    8). ValueError for a role the policy has no package GEMM
+    8 where they divide it). ValueError for a role the policy has no package GEMM
     for."""
     if role not in DRAFT_GEMMS:
         raise ValueError(f"the package GEMM runs {', '.join(DRAFT_GEMMS)}, not {role!r}")
