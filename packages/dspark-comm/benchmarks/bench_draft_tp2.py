@@ -120,8 +120,10 @@ def _worker(rank: int, world: int, init: str, out: str, reps: int, exclude: list
 
 def _cell(raw: list[dict], key: str):
     """(the slower rank's value or None, its text)."""
+    from dspark_comm.ranks import first_failure
+
     vals = [r.get(key, "missing") for r in raw]
-    text = next((v for v in vals if isinstance(v, str)), None)
+    text = first_failure(vals)
     if text is not None:
         return None, text.split(":")[0]
     return max(vals), f"{max(vals):.1f}"

@@ -281,8 +281,10 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int, r
 def _per_round(raw: list[dict], key: str) -> tuple[list[float] | None, str]:
     """``key``'s rounds over the ranks ``raw``: ``(the slower rank's value
     in each round, None)``, or ``(None, the first rank's failure words)``."""
+    from dspark_comm.ranks import first_failure
+
     vals = [r[key] for r in raw]
-    failed = next((v for v in vals if isinstance(v, str)), None)
+    failed = first_failure(vals)
     if failed is not None:
         return None, failed
     return [max(per_rank) for per_rank in zip(*vals)], ""

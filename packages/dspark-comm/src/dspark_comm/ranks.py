@@ -156,11 +156,16 @@ def slower_rank(raw: list[dict], key: str, fmt: str = "{:.2f}") -> tuple[float |
     value, its text)``, or ``(None, the first rank's failure words)`` where a
     rank recorded a failure (a string) instead of a time."""
     vals = [r[key] for r in raw]
-    failed = next((v for v in vals if isinstance(v, str)), None)
+    failed = first_failure(vals)
     if failed is not None:
         return None, failed
     return max(vals), fmt.format(max(vals))
 
 
-__all__ = ["MULTICAST_OFF", "finish_rank", "init_rank", "record_case", "slower_rank", "spawn_for_results",
-           "spawn_ranks", "tp2_benchmark"]
+def first_failure(values: list) -> str | None:
+    """The first of the ranks' ``values`` that is a failure (a string), or None."""
+    return next((v for v in values if isinstance(v, str)), None)
+
+
+__all__ = ["MULTICAST_OFF", "finish_rank", "first_failure", "init_rank", "record_case", "slower_rank",
+           "spawn_for_results", "spawn_ranks", "tp2_benchmark"]
