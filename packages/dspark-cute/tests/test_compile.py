@@ -225,4 +225,9 @@ def test_spill_bytes_reads_the_largest_spill_of_a_report():
               "    16 bytes stack frame, 16 bytes spill stores, 12 bytes spill loads\n")
     assert spill_bytes(report) == 16
     assert spill_bytes(report.replace("16 bytes spill stores", "0 bytes spill stores")) == 8
+    assert spill_bytes(report, "spill loads") == 12 and spill_bytes(report, "stack frame") == 16
+    # A substring check would read "160 bytes spill stores" as none.
+    assert spill_bytes(report.replace("16 bytes spill stores", "160 bytes spill stores")) == 160
     assert spill_bytes("") == 0
+    with pytest.raises(ValueError, match="not 'registers'"):
+        spill_bytes(report, "registers")

@@ -36,7 +36,15 @@ def ptxas_report(ptx: str, arch: str, workdir: str | Path) -> str:
     return r.stderr
 
 
-def spill_bytes(report: str) -> int:
-    """The most spill-store bytes of any function in a ptxas ``-v`` report
-    (``ptxas_report``; 0 for an empty one)."""
-    return max((int(b) for b in re.findall(r"(\d+) bytes spill stores", report)), default=0)
+# What a ptxas -v report counts in bytes per function (spill_bytes).
+REPORT_BYTES = ("spill stores", "spill loads", "stack frame")
+
+
+def spill_bytes(report: str, what: str = "spill stores") -> int:
+    """The most bytes of ``what`` (``REPORT_BYTES``: spill stores, spill
+    loads, stack frame) of any function in a ptxas ``-v`` report
+    (``ptxas_report``; 0 for an empty one). Parsed, not matched as text:
+    "160 bytes spill stores" contains "0 bytes spill stores"."""
+    if what not in REPORT_BYTES:
+        raise ValueError(f"a ptxas report counts the bytes of {', '.join(REPORT_BYTES)}, not {what!r}")
+    return max((int(b) for b in re.findall(rf"(\d+) bytes {what}", report)), default=0)
