@@ -11,7 +11,6 @@ scripts/probes/ncu_gemm.py report`` prints one row per launch: its label,
 kernel, grid, block, registers, duration, DRAM read bytes and throughput, L2
 read requests and sectors from L1 (request size), L2 hit rate."""
 import csv
-import dataclasses
 import io
 import json
 import os
@@ -36,6 +35,7 @@ H = 8192
 
 def run() -> None:
     import torch
+    from package_gemm_sweep import copies_configs  # (this folder: sys.path[0] when run as a script)
 
     from dspark_comm import package_gemm as pg
     from dspark_core.constants import PackageGemmConstants
@@ -49,9 +49,7 @@ def run() -> None:
         variants = {}
         for xc, pf, cp in (("lane", 256, "lane"), ("lane", 128, "rows"), ("rows", 128, "rows")):
             g = pg.PackageGemm(c, w, pdl=False)
-            g.configs = {t: dataclasses.replace(cfg, x_copy="lane" if cfg.x_regs else xc, l2_prefetch=pf, copy=cp,
-                                                stages=cfg.stages - (cfg.stages % 2 if cp == "rows" else 0))
-                         for t, cfg in g.configs.items()}
+            g.configs = copies_configs(g.configs, xc, pf, cp)
             g.prepare(publish=(False,))
             variants[f"x-{xc}/{pf}/{cp}"] = g
         for m in (1, 16):

@@ -67,6 +67,7 @@ Prints the best of each loop per (K, m, timing) and writes every row to
 PYTHONPATH (as ``scripts/gpu-check.sh`` sets it):
 ``python scripts/probes/package_gemm_sweep.py [--quick | --deep | --copies |
 --xregs | --refill | --depth]``."""
+import dataclasses
 import json
 import os
 import sys
@@ -145,8 +146,6 @@ def side_by_side(seed: int, variants: list) -> int:
     """Time each of ``variants`` (the default depths), m = 1 / 4 / 16, HBM
     timing, against cuBLAS, at each ``SIDE_BY_SIDE`` shape; every variant's
     bits against the first's (the same MMAs). Prints a table as it goes."""
-    import dataclasses
-
     gen = torch.Generator(device="cuda").manual_seed(seed)
     bad = 0
     print("| K | variant | m 1 | m 4 | m 16 |\n| --- | --- | --- | --- | --- |", flush=True)
@@ -176,13 +175,37 @@ def side_by_side(seed: int, variants: list) -> int:
     return 1 if bad else 0
 
 
+def copies_configs(configs: dict, x_copy: str, l2_prefetch: int, copy: str) -> dict:
+    """A ``PackageGemm``'s ``configs`` with the probe's copy knobs (not
+    ``PackageGemm`` arguments): who copies x (lanes where x goes through
+    registers), the L2 prefetch size, who copies the weight (row copies: the
+    default depth rounded down to pairs). The same bits as the defaults."""
+    return {t: dataclasses.replace(cfg, x_copy="lane" if cfg.x_regs else x_copy, l2_prefetch=l2_prefetch, copy=copy,
+                                   stages=cfg.stages - (cfg.stages % 2 if copy == "rows" else 0))
+            for t, cfg in configs.items()}
+
+
+def variant_bad(name: str, k: int, m: int, got, x, w, k_warps: int, ref: dict) -> int:
+    """1 (and a printed line) where variant ``name``'s output ``got`` of ``x
+    @ w.T`` lies outside ``pg.error_bound`` of float64 anywhere or differs in
+    its bits from the first variant of its ``k_warps`` at ``m`` (``ref``,
+    which the first fills); else 0."""
+    exact = x.double() @ w.double().t()
+    over = int(((got.double() - exact).abs() > pg.error_bound(got, x, w, k_warps)).sum())
+    bits = got.view(torch.int16)
+    same = ref.setdefault((k_warps, m), bits.clone())
+    if over or not torch.equal(same, bits):
+        print(f"  BAD {name} K{k} m{m}: {over} outside the bound, {int((same != bits).sum())} words differ from "
+              f"the first variant of its k_warps", flush=True)
+        return 1
+    return 0
+
+
 def copies_sweep(seed: int) -> int:
     """``--copies``: time each ``COPIES`` variant against cuBLAS (m = 1 / 4
     / 16, weight copies of >= 320 MB a cycle), check that every variant of a
     k_warps gives the same bits and each is within ``pg.error_bound`` of
     float64."""
-    import dataclasses
-
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows, bad = [], 0
     for k in sorted({v[0] for v in COPIES}):
@@ -193,24 +216,12 @@ def copies_sweep(seed: int) -> int:
         for _, kw, xc, pf, cp in [v for v in COPIES if v[0] == k]:
             c = PackageGemmConstants("o_proj", H, k, 64, kw // 4, 16)
             gemms = [pg.PackageGemm(c, w, k_warps=kw) for w in ws]
-            for g in gemms:  # the probe's knobs (not PackageGemm arguments)
-                g.configs = {t: dataclasses.replace(cfg, x_copy="lane" if cfg.x_regs else xc, l2_prefetch=pf,
-                                                    copy=cp,
-                                                    stages=cfg.stages - (cfg.stages % 2 if cp == "rows" else 0))
-                             for t, cfg in g.configs.items()}
+            for g in gemms:
+                g.configs = copies_configs(g.configs, xc, pf, cp)
             name = f"kw{kw} x-{xc} pf{pf} {cp} st" + "/".join(str(g.configs[t].stages) for t in (0, 1, 2))
             gemms[0].prepare(publish=(False,))
             for m in QUICK_ROWS:
-                got = gemms[0].run(xs[m])
-                exact = xs[m].double() @ ws[0].double().t()
-                over = int(((got.double() - exact).abs() > pg.error_bound(got, xs[m], ws[0], kw)).sum())
-                bits = got.view(torch.int16)
-                key = (kw, m)
-                same = ref.setdefault(key, bits.clone())
-                if over or not torch.equal(same, bits):
-                    bad += 1
-                    print(f"  BAD {name} K{k} m{m}: {over} outside the bound, "
-                          f"{int((same != bits).sum())} words differ from the first variant", flush=True)
+                bad += variant_bad(name, k, m, gemms[0].run(xs[m]), xs[m], ws[0], kw, ref)
                 fns = [lambda g=g, x=xs[m], y=ys[m]: g.launch(x, y) for g in gemms]
                 rows.append({"k": k, "m": m, "variant": name, "us": timed(fns)})
             print(f"  K {k} {name}: " + " / ".join(f"{r['us']:.2f}" for r in rows[-3:]), flush=True)
@@ -264,14 +275,7 @@ def depth_sweep(seed: int) -> int:
             name = f"kw{kw} st " + "/".join(str(gemms[0].stages_by_tiles[t]) for t in (0, 1, 2))
             gemms[0].prepare(publish=(False,))
             for m in QUICK_ROWS:
-                got = gemms[0].run(xs[m])
-                exact = xs[m].double() @ ws[0].double().t()
-                over = int(((got.double() - exact).abs() > pg.error_bound(got, xs[m], ws[0], kw)).sum())
-                same = ref.setdefault((kw, m), got.view(torch.int16).clone())
-                if over or not torch.equal(same, got.view(torch.int16)):
-                    bad += 1
-                    print(f"  BAD {name} K{k} m{m}: {over} outside the bound, "
-                          f"{int((same != got.view(torch.int16)).sum())} words differ", flush=True)
+                bad += variant_bad(name, k, m, gemms[0].run(xs[m]), xs[m], ws[0], kw, ref)
                 fns[name, m] = [lambda g=g, x=xs[m], y=ys[m]: g.launch(x, y) for g in gemms]
         replays = {key: capture_on_side_stream(f, CALLS) for key, f in fns.items()}
         times = {key: [] for key in replays}
