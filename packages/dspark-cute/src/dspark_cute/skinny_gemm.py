@@ -192,6 +192,12 @@ class SkinnyConfig:
         return self.stages * self.ring_loads * self.threads * 16
 
     @property
+    def weight_ring_bytes(self) -> int:
+        """The ring's weight copies (``W_LOADS`` a thread and step); under
+        row copies x's slots follow them."""
+        return self.stages * W_LOADS * self.threads * 16
+
+    @property
     def red_bytes(self) -> int:
         return self.k_warps * MAX_TOKENS * RED_STRIDE * 4
 
@@ -247,8 +253,7 @@ def ring_offset(cfg: SkinnyConfig, tid, stage: int, load: int):
     ``W_LOADS`` ..) are the thread's, after the weight's rows (``x_copy``
     "rows": the region of ``skinny_rows.x_rows_offset`` instead)."""
     if cfg.copy == "rows":
-        weight = cfg.stages * W_LOADS * cfg.threads * 16
-        return weight + ((stage * cfg.n_tiles + load - W_LOADS) * cfg.threads + tid) * 16
+        return cfg.weight_ring_bytes + ((stage * cfg.n_tiles + load - W_LOADS) * cfg.threads + tid) * 16
     return ((stage * cfg.ring_loads + load) * cfg.threads + tid) * 16
 
 

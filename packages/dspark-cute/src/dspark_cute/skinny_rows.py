@@ -111,9 +111,8 @@ def x_rows_offset(cfg: SkinnyConfig, warp, pair_stage: int, slot, chunk):
     """Byte offset of an x slot row's 16-byte chunk under ``x_copy`` "rows":
     after the weight's rows, ``8 n_tiles`` 128-byte slot rows per warp and
     pair stage, chunks swizzled as the weight's (``_swizzle``)."""
-    weight = cfg.stages * W_LOADS * cfg.threads * 16
     line = (pair_stage * cfg.k_warps + warp) * 8 * cfg.n_tiles + slot
-    return weight + line * PAIR_ROW_BYTES + _swizzle(slot, chunk)
+    return cfg.weight_ring_bytes + line * PAIR_ROW_BYTES + _swizzle(slot, chunk)
 
 
 def x_rows_read_offset(cfg: SkinnyConfig, warp, lane, step: int, n_tile: int, pair_stage: int):
