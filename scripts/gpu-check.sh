@@ -14,9 +14,9 @@
 # bench-kernels: the single-kernel benchmarks; bench-tp2: the package GEMM and the draft step at TP2
 # (two GPUs); demo-tp2: the demo at TP2 (two GPUs); sweep: the package GEMM's main-loop shapes
 # against cuBLAS (scripts/probes/package_gemm_sweep.py, one GPU, about 6 minutes); sweep-copies: row
-# and lane copies of the weight and x side by side (about 2.5 minutes); sweep-depth: the ring's warps and
-# depth side by side; ncu: Nsight Compute counters
-# against cuBLAS (about 1.5 minutes); gemm-tp2: the package GEMM's two-GPU suite and benchmark (about 6 minutes);
+# and lane copies of the weight and x side by side (about 2.5 minutes); sweep-depth: the ring's warps
+# and depth side by side (about 2 minutes); ncu: Nsight Compute counters against cuBLAS (about 1.5
+# minutes); gemm-tp2: the package GEMM's two-GPU suite and benchmark (about 8 minutes);
 # tp2-gemm-draft: those, then the TP2 draft's suite and step benchmark (about 9.5 minutes: near the
 # 10-minute limit of one call).
 # Logs, benchmark tables and plots go to $OUT (default bench-results/).
