@@ -13,11 +13,13 @@ validation of the kernels still holds.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import re
 import sys
+from collections import Counter
 
 RESULTS: dict[str, str] = {}
 _current = {"id": None, "n": 0}
@@ -53,19 +55,41 @@ def pytest_runtest_setup(item) -> None:
 
 def pytest_unconfigure(config) -> None:
     out = os.environ.get("PTXPIN_OUT")
-    if out:
-        with open(out, "w") as f:
+    if out and RESULTS:
+        # Under pytest-xdist every worker records its own tests: one file each.
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        with open(f"{out}.{worker}" if worker else out, "w") as f:
             json.dump(RESULTS, f, indent=0, sort_keys=True)
 
 
+def load(path: str) -> dict[str, str]:
+    """A recording: ``path`` itself, or the per-worker files ``path.gw*``."""
+    merged: dict[str, str] = {}
+    for name in [path] if os.path.exists(path) else sorted(glob.glob(path + ".gw*")):
+        with open(name) as f:
+            merged.update(json.load(f))
+    if not merged:
+        raise SystemExit(f"no recording at {path}")
+    return merged
+
+
 def main(argv: list[str]) -> int:
-    """Compare two recordings: print the PTX that differ; exit 1 if any."""
-    before, after = (json.load(open(path)) for path in argv[1:3])
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    print(f"{len(before)} before, {len(after)} after, {len(changed)} differ")
+    """Compare two recordings: print the PTX that differ by test; then, for
+    tests that were moved or renamed, whether the two recordings hold the
+    same PTX at all (the multiset of hashes). Exit 1 if the PTX differ."""
+    before, after = (load(path) for path in argv[1:3])
+    changed = sorted(k for k in before.keys() & after.keys() if before[k] != after[k])
+    print(f"{len(before)} before, {len(after)} after, {len(changed)} differ under the same test")
     for key in changed:
-        print(f"  {key}: {before.get(key)} -> {after.get(key)}")
-    return 1 if changed else 0
+        print(f"  {key}: {before[key]} -> {after[key]}")
+    gone = Counter(before.values()) - Counter(after.values())
+    new = Counter(after.values()) - Counter(before.values())
+    print(f"{sum(gone.values())} PTX only before, {sum(new.values())} only after (by hash, whatever the test)")
+    for digest in sorted(gone):
+        print(f"  only before: {digest} ({', '.join(k for k, v in before.items() if v == digest)})")
+    for digest in sorted(new):
+        print(f"  only after: {digest} ({', '.join(k for k, v in after.items() if v == digest)})")
+    return 1 if changed or gone or new else 0
 
 
 if __name__ == "__main__":
