@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from dspark_core import policy
+from dspark_core.planner import policy
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["dspark-core", "dspark-cute", "dspark-comm", "dspark-vllm"]

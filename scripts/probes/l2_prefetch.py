@@ -17,7 +17,7 @@ import functools
 import cupy as cp
 import torch
 
-from dspark_core.timing import capture, median_us
+from dspark_core.tools.timing import capture, median_us
 
 SRC = r'''
 extern "C" __global__ void prefetch_rows(const char* w, long long row_bytes, int rows, int chunk, long long spin) {
@@ -59,7 +59,7 @@ def launch(kernel, w, chunk, spin, grid=1, block=256):
 
 
 def timed(fn, reps=200):
-    """Median microseconds of a CUDA graph of one ``fn()`` (dspark_core.timing)."""
+    """Median microseconds of a CUDA graph of one ``fn()`` (dspark_core.tools.timing)."""
     return median_us(capture(fn, side_stream=True), reps, warmup=10)
 
 

@@ -38,7 +38,7 @@ def run() -> None:
     from package_gemm_sweep import copies_configs  # (this folder: sys.path[0] when run as a script)
 
     from dspark_comm import package_gemm as pg
-    from dspark_core.constants import PackageGemmConstants
+    from dspark_core.contracts.constants import PackageGemmConstants
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     launches = []

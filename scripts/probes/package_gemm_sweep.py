@@ -8,7 +8,7 @@ Variants: the ring main loop (tile_n 64) for ``k_warps`` in {4, 8, 16} and
 and refill bursts (``skinny_direct.mainloop``); the ring with x through
 registers (``SkinnyConfig.x_regs``) for 4 and 8 warps; and at m = 1 the
 one-row GEMV path (``one_row_gemv=True``), checked bit for bit against
-``dspark_core.gemv.gemv``. ``--quick`` (about 3 minutes): K >= 2048, m in
+``dspark_core.spec.gemv.gemv``. ``--quick`` (about 3 minutes): K >= 2048, m in
 {1, 4, 16}, the ring at the policy's ``k_warps`` (4 and 8) with x in the
 ring and in registers, and the GEMV. ``k_warps`` is part of the sum order;
 every variant of one ``k_warps`` must give the same bits, which the probe
@@ -56,7 +56,7 @@ minutes): the ring's warps and depth side by side at K = 4096 and 8192
 / 18.49 (8 / 6 / 6 stages; 8 / 8 / 8 and 12 / 12 / 10 no better), cuBLAS
 19.17 / 18.87 / 19.13; K = 8192: 8 warps 33.26 / 33.56 / 34.56, 4 warps
 with 8 / 8 / 8 stages 32.65 / 33.55 / 34.25, cuBLAS 34.29 / 34.09 / 34.13.
-At TP2 4 warps lost at K = 8192 (``dspark_core.policy.RING_SPLIT_K``).
+At TP2 4 warps lost at K = 8192 (``dspark_core.planner.policy.RING_SPLIT_K``).
 
 Two timings per call, CUDA graphs of back-to-back calls: ``l2``, the same
 weight every call (as ``bench_package_gemm``: a K = 1024 shard stays in
@@ -77,9 +77,9 @@ import torch
 
 from dspark_comm import package_gemm as pg
 from dspark_comm import package_gemm_shape as pgs
-from dspark_core.constants import PackageGemmConstants
-from dspark_core.gemv import gemv as gemv_spec
-from dspark_core.timing import capture_on_side_stream, median_us
+from dspark_core.contracts.constants import PackageGemmConstants
+from dspark_core.spec.gemv import gemv as gemv_spec
+from dspark_core.tools.timing import capture_on_side_stream, median_us
 
 H = 8192
 KS = (1024, 2048, 4096, 8192)
@@ -385,7 +385,7 @@ def main() -> int:
             got = gemvs[0].run(xs[1])
             if not torch.equal(got.view(torch.int16), gemv_spec(xs[1], ws[0]).view(torch.int16)):
                 mismatches += 1
-                print(f"  MISMATCH one-row gemv K{k}: not dspark_core.gemv's bits", flush=True)
+                print(f"  MISMATCH one-row gemv K{k}: not dspark_core.spec.gemv's bits", flush=True)
             for mode, gs in (("l2", gemvs[:1]), ("hbm", gemvs)):
                 us = timed([lambda g=g, x=xs[1], y=ys[1]: g.launch(x, y) for g in gs])
                 rows.append({"k": k, "m": 1, "timing": mode, "loop": "gemv", "k_warps": 0, "stages": 0,

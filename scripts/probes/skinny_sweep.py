@@ -37,7 +37,7 @@ import sys
 import cupy as cp
 import torch
 
-from dspark_core.timing import capture, median_us
+from dspark_core.tools.timing import capture, median_us
 
 SRC = r'''
 template <int R, int U>
@@ -129,7 +129,7 @@ def compiled(g, m, permuted):
 def case(name, n, k, m, ws, mod, names, rows):
     """Every kernel on one (weight shape, m); appends ``(name, m, kernel, us, rel. error)`` to rows."""
     from dspark_comm.package_gemm import PackageGemm
-    from dspark_core.constants import PackageGemmConstants
+    from dspark_core.contracts.constants import PackageGemmConstants
 
     copies = len(ws)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -78,9 +78,9 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
     from dspark_comm.group import TorchGroup
     from dspark_comm.mailbox import Mailbox
     from dspark_comm.tp_draft import time_replays
-    from dspark_core.constants import boundary_constants
-    from dspark_core.layers import GatedResidual, RMSNorm
-    from dspark_core.timing import capture
+    from dspark_core.contracts.constants import boundary_constants
+    from dspark_core.spec.layers import GatedResidual, RMSNorm
+    from dspark_core.tools.timing import capture
     from dspark_cute.boundary import DraftBoundary
 
     group = TorchGroup()

@@ -1,9 +1,9 @@
 """TP2 benchmark of one draft step (two GPUs, one process each).
 
 The reference draft (``DraftConfig()``: 2 layers, hidden 8192) sharded over
-two ranks with ``dspark_core.tp``; a 256-token context stored first (the
+two ranks with ``dspark_core.reference.tp``; a 256-token context stored first (the
 stock chain). Per m in {1, 4, 16} tokens per step, each path captured once as
-a CUDA graph of ``--steps-per-graph`` consecutive steps (``dspark_core.graphs.StepGraph``
+a CUDA graph of ``--steps-per-graph`` consecutive steps (``dspark_core.tools.graphs.StepGraph``
 of a function that runs the step that many times on the same inputs) and timed over
 ``--reps`` replays, both ranks released by a barrier before each
 (``dspark_comm.tp_draft.time_replays``), each replay's time divided by its
@@ -67,10 +67,10 @@ def _worker(rank: int, world: int, init: str, out: str, reps: int, exclude: list
     init_rank(rank, world, init, timeout_s=120.0)
     torch.set_grad_enabled(False)  # inference only (the stock forward's graphs too)
     from dspark_comm.tp_draft import PACKAGE_GEMM, TPDraftRank, time_replays
-    from dspark_core.config import DraftConfig
-    from dspark_core.graphs import StepGraph
-    from dspark_core.model import StepInputs
-    from dspark_core.timing import gemms_replay, weight_floor_us
+    from dspark_core.reference.config import DraftConfig
+    from dspark_core.reference.model import StepInputs
+    from dspark_core.tools.graphs import StepGraph
+    from dspark_core.tools.timing import gemms_replay, weight_floor_us
 
     t0 = time.monotonic()
     tp = TPDraftRank(rank, world, DraftConfig(num_layers=layers))

@@ -175,7 +175,7 @@ def _rounds(fns: dict, iters: int, reps: int, rounds: int) -> dict:
     where it is odd, so a drift of the clocks favours none; a contender
     without its call in ``fns`` is left out. Collective."""
     from dspark_comm.tp_draft import time_replays
-    from dspark_core.timing import capture
+    from dspark_core.tools.timing import capture
 
     pairs = [(key, call) for _, key, call in ROUNDS if call in fns]
     graphs = {}
@@ -201,10 +201,10 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int, r
     from dspark_comm.mailbox import Mailbox
     from dspark_comm.package_gemm import PackageGemm
     from dspark_comm.tp_draft import time_replays
-    from dspark_core.constants import PackageGemmConstants, boundary_constants
-    from dspark_core.layers import GatedResidual, RMSNorm
-    from dspark_core.policy import draft_gemm_shape
-    from dspark_core.timing import capture
+    from dspark_core.contracts.constants import PackageGemmConstants, boundary_constants
+    from dspark_core.planner.policy import draft_gemm_shape
+    from dspark_core.spec.layers import GatedResidual, RMSNorm
+    from dspark_core.tools.timing import capture
     from dspark_cute.boundary import DraftBoundary
 
     group = TorchGroup()

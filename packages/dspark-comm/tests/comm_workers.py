@@ -7,7 +7,7 @@ crash or a kill keeps the earlier ones); the tests assert on them.
 The frame (recording, spawning) is ``rank_suite``. A check computes
 mismatch counts without raising where it can, so both ranks stay in the
 same sequence of collectives; "bit for bit" is
-``dspark_core.compare.mismatches`` (NaN equals NaN, every other pattern
+``dspark_core.tools.compare.mismatches`` (NaN equals NaN, every other pattern
 exact)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def nccl(x: torch.Tensor) -> torch.Tensor:
 
 
 def bad(a: torch.Tensor, b: torch.Tensor) -> int:
-    from dspark_core.compare import mismatches
+    from dspark_core.tools.compare import mismatches
 
     return int(mismatches(a, b).sum())
 
@@ -148,13 +148,13 @@ def _allreduce(c, order):
 
 
 def check_allreduce_fp32(c):
-    from dspark_core.constants import FP32_RANK_ORDER
+    from dspark_core.contracts.constants import FP32_RANK_ORDER
 
     return _allreduce(c, FP32_RANK_ORDER)
 
 
 def check_allreduce_bf16(c):
-    from dspark_core.constants import BF16_RANK_ORDER
+    from dspark_core.contracts.constants import BF16_RANK_ORDER
 
     return _allreduce(c, BF16_RANK_ORDER)
 
@@ -190,7 +190,7 @@ def check_special(c):
 
 
 def _boundary_modules(gen):
-    from dspark_core.layers import GatedResidual, RMSNorm
+    from dspark_core.spec.layers import GatedResidual, RMSNorm
 
     post = RMSNorm(H, 1e-6, weight_dtype=BF16).cuda()
     pre = RMSNorm(H, 1e-5, weight_dtype=FP32, gain_center=1.0, weight_before_norm=True).cuda()
@@ -206,8 +206,8 @@ def _boundary_modules(gen):
 
 def check_boundary(c):
     from dspark_comm.boundary import AllReduceBoundary
-    from dspark_core.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, boundary_constants
-    from dspark_core.layers import residual_boundary
+    from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, boundary_constants
+    from dspark_core.spec.layers import residual_boundary
 
     shared = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 5)  # weights and streams: replicated
     c.modules = post, conn, pre = _boundary_modules(shared)
@@ -246,8 +246,8 @@ def check_boundary(c):
 
 def check_published(c):
     from dspark_comm.allreduce import FusedAllReduce, Publisher, StoreEpilogue
-    from dspark_core.constants import FP32_RANK_ORDER
-    from dspark_core.layers import residual_boundary
+    from dspark_core.contracts.constants import FP32_RANK_ORDER
+    from dspark_core.spec.layers import residual_boundary
 
     pub = Publisher(c.mb)
     consume = FusedAllReduce(c.mb, StoreEpilogue(), FP32_RANK_ORDER, published=True)
@@ -293,8 +293,8 @@ def check_bias_epilogue(c):
 
 
 def check_fallback(c):
-    from dspark_core.constants import FP32_RANK_ORDER
-    from dspark_core.layers import residual_boundary
+    from dspark_core.contracts.constants import FP32_RANK_ORDER
+    from dspark_core.spec.layers import residual_boundary
 
     records: list[str] = []
 
@@ -381,9 +381,9 @@ def check_stress(c):
     so a value read from an earlier replay shows."""
     from rank_suite import replay_stress
 
-    from dspark_core.compare import mismatches
-    from dspark_core.constants import FP32_RANK_ORDER
-    from dspark_core.layers import residual_boundary
+    from dspark_core.contracts.constants import FP32_RANK_ORDER
+    from dspark_core.spec.layers import residual_boundary
+    from dspark_core.tools.compare import mismatches
 
     target, cap_s = c.cfg.get("stress_calls", 100_000), c.cfg.get("stress_seconds", 45.0)
     ar, bd = c.ars[FP32_RANK_ORDER], c.bds[FP32_RANK_ORDER]

@@ -47,7 +47,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from dspark_core.policy import PACKAGE_GEMM, QKV_FRONT
+from dspark_core.planner.policy import PACKAGE_GEMM, QKV_FRONT
 
 H = 8192
 ROWS = (1, 2, 7, 16)
@@ -69,14 +69,14 @@ def _extra_exclude(c) -> frozenset:
 
 
 def bad(a, b) -> int:
-    from dspark_core.compare import mismatches
+    from dspark_core.tools.compare import mismatches
 
     return int(mismatches(a, b).sum())
 
 
 def check_setup(c):
     from dspark_comm.tp_draft import TPDraftRank
-    from dspark_core.config import DraftConfig
+    from dspark_core.reference.config import DraftConfig
 
     c.tp = TPDraftRank(c.rank, c.world, DraftConfig(num_layers=c.cfg.get("layers", 2)), capacity=16, timeout_s=5.0)
     c.decode, c.adapter = c.tp.decode(BITWISE_EXCLUDE | _extra_exclude(c))
@@ -87,7 +87,7 @@ def check_setup(c):
 
 
 def check_bitwise(c):
-    from dspark_core.model import StepInputs
+    from dspark_core.reference.model import StepInputs
 
     shard, decode, dev = c.tp.shard, c.decode, c.tp.device
     cases = [(m, torch.bfloat16) for m in ROWS] + [(7, torch.float32), (17, torch.bfloat16)]
@@ -118,8 +118,8 @@ def _graph_mismatches(c, decode, seed: int) -> int:
     """A CUDA graph of one step (m = 7) of ``decode`` (``StepGraph``), its
     output poisoned, then replayed 3 times: the output's mismatches against
     the eager step's (the same inputs, caches)."""
-    from dspark_core.graphs import StepGraph
-    from dspark_core.model import StepInputs
+    from dspark_core.reference.model import StepInputs
+    from dspark_core.tools.graphs import StepGraph
 
     dev = c.tp.device
     m = 7

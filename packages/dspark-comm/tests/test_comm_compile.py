@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dspark_comm.protocol import MailboxLayout
-from dspark_core.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, BoundaryConstants, NormConstants
+from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, BoundaryConstants, NormConstants
 from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
 
 ARCHS = ["sm_90a", "sm_100a"]

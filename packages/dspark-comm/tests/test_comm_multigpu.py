@@ -4,7 +4,7 @@ both ranks. Skipped with fewer than two GPUs.
 
 Bit for bit against ``torch.distributed`` NCCL all-reduce (at TP2 NCCL's
 BF16 sum is one rounded add, which both sum orders reproduce) and, for the
-boundary, NCCL followed by ``dspark_core.layers.residual_boundary``."""
+boundary, NCCL followed by ``dspark_core.spec.layers.residual_boundary``."""
 
 from __future__ import annotations
 

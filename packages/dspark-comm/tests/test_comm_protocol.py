@@ -22,8 +22,8 @@ from dspark_comm.protocol import (
     MailboxLayout,
     ProtocolViolation,
 )
-from dspark_core.compare import mismatches
-from dspark_core.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
+from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
+from dspark_core.tools.compare import mismatches
 
 H = 8192
 

@@ -1,5 +1,5 @@
 """``DraftAllReduce`` on the CPU: the kernels are stand-ins that compute the
-spec (the ranks are threads, the all-reduce ``dspark_core.tp.LocalGroup``'s
+spec (the ranks are threads, the all-reduce ``dspark_core.reference.tp.LocalGroup``'s
 rank-order sum, NCCL's BF16 sum at TP2), so what is checked is which
 boundary is bound to which constants and weights, which calls fuse and which
 take the stock all-reduce, and that ``DraftDecode`` over the adapter gives the
@@ -15,14 +15,14 @@ import torch
 from dspark_comm.draft import DraftAllReduce
 from dspark_comm.group import TPGroup
 from dspark_comm.protocol import MailboxLayout
-from dspark_core import policy
-from dspark_core.compare import assert_bitwise
-from dspark_core.config import small_config
-from dspark_core.constants import FP32_RANK_ORDER
-from dspark_core.layers import residual_boundary
-from dspark_core.model import DraftModel, StepInputs
-from dspark_core.plan import plan_draft
-from dspark_core.tp import LocalGroup, shard_draft
+from dspark_core.contracts.constants import FP32_RANK_ORDER
+from dspark_core.planner import policy
+from dspark_core.planner.plan import plan_draft
+from dspark_core.reference.config import small_config
+from dspark_core.reference.model import DraftModel, StepInputs
+from dspark_core.reference.tp import LocalGroup, shard_draft
+from dspark_core.spec.layers import residual_boundary
+from dspark_core.tools.compare import assert_bitwise
 from dspark_cute import decode as decode_module
 from dspark_cute.decode import DraftDecode, build_draft_decode
 

@@ -41,9 +41,9 @@ from dspark_comm.protocol import (
     reference_sum,
     words_bf16,
 )
-from dspark_core.compare import mismatches
-from dspark_core.constants import FP32_RANK_ORDER, PackageGemmConstants
-from dspark_core.policy import DRAFT_GEMMS, draft_gemm_shape
+from dspark_core.contracts.constants import FP32_RANK_ORDER, PackageGemmConstants
+from dspark_core.planner.policy import DRAFT_GEMMS, draft_gemm_shape
+from dspark_core.tools.compare import mismatches
 from dspark_cute import skinny_gemm as sg
 from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
 
@@ -403,7 +403,7 @@ def test_policy_shape_by_shard():
     1024; down_proj, 8 warps: K <= 2048), the ring tile above with
     RING_SPLIT_K's split_k (1 up to K = 2048, else 2 where 8 warps' steps
     divide K); a role without a package GEMM is refused."""
-    from dspark_core import policy
+    from dspark_core.planner import policy
 
     assert policy.DIRECT_MAX_STEPS == 8
     assert policy.RING_SPLIT_K == ((2048, 1), (None, 2))

@@ -23,7 +23,7 @@ Checks:
   kernel (passed on two H200s);
 - ``publish`` also runs the one-row GEMV path (``one_row_gemv=True``,
   ``dspark_comm.package_gemv``): one row bit for bit
-  ``dspark_core.gemv.gemv``, more rows the 64-row kernel's, and its
+  ``dspark_core.spec.gemv.gemv``, more rows the 64-row kernel's, and its
   published partial consumed bit for bit its plain output pushed;
 - ``publish``: publish + ``FusedAllReduce(published=True)`` bit for bit the
   plain GEMM into a buffer + the pushing ``MailboxAllReduce`` (both sum
@@ -68,8 +68,8 @@ def _constants(role: str, k: int, tile_n: int | None = None):
     """The role's constants on the ring main loop (tile_n 64) with the
     policy's split_k at shard ``k`` (``draft_gemm_shape``); ``tile_n`` 16:
     the register-direct main loop with the same split_k (the same sums)."""
-    from dspark_core.constants import PackageGemmConstants
-    from dspark_core.policy import DRAFT_GEMMS, draft_gemm_shape
+    from dspark_core.contracts.constants import PackageGemmConstants
+    from dspark_core.planner.policy import DRAFT_GEMMS, draft_gemm_shape
 
     s = DRAFT_GEMMS[role]
     return PackageGemmConstants(role, H, k, tile_n or s.tile_n, draft_gemm_shape(role, k).split_k, s.max_rows)
@@ -155,8 +155,8 @@ def check_publish(c):
     from dspark_comm.allreduce import FusedAllReduce, MailboxAllReduce, StoreEpilogue
     from dspark_comm.boundary import AllReduceBoundary
     from dspark_comm.package_gemm import PackageGemm
-    from dspark_core.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, boundary_constants
-    from dspark_core.layers import residual_boundary
+    from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, boundary_constants
+    from dspark_core.spec.layers import residual_boundary
 
     shared = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 5)  # weights of the boundary, streams
     gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 200 + c.rank)
@@ -170,10 +170,10 @@ def check_publish(c):
     in_round.prepare()
     direct = PackageGemm(_constants("o_proj", k, tile_n=16), w, c.mb)  # the register-direct main loop
     direct.prepare()
-    # The one-row GEMV path: one row in dspark_core.gemv's order, more rows as gemm.
+    # The one-row GEMV path: one row in dspark_core.spec.gemv's order, more rows as gemm.
     one_row = PackageGemm(_constants("o_proj", k), w, c.mb, one_row_gemv=True)
     one_row.prepare()
-    from dspark_core.gemv import gemv as gemv_spec
+    from dspark_core.spec.gemv import gemv as gemv_spec
 
     post, conn, pre = c.modules = _boundary_modules(shared)
     constants = boundary_constants(post, conn, pre, H)
@@ -236,8 +236,8 @@ def check_stress(c):
     then CUDA graph replays (the references: the plain GEMM + the pushing
     fused paths, computed eagerly once per input)."""
     from dspark_comm.allreduce import FusedAllReduce, MailboxAllReduce, StoreEpilogue
-    from dspark_core.compare import mismatches
-    from dspark_core.constants import FP32_RANK_ORDER
+    from dspark_core.contracts.constants import FP32_RANK_ORDER
+    from dspark_core.tools.compare import mismatches
 
     target, cap_s = c.cfg.get("stress_calls", 20_000), c.cfg.get("stress_seconds", 30.0)
     gemm, bd, k = c.gemm, c.bd, c.gemm.constants.k_shard

@@ -17,7 +17,7 @@ import torch
 from dspark_comm import package_gemm as pg
 from dspark_comm import package_gemv as pv
 from dspark_comm.protocol import MailboxLayout
-from dspark_core.constants import PackageGemmConstants
+from dspark_core.contracts.constants import PackageGemmConstants
 from dspark_cute import gemv as gv
 from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
 

@@ -20,8 +20,8 @@ import torch
 
 from dspark_comm import ranks
 from dspark_comm.tp_draft import greedy, time_replays
-from dspark_core.config import small_config
-from dspark_core.model import DraftModel
+from dspark_core.reference.config import small_config
+from dspark_core.reference.model import DraftModel
 
 
 def _write(rank: int, world: int, init_file: str, out: str) -> None:

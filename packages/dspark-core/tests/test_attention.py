@@ -1,4 +1,4 @@
-"""The attention spec (``dspark_core.attention``): bit for bit against the
+"""The attention spec (``dspark_core.spec.attention``): bit for bit against the
 independent NumPy CTA emulation (``_independent.attention``), close to a
 float64 softmax, its special cases (-0.0 terms, masked slots that hold
 garbage, NaN and infinite scores, no valid slot) and its ValueErrors."""
@@ -11,8 +11,8 @@ import torch
 from _independent import assert_same_bits, random_in, to_np, to_torch
 from _independent import attention as np_attention
 
-from dspark_core.attention import LANES, lane_sums, paged_attention, scale
-from dspark_core.layers import PagedKVCache
+from dspark_core.spec.attention import LANES, lane_sums, paged_attention, scale
+from dspark_core.spec.layers import PagedKVCache
 
 BLOCK = 16
 D = 64

@@ -1,4 +1,4 @@
-"""CPU tests of the one-token GEMV's spec (``dspark_core.gemv``): ``gemv``
+"""CPU tests of the one-token GEMV's spec (``dspark_core.spec.gemv``): ``gemv``
 equals, bit for bit, a scalar emulation of the stated order written out here
 independently (NumPy FP32 scalars, one rounding per operation); it is within
 its stated bound of the exact product; special values (-0.0, subnormal
@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_core import gemv as G
-from dspark_core import policy
-from dspark_core.compare import assert_bitwise
-from dspark_core.config import small_config
-from dspark_core.model import DraftModel
-from dspark_core.plan import plan_draft
+from dspark_core.spec import gemv as G
+from dspark_core.planner import policy
+from dspark_core.planner.plan import plan_draft
+from dspark_core.reference.config import small_config
+from dspark_core.reference.model import DraftModel
+from dspark_core.tools.compare import assert_bitwise
 
 SEED = int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31))
 print(f"DSPARK_SEED={SEED}")

@@ -1,5 +1,5 @@
 """The spec gives the same bits on CPU and on CUDA (NaN payloads excepted):
-every layer of dspark_core.layers run on both devices over fresh random data
+every layer of dspark_core.spec.layers run on both devices over fresh random data
 and rows of special values."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from dspark_core.compare import assert_bitwise
-from dspark_core.layers import GatedResidual, HeadNorm, PagedKVCache, RMSNorm, Rotary, o_gate, residual_boundary
-from dspark_core.numerics import exp_rn, sigmoid_rn, silu_rn
+from dspark_core.spec.layers import GatedResidual, HeadNorm, PagedKVCache, RMSNorm, Rotary, o_gate, residual_boundary
+from dspark_core.spec.numerics import exp_rn, sigmoid_rn, silu_rn
+from dspark_core.tools.compare import assert_bitwise
 
 pytestmark = [
     pytest.mark.gpu,
@@ -128,7 +128,7 @@ def test_kv_insert_cpu_equals_cuda():
 
 @pytest.mark.parametrize("s", [1, 129, 700])
 def test_attention_cpu_equals_cuda(s):
-    from dspark_core.attention import paged_attention
+    from dspark_core.spec.attention import paged_attention
 
     gen = torch.Generator().manual_seed(SEED + 5 + s)
     m, heads, kv, blocks = 3, 16, 2, s // 16 + 3

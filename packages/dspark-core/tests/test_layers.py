@@ -1,4 +1,4 @@
-"""CPU tests of the stock layers (``dspark_core.layers``): each one BIT FOR BIT
+"""CPU tests of the stock layers (``dspark_core.spec.layers``): each one BIT FOR BIT
 against the independent NumPy implementation (``_independent.py``), against
 float64 mathematics within derived bounds, on special values, and on every
 ValueError it raises. ``u = 2**-24``.
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_core import layers as L
-from dspark_core.constants import norm_constants
+from dspark_core.contracts.constants import norm_constants
+from dspark_core.spec import layers as L
 
 WIDTHS = [2048, 4096, 6144, 8192]
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

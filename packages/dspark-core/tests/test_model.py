@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from dspark_core.compare import assert_bitwise, bits
-from dspark_core.config import DraftConfig, small_config
-from dspark_core.layers import residual_boundary
-from dspark_core.model import DraftModel, StepInputs
+from dspark_core.reference.config import DraftConfig, small_config
+from dspark_core.reference.model import DraftModel, StepInputs
+from dspark_core.spec.layers import residual_boundary
+from dspark_core.tools.compare import assert_bitwise, bits
 
 SEED = int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31))
 print(f"DSPARK_SEED={SEED}")
@@ -141,7 +141,7 @@ def test_model_rejects_bad_inputs(model):
 def test_check_inputs_raises_the_stock_errors_in_one_host_read(model, monkeypatch):
     """``check_inputs`` raises what the stock forward raises for each
     out-of-range input (and nothing for good ones), reading the device once."""
-    from dspark_core.model import check_inputs
+    from dspark_core.reference.model import check_inputs
 
     hidden = torch.zeros(2, model.config.hidden_size, dtype=torch.bfloat16)
     slots_total = 4 * model.config.kv_block_size

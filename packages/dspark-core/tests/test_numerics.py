@@ -1,4 +1,4 @@
-"""CPU tests of ``dspark_core.numerics`` and ``dspark_core.compare``.
+"""CPU tests of ``dspark_core.spec.numerics`` and ``dspark_core.tools.compare``.
 
 Every numeric function is checked BIT FOR BIT against the independent NumPy
 implementation in ``_independent.py`` (float64 operations each rounded to
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_core import numerics as N
-from dspark_core.compare import assert_bitwise, bits, mismatches
+from dspark_core.spec import numerics as N
+from dspark_core.tools.compare import assert_bitwise, bits, mismatches
 
 WIDTHS = [2048, 4096, 6144, 8192]
 KINDS = ["normal", "wide", "mixed"]

@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from dspark_core import constants as K
-from dspark_core import policy
-from dspark_core.config import DraftConfig, small_config
-from dspark_core.layers import GatedResidual, HeadNorm, RMSNorm, Rotary
-from dspark_core.model import DraftAttention, DraftModel
-from dspark_core.plan import plan_draft
-from dspark_core.policy import Target
+from dspark_core.contracts import constants as K
+from dspark_core.planner import policy
+from dspark_core.planner.plan import plan_draft
+from dspark_core.planner.policy import Target
+from dspark_core.reference.config import DraftConfig, small_config
+from dspark_core.reference.model import DraftAttention, DraftModel
+from dspark_core.spec.layers import GatedResidual, HeadNorm, RMSNorm, Rotary
 
 ALL = Target(kernels=policy.ALL_KERNELS)
 
@@ -420,7 +420,7 @@ def test_random_configs_plan_consistently(
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "dspark_core.plan", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "dspark_core.planner.plan", *args], capture_output=True, text=True)
 
 
 def test_cli_prints_the_reference_plan():

@@ -41,8 +41,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from dspark_core import layers as L
-from dspark_core import numerics as N
+from dspark_core.spec import layers as L
+from dspark_core.spec import numerics as N
 
 SEED = int(os.environ.get("DSPARK_SEED", "0"))
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

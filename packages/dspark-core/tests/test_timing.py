@@ -1,4 +1,4 @@
-"""CPU checks of ``dspark_core.timing``: the median's bookkeeping (with fake
+"""CPU checks of ``dspark_core.tools.timing``: the median's bookkeeping (with fake
 CUDA events) and the draft step's GEMM weight bytes (on the meta device). The
 capture helpers need a GPU; the benchmarks run them."""
 
@@ -8,10 +8,10 @@ import statistics
 
 import torch
 
-from dspark_core import timing
-from dspark_core.config import DraftConfig
-from dspark_core.model import DraftModel
-from dspark_core.tp import shard_draft
+from dspark_core.reference.config import DraftConfig
+from dspark_core.reference.model import DraftModel
+from dspark_core.reference.tp import shard_draft
+from dspark_core.tools import timing
 
 
 class _Clock:
@@ -81,8 +81,8 @@ def test_gemm_weight_bytes_and_floor():
 
 
 def test_step_case_is_a_block_step_after_the_context():
-    from dspark_core.config import small_config
-    from dspark_core.model import StepInputs
+    from dspark_core.reference.config import small_config
+    from dspark_core.reference.model import StepInputs
 
     model = DraftModel(small_config(num_layers=2))
     x, step, caches = timing.step_case(model, 3, 40, device="cpu")

@@ -16,14 +16,12 @@ from datetime import timedelta
 import pytest
 import torch
 
-from dspark_core import constants as K
-from dspark_core import policy
-from dspark_core.compare import assert_bitwise
-from dspark_core.config import DraftConfig, small_config
-from dspark_core.layers import linear, o_gate, residual_boundary
-from dspark_core.model import DraftModel, StepInputs, attend
-from dspark_core.plan import plan_draft
-from dspark_core.tp import (
+from dspark_core.contracts import constants as K
+from dspark_core.planner import policy
+from dspark_core.planner.plan import plan_draft
+from dspark_core.reference.config import DraftConfig, small_config
+from dspark_core.reference.model import DraftModel, StepInputs, attend
+from dspark_core.reference.tp import (
     LocalGroup,
     TPDraftModel,
     gather_parameter,
@@ -33,6 +31,8 @@ from dspark_core.tp import (
     shard_draft,
     shard_parameter,
 )
+from dspark_core.spec.layers import linear, o_gate, residual_boundary
+from dspark_core.tools.compare import assert_bitwise
 
 ALL = policy.Target(kernels=policy.ALL_KERNELS)
 
@@ -261,9 +261,9 @@ def test_a_failing_rank_does_not_hang_the_local_group():
 def _gloo_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from dspark_core.config import small_config
-    from dspark_core.model import DraftModel, StepInputs
-    from dspark_core.tp import shard_draft
+    from dspark_core.reference.config import small_config
+    from dspark_core.reference.model import DraftModel, StepInputs
+    from dspark_core.reference.tp import shard_draft
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))

@@ -7,7 +7,7 @@ and each row count ``m``:
 - ``DraftBoundary`` (FP32 stream, new stream stored, BF16 weights; its
   default variant, and at up to one row per SM split over a cluster:
   "split") and ``RowNorm`` (BF16 in/out, BF16 weight);
-- the stock eager chain (``dspark_core.layers``: ``residual_boundary``, and
+- the stock eager chain (``dspark_core.spec.layers``: ``residual_boundary``, and
   ``RMSNorm``), captured in a graph too;
 - the same chains under ``torch.compile`` (Inductor, dynamic shapes; skip
   with ``--no-inductor``);
@@ -35,7 +35,7 @@ ROWS = [1, 4, 16, 64, 1024, 4096]
 
 def time_graph(fn, reps: int, replays: int) -> float:
     """Microseconds per call of ``fn``: a graph of ``reps`` calls, replayed."""
-    from dspark_core.timing import capture_on_side_stream, median_us
+    from dspark_core.tools.timing import capture_on_side_stream, median_us
 
     return median_us(capture_on_side_stream([fn], reps), replays, calls=reps)
 
@@ -61,8 +61,8 @@ def empty_kernel():
 
 
 def build(gen):
-    from dspark_core.constants import boundary_constants, row_norm_constants
-    from dspark_core.layers import GatedResidual, RMSNorm
+    from dspark_core.contracts.constants import boundary_constants, row_norm_constants
+    from dspark_core.spec.layers import GatedResidual, RMSNorm
     from dspark_cute import DraftBoundary, RowNorm
 
     post = RMSNorm(H, 1e-6).cuda()
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         print("bench_boundary: no CUDA GPU here; nothing to time", file=sys.stderr)
         return 0
     os.makedirs(args.out, exist_ok=True)
-    from dspark_core.layers import residual_boundary
+    from dspark_core.spec.layers import residual_boundary
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     post, conn, pre, boundary, split, row_norm = build(gen)

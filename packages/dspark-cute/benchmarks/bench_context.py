@@ -31,10 +31,10 @@ import os
 
 import torch
 
-from dspark_core.compare import mismatches
-from dspark_core.config import DraftConfig
-from dspark_core.model import DraftModel
-from dspark_core.timing import median_us
+from dspark_core.reference.config import DraftConfig
+from dspark_core.reference.model import DraftModel
+from dspark_core.tools.compare import mismatches
+from dspark_core.tools.timing import median_us
 
 BLOCK = 16
 

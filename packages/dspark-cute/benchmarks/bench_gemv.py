@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         return 0
     from bench_qkv_front import time_graph
 
-    from dspark_core.constants import GemvConstants
+    from dspark_core.contracts.constants import GemvConstants
     from dspark_cute.gemv import Gemv
 
     out_dir = Path(args.out)

@@ -33,7 +33,7 @@ ROWS_M = (1, 4, 16)
 
 def time_graph(calls: list, launches: int = 24, replays: int = 10, trials: int = 7) -> float:
     """Median microseconds per call of ``calls`` (cycled) replayed in a graph."""
-    from dspark_core.timing import capture_on_side_stream
+    from dspark_core.tools.timing import capture_on_side_stream
 
     replay = capture_on_side_stream(calls, launches, wait=False)
     times = []
@@ -77,10 +77,10 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    from dspark_core.config import DraftConfig
-    from dspark_core.constants import qkv_front_constants
-    from dspark_core.layers import PagedKVCache, Rotary
-    from dspark_core.model import DraftAttention, StepInputs
+    from dspark_core.contracts.constants import qkv_front_constants
+    from dspark_core.reference.config import DraftConfig
+    from dspark_core.reference.model import DraftAttention, StepInputs
+    from dspark_core.spec.layers import PagedKVCache, Rotary
     from dspark_cute.qkv_front import QKVFront
 
     cfg = DraftConfig()

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from dspark_core.config import DraftConfig
-from dspark_core.graphs import StepGraph
-from dspark_core.model import DraftModel
-from dspark_core.timing import step_case
+from dspark_core.reference.config import DraftConfig
+from dspark_core.reference.model import DraftModel
+from dspark_core.tools.graphs import StepGraph
+from dspark_core.tools.timing import step_case
 from dspark_cute.decode import build_draft_decode
 
 CONTEXT = 256

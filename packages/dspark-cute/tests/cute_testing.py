@@ -1,5 +1,5 @@
 """Helpers of the dspark-cute GPU tests: random rows with special values,
-poisoned outputs and the bitwise comparison (``dspark_core.compare``)."""
+poisoned outputs and the bitwise comparison (``dspark_core.tools.compare``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from dspark_core.compare import assert_bitwise
-from dspark_core.layers import RMSNorm
+from dspark_core.spec.layers import RMSNorm
+from dspark_core.tools.compare import assert_bitwise
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -179,7 +179,7 @@ WORDS = {"bf16": 1, "fp16": 1, "fp32": 2}
 
 def norm_constants(i: int):
     """``NormConstants`` of variant ``i`` of ``WEIGHT_KINDS``."""
-    from dspark_core.constants import NormConstants
+    from dspark_core.contracts.constants import NormConstants
 
     dtype, before = WEIGHT_KINDS[i]
     return NormConstants(
@@ -204,8 +204,8 @@ def stock_attention(config, gen: torch.Generator):
     """A stock ``DraftAttention`` of ``config`` on CUDA with random weights
     (the QKV projection N(0, 1/H); a q-norm weight around 1 with -0.0 and -1.5
     planted) and its RoPE table, ``(attn, cos_sin or None)``."""
-    from dspark_core.layers import Rotary
-    from dspark_core.model import DraftAttention
+    from dspark_core.reference.model import DraftAttention
+    from dspark_core.spec.layers import Rotary
 
     bf16 = torch.bfloat16
     table_dtype = torch.float32 if config.rope_table_dtype == "fp32" else bf16

@@ -31,7 +31,7 @@ import pytest
 import torch
 from cute_testing import WEIGHT_KINDS, WORDS, audit_forbidden, has_f32_constant, norm_constants
 
-from dspark_core.constants import BoundaryConstants, NormConstants, RowNormConstants
+from dspark_core.contracts.constants import BoundaryConstants, NormConstants, RowNormConstants
 from dspark_cute.ptx_audit import count, spill_bytes
 
 pytestmark = pytest.mark.compile

@@ -31,13 +31,13 @@ import pytest
 import torch
 from cute_testing import audit_forbidden, has_f32_constant
 
-from dspark_core.constants import (
+from dspark_core.contracts.constants import (
     MlpActivationConstants,
     OGateConstants,
     mlp_activation_constants,
     o_gate_constants,
 )
-from dspark_core.layers import GatedMLP, HeadNorm
+from dspark_core.spec.layers import GatedMLP, HeadNorm
 from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
 
 ARCHS = ["sm_90a", "sm_100a"]

@@ -37,7 +37,7 @@ import pytest
 import torch
 from cute_testing import audit_forbidden, has_f32_constant
 
-from dspark_core.constants import AttentionConstants
+from dspark_core.contracts.constants import AttentionConstants
 from dspark_cute.attention import PREFETCH_GROUP
 from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
 

@@ -30,7 +30,7 @@ import torch
 from cute_testing import WORDS, audit_forbidden, has_f32_constant
 from cute_testing import norm_constants as norm
 
-from dspark_core.constants import ContextNormConstants, ContextStoreConstants, NormConstants
+from dspark_core.contracts.constants import ContextNormConstants, ContextStoreConstants, NormConstants
 from dspark_cute.ptx_audit import code, count
 
 ARCHS = ["sm_90a", "sm_100a"]
@@ -170,8 +170,8 @@ def test_store_refuses_bad_constants_and_operands():
 
 
 def test_chain_refuses_what_does_not_fuse():
-    from dspark_core.config import small_config
-    from dspark_core.model import DraftModel
+    from dspark_core.reference.config import small_config
+    from dspark_core.reference.model import DraftModel
     from dspark_cute.context import ContextChain, context_constants, store_context_kv
 
     model = DraftModel(small_config())

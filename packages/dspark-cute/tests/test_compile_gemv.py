@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from dspark_core.constants import GemvConstants, gemv_constants
+from dspark_core.contracts.constants import GemvConstants, gemv_constants
 from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
 
 ARCHS = ["sm_90a", "sm_100a"]

@@ -25,7 +25,7 @@ import pytest
 import torch
 from cute_testing import audit_forbidden
 
-from dspark_core.constants import QKVFrontConstants
+from dspark_core.contracts.constants import QKVFrontConstants
 from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
 
 ARCHS = ["sm_90a", "sm_100a"]

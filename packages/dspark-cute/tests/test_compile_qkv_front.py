@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_core.constants import QKVFrontConstants
+from dspark_core.contracts.constants import QKVFrontConstants
 from dspark_cute import skinny_gemm as sg
 from dspark_cute.ptx_audit import count
 

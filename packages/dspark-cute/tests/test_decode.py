@@ -9,13 +9,13 @@ import logging
 import pytest
 import torch
 
-from dspark_core import policy
-from dspark_core.attention import paged_attention
-from dspark_core.compare import assert_bitwise
-from dspark_core.config import small_config
-from dspark_core.layers import o_gate, residual_boundary
-from dspark_core.model import DraftModel, StepInputs
-from dspark_core.plan import plan_draft
+from dspark_core.planner import policy
+from dspark_core.planner.plan import plan_draft
+from dspark_core.reference.config import small_config
+from dspark_core.reference.model import DraftModel, StepInputs
+from dspark_core.spec.attention import paged_attention
+from dspark_core.spec.layers import o_gate, residual_boundary
+from dspark_core.tools.compare import assert_bitwise
 from dspark_cute import decode as decode_module
 from dspark_cute.decode import DraftDecode, build_draft_decode
 

@@ -1,7 +1,7 @@
 """GPU tests of ``dspark_cute.mlp_activation.MlpActivation`` and
 ``dspark_cute.o_gate.OGate``: bit for bit the stock ``GatedMLP.activation``
-and ``o_gate`` (``dspark_core.layers``, run on the same CUDA device; compared
-with ``dspark_core.compare.assert_bitwise``: any NaN equals any NaN).
+and ``o_gate`` (``dspark_core.spec.layers``, run on the same CUDA device; compared
+with ``dspark_core.tools.compare.assert_bitwise``: any NaN equals any NaN).
 
 - ``dspark_cute.ptx_math`` alone, FP32 in and out (a probe kernel): its
   ``exp_rn``, ``sigmoid_rn`` and ``silu_rn`` against the spec's on 2^24
@@ -35,9 +35,9 @@ import torch
 from cute_testing import assert_replays_repeat, capture_calls, check_poisoned, random_rows, requires_cuda, special_rows
 from cutlass import Int32, Int64
 
-from dspark_core import numerics
-from dspark_core.compare import assert_bitwise
-from dspark_core.layers import GatedMLP, HeadNorm, o_gate
+from dspark_core.spec import numerics
+from dspark_core.spec.layers import GatedMLP, HeadNorm, o_gate
+from dspark_core.tools.compare import assert_bitwise
 from dspark_cute import ptx, ptx_math
 from dspark_cute.host import compile_kernel, current_stream, fake_ptr, fake_stream, ptr
 

@@ -1,6 +1,6 @@
 """GPU tests of ``dspark_cute.attention.PagedAttention``: bit for bit
-``dspark_core.attention.paged_attention`` run on the same CUDA tensors
-(``dspark_core.compare.assert_bitwise``: NaN equals NaN, every other bit
+``dspark_core.spec.attention.paged_attention`` run on the same CUDA tensors
+(``dspark_core.tools.compare.assert_bitwise``: NaN equals NaN, every other bit
 pattern exact), for m in {1, 2, 7, 16, 33} and S in {1, 2, 127, 128, 129,
 300, 1000, 4100} (4100: past the kernel's score cache of 4096 slots, so the
 recomputed scores run too); masked slots (causal -1 padding and random
@@ -34,9 +34,9 @@ import pytest
 import torch
 from cute_testing import check_poisoned, poison, requires_cuda, special_rows
 
-from dspark_core.attention import paged_attention
-from dspark_core.compare import assert_bitwise
-from dspark_core.layers import HeadNorm, PagedKVCache, o_gate
+from dspark_core.spec.attention import paged_attention
+from dspark_core.spec.layers import HeadNorm, PagedKVCache, o_gate
+from dspark_core.tools.compare import assert_bitwise
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

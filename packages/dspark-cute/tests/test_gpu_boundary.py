@@ -1,5 +1,5 @@
 """GPU tests of ``dspark_cute.DraftBoundary``: bit for bit
-``dspark_core.layers.residual_boundary`` run on the same CUDA device (its new
+``dspark_core.spec.layers.residual_boundary`` run on the same CUDA device (its new
 FP32 stream and its BF16 output), for post/pre norms of every weight kind,
 FP32 and BF16 streams, with and without the stream stored, early and late
 gates, with and without PDL, many row counts, special values and in a CUDA
@@ -21,9 +21,9 @@ from cute_testing import (
 )
 from test_gpu_row_norm import NORMS, ROWS
 
-from dspark_core.compare import assert_bitwise
-from dspark_core.constants import boundary_constants
-from dspark_core.layers import GatedResidual, residual_boundary
+from dspark_core.contracts.constants import boundary_constants
+from dspark_core.spec.layers import GatedResidual, residual_boundary
+from dspark_core.tools.compare import assert_bitwise
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

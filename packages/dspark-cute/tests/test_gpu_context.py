@@ -1,5 +1,5 @@
 """GPU tests of the context kernels, bit for bit against the stock chain run
-on the same CUDA device (``dspark_core.model.DraftModel``'s own
+on the same CUDA device (``dspark_core.reference.model.DraftModel``'s own
 ``context_norms``, ``context_kv_store`` and
 ``precompute_and_store_context_kv``):
 
@@ -39,11 +39,11 @@ from cute_testing import (
     special_rows,
 )
 
-from dspark_core.compare import assert_bitwise
-from dspark_core.config import small_config
-from dspark_core.constants import ContextNormConstants, ContextStoreConstants, norm_constants
-from dspark_core.layers import HeadNorm, PagedKVCache, Rotary
-from dspark_core.model import DraftModel
+from dspark_core.contracts.constants import ContextNormConstants, ContextStoreConstants, norm_constants
+from dspark_core.reference.config import small_config
+from dspark_core.reference.model import DraftModel
+from dspark_core.spec.layers import HeadNorm, PagedKVCache, Rotary
+from dspark_core.tools.compare import assert_bitwise
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

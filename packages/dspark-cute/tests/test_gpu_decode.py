@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-from dspark_core import policy
-from dspark_core.compare import assert_bitwise
-from dspark_core.config import DraftConfig
-from dspark_core.graphs import StepGraph
-from dspark_core.model import DraftModel, StepInputs
+from dspark_core.planner import policy
+from dspark_core.reference.config import DraftConfig
+from dspark_core.reference.model import DraftModel, StepInputs
+from dspark_core.tools.compare import assert_bitwise
+from dspark_core.tools.graphs import StepGraph
 from dspark_cute.decode import build_draft_decode
 
 pytestmark = [
@@ -249,10 +249,10 @@ def test_greedy_tokens_with_every_fused_part_follow_stock(model, options):
 
 def _gemv_stock(monkeypatch):
     """The stock forward with every one-row projection computed by the
-    GEMV's spec (``dspark_core.gemv.gemv``) instead of cuBLAS."""
-    from dspark_core import gemv as spec
-    from dspark_core import layers
-    from dspark_core import model as model_module
+    GEMV's spec (``dspark_core.spec.gemv.gemv``) instead of cuBLAS."""
+    from dspark_core.spec import gemv as spec
+    from dspark_core.reference import model as model_module
+    from dspark_core.spec import layers
 
     stock = layers.linear
 

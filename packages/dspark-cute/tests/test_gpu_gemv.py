@@ -1,7 +1,7 @@
 """GPU tests of the one-token GEMV (``dspark_cute.gemv.Gemv``): bit for bit
-``dspark_core.gemv.gemv`` (the spec, run on the same device, and on the CPU
+``dspark_core.spec.gemv.gemv`` (the spec, run on the same device, and on the CPU
 for a small shape: its device-independent bits), compared with
-``dspark_core.compare.assert_bitwise`` (any NaN equals any NaN):
+``dspark_core.tools.compare.assert_bitwise`` (any NaN equals any NaN):
 
 - the reference draft's four projections (QKV 9216 x 8192, o_proj 8192 x
   4096, gate_up 32768 x 8192, down 8192 x 16384) and small shapes, on random
@@ -26,9 +26,9 @@ import pytest
 import torch
 from cute_testing import check_poisoned, requires_cuda
 
-from dspark_core import gemv as G
-from dspark_core.compare import assert_bitwise
-from dspark_core.constants import GemvConstants
+from dspark_core.spec import gemv as G
+from dspark_core.contracts.constants import GemvConstants
+from dspark_core.tools.compare import assert_bitwise
 from dspark_cute.gemv import Gemv
 
 pytestmark = [pytest.mark.gpu, requires_cuda]

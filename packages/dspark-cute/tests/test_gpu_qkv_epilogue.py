@@ -30,12 +30,12 @@ from cute_testing import (
     stock_attention,
 )
 
-import dspark_core.model as model_module
-from dspark_core.compare import assert_bitwise
-from dspark_core.config import DraftConfig
-from dspark_core.constants import qkv_front_constants
-from dspark_core.layers import PagedKVCache, linear
-from dspark_core.model import StepInputs
+import dspark_core.reference.model as model_module
+from dspark_core.contracts.constants import qkv_front_constants
+from dspark_core.reference.config import DraftConfig
+from dspark_core.reference.model import StepInputs
+from dspark_core.spec.layers import PagedKVCache, linear
+from dspark_core.tools.compare import assert_bitwise
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

@@ -31,10 +31,10 @@ from cute_testing import (
     stock_attention,
 )
 
-from dspark_core.compare import assert_bitwise
-from dspark_core.config import DraftConfig
-from dspark_core.constants import qkv_front_constants
-from dspark_core.layers import kv_insert, linear
+from dspark_core.contracts.constants import qkv_front_constants
+from dspark_core.reference.config import DraftConfig
+from dspark_core.spec.layers import kv_insert, linear
+from dspark_core.tools.compare import assert_bitwise
 from dspark_cute import skinny_gemm as sg
 
 pytestmark = [pytest.mark.gpu, requires_cuda]

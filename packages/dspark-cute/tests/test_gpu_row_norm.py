@@ -1,4 +1,4 @@
-"""GPU tests of ``dspark_cute.RowNorm``: bit for bit ``dspark_core.layers.RMSNorm``
+"""GPU tests of ``dspark_cute.RowNorm``: bit for bit ``dspark_core.spec.layers.RMSNorm``
 run on the same CUDA device, for every variant (no weight, BF16/FP16/FP32
 weight, gain center 0 or 1, weight before or after the norm, eps, BF16/FP32
 input, BF16/FP16/FP32 output), many row counts, special values, with and
@@ -21,8 +21,8 @@ from cute_testing import (
     special_rows,
 )
 
-from dspark_core.compare import assert_bitwise
-from dspark_core.constants import row_norm_constants
+from dspark_core.contracts.constants import row_norm_constants
+from dspark_core.tools.compare import assert_bitwise
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

@@ -4,7 +4,7 @@ traced epilogue (``protocol`` describes the mailbox and the call).
 Layout: one CTA of 256 threads per row (grid = the row count ``m``, the
 same launch on every rank); thread ``t`` holds the 8-column fragments
 ``t * 8 + k * 2048`` (``k < H / 2048``), the reference CTA of the row tree
-(``dspark_core.numerics``), so an epilogue can run the row norms of
+(``dspark_core.spec.numerics``), so an epilogue can run the row norms of
 ``dspark_cute`` on the summed row directly.
 
 Per CTA, in this order: the epilogue's ``early`` loads (constants, before the
@@ -57,7 +57,7 @@ from dspark_comm.protocol import (
     fallback_reason,
     takes,
 )
-from dspark_core.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
+from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
 from dspark_cute import ptx
 from dspark_cute.host import (
     CompileCache,

@@ -1,5 +1,5 @@
 """The draft's residual boundary as an epilogue of the mailbox all-reduce:
-the branch's all-reduce and ``dspark_core.layers.residual_boundary`` in one
+the branch's all-reduce and ``dspark_core.spec.layers.residual_boundary`` in one
 kernel, bit for bit the stock all-reduce followed by the stock boundary.
 
 The all-reduce kernel's CTA for a row holds the whole summed row in the
@@ -29,7 +29,7 @@ from cutlass import Int32, Int64
 
 from dspark_comm.allreduce import Epilogue, FusedAllReduce, RowContext
 from dspark_comm.protocol import fallback_reason
-from dspark_core.constants import FP32_RANK_ORDER, BoundaryConstants
+from dspark_core.contracts.constants import FP32_RANK_ORDER, BoundaryConstants
 from dspark_cute import ptx
 from dspark_cute.boundary import DraftBoundary, gate_words, gated_residual
 from dspark_cute.host import check_operand
@@ -103,7 +103,7 @@ class AllReduceBoundary:
 
     ``run(partial, stream, store_stream)`` returns ``(new_stream or None,
     out)``, the bits of the stock all-reduce of the partials followed by
-    ``dspark_core.layers.residual_boundary`` on the BF16 sum. Calls of more
+    ``dspark_core.spec.layers.residual_boundary`` on the BF16 sum. Calls of more
     rows than the mailbox holds take the group's stock all-reduce and then
     ``DraftBoundary`` (logged once per reason); every rank decides on the row
     count alone. With ``published=True`` the partials are already in the

@@ -52,8 +52,8 @@ def _worker(rank: int, world: int, init_file: str, config_json: str, steps: int,
 
 def _demo(rank: int, world: int, config_json: str, steps: int, block: int, context: int, front: bool) -> None:
     from dspark_comm.tp_draft import PACKAGE_GEMM, QKV_FRONT, TPDraftRank, greedy
-    from dspark_core.config import DraftConfig
     from dspark_core.demo import print_plan
+    from dspark_core.reference.config import DraftConfig
 
     def say(text: str) -> None:
         if rank == 0:
@@ -114,8 +114,8 @@ def _step_time(tp, fn, ctx, span: int, block: int, start: int) -> float:
     """Microseconds per step of ``fn`` as a whole-step CUDA graph (median of
     50 replays, the ranks released together; collective)."""
     from dspark_comm.tp_draft import time_replays
-    from dspark_core.graphs import StepGraph
-    from dspark_core.model import StepInputs
+    from dspark_core.reference.model import StepInputs
+    from dspark_core.tools.graphs import StepGraph
 
     caches = tp.caches(ctx, span)
     x = tp.shard.embed_tokens(torch.zeros(block, dtype=torch.int64, device=tp.device))
@@ -127,7 +127,7 @@ def run_tp2_demo(config, steps: int, block: int, context: int, front: bool = Fal
     """Spawn the two ranks of the demo (module docstring); 0 where both ended
     cleanly, else 1 with the reason printed. ValueError for bad arguments."""
     from dspark_comm.ranks import spawn_ranks
-    from dspark_core.tp import check_tp
+    from dspark_core.reference.tp import check_tp
 
     check_tp(config, WORLD)
     if steps < 1 or context < 1 or not 1 <= block <= 16:

@@ -2,7 +2,7 @@
 adapter ``dspark_cute.decode.DraftDecode`` takes as ``all_reduce``.
 
 ``DraftAllReduce(mailbox, plan, model, rank)`` binds one ``AllReduceBoundary``
-per residual boundary of ``model`` (a rank's shard, ``dspark_core.tp``), in
+per residual boundary of ``model`` (a rank's shard, ``dspark_core.reference.tp``), in
 the order of ``model.boundaries()`` (layer i's attention boundary 2i, its
 feed-forward boundary 2i + 1), each to its plan part's ``BoundaryConstants``,
 its connection's ``alpha`` / ``beta`` and its post and pre norms' weights, in
@@ -137,7 +137,7 @@ class DraftAllReduce:
         ``(None, True)`` where the package GEMM published it, else the stock
         GEMM's ``(partial, False)``. The row count decides, the same on every
         rank."""
-        from dspark_core.layers import linear
+        from dspark_core.spec.layers import linear
 
         gemm = self.gemms[index]
         if gemm is None or not self.takes(x):

@@ -116,7 +116,7 @@ from dspark_comm.package_gemm_shape import (
     smem_bytes,
 )
 from dspark_comm.protocol import HEADER_BYTES, MailboxLayout, fallback_reason
-from dspark_core.constants import PackageGemmConstants
+from dspark_core.contracts.constants import PackageGemmConstants
 from dspark_cute import ptx
 from dspark_cute import skinny_direct as sd
 from dspark_cute import skinny_gemm as sg
@@ -381,7 +381,7 @@ class PackageGemm:
     before the main loop (module docstring; False: in each round);
     ``one_row_gemv`` (opt-in): a one-row call runs the
     one-token GEMV (``dspark_comm.package_gemv``) and sums in
-    ``dspark_core.gemv``'s order, not the skinny loop's, so its row may
+    ``dspark_core.spec.gemv``'s order, not the skinny loop's, so its row may
     differ in the last bits from the same row in a call of more rows
     (ValueError where the GEMV cannot take the weight).
 

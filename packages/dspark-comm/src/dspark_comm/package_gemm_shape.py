@@ -8,7 +8,7 @@ kernel. ``package_gemm`` re-exports every name; code that overrides the cap
 
 from __future__ import annotations
 
-from dspark_core.constants import MAX_DECODE_ROWS, PackageGemmConstants
+from dspark_core.contracts.constants import MAX_DECODE_ROWS, PackageGemmConstants
 from dspark_cute import skinny_direct as sd
 from dspark_cute import skinny_gemm as sg
 
@@ -29,7 +29,7 @@ TILE_ROWS = (sg.TILE_ROWS, sd.TILE_ROWS)
 # medians of 5 alternating rounds, m = 1 / 4 / 16): 8 stages for 8 and 16
 # tokens 32.65 / 33.55 / 34.25 us against 6's 32.64 / 34.41 / 34.56; at K =
 # 4096 8 and 6 tied (18.99 / 17.94 / 18.51 against 18.96 / 17.98 / 18.49).
-# The policy gives such shards 8 warps (dspark_core.policy.RING_SPLIT_K),
+# The policy gives such shards 8 warps (dspark_core.planner.policy.RING_SPLIT_K),
 # whose depth the cap sets, and at TP2 the 4-warp 16-token kernel of 8
 # stages took 53 us at K = 8192 whenever a boundary kernel ran between its
 # calls, so 6 stays.

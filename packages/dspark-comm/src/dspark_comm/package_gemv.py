@@ -14,10 +14,10 @@ projection of the reference draft faster than cuBLAS at m = 1
 default one-row variant's (the ring with x through registers) 4.67 / 20.62 /
 35.47.
 
-**Order**: ``dspark_core.gemv``'s (each product ``mul.rn``, a fragment's 8
+**Order**: ``dspark_core.spec.gemv``'s (each product ``mul.rn``, a fragment's 8
 products pairwise, the fragment sums in order, the warp butterfly), then one
-``cvt.rn.bf16x2.f32`` of a row pair: bit for bit ``dspark_core.gemv.gemv``,
-within ``dspark_core.gemv.error_bound``. It is not the skinny loop's order,
+``cvt.rn.bf16x2.f32`` of a row pair: bit for bit ``dspark_core.spec.gemv.gemv``,
+within ``dspark_core.spec.gemv.error_bound``. It is not the skinny loop's order,
 so with this path a one-row call and the same row in a call of more rows
 may differ in the last bits (as cuBLAS's own kernels do between m = 1 and
 m > 1); ``PackageGemm`` says so.
@@ -49,8 +49,8 @@ from cutlass import Int32, Int64
 # fake_args: the package GEMM's compile signature, which the one-row kernel keeps (re-exported).
 from dspark_comm.package_gemm import check_mode, emit_word, fake_args, kernel_prologue
 from dspark_comm.protocol import MailboxLayout
-from dspark_core.constants import GemvConstants, PackageGemmConstants
-from dspark_core.gemv import gemv_unsupported
+from dspark_core.contracts.constants import GemvConstants, PackageGemmConstants
+from dspark_core.spec.gemv import gemv_unsupported
 from dspark_cute import gemv as gv
 from dspark_cute import ptx
 from dspark_cute.host import CompileCache, compile_kernel
@@ -65,7 +65,7 @@ def one_row_constants(constants: PackageGemmConstants) -> GemvConstants:
 def one_row_unsupported(constants: PackageGemmConstants, weight: torch.Tensor,
                         rows_per_warp: int = gv.ROWS_PER_WARP, depth: int = gv.DEPTH) -> str | None:
     """Why the one-row GEMV cannot take this package GEMM (a sentence), or
-    None: ``dspark_core.gemv.gemv_unsupported`` of the weight, and the
+    None: ``dspark_core.spec.gemv.gemv_unsupported`` of the weight, and the
     kernel's launch settings (``dspark_cute.gemv.check_settings``)."""
     why = gemv_unsupported(weight)
     if why is not None:

@@ -44,7 +44,7 @@ NaN operand returns the canonical NaN on NVIDIA GPUs whatever the payload.
 Each 32-bit word is written and read single-copy atomically, so a word is
 either the marker or the whole value.
 
-**Sum orders** (``dspark_core.constants``): ``FP32_RANK_ORDER`` widens the
+**Sum orders** (``dspark_core.contracts.constants``): ``FP32_RANK_ORDER`` widens the
 ranks' BF16 partials to FP32, adds them in rank order 0, 1, ..., each add
 rounded to FP32, and rounds to BF16 once: vLLM's one-stage custom all-reduce
 (upcast, add in rank order, downcast). ``BF16_RANK_ORDER`` rounds every add
@@ -63,9 +63,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_core.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
-from dspark_core.numerics import CHUNK
-from dspark_core.policy import MAX_DECODE_ROWS
+from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
+from dspark_core.planner.policy import MAX_DECODE_ROWS
+from dspark_core.spec.numerics import CHUNK
 
 MARKER = 0xFFFFFFFF
 ESCAPE = 0xFFFF7FFF

@@ -5,7 +5,7 @@ Every function here is collective (call it on every rank, in the same order).
 ``TPDraftRank(rank, world, config)`` (in a process joined to the world group,
 ``dspark_comm.ranks.init_rank``): the reference draft of ``config`` (weights
 seeded by ``config.seed`` on the CPU, so the same bits on every rank) moved to
-GPU ``rank``, rank ``rank``'s shard of it (``dspark_core.tp.shard_draft``:
+GPU ``rank``, rank ``rank``'s shard of it (``dspark_core.reference.tp.shard_draft``:
 its stock forward all-reduces the row-parallel partials with
 ``torch.distributed.all_reduce`` over NCCL; the whole draft is then freed), a
 ``TorchGroup`` over the world and a ``Mailbox`` of ``capacity`` rows over it.
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from dspark_core.policy import PACKAGE_GEMM, QKV_FRONT  # the kernel names callers exclude (re-exported)
+from dspark_core.planner.policy import PACKAGE_GEMM, QKV_FRONT  # the kernel names callers exclude (re-exported)
 
 log = logging.getLogger("dspark.tp_draft")
 
@@ -49,9 +49,9 @@ class TPDraftRank:
     def __init__(self, rank: int, world: int, config=None, capacity: int = 16, timeout_s: float = 5.0) -> None:
         from dspark_comm.group import TorchGroup
         from dspark_comm.mailbox import Mailbox
-        from dspark_core.config import DraftConfig
-        from dspark_core.model import DraftModel
-        from dspark_core.tp import shard_draft
+        from dspark_core.reference.config import DraftConfig
+        from dspark_core.reference.model import DraftModel
+        from dspark_core.reference.tp import shard_draft
 
         self.rank, self.world = rank, world
         self.device = torch.device("cuda", rank)
@@ -143,8 +143,8 @@ def greedy(model, stock, fused, stock_caches, fused_caches, first_tokens: torch.
     differ bit for bit, NaN equal to NaN, summed over the steps) and
     ``step_ms`` (each path's eager wall time per step, the median, with a
     device sync). Runs on any device (CPU tests)."""
-    from dspark_core.compare import mismatches
-    from dspark_core.model import StepInputs
+    from dspark_core.reference.model import StepInputs
+    from dspark_core.tools.compare import mismatches
 
     if steps < 1:
         raise ValueError(f"a greedy decode of {steps} steps")
@@ -194,11 +194,11 @@ def time_replays(replay, reps: int, warmup: int = 3, calls: int = 1) -> float:
     """Median microseconds of ``replay()`` (one CUDA graph replay) over
     ``reps`` timed calls, every rank released together before each: a
     ``torch.distributed`` barrier, then a device sync; CUDA events around
-    the replay alone (``dspark_core.timing.median_us``), each time divided
+    the replay alone (``dspark_core.tools.timing.median_us``), each time divided
     by ``calls`` (the calls one replay makes). Collective."""
     import torch.distributed as dist
 
-    from dspark_core.timing import median_us
+    from dspark_core.tools.timing import median_us
 
     if reps < 1:
         raise ValueError(f"{reps} timed replays")

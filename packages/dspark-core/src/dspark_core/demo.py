@@ -22,14 +22,14 @@ from importlib.metadata import entry_points
 
 import torch
 
-from . import policy
-from .compare import mismatches
-from .config import DraftConfig
-from .graphs import StepGraph
-from .model import DraftModel, StepInputs
-from .plan import plan_draft
-from .timing import median_us
-from .tp import shard_draft
+from dspark_core.planner import policy
+from dspark_core.planner.plan import plan_draft
+from dspark_core.reference.config import DraftConfig
+from dspark_core.reference.model import DraftModel, StepInputs
+from dspark_core.reference.tp import shard_draft
+from dspark_core.tools.compare import mismatches
+from dspark_core.tools.graphs import StepGraph
+from dspark_core.tools.timing import median_us
 
 log = logging.getLogger("dspark.demo")
 

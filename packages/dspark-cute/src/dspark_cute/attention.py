@@ -1,4 +1,4 @@
-"""The decode attention kernel: ``dspark_core.attention.paged_attention(q,
+"""The decode attention kernel: ``dspark_core.spec.attention.paged_attention(q,
 cache, attn_slots, num_kv_heads)``, bit for bit.
 
 Operands: ``q`` BF16 ``[m, heads, 64]``; the paged cache BF16 ``[num_blocks,
@@ -67,9 +67,9 @@ import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
 
-from dspark_core.attention import LANES
-from dspark_core.constants import HEAD_DIM, AttentionConstants
-from dspark_core.policy import DEFAULT_STAGED_SLOTS
+from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
+from dspark_core.planner.policy import DEFAULT_STAGED_SLOTS
+from dspark_core.spec.attention import LANES
 from dspark_cute import ptx
 from dspark_cute.attention_common import (
     PREFETCH_GROUP,
@@ -106,7 +106,7 @@ SMEM_BYTES = 4 * (LANES * ROW_WORDS + 2 * WARPS + WARPS * HEAD_DIM)
 assert SCORE_CHUNKS * LANES <= LANES * ROW_WORDS
 SLOT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
 # The staged variant (dspark_cute.attention_v2): slots whose K and V rows it
-# stages in shared memory by default (the planner's, dspark_core.policy), and
+# stages in shared memory by default (the planner's, dspark_core.planner.policy), and
 # at most (256 bytes per slot).
 MAX_STAGED_SLOTS = 768
 
@@ -227,9 +227,9 @@ def compile_attention(constants: AttentionConstants, pdl: bool):
 
 
 class PagedAttention(LazyPdl):
-    """``dspark_core.attention.paged_attention(q, cache, attn_slots,
+    """``dspark_core.spec.attention.paged_attention(q, cache, attn_slots,
     kv_heads)`` as one kernel launch (module docstring), bit for bit (NaN
-    payloads aside, as ``dspark_core.compare`` allows).
+    payloads aside, as ``dspark_core.tools.compare`` allows).
 
     ``PagedAttention(heads, kv_heads, head_dim=64, block_size=16,
     slot_dtype=torch.int64, pdl=None)``: ``heads`` query heads over

@@ -20,8 +20,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, Uint64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from dspark_core.attention import LANES, scale
-from dspark_core.constants import HEAD_DIM, AttentionConstants
+from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
+from dspark_core.spec.attention import LANES, scale
 from dspark_cute import ptx
 from dspark_cute.context_store import st_global_b32
 from dspark_cute.ptx_math import exp_rn, sigmoid_rn

@@ -66,8 +66,8 @@ import cutlass.utils as cu_utils
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from dspark_core.attention import LANES
-from dspark_core.constants import HEAD_DIM, AttentionConstants
+from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
+from dspark_core.spec.attention import LANES
 from dspark_cute import ptx
 from dspark_cute.attention import check_constants
 from dspark_cute.attention_common import (

@@ -1,4 +1,4 @@
-"""The residual boundary kernel: ``dspark_core.layers.residual_boundary`` in
+"""The residual boundary kernel: ``dspark_core.spec.layers.residual_boundary`` in
 one launch, bit for bit.
 
 Per row (one CTA of 256 threads, thread ``t`` holding the 8-column fragments
@@ -34,8 +34,8 @@ import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64
 
-from dspark_core.constants import BoundaryConstants, NormConstants
-from dspark_core.numerics import check_row_width
+from dspark_core.contracts.constants import BoundaryConstants, NormConstants
+from dspark_core.spec.numerics import check_row_width
 from dspark_cute import ptx
 from dspark_cute.host import (
     TORCH_DTYPES,
@@ -270,7 +270,7 @@ class DraftBoundary:
     ``run(branch, stream, store_stream)`` returns ``(new_stream or None,
     out)``: the FP32 ``alpha * stream + beta * post(branch)`` and the BF16
     ``pre(new_stream.to(bf16))``, the same bits as
-    ``dspark_core.layers.residual_boundary``. A launch of more than
+    ``dspark_core.spec.layers.residual_boundary``. A launch of more than
     ``late_rows`` rows (default: the device's SM count) loads the constants
     after the PDL wait (``late_gates``); a launch of at most ``split_rows``
     early-gates rows (default 0: never) splits each row over a cluster of

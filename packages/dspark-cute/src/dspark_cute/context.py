@@ -1,6 +1,6 @@
 """The fused context K/V chain of a DSpark draft: ``ContextNorms``, the stock
 K/V projection and ``ContextKvStore``, bit for bit
-``dspark_core.model.DraftModel.precompute_and_store_context_kv``.
+``dspark_core.reference.model.DraftModel.precompute_and_store_context_kv``.
 
 - ``ContextNorms`` (``context_norms``): the hidden norm and every layer's
   input norm of BF16 context rows, one kernel, BF16 ``[L, T, H]``;
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from dspark_core.constants import (
+from dspark_core.contracts.constants import (
     ContextConstants,
     ContextNormConstants,
     context_store_constants,
     norm_constants,
 )
-from dspark_core.plan import context_unsupported
+from dspark_core.planner.plan import context_unsupported
 from dspark_cute.context_norms import ContextNorms, compile_context_norms
 from dspark_cute.context_store import MAX_LAYERS_PER_LAUNCH, ContextKvStore, compile_context_store
 
@@ -32,7 +32,7 @@ from dspark_cute.context_store import MAX_LAYERS_PER_LAUNCH, ContextKvStore, com
 def context_constants(model) -> ContextConstants:
     """The kernels' constants of ``model``'s context chain, or ValueError
     with the planner's sentence where the fused chain is not bitwise the
-    stock one (``dspark_core.plan.context_unsupported``)."""
+    stock one (``dspark_core.planner.plan.context_unsupported``)."""
     reason = context_unsupported(model)
     if reason is not None:
         raise ValueError(f"the context K/V chain does not fuse: {reason}")

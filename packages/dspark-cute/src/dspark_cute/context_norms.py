@@ -1,10 +1,10 @@
-"""The context norms kernel: ``dspark_core.model.DraftModel.context_norms`` in
+"""The context norms kernel: ``dspark_core.reference.model.DraftModel.context_norms`` in
 one launch, bit for bit.
 
 For BF16 context rows ``x`` (``[T, H]``, H a multiple of 2048) and ``L``
 layers it writes BF16 ``[L, T, H]``:
 ``out[l, t] = input_norm_l(round_bf16(hidden_norm(x[t])))``, every norm the
-stock ``RMSNorm`` (``dspark_core.layers``) of the constants' variant: no
+stock ``RMSNorm`` (``dspark_core.spec.layers``) of the constants' variant: no
 weight, or a BF16/FP16/FP32 weight with its gain center, applied before or
 after the normalisation, with its eps.
 
@@ -14,7 +14,7 @@ Layout: one CTA of 256 threads per (row, layer) pair, in a 1-D grid of
 row's second and later reads come from L2. Each CTA computes the hidden
 norm of its row (the same bits in each of the L CTAs), rounds it to BF16 and
 applies its layer's input norm. Thread ``t`` holds the 8-column fragments
-``t * 8 + k * 2048`` (the spec's reference CTA: ``dspark_core.numerics``
+``t * 8 + k * 2048`` (the spec's reference CTA: ``dspark_core.spec.numerics``
 row tree), read and written with 16-byte vector accesses; the two norms fold
 their warp sums through separate shared-memory slots, so there is one
 barrier per norm. The row count is a runtime argument (one compile serves
@@ -31,8 +31,8 @@ import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64
 
-from dspark_core.constants import ContextNormConstants, NormConstants
-from dspark_core.numerics import check_row_width
+from dspark_core.contracts.constants import ContextNormConstants, NormConstants
+from dspark_core.spec.numerics import check_row_width
 from dspark_cute import ptx
 from dspark_cute.host import (
     ELEMENT_BYTES,

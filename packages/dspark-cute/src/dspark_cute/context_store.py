@@ -1,16 +1,16 @@
-"""The context K/V store kernel: ``dspark_core.model.DraftModel.context_kv_store``
+"""The context K/V store kernel: ``dspark_core.reference.model.DraftModel.context_kv_store``
 after the stock K/V projection, bit for bit.
 
 Input: the projection's BF16 output ``kv`` ``[L, T, 2 * kv_heads * 64]``
 (viewed ``[L, T, 2, kv_heads, 64]``: K heads, then V heads). Per (row ``t``,
 layer ``l``) whose slot ``s = slots_l[t]`` is non-negative, for every KV head:
 
-1. the weightless K-norm (``dspark_core.layers.HeadNorm``): ``x`` the head
+1. the weightless K-norm (``dspark_core.spec.layers.HeadNorm``): ``x`` the head
    widened to FP32, ``p_j = x_2j * x_2j + x_(2j+1) * x_(2j+1)`` (each square
    and the sum rounded), the 32 pair sums folded by halves (the head tree),
    ``r = 1 / sqrt(sum / 64 + eps)`` (``div.rn``, ``add.rn``, ``sqrt.rn``,
    ``div.rn``), ``y = x * r`` rounded to BF16;
-2. with RoPE (``dspark_core.layers.Rotary``), ``c, s`` the table's cos and sin
+2. with RoPE (``dspark_core.spec.layers.Rotary``), ``c, s`` the table's cos and sin
    of pair ``j`` at the row's position (BF16 or FP32, widened exactly):
    ``a' = a * c - b * s``, ``b' = b * c + a * s`` (each product and the
    difference/sum rounded, no FMA), rounded to BF16;
@@ -45,7 +45,7 @@ import torch
 from cutlass import Int32, Int64, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from dspark_core.constants import HEAD_DIM, ContextStoreConstants
+from dspark_core.contracts.constants import HEAD_DIM, ContextStoreConstants
 from dspark_cute import ptx
 from dspark_cute.host import CompileCache, LazyPdl, cache_tensor, compile_once, current_stream, fake_stream
 

@@ -1,5 +1,5 @@
 """The specialized decode of the reference DSpark draft: ``DraftDecode`` runs
-``DraftModel.forward`` part by part as ``dspark_core.plan.DraftPlan`` says,
+``DraftModel.forward`` part by part as ``dspark_core.planner.plan.DraftPlan`` says,
 each fused part on its CuTe kernel and each refused part on its stock
 modules, bit for bit the stock forward (the QKV front up to its projection's
 summation order).
@@ -25,7 +25,7 @@ draft is TP1 and every branch is already whole.
 
 The one-token GEMV (``gemv=True``, opt-in; ``dspark_cute.gemv``) runs each
 layer's QKV, o_proj, gate_up and down projections of a one-token step on a
-coalesced warp-per-row kernel in the order ``dspark_core.gemv`` states (bit
+coalesced warp-per-row kernel in the order ``dspark_core.spec.gemv`` states (bit
 for bit that spec, not cuBLAS's bits), launched with PDL so its weight
 streams while the small kernel before it runs; steps of more tokens keep the
 stock projections.
@@ -51,16 +51,16 @@ from typing import Protocol
 
 import torch
 
-from dspark_core.layers import capturing, linear, o_gate, residual_boundary
-from dspark_core.model import DraftModel, StepInputs, attend, check_inputs
-from dspark_core.plan import DraftPlan, plan_draft
-from dspark_core.policy import (  # noqa: F401 (ATTENTION_VARIANTS, GEMV and QKV_FRONT re-exported)
+from dspark_core.planner.plan import DraftPlan, plan_draft
+from dspark_core.planner.policy import (  # noqa: F401 (ATTENTION_VARIANTS, GEMV and QKV_FRONT re-exported)
     ATTENTION_VARIANTS,
     GEMV,
     QKV_FRONT,
     asked_opt_ins,
     device_target,
 )
+from dspark_core.reference.model import DraftModel, StepInputs, attend, check_inputs
+from dspark_core.spec.layers import capturing, linear, o_gate, residual_boundary
 
 log = logging.getLogger("dspark.decode")
 # Bytes a row of each GEMM weight that the L2 prefetch brings in while the
@@ -232,7 +232,7 @@ class DraftDecode:
 
     def _bind_gemvs(self) -> dict:
         """The one-token GEMV of every (layer, role) the plan fuses, compiled."""
-        from dspark_core.policy import GEMV_ROLES, gemv_weight
+        from dspark_core.planner.policy import GEMV_ROLES, gemv_weight
 
         gemvs = {}
         roles = list(GEMV_ROLES)
@@ -501,7 +501,7 @@ def build_draft_decode(
     ``gemv`` (default: ``DSPARK_GEMV=1``, else False) runs the four
     projections of every layer at m = 1 on the one-token GEMV
     (``dspark_cute.gemv``): a step of one token then equals the stock forward
-    with those projections computed by ``dspark_core.gemv.gemv`` (a stated
+    with those projections computed by ``dspark_core.spec.gemv.gemv`` (a stated
     order, not cuBLAS's); steps of more tokens keep the stock projections.
     A GEMV streams its weight before its PDL wait, so a one-token step
     prefetches no weight of a GEMV-run projection into L2.
@@ -516,7 +516,7 @@ def build_draft_decode(
     ``prefetch_mode`` (default: "side" where ``DSPARK_PREFETCH=side``, else
     "inline") picks how it overlaps them.
 
-    A rank's shard of a TP draft (``dspark_core.tp.TPDraftModel``, ``tp > 1``)
+    A rank's shard of a TP draft (``dspark_core.reference.tp.TPDraftModel``, ``tp > 1``)
     needs ``all_reduce`` of its TP size (dspark-comm's ``DraftAllReduce``):
     without it the branches' partials would never be summed (ValueError).
     ``all_reduce.prepare()``, where it has one, runs after the decode's, so

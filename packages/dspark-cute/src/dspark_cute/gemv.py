@@ -1,5 +1,5 @@
 """The one-token GEMV: ``y = x[1, K] @ W[N, K]^T`` in BF16 with FP32 sums in
-the order ``dspark_core.gemv`` states, bit for bit its ``gemv``.
+the order ``dspark_core.spec.gemv`` states, bit for bit its ``gemv``.
 
 Why: a draft step at m = 1 streams its weights once per step, so each
 projection is bound by HBM. On an H200 a warp-per-row GEMV with coalesced
@@ -18,7 +18,7 @@ contiguous bytes of a row per load) and the same 16 bytes of x
 ``f + depth`` are issued before fragment ``f``'s arithmetic, so ``depth``
 fragments per row are in flight per lane.
 
-**Order** (``dspark_core.gemv``, steps 1-5): each product ``mul.rn.f32``;
+**Order** (``dspark_core.spec.gemv``, steps 1-5): each product ``mul.rn.f32``;
 the fragment's 8 products pairwise (``ptx.fragment_sum``); the fragment sums
 in order of ``f`` (``add.rn``); the warp butterfly (``ptx.warp_fold``, 16 ..
 1); ``cvt.rn.bf16x2.f32`` of two rows' sums, stored by lane 0 as one 32-bit
@@ -36,8 +36,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
 
-from dspark_core.constants import GemvConstants
-from dspark_core.gemv import FRAGMENT, LANES, VEC, gemv_unsupported
+from dspark_core.contracts.constants import GemvConstants
+from dspark_core.spec.gemv import FRAGMENT, LANES, VEC, gemv_unsupported
 from dspark_cute import ptx
 from dspark_cute.host import (
     CompileCache,
@@ -183,7 +183,7 @@ class Gemv(LazyPdl):
     settings (module docstring; they do not change the bits).
 
     - ``run(x, out=None)``: ``x`` BF16 ``[1, k]`` -> BF16 ``[1, n]``,
-      bit for bit ``dspark_core.gemv.gemv(x, weight)``;
+      bit for bit ``dspark_core.spec.gemv.gemv(x, weight)``;
     - ``takes(x, out=None)``: whether ``run`` covers the operands;
     - ``launch``: ``run`` without its checks; ``prepare()``: compile before
       CUDA graph capture (a compile during capture raises RuntimeError)."""

@@ -63,7 +63,7 @@ def cute_dtype(dtype) -> type:
 
 def stream_capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False without
-    CUDA). Unlike ``dspark_core.layers.capturing``, not while torch.compile
+    CUDA). Unlike ``dspark_core.spec.layers.capturing``, not while torch.compile
     traces."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 

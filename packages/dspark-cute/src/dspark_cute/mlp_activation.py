@@ -1,4 +1,4 @@
-"""The gated SiLU activation kernel: ``dspark_core.layers.GatedMLP.activation``,
+"""The gated SiLU activation kernel: ``dspark_core.spec.layers.GatedMLP.activation``,
 bit for bit.
 
 For the gate-up projection's output ``gu`` (BF16 ``[m, 2I]``, rows
@@ -14,7 +14,7 @@ contiguous, the I gate columns first, then the I up columns) it writes BF16
    ``cvt.rn.bf16x2.f32``: nearest even, subnormals kept, overflow to inf).
 
 No FMA, no ``.ftz``, no approximate instruction: the result is a function
-of the input bits alone (NaN payloads aside, ``dspark_core.numerics``).
+of the input bits alone (NaN payloads aside, ``dspark_core.spec.numerics``).
 
 Layout: one thread per 8 consecutive columns (a 16-byte vector): thread
 ``v = cta * 128 + tid`` of a 1-D grid handles vector ``v`` of the ``m * I /
@@ -33,7 +33,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
 
-from dspark_core.constants import MlpActivationConstants, mlp_activation_constants
+from dspark_core.contracts.constants import MlpActivationConstants, mlp_activation_constants
 from dspark_cute import ptx, ptx_math
 from dspark_cute.host import (
     CompileCache,

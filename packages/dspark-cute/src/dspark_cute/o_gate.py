@@ -1,4 +1,4 @@
-"""The o-gate kernel: ``dspark_core.layers.o_gate(attn, gate, norm)`` with the
+"""The o-gate kernel: ``dspark_core.spec.layers.o_gate(attn, gate, norm)`` with the
 weightless o-norm, bit for bit.
 
 For the attention output ``attn`` (BF16 ``[m, heads * 64]``, contiguous) and
@@ -8,7 +8,7 @@ column slice with its own row stride) it writes BF16 ``out [m, heads * 64]``
 and ``g = gate[i, 64h : 64h + 64]``, widened to FP32 exactly:
 
 1. ``HeadNorm`` without a weight: the squares ``x_c * x_c`` (``mul.rn``),
-   the head tree (``dspark_core.numerics.head_sum``: pair sums ``p_j =
+   the head tree (``dspark_core.spec.numerics.head_sum``: pair sums ``p_j =
    x_2j^2 + x_(2j+1)^2``, then folded by halves ``p_j + p_(j+16)``, 8, 4, 2,
    1; each sum ``add.rn``), ``r = inv_rms(s, 64, eps) = 1 / sqrt(s / 64 +
    eps)`` (``div.rn``, ``add.rn``, ``sqrt.rn``, ``div.rn``; 64 and eps FP32
@@ -20,7 +20,7 @@ and ``g = gate[i, 64h : 64h + 64]``, widened to FP32 exactly:
    the product ``mul.rn``, rounded to BF16 nearest even.
 
 No FMA, no ``.ftz``, no approximate instruction (NaN payloads aside, the
-result is a function of the input bits: ``dspark_core.numerics``).
+result is a function of the input bits: ``dspark_core.spec.numerics``).
 
 Layout: one thread per 8 consecutive columns (a 16-byte vector), 8 threads
 per head: thread ``v = cta * 128 + tid`` of a 1-D grid handles vector ``v``
@@ -43,7 +43,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
 
-from dspark_core.constants import HEAD_DIM, OGateConstants, o_gate_constants
+from dspark_core.contracts.constants import HEAD_DIM, OGateConstants, o_gate_constants
 from dspark_cute import ptx, ptx_math
 from dspark_cute.host import (
     CompileCache,
@@ -167,7 +167,7 @@ def compile_o_gate(constants: OGateConstants, pdl: bool):
 
 
 class OGate(LazyPdl):
-    """``dspark_core.layers.o_gate(attn, gate, norm)`` for ``heads`` heads of
+    """``dspark_core.spec.layers.o_gate(attn, gate, norm)`` for ``heads`` heads of
     ``head_dim`` = 64 and a weightless o-norm of ``eps``, as one kernel launch
     (module docstring): ``og(attn, gate)`` returns the same bits as the stock
     function.

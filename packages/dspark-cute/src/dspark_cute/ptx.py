@@ -5,12 +5,12 @@ traced (call it from a kernel or from a plain Python function a kernel calls).
 The arithmetic is inline PTX with an explicit rounding mode and no ``.ftz``,
 so the compiler cannot contract a product and a sum into an FMA, flush
 subnormals, or swap in an approximation: each helper is exactly the IEEE
-operation that ``dspark_core.numerics`` specifies.
+operation that ``dspark_core.spec.numerics`` specifies.
 
 Values: ``Float32`` for FP32 values, ``Uint32`` for raw 32-bit words (a bf16x2
 or fp16x2 pair, an FP32 bit pattern), ``Int64`` for global addresses in bytes.
 A "fragment" is a Python list of 8 ``Float32``: the 8 consecutive columns one
-thread holds (``dspark_core.numerics`` row tree, step 1).
+thread holds (``dspark_core.spec.numerics`` row tree, step 1).
 
 Memory helpers take byte addresses (``Int64``) in the global space; the
 kernels compute them from a pointer argument's ``toint()``. Every global load
@@ -45,7 +45,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-# The reference CTA of the row tree (dspark_core.numerics).
+# The reference CTA of the row tree (dspark_core.spec.numerics).
 THREADS = 256
 VEC = 8
 WARP = 32
@@ -377,7 +377,7 @@ def _store_if_lane0(lane, addr, value, *, loc=None, ip=None) -> None:
 
 
 def row_sum(fragments: list, sums_addr, warp, lane) -> Float32:
-    """The row tree (``dspark_core.numerics.row_sum``) of the squares of one
+    """The row tree (``dspark_core.spec.numerics.row_sum``) of the squares of one
     thread's ``fragments`` (a list per ``k`` of 8 FP32): each value squared
     (``mul.rn``), steps 2-5; the row's sum of squares, in every thread.
     ``sums_addr``: 8 FP32 of shared memory for this sum alone."""
@@ -386,7 +386,7 @@ def row_sum(fragments: list, sums_addr, warp, lane) -> Float32:
 
 
 def inv_rms(total, n: int, eps: float) -> Float32:
-    """``dspark_core.numerics.inv_rms``: ``1 / sqrt(total / n + eps)`` as
+    """``dspark_core.spec.numerics.inv_rms``: ``1 / sqrt(total / n + eps)`` as
     ``div.rn``, ``add.rn``, ``sqrt.rn``, ``div.rn`` (``n`` and ``eps`` FP32
     constants, rounded to nearest even)."""
     var = add_rn(div_rn(total, f32_const(float(n))), f32_const(eps))
@@ -473,7 +473,7 @@ def ld_dsmem_f32(addr, rank, *, loc=None, ip=None) -> Float32:
 def cluster_row_sum(fragment, ranks: int, fsum_addr, sums_addr, tidx, warp, lane) -> Float32:
     """The row tree of the squares of a row split over a cluster of
     ``ranks`` CTAs, CTA ``k`` holding fragment ``k`` of every reference
-    thread (``dspark_core.numerics``: the cluster layout). Thread ``t``:
+    thread (``dspark_core.spec.numerics``: the cluster layout). Thread ``t``:
 
     1. squares its 8 values and forms their fragment sum (step 2), stored at
        ``fsum_addr + 4 t`` of its CTA's shared memory (256 FP32 reserved);

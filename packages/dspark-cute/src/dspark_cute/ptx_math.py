@@ -1,5 +1,5 @@
 """Traced PTX of the spec's transcendental chain: ``exp_rn``, ``sigmoid_rn``
-and ``silu_rn`` of ``dspark_core.numerics``, bit for bit.
+and ``silu_rn`` of ``dspark_core.spec.numerics``, bit for bit.
 
 Like ``dspark_cute.ptx``, every helper emits inline PTX while a kernel is
 traced, each FP32 operation with an explicit ``.rn`` and without ``.ftz``, so
@@ -23,7 +23,7 @@ nothing is contracted into an FMA, flushed or approximated:
   6. the selection after the arithmetic: ``+inf`` where ``x > 88.72...``,
      ``+0.0`` where ``x < -104``, ``x`` itself where ``x`` is NaN.
 
-  The constants are the spec's own (``dspark_core.numerics``) rounded to FP32
+  The constants are the spec's own (``dspark_core.spec.numerics``) rounded to FP32
   on the host and written as exact hex immediates (``0fXXXXXXXX``).
 - ``sigmoid_rn(x)``: ``div.rn(1, add.rn(1, exp_rn(neg(x))))`` (``neg.f32``
   is exact; the spec's ``1.0 / t`` is torch's ``reciprocal(t) * 1.0``, a
@@ -43,7 +43,7 @@ import cutlass
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from dspark_core import numerics as spec
+from dspark_core.spec import numerics as spec
 from dspark_cute import ptx
 from dspark_cute.ptx import _asm, _f
 
@@ -53,7 +53,7 @@ def _hex(value: float) -> str:
     return f"0f{ptx.f32_bits(value):08X}"
 
 
-# The spec's constants (FP32 bit patterns), read from dspark_core.numerics so
+# The spec's constants (FP32 bit patterns), read from dspark_core.spec.numerics so
 # that the kernel cannot drift from it.
 EXP_BITS = {
     "log2e": ptx.f32_bits(spec._LOG2E),
@@ -130,19 +130,19 @@ def neg_f32(a, *, loc=None, ip=None) -> Float32:
 
 @dsl_user_op
 def exp_rn(x, *, loc=None, ip=None) -> Float32:
-    """``dspark_core.numerics.exp_rn(x)`` of FP32 ``x`` (module docstring)."""
+    """``dspark_core.spec.numerics.exp_rn(x)`` of FP32 ``x`` (module docstring)."""
     return Float32(_asm(T.f32(), [_f(x, loc, ip)], _EXP_ASM, "=f,f", False, loc, ip))
 
 
 def sigmoid_rn(x) -> Float32:
-    """``dspark_core.numerics.sigmoid_rn``: ``1 / (1 + exp_rn(-x))``, the
+    """``dspark_core.spec.numerics.sigmoid_rn``: ``1 / (1 + exp_rn(-x))``, the
     negation exact, the sum and the quotient each rounded once."""
     one = ptx.f32_const(1.0)
     return ptx.div_rn(one, ptx.add_rn(one, exp_rn(neg_f32(x))))
 
 
 def silu_rn(x) -> Float32:
-    """``dspark_core.numerics.silu_rn``: ``x * sigmoid_rn(x)``, rounded once."""
+    """``dspark_core.spec.numerics.silu_rn``: ``x * sigmoid_rn(x)``, rounded once."""
     return ptx.mul_rn(x, sigmoid_rn(x))
 
 

@@ -1,4 +1,4 @@
-"""The QKV epilogue kernel: ``dspark_core.model.DraftAttention.front`` after
+"""The QKV epilogue kernel: ``dspark_core.reference.model.DraftAttention.front`` after
 its projection, bit for bit, in one launch.
 
 Input: ``qkv``, the stock projection ``linear(x, attn.qkv_proj)``, BF16
@@ -19,7 +19,7 @@ traced helpers this kernel calls):
    widened exactly): ``a' = a*c - b*s``, ``b' = b*c + a*s`` (each product,
    the difference and the sum rounded once, no FMA), rounded to BF16;
 2. k heads: the same with ``k_eps`` and no weight;
-3. the insert (``dspark_core.layers.kv_insert``): for ``s = slots[t] >= 0``,
+3. the insert (``dspark_core.spec.layers.kv_insert``): for ``s = slots[t] >= 0``,
    the k result and the v head's projected bits as they are written to the
    K and V halves of ``cache[s // bs, head, s % bs]``
    (``qkv_front.cache_row_address``);
@@ -61,8 +61,8 @@ import torch
 from cutlass import Int32, Int64, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from dspark_core.constants import HEAD_DIM, QKVFrontConstants
-from dspark_core.layers import capturing
+from dspark_core.contracts.constants import HEAD_DIM, QKVFrontConstants
+from dspark_core.spec.layers import capturing
 from dspark_cute import ptx
 from dspark_cute import qkv_front as qf
 from dspark_cute import skinny_gemm as sg

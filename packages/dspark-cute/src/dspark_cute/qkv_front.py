@@ -1,4 +1,4 @@
-"""The QKV front kernel: ``dspark_core.model.DraftAttention.front`` for 1 to 16
+"""The QKV front kernel: ``dspark_core.reference.model.DraftAttention.front`` for 1 to 16
 tokens in one launch.
 
 For ``x`` BF16 ``[m, H]`` (1 <= m <= 16) and the QKV weight ``W`` BF16
@@ -51,7 +51,7 @@ from cutlass import Int32, Int64, Uint32
 from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import dsl_user_op
 
-from dspark_core.constants import HEAD_DIM, MAX_DECODE_ROWS, QKVFrontConstants
+from dspark_core.contracts.constants import HEAD_DIM, MAX_DECODE_ROWS, QKVFrontConstants
 from dspark_cute import ptx
 from dspark_cute import skinny_gemm as sg
 from dspark_cute.host import (

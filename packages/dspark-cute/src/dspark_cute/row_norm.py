@@ -1,6 +1,6 @@
-"""The row norm kernel: one ``dspark_core.layers.RMSNorm`` over rows, bit for bit.
+"""The row norm kernel: one ``dspark_core.spec.layers.RMSNorm`` over rows, bit for bit.
 
-Layout (the reference CTA of ``dspark_core.numerics``): one CTA of 256
+Layout (the reference CTA of ``dspark_core.spec.numerics``): one CTA of 256
 threads per row; thread ``t`` holds fragment ``k`` = the 8 columns
 ``t * 8 + k * 2048 .. + 7`` for ``k < H / 2048``, read and written with
 16-byte vector accesses (one per BF16/FP16 fragment, two per FP32 fragment).
@@ -22,8 +22,8 @@ import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64
 
-from dspark_core.constants import NormConstants, RowNormConstants
-from dspark_core.numerics import check_row_width
+from dspark_core.contracts.constants import NormConstants, RowNormConstants
+from dspark_core.spec.numerics import check_row_width
 from dspark_cute import ptx
 from dspark_cute.host import (
     ELEMENT_BYTES,
@@ -79,7 +79,7 @@ def rms_norm_fragments(
     norm: NormConstants, h: int, x: list, weight_words: list | None, sums_addr, warp, lane,
     sum_squares=None,
 ) -> list:
-    """``dspark_core.layers.RMSNorm.forward`` over one thread's fragments
+    """``dspark_core.spec.layers.RMSNorm.forward`` over one thread's fragments
     ``x`` (lists of 8 FP32, the row widened exactly), before the output
     rounding. With ``g = gains(weight_words[k])``:
 
@@ -188,7 +188,7 @@ def compile_row_norm(constants: RowNormConstants, pdl: bool):
 
 
 class RowNorm(LazyPdl):
-    """``dspark_core.layers.RMSNorm`` of ``constants`` bound to its weight,
+    """``dspark_core.spec.layers.RMSNorm`` of ``constants`` bound to its weight,
     as one kernel launch: ``run(x)`` returns the same bits as the stock
     norm's ``forward(x)`` for rows ``takes(x)`` accepts.
 

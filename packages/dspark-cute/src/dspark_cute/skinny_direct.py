@@ -13,7 +13,7 @@ no ``cp.async``), and only the warp partials meet in shared memory.
 The package GEMM takes it with ``tile_n = 16`` (``PackageGemmConstants``);
 on an H200 it beats the ring and cuBLAS while all of a warp's steps are in
 flight at once (K = 1024) and trails both beyond (K >= 4096), so
-``dspark_core.policy.draft_gemm_shape`` picks it for short shards only.
+``dspark_core.planner.policy.draft_gemm_shape`` picks it for short shards only.
 Refill bursts (``group``) did not help there (``scripts/probes/package_gemm_sweep.py``).
 
 Layout (``SkinnyConfig``: ``k``, ``k_warps``, ``stages`` = the register

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .attention import paged_attention
-from .config import DTYPES, DraftConfig
-from .layers import (
+from dspark_core.reference.config import DTYPES, DraftConfig
+from dspark_core.spec.attention import paged_attention
+from dspark_core.spec.layers import (
     GatedMLP,
     GatedResidual,
     HeadNorm,
@@ -30,7 +30,7 @@ from .layers import (
     o_gate,
     residual_boundary,
 )
-from .numerics import F32
+from dspark_core.spec.numerics import F32
 
 
 @dataclass
@@ -68,7 +68,7 @@ class StepInputs:
 
 
 def attend(q: torch.Tensor, cache: PagedKVCache, attn_slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """The draft's attention: ``dspark_core.attention.paged_attention`` (its
+    """The draft's attention: ``dspark_core.spec.attention.paged_attention`` (its
     exact order: head-tree scores, ``exp_rn``, 128 lane sums folded by
     halves), BF16 ``[m, heads, D]``."""
     return paged_attention(q, cache, attn_slots, num_kv_heads)
@@ -320,7 +320,7 @@ class DraftModel(nn.Module):
 
     def reduce_branch(self, branch: torch.Tensor) -> torch.Tensor:
         """A branch's output as its boundary takes it: the whole draft's
-        branch, as it is (a TP shard, ``dspark_core.tp.TPDraftModel``,
+        branch, as it is (a TP shard, ``dspark_core.reference.tp.TPDraftModel``,
         all-reduces its partial here)."""
         return branch
 

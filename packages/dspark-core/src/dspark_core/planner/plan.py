@@ -17,7 +17,7 @@ names (``Target.attention``): the staged variant's constants include the
 o-gate's eps where the o-gate fuses, and that o-gate part then says it runs
 in the attention's kernel (``Part.via``).
 
-Run ``python -m dspark_core.plan [CONFIG.json] [--tp N] [--arch sm_90a]
+Run ``python -m dspark_core.planner [CONFIG.json] [--tp N] [--arch sm_90a]
 [--attention staged|direct] [--front] [--gemv]`` to print a plan and every
 reason: as ``build_draft_decode`` plans, the opt-in kernels (``policy.OPT_IN``)
 are declined unless their flag asks for them.
@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import constants as K
-from . import policy
-from .config import DraftConfig
-from .layers import GatedMLP, HeadNorm
-from .model import DraftAttention, DraftModel
-from .policy import Target
+from dspark_core.contracts import constants as K
+from dspark_core.planner import policy
+from dspark_core.planner.policy import Target
+from dspark_core.reference.config import DraftConfig
+from dspark_core.reference.model import DraftAttention, DraftModel
+from dspark_core.spec.layers import GatedMLP, HeadNorm
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ def plan_draft(model: DraftModel, target: Target | None = None) -> DraftPlan:
     if reason is not None:
         plan.draft_reason = reason
         return plan
-    # A rank's shard (dspark_core.tp.TPDraftModel) plans at its own TP size.
+    # A rank's shard (dspark_core.reference.tp.TPDraftModel) plans at its own TP size.
     model_tp = getattr(model, "tp", 1)
     sharded = model_tp > 1
     if sharded and model_tp != target.tp:
@@ -269,7 +269,7 @@ def plan_draft(model: DraftModel, target: Target | None = None) -> DraftPlan:
 
 
 def _gemv_part(i: int, role: str, weight, target: Target) -> Part:
-    """Layer ``i``'s ``role`` projection on the one-token GEMV (``dspark_core.gemv``)."""
+    """Layer ``i``'s ``role`` projection on the one-token GEMV (``dspark_core.spec.gemv``)."""
     name = f"layer {i}'s {role} GEMV"
     return _with_kernels(_try(name, K.gemv_constants, role, weight), target, policy.GEMV)
 
@@ -329,7 +329,7 @@ def _package_gemm_part(
     if why:
         return Part(name, reason=why)
     k = weight.shape[1]
-    if sharded:  # a rank's shard (dspark_core.tp): its weight holds K / tp already
+    if sharded:  # a rank's shard (dspark_core.reference.tp): its weight holds K / tp already
         k_shard = k
     elif k % tp:
         return Part(name, reason=f"{k} input features do not split over TP{tp}")
@@ -345,7 +345,7 @@ def _package_gemm_part(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dspark_core.plan", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dspark_core.planner", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", help="a DraftConfig JSON file (default: the reference draft)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--arch", default="sm_90a")

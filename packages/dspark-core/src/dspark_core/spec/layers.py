@@ -1,7 +1,7 @@
 """The stock eager layers of the DSpark draft: the executable numeric spec.
 
 Each forward is the exact arithmetic a fused kernel must reproduce bit for
-bit, written with the rounded operations of ``dspark_core.numerics`` (read its
+bit, written with the rounded operations of ``dspark_core.spec.numerics`` (read its
 docstring first: the row tree, the head tree, ``inv_rms`` and the NaN
 exception). Inputs of BF16, FP16 or FP32 are widened to FP32 exactly; every
 FP32 operation below rounds once to nearest even; "rounded to bf16" is
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .numerics import (
+from dspark_core.spec.numerics import (
     F32,
     check_head_width,
     check_row_width,

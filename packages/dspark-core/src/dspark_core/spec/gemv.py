@@ -22,7 +22,7 @@ against it. Per output row ``r``:
    butterfly of one warp);
 5. the sum is rounded to BF16 once (nearest even).
 
-Steps 2-4 are the row tree of ``dspark_core.numerics`` with one warp in
+Steps 2-4 are the row tree of ``dspark_core.spec.numerics`` with one warp in
 place of a CTA (its step 5 is absent). Every addition is ``add.rn``; there
 is no fused multiply-add. NaN results are NaN (payloads are the devices',
 as everywhere in the spec). Error against the exact product: at most
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from .numerics import F32, fold_halves, fragment_sum
+from dspark_core.spec.numerics import F32, fold_halves, fragment_sum
 
 LANES = 32  # lanes of the warp that owns a row
 VEC = 8  # columns a lane reads per fragment (16 bytes of BF16)

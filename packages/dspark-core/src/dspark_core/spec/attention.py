@@ -37,8 +37,8 @@ import math
 
 import torch
 
-from dspark_core.layers import capturing
-from dspark_core.numerics import _f32, exp_rn, fold_halves, head_sum
+from dspark_core.spec.layers import capturing
+from dspark_core.spec.numerics import _f32, exp_rn, fold_halves, head_sum
 
 F32 = torch.float32
 LANES = 128  # the lane sums of step 4: one per thread of the fused kernel's CTA

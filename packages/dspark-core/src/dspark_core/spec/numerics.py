@@ -19,7 +19,7 @@ The one exception is NaN: IEEE 754 leaves a NaN result's payload and sign to
 the implementation (x86 propagates an operand's payload, NVIDIA GPUs return
 the canonical ``0x7fffffff``, and torch's CPU bf16 conversion keeps the sign
 bit), so the spec promises only that a NaN result is a NaN.
-``dspark_core.compare.assert_bitwise`` compares every other bit pattern exactly
+``dspark_core.tools.compare.assert_bitwise`` compares every other bit pattern exactly
 (-0.0, subnormals and infinities included) and NaN against NaN.
 
 No function here uses ``torch.rsqrt``, ``torch.exp``, ``torch.sigmoid`` or a

@@ -77,7 +77,7 @@ DEFAULT_STAGED_SLOTS = 384
 OPT_IN = {
     QKV_FRONT: "the fused QKV front is opt-in (qkv_front=True): it sums its projection in its own order, "
                "and the stock projection with the QKV epilogue kernel is bit for bit",
-    GEMV: "the one-token GEMV is opt-in (gemv=True): it sums the projection in the order dspark_core.gemv "
+    GEMV: "the one-token GEMV is opt-in (gemv=True): it sums the projection in the order dspark_core.spec.gemv "
           "states, not the stock cuBLAS order",
 }
 # The projections the one-token GEMV may take over, per layer, with their

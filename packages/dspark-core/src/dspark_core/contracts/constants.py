@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .layers import GatedMLP, GatedResidual, HeadNorm, RMSNorm, Rotary
-from .numerics import CHUNK
+from dspark_core.spec.layers import GatedMLP, GatedResidual, HeadNorm, RMSNorm, Rotary
+from dspark_core.spec.numerics import CHUNK
 
 # The dtype names the constants carry (strings keep them hashable and printable).
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -240,7 +240,7 @@ class QKVFrontConstants(_Key):
 def qkv_front_constants(attn) -> QKVFrontConstants:
     """The constants of the QKV front for a stock ``DraftAttention``, or
     ValueError where the front does not reproduce it."""
-    from .model import DraftAttention
+    from dspark_core.reference.model import DraftAttention
 
     if type(attn) is not DraftAttention:
         raise ValueError(f"an attention other than the stock one ({type(attn).__name__})")
@@ -312,7 +312,7 @@ class PackageGemmConstants(_Key):
 @dataclass(frozen=True, eq=False)
 class GemvConstants(_Key):
     """The one-token projection of one weight in the stated order
-    (``dspark_core.gemv``): BF16 ``x [1, k] @ W[n, k]^T``; ``role`` names the
+    (``dspark_core.spec.gemv``): BF16 ``x [1, k] @ W[n, k]^T``; ``role`` names the
     projection (``qkv_proj``, ``o_proj``, ``gate_up``, ``down``)."""
 
     role: str
@@ -322,8 +322,8 @@ class GemvConstants(_Key):
 
 def gemv_constants(role: str, weight: torch.Tensor) -> GemvConstants:
     """The GEMV's constants for ``weight`` (BF16 ``[N, K]``), or ValueError
-    with the reason (``dspark_core.gemv.gemv_unsupported``)."""
-    from .gemv import gemv_unsupported
+    with the reason (``dspark_core.spec.gemv.gemv_unsupported``)."""
+    from dspark_core.spec.gemv import gemv_unsupported
 
     why = gemv_unsupported(weight)
     if why is not None:

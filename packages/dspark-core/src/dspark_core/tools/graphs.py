@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from .model import StepInputs
+from dspark_core.reference.model import StepInputs
 
 
 class StepGraph:

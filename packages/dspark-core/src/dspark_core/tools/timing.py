@@ -102,9 +102,9 @@ def _gemm_weights(layer) -> tuple:
 def gemms_replay(model, m: int) -> Callable[[], None]:
     """The replay of a CUDA graph of the draft step's GEMMs alone over ``m``
     rows: per layer the QKV, o_proj, gate_up and down projections (same
-    shapes, same cuBLAS calls: ``dspark_core.layers.linear``) and nothing
+    shapes, same cuBLAS calls: ``dspark_core.spec.layers.linear``) and nothing
     else. ``model``: a ``DraftModel`` or a TP shard (its own config)."""
-    from .layers import linear
+    from dspark_core.spec.layers import linear
 
     c = model.config
     x = torch.zeros(m, c.hidden_size, dtype=torch.bfloat16, device="cuda")
@@ -131,7 +131,7 @@ def step_case(model, m: int, context: int, device="cuda") -> tuple:
     ``(x, step, caches)`` with ``x`` the embeddings of tokens ``0 .. m-1``,
     ``step`` a ``StepInputs.block`` of span ``context + m`` and empty caches
     with two blocks to spare."""
-    from dspark_core.model import StepInputs
+    from dspark_core.reference.model import StepInputs
 
     span = context + m
     step = StepInputs.block(context, m, device, span=span)

@@ -48,10 +48,10 @@ from collections.abc import Callable
 
 import torch
 
-from .compare import mismatches
-from .config import DraftConfig
-from .model import DraftModel
-from .numerics import F32
+from dspark_core.reference.config import DraftConfig
+from dspark_core.reference.model import DraftModel
+from dspark_core.spec.numerics import F32
+from dspark_core.tools.compare import mismatches
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 

@@ -1,0 +1,1 @@
+"""The contracts between the planner and the kernel backends."""

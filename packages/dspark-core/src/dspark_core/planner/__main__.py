@@ -1,0 +1,7 @@
+"""``python -m dspark_core.planner``: print a draft's plan (``plan.main``)."""
+
+import sys
+
+from dspark_core.planner.plan import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The reference DSpark draft: its config, its stock model and its TP sharding."""

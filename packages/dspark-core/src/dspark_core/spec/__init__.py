@@ -1,0 +1,1 @@
+"""The numeric spec of the stock layers, as executable PyTorch."""

@@ -1,0 +1,1 @@
+"""Tools around a draft: bitwise comparison, CUDA graph capture of a step, timing."""
