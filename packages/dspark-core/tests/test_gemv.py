@@ -16,15 +16,21 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_core.spec import gemv as G
 from dspark_core.planner import policy
-from dspark_core.planner.plan import plan_draft
+from dspark_core.planner.plan import plan_draft as plan_description
+from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import small_config
 from dspark_core.reference.model import DraftModel
+from dspark_core.spec import gemv as G
 from dspark_core.tools.compare import assert_bitwise
 
 SEED = int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31))
 print(f"DSPARK_SEED={SEED}")
+
+
+def plan_draft(model, target=None):
+    """The plan of a reference draft: the planner over its description."""
+    return plan_description(describe(model), target)
 
 
 def _emulate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

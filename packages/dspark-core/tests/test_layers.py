@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_core.contracts.constants import norm_constants
+from dspark_core.contracts.constants import norm_constants as _norm_constants
+from dspark_core.reference.adapter import norm_description
 from dspark_core.spec import layers as L
 
 WIDTHS = [2048, 4096, 6144, 8192]
@@ -365,7 +366,7 @@ def test_norm_constants_separate_the_gain_center_signs():
     a, b, c = L.RMSNorm(h, gain_center=0.0), L.RMSNorm(h, gain_center=-0.0), L.RMSNorm(h, gain_center=0.0)
     for n in (a, b, c):
         n.weight.fill_(-0.0)
-    ca, cb, cc = (norm_constants(n, h) for n in (a, b, c))
+    ca, cb, cc = (_norm_constants(norm_description("a norm", n, h), h) for n in (a, b, c))
     assert I.torch_bits(a(x))[0, 0] != I.torch_bits(b(x))[0, 0]
     assert ca != cb and ca.key() != cb.key()
     assert ca == cc and hash(ca) == hash(cc) and ca.key() == cc.key()

@@ -16,11 +16,17 @@ from torch import nn
 
 from dspark_core.contracts import constants as K
 from dspark_core.planner import policy
-from dspark_core.planner.plan import plan_draft
+from dspark_core.planner.plan import plan_draft as plan_description
 from dspark_core.planner.policy import Target
+from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig, small_config
 from dspark_core.reference.model import DraftAttention, DraftModel
 from dspark_core.spec.layers import GatedResidual, HeadNorm, RMSNorm, Rotary
+
+
+def plan_draft(model, target=None):
+    """The plan of a reference draft: the planner over its description."""
+    return plan_description(describe(model), target)
 
 ALL = Target(kernels=policy.ALL_KERNELS)
 
@@ -36,7 +42,8 @@ def reasons(plan) -> dict[str, str]:
 def test_reference_plan_fuses_every_part_at_tp1():
     plan = plan_draft(DraftModel(DraftConfig(), device="meta"), ALL)
     assert plan.draft_reason is None
-    assert reasons(plan) == {"the fused all-reduce": "TP1: there is no all-reduce"}
+    assert reasons(plan) == {}
+    assert plan.all_reduce is None  # TP1 has no all-reduce: no part for it
     assert len(plan.boundaries) == 4 and len(plan.qkv_fronts) == 2
     assert all(isinstance(b.constants, K.BoundaryConstants) for b in plan.boundaries)
     assert plan.input_norm.constants.hidden_size == 8192
@@ -147,7 +154,7 @@ def test_first_norm_refuses_an_fp32_output():
     [
         ({"row_norm"}, "layer 0's attention boundary", "boundary"),
         ({"boundary"}, "the draft's first norm", "row_norm"),
-        ({"context_norms"}, "the context K/V chain", "context_store"),
+        ({"boundary"}, "the context K/V chain", "context_chain"),
         (set(), "layer 0's QKV front", "qkv_front"),
         ({"o_gate"}, "layer 1's attention", "attention"),
         ({"attention"}, "layer 0's o-gate", "o_gate"),
@@ -196,7 +203,7 @@ def test_context_refuses_a_weighted_k_norm_in_a_later_layer():
     model = meta()
     model.layers[1].self_attn.k_norm = HeadNorm(64, has_weight=True).to_empty(device="meta")
     r = reasons(plan_draft(model, ALL))
-    assert r["the context K/V chain"] == "a layer whose attention or K-norm is not the stock one"
+    assert r["the context K/V chain"] == "a K-norm other than the stock weightless head norm"
 
 
 def test_context_refuses_no_layers():
@@ -283,8 +290,8 @@ def test_a_declined_opt_in_kernel_says_it_is_opt_in():
         Target(declined=frozenset({policy.BOUNDARY}))
     # The switches name the opt-in kernels they ask for; opt_in declines the rest.
     assert policy.asked_opt_ins() == frozenset()
-    assert policy.asked_opt_ins(qkv_front=True, gemv=True) == frozenset(policy.OPT_IN)
-    assert ALL.opt_in(policy.asked_opt_ins(gemv=True)).declined == {policy.QKV_FRONT}
+    assert policy.asked_opt_ins(qkv_front=True, gemv=True, package_gemm=True) == frozenset(policy.OPT_IN)
+    assert ALL.opt_in(policy.asked_opt_ins(gemv=True)).declined == {policy.QKV_FRONT, policy.PACKAGE_GEMM}
 
 
 def test_attention_refuses_wide_heads_and_a_subclass():
@@ -323,10 +330,11 @@ def test_context_refuses_a_non_bf16_kv_weight():
 
 
 def test_all_reduce_refusals():
-    assert reasons(plan_draft(meta(), ALL.replace(tp=3)))["the fused all-reduce"] == (
-        "TP3, not one of the mailbox's TP sizes (2, 4, 8)"
+    wide = meta(num_heads=64, num_kv_heads=16, intermediate_size=4096)
+    assert reasons(plan_draft(wide, ALL.replace(tp=16)))["the fused all-reduce"] == (
+        "TP16, not one of the mailbox's TP sizes (2, 4, 8)"
     )
-    model = meta(connection_overrides={"layers.0.add_ffn": {"dtype": "bf16"}})
+    model = meta(num_kv_heads=8, connection_overrides={"layers.0.add_ffn": {"dtype": "bf16"}})
     assert reasons(plan_draft(model, ALL.replace(tp=4)))["the fused all-reduce"] == (
         "layer 0's feed-forward boundary keeps its stock modules (every rank must fuse every boundary)"
     )
@@ -339,28 +347,33 @@ def test_all_reduce_refusals():
     class MoE(nn.Module):
         pass
 
-    model = meta()
+    model = meta(num_kv_heads=8)
     model.layers[0].mlp = MoE()
     model.layers[0].mlp.down = model.layers[1].mlp.down
     assert reasons(plan_draft(model, ALL.replace(tp=8)))["the fused all-reduce"] == (
-        "layer 0: a feed-forward other than the stock MLP"
+        "layer 0: an MLP other than the stock gated one (MoE)"
     )
     assert reasons(plan_draft(meta(), Target(tp=2, kernels=policy.ALL_KERNELS - {"all_reduce_boundary"})))[
         "the fused all-reduce"
     ] == "the installed backends do not provide the all_reduce_boundary kernel"
 
 
+def test_a_tp_size_that_does_not_split_the_draft_is_an_error():
+    with pytest.raises(ValueError, match="TP3 cannot split the draft's 8 query heads"):
+        plan_draft(meta(), ALL.replace(tp=3))
+    with pytest.raises(ValueError, match="TP16 cannot split the draft's 2 KV heads"):
+        plan_draft(meta(num_heads=16), ALL.replace(tp=16))
+
+
 def test_package_gemm_refusals():
-    r = reasons(plan_draft(meta(), ALL.replace(tp=3)))
-    assert r["layer 0's o_proj package GEMM"] == "TP3 runs its branch GEMMs on cuBLAS"
+    wide = meta(num_heads=64, num_kv_heads=16, intermediate_size=4096)
+    r = reasons(plan_draft(wide, ALL.replace(tp=16)))
+    assert r["layer 0's o_proj package GEMM"] == "TP16 runs its branch GEMMs on cuBLAS"
     model = meta(connection_overrides={"layers.0.add_ffn": {"dtype": "bf16"}})
     r = reasons(plan_draft(model, ALL.replace(tp=2)))
     assert r["layer 1's down_proj package GEMM"] == "the all-reduce is not fused (nothing to publish into)"
-    r = reasons(plan_draft(meta(intermediate_size=1002), ALL.replace(tp=4)))
-    assert r["layer 0's down_proj package GEMM"] == "1002 input features do not split over TP4"
-    assert "layer 0's o_proj package GEMM" not in r
     # A shard the kernel's warps cannot step through (down_proj's 8 warps: 256 features a step).
-    r = reasons(plan_draft(meta(intermediate_size=4 * 1000), ALL.replace(tp=4)))
+    r = reasons(plan_draft(meta(num_kv_heads=8, intermediate_size=4 * 1000), ALL.replace(tp=4)))
     assert r["layer 0's down_proj package GEMM"] == (
         "a shard of 1000 input features is not a multiple of 256 (the steps of the package GEMM's 8 warps, "
         "32 features each)")
@@ -390,7 +403,7 @@ def test_meta_and_real_drafts_plan_alike():
     has_weight=st.booleans(),
     before=st.booleans(),
     center=st.sampled_from([0.0, 1.0]),
-    tp=st.sampled_from([1, 2, 3, 4, 8]),
+    tp=st.sampled_from([1, 2, 4, 8]),
     platform=st.sampled_from(["cuda", "cpu"]),
 )
 def test_random_configs_plan_consistently(
@@ -403,6 +416,10 @@ def test_random_configs_plan_consistently(
     )
     model = DraftModel(config, device="meta")
     target = Target(platform=platform, tp=tp, kernels=policy.ALL_KERNELS)
+    if layers and ((kv * group) % tp or kv % tp):
+        with pytest.raises(ValueError, match=f"TP{tp} cannot split"):
+            plan_draft(model, target)
+        return
     plan = plan_draft(model, target)
     again = plan_draft(DraftModel(config, device="meta"), target)
     assert plan.format() == again.format()
@@ -412,34 +429,37 @@ def test_random_configs_plan_consistently(
     # Every stock part says why; every fused part's constants rebuild equal.
     assert all(p.reason for p in plan.parts() if not p.fused)
     assert all(b.fused for b in plan.boundaries)  # every variant of this space is covered
-    for (post, conn, pre), b in zip(model.boundaries(), plan.boundaries):
-        assert b.constants == K.boundary_constants(post, conn, pre, hidden)
+    for boundary, b in zip(describe(model).boundaries(), plan.boundaries):
+        assert b.constants == K.boundary_constants(boundary, hidden)
     front_ok = head_dim == 64 and kv & (kv - 1) == 0
     assert all(p.fused == front_ok for p in plan.qkv_fronts)
-    assert plan.all_reduce.fused == (tp in (2, 4, 8))
+    assert (plan.all_reduce is None) == (tp == 1)
+    assert tp == 1 or plan.all_reduce.fused
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "dspark_core.planner.plan", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "dspark_core.planner", *args], capture_output=True, text=True)
 
 
 def test_cli_prints_the_reference_plan():
     out = _cli("--kernels", "all")
     assert out.returncode == 0, out.stderr
-    assert "DSpark plan for cuda sm_90a (132 SMs), TP1" in out.stdout
+    assert "DSpark plan for TP1: one GPU of sm_90a (132 SMs)" in out.stdout
     assert "layer 1's feed-forward boundary" in out.stdout and "fused (BoundaryConstants" in out.stdout
-    assert "the fused all-reduce keeps its stock modules: TP1: there is no all-reduce" in out.stdout
+    assert "all-reduce" not in out.stdout
+    assert "14 of 14 parts fused" in out.stdout
 
 
 def test_cli_declines_the_opt_in_kernels_unless_asked():
     out = _cli("--kernels", "all")
-    assert "layer 0's QKV front keeps its stock modules: " + policy.OPT_IN[policy.QKV_FRONT] in out.stdout
-    assert "layer 1's down GEMV keeps its stock modules: " + policy.OPT_IN[policy.GEMV] in out.stdout
+    # Each opt-in said once, with how many parts it would take.
+    assert out.stdout.count(policy.OPT_IN[policy.QKV_FRONT]) == 1
+    assert "not asked for (2 parts): " + policy.OPT_IN[policy.QKV_FRONT] in out.stdout
+    assert "not asked for (8 parts): " + policy.OPT_IN[policy.GEMV] in out.stdout
     out = _cli("--kernels", "all", "--front", "--gemv")
     assert out.returncode == 0, out.stderr
-    assert "keeps its stock modules: the fused QKV front is opt-in" not in out.stdout
-    assert "layer 1's down GEMV" in out.stdout and "GEMV is opt-in" not in out.stdout
-    assert "fused (GemvConstants" in out.stdout
+    assert "opt-in" not in out.stdout
+    assert "layer 1's down GEMV" in out.stdout and "fused (GemvConstants" in out.stdout
 
 
 def test_cli_prints_reasons_of_a_refusing_config(tmp_path):
@@ -447,15 +467,20 @@ def test_cli_prints_reasons_of_a_refusing_config(tmp_path):
     path.write_text(json.dumps({"num_heads": 48, "num_kv_heads": 6}))
     out = _cli(str(path), "--tp", "2", "--kernels", "all")
     assert out.returncode == 0, out.stderr
-    assert "layer 0's QKV front keeps its stock modules: 6 KV heads, not a power of two up to 32" in out.stdout
+    lines = out.stdout.splitlines()
+    front = next(line for line in lines if line.strip().startswith("layer 0's QKV front"))
+    number = front.split("reason ")[1].rstrip(")")
+    assert f"  reason {number}: 6 KV heads, not a power of two up to 32" in lines
+    assert out.stdout.count("6 KV heads, not a power of two up to 32") == 1  # each reason once
 
 
 def test_cli_rejects_a_bad_config(tmp_path):
     path = tmp_path / "draft.json"
     path.write_text(json.dumps({"hidden": 8192}))
     out = _cli(str(path))
-    assert out.returncode == 2
-    assert "unknown DraftConfig keys ['hidden']" in out.stderr
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == "dspark-plan: error: unknown DraftConfig keys ['hidden']"
+    assert "Traceback" not in _cli("--tp", "3").stderr
 
 
 def test_a_target_without_kernels_calls_them_excluded():
@@ -472,6 +497,7 @@ def test_a_target_without_kernels_calls_them_excluded():
 def test_device_target_on_a_cpu():
     t = policy.device_target(torch.device("cpu"), tp=2)
     assert (t.platform, t.tp, t.kernels) == ("cpu", 2, policy.installed_kernels())
+    assert policy.device_target(torch.device("cpu"), kernels={"boundary"}).kernels == {"boundary"}
 
 
 def test_constants_keys_are_memoized_per_object_and_outside_it():

@@ -18,7 +18,8 @@ import torch
 
 from dspark_core.contracts import constants as K
 from dspark_core.planner import policy
-from dspark_core.planner.plan import plan_draft
+from dspark_core.planner.plan import plan_draft as plan_description
+from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig, small_config
 from dspark_core.reference.model import DraftModel, StepInputs, attend
 from dspark_core.reference.tp import (
@@ -35,6 +36,11 @@ from dspark_core.spec.layers import linear, o_gate, residual_boundary
 from dspark_core.tools.compare import assert_bitwise
 
 ALL = policy.Target(kernels=policy.ALL_KERNELS)
+
+
+def plan_draft(model, target=None):
+    """The plan of a reference draft: the planner over its description."""
+    return plan_description(describe(model), target)
 
 
 def _shards(model, tp):

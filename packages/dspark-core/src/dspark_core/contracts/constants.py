@@ -3,9 +3,10 @@ hashable compile-time constants of each fused kernel, built from the spec's
 modules. A backend compiles one variant per distinct constants value (their
 ``key()`` names it), so equal constants always mean the same machine code.
 
-Every ``*_constants`` function raises ValueError with a sentence where the
-kernel does not reproduce the module bit for bit; the planner turns that
-sentence into its refusal.
+Every ``*_constants`` function takes the model-neutral description of its
+part (``dspark_core.runtime.description``) and raises ``Unsupported`` with a
+sentence where the kernel does not reproduce the part bit for bit; the
+planner turns that sentence into its refusal.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_core.spec.layers import GatedMLP, GatedResidual, HeadNorm, RMSNorm, Rotary
+from dspark_core.errors import Unsupported
+from dspark_core.runtime.description import MLP, Attention, Boundary, Connection, HeadNorm, Norm, Rope
+from dspark_core.spec.gemv import gemv_unsupported
 from dspark_core.spec.numerics import CHUNK
 
 # The dtype names the constants carry (strings keep them hashable and printable).
@@ -136,21 +139,25 @@ class ContextStoreConstants(_Key):
     table_dtype: str
 
 
-def norm_constants(norm: RMSNorm, hidden_size: int) -> NormConstants:
-    """The constants of a stock ``RMSNorm`` over ``hidden_size`` columns, or
-    ValueError where the fused norms do not reproduce it."""
-    if type(norm) is not RMSNorm:
-        raise ValueError(f"a norm other than the stock RMSNorm ({type(norm).__name__})")
+def _refuse(reason: str | None) -> None:
+    if reason is not None:
+        raise Unsupported(reason)
+
+
+def norm_constants(norm: Norm, hidden_size: int) -> NormConstants:
+    """The constants of a stock norm over ``hidden_size`` columns, or
+    Unsupported where the fused norms do not reproduce it."""
+    _refuse(norm.unsupported)
     if norm.hidden_size != hidden_size:
-        raise ValueError(f"a norm over {norm.hidden_size} columns, not the rows' {hidden_size}")
+        raise Unsupported(f"a norm over {norm.hidden_size} columns, not the rows' {hidden_size}")
     if hidden_size % CHUNK:
-        raise ValueError(f"rows of {hidden_size} columns, not a multiple of {CHUNK}")
+        raise Unsupported(f"rows of {hidden_size} columns, not a multiple of {CHUNK}")
     weight_dtype = None
     if norm.weight is not None:
         if norm.weight.dtype not in DTYPE_NAMES:
-            raise ValueError(f"a norm weight of {norm.weight.dtype}, not BF16, FP16 or FP32")
+            raise Unsupported(f"a norm weight of {norm.weight.dtype}, not BF16, FP16 or FP32")
         if tuple(norm.weight.shape) != (hidden_size,) or not norm.weight.is_contiguous():
-            raise ValueError(f"a norm weight other than a contiguous [{hidden_size}] vector")
+            raise Unsupported(f"a norm weight other than a contiguous [{hidden_size}] vector")
         weight_dtype = DTYPE_NAMES[norm.weight.dtype]
     return NormConstants(
         eps=float(norm.eps),
@@ -160,11 +167,11 @@ def norm_constants(norm: RMSNorm, hidden_size: int) -> NormConstants:
     )
 
 
-def connection_unsupported(conn: GatedResidual, hidden_size: int) -> str | None:
+def connection_unsupported(conn: Connection, hidden_size: int) -> str | None:
     """Why the fused boundary does not take this residual connection, or None:
-    the stock ``GatedResidual`` with contiguous FP32 ``[H]`` coefficients."""
-    if type(conn) is not GatedResidual:
-        return f"a residual connection other than the stock gated one ({type(conn).__name__})"
+    the stock gated connection with contiguous FP32 ``[H]`` coefficients."""
+    if conn.unsupported is not None:
+        return conn.unsupported
     for name in ("alpha", "beta"):
         t = getattr(conn, name)
         if not (
@@ -177,25 +184,24 @@ def connection_unsupported(conn: GatedResidual, hidden_size: int) -> str | None:
     return None
 
 
-def boundary_constants(post: RMSNorm, conn: GatedResidual, pre: RMSNorm, hidden_size: int) -> BoundaryConstants:
-    """The constants of the boundary ``post -> conn -> pre``, or ValueError.
-    The post-norm must produce BF16 (the spec's boundary rounds it so) and the
-    pre-norm BF16 (the next layer's input)."""
-    reason = connection_unsupported(conn, hidden_size)
-    if reason:
-        raise ValueError(reason)
-    post_c = norm_constants(post, hidden_size)
-    pre_c = norm_constants(pre, hidden_size)
-    if pre.out_dtype != torch.bfloat16:
-        raise ValueError(f"a next pre-norm that outputs {pre.out_dtype}, not BF16")
+def boundary_constants(boundary: Boundary, hidden_size: int) -> BoundaryConstants:
+    """The constants of the boundary ``post -> connection -> pre``, or
+    Unsupported. The pre-norm must produce BF16 (the next layer's input)."""
+    _refuse(connection_unsupported(boundary.connection, hidden_size))
+    post_c = norm_constants(boundary.post, hidden_size)
+    pre_c = norm_constants(boundary.pre, hidden_size)
+    if boundary.pre.out_dtype != torch.bfloat16:
+        raise Unsupported(f"a next pre-norm that outputs {boundary.pre.out_dtype}, not BF16")
     return BoundaryConstants(hidden_size=hidden_size, post=post_c, pre=pre_c)
 
 
-def row_norm_constants(norm: RMSNorm, hidden_size: int, in_dtype: torch.dtype = torch.bfloat16) -> RowNormConstants:
+def row_norm_constants(norm: Norm, hidden_size: int, in_dtype: torch.dtype = torch.bfloat16) -> RowNormConstants:
     """The constants of the row norm kernel for ``norm`` on ``in_dtype``
-    rows, or ValueError."""
+    rows, or Unsupported."""
     if in_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"the row norm reads BF16 or FP32 rows, not {in_dtype}")
+        raise Unsupported(f"the row norm reads BF16 or FP32 rows, not {in_dtype}")
+    if norm.out_dtype not in DTYPE_NAMES:
+        raise Unsupported(f"a norm that outputs {norm.out_dtype}")
     return RowNormConstants(
         hidden_size=hidden_size,
         norm=norm_constants(norm, hidden_size),
@@ -204,21 +210,33 @@ def row_norm_constants(norm: RMSNorm, hidden_size: int, in_dtype: torch.dtype = 
     )
 
 
-def context_store_constants(k_norm: HeadNorm, kv_heads: int, rotary: Rotary | None) -> ContextStoreConstants:
-    """The constants of the context K/V store, or ValueError."""
-    if type(k_norm) is not HeadNorm or k_norm.weight is not None:
-        raise ValueError("a K-norm other than the stock weightless head norm")
-    if k_norm.head_dim != HEAD_DIM:
-        raise ValueError(f"{k_norm.head_dim}-wide KV heads, not {HEAD_DIM}")
+def _rope_facts(rope: Rope | None) -> tuple[bool, str]:
+    if rope is None:
+        return False, "bf16"
+    _refuse(rope.unsupported)
+    if rope.head_dim != HEAD_DIM:
+        raise Unsupported(f"a RoPE over {rope.head_dim} columns, not the whole {HEAD_DIM}-wide head")
+    if rope.table.dtype not in (torch.bfloat16, torch.float32):
+        raise Unsupported(f"a RoPE table of {rope.table.dtype}, not BF16 or FP32")
+    return True, DTYPE_NAMES[rope.table.dtype]
+
+
+def _kv_heads(kv_heads: int) -> int:
     if kv_heads < 1 or kv_heads & (kv_heads - 1) or kv_heads > 32:
-        raise ValueError(f"{kv_heads} KV heads, not a power of two up to 32")
-    if rotary is not None and (type(rotary) is not Rotary or rotary.head_dim != HEAD_DIM):
-        raise ValueError("a RoPE other than the stock GPT-J rotation over the whole head")
+        raise Unsupported(f"{kv_heads} KV heads, not a power of two up to 32")
+    return kv_heads
+
+
+def context_store_constants(k_norm: HeadNorm, kv_heads: int, rope: Rope | None) -> ContextStoreConstants:
+    """The constants of the context K/V store, or Unsupported."""
+    _refuse(k_norm.unsupported)
+    if k_norm.weight is not None:
+        raise Unsupported("a K-norm with a weight (the context store takes the weightless one)")
+    if k_norm.head_dim != HEAD_DIM:
+        raise Unsupported(f"{k_norm.head_dim}-wide KV heads, not {HEAD_DIM}")
+    rotates, table_dtype = _rope_facts(rope)
     return ContextStoreConstants(
-        kv_heads=kv_heads,
-        k_eps=float(k_norm.eps),
-        rope=rotary is not None,
-        table_dtype=DTYPE_NAMES[rotary.cos_sin.dtype] if rotary is not None else "bf16",
+        kv_heads=_kv_heads(kv_heads), k_eps=float(k_norm.eps), rope=rotates, table_dtype=table_dtype
     )
 
 
@@ -237,38 +255,34 @@ class QKVFrontConstants(_Key):
     table_dtype: str
 
 
-def qkv_front_constants(attn) -> QKVFrontConstants:
-    """The constants of the QKV front for a stock ``DraftAttention``, or
-    ValueError where the front does not reproduce it."""
-    from dspark_core.reference.model import DraftAttention
-
-    if type(attn) is not DraftAttention:
-        raise ValueError(f"an attention other than the stock one ({type(attn).__name__})")
+def qkv_front_constants(attn: Attention) -> QKVFrontConstants:
+    """The constants of the QKV front (and the QKV epilogue) for a layer's
+    attention, or Unsupported where they do not reproduce its stock
+    projection's epilogue."""
+    _refuse(attn.unsupported)
     if not attn.use_o_gate:
-        raise ValueError("no o-gate rows in the QKV projection")
+        raise Unsupported("no o-gate rows in the QKV projection")
     if attn.head_dim != HEAD_DIM:
-        raise ValueError(f"{attn.head_dim}-wide heads, not {HEAD_DIM}")
-    kv = attn.num_kv_heads
-    if kv & (kv - 1) or kv > 32:
-        raise ValueError(f"{kv} KV heads, not a power of two up to 32")
-    if attn.qkv_proj.dtype != torch.bfloat16:
-        raise ValueError(f"a QKV weight of {attn.qkv_proj.dtype}, not bfloat16")
-    if type(attn.q_norm) is not HeadNorm or type(attn.k_norm) is not HeadNorm:
-        raise ValueError("a QK-norm other than the stock head norm")
+        raise Unsupported(f"{attn.head_dim}-wide heads, not {HEAD_DIM}")
+    kv = _kv_heads(attn.num_kv_heads)
+    if attn.qkv_weight.dtype != torch.bfloat16:
+        raise Unsupported(f"a QKV weight of {attn.qkv_weight.dtype}, not bfloat16")
+    for norm in (attn.q_norm, attn.k_norm):
+        _refuse(norm.unsupported)
+        if norm.head_dim != HEAD_DIM:
+            raise Unsupported(f"a QK-norm over {norm.head_dim} columns, not {HEAD_DIM}")
     if attn.k_norm.weight is not None:
-        raise ValueError("a K-norm with a weight (the context chain's is weightless)")
-    rotary = attn.rotary
-    if rotary is not None and (type(rotary) is not Rotary or rotary.head_dim != HEAD_DIM):
-        raise ValueError("a RoPE other than the stock GPT-J rotation over the whole head")
+        raise Unsupported("a K-norm with a weight (the context chain's is weightless)")
+    rotates, table_dtype = _rope_facts(attn.rope)
     return QKVFrontConstants(
-        hidden_size=attn.qkv_proj.shape[1],
+        hidden_size=attn.qkv_weight.shape[1],
         num_heads=attn.num_heads,
         kv_heads=kv,
         q_weight=attn.q_norm.weight is not None,
         q_eps=float(attn.q_norm.eps),
         k_eps=float(attn.k_norm.eps),
-        rope=rotary is not None,
-        table_dtype=DTYPE_NAMES[rotary.cos_sin.dtype] if rotary is not None else "bf16",
+        rope=rotates,
+        table_dtype=table_dtype,
     )
 
 
@@ -321,13 +335,9 @@ class GemvConstants(_Key):
 
 
 def gemv_constants(role: str, weight: torch.Tensor) -> GemvConstants:
-    """The GEMV's constants for ``weight`` (BF16 ``[N, K]``), or ValueError
+    """The GEMV's constants for ``weight`` (BF16 ``[N, K]``), or Unsupported
     with the reason (``dspark_core.spec.gemv.gemv_unsupported``)."""
-    from dspark_core.spec.gemv import gemv_unsupported
-
-    why = gemv_unsupported(weight)
-    if why is not None:
-        raise ValueError(why)
+    _refuse(gemv_unsupported(weight))
     return GemvConstants(role, int(weight.shape[0]), int(weight.shape[1]))
 
 
@@ -348,29 +358,26 @@ class OGateConstants(_Key):
     eps: float
 
 
-def mlp_activation_constants(mlp: GatedMLP) -> MlpActivationConstants:
-    """The constants of the activation kernel for a stock ``GatedMLP``, or
-    ValueError (I must be a positive multiple of 8: 16-byte vectors)."""
-    if type(mlp) is not GatedMLP:
-        raise ValueError(f"an MLP other than the stock gated one ({type(mlp).__name__})")
+def mlp_activation_constants(mlp: MLP) -> MlpActivationConstants:
+    """The constants of the activation kernel for a layer's MLP, or
+    Unsupported (I must be a positive multiple of 8: 16-byte vectors)."""
+    _refuse(mlp.unsupported)
     i = mlp.intermediate_size
     if i < 8 or i % 8:
-        raise ValueError(f"an intermediate size of {i}, not a positive multiple of 8")
+        raise Unsupported(f"an intermediate size of {i}, not a positive multiple of 8")
     return MlpActivationConstants(intermediate_size=i)
 
 
 def o_gate_constants(norm: HeadNorm, num_heads: int) -> OGateConstants:
     """The constants of the o-gate kernel for the o-norm ``norm`` over
-    ``num_heads`` heads, or ValueError (a weightless stock ``HeadNorm`` of
-    ``HEAD_DIM``)."""
-    if type(norm) is not HeadNorm:
-        raise ValueError(f"an o-norm other than the stock head norm ({type(norm).__name__})")
-    if norm.has_weight or norm.weight is not None:
-        raise ValueError("an o-norm with a weight (the fused o-gate takes a weightless one)")
+    ``num_heads`` heads, or Unsupported (a weightless o-norm of ``HEAD_DIM``)."""
+    _refuse(norm.unsupported)
+    if norm.weight is not None:
+        raise Unsupported("an o-norm with a weight (the fused o-gate takes a weightless one)")
     if norm.head_dim != HEAD_DIM:
-        raise ValueError(f"{norm.head_dim}-wide heads, not {HEAD_DIM}")
+        raise Unsupported(f"{norm.head_dim}-wide heads, not {HEAD_DIM}")
     if num_heads < 1:
-        raise ValueError(f"{num_heads} heads, not at least one")
+        raise Unsupported(f"{num_heads} heads, not at least one")
     return OGateConstants(num_heads=num_heads, eps=float(norm.eps))
 
 

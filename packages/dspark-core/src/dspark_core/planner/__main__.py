@@ -2,6 +2,6 @@
 
 import sys
 
-from dspark_core.planner.plan import main
+from dspark_core.planner.cli import main
 
 sys.exit(main())

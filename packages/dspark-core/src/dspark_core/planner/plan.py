@@ -1,51 +1,42 @@
 """The planner: which parts of a DSpark draft run fused, and why any part
 keeps its stock modules.
 
-``plan_draft(model, target)`` asks, per part, the questions a fused kernel
-must answer yes to before it may replace the stock modules bit for bit: the
-whole draft (platform, dtypes), each residual boundary, the first layer's
-input norm, the context K/V chain, each layer's QKV front (or, where the
-front does not run, its QKV epilogue after the stock projection), attention,
-o-gate and MLP activation, the fused all-reduce and each branch's package GEMM, and at TP1 each layer's
-projections on the one-token GEMV. A refused part keeps its stock
-modules and the plan says why, in words. The plan reads the configuration and
-the modules' types, shapes and dtypes only (a draft on the meta device
-plans), so every rank of a TP group makes the same plan.
+``plan_draft(draft, target)`` takes a model-neutral ``DraftDescription``
+(``dspark_core.runtime.description``; any model's adapter builds one) and
+asks, per part, the questions a fused kernel must answer yes to before it may
+replace the stock modules bit for bit: the whole draft (platform, dtypes),
+the first norm, each residual boundary, the context K/V chain, each layer's
+QKV front or QKV epilogue, attention, o-gate and MLP activation, at TP1 the
+opt-in one-token GEMV projections, at TP the fused all-reduce and the opt-in
+package GEMMs. A refused part keeps its stock modules and the plan says why,
+in words: a constants builder's ``Unsupported`` is a refusal, any other
+exception a bug that propagates.
 
-The attention part carries the constants of the kernel variant the target
-names (``Target.attention``): the staged variant's constants include the
-o-gate's eps where the o-gate fuses, and that o-gate part then says it runs
-in the attention's kernel (``Part.via``).
-
-Run ``python -m dspark_core.planner [CONFIG.json] [--tp N] [--arch sm_90a]
-[--attention staged|direct] [--front] [--gemv]`` to print a plan and every
-reason: as ``build_draft_decode`` plans, the opt-in kernels (``policy.OPT_IN``)
-are declined unless their flag asks for them.
+The plan reads sizes, dtypes and the adapter's facts only (a draft on the
+meta device plans), so every rank of a TP group makes the same plan. The CLI
+is ``dspark_core.planner.cli`` (``python -m dspark_core.planner``).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from dspark_core.contracts import constants as K
+from dspark_core.errors import Unsupported
 from dspark_core.planner import policy
 from dspark_core.planner.policy import Target
-from dspark_core.reference.config import DraftConfig
-from dspark_core.reference.model import DraftAttention, DraftModel
-from dspark_core.spec.layers import GatedMLP, HeadNorm
+from dspark_core.runtime.description import Attention, DraftDescription, Layer
 
 
 @dataclass(frozen=True)
 class Part:
     """One planned part: ``fused`` with its kernel's ``constants``, or stock
     with the ``reason`` in words. ``via``: the name of the fused part whose
-    kernel runs this one in its epilogue (its ``constants`` then say how),
-    or None where this part has a kernel of its own."""
+    kernel runs this one in its epilogue, or None."""
 
     name: str
     constants: object | None = None
@@ -93,29 +84,51 @@ class DraftPlan:
                 *self.mlp_activations, *self.package_gemms, *self.gemvs]
 
     def refused(self) -> list[str]:
-        """Every stock part with its reason, as sentences."""
+        """Every stock part the caller did not merely decline, with its reason."""
         if self.draft_reason is not None:
             return [f"the whole draft keeps its stock layers: {self.draft_reason}"]
-        return [p.refusal for p in self.parts() if not p.fused]
+        return [p.refusal for p in self.parts() if not p.fused and not p.declined]
 
     def fused_count(self) -> tuple[int, int]:
-        parts = self.parts()
+        """``(fused, planned)``: the parts that run fused, of the parts the
+        plan was asked for (declined opt-ins are not counted)."""
+        parts = [p for p in self.parts() if not p.declined]
         return sum(p.fused for p in parts), len(parts)
 
     def format(self) -> str:
+        """The plan as text: a header naming the target, one line per part,
+        each distinct reason once with the parts it keeps stock, each opt-in
+        not asked for once."""
         t = self.target
-        lines = [f"DSpark plan for {t.platform} {t.arch} ({t.num_sms} SMs), TP{t.tp}"]
+        lines = [f"DSpark plan for {t.describe()}"]
+        if not t.validated and t.platform == "cuda":
+            lines.append(f"  (the fused path has never run on {t.arch} at TP{t.tp}: compile-checked only)")
         if self.draft_reason is not None:
-            lines.append(f"  stock draft: {self.draft_reason}")
+            lines.append(f"  every part stays stock: {self.draft_reason}")
             return "\n".join(lines)
+        reasons: dict[str, list[str]] = {}
+        declined: dict[str, list[str]] = {}
         for p in self.parts():
-            what = f"fused ({type(p.constants).__name__} {p.constants.key()})" if p.fused else f"stock: {p.reason}"
-            if p.fused and p.via is not None:
-                what = f"fused into {p.via}'s kernel ({type(p.constants).__name__} {p.constants.key()})"
-            lines.append(f"  {p.name:<36} {what}")
+            if p.fused:
+                what = f"{type(p.constants).__name__} {p.constants.key()}"
+                status = f"fused into {p.via}'s kernel" if p.via else "fused"
+                lines.append(f"  {p.name:<38} {status} ({what})")
+            elif p.declined:
+                declined.setdefault(p.reason, []).append(p.name)
+            else:
+                lines.append(f"  {p.name:<38} stock (reason {_reason_index(reasons, p)})")
         fused, total = self.fused_count()
         lines.append(f"  {fused} of {total} parts fused")
+        for n, reason in enumerate(reasons, 1):
+            lines.append(f"  reason {n}: {reason}")
+        for reason, names in declined.items():
+            lines.append(f"  not asked for ({len(names)} parts): {reason}")
         return "\n".join(lines)
+
+
+def _reason_index(reasons: dict[str, list[str]], part: Part) -> int:
+    reasons.setdefault(part.reason, []).append(part.name)
+    return list(reasons).index(part.reason) + 1
 
 
 def _kernel_missing(target: Target, *kernels: str) -> str | None:
@@ -129,12 +142,13 @@ def _kernel_missing(target: Target, *kernels: str) -> str | None:
     return None
 
 
-def _try(name: str, build, *args, **kwargs) -> Part:
-    """``Part(name, build(...))``, or the refusal with the ValueError's words."""
+def _try(name: str, build: Callable, *args, **kwargs) -> Part:
+    """``Part(name, build(...))``, or the refusal with the ``Unsupported``'s
+    words (any other exception is a bug and propagates)."""
     try:
         return Part(name, build(*args, **kwargs))
-    except ValueError as error:
-        return Part(name, reason=str(error))
+    except Unsupported as refusal:
+        return Part(name, reason=str(refusal))
 
 
 def _with_kernels(part: Part, target: Target, *kernels: str) -> Part:
@@ -144,59 +158,150 @@ def _with_kernels(part: Part, target: Target, *kernels: str) -> Part:
     return part
 
 
-def draft_unsupported(model: DraftModel, target: Target) -> str | None:
+def draft_unsupported(draft: DraftDescription, target: Target) -> str | None:
     """Why no part of the draft runs fused, or None: it needs a CUDA target
     of a supported architecture, BF16 compute and an FP32 residual stream."""
+    if draft.unsupported is not None:
+        return draft.unsupported
     if target.platform != "cuda":
         return "not CUDA"
     if target.arch not in policy.ARCHS:
         return f"architecture {target.arch}, not one of {', '.join(policy.ARCHS)}"
-    if model.default_dtype != torch.bfloat16:
-        return f"compute dtype {model.default_dtype}, not bfloat16"
-    if model.residual_dtype != torch.float32:
-        return f"residual dtype {model.residual_dtype}, not float32"
+    if draft.compute_dtype != torch.bfloat16:
+        return f"compute dtype {draft.compute_dtype}, not bfloat16"
+    if draft.residual_dtype != torch.float32:
+        return f"residual dtype {draft.residual_dtype}, not float32"
     return None
 
 
-def _boundary_names(model: DraftModel) -> list[str]:
-    return [f"layer {i}'s {kind} boundary" for i in range(len(model.layers)) for kind in ("attention", "feed-forward")]
+def check_tp(draft: DraftDescription, tp: int) -> None:
+    """ValueError unless a whole draft (``draft.tp == 1``) splits over ``tp``
+    ranks: its heads, KV heads and intermediate size divisible by ``tp``. A
+    rank's shard must be planned at its own TP size."""
+    if draft.tp > 1:
+        if draft.tp != tp:
+            raise ValueError(f"a TP{draft.tp} shard of the draft cannot be planned for TP{tp}")
+        return
+    for layer in draft.layers[:1]:
+        a = layer.attention
+        for what, n in (("query heads", a.num_heads), ("KV heads", a.num_kv_heads),
+                        ("intermediate features", layer.mlp.intermediate_size)):
+            if n % tp:
+                raise ValueError(f"TP{tp} cannot split the draft's {n} {what} evenly over its ranks")
 
 
-def context_unsupported(model: DraftModel) -> str | None:
-    """Why the fused context K/V chain is not bitwise the stock one, or None."""
-    return _context_part(model).reason
+def context_constants(draft: DraftDescription) -> K.ContextConstants:
+    """The constants of the fused context K/V chain, or Unsupported where it
+    is not bitwise the draft's stock chain."""
+    context = draft.context
+    if not draft.layers:
+        raise Unsupported("no layers")
+    if context is None:
+        raise Unsupported("the draft has no context K/V chain")
+    if context.unsupported is not None:
+        raise Unsupported(context.unsupported)
+    h = draft.hidden_size
+    hidden = K.norm_constants(context.hidden_norm, h)
+    pres = [K.norm_constants(layer.input_norm, h) for layer in draft.layers]
+    if len(set(pres)) != 1:
+        raise Unsupported("layer input norms that differ in more than their weights")
+    if draft.layers[0].input_norm.out_dtype != torch.bfloat16:
+        raise Unsupported("layer input norms that output other than bf16")
+    if any(layer.attention.qkv_weight.dtype != torch.bfloat16 for layer in draft.layers):
+        raise Unsupported("a K/V projection weight other than bfloat16")
+    norms = K.ContextNormConstants(h, len(draft.layers), hidden, pres[0])
+    store = K.context_store_constants(context.k_norm, context.num_kv_heads, context.rope)
+    return K.ContextConstants(norms, store)
 
 
-def _context_part(model: DraftModel) -> Part:
-    name = "the context K/V chain"
-    if not model.layers:
-        return Part(name, reason="no layers")
-    h = model.config.hidden_size
-    try:
-        hidden = K.norm_constants(model.hidden_norm, h)
-        pres = [K.norm_constants(layer.input_norm, h) for layer in model.layers]
-        if len(set(pres)) != 1:
-            raise ValueError("layer input norms that differ in more than their weights")
-        norms = K.ContextNormConstants(h, len(model.layers), hidden, pres[0])
-        if model.layers[0].input_norm.out_dtype != torch.bfloat16:
-            raise ValueError("layer input norms that output other than bf16")
-        attn = model.layers[0].self_attn
-        store = K.context_store_constants(attn.k_norm, model.config.num_kv_heads, attn.rotary)
-        for layer in model.layers:
-            a = layer.self_attn
-            if type(a) is not DraftAttention or type(a.k_norm) is not HeadNorm or a.k_norm.weight is not None:
-                raise ValueError("a layer whose attention or K-norm is not the stock one")
-            if a.qkv_proj.dtype != torch.bfloat16:
-                raise ValueError("a K/V projection weight other than bfloat16")
-    except ValueError as error:
-        return Part(name, reason=str(error))
-    return Part(name, K.ContextConstants(norms, store))
+def plan_draft(draft: DraftDescription, target: Target | None = None) -> DraftPlan:
+    """Plan every part of ``draft`` for ``target`` (default: one H200).
+    ValueError where ``target.tp`` cannot split the draft."""
+    target = target or Target()
+    check_tp(draft, target.tp)
+    plan = DraftPlan(target)
+    reason = draft_unsupported(draft, target)
+    if reason is not None:
+        plan.draft_reason = reason
+        return plan
+    h = draft.hidden_size
+
+    for boundary in draft.boundaries():
+        part = _try(boundary.name, K.boundary_constants, boundary, h)
+        plan.boundaries.append(_with_kernels(part, target, policy.BOUNDARY))
+
+    part = _try("the draft's first norm", K.row_norm_constants, draft.first_norm, h)
+    if part.fused and part.constants.out_dtype != "bf16":
+        part = Part(part.name, reason=f"an input norm that outputs {part.constants.out_dtype}, not bf16")
+    plan.input_norm = _with_kernels(part, target, policy.ROW_NORM)
+
+    part = _try("the context K/V chain", context_constants, draft)
+    plan.context = _with_kernels(part, target, policy.CONTEXT_CHAIN)
+
+    for layer in draft.layers:
+        _plan_layer(plan, layer, target)
+
+    if target.tp == 1:
+        for layer in draft.layers:
+            for role in policy.GEMV_ROLES:
+                name = f"layer {layer.index}'s {role} GEMV"
+                weight = policy.gemv_weight(layer, role)
+                part = (Part(name, reason="the layer has no such projection") if weight is None
+                        else _try(name, K.gemv_constants, role, weight))
+                plan.gemvs.append(_with_kernels(part, target, policy.GEMV))
+    else:
+        plan.all_reduce = _with_kernels(_all_reduce_part(draft, plan), target, policy.ALL_REDUCE_BOUNDARY)
+        for layer in draft.layers:
+            for role, weight in (("o_proj", layer.attention.o_proj_weight), ("down_proj", layer.mlp.down_weight)):
+                plan.package_gemms.append(_package_gemm_part(layer.index, role, weight, draft, plan))
+    return plan
 
 
-def qkv_front_unsupported(attn: DraftAttention) -> str | None:
-    """Why this layer's QKV projection, QK-norm, RoPE and KV insert may not
-    run as the fused QKV front (1 to 16 tokens), or None."""
-    return _try("", K.qkv_front_constants, attn).reason
+def _plan_layer(plan: DraftPlan, layer: Layer, target: Target) -> None:
+    i, attn = layer.index, layer.attention
+    part = _try(f"layer {i}'s QKV front", K.qkv_front_constants, attn)
+    plan.qkv_fronts.append(_with_kernels(part, target, policy.QKV_FRONT))
+    # The same constants: QK-norm, RoPE and the insert on the stock
+    # projection's output (bit for bit the stock front).
+    part = _try(f"layer {i}'s QKV epilogue", K.qkv_front_constants, attn)
+    plan.qkv_epilogues.append(_with_kernels(part, target, policy.QKV_EPILOGUE))
+    gate = _with_kernels(_o_gate_part(i, attn), target, policy.O_GATE)
+    attention = _with_kernels(_attention_part(i, attn), target, policy.ATTENTION)
+    if attention.fused and target.attention == "staged":
+        # The staged kernel takes the o-gate into its epilogue where the
+        # o-gate fuses: its constants say so.
+        eps = gate.constants.eps if gate.fused else None
+        attention = Part(attention.name, dataclasses.replace(
+            attention.constants, staged_slots=policy.DEFAULT_STAGED_SLOTS, o_gate_eps=eps))
+        if gate.fused:
+            gate = Part(gate.name, gate.constants, via=attention.name)
+    plan.attentions.append(attention)
+    plan.o_gates.append(gate)
+    part = _try(f"layer {i}'s MLP activation", K.mlp_activation_constants, layer.mlp)
+    plan.mlp_activations.append(_with_kernels(part, target, policy.MLP_ACTIVATION))
+
+
+def _attention_part(i: int, attn: Attention) -> Part:
+    """Layer ``i``'s attention over the paged cache (``spec.attention.paged_attention``)."""
+    name = f"layer {i}'s attention"
+    if attn.attention_unsupported is not None:
+        return Part(name, reason=attn.attention_unsupported)
+    if attn.attention_operands is None:
+        return Part(name, reason="the model's attention is not the paged attention the kernel reproduces")
+    if attn.head_dim != K.HEAD_DIM:
+        return Part(name, reason=f"{attn.head_dim}-wide heads, not {K.HEAD_DIM}")
+    if attn.num_kv_heads < 1 or attn.num_heads % attn.num_kv_heads:
+        return Part(name, reason=f"{attn.num_heads} query heads do not group over {attn.num_kv_heads} KV heads")
+    return Part(name, K.AttentionConstants(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                           attn.kv_block_size, "int64"))
+
+
+def _o_gate_part(i: int, attn: Attention) -> Part:
+    """Layer ``i``'s o-norm with its sigmoid o-gate."""
+    name = f"layer {i}'s o-gate"
+    if not attn.use_o_gate or attn.o_norm is None:
+        return Part(name, reason="the layer has no o-gate")
+    return _try(name, K.o_gate_constants, attn.o_norm, attn.num_heads)
 
 
 def _projection_unsupported(weight: torch.Tensor, hidden: int) -> str | None:
@@ -205,188 +310,48 @@ def _projection_unsupported(weight: torch.Tensor, hidden: int) -> str | None:
     return None
 
 
-def plan_draft(model: DraftModel, target: Target | None = None) -> DraftPlan:
-    """Plan every part of ``model`` for ``target`` (default: one H200)."""
-    target = target or Target()
-    plan = DraftPlan(target)
-    reason = draft_unsupported(model, target)
-    if reason is not None:
-        plan.draft_reason = reason
-        return plan
-    # A rank's shard (dspark_core.reference.tp.TPDraftModel) plans at its own TP size.
-    model_tp = getattr(model, "tp", 1)
-    sharded = model_tp > 1
-    if sharded and model_tp != target.tp:
-        raise ValueError(f"a TP{model_tp} shard of the draft cannot be planned for TP{target.tp}")
-    h = model.config.hidden_size
-
-    for name, (post, conn, pre) in zip(_boundary_names(model), model.boundaries()):
-        part = _try(name, K.boundary_constants, post, conn, pre, h)
-        plan.boundaries.append(_with_kernels(part, target, policy.BOUNDARY))
-
-    first = model.layers[0].input_norm if model.layers else model.norm
-    part = _try("the draft's first norm", K.row_norm_constants, first, h)
-    if part.fused and part.constants.out_dtype != "bf16":
-        part = Part(part.name, reason=f"an input norm that outputs {part.constants.out_dtype}, not bf16")
-    plan.input_norm = _with_kernels(part, target, policy.ROW_NORM)
-
-    plan.context = _with_kernels(_context_part(model), target, policy.CONTEXT_NORMS, policy.CONTEXT_STORE)
-
-    for i, layer in enumerate(model.layers):
-        part = _try(f"layer {i}'s QKV front", K.qkv_front_constants, layer.self_attn)
-        plan.qkv_fronts.append(_with_kernels(part, target, policy.QKV_FRONT))
-        # The same constants: QK-norm, RoPE and the insert on the stock
-        # projection's output (bit for bit the stock front), for the calls the
-        # fused front does not take or where it is not used.
-        part = _try(f"layer {i}'s QKV epilogue", K.qkv_front_constants, layer.self_attn)
-        plan.qkv_epilogues.append(_with_kernels(part, target, policy.QKV_EPILOGUE))
-        gate = _with_kernels(_o_gate_part(i, layer.self_attn), target, policy.O_GATE)
-        attention = _with_kernels(_attention_part(i, layer.self_attn, model.config), target, policy.ATTENTION)
-        if attention.fused and target.attention == "staged":
-            # The staged kernel (the executor's default) takes the o-gate into
-            # its epilogue where the o-gate fuses: its constants say so.
-            eps = gate.constants.eps if gate.fused else None
-            attention = Part(attention.name, dataclasses.replace(
-                attention.constants, staged_slots=policy.DEFAULT_STAGED_SLOTS, o_gate_eps=eps))
-            if gate.fused:
-                gate = Part(gate.name, gate.constants, via=attention.name)
-        plan.attentions.append(attention)
-        plan.o_gates.append(gate)
-        part = _try(f"layer {i}'s MLP activation", K.mlp_activation_constants, layer.mlp)
-        plan.mlp_activations.append(_with_kernels(part, target, policy.MLP_ACTIVATION))
-
-    if target.tp == 1:  # at TP the branch GEMMs feed the all-reduce (the package GEMM's parts)
-        for i, layer in enumerate(model.layers):
-            for role in policy.GEMV_ROLES:
-                plan.gemvs.append(_gemv_part(i, role, policy.gemv_weight(layer, role), target))
-
-    plan.all_reduce = _with_kernels(_all_reduce_part(model, plan), target, policy.ALL_REDUCE_BOUNDARY)
-    if target.tp > 1:
-        for i, layer in enumerate(model.layers):
-            for role, weight in (("o_proj", layer.self_attn.o_proj), ("down_proj", layer.mlp.down)):
-                plan.package_gemms.append(_package_gemm_part(i, role, weight, h, plan, sharded))
-    return plan
-
-
-def _gemv_part(i: int, role: str, weight, target: Target) -> Part:
-    """Layer ``i``'s ``role`` projection on the one-token GEMV (``dspark_core.spec.gemv``)."""
-    name = f"layer {i}'s {role} GEMV"
-    return _with_kernels(_try(name, K.gemv_constants, role, weight), target, policy.GEMV)
-
-
-def _attention_part(i: int, attn, config: DraftConfig) -> Part:
-    """Layer ``i``'s attention over the paged cache (``attention.paged_attention``)."""
-    name = f"layer {i}'s attention"
-    if type(attn) is not DraftAttention:
-        return Part(name, reason=f"an attention other than the stock one ({type(attn).__name__})")
-    if attn.head_dim != K.HEAD_DIM:
-        return Part(name, reason=f"{attn.head_dim}-wide heads, not {K.HEAD_DIM}")
-    if attn.num_kv_heads < 1 or attn.num_heads % attn.num_kv_heads:
-        return Part(name, reason=f"{attn.num_heads} query heads do not group over {attn.num_kv_heads} KV heads")
-    return Part(name, K.AttentionConstants(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                           config.kv_block_size, "int64"))
-
-
-def _o_gate_part(i: int, attn) -> Part:
-    """Layer ``i``'s o-norm with its sigmoid o-gate (``layers.o_gate``)."""
-    name = f"layer {i}'s o-gate"
-    if not getattr(attn, "use_o_gate", False):
-        return Part(name, reason="the layer has no o-gate")
-    return _try(name, K.o_gate_constants, attn.o_norm, attn.num_heads)
-
-
-def _all_reduce_part(model: DraftModel, plan: DraftPlan) -> Part:
+def _all_reduce_part(draft: DraftDescription, plan: DraftPlan) -> Part:
     name = "the fused all-reduce"
     tp = plan.target.tp
-    if tp == 1:
-        return Part(name, reason="TP1: there is no all-reduce")
     if tp not in policy.FUSED_TPS:
         return Part(name, reason=f"TP{tp}, not one of the mailbox's TP sizes {policy.FUSED_TPS}")
     for b in plan.boundaries:
         if not b.fused:
             return Part(name, reason=f"{b.name} keeps its stock modules (every rank must fuse every boundary)")
-    h = model.config.hidden_size
-    for i, layer in enumerate(model.layers):
-        if type(layer.mlp) is not GatedMLP:
-            return Part(name, reason=f"layer {i}: a feed-forward other than the stock MLP")
-        for weight in (layer.self_attn.o_proj, layer.mlp.down):
-            why = _projection_unsupported(weight, h)
+    for layer in draft.layers:
+        if layer.mlp.unsupported is not None:
+            return Part(name, reason=f"layer {layer.index}: {layer.mlp.unsupported}")
+        for weight in (layer.attention.o_proj_weight, layer.mlp.down_weight):
+            why = "no output projection" if weight is None else _projection_unsupported(weight, draft.hidden_size)
             if why:
-                return Part(name, reason=f"layer {i}: {why}")
+                return Part(name, reason=f"layer {layer.index}: {why}")
     return Part(name, K.AllReduceConstants(tp))
 
 
-def _package_gemm_part(
-    i: int, role: str, weight: torch.Tensor, hidden: int, plan: DraftPlan, sharded: bool
-) -> Part:
+def _package_gemm_part(i: int, role: str, weight: torch.Tensor, draft: DraftDescription, plan: DraftPlan) -> Part:
     name = f"layer {i}'s {role} package GEMM"
-    tp = plan.target.tp
+    tp, hidden = plan.target.tp, draft.hidden_size
+    missing = _kernel_missing(plan.target, policy.PACKAGE_GEMM)
+    if missing:
+        return Part(name, reason=missing)
     if tp not in policy.PACKAGE_GEMM_TPS:
         return Part(name, reason=f"TP{tp} runs its branch GEMMs on cuBLAS")
     if not plan.all_reduce.fused:
         return Part(name, reason="the all-reduce is not fused (nothing to publish into)")
-    why = _projection_unsupported(weight, hidden)
+    why = "no such projection" if weight is None else _projection_unsupported(weight, hidden)
     if why:
         return Part(name, reason=why)
     k = weight.shape[1]
-    if sharded:  # a rank's shard (dspark_core.reference.tp): its weight holds K / tp already
-        k_shard = k
-    elif k % tp:
+    # A rank's shard holds K / tp already; a whole draft planned for TP is split.
+    k_shard = k if draft.tp > 1 else k // tp
+    if draft.tp == 1 and k % tp:
         return Part(name, reason=f"{k} input features do not split over TP{tp}")
-    else:
-        k_shard = k // tp
     shape = policy.draft_gemm_shape(role, k_shard)
     unit = policy.gemm_step_unit(shape.split_k)
     if k_shard % unit:
         return Part(name, reason=f"a shard of {k_shard} input features is not a multiple of {unit} (the steps "
                                  f"of the package GEMM's {4 * shape.split_k} warps, 32 features each)")
-    constants = K.PackageGemmConstants(role, hidden, k_shard, shape.tile_n, shape.split_k, shape.max_rows)
-    return _with_kernels(Part(name, constants), plan.target, policy.PACKAGE_GEMM)
+    return Part(name, K.PackageGemmConstants(role, hidden, k_shard, shape.tile_n, shape.split_k, shape.max_rows))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dspark_core.planner", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", nargs="?", help="a DraftConfig JSON file (default: the reference draft)")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--arch", default="sm_90a")
-    parser.add_argument("--platform", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--num-sms", type=int, default=132)
-    parser.add_argument(
-        "--kernels",
-        default="installed",
-        help="'installed' (what the installed backends provide), 'all' (the whole design) "
-        "or a comma-separated list of kernel names",
-    )
-    parser.add_argument("--attention", default="staged", choices=policy.ATTENTION_VARIANTS,
-                        help="the attention kernel's variant (default: staged)")
-    parser.add_argument("--front", action="store_true", help="plan with the opt-in fused QKV front")
-    parser.add_argument("--gemv", action="store_true", help="plan with the opt-in one-token GEMV projections")
-    parser.add_argument("--print-config", action="store_true", help="print the config's JSON too")
-    args = parser.parse_args(argv)
-    try:
-        config = DraftConfig.from_json(args.config) if args.config else DraftConfig()
-        if args.kernels == "installed":
-            kernels = policy.installed_kernels()
-        elif args.kernels == "all":
-            kernels = policy.ALL_KERNELS
-        else:
-            kernels = frozenset(k for k in args.kernels.split(",") if k)
-        target = Target(args.platform, args.arch, args.num_sms, args.tp, kernels, attention=args.attention)
-        target = target.opt_in(policy.asked_opt_ins(args.front, args.gemv))
-    except (ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(config.to_json())
-    plan = plan_draft(DraftModel(config, device="meta"), target)
-    print(plan.format())
-    refused = plan.refused()
-    if refused:
-        print("Why:")
-        for line in refused:
-            print(f"  - {line}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["DraftPlan", "Part", "check_tp", "context_constants", "draft_unsupported", "plan_draft"]

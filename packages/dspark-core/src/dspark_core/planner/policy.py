@@ -7,54 +7,25 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 
-# Every fused kernel the design has; a backend says which it provides.
-ROW_NORM = "row_norm"
-BOUNDARY = "boundary"
-CONTEXT_NORMS = "context_norms"
-CONTEXT_STORE = "context_store"
-QKV_FRONT = "qkv_front"
-ALL_REDUCE_BOUNDARY = "all_reduce_boundary"
-PACKAGE_GEMM = "package_gemm"
-ATTENTION = "attention"
-O_GATE = "o_gate"
-MLP_ACTIVATION = "mlp_activation"
-QKV_EPILOGUE = "qkv_epilogue"
-GEMV = "gemv"
-ALL_KERNELS = frozenset(
-    {ROW_NORM, BOUNDARY, CONTEXT_NORMS, CONTEXT_STORE, QKV_FRONT, ALL_REDUCE_BOUNDARY, PACKAGE_GEMM,
-     ATTENTION, O_GATE, MLP_ACTIVATION, QKV_EPILOGUE, GEMV}
+from dspark_core.contracts.constants import MAX_DECODE_ROWS  # noqa: F401 (re-exported)
+
+# The kernel names (dspark_core.contracts.kernels), re-exported for the planner's callers.
+from dspark_core.contracts.kernels import (  # noqa: F401
+    ALL_KERNELS,
+    ALL_REDUCE_BOUNDARY,
+    ATTENTION,
+    BOUNDARY,
+    CONTEXT_CHAIN,
+    GEMV,
+    MLP_ACTIVATION,
+    O_GATE,
+    PACKAGE_GEMM,
+    QKV_EPILOGUE,
+    QKV_FRONT,
+    ROW_NORM,
+    WEIGHT_PREFETCH,
+    installed_kernels,
 )
-
-# Backends advertise the kernels they provide under this entry-point group,
-# each entry a list of names from ALL_KERNELS (read without importing the
-# backend's kernels, so planning needs no GPU stack).
-KERNELS_ENTRY_POINTS = "dspark.kernels"
-
-
-# DSpark's own backends, found by module where they are importable but not
-# installed (a device machine that puts the packages' src/ on PYTHONPATH).
-FIRST_PARTY_KERNELS = ("dspark_cute._provides", "dspark_comm._provides")
-
-
-def installed_kernels() -> frozenset[str]:
-    """The kernels the installed backend packages provide (entry points),
-    and those of DSpark's own backends importable from the path."""
-    import importlib
-    import importlib.util
-    from importlib.metadata import entry_points
-
-    found: set[str] = set()
-    for ep in entry_points(group=KERNELS_ENTRY_POINTS):
-        found.update(ep.load())
-    for name in FIRST_PARTY_KERNELS:
-        try:
-            spec = importlib.util.find_spec(name)
-        except ModuleNotFoundError:  # its package is absent
-            continue
-        if spec is not None:
-            found.update(importlib.import_module(name).KERNELS)
-    return frozenset(found) & ALL_KERNELS
-
 
 # The architectures the kernels are compiled for.
 ARCHS = ("sm_90a", "sm_100a")
@@ -72,30 +43,38 @@ PACKAGE_GEMM_TPS = (2, 4, 8)
 ATTENTION_VARIANTS = ("staged", "direct")
 DEFAULT_STAGED_SLOTS = 384
 # Kernels that run only where the caller asks for them, with the plan's reason
-# where it does not (Target.declined): the fused QKV front sums its projection
-# in its own order, so the default decode keeps the bit-for-bit front.
+# where it does not (Target.declined): each sums a projection in its own order,
+# so the default decode stays bit for bit the stock forward.
 OPT_IN = {
     QKV_FRONT: "the fused QKV front is opt-in (qkv_front=True): it sums its projection in its own order, "
                "and the stock projection with the QKV epilogue kernel is bit for bit",
     GEMV: "the one-token GEMV is opt-in (gemv=True): it sums the projection in the order dspark_core.spec.gemv "
           "states, not the stock cuBLAS order",
+    PACKAGE_GEMM: "the package GEMM is opt-in (package_gemm=True): it sums the branch projection in its own "
+                  "order, so the draft follows the stock tokens but not its bits",
 }
-# The projections the one-token GEMV may take over, per layer, with their
-# module attribute paths (the GEMV runs at TP1 only: at TP the branch GEMMs
-# feed the all-reduce and were not measured on it).
-GEMV_ROLES = {"qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj", "gate_up": "mlp.gate_up",
-              "down": "mlp.down"}
+# The projections the one-token GEMV may take over, per layer (it runs at TP1
+# only: at TP the branch GEMMs feed the all-reduce).
+GEMV_ROLES = ("qkv_proj", "o_proj", "gate_up", "down")
 
 
 def gemv_weight(layer, role: str):
-    """The weight of ``layer``'s projection ``role`` (``GEMV_ROLES``)."""
-    obj = layer
-    for name in GEMV_ROLES[role].split("."):
-        obj = getattr(obj, name)
-    return obj
-# Rows per call of the QKV front and of the mailbox (a draft proposes 1 to 16
-# tokens); calls with more rows take the unfused path.
-MAX_DECODE_ROWS = 16
+    """The weight of ``layer``'s projection ``role`` (``GEMV_ROLES``) in a
+    ``dspark_core.runtime.description.Layer``."""
+    weights = {
+        "qkv_proj": layer.attention.qkv_weight,
+        "o_proj": layer.attention.o_proj_weight,
+        "gate_up": layer.mlp.gate_up_weight,
+        "down": layer.mlp.down_weight,
+    }
+    if role not in weights:
+        raise ValueError(f"a GEMV role is one of {GEMV_ROLES}, not {role!r}")
+    return weights[role]
+
+
+# Where the fused path has run end to end and been checked bit for bit: the
+# plan marks parts planned for any other (arch, TP size) as never run there.
+VALIDATED = {("sm_90a", 1), ("sm_90a", 2)}
 
 
 @dataclass(frozen=True)
@@ -206,11 +185,28 @@ class Target:
             raise ValueError(f"an attention variant is one of {ATTENTION_VARIANTS}, not {self.attention!r}")
         if self.platform not in ("cuda", "cpu"):
             raise ValueError(f"a target platform is 'cuda' or 'cpu', not {self.platform!r}")
-        if self.tp < 1:
-            raise ValueError(f"a TP size is at least 1, not {self.tp}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"a TP size is an integer of at least 1, not {self.tp!r}")
+        if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or self.num_sms < 1:
+            raise ValueError(f"an SM count is a positive integer, not {self.num_sms!r}")
+        if self.platform == "cuda" and self.arch not in ARCHS and not self.arch.startswith("sm_"):
+            raise ValueError(f"a GPU architecture is written like sm_90a, not {self.arch!r}")
         unknown = set(self.kernels) - ALL_KERNELS
         if unknown:
             raise ValueError(f"unknown kernels {sorted(unknown)}; known: {sorted(ALL_KERNELS)}")
+
+    def describe(self) -> str:
+        """The target in words: its platform, architecture, SMs and TP size."""
+        if self.platform != "cuda":
+            return f"the CPU (TP{self.tp})"
+        gpus = "one GPU" if self.tp == 1 else f"{self.tp} GPUs"
+        return f"TP{self.tp}: {gpus} of {self.arch} ({self.num_sms} SMs)"
+
+    @property
+    def validated(self) -> bool:
+        """Whether the fused path has run and been checked on this (arch, TP
+        size) (``VALIDATED``)."""
+        return (self.arch, self.tp) in VALIDATED
 
     @property
     def pdl(self) -> bool:
@@ -244,21 +240,23 @@ class Target:
         return self.replace(kernels=self.kernels - kernels, excluded=self.excluded | kernels)
 
 
-def asked_opt_ins(qkv_front: bool = False, gemv: bool = False) -> frozenset[str]:
+def asked_opt_ins(qkv_front: bool = False, gemv: bool = False, package_gemm: bool = False) -> frozenset[str]:
     """The opt-in kernels (``OPT_IN``) a caller's switches ask for: the fused
-    QKV front and the one-token GEMV (``Target.opt_in`` declines the rest)."""
-    return frozenset(k for k, yes in ((QKV_FRONT, qkv_front), (GEMV, gemv)) if yes)
+    QKV front, the one-token GEMV and the package GEMM (``Target.opt_in``
+    declines the rest)."""
+    return frozenset(k for k, yes in ((QKV_FRONT, qkv_front), (GEMV, gemv), (PACKAGE_GEMM, package_gemm)) if yes)
 
 
-def device_target(device, tp: int = 1) -> Target:
+def device_target(device, tp: int = 1, kernels: frozenset[str] | None = None) -> Target:
     """The planner's target for the torch ``device``: its platform,
-    architecture and SM count, the TP size ``tp`` and the installed kernels
-    (``installed_kernels``)."""
+    architecture and SM count, the TP size ``tp`` and ``kernels`` (default:
+    the installed ones, ``installed_kernels``)."""
     import torch
 
+    kernels = installed_kernels() if kernels is None else frozenset(kernels)
     if device.type != "cuda":
-        return Target(platform="cpu", tp=tp, kernels=installed_kernels())
+        return Target(platform="cpu", tp=tp, kernels=kernels)
     major, minor = torch.cuda.get_device_capability(device)
     arch = {9: "sm_90a", 10: "sm_100a"}.get(major, f"sm_{major}{minor}")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return Target("cuda", arch, sms, tp, installed_kernels())
+    return Target("cuda", arch, sms, tp, kernels)

@@ -11,6 +11,7 @@ seed on the CPU (no downloads), so every device gets the same bits.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -235,6 +236,18 @@ class DraftModel(nn.Module):
         """Build the draft on ``device`` (default: the CPU); on ``"meta"`` it
         has shapes and dtypes but no weights (enough to plan it)."""
         super().__init__()
+        if not isinstance(config, DraftConfig):
+            raise TypeError(f"DraftModel takes a DraftConfig, not {type(config).__name__}")
+        meta = device is not None and torch.device(device).type == "meta"
+        # On the meta device nothing is allocated, so any config plans at once.
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            self._build(config)
+        if not meta:
+            self.init_weights(config.seed)
+            if device is not None:
+                self.to(device)
+
+    def _build(self, config: DraftConfig) -> None:
         self.config = config
         h = config.hidden_size
         self.default_dtype = DTYPES[config.compute_dtype]
@@ -249,12 +262,6 @@ class DraftModel(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(config, i, self.rotary) for i in range(config.num_layers))
         self.norm = RMSNorm(h, **config.norm_variant("norm"))
         self.lm_head = nn.Parameter(torch.zeros(config.vocab_size, h, dtype=self.default_dtype), requires_grad=False)
-        if device is not None and torch.device(device).type == "meta":
-            self.to_empty(device="meta")
-        else:
-            self.init_weights(config.seed)
-            if device is not None:
-                self.to(device)
 
     # -- weights -------------------------------------------------------------
     @torch.no_grad()

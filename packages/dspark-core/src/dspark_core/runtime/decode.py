@@ -1,0 +1,523 @@
+"""The executor: ``DraftDecode`` runs a draft's forward part by part as its
+plan says, each fused part on its kernel and each refused part on the
+model's own stock modules, over the model-neutral ``DraftDescription``
+(``dspark_core.runtime.description``), so it runs any model an adapter
+describes.
+
+The order of one step (``run(hidden_states, *step)``, ``*step`` being what
+the model's forward takes after its hidden states):
+
+1. the stream (FP32, or BF16 embeddings as they are) and the first layer's
+   input norm of its BF16 copy;
+2. per layer: the attention branch (the fused QKV front, else the stock QKV
+   projection with the QKV epilogue kernel, else the stock front; attention;
+   the o-norm and gate; the output projection), its residual boundary, the MLP
+   branch (gate-up projection, activation, down projection) and its boundary
+   into the next layer's input norm or the final norm;
+3. at TP each branch's partial goes to the fused all-reduce boundary
+   (``AllReduceBoundaries``) where it takes the call, else the model's stock
+   all-reduce, then the boundary.
+
+Kernels come from the installed backends (``contracts.kernels.kernel_class``)
+or a ``kernels`` mapping (name -> host class) the caller passes. ``prepare``
+compiles every variant ``run`` may launch before any CUDA graph is captured.
+A call a bound kernel does not take at run time (rows beyond what it covers, a
+strided operand) runs that part's stock modules and logs why, once per decode
+at WARNING (``dspark.decode``). Opt-in kernels that sum a projection in their
+own order (the QKV front, the one-token GEMV, the package GEMM) make the
+decode follow the stock tokens, not its bits; without them it is bit for bit
+the stock forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from dspark_core.contracts.kernels import kernel_class
+from dspark_core.planner import policy
+from dspark_core.planner.plan import DraftPlan, Part, plan_draft
+from dspark_core.runtime.description import Attention, Boundary, DraftDescription
+from dspark_core.spec.layers import capturing
+
+log = logging.getLogger("dspark.decode")
+
+# Bytes a row of each GEMM weight the L2 prefetch brings in while the small
+# kernels before that GEMM run (the benchmarks' results give the measurement).
+DEFAULT_PREFETCH = {"qkv_proj": 256, "o_proj": 256, "gate_up": 256, "down": 512}
+
+
+class AllReduceBoundaries(Protocol):
+    """What the executor needs of a fused all-reduce boundary (dspark-comm):
+    ``takes`` decides from the row count alone (the same on every rank);
+    ``run`` all-reduces the partial and runs boundary ``index`` on the sum;
+    ``all_reduce`` is the stock all-reduce for the calls it does not take;
+    ``project(index, x, weight) -> (partial, published)`` is the branch GEMM,
+    which may publish the partial into the mailbox itself (``run(...,
+    published=True)`` then only consumes it); ``prepare(failed=None)`` is
+    collective."""
+
+    tp: int
+
+    def takes(self, partial: torch.Tensor) -> bool: ...
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor: ...
+
+    def project(self, index: int, x: torch.Tensor, weight: torch.Tensor) -> tuple: ...
+
+    def run(self, index: int, partial, stream: torch.Tensor, store_stream: bool, published: bool = False): ...
+
+    def prepare(self, failed: BaseException | None = None) -> None: ...
+
+
+class DraftDecode:
+    """The draft's forward with its fused parts, as ``plan`` says (module
+    docstring). Build with ``build_draft_decode``; ``prepare`` binds and
+    compiles the kernels."""
+
+    def __init__(self, draft: DraftDescription, plan: DraftPlan, all_reduce: AllReduceBoundaries | None = None,
+                 prefetch: dict[str, int] | None = None, kernels: Mapping[str, type] | None = None) -> None:
+        if plan.draft_reason is not None:
+            raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason}): nothing to run fused")
+        if draft.tp > 1 and all_reduce is None:
+            raise ValueError(f"a TP{draft.tp} shard of the draft needs its all-reduce boundaries (all_reduce=...)")
+        if all_reduce is not None and draft.tp > 1 and all_reduce.tp != draft.tp:
+            raise ValueError(f"TP{all_reduce.tp} all-reduce boundaries for a TP{draft.tp} shard")
+        if len(plan.boundaries) != 2 * len(draft.layers):
+            raise ValueError(f"a plan of {len(plan.boundaries)} boundaries for a draft of {len(draft.layers)} layers")
+        self.draft, self.plan, self.all_reduce = draft, plan, all_reduce
+        self.layers = draft.layers
+        self.bounds = draft.boundaries()
+        self.dtype = draft.compute_dtype
+        self._kernels = kernels
+        self._prefetch_bytes = prefetch or None
+        self.prefetcher = None
+        # Bound kernels per part (prepare); None keeps the stock modules.
+        self.input_norm = None
+        self.boundaries: list = []
+        self.fronts: list = []
+        self.epilogues: list = []
+        self.attentions: list = []
+        self.o_gates: list = []
+        self.activations: list = []
+        self.gemvs: dict = {}  # (layer, role) -> bound one-token GEMV
+        self._gemv_weights: set = set()  # their weights' addresses: the prefetch skips them at m = 1
+        self._one_row = False
+        self.context = None
+        self.prepared = False
+        self._logged: set[str] = set()  # what this decode has logged (once each)
+
+    # -- binding -------------------------------------------------------------
+    def _log_once(self, level: int, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            log.log(level, message)
+
+    def _class(self, part: Part | None, kernel: str):
+        """The host class of ``kernel`` for a fused ``part``; None for a stock part."""
+        if part is None or not part.fused:
+            return None
+        if self._kernels is not None:
+            return self._kernels[kernel]
+        return kernel_class(kernel)
+
+    def prepare(self) -> None:
+        """Bind every planned part to its kernel and compile the variants
+        ``run`` launches: the first norm; every boundary with the stream it
+        gets (the first on an FP32 and a BF16 stream: BF16 embeddings are the
+        stream as they are), storing the new stream except the last; each
+        layer's QKV front or epilogue, attention, o-gate, MLP activation and
+        GEMVs; the context chain; the weight prefetch."""
+        plan, draft = self.plan, self.draft
+        cls = self._class(plan.input_norm, policy.ROW_NORM)
+        if cls is not None:
+            self.input_norm = cls(plan.input_norm.constants, draft.first_norm.weight)
+            self.input_norm.prepare()
+        self.boundaries = []
+        last = len(self.bounds) - 1
+        for index, (part, b) in enumerate(zip(plan.boundaries, self.bounds)):
+            cls = self._class(part, policy.BOUNDARY)
+            if cls is None:
+                self.boundaries.append(None)
+                continue
+            fused = cls(part.constants, b.connection.alpha, b.connection.beta, b.post.weight, b.pre.weight)
+            dtypes = (torch.float32, torch.bfloat16) if index == 0 else (torch.float32,)
+            fused.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
+            self.boundaries.append(fused)
+        bound = [self._bind_layer(i) for i in range(len(self.layers))]
+        self.fronts, self.epilogues, self.attentions, self.o_gates, self.activations = (
+            [b[k] for b in bound] for k in range(5)
+        )
+        self.gemvs = self._bind_gemvs()
+        self._gemv_weights = {g.weight.data_ptr() for g in self.gemvs.values()}
+        self.context = self._bind_context()
+        if self._prefetch_bytes:
+            self.prefetcher = self._class(Part("the weight prefetch", object()), policy.WEIGHT_PREFETCH)(
+                self._prefetch_bytes, draft.device)
+            self.prefetcher.prepare()
+        self.prepared = True
+
+    def _bind_layer(self, index: int) -> tuple:
+        """Layer ``index``'s kernels, compiled (None where a part stays stock):
+        the QKV front, the QKV epilogue, the attention (whose staged variant
+        takes the o-gate into its epilogue where the plan says so), the o-gate
+        and the MLP activation."""
+        plan, attn = self.plan, self.layers[index].attention
+        front, epilogue, attention, gate, activation = (
+            parts[index] for parts in (plan.qkv_fronts, plan.qkv_epilogues, plan.attentions, plan.o_gates,
+                                       plan.mlp_activations))
+        table = attn.rope.table if attn.rope is not None else None
+        kernels = []
+        cls = self._class(front, policy.QKV_FRONT)
+        kernels.append(cls and cls(front.constants, attn.qkv_weight, attn.q_norm.weight, table))
+        cls = self._class(epilogue, policy.QKV_EPILOGUE)
+        kernels.append(cls and cls(epilogue.constants, attn.q_norm.weight, table))
+        cls = self._class(attention, policy.ATTENTION)
+        kernels.append(cls and cls(attention.constants))
+        cls = self._class(gate, policy.O_GATE) if gate.via is None else None
+        kernels.append(cls and cls(gate.constants))
+        cls = self._class(activation, policy.MLP_ACTIVATION)
+        kernels.append(cls and cls(activation.constants))
+        for kernel in kernels:
+            if kernel is not None:
+                kernel.prepare()
+        return tuple(kernels)
+
+    def _bind_gemvs(self) -> dict:
+        gemvs = {}
+        roles = policy.GEMV_ROLES
+        for n, part in enumerate(self.plan.gemvs):  # per layer, in GEMV_ROLES order
+            layer, role = n // len(roles), roles[n % len(roles)]
+            cls = self._class(part, policy.GEMV)
+            if cls is not None:
+                gemvs[(layer, role)] = cls(part.constants, policy.gemv_weight(self.layers[layer], role))
+                gemvs[(layer, role)].prepare()
+        return gemvs
+
+    def _bind_context(self):
+        part, context = self.plan.context, self.draft.context
+        cls = self._class(part, policy.CONTEXT_CHAIN)
+        if cls is None:
+            return None
+        pre = [layer.input_norm.weight for layer in self.layers]
+        chain = cls(part.constants, context.hidden_norm.weight, None if pre[0] is None else pre,
+                    context.stacked_kv_weight, context.rope.table if context.rope is not None else None)
+        chain.prepare()
+        return chain
+
+    # -- the forward ---------------------------------------------------------
+    def _first_norm(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.input_norm
+        if kernel is not None:
+            if kernel.takes(x):
+                return kernel.launch(x)
+            self._log_once(logging.WARNING, f"the draft's first norm ran stock: {kernel.problem(x)}")
+        return self.draft.first_norm.stock(x, self.dtype)
+
+    def _stock_boundary(self, b: Boundary, branch: torch.Tensor, stream: torch.Tensor) -> tuple:
+        """The boundary on the model's modules: the post-norm's BF16 output,
+        the connection's FP32 stream, the pre-norm of its BF16 copy."""
+        new_stream = b.connection.stock(stream, b.post.stock(branch, torch.bfloat16))
+        return new_stream, b.pre.stock(new_stream.to(self.dtype), self.dtype)
+
+    def _boundary(self, index: int, branch, stream: torch.Tensor, store: bool, published: bool = False):
+        """Boundary ``index`` of ``branch`` (at TP this rank's partial: fused
+        with its all-reduce where the adapter takes the call, else the
+        model's stock all-reduce first); ``(new_stream or None, out)``."""
+        if self.all_reduce is not None:
+            if published or self.all_reduce.takes(branch):
+                return self.all_reduce.run(index, branch, stream, store, published=published)
+            branch = self.all_reduce.all_reduce(branch)
+        fused = self.boundaries[index] if self.boundaries else None
+        if fused is not None:
+            if fused.takes(branch, stream):
+                return fused.launch(branch, stream, store)
+            self._log_once(logging.WARNING, f"{self.bounds[index].name} ran stock: {fused.problem(branch, stream)}")
+        return self._stock_boundary(self.bounds[index], branch, stream)
+
+    def _project(self, index: int, x: torch.Tensor, weight: torch.Tensor, role: str, stock) -> tuple:
+        """Boundary ``index``'s branch GEMM, ``(partial, published)``: at TP
+        the adapter's projection (it may publish into the mailbox), else the
+        layer's ``role`` projection on its GEMV or the model's stock one
+        (``stock``)."""
+        if self.all_reduce is not None:
+            return self.all_reduce.project(index, x, weight)
+        return self._linear(index // 2, role, x, stock), False
+
+    def _linear(self, layer: int, role: str, x: torch.Tensor, stock) -> torch.Tensor:
+        """A projection on the one-token GEMV where bound and where it takes
+        ``x`` (one row), else the model's stock projection ``stock``."""
+        gemv = self.gemvs.get((layer, role))
+        if gemv is not None:
+            if gemv.takes(x):
+                return gemv.launch(x)
+            self._log_once(logging.INFO, f"layer {layer}'s {role} GEMV ran stock: {gemv.problem(x)}")
+        return stock(x)
+
+    def _attention(self, index: int, x: torch.Tensor, step: tuple):
+        """Layer ``index``'s attention branch, ``(partial, published)``."""
+        attn = self.layers[index].attention
+        front = self.fronts[index] if self.fronts else None
+        kv_cache, slots = attn.cache(*step) if front is not None or self.epilogues[index] is not None else (None,) * 2
+        positions = self.draft.positions(*step)
+        self._join()
+        if front is not None and front.takes(x, positions, slots, kv_cache):
+            qkv = front.launch(x, positions, slots, kv_cache)
+            self._fork(attn.o_proj_weight, "o_proj")
+            self._kick()
+            q, _, _, og = attn.split_qkv(qkv)
+        else:
+            if front is not None:
+                self._log_once(logging.WARNING, f"layer {index}'s QKV front ran stock: "
+                               f"{front.problem(x, positions, slots, kv_cache)}")
+            q, og = self._stock_projection_front(index, attn, x, positions, slots, kv_cache, step)
+        gated = self._gated(index, attn, q, og, step)
+        self._join()
+        return self._project(2 * index, gated, attn.o_proj_weight, "o_proj", attn.project_out)
+
+    def _stock_projection_front(self, index: int, attn: Attention, x, positions, slots, kv_cache, step):
+        """``(q, og)`` from the stock QKV projection (or its GEMV), then the
+        QKV epilogue kernel where bound and where it takes the call, else the
+        model's stock QK-norm, RoPE and insert."""
+        epilogue = self.epilogues[index] if self.epilogues else None
+        qkv = self._linear(index, "qkv_proj", x, attn.project_qkv)
+        self._fork(attn.o_proj_weight, "o_proj")
+        if epilogue is not None:
+            if epilogue.takes(qkv, positions, slots, kv_cache):
+                q = epilogue.launch(qkv, positions, slots, kv_cache)
+                self._kick()
+                return q, attn.split_qkv(qkv)[3]
+            self._log_once(logging.WARNING, f"layer {index}'s QKV epilogue ran stock: "
+                           f"{epilogue.problem(qkv, positions, slots, kv_cache)}")
+        out = attn.front_from(qkv, *step)
+        self._kick()
+        return out
+
+    def _gated(self, index: int, attn: Attention, q, og, step: tuple) -> torch.Tensor:
+        """Attention, then the o-norm and gate, on their kernels where bound
+        and where they take the operands: ``[m, q_size]``."""
+        kernel = self.attentions[index] if self.attentions else None
+        out = None
+        if kernel is not None:
+            cache, attn_slots = attn.attention_operands(*step)
+            if not getattr(kernel, "takes_strided_q", False):
+                q = q.contiguous()  # the fused front's q is a strided view of its output
+            gate = og if getattr(kernel, "gated", False) and og is not None else None
+            problem = kernel.problem(q, cache, attn_slots, gate=gate)
+            if problem is None:
+                out = kernel.launch(q, cache, attn_slots, gate=gate)
+                if gate is not None:  # the o-gate ran in the attention's epilogue
+                    return out.reshape(out.shape[0], attn.q_size)
+            else:
+                self._log_once(logging.WARNING, f"layer {index}'s attention ran stock: {problem}")
+        if out is None:
+            out = attn.attend(q, *step)
+        if og is not None:
+            gate = self.o_gates[index] if self.o_gates else None
+            if gate is not None and gate.takes(out, og):
+                out = gate.launch(out, og)
+            else:
+                if gate is not None:
+                    self._log_once(logging.WARNING, f"layer {index}'s o-gate ran stock: {gate.problem(out, og)}")
+                out = attn.gate(out, og)
+        return out.reshape(out.shape[0], attn.q_size)
+
+    def _activation(self, index: int, gu: torch.Tensor) -> torch.Tensor:
+        kernel = self.activations[index] if self.activations else None
+        if kernel is not None:
+            if kernel.takes(gu):
+                return kernel.launch(gu)
+            self._log_once(logging.WARNING, f"layer {index}'s MLP activation ran stock: {kernel.problem(gu)}")
+        return self.layers[index].mlp.activation(gu)
+
+    def _fork(self, weight: torch.Tensor, role: str) -> None:
+        """Name the next GEMM's ``weight`` to the prefetch, where it is on."""
+        if self.prefetcher is not None and not (self._one_row and weight.data_ptr() in self._gemv_weights):
+            # (A one-token GEMV streams its own weight before its PDL wait.)
+            self.prefetcher.fork(weight, role)
+
+    def _kick(self) -> None:
+        """Right after the first small kernel past a GEMM: the forked prefetch starts."""
+        if self.prefetcher is not None:
+            self.prefetcher.kick()
+
+    def _join(self) -> None:
+        """Before a GEMM: nothing of the prefetch stays pending."""
+        if self.prefetcher is not None:
+            self.prefetcher.join()
+
+    @torch.no_grad()
+    def run(self, hidden_states: torch.Tensor, *step) -> torch.Tensor:
+        """The model's forward after its embedding, ``forward(hidden_states,
+        *step)``, with the fused parts (module docstring): BF16 ``[m, H]``."""
+        if not self.prepared:
+            raise RuntimeError("DraftDecode.prepare() has not run")
+        draft = self.draft
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"the draft takes hidden states as a tensor, not {type(hidden_states).__name__}")
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != draft.hidden_size:
+            raise ValueError(f"the draft takes hidden states of [m, {draft.hidden_size}], "
+                             f"not {list(hidden_states.shape)}")
+        if draft.check_step is not None and not capturing():
+            # Where kernels that would skip bad rows are bound, the stock
+            # front's and attention's range errors are checked first.
+            draft.check_step(*step, any(k is not None for k in [*self.fronts, *self.epilogues, *self.attentions]))
+        # A BF16 row round-trips through the FP32 stream unchanged: the first
+        # boundary reads it as is.
+        stream = hidden_states if hidden_states.dtype == self.dtype else hidden_states.to(torch.float32)
+        self._one_row = hidden_states.shape[0] == 1
+        last = len(self.layers) - 1
+        try:
+            if self.layers:  # the first QKV weight, while the first norm runs
+                self._fork(self.layers[0].attention.qkv_weight, "qkv_proj")
+            x = self._first_norm(stream.to(self.dtype).contiguous())
+            self._kick()
+            for i, layer in enumerate(self.layers):
+                mlp = layer.mlp
+                attn_out, published = self._attention(i, x, step)
+                self._fork(mlp.gate_up_weight, "gate_up")
+                stream, ffn_in = self._boundary(2 * i, attn_out, stream, True, published)
+                self._kick()
+                self._join()
+                gate_up = self._linear(i, "gate_up", ffn_in, mlp.project_gate_up)
+                self._fork(mlp.down_weight, "down")
+                hidden = self._activation(i, gate_up)
+                self._kick()
+                self._join()
+                ffn_out, published = self._project(2 * i + 1, hidden, mlp.down_weight, "down", mlp.project_down)
+                if i != last:
+                    self._fork(self.layers[i + 1].attention.qkv_weight, "qkv_proj")
+                stream, x = self._boundary(2 * i + 1, ffn_out, stream, i != last, published)
+                self._kick()
+        finally:
+            self._join()  # no prefetch outlives the step (a capture must end joined)
+        return x
+
+    def store_context_kv(self, context_states: torch.Tensor, positions: torch.Tensor, *args) -> bool:
+        """The model's ``precompute_and_store_context_kv(context_states,
+        positions, *args)`` on the fused chain; False (nothing done) where it
+        does not cover the call (the caller then runs the stock method)."""
+        if self.context is None:
+            return False
+        context = self.draft.context
+        if self.draft.check_context is not None and not capturing():
+            # The stock chain raises for slots beyond a cache and positions
+            # beyond the RoPE table; the kernel skips such rows: check first.
+            self.draft.check_context(positions, *args)
+        caches, slots = context.caches(*args), context.slots(*args)
+        problem = self.context.problem(context_states, positions, caches, slots)
+        if problem is not None:
+            self._log_once(logging.WARNING, f"the context K/V chain ran stock: {problem}")
+            return False
+        self.context.launch(context_states, positions, caches, slots)
+        return True
+
+
+def draft_plan(draft: DraftDescription, tp: int = 1, exclude=frozenset(), attention: str = "staged",
+               qkv_front: bool = False, gemv: bool = False, package_gemm: bool = False,
+               kernels: frozenset[str] | None = None) -> DraftPlan:
+    """The plan ``build_draft_decode`` runs: ``draft`` at TP size ``tp`` for
+    the device it lives on, the installed kernels (or ``kernels``) less
+    ``exclude`` (which the plan's reasons call excluded), the opt-in kernels
+    declined unless asked for, and the ``attention`` kernel variant."""
+    unknown = set(exclude) - policy.ALL_KERNELS
+    if unknown:
+        raise ValueError(f"exclude names unknown kernels {sorted(unknown)}; the kernels are "
+                         f"{', '.join(sorted(policy.ALL_KERNELS))}")
+    target = policy.device_target(draft.device, tp, kernels)
+    target = target.without(exclude).opt_in(policy.asked_opt_ins(qkv_front, gemv, package_gemm))
+    return plan_draft(draft, target.replace(attention=attention))
+
+
+def _switch(value: bool | None, env: str) -> bool:
+    if value is not None:
+        return bool(value)
+    text = os.environ.get(env, "0")
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{env} must be 0 or 1, not {text!r}")
+    return text == "1"
+
+
+def build_draft_decode(
+    draft: DraftDescription,
+    all_reduce: AllReduceBoundaries | None = None,
+    exclude: frozenset[str] | set[str] = frozenset(),
+    attention_variant: str | None = None,
+    prefetch: dict[str, int] | bool | None = None,
+    qkv_front: bool | None = None,
+    gemv: bool | None = None,
+    package_gemm: bool | None = None,
+    kernels: Mapping[str, type] | None = None,
+) -> DraftDecode | None:
+    """The draft's specialized decode, prepared, or None where it keeps its
+    stock layers; every stock part is logged with its reason.
+
+    ``exclude``: kernel names not to use (ValueError for an unknown name).
+    ``qkv_front`` (default ``DSPARK_QKV_FRONT``), ``gemv`` (default
+    ``DSPARK_GEMV``) and ``package_gemm`` (default ``DSPARK_PACKAGE_GEMM``):
+    the opt-in kernels (module docstring). ``attention_variant`` (default
+    ``DSPARK_ATTENTION`` or "staged"): ``policy.ATTENTION_VARIANTS``.
+    ``prefetch`` (default: on at TP1, off with ``all_reduce``;
+    ``DSPARK_PREFETCH=0``/``1`` overrides; a dict: bytes a row per weight
+    role) turns on the L2 prefetch of each GEMM's weight during the kernels
+    before it (it changes no value). ``kernels``: host classes by kernel name
+    instead of the installed backends'.
+
+    A rank's shard (``draft.tp > 1``) needs ``all_reduce`` of its TP size.
+    ``all_reduce.prepare()`` runs after the decode's; it is collective, and a
+    rank whose own prepare failed still calls it (``failed=``) before raising,
+    so no rank waits for another."""
+    if draft.tp > 1 and all_reduce is None:
+        raise ValueError(f"a TP{draft.tp} shard of the draft needs its all-reduce boundaries (all_reduce=...)")
+    if all_reduce is not None and draft.tp > 1 and all_reduce.tp != draft.tp:
+        raise ValueError(f"TP{all_reduce.tp} all-reduce boundaries for a TP{draft.tp} shard")
+    variant = attention_variant or os.environ.get("DSPARK_ATTENTION", "staged")
+    if variant not in policy.ATTENTION_VARIANTS:
+        raise ValueError(f"an attention variant is one of {policy.ATTENTION_VARIANTS}, not {variant!r}")
+    names = frozenset(kernels) if kernels is not None else None
+    plan = draft_plan(draft, all_reduce.tp if all_reduce is not None else 1, exclude, variant,
+                      _switch(qkv_front, "DSPARK_QKV_FRONT"), _switch(gemv, "DSPARK_GEMV"),
+                      _switch(package_gemm, "DSPARK_PACKAGE_GEMM"), names)
+    if plan.draft_reason is not None:
+        log.warning("the DSpark draft keeps its stock layers: %s", plan.draft_reason)
+        return None
+    env = os.environ.get("DSPARK_PREFETCH", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"DSPARK_PREFETCH must be 0 or 1, not {env!r}")
+    if prefetch is None:
+        prefetch = env == "1" if env else all_reduce is None
+    if prefetch is True:
+        prefetch = DEFAULT_PREFETCH
+    decode = DraftDecode(draft, plan, all_reduce, prefetch=prefetch or None, kernels=kernels)
+    for reason in dict.fromkeys(p.reason for p in plan.parts() if not p.fused and not p.declined):
+        names_ = [p.name for p in plan.parts() if p.reason == reason]
+        decode._log_once(logging.WARNING, f"{', '.join(names_)} keep their stock modules: {reason}")
+    for reason in dict.fromkeys(p.reason for p in plan.parts() if p.declined):
+        decode._log_once(logging.INFO, reason)
+    error = None
+    try:
+        decode.prepare()
+    except Exception as e:  # noqa: BLE001 (re-raised below, after the collective prepare)
+        error = e
+    if all_reduce is not None:
+        # Collective: it takes part even after this rank failed, so every rank
+        # raises instead of waiting for this one.
+        if error is None:
+            all_reduce.prepare()
+        else:
+            try:
+                all_reduce.prepare(failed=error)
+            except RuntimeError:
+                pass  # the other ranks now raise too; this rank raises its own error below
+    if error is not None:
+        raise error
+    fused, total = plan.fused_count()
+    decode._log_once(logging.INFO, f"the DSpark draft runs {fused} of {total} planned parts fused")
+    return decode
+
+
+__all__ = ["DEFAULT_PREFETCH", "AllReduceBoundaries", "DraftDecode", "build_draft_decode", "draft_plan"]
