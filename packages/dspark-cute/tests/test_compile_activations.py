@@ -34,8 +34,6 @@ from cute_testing import audit_forbidden, has_f32_constant
 from dspark_core.contracts.constants import (
     MlpActivationConstants,
     OGateConstants,
-    mlp_activation_constants,
-    o_gate_constants,
 )
 from dspark_core.spec.layers import GatedMLP, HeadNorm
 from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
@@ -174,27 +172,6 @@ def test_o_gate_eps_compiles_apart():
 
 
 # ---------------------------------------------------------------- constants and host checks (no GPU needed)
-
-
-def test_constants():
-    assert mlp_activation_constants(GatedMLP(2048, 16384)) == MlpActivationConstants(16384)
-    assert hash(MlpActivationConstants(8192)) == hash(MlpActivationConstants(8192))
-    assert MlpActivationConstants(8192).key() != MlpActivationConstants(16384).key()
-    with pytest.raises(ValueError, match="multiple of 8"):
-        mlp_activation_constants(GatedMLP(2048, 100))
-    with pytest.raises(ValueError, match="stock gated"):
-        mlp_activation_constants(torch.nn.Linear(2, 2))
-    c = o_gate_constants(HeadNorm(64, 1e-5), 32)
-    assert c == OGateConstants(32, 1e-5) and c != OGateConstants(32, 1e-6) and c != OGateConstants(64, 1e-5)
-    assert OGateConstants(8, 0.0) != OGateConstants(8, -0.0)  # bit-exact equality, like the others
-    with pytest.raises(ValueError, match="weight"):
-        o_gate_constants(HeadNorm(64, has_weight=True), 32)
-    with pytest.raises(ValueError, match="not 64"):
-        o_gate_constants(HeadNorm(128), 32)
-    with pytest.raises(ValueError, match="at least one"):
-        o_gate_constants(HeadNorm(64), 0)
-    with pytest.raises(ValueError, match="stock head norm"):
-        o_gate_constants(torch.nn.Identity(), 32)
 
 
 def test_mlp_activation_refuses_bad_settings():
