@@ -1,21 +1,21 @@
 """The DSpark demo: build the reference draft, print its plan with every
 reason, store a context's K/V and run greedy decode steps on the stock path
-and, on a GPU with a kernel backend installed, on the specialized decode,
-saying whether they match bit for bit and how long a step takes.
+and, on a GPU with a kernel backend installed, on the specialized decode;
+then say what was compared, what matched and how long a step takes.
 
-    python -m dspark_core.demo [--config CONFIG.json] [--steps 8] [--block 4] [--tp 2]
+    python -m dspark_core.demo [--config CONFIG.json] [--steps 4] [--block 1] [--context 64] [--tp 2]
 
-The executor comes from the installed backend (the ``dspark.executors``
-entry point: dspark-cute's ``build_draft_decode``), so this package needs no
-GPU stack. ``--tp 2`` runs the draft sharded over two GPUs of this host
-(``dspark_comm.demo_tp2``, imported only then: it needs dspark-comm); on a
-machine with fewer than two GPUs it says so and runs the TP1 demo.
+The kernels come from the installed backends (the ``dspark.kernels`` entry
+points), so this package needs no GPU stack. ``--tp 2`` runs the TP2 demo of
+an installed backend (the ``dspark.tp_demos`` entry point: dspark-comm's) on
+two GPUs of this host; with fewer GPUs it says so and runs the TP1 demo.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import sys
 import time
 from importlib.metadata import entry_points
@@ -23,43 +23,47 @@ from importlib.metadata import entry_points
 import torch
 
 from dspark_core.planner import policy
+from dspark_core.planner.cli import print_plan
 from dspark_core.planner.plan import plan_draft
+from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
 from dspark_core.reference.model import DraftModel, StepInputs
-from dspark_core.reference.tp import shard_draft
+from dspark_core.reference.tp import check_tp, shard_draft
+from dspark_core.runtime.decode import build_draft_decode
 from dspark_core.tools.compare import mismatches
 from dspark_core.tools.graphs import StepGraph
-from dspark_core.tools.timing import median_us
+from dspark_core.tools.timing import times_us
 
-log = logging.getLogger("dspark.demo")
+TP_DEMOS_ENTRY_POINTS = "dspark.tp_demos"
+TIMED_REPS = 50  # CUDA graph replays timed per path
+CPU_TIMED_STEPS = 3  # eager steps timed per path on a CPU
 
 
-def print_plan(plan) -> None:
-    """Print a ``DraftPlan`` and, for every part it keeps stock, why."""
-    print(plan.format())
-    for line in plan.refused():
-        print(f"  why: {line}")
+def progress_bar(what: str, stream=None):
+    """``progress(done, total)``: a bar redrawn in place for long work on a
+    terminal (stderr), or a line at every quarter into a log."""
+    stream = stream or sys.stderr
+    tty = stream.isatty()
+    last = [-1]
+
+    def progress(done: int, total: int) -> None:
+        percent = 100 * done // max(total, 1)
+        shown = percent if tty else percent // 25 * 25
+        if shown == last[0]:
+            return
+        last[0] = shown
+        if tty:
+            stream.write(f"\r{what} [{'#' * (percent // 5):<20}] {percent:3d}%" + ("\n" if done >= total else ""))
+        else:
+            stream.write(f"{what}: {shown}%\n")
+        stream.flush()
+
+    return progress
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-EXECUTORS_ENTRY_POINTS = "dspark.executors"
-
-
-def executor_builder():
-    """The installed backend's ``build(model, qkv_front=) -> decode or None``
-    (the ``dspark.executors`` entry point), or None where no backend
-    provides one."""
-    for ep in entry_points(group=EXECUTORS_ENTRY_POINTS):
-        return ep.load()
-    try:  # dspark-cute importable from the path but not installed
-        from dspark_cute.decode import build_draft_decode
-    except ImportError:
-        return None
-    return build_draft_decode
 
 
 def _context(model, states, positions, decode, blocks, device):
@@ -70,7 +74,7 @@ def _context(model, states, positions, decode, blocks, device):
 
 
 def _decode(model, fn, caches, tokens, start, steps, block, span, device):
-    """Greedy steps: returns each step's tokens and hidden states."""
+    """Greedy steps: each step's tokens and hidden states."""
     toks, hiddens = [], []
     for i in range(steps):
         step = StepInputs.block(start + i * block, block, device, span=span)
@@ -81,46 +85,53 @@ def _decode(model, fn, caches, tokens, start, steps, block, span, device):
     return toks, hiddens
 
 
-def _time_step(fn, model, caches, block, start, span, device, reps: int = 50) -> float:
-    """Seconds per step: a CUDA graph's median replay on a GPU, eager wall
-    time on a CPU."""
+def _step_times_us(fn, model, caches, block, start, span, device) -> list[float]:
+    """Microseconds per step: CUDA graph replays on a GPU (``TIMED_REPS``),
+    eager steps on a CPU (``CPU_TIMED_STEPS``)."""
     x = model.embed_tokens(torch.zeros(block, dtype=torch.int64, device=device))
     step = StepInputs.block(start, block, device, span=span)
     if device.type != "cuda":
-        begin = time.perf_counter()
-        fn(x, step, caches)
-        return time.perf_counter() - begin
+        times = []
+        for _ in range(CPU_TIMED_STEPS):
+            begin = time.perf_counter()
+            fn(x, step, caches)
+            times.append((time.perf_counter() - begin) * 1e6)
+        return times
     graph = StepGraph(fn, x, step, caches)
-    return median_us(graph.replay, reps) * 1e-6
+    return times_us(graph.replay, TIMED_REPS, warmup=3)
+
+
+def _spread(times: list[float]) -> str:
+    return f"{statistics.median(times):.1f} us (min {min(times):.1f}, max {max(times):.1f}, {len(times)} samples)"
 
 
 @torch.no_grad()
-def run_demo(
-    config: DraftConfig, steps: int, block: int, context: int, device: torch.device, front: bool = False,
-    gemv: bool = False,
-) -> dict:
+def run_demo(config: DraftConfig, steps: int, block: int, context: int, device: torch.device,
+             front: bool = False, gemv: bool = False) -> dict:
     """Build, plan and decode on the stock path and, where a backend provides
-    it on this device, the specialized decode; compare and time them."""
+    kernels on this device, the specialized decode; compare and time them.
+    Returns each path's tokens."""
     t0 = time.perf_counter()
-    model = DraftModel(config, device=device)
-    print(f"built the reference draft ({config.num_layers} layers, hidden {config.hidden_size}) "
-          f"on {device} in {time.perf_counter() - t0:.1f} s")
-    # The QKV front's projection sums in its own order (not cuBLAS's): it is
-    # opt-in (--front); without it the specialized decode is bit for bit.
-    # Likewise the one-token GEMV projections (--gemv: the spec's stated order).
+    model = DraftModel(config, device=device, progress=progress_bar("drawing the draft's weights"))
+    print(f"built the reference draft ({config.num_layers} layers, hidden {config.hidden_size}) on {device} "
+          f"in {time.perf_counter() - t0:.1f} s")
+    draft = describe(model)
     asked = policy.asked_opt_ins(front, gemv)
-    build = executor_builder() if device.type == "cuda" else None
-    options = {"qkv_front": front, **({"gemv": True} if gemv else {})}
-    decode = build(model, **options) if build is not None else None
-    # The plan printed is the one the decode runs, where there is one.
-    plans = [decode.plan if decode is not None else plan_draft(model, policy.device_target(device).opt_in(asked))]
-    if device.type != "cuda":
-        # What the same draft gets on one H200 with the installed backends.
-        plans.append(plan_draft(model, policy.Target(kernels=policy.installed_kernels()).opt_in(asked)))
-    for p in plans:
-        print_plan(p)
-    if device.type == "cuda" and decode is None:
-        print("no specialized decode on this device (see the log above): the stock path runs alone")
+    decode = None
+    if device.type == "cuda":
+        print("planning and compiling the specialized decode's kernels ...", flush=True)
+        t0 = time.perf_counter()
+        decode = build_draft_decode(draft, qkv_front=front, gemv=gemv)
+        if decode is not None:
+            print(f"compiled in {time.perf_counter() - t0:.1f} s")
+            print_plan(decode.plan)
+        else:
+            print_plan(plan_draft(draft, policy.device_target(device).opt_in(asked)))
+            print("no specialized decode on this device (the reasons are above): the stock path runs alone")
+    else:
+        target = policy.Target(kernels=policy.installed_kernels()).opt_in(asked)
+        print(f"no GPU here; the plan for {target.describe()} (an H200) with the installed backends would be:")
+        print_plan(plan_draft(draft, target))
 
     gen = torch.Generator().manual_seed(config.seed + 1)
     span = context + (steps + 1) * block
@@ -135,80 +146,102 @@ def run_demo(
     for name, fn in paths.items():
         caches = _context(model, states, positions, decode if name != "stock" else None, blocks, device)
         toks, hiddens = _decode(model, fn, caches, first, context, steps, block, span, device)
-        seconds = _time_step(fn, model, caches, block, context + steps * block, span, device)
-        results[name] = (toks, hiddens, seconds)
-        print(f"{name} path: {steps} steps of {block} token(s), {seconds * 1e6:.1f} us per step "
-              f"({'CUDA graph, median' if device.type == 'cuda' else 'eager wall time'})")
+        times = _step_times_us(fn, model, caches, block, context + steps * block, span, device)
+        results[name] = (toks, hiddens, times)
+        how = "CUDA graph replays" if device.type == "cuda" else "eager steps"
+        print(f"{name} path: {steps} greedy steps of {block} token(s); a step takes {_spread(times)} ({how})")
         for i, t in enumerate(toks):
             print(f"  step {i}: {t}")
-    if "specialized" in results:
-        (st, sh, ss), (ft, fh, fs) = results["stock"], results["specialized"]
-        bad = sum(int(mismatches(a, b).sum()) for a, b in zip(fh, sh))
-        same = "bit for bit equal" if bad == 0 else f"NOT equal: {bad} elements differ"
-        if bad and (front or gemv):
-            same += " (expected: --front/--gemv sum projections in their own order, not cuBLAS's)"
-        print(f"specialized vs stock hidden states over {steps} steps: {same}; "
-              f"tokens {'equal' if ft == st else 'differ'}; step time {ss / fs:.2f}x faster")
-    elif device.type != "cuda":
-        print("no CUDA GPU here: the plan is for a GPU, the stock path ran on the CPU")
+    print(_summary(results, steps, front or gemv, device))
     return {name: r[0] for name, r in results.items()}
 
 
+def _summary(results: dict, steps: int, opt_in: bool, device: torch.device) -> str:
+    if "specialized" not in results:
+        if device.type != "cuda":
+            return ("summary: the stock path ran on the CPU. On a GPU with dspark-cute installed the demo also runs "
+                    "the specialized decode, compares its hidden states with the stock path's bit for bit and "
+                    "times both in CUDA graphs.")
+        return "summary: the stock path ran alone (no part of the draft fuses on this device)."
+    (st, sh, stimes), (ft, fh, ftimes) = results["stock"], results["specialized"]
+    bad = sum(int(mismatches(a, b).sum()) for a, b in zip(fh, sh))
+    total = sum(a.numel() for a in sh)
+    same = "bit for bit equal" if bad == 0 else f"NOT bit for bit: {bad} of {total} elements differ"
+    if bad and opt_in:
+        same += " (expected with --front/--gemv: they sum projections in their own order)"
+    speed = statistics.median(stimes) / statistics.median(ftimes)
+    return (f"summary: over {steps} steps the specialized decode's hidden states are {same} with the stock "
+            f"path's; tokens {'equal' if ft == st else 'differ'}; a step is {speed:.2f}x faster (medians).")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {value}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dspark_core.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="a DraftConfig JSON file (default: the reference draft)")
+    p.add_argument("--steps", type=_positive, default=4, help="greedy decode steps per path (default 4)")
+    p.add_argument("--block", type=_positive, default=1, help=f"tokens per step, 1 to {policy.MAX_DECODE_ROWS}")
+    p.add_argument("--context", type=_positive, default=64, help="context tokens stored first (default 64)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run (default auto)")
+    p.add_argument("--front", action="store_true",
+                   help="run the opt-in fused QKV front (exact up to its projection's summation order)")
+    p.add_argument("--gemv", action="store_true",
+                   help="run one-token steps' projections on the opt-in GEMV (its own stated order)")
+    p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor-parallel size (2: two GPUs)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dspark_core.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="a DraftConfig JSON file (default: the reference draft)")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--block", type=int, default=1, help="tokens per step (1 to 16)")
-    parser.add_argument("--context", type=int, default=64, help="context tokens stored first")
-    parser.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
-    parser.add_argument(
-        "--front",
-        action="store_true",
-        help="also run the fused QKV front (exact up to its projection's summation order, so not bitwise)",
-    )
-    parser.add_argument(
-        "--gemv",
-        action="store_true",
-        help="run the projections of one-token steps on the GEMV (the spec's stated order, not cuBLAS's bits)",
-    )
-    parser.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor-parallel size (2: two GPUs)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    if not 1 <= args.block <= policy.MAX_DECODE_ROWS:
-        print(f"error: --block must lie in [1, {policy.MAX_DECODE_ROWS}]", file=sys.stderr)
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        if args.block > policy.MAX_DECODE_ROWS:
+            raise ValueError(f"--block must lie in [1, {policy.MAX_DECODE_ROWS}], not {args.block}")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: this torch build sees no CUDA GPU")
+        config = DraftConfig.from_json(args.config) if args.config else DraftConfig()
+        check_tp(config, args.tp)
+        if config.max_position < args.context + (args.steps + 1) * args.block:
+            raise ValueError(f"the draft's max_position ({config.max_position}) cannot hold {args.context} context "
+                             f"tokens and {args.steps} steps of {args.block}")
+        if args.tp > 1:
+            code = _run_tp(config, args)
+            if code is not None:
+                return code
+        device = torch.device(args.device if args.device != "auto" else
+                              ("cuda" if torch.cuda.is_available() else "cpu"))
+        run_demo(config, args.steps, args.block, args.context, device, args.front, args.gemv)
+    except (ValueError, TypeError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    config = DraftConfig.from_json(args.config) if args.config else DraftConfig()
-    if args.tp > 1:
-        if args.gemv:
-            print("--gemv: the one-token GEMV runs at TP1 only (at TP the branch GEMMs feed the all-reduce)")
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus >= args.tp:
-            return _run_tp(config, args)
-        print(f"--tp {args.tp} needs {args.tp} CUDA GPUs and this machine has {gpus}: running the TP1 demo instead")
-        print(f"What a rank of TP{args.tp} on H200s would run with the installed backends:")
-        shard = shard_draft(DraftModel(config, device="meta"), 0, args.tp)
-        print_plan(plan_draft(shard, policy.Target(tp=args.tp, kernels=policy.installed_kernels())))
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
-    run_demo(config, args.steps, args.block, args.context, device, args.front, args.gemv)
     return 0
 
 
-def _run_tp(config: DraftConfig, args) -> int:
-    """The TP demo from dspark-comm, imported here only (module docstring)."""
-    try:
-        from dspark_comm.demo_tp2 import run_tp2_demo
-    except ImportError as error:
-        print(f"error: --tp {args.tp} needs dspark-comm: pip install dspark-comm "
-              f"(or pip install ./packages/dspark-comm) ({error})", file=sys.stderr)
-        return 2
-    try:
-        return run_tp2_demo(config, args.steps, args.block, args.context, args.front)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+def _run_tp(config: DraftConfig, args) -> int | None:
+    """The TP demo of an installed backend (module docstring), or None where
+    this machine has too few GPUs (the TP1 demo runs instead)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < args.tp:
+        print(f"--tp {args.tp} needs {args.tp} CUDA GPUs and this machine has {gpus}: running the TP1 demo instead")
+        shard = shard_draft(DraftModel(config, device="meta"), 0, args.tp)
+        target = policy.Target(tp=args.tp, kernels=policy.installed_kernels()).opt_in(policy.asked_opt_ins(args.front))
+        print(f"What a rank of TP{args.tp} would run with the installed backends:")
+        print_plan(plan_draft(describe(shard), target))
+        return None
+    demos = list(entry_points(group=TP_DEMOS_ENTRY_POINTS))
+    if not demos:
+        raise ValueError(f"--tp {args.tp} needs a backend with a TP demo: pip install ./packages/dspark-comm")
+    if args.gemv:
+        print("--gemv: the one-token GEMV runs at TP1 only (at TP the branch GEMMs feed the all-reduce)")
+    return demos[0].load()(config, args.steps, args.block, args.context, args.front)
 
 
 if __name__ == "__main__":

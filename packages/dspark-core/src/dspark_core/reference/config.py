@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,21 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # The norm variant keys a config may set, globally or per norm (norm_overrides).
 NORM_KEYS = ("has_weight", "weight_dtype", "gain_center", "weight_before_norm", "eps")
+_NORM_TYPES = {"has_weight": bool, "weight_dtype": str, "gain_center": float, "weight_before_norm": bool,
+               "eps": float}
+# The norms of each layer, as norm_overrides names them.
+LAYER_NORMS = ("input_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm")
+
+
+def _check_type(name: str, value: Any, kind: type) -> None:
+    """TypeError unless ``value`` is a ``kind`` (an int is a float; a bool is
+    no int): no silent conversion of a mistyped config value."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+          else isinstance(value, int) and not isinstance(value, bool) if kind is int
+          else isinstance(value, kind))
+    if not ok:
+        article = "an" if kind.__name__[0] in "aeiou" else "a"
+        raise TypeError(f"{name} must be {article} {kind.__name__}, not {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,8 @@ class DraftConfig:
     connection_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), _FIELD_TYPES[f.name])
         for name in ("rope_table_dtype", "norm_weight_dtype", "compute_dtype", "residual_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {sorted(DTYPES)}, not {getattr(self, name)!r}")
@@ -74,10 +92,36 @@ class DraftConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 1.0):
+            raise ValueError(f"rope_theta must be a finite number above 1, not {self.rope_theta}")
+        for name in ("rms_norm_eps", "head_norm_eps"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0.0):
+                raise ValueError(f"{name} must be a finite non-negative number, not {getattr(self, name)}")
+        if not math.isfinite(self.norm_gain_center):
+            raise ValueError(f"norm_gain_center must be finite, not {self.norm_gain_center}")
+        norms = self.norm_names()
         for name, keys in self.norm_overrides.items():
+            if name not in norms:
+                raise ValueError(f"norm_overrides names {name!r}, not a norm of this draft; its norms are hidden_norm, "
+                                 f"norm and layers.<i>.<{'|'.join(LAYER_NORMS)}> for i < {self.num_layers}")
+            if not isinstance(keys, dict):
+                raise TypeError(f"norm_overrides[{name!r}] must be a dict of {NORM_KEYS}, not {type(keys).__name__}")
             unknown = set(keys) - set(NORM_KEYS)
             if unknown:
-                raise ValueError(f"norm_overrides[{name!r}] has unknown keys {sorted(unknown)}")
+                raise ValueError(f"norm_overrides[{name!r}] has unknown keys {sorted(unknown)}; known: {NORM_KEYS}")
+            self.norm_variant(name)  # checks each value
+        connections = {f"layers.{i}.{c}" for i in range(self.num_layers) for c in ("add_attn", "add_ffn")}
+        for name, keys in self.connection_overrides.items():
+            if name not in connections:
+                raise ValueError(f"connection_overrides names {name!r}, not a connection of this draft; its "
+                                 f"connections are layers.<i>.<add_attn|add_ffn> for i < {self.num_layers}")
+            if not isinstance(keys, dict) or set(keys) - {"dtype"} or keys.get("dtype", "fp32") not in DTYPES:
+                raise ValueError(f"connection_overrides[{name!r}] must be {{'dtype': one of {sorted(DTYPES)}}}, "
+                                 f"not {keys!r}")
+
+    def norm_names(self) -> list[str]:
+        """The names of this draft's norms, as ``norm_overrides`` takes them."""
+        return ["hidden_norm", "norm"] + [f"layers.{i}.{n}" for i in range(self.num_layers) for n in LAYER_NORMS]
 
     @property
     def q_size(self) -> int:
@@ -97,8 +141,12 @@ class DraftConfig:
             "eps": self.rms_norm_eps,
         }
         variant.update(self.norm_overrides.get(name, {}))
+        for key, value in variant.items():
+            _check_type(f"{name}'s {key}", value, _NORM_TYPES[key])
         if variant["weight_dtype"] not in DTYPES:
-            raise ValueError(f"{name}: weight_dtype must be one of {sorted(DTYPES)}")
+            raise ValueError(f"{name}: weight_dtype must be one of {sorted(DTYPES)}, not {variant['weight_dtype']!r}")
+        if not math.isfinite(variant["gain_center"]) or not (math.isfinite(variant["eps"]) and variant["eps"] >= 0):
+            raise ValueError(f"{name}: gain_center and eps must be finite (eps non-negative)")
         variant["weight_dtype"] = DTYPES[variant["weight_dtype"]]
         return variant
 
@@ -115,7 +163,18 @@ class DraftConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> DraftConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object of DraftConfig fields, not {type(data).__name__}")
+        return cls.from_dict(data)
+
+
+# Each field's type, from its annotation: the config refuses any other.
+_FIELD_TYPES = {f.name: {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, dict)
+                for f in dataclasses.fields(DraftConfig)}
 
 
 def small_config(**changes: Any) -> DraftConfig:

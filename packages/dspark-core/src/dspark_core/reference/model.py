@@ -27,6 +27,7 @@ from dspark_core.spec.layers import (
     PagedKVCache,
     RMSNorm,
     Rotary,
+    capturing,
     linear,
     o_gate,
     residual_boundary,
@@ -43,6 +44,22 @@ class StepInputs:
     positions: torch.Tensor
     slots: torch.Tensor
     attn_slots: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name in ("positions", "slots", "attn_slots"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+                raise TypeError(f"StepInputs.{name} must be an int64 tensor, not "
+                                f"{getattr(t, 'dtype', type(t).__name__)}")
+        m = self.positions.shape[0] if self.positions.dim() == 1 else -1
+        if (self.positions.dim() != 1 or self.slots.shape != self.positions.shape or self.attn_slots.dim() != 2
+                or self.attn_slots.shape[0] != m):
+            raise ValueError(f"StepInputs takes positions and slots of [m] and attn_slots of [m, S], not "
+                             f"{list(self.positions.shape)}, {list(self.slots.shape)} and "
+                             f"{list(self.attn_slots.shape)}")
+        devices = {self.positions.device, self.slots.device, self.attn_slots.device}
+        if len(devices) != 1:
+            raise ValueError(f"StepInputs' tensors must share one device, not {sorted(map(str, devices))}")
 
     @classmethod
     def block(cls, start: int, m: int, device=None, span: int | None = None) -> StepInputs:
@@ -232,9 +249,10 @@ def check_inputs(model, positions: torch.Tensor, caches, slots, attn_slots: torc
 class DraftModel(nn.Module):
     """The reference DSpark draft (stock eager layers)."""
 
-    def __init__(self, config: DraftConfig, device: torch.device | str | None = None) -> None:
+    def __init__(self, config: DraftConfig, device: torch.device | str | None = None, progress=None) -> None:
         """Build the draft on ``device`` (default: the CPU); on ``"meta"`` it
-        has shapes and dtypes but no weights (enough to plan it)."""
+        has shapes and dtypes but no weights (enough to plan it).
+        ``progress(done, total)``: called as the weights are drawn (elements)."""
         super().__init__()
         if not isinstance(config, DraftConfig):
             raise TypeError(f"DraftModel takes a DraftConfig, not {type(config).__name__}")
@@ -243,7 +261,7 @@ class DraftModel(nn.Module):
         with torch.device("meta") if meta else contextlib.nullcontext():
             self._build(config)
         if not meta:
-            self.init_weights(config.seed)
+            self.init_weights(config.seed, progress)
             if device is not None:
                 self.to(device)
 
@@ -265,11 +283,14 @@ class DraftModel(nn.Module):
 
     # -- weights -------------------------------------------------------------
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, progress=None) -> None:
         """Deterministic weights from ``seed`` (CPU generator, in the order
         of ``named_parameters``): GEMM weights N(0, 1/fan_in), norm weights
-        1 + N(0, 0.1^2), residual alpha in [0.5, 1.5) and beta in [0.25, 1.25)."""
+        1 + N(0, 0.1^2), residual alpha in [0.5, 1.5) and beta in [0.25, 1.25).
+        ``progress(done, total)`` is called after each parameter (elements)."""
         gen = torch.Generator().manual_seed(seed)
+        total = sum(p.numel() for p in self.parameters())
+        done = 0
         for name, p in self.named_parameters():
             shape = tuple(p.shape)
             leaf = name.rsplit(".", 1)[-1]
@@ -282,6 +303,9 @@ class DraftModel(nn.Module):
             else:
                 value = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
             p.copy_(value.to(p.dtype))
+            done += p.numel()
+            if progress is not None:
+                progress(done, total)
 
     # -- structure the planner and the executor read ---------------------------
     def boundaries(self) -> list[tuple[RMSNorm, GatedResidual, RMSNorm]]:
@@ -332,6 +356,13 @@ class DraftModel(nn.Module):
         return branch
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of integer ``tokens`` (ValueError outside the
+        vocabulary: a negative id would wrap to the last rows)."""
+        if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.is_complex():
+            raise TypeError(f"tokens must be an integer tensor, not {getattr(tokens, 'dtype', type(tokens).__name__)}")
+        vocab = self.config.vocab_size
+        if not capturing() and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
         return self.embed[tokens]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """CUDA timing for the benchmarks, the demos and the TP draft: graph capture
 and CUDA-event medians, written once (torch only; nothing here runs on import).
 
-- ``median_us(replay, reps, warmup, calls=..., before=...)``: the median
-  microseconds per call of ``replay()`` between two CUDA events;
+- ``times_us(replay, reps, warmup, calls=..., before=...)``: microseconds
+  per call of ``replay()`` between two CUDA events, one per rep;
+  ``median_us`` their median;
 - ``capture(fn, calls)``: ``fn`` warmed up once, then a CUDA graph of
   ``calls`` calls of it; its ``replay``;
 - ``capture_on_side_stream(fns, launches)``: the same, warmed up and captured
@@ -22,20 +23,20 @@ import torch
 HBM_BYTES_PER_S = 4.3e12  # an H200's HBM bandwidth, the floors' figure
 
 
-def median_us(
+def times_us(
     replay: Callable[[], object],
     reps: int,
     warmup: int = 0,
     *,
     calls: int = 1,
     before: Callable[[], object] | None = None,
-) -> float:
-    """Median microseconds per call of ``replay()``: ``warmup`` untimed calls
-    first (no sync after them), then ``reps`` timed ones, each between two
-    fresh CUDA events on the current stream (the end event synchronized);
-    each time is divided by ``calls`` (the calls one ``replay()`` makes).
-    ``before()``, where given, runs ahead of each timed call, outside the
-    events (a barrier, a sync)."""
+) -> list[float]:
+    """Microseconds per call of ``replay()``, one time per rep: ``warmup``
+    untimed calls first (no sync after them), then ``reps`` timed ones, each
+    between two fresh CUDA events on the current stream (the end event
+    synchronized); each time is divided by ``calls`` (the calls one
+    ``replay()`` makes). ``before()``, where given, runs ahead of each timed
+    call, outside the events (a barrier, a sync)."""
     for _ in range(warmup):
         replay()
     times = []
@@ -48,7 +49,19 @@ def median_us(
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000.0 / calls)
-    return statistics.median(times)
+    return times
+
+
+def median_us(
+    replay: Callable[[], object],
+    reps: int,
+    warmup: int = 0,
+    *,
+    calls: int = 1,
+    before: Callable[[], object] | None = None,
+) -> float:
+    """The median of ``times_us(...)``."""
+    return statistics.median(times_us(replay, reps, warmup, calls=calls, before=before))
 
 
 def capture(fn: Callable[[], object], calls: int = 1, *, side_stream: bool = False) -> Callable[[], None]:
@@ -151,6 +164,7 @@ __all__ = [
     "gemm_weight_bytes",
     "gemms_replay",
     "median_us",
+    "times_us",
     "step_case",
     "weight_floor_us",
 ]

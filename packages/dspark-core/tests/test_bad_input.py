@@ -1,0 +1,166 @@
+"""Bad input gets a clear error: a ValueError or TypeError whose sentence
+names the argument and what was expected, or the planner's refusal with its
+reason; never a silent conversion, a wrong answer or a traceback from a CLI.
+A fuzz test over configs asserts one of: a clear error, a plan that refuses
+with reasons, or a plan."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dspark_core.planner import policy
+from dspark_core.planner.plan import plan_draft
+from dspark_core.reference.adapter import describe
+from dspark_core.reference.config import DraftConfig, small_config
+from dspark_core.reference.model import DraftModel, StepInputs
+
+CONFIG_ERRORS = [
+    ({"use_o_gate": "no"}, TypeError, "use_o_gate must be a bool, not str 'no'"),
+    ({"hidden_size": 8192.0}, TypeError, "hidden_size must be an int, not float"),
+    ({"num_layers": True}, TypeError, "num_layers must be an int, not bool"),
+    ({"rope_theta": float("nan")}, ValueError, "rope_theta must be a finite number above 1"),
+    ({"rope_theta": 0.0}, ValueError, "rope_theta must be a finite number above 1"),
+    ({"norm_gain_center": float("nan")}, ValueError, "norm_gain_center must be finite"),
+    ({"rms_norm_eps": -1e-6}, ValueError, "rms_norm_eps must be a finite non-negative number"),
+    ({"norm_overrides": {"layers.7.input_norm": {"eps": 1e-5}}}, ValueError, "not a norm of this draft"),
+    ({"norm_overrides": {"hidden_nrom": {"eps": 1e-5}}}, ValueError, "not a norm of this draft"),
+    ({"norm_overrides": {"norm": {"epsilon": 1e-5}}}, ValueError, r"has unknown keys \['epsilon'\]"),
+    ({"norm_overrides": {"norm": {"has_weight": "yes"}}}, TypeError, "norm's has_weight must be a bool"),
+    ({"norm_overrides": {"norm": {"gain_center": float("inf")}}}, ValueError, "gain_center and eps must be finite"),
+    ({"connection_overrides": {"layers.0.add_atn": {"dtype": "bf16"}}}, ValueError, "not a connection"),
+    ({"connection_overrides": {"layers.0.add_attn": {"dtype": "int8"}}}, ValueError, "must be {'dtype'"),
+    ({"compute_dtype": "bfloat16"}, ValueError, "compute_dtype must be one of"),
+    ({"num_heads": 12, "num_kv_heads": 8}, ValueError, "multiple of num_kv_heads"),
+    ({"hidden": 8192}, ValueError, r"unknown DraftConfig keys \['hidden'\]"),
+]
+
+
+@pytest.mark.parametrize("changes, error, message", CONFIG_ERRORS)
+def test_a_bad_config_value_is_a_clear_error(changes, error, message):
+    with pytest.raises(error, match=message):
+        DraftConfig.from_dict({**json.loads(small_config().to_json()), **changes})
+
+
+def test_step_inputs_of_mismatched_lengths_or_dtypes_are_refused():
+    with pytest.raises(ValueError, match="positions and slots of \\[m\\]"):
+        StepInputs(torch.arange(3), torch.arange(2), torch.zeros(3, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="attn_slots of \\[m, S\\]"):
+        StepInputs(torch.arange(3), torch.arange(3), torch.zeros(2, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="StepInputs.positions must be an int64 tensor"):
+        StepInputs(torch.arange(3.0), torch.arange(3), torch.zeros(3, 4, dtype=torch.int64))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    model = DraftModel(small_config(num_layers=0, vocab_size=16))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 16\)"):
+        model.embed_tokens(torch.tensor([-1]))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 16\)"):
+        model.embed_tokens(torch.tensor([16]))
+    with pytest.raises(TypeError, match="integer tensor"):
+        model.embed_tokens(torch.tensor([1.0]))
+    assert model.embed_tokens(torch.tensor([15])).shape == (1, 2048)
+
+
+def test_a_config_and_its_type_are_checked_by_the_model():
+    with pytest.raises(TypeError, match="DraftModel takes a DraftConfig"):
+        DraftModel({"hidden_size": 2048})
+
+
+def _run(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--tp", "3"), "TP3 does not divide the draft's 64 heads"),
+    (("--tp", "0"), "expected a positive integer, not 0"),
+    (("--tp", "two"), "expected a positive integer, not 'two'"),
+    (("--num-sms", "-5"), "expected a positive integer, not -5"),
+    (("--arch", "sm_75"), "invalid choice: 'sm_75'"),
+    (("--kernels", "boundry"), "unknown kernels ['boundry']"),
+    (("/nonexistent.json",), "No such file"),
+])
+def test_the_plan_cli_says_a_user_error_in_one_line_and_exits_2(args, message):
+    out = _run("dspark_core.planner", *args)
+    assert out.returncode == 2, out.stdout
+    assert "Traceback" not in out.stderr
+    assert message in out.stderr.strip().splitlines()[-1]
+
+
+def test_the_plan_cli_rejects_a_config_the_model_cannot_build(tmp_path):
+    for body, message in (({"hidden_size": 3000}, "multiple of 2048 columns, not 3000"),
+                          ([1, 2], "must hold a JSON object"), ("{", "is not JSON")):
+        path = tmp_path / "c.json"
+        path.write_text(body if isinstance(body, str) else json.dumps(body))
+        out = _run("dspark_core.planner", str(path))
+        assert out.returncode == 2 and "Traceback" not in out.stderr and message in out.stderr, out.stderr
+
+
+def test_the_plan_cli_survives_a_closed_pipe():
+    out = subprocess.run(f"{sys.executable} -m dspark_core.planner --kernels all | head -1", shell=True,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("DSpark plan for") and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--steps", "0"), "expected a positive integer, not 0"),
+    (("--context", "-5"), "expected a positive integer, not -5"),
+    (("--block", "17"), "--block must lie in [1, 16]"),
+    (("--device", "tpu"), "invalid choice: 'tpu'"),
+])
+def test_the_demo_says_a_user_error_in_one_line_and_exits_2(args, message):
+    out = _run("dspark_core.demo", *args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert message in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU build")
+def test_the_demo_refuses_cuda_on_a_cpu_build():
+    out = _run("dspark_core.demo", "--device", "cuda")
+    assert out.returncode == 2 and "this torch build sees no CUDA GPU" in out.stderr
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    changes=st.fixed_dictionaries({}, optional={
+        "hidden_size": st.sampled_from([2048, 3000, 4096, 0, -2048]),
+        "num_layers": st.integers(-1, 3),
+        "num_heads": st.sampled_from([1, 3, 8, 16, 64]),
+        "num_kv_heads": st.sampled_from([0, 1, 2, 3, 8]),
+        "head_dim": st.sampled_from([32, 64, 65, 128]),
+        "intermediate_size": st.sampled_from([8, 100, 1024]),
+        "rope_theta": st.sampled_from([10000.0, 1.0, float("nan"), -5.0]),
+        "norm_weight_dtype": st.sampled_from(["bf16", "fp32", "int8"]),
+        "norm_has_weight": st.sampled_from([True, False, "no"]),
+        "norm_gain_center": st.sampled_from([0.0, 1.0, -0.0, float("inf")]),
+        "rms_norm_eps": st.sampled_from([1e-6, 0.0, -1.0, float("nan")]),
+        "use_o_gate": st.sampled_from([True, False, 1]),
+        "compute_dtype": st.sampled_from(["bf16", "fp16"]),
+        "residual_dtype": st.sampled_from(["fp32", "bf16"]),
+    }),
+    tp=st.sampled_from([1, 2, 3, 4, 8]),
+    platform=st.sampled_from(["cuda", "cpu"]),
+)
+def test_any_config_gives_a_clear_error_a_refusal_or_a_plan(changes, tp, platform):
+    try:
+        config = DraftConfig.from_dict({**json.loads(small_config().to_json()), **changes})
+        draft = describe(DraftModel(config, device="meta"))
+        plan = plan_draft(draft, policy.Target(platform=platform, tp=tp, kernels=policy.ALL_KERNELS))
+    except (ValueError, TypeError) as error:
+        assert str(error) and not isinstance(error, (KeyError, IndexError, AttributeError))
+        return
+    text = plan.format()
+    assert text.startswith("DSpark plan for")
+    if plan.draft_reason is not None:
+        assert plan.draft_reason in text
+    for part in plan.parts():
+        assert part.fused or part.reason, part
+    if platform == "cuda" and plan.draft_reason is None:
+        assert math.isfinite(plan.input_norm.constants.norm.eps) if plan.input_norm.fused else True
