@@ -69,7 +69,7 @@ def audit_common(body: str) -> None:
 
 def audit_constants(ptx: str) -> None:
     """The spec's exp_rn constants appear as exact FP32 immediates."""
-    from dspark_cute.ptx_math import EXP_BITS
+    from dspark_cute.ptx.math import EXP_BITS
 
     for name in ("log2e", "ln2_hi", "ln2_lo", "overflow", "underflow"):
         assert has_f32_constant(ptx, EXP_BITS[name]), name

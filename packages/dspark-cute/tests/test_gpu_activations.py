@@ -38,8 +38,9 @@ from cutlass import Int32, Int64
 from dspark_core.spec import numerics
 from dspark_core.spec.layers import GatedMLP, HeadNorm, o_gate
 from dspark_core.tools.compare import assert_bitwise
-from dspark_cute import ptx, ptx_math
+from dspark_cute import ptx
 from dspark_cute.host import compile_kernel, current_stream, fake_ptr, fake_stream, ptr
+from dspark_cute.ptx import math as ptx_math
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

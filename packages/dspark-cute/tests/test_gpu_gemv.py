@@ -26,8 +26,8 @@ import pytest
 import torch
 from cute_testing import check_poisoned, requires_cuda
 
-from dspark_core.spec import gemv as G
 from dspark_core.contracts.constants import GemvConstants
+from dspark_core.spec import gemv as G
 from dspark_core.tools.compare import assert_bitwise
 from dspark_cute.gemv import Gemv
 

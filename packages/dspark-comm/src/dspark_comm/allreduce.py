@@ -46,10 +46,11 @@ import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
 
-from dspark_comm import device as dev
 from dspark_comm.protocol import (
     EPOCHS,
+    ESCAPE,
     HEADER_BYTES,
+    MARKER,
     STATUS_OFFSET,
     STATUS_TIMEOUT,
     MailboxLayout,
@@ -143,13 +144,6 @@ class StoreEpilogue(Epilogue):
             ptx.st_row8("bf16", out_row, col, v)
 
 
-def _widen(words: list) -> list:
-    out = []
-    for w in words:
-        out.extend(ptx.bf16x2_to_f32(w))
-    return out
-
-
 class AllReduceKernel:
     """The traced all-reduce of one layout, rank, sum order, epilogue and
     variant. Call: ``(partial, table, timeout_ns, o0, ..., o7, m, stream)``:
@@ -206,24 +200,24 @@ def _all_reduce_body(k: AllReduceKernel, ctx: RowContext, partial, table, timeou
     layout, rank, tp = k.layout, k.rank, k.layout.tp
     frags = layout.hidden_size // ptx.CHUNK
     # The address table is constant: read before the wait.
-    bases = [dev.ld_u64(Int64(table) + 8 * r) for r in range(tp)]
+    bases = [ptx.ld_global_u64(Int64(table) + 8 * r) for r in range(tp)]
     state = k.epilogue.early(ctx)
     if k.pdl:
         ptx.pdl_wait()
     local = bases[rank]
-    status = dev.ld_relaxed_u32(local + STATUS_OFFSET)
-    epoch = dev.ld_relaxed_u32(local + Int64(ctx.row) * 4)
-    limit = dev.deadline(status, timeout_ns)
+    status = ptx.ld_relaxed_u32(local + STATUS_OFFSET)
+    epoch = ptx.ld_relaxed_u32(local + Int64(ctx.row) * 4)
+    limit = ptx.deadline(status, timeout_ns)
     own = None
     if not k.published:
         row_addr = Int64(partial) + Int64(ctx.row) * layout.row_bytes + Int64(ctx.tidx) * (2 * ptx.VEC)
         own = [ptx.ld_global_v4(row_addr + i * FRAGMENT_STRIDE) for i in range(frags)]
-        pushed = [[dev.encode(w) for w in f] for f in own]
+        pushed = [[ptx.encode_word(w, MARKER, ESCAPE) for w in f] for f in own]
         for peer in range(tp):
             if peer != rank:
                 dst = _slot(layout, bases[peer], epoch, rank, ctx.row, ctx.tidx)
                 for i in range(frags):
-                    dev.push_v4(dst + i * FRAGMENT_STRIDE, pushed[i])
+                    ptx.push_v4(dst + i * FRAGMENT_STRIDE, pushed[i])
     if k.pdl:
         # Dependents still wait for this grid's end before they read its output.
         ptx.pdl_launch_dependents()
@@ -234,11 +228,11 @@ def _all_reduce_body(k: AllReduceKernel, ctx: RowContext, partial, table, timeou
             words = own
         else:
             slot = _slot(layout, local, epoch, src, ctx.row, ctx.tidx)
-            words, timed_out = dev.poll_fragments(slot, frags, FRAGMENT_STRIDE, limit)
-            dev.clear_fragments(slot, frags, FRAGMENT_STRIDE)
+            words, timed_out = ptx.poll_fragments(slot, frags, FRAGMENT_STRIDE, limit, MARKER)
+            ptx.clear_fragments(slot, frags, FRAGMENT_STRIDE, MARKER)
             code = Uint32(STATUS_TIMEOUT | src) | (Uint32(ctx.row) << Uint32(8))
-            dev.store_u32_if(timed_out, local + STATUS_OFFSET, code)
-        x = [_widen(f) for f in words]
+            ptx.store_u32_if(timed_out, local + STATUS_OFFSET, code)
+        x = [ptx.widen_bf16(f) for f in words]
         if acc is None:
             acc = x
         else:
@@ -250,7 +244,7 @@ def _all_reduce_body(k: AllReduceKernel, ctx: RowContext, partial, table, timeou
     k.epilogue.finish(ctx, state, acc)
     # Every thread has read the epoch; thread 0 advances it.
     cute.arch.barrier()
-    dev.store_u32_if(Uint32(ctx.tidx), local + Int64(ctx.row) * 4, dev.advance(epoch), when_zero=True)
+    ptx.store_u32_if(Uint32(ctx.tidx), local + Int64(ctx.row) * 4, ptx.advance_epoch(epoch, EPOCHS), when_zero=True)
 
 
 class PublishKernel:
@@ -280,19 +274,19 @@ def _publish_body(k: PublishKernel, tidx, row, partial, table) -> None:
     # A plain function: the DSL rewrites loops only in the kernel itself.
     layout = k.layout
     frags = layout.hidden_size // ptx.CHUNK
-    bases = [dev.ld_u64(Int64(table) + 8 * r) for r in range(layout.tp)]
+    bases = [ptx.ld_global_u64(Int64(table) + 8 * r) for r in range(layout.tp)]
     if k.pdl:
         ptx.pdl_wait()
-    epoch = dev.ld_relaxed_u32(bases[k.rank] + Int64(row) * 4)
+    epoch = ptx.ld_relaxed_u32(bases[k.rank] + Int64(row) * 4)
     row_addr = Int64(partial) + Int64(row) * layout.row_bytes + Int64(tidx) * (2 * ptx.VEC)
     words = [ptx.ld_global_v4(row_addr + i * FRAGMENT_STRIDE) for i in range(frags)]
     if k.pdl:
         ptx.pdl_launch_dependents()
-    pushed = [[dev.encode(w) for w in f] for f in words]
+    pushed = [[ptx.encode_word(w, MARKER, ESCAPE) for w in f] for f in words]
     for peer in range(layout.tp):
         dst = _slot(layout, bases[peer], epoch, k.rank, row, tidx)
         for i in range(frags):
-            dev.push_v4(dst + i * FRAGMENT_STRIDE, pushed[i])
+            ptx.push_v4(dst + i * FRAGMENT_STRIDE, pushed[i])
 
 
 def all_reduce_fake_args() -> tuple:

@@ -102,10 +102,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils as cu_utils
 import torch
-from cutlass import Int32, Int64, Uint32
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass import Int32, Int64
 
-from dspark_comm import device as dev
 from dspark_comm import package_gemm_shape as shape
 from dspark_comm.package_gemm_shape import *  # noqa: F403 (re-exported: __all__ names them)
 from dspark_comm.package_gemm_shape import (
@@ -115,7 +113,7 @@ from dspark_comm.package_gemm_shape import (
     default_shape,
     smem_bytes,
 )
-from dspark_comm.protocol import HEADER_BYTES, MailboxLayout, fallback_reason
+from dspark_comm.protocol import ESCAPE, HEADER_BYTES, MARKER, MailboxLayout, fallback_reason
 from dspark_core.contracts.constants import PackageGemmConstants
 from dspark_cute import ptx
 from dspark_cute import skinny_direct as sd
@@ -129,7 +127,6 @@ from dspark_cute.host import (
     is_operand,
     pdl_supported,
 )
-from dspark_cute.qkv_front import st_global_b32_if
 
 MODES = ("plain", "publish")
 # The bound of the module docstring (``dspark_cute.skinny_gemm``).
@@ -168,21 +165,6 @@ def publish_offset(layout: MailboxLayout, epoch, src: int, token, column):
     ``column`` and ``column + 1`` of ``token``'s row in slot (``epoch``,
     ``src``, ``token``): ``protocol.MailboxLayout.slot_offset + 2 column``."""
     return HEADER_BYTES + ((epoch * layout.tp + src) * layout.capacity + token) * layout.row_bytes + 2 * column
-
-
-# ---------------------------------------------------------------- PTX primitive (own)
-
-
-@dsl_user_op
-def st_relaxed_sys_b32_if(addr, word, token, m, *, loc=None, ip=None) -> None:
-    """Store ``word`` at global ``addr`` (Int64; a peer's mapped buffer or the
-    own) with ``st.relaxed.sys`` if ``token < m`` (Int32): a strong
-    system-scope store that a peer's ``ld.relaxed.sys`` poll sees whole
-    (``dspark_comm.device`` has the 16-byte ``push_v4`` only)."""
-    sg._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Uint32(word).ir_value(loc=loc, ip=ip),
-                   Int32(token).ir_value(loc=loc, ip=ip), Int32(m).ir_value(loc=loc, ip=ip)],
-            "{ .reg .pred p; setp.lt.s32 p, $2, $3; @p st.relaxed.sys.global.b32 [$0], $1; }",
-            "l,r,r,r", True, loc, ip)
 
 
 def check_mode(n: int, mode: str, layout: MailboxLayout | None, rank: int) -> None:
@@ -252,7 +234,7 @@ def kernel_prologue(k: PackageGemmKernel, table, m, rounds: int, token_of) -> tu
     ``before_x`` fills with each epilogue round's epoch (early epochs: round
     ``r``'s token ``token_of(r)``, clamped to ``m - 1``); ``before_x`` (the
     PDL wait, then those loads), or None where neither applies."""
-    bases = [dev.ld_u64(Int64(table) + 8 * r) for r in range(k.layout.tp)] if k.mode == "publish" else None
+    bases = [ptx.ld_global_u64(Int64(table) + 8 * r) for r in range(k.layout.tp)] if k.mode == "publish" else None
     early: list = []
 
     def before_x() -> None:
@@ -261,7 +243,7 @@ def kernel_prologue(k: PackageGemmKernel, table, m, rounds: int, token_of) -> tu
         if k.early_epochs:
             for rnd in range(rounds):
                 tok_c = cutlass.min(token_of(rnd), m - 1)
-                early.append(dev.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4))
+                early.append(ptx.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4))
 
     return bases, early, before_x if k.pdl or k.early_epochs else None
 
@@ -297,13 +279,13 @@ def emit_word(k: PackageGemmKernel, bases, out, word, tok, tok_c, col, m, epoch=
     the early epochs)."""
     if k.mode == "publish":
         if epoch is None:
-            epoch = dev.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4)
-        encoded = dev.encode(word)
+            epoch = ptx.ld_relaxed_u32(bases[k.rank] + Int64(tok_c) * 4)
+        encoded = ptx.encode_word(word, MARKER, ESCAPE)
         for peer in range(k.layout.tp):
             addr = bases[peer] + publish_offset(k.layout, Int64(epoch), k.rank, Int64(tok_c), col)
-            st_relaxed_sys_b32_if(addr, encoded, tok, m)
+            ptx.st_relaxed_sys_b32_if(addr, encoded, tok, m)
     else:
-        st_global_b32_if(Int64(out) + plain_offset(k.n, Int64(tok_c), col), word, tok, m)
+        ptx.st_global_b32_if(Int64(out) + plain_offset(k.n, Int64(tok_c), col), word, tok, m)
 
 
 def _direct_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, warp, lane, red) -> None:
@@ -593,5 +575,4 @@ __all__ = [  # the launch-shape names first: package_gemm_shape's, re-exported
     "plain_offset",
     "projection_error_bound",
     "publish_offset",
-    "st_relaxed_sys_b32_if",
 ]

@@ -84,10 +84,8 @@ from dspark_cute.attention_common import (
     load_row,
     pass1_global,
     pass2_global,
-    prefetch_l2,
     prefetch_rows,
     score,
-    widen,
 )
 from dspark_cute.host import (
     CompileCache,
@@ -188,10 +186,10 @@ class PagedAttentionKernel:
         # together, clamped into the cache: a masked slot prefetches some
         # row, harmlessly), so that the passes' loads hit L2.
         for ch in cutlass.range(chunks, unroll=1):
-            prefetch_l2(slot_row + Int64(cutlass.min(ch * LANES + lane_t, s_len - 1)) * SLOT_BYTES[c.slot_dtype])
+            ptx.prefetch_l2(slot_row + Int64(cutlass.min(ch * LANES + lane_t, s_len - 1)) * SLOT_BYTES[c.slot_dtype])
         for grp in cutlass.range((chunks + PREFETCH_GROUP - 1) // PREFETCH_GROUP, unroll=1):
             prefetch_rows(c, cache, slot_row, grp * (PREFETCH_GROUP * LANES) + lane_t, s_len, num_slots, kv_head)
-        qf = widen(load_row(q_row))
+        qf = ptx.widen_bf16(load_row(q_row))
         mx = cute.make_rmem_tensor(1, Float32)
         mx[0] = ptx.f32_const(-math.inf)
         # Pass 1 (the scores, the thread's max), the CTA max, pass 2 (p_j,

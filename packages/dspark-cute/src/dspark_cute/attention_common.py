@@ -4,7 +4,7 @@
 same instructions on the same values (the steps named below are the default
 kernel's, in ``dspark_cute.attention``'s docstring).
 
-The PTX primitives the kernels add to ``dspark_cute.ptx``; the traced math
+The traced math
 (the score, the pass-2 step of one slot, the folds, the cache addressing);
 the passes over slots whose K and V rows come from global memory (all of the
 default kernel's slots, the variant's past its staging cap) and the steps
@@ -18,14 +18,11 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, Uint64
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
 from dspark_core.spec.attention import LANES, scale
 from dspark_cute import ptx
-from dspark_cute.context_store import st_global_b32
-from dspark_cute.ptx_math import exp_rn, sigmoid_rn
-from dspark_cute.skinny_gemm import ld_shared_v2_f32
+from dspark_cute.heads import head_norm_pair
 
 WARPS = LANES // ptx.WARP  # 4
 # The transposed lane sums: one row of 64 FP32 per thread, padded to 68 words
@@ -35,54 +32,6 @@ ROW_WORDS = HEAD_DIM + 4
 PREFETCH_GROUP = 4
 SLOT_BYTES = {"int32": 4, "int64": 8}
 ROW_BYTES = 2 * HEAD_DIM  # one K (or V) row of BF16
-
-
-# ---------------------------------------------------------------- PTX primitives (own)
-
-
-def _asm(result_type, operands, text: str, constraints: str, loc, ip, side_effects: bool = True):
-    """``ptx._asm`` with side effects unless said otherwise."""
-    return ptx._asm(result_type, operands, text, constraints, side_effects, loc, ip)
-
-
-@dsl_user_op
-def ld_global_slot(addr, wide: bool, *, loc=None, ip=None) -> Int64:
-    """The slot at global ``addr`` (Int64): an int64, or an int32
-    sign-extended (``ld.global.s32`` + ``cvt.s64.s32``)."""
-    a = Int64(addr).ir_value(loc=loc, ip=ip)
-    if wide:
-        return Int64(_asm(T.i64(), [a], "ld.global.s64 $0, [$1];", "=l,l", loc, ip))
-    return Int64(_asm(T.i64(), [a], "{ .reg .s32 v; ld.global.s32 v, [$1]; cvt.s64.s32 $0, v; }",
-                      "=l,l", loc, ip))
-
-
-@dsl_user_op
-def prefetch_l2(addr, *, loc=None, ip=None) -> None:
-    """``prefetch.global.L2``: start bringing the line of global ``addr``
-    into L2 (no register written, nothing waits for it)."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", loc, ip)
-
-
-@dsl_user_op
-def max_nan(a, b, *, loc=None, ip=None) -> Float32:
-    """``max.NaN.f32``: the larger of ``a`` and ``b``, NaN if either is NaN
-    (``torch.amax``'s propagation)."""
-    return Float32(_asm(T.f32(), [ptx._f(a, loc, ip), ptx._f(b, loc, ip)], "max.NaN.f32 $0, $1, $2;",
-                        "=f,f,f", loc, ip, side_effects=False))
-
-
-@dsl_user_op
-def st_shared_v4_f32(addr, values, *, loc=None, ip=None) -> None:
-    """Store 4 FP32 at the 16-byte aligned shared byte address ``addr`` (Int32)."""
-    _asm(None, [Int32(addr).ir_value(loc=loc, ip=ip)] + [ptx._f(v, loc, ip) for v in values],
-         "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f", loc, ip)
-
-
-@dsl_user_op
-def st_shared_v2_f32(addr, a, b, *, loc=None, ip=None) -> None:
-    """Store 2 FP32 at the 8-byte aligned shared byte address ``addr`` (Int32)."""
-    _asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), ptx._f(a, loc, ip), ptx._f(b, loc, ip)],
-         "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f", loc, ip)
 
 
 # ---------------------------------------------------------------- traced math
@@ -97,30 +46,13 @@ def load_row(addr) -> list:
     return words
 
 
-def widen(words: list) -> list:
-    """64 BF16 packed in 32 words, widened to FP32 exactly (column order)."""
-    out = []
-    for w in words:
-        out.extend(ptx.bf16x2_to_f32(w))
-    return out
-
-
-def fold_halves(values: list) -> list:
-    """``values`` (a power-of-two count) folded by halves: ``v_k + v_(k+n/2)``
-    until one is left (each ``add.rn``). Returns a one-element list."""
-    while len(values) > 1:
-        half = len(values) // 2
-        values = [ptx.add_rn(values[k], values[k + half]) for k in range(half)]
-    return values
-
-
 def score(qf: list, k_words: list) -> Float32:
     """Step 1: ``mul.rn(head_sum(q * k), SCALE)``; ``qf`` the 64 query values
     (FP32), ``k_words`` the K row's 32 packed words."""
-    k = widen(k_words)
+    k = ptx.widen_bf16(k_words)
     pairs = [ptx.add_rn(ptx.mul_rn(qf[2 * p], k[2 * p]), ptx.mul_rn(qf[2 * p + 1], k[2 * p + 1]))
              for p in range(HEAD_DIM // 2)]
-    return ptx.mul_rn(fold_halves(pairs)[0], ptx.f32_const(scale(HEAD_DIM)))
+    return ptx.mul_rn(ptx.fold_halves(pairs), ptx.f32_const(scale(HEAD_DIM)))
 
 
 def cache_row(cache, slot, kv_head, kv_heads: int, bs: int) -> Int64:
@@ -140,13 +72,13 @@ def prefetch_rows(c: AttentionConstants, cache, slot_row, j0, s_len, num_slots, 
     so the loads are in flight together."""
     width = SLOT_BYTES[c.slot_dtype]
     last = Int32(s_len) - 1
-    slots = [ld_global_slot(slot_row + Int64(cutlass.min(j0 + k * LANES, last)) * width, width == 8)
+    slots = [ptx.ld_global_slot(slot_row + Int64(cutlass.min(j0 + k * LANES, last)) * width, width == 8)
              for k in range(PREFETCH_GROUP)]
     for slot in slots:
         clamped = cutlass.min(cutlass.max(slot, Int64(0)), Int64(num_slots) - 1)
         row = cache_row(cache, clamped, kv_head, c.kv_heads, c.block_size)
-        prefetch_l2(row)
-        prefetch_l2(row + ROW_BYTES)
+        ptx.prefetch_l2(row)
+        ptx.prefetch_l2(row + ROW_BYTES)
 
 
 def fill(acc, value) -> None:
@@ -165,9 +97,9 @@ def add_slot(acc, lsum, s, top, v_words: list) -> None:
     """Pass 2 for one valid slot of score ``s`` and V row ``v_words`` (32
     packed words): ``p = exp_rn(sub.rn(s, top))``, ``l_t = add.rn(l_t, p)``,
     then ``accumulate`` (``lsum`` a 1-element register tensor)."""
-    p = exp_rn(ptx.sub_rn(s, top))
+    p = ptx.exp_rn(ptx.sub_rn(s, top))
     lsum[0] = ptx.add_rn(lsum[0], p)
-    accumulate(acc, p, widen(v_words))
+    accumulate(acc, p, ptx.widen_bf16(v_words))
 
 
 def fold_columns(acc, red, wsums, tidx, warp, lane) -> None:
@@ -178,13 +110,13 @@ def fold_columns(acc, red, wsums, tidx, warp, lane) -> None:
     (``[4][64]``), a barrier."""
     row = Int32(red) + Int32(tidx) * (ROW_WORDS * 4)
     for k in range(HEAD_DIM // 4):
-        st_shared_v4_f32(row + 16 * k, [acc[4 * k + e] for e in range(4)])
+        ptx.st_shared_v4_f32(row + 16 * k, [acc[4 * k + e] for e in range(4)])
     cute.arch.barrier()
     col = Int32(red) + Int32(warp) * (ptx.WARP * ROW_WORDS * 4) + Int32(lane) * 8
-    pairs = [ld_shared_v2_f32(col + r * (ROW_WORDS * 4)) for r in range(ptx.WARP)]
-    w0 = fold_halves([p[0] for p in pairs])[0]
-    w1 = fold_halves([p[1] for p in pairs])[0]
-    st_shared_v2_f32(wsums + (Int32(warp) * HEAD_DIM + Int32(lane) * 2) * 4, w0, w1)
+    pairs = [ptx.ld_shared_v2_f32(col + r * (ROW_WORDS * 4)) for r in range(ptx.WARP)]
+    w0 = ptx.fold_halves([p[0] for p in pairs])
+    w1 = ptx.fold_halves([p[1] for p in pairs])
+    ptx.st_shared_v2_f32(wsums + (Int32(warp) * HEAD_DIM + Int32(lane) * 2) * 4, w0, w1)
     cute.arch.barrier()
 
 
@@ -195,21 +127,12 @@ def quotients(lsums, wsums, lane) -> list:
     for the two columns."""
     ls = [ptx.ld_shared_f32(lsums + 4 * w) for w in range(WARPS)]
     total = ptx.add_rn(ptx.add_rn(ls[0], ls[2]), ptx.add_rn(ls[1], ls[3]))
-    ws = [ld_shared_v2_f32(wsums + (w * HEAD_DIM) * 4 + Int32(lane) * 8) for w in range(WARPS)]
+    ws = [ptx.ld_shared_v2_f32(wsums + (w * HEAD_DIM) * 4 + Int32(lane) * 8) for w in range(WARPS)]
     res = []
     for e in range(2):
         a = ptx.add_rn(ptx.add_rn(ws[0][e], ws[2][e]), ptx.add_rn(ws[1][e], ws[3][e]))
         res.append(ptx.div_rn(a, total))
     return res
-
-
-def warp_max(value) -> Float32:
-    """The warp's ``max.NaN`` (butterfly 16, 8, 4, 2, 1), in every lane."""
-    v = Float32(value)
-    for offset in (16, 8, 4, 2, 1):
-        v = max_nan(v, cute.arch.shuffle_sync_bfly(v, offset=offset))
-    return v
-
 
 
 def o_gate_pair(res: list, gate_word, eps: float) -> Uint32:
@@ -219,11 +142,9 @@ def o_gate_pair(res: list, gate_word, eps: float) -> Uint32:
     ``l`` (the tree's pair ``l``) folded by ``ptx.warp_fold`` (offsets 16 ..
     1: the fold by halves), in every lane."""
     x0, x1 = ptx.round_bf16x2(res[0], res[1])
-    total = ptx.warp_fold(ptx.add_rn(ptx.mul_rn(x0, x0), ptx.mul_rn(x1, x1)))
-    r = ptx.inv_rms(total, HEAD_DIM, eps)
-    n0, n1 = ptx.round_bf16x2(ptx.mul_rn(x0, r), ptx.mul_rn(x1, r))
+    _, n0, n1 = head_norm_pair(x0, x1, eps)
     g0, g1 = ptx.bf16x2_to_f32(gate_word)
-    return ptx.pack_bf16x2_rn(ptx.mul_rn(n0, sigmoid_rn(g0)), ptx.mul_rn(n1, sigmoid_rn(g1)))
+    return ptx.pack_bf16x2_rn(ptx.mul_rn(n0, ptx.sigmoid_rn(g0)), ptx.mul_rn(n1, ptx.sigmoid_rn(g1)))
 
 
 # ---------------------------------------------------------------- the passes over global memory
@@ -262,10 +183,10 @@ def pass1_global(w: SlotWalk, qf: list, mx, first: int) -> None:
     for ch in cutlass.range(first, w.chunks, unroll=1):
         j = ch * LANES + w.lane_t
         if j < w.s_len:
-            slot = ld_global_slot(w.slot_row + Int64(j) * SLOT_BYTES[c.slot_dtype], c.slot_dtype == "int64")
+            slot = ptx.ld_global_slot(w.slot_row + Int64(j) * SLOT_BYTES[c.slot_dtype], c.slot_dtype == "int64")
             if Uint64(slot) < Uint64(w.num_slots):
                 s = score(qf, load_row(cache_row(w.cache, slot, w.kv_head, c.kv_heads, c.block_size)))
-                mx[0] = max_nan(mx[0], s)
+                mx[0] = ptx.max_nan(mx[0], s)
                 if ch < w.kept:
                     ptx.st_shared_f32(w.own + ch * (LANES * 4), s)
 
@@ -275,12 +196,12 @@ def cta_max(value, maxes, warp, lane) -> Float32:
     """Step 2: the CTA's ``max.NaN`` of the threads' ``value``: ``warp_max``,
     lane 0 stores its warp's at ``maxes + 4 warp``, a CTA barrier, then
     ``max(max(W0, W2), max(W1, W3))`` (in every thread)."""
-    wmax = warp_max(value)
+    wmax = ptx.warp_max(value)
     if lane == 0:
         ptx.st_shared_f32(maxes + Int32(warp) * 4, wmax)
     cute.arch.barrier()
     m4 = [ptx.ld_shared_f32(maxes + 4 * w) for w in range(WARPS)]
-    return max_nan(max_nan(m4[0], m4[2]), max_nan(m4[1], m4[3]))
+    return ptx.max_nan(ptx.max_nan(m4[0], m4[2]), ptx.max_nan(m4[1], m4[3]))
 
 
 def lane_sums() -> tuple:
@@ -307,14 +228,14 @@ def pass2_global(w: SlotWalk, acc, lsum, top, q_row, first: int) -> None:
     for ch in cutlass.range(first, w.chunks, unroll=1):
         j = ch * LANES + w.lane_t
         if j < w.s_len:
-            slot = ld_global_slot(w.slot_row + Int64(j) * SLOT_BYTES[c.slot_dtype], c.slot_dtype == "int64")
+            slot = ptx.ld_global_slot(w.slot_row + Int64(j) * SLOT_BYTES[c.slot_dtype], c.slot_dtype == "int64")
             if Uint64(slot) < Uint64(w.num_slots):
                 k_row = cache_row(w.cache, slot, w.kv_head, c.kv_heads, c.block_size)
                 v_words = load_row(k_row + ROW_BYTES)
                 if ch < w.kept:
                     sc[0] = ptx.ld_shared_f32(w.own + ch * (LANES * 4))
                 else:
-                    sc[0] = score(widen(load_row(q_row)), load_row(k_row))
+                    sc[0] = score(ptx.widen_bf16(load_row(q_row)), load_row(k_row))
                 add_slot(acc, lsum, sc[0], top, v_words)
 
 
@@ -342,6 +263,6 @@ def finish(c: AttentionConstants, pdl: bool, acc, lsum, red, lsums, wsums, out, 
         res = quotients(lsums, wsums, lane)
         out_row = Int64(out) + (Int64(token) * c.num_heads + Int64(head)) * ROW_BYTES
         if cutlass.const_expr(c.o_gate_eps is None):
-            st_global_b32(out_row + Int64(lane) * 4, ptx.pack_bf16x2_rn(res[0], res[1]))
+            ptx.st_global_b32(out_row + Int64(lane) * 4, ptx.pack_bf16x2_rn(res[0], res[1]))
         else:
-            st_global_b32(out_row + Int64(lane) * 4, o_gate_pair(res, gate_word, c.o_gate_eps))
+            ptx.st_global_b32(out_row + Int64(lane) * 4, o_gate_pair(res, gate_word, c.o_gate_eps))

@@ -64,7 +64,6 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils as cu_utils
 from cutlass import Float32, Int32, Int64, Uint32
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
 from dspark_core.spec.attention import LANES
@@ -77,26 +76,18 @@ from dspark_cute.attention_common import (
     SLOT_BYTES,
     WARPS,
     SlotWalk,
-    _asm,
     add_slot,
     cache_row,
     cta_max,
     finish,
     lane_sums,
-    ld_global_slot,
     load_row,
-    max_nan,
-    o_gate_pair,
     pass1_global,
     pass2_global,
-    prefetch_l2,
     prefetch_rows,
     score,
-    widen,
 )
-from dspark_cute.context_store import ld_global_b32
 from dspark_cute.host import compile_once, fake_stream
-from dspark_cute.skinny_gemm import ld_shared_v4
 
 # Chunks of 128 slots past the staged ones whose scores pass 1 keeps in
 # shared memory (later ones are recomputed in pass 2, as the default does
@@ -139,54 +130,6 @@ def check_constants_v2(c: AttentionConstants) -> None:
                          "PagedAttentionKernel")
 
 
-# ---------------------------------------------------------------- PTX primitives (own)
-
-
-@dsl_user_op
-def slot_entry(slot, num_slots, *, loc=None, ip=None) -> Int32:
-    """The table entry of ``slot`` (Int64): its low 32 bits where ``0 <=
-    slot < num_slots`` (an unsigned comparison), else ``num_slots`` (< 2^31)."""
-    return Int32(_asm(
-        T.i32(), [Int64(slot).ir_value(loc=loc, ip=ip), Int64(num_slots).ir_value(loc=loc, ip=ip)],
-        "{ .reg .pred p; .reg .b32 s, n; setp.lt.u64 p, $1, $2; cvt.u32.u64 s, $1; cvt.u32.u64 n, $2; "
-        "selp.b32 $0, s, n, p; }",
-        "=r,l,l", loc, ip, side_effects=False,
-    ))
-
-
-@dsl_user_op
-def st_shared_b32(addr, word, *, loc=None, ip=None) -> None:
-    """Store the 32-bit ``word`` at the shared byte address ``addr`` (Int32)."""
-    _asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Int32(word).ir_value(loc=loc, ip=ip)],
-         "st.shared.b32 [$0], $1;", "r,r", loc, ip)
-
-
-@dsl_user_op
-def ld_shared_s32(addr, *, loc=None, ip=None) -> Int32:
-    """The 32-bit integer at the shared byte address ``addr`` (Int32)."""
-    return Int32(_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.s32 $0, [$1];", "=r,r",
-                      loc, ip))
-
-
-@dsl_user_op
-def cp_async_16_if(dst, src, row, rows, entry, num_slots, *, loc=None, ip=None) -> None:
-    """``cp.async.cg`` of 16 bytes from global ``src`` to shared ``dst``
-    where ``row < rows`` and ``entry < num_slots`` (a predicated copy: a
-    masked slot copies nothing, its staged row is never read)."""
-    _asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)]
-         + [Int32(v).ir_value(loc=loc, ip=ip) for v in (row, rows, entry, num_slots)],
-         "{ .reg .pred p, q; setp.lt.s32 p, $2, $3; setp.lt.s32 q, $4, $5; and.pred p, p, q; "
-         "@p cp.async.cg.shared.global [$0], [$1], 16; }",
-         "r,l,r,r,r,r", loc, ip)
-
-
-@dsl_user_op
-def cp_async_wait_all(*, loc=None, ip=None) -> None:
-    """``cp.async.wait_all``: this thread's copies have landed (a CTA barrier
-    after it makes every thread's visible to all)."""
-    _asm(None, [], "cp.async.wait_all;", "", loc, ip)
-
-
 # ---------------------------------------------------------------- traced pieces
 
 
@@ -201,7 +144,7 @@ def load_staged(half, row) -> list:
     ``+ 128``; ``half`` its shared byte address), in column order."""
     words = []
     for k in range(ROW_BYTES // 16):
-        words += ld_shared_v4(Int32(half) + staged_offset(row, k))
+        words += ptx.ld_shared_v4(Int32(half) + staged_offset(row, k))
     return words
 
 
@@ -264,7 +207,7 @@ class PagedAttentionV2Kernel:
         gate_word = None  # finish reads it only with the o-gate
         if cutlass.const_expr(c.o_gate_eps is not None):
             gate_row = Int64(gate) + (Int64(token) * Int64(gate_stride) + Int64(head) * HEAD_DIM) * 2
-            gate_word = ld_global_b32(gate_row + Int64(lane) * 4)
+            gate_word = ptx.ld_global_b32(gate_row + Int64(lane) * 4)
         slot_row = Int64(slots) + Int64(token) * Int64(s_len) * width
         kv_head = Int64(Uint32(head) // Uint32(group))
         chunks = (Int32(s_len) + (LANES - 1)) // LANES
@@ -274,10 +217,10 @@ class PagedAttentionV2Kernel:
         if cutlass.const_expr(capc > 0):
             # The slot table: every load in flight (indices clamped below S), then the stores.
             last = Int32(s_len) - 1
-            entries = [ld_global_slot(slot_row + Int64(cutlass.min(Int32(tidx) + k * LANES, last)) * width, wide)
+            entries = [ptx.ld_global_slot(slot_row + Int64(cutlass.min(Int32(tidx) + k * LANES, last)) * width, wide)
                        for k in range(capc)]
             for e in cutlass.range_constexpr(capc):
-                st_shared_b32(table + (Int32(tidx) + e * LANES) * 4, slot_entry(entries[e], num_slots))
+                ptx.st_shared_b32(table + (Int32(tidx) + e * LANES) * 4, ptx.slot_entry(entries[e], num_slots))
             cute.arch.barrier()
             # The copies: COPY_GROUP steps of COPY_ROWS rows at a time (their
             # entries read first), 8 threads per row, 16 bytes of K and of V each.
@@ -287,26 +230,26 @@ class PagedAttentionV2Kernel:
             per = COPY_GROUP * COPY_ROWS
             for grp in cutlass.range((staged + (per - 1)) // per, unroll=1):
                 rows = [grp * per + k * COPY_ROWS + sub for k in range(COPY_GROUP)]
-                ents = [ld_shared_s32(table + row * 4) for row in rows]
+                ents = [ptx.ld_shared_s32(table + row * 4) for row in rows]
                 for i in cutlass.range_constexpr(COPY_GROUP):
                     src = cache_row(cache, ents[i], kv_head, c.kv_heads, bs) + Int64(part) * 16
                     dst = base + rows[i] * STAGED_ROW_BYTES + staged_offset(rows[i], part)
-                    cp_async_16_if(dst, src, rows[i], staged, ents[i], ns)
-                    cp_async_16_if(dst + ROW_BYTES, src + ROW_BYTES, rows[i], staged, ents[i], ns)
+                    ptx.cp_async_16_if(dst, src, rows[i], staged, ents[i], ns)
+                    ptx.cp_async_16_if(dst + ROW_BYTES, src + ROW_BYTES, rows[i], staged, ents[i], ns)
         # Slots past the cap (all of them unstaged): the default's L2
         # prefetches (the slot entries, then K and V rows PREFETCH_GROUP
         # chunks at a time) while the copies fly.
         for ch in cutlass.range(capc, chunks, unroll=1):
-            prefetch_l2(slot_row + Int64(cutlass.min(ch * LANES + lane_t, s_len - 1)) * width)
+            ptx.prefetch_l2(slot_row + Int64(cutlass.min(ch * LANES + lane_t, s_len - 1)) * width)
         rest = cutlass.max(chunks - capc, 0)
         for pgrp in cutlass.range((rest + PREFETCH_GROUP - 1) // PREFETCH_GROUP, unroll=1):
             prefetch_rows(c, cache, slot_row, (capc + pgrp * PREFETCH_GROUP) * LANES + lane_t, s_len, num_slots,
                           kv_head)
         if cutlass.const_expr(capc > 0):
-            cp_async_wait_all()
+            ptx.cp_async_wait_all()
             cute.arch.barrier()
 
-        qf = widen(q_words)
+        qf = ptx.widen_bf16(q_words)
         mx = cute.make_rmem_tensor(1, Float32)
         mx[0] = ptx.f32_const(-math.inf)
         sc = cute.make_rmem_tensor(max(capc, 1), Float32)
@@ -314,9 +257,9 @@ class PagedAttentionV2Kernel:
         for sch in cutlass.range_constexpr(capc):
             sj = sch * LANES + lane_t
             if sj < s_len:
-                if ld_shared_s32(table + sj * 4) < ns:
+                if ptx.ld_shared_s32(table + sj * 4) < ns:
                     sc[sch] = score(qf, load_staged(base + sj * STAGED_ROW_BYTES, sj))
-                    mx[0] = max_nan(mx[0], sc[sch])
+                    mx[0] = ptx.max_nan(mx[0], sc[sch])
         # Pass 1 past the cap: the default's.
         pass1_global(walk, qf, mx, capc)
         top = cta_max(mx[0], maxes, warp, lane)
@@ -325,7 +268,7 @@ class PagedAttentionV2Kernel:
         for vch in cutlass.range_constexpr(capc):
             vj = vch * LANES + lane_t
             if vj < s_len:
-                if ld_shared_s32(table + vj * 4) < ns:
+                if ptx.ld_shared_s32(table + vj * 4) < ns:
                     add_slot(acc, lsum, sc[vch], top, load_staged(base + vj * STAGED_ROW_BYTES + ROW_BYTES, vj))
         # Pass 2 past the cap: the default's.
         pass2_global(walk, acc, lsum, top, q_row, capc)
@@ -350,7 +293,6 @@ __all__ = [
     "compile_attention_v2",
     "fake_args_v2",
     "load_staged",
-    "o_gate_pair",
     "smem_layout",
 ]
 

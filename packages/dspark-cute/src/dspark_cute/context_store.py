@@ -43,10 +43,10 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64, Uint32
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.contracts.constants import HEAD_DIM, ContextStoreConstants
 from dspark_cute import ptx
+from dspark_cute.heads import head_norm_pair, load_cos_sin, rope_pair
 from dspark_cute.host import CompileCache, LazyPdl, cache_tensor, compile_once, current_stream, fake_stream
 
 # Layers one launch takes (a fixed parameter list: a pointer tuple per operand).
@@ -69,81 +69,14 @@ def check_constants(c: ContextStoreConstants) -> None:
         raise ValueError(f"the context store reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
 
 
-# ---------------------------------------------------------------- scalar global access
-# Primitives ptx.py lacks (to move there): 2-, 4- and 8-byte global loads and
-# a 4-byte store, side-effecting like ptx.ld_global_v4 so that no load moves
-# above the PDL wait.
-
-
-def _asm(result_type, operands, text: str, constraints: str, loc, ip):
-    """``ptx._asm`` with side effects."""
-    return ptx._asm(result_type, operands, text, constraints, True, loc, ip)
-
-
-@dsl_user_op
-def ld_global_b32(addr, *, loc=None, ip=None) -> Uint32:
-    """The 32-bit word at the 4-byte aligned global byte address ``addr``."""
-    return Uint32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)],
-                       "ld.global.b32 $0, [$1];", "=r,l", loc, ip))
-
-
-@dsl_user_op
-def ld_global_b16(addr, *, loc=None, ip=None) -> Uint32:
-    """The 16-bit value at the 2-byte aligned global byte address ``addr``,
-    zero-extended to 32 bits."""
-    return Uint32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)],
-                       "{ .reg .b16 h; ld.global.b16 h, [$1]; cvt.u32.u16 $0, h; }", "=r,l", loc, ip))
-
-
-@dsl_user_op
-def ld_global_s64(addr, *, loc=None, ip=None) -> Int64:
-    """The signed 64-bit integer at the 8-byte aligned global byte address ``addr``."""
-    return Int64(_asm(T.i64(), [Int64(addr).ir_value(loc=loc, ip=ip)],
-                      "ld.global.s64 $0, [$1];", "=l,l", loc, ip))
-
-
-@dsl_user_op
-def st_global_b32(addr, word, *, loc=None, ip=None) -> None:
-    """Store the 32-bit ``word`` at the 4-byte aligned global byte address ``addr``."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Uint32(word).ir_value(loc=loc, ip=ip)],
-         "st.global.b32 [$0], $1;", "l,r", loc, ip)
-
-
 # ---------------------------------------------------------------- traced math
 
 
 def k_norm_pair(word, eps: float) -> tuple:
-    """The weightless K-norm of the head whose pair ``(a, b)`` this lane
-    holds as a packed BF16 ``word``: ``a*a + b*b`` (each rounded), the warp
-    butterfly (head tree), ``inv_rms(sum, 64, eps)``, ``(a * r, b * r)``
-    rounded to BF16; returned widened to FP32."""
-    a, b = ptx.bf16x2_to_f32(word)
-    total = ptx.warp_fold(ptx.add_rn(ptx.mul_rn(a, a), ptx.mul_rn(b, b)))
-    r = ptx.inv_rms(total, HEAD_DIM, eps)
-    return ptx.round_bf16x2(ptx.mul_rn(a, r), ptx.mul_rn(b, r))
-
-
-def rope_pair(a, b, c, s) -> tuple:
-    """GPT-J RoPE of one pair, no FMA: ``(a * c - b * s, b * c + a * s)``,
-    each product and the difference/sum rounded once."""
-    return (
-        ptx.sub_rn(ptx.mul_rn(a, c), ptx.mul_rn(b, s)),
-        ptx.add_rn(ptx.mul_rn(b, c), ptx.mul_rn(a, s)),
-    )
-
-
-def load_cos_sin(table_dtype: str, table, position, lane) -> tuple:
-    """``(cos, sin)`` of pair ``lane`` at ``position`` from the ``[P, 64]``
-    table at byte address ``table`` (columns ``lane`` and ``32 + lane``),
-    widened to FP32 exactly."""
-    if table_dtype == "fp32":
-        at = Int64(table) + Int64(position) * (4 * HEAD_DIM) + Int64(lane) * 4
-        return ptx.as_f32(ld_global_b32(at)), ptx.as_f32(ld_global_b32(at + 2 * HEAD_DIM))
-    at = Int64(table) + Int64(position) * (2 * HEAD_DIM) + Int64(lane) * 2
-    # A BF16 is the high half of the FP32 of the same value.
-    c = ptx.as_f32(ld_global_b16(at) << Uint32(16))
-    s = ptx.as_f32(ld_global_b16(at + HEAD_DIM) << Uint32(16))
-    return c, s
+    """The weightless K-norm of the head whose pair this lane holds as a
+    packed BF16 ``word`` (``heads.head_norm_pair``), widened to FP32."""
+    _, a, b = head_norm_pair(*ptx.bf16x2_to_f32(word), eps)
+    return a, b
 
 
 def _select(values: tuple, index):
@@ -156,9 +89,9 @@ def _select(values: tuple, index):
 
 def _store_head(cache_row, head_stride, h: int, lane, k_word, v_word) -> None:
     at = Int64(cache_row) + Int64(h) * head_stride + Int64(lane) * 4
-    st_global_b32(at, k_word)
+    ptx.st_global_b32(at, k_word)
     # V follows K in the cache's last dim.
-    st_global_b32(at + HEAD_BYTES, v_word)
+    ptx.st_global_b32(at + HEAD_BYTES, v_word)
 
 
 # ---------------------------------------------------------------- the kernel
@@ -213,14 +146,14 @@ class ContextStoreKernel:
         rows_l = _select(rows, entry)
         row = Int32(group) * WARPS_PER_CTA + warp
         if row < rows_l:
-            slot = ld_global_s64(Int64(slots_l) + Int64(row) * 8)
+            slot = ptx.ld_global_s64(Int64(slots_l) + Int64(row) * 8)
             # Every operand of the row is loaded before the arithmetic.
             k_row = Int64(kv_l) + Int64(row) * (2 * heads * HEAD_BYTES) + Int64(lane) * 4
-            k_words = [ld_global_b32(k_row + h * HEAD_BYTES) for h in range(heads)]
-            v_words = [ld_global_b32(k_row + (heads + h) * HEAD_BYTES) for h in range(heads)]
+            k_words = [ptx.ld_global_b32(k_row + h * HEAD_BYTES) for h in range(heads)]
+            v_words = [ptx.ld_global_b32(k_row + (heads + h) * HEAD_BYTES) for h in range(heads)]
             position = Int64(0)
             if cutlass.const_expr(c.rope):
-                position = ld_global_s64(Int64(positions) + Int64(row) * 8)
+                position = ptx.ld_global_s64(Int64(positions) + Int64(row) * 8)
             # One unsigned compare: a negative slot is a huge unsigned one.
             if cutlass.Uint64(slot) < cutlass.Uint64(num_slots):
                 # Slots fit 32 bits (checked on the host): unsigned 32-bit division.
@@ -424,10 +357,4 @@ __all__ = [
     "compile_context_store",
     "fake_args",
     "k_norm_pair",
-    "ld_global_b16",
-    "ld_global_b32",
-    "ld_global_s64",
-    "load_cos_sin",
-    "rope_pair",
-    "st_global_b32",
 ]

@@ -49,7 +49,6 @@ from dspark_cute.host import (
     fake_stream,
     is_operand,
 )
-from dspark_cute.qkv_front import st_global_b32_if
 
 WARPS = 8  # warps per CTA
 THREADS = WARPS * LANES
@@ -112,9 +111,9 @@ def mainloop(k: int, rows_per_warp: int, depth: int, x, weight, warp_id, lane, b
         if f + depth < frags:
             load_weight(f + depth)
             load_x(f + depth)
-        xs = _widen(x_words.pop(f))
+        xs = ptx.widen_bf16(x_words.pop(f))
         for r, words in enumerate(w_words.pop(f)):
-            s = ptx.fragment_sum([ptx.mul_rn(w, xv) for w, xv in zip(_widen(words), xs)])
+            s = ptx.fragment_sum([ptx.mul_rn(w, xv) for w, xv in zip(ptx.widen_bf16(words), xs)])
             acc[r] = s if f == 0 else ptx.add_rn(acc[r], s)
     return row0, [ptx.warp_fold(a) for a in acc]
 
@@ -132,15 +131,7 @@ def _gemv_body(g: GemvKernel, x, weight, out, warp_id, lane) -> None:
     for pair in range(g.rows // 2):
         word = ptx.pack_bf16x2_rn(sums[2 * pair], sums[2 * pair + 1])
         # Every lane holds the same sums; lane 0 stores (lane < 1).
-        st_global_b32_if(Int64(out) + (row0 + 2 * pair) * 2, word, Int32(lane), Int32(1))
-
-
-def _widen(words: list) -> list:
-    """The 8 BF16 of four packed words as FP32, in column order."""
-    out = []
-    for w in words:
-        out.extend(ptx.bf16x2_to_f32(w))
-    return out
+        ptx.st_global_b32_if(Int64(out) + (row0 + 2 * pair) * 2, word, Int32(lane), Int32(1))
 
 
 def check_settings(constants, rows_per_warp: int = ROWS_PER_WARP, depth: int = DEPTH) -> None:

@@ -7,7 +7,7 @@ contiguous, the I gate columns first, then the I up columns) it writes BF16
 
 1. ``g = gu[i, c]`` and ``u = gu[i, I + c]`` widened to FP32 exactly;
 2. ``s = silu_rn(g) = g * sigmoid_rn(g)`` with ``sigmoid_rn(g) = 1 / (1 +
-   exp_rn(-g))`` (``dspark_cute.ptx_math``: the spec's ``exp_rn`` operation
+   exp_rn(-g))`` (``dspark_cute.ptx.math``: the spec's ``exp_rn`` operation
    by operation; the negation exact, the sum, the quotient and the product
    each rounded once to nearest even: ``add.rn``, ``div.rn``, ``mul.rn``);
 3. ``h[i, c] = round_bf16(s * u)`` (``mul.rn.f32``, then
@@ -34,7 +34,8 @@ import torch
 from cutlass import Int32, Int64
 
 from dspark_core.contracts.constants import MlpActivationConstants, mlp_activation_constants
-from dspark_cute import ptx, ptx_math
+from dspark_cute import ptx
+from dspark_cute.elementwise import vector_index
 from dspark_cute.host import (
     CompileCache,
     LazyPdl,
@@ -94,7 +95,7 @@ class MlpActivationKernel:
 
 def _activation_body(i: int, pdl: bool, tidx, cta, m, gu, out) -> None:
     # Past the end: redo the last vector (in bounds), the store is skipped.
-    v, vc, row, col, total = ptx_math.vector_index(tidx, cta, m, i // VEC, THREADS)
+    v, vc, row, col, total = vector_index(tidx, cta, m, i // VEC, THREADS)
     if pdl:
         ptx.pdl_wait()
         # Dependents still wait for this grid's end before they read `out`.
@@ -102,10 +103,10 @@ def _activation_body(i: int, pdl: bool, tidx, cta, m, gu, out) -> None:
     g_addr = Int64(gu) + Int64(row) * (4 * i) + Int64(col) * (2 * VEC)
     g = ptx.ld_bf16x8(g_addr)
     u = ptx.ld_bf16x8(g_addr + 2 * i)
-    h = [ptx.mul_rn(ptx_math.silu_rn(gk), uk) for gk, uk in zip(g, u)]
+    h = [ptx.mul_rn(ptx.silu_rn(gk), uk) for gk, uk in zip(g, u)]
     words = [ptx.pack_bf16x2_rn(h[2 * k], h[2 * k + 1]) for k in range(VEC // 2)]
     # out is [m, I] contiguous: vector vc of the flat output.
-    ptx_math.st_global_v4_if(Int64(out) + Int64(vc) * (2 * VEC), words, v, total)
+    ptx.st_global_v4_if(Int64(out) + Int64(vc) * (2 * VEC), words, v, total)
 
 
 def fake_args(constants: MlpActivationConstants) -> tuple:

@@ -15,7 +15,7 @@ and ``g = gate[i, 64h : 64h + 64]``, widened to FP32 exactly:
    constants), ``n_c = round_bf16(x_c * r)`` (``mul.rn``,
    ``cvt.rn.bf16x2.f32``);
 2. ``out_c = round_bf16(n_c * sigmoid_rn(g_c))``: ``n_c`` widened back
-   exactly, ``sigmoid_rn`` the spec's (``dspark_cute.ptx_math``: ``exp_rn``
+   exactly, ``sigmoid_rn`` the spec's (``dspark_cute.ptx.math``: ``exp_rn``
    operation by operation, ``1 / (1 + e)`` with ``add.rn`` and ``div.rn``),
    the product ``mul.rn``, rounded to BF16 nearest even.
 
@@ -44,7 +44,8 @@ import torch
 from cutlass import Int32, Int64
 
 from dspark_core.contracts.constants import HEAD_DIM, OGateConstants, o_gate_constants
-from dspark_cute import ptx, ptx_math
+from dspark_cute import ptx
+from dspark_cute.elementwise import vector_index
 from dspark_cute.host import (
     CompileCache,
     LazyPdl,
@@ -100,7 +101,7 @@ def o_gate_fragment(x: list, g: list, eps: float) -> list:
     n = []
     for j in range(0, VEC, 2):
         n.extend(ptx.round_bf16x2(ptx.mul_rn(x[j], r), ptx.mul_rn(x[j + 1], r)))
-    o = [ptx.mul_rn(nc, ptx_math.sigmoid_rn(gc)) for nc, gc in zip(n, g)]
+    o = [ptx.mul_rn(nc, ptx.sigmoid_rn(gc)) for nc, gc in zip(n, g)]
     return [ptx.pack_bf16x2_rn(o[j], o[j + 1]) for j in range(0, VEC, 2)]
 
 
@@ -138,7 +139,7 @@ class OGateKernel:
 def _o_gate_body(c: OGateConstants, pdl: bool, tidx, cta, m, gate_stride, attn, gate, out) -> None:
     # Past the end: redo the last vector (a whole head: total is a multiple
     # of 8), the store is skipped; every lane takes part in the shuffles.
-    v, vc, row, col, total = ptx_math.vector_index(tidx, cta, m, c.num_heads * HEAD_THREADS, THREADS)
+    v, vc, row, col, total = vector_index(tidx, cta, m, c.num_heads * HEAD_THREADS, THREADS)
     if pdl:
         ptx.pdl_wait()
         # Dependents still wait for this grid's end before they read `out`.
@@ -146,7 +147,7 @@ def _o_gate_body(c: OGateConstants, pdl: bool, tidx, cta, m, gate_stride, attn, 
     x = ptx.ld_bf16x8(Int64(attn) + Int64(vc) * (2 * VEC))
     g = ptx.ld_bf16x8(Int64(gate) + (Int64(row) * Int64(gate_stride) + Int64(col) * VEC) * 2)
     words = o_gate_fragment(x, g, c.eps)
-    ptx_math.st_global_v4_if(Int64(out) + Int64(vc) * (2 * VEC), words, v, total)
+    ptx.st_global_v4_if(Int64(out) + Int64(vc) * (2 * VEC), words, v, total)
 
 
 def fake_args(constants: OGateConstants) -> tuple:

@@ -9,20 +9,20 @@ of a warp holding the head's GPT-J pair ``(a, b) = (x_2j, x_2j+1)`` widened
 exactly to FP32 (the QKV front's epilogue, ``dspark_cute.qkv_front``, whose
 traced helpers this kernel calls):
 
-1. q heads: ``HeadNorm`` (``qkv_front.head_norm_pair``): ``s = a*a + b*b``
+1. q heads: ``HeadNorm`` (``heads.head_norm_pair``): ``s = a*a + b*b``
    (each square and the sum rounded), the head tree (the warp butterfly with
    offsets 16, 8, 4, 2, 1), ``r = 1 / sqrt(s / 64 + q_eps)`` (``div.rn``,
    ``add.rn``, ``sqrt.rn``, ``div.rn``), ``(a*r, b*r)``, times the BF16
    q-norm weight pair if any, rounded to BF16; then, with RoPE
-   (``qkv_front.rope_pair``), ``c, s`` the table's cos and sin of pair ``j``
-   at ``positions[t]`` (``qkv_front.load_cos_sin_pair``; BF16 or FP32,
+   (``heads.rope_pair``), ``c, s`` the table's cos and sin of pair ``j``
+   at ``positions[t]`` (``heads.load_cos_sin``; BF16 or FP32,
    widened exactly): ``a' = a*c - b*s``, ``b' = b*c + a*s`` (each product,
    the difference and the sum rounded once, no FMA), rounded to BF16;
 2. k heads: the same with ``k_eps`` and no weight;
 3. the insert (``dspark_core.spec.layers.kv_insert``): for ``s = slots[t] >= 0``,
    the k result and the v head's projected bits as they are written to the
    K and V halves of ``cache[s // bs, head, s % bs]``
-   (``qkv_front.cache_row_address``);
+   (``heads.cache_row_address``);
 4. the output ``q`` BF16 ``[m, heads, 64]``: a new tensor (or the caller's
    ``out``), never ``qkv``; the o-gate stays in ``qkv``'s o-gate columns,
    where ``DraftAttention.split_qkv`` views it.
@@ -58,14 +58,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils as cu_utils
 import torch
-from cutlass import Int32, Int64, Uint32
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Int32, Int64
 
 from dspark_core.contracts.constants import HEAD_DIM, QKVFrontConstants
 from dspark_core.spec.layers import capturing
 from dspark_cute import ptx
-from dspark_cute import qkv_front as qf
-from dspark_cute import skinny_gemm as sg
+from dspark_cute.heads import cache_row_address, head_norm_pair, load_cos_sin, rope_pair
 from dspark_cute.host import (
     CompileCache,
     LazyPdl,
@@ -96,30 +94,6 @@ def check_constants(c: QKVFrontConstants) -> None:
                          f"and {c.kv_heads}")
     if c.table_dtype not in TABLE_DTYPES:
         raise ValueError(f"the QKV epilogue reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
-
-
-# ---------------------------------------------------------------- shared-memory words
-
-
-@dsl_user_op
-def ld_shared_b32(addr, *, loc=None, ip=None) -> Uint32:
-    """The 32-bit word at the shared-memory byte address ``addr`` (Int32)."""
-    return Uint32(sg._asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.b32 $0, [$1];", "=r,r",
-                          True, loc, ip))
-
-
-@dsl_user_op
-def st_shared_b32(addr, word, *, loc=None, ip=None) -> None:
-    """Store the 32-bit ``word`` at the shared-memory byte address ``addr``."""
-    sg._asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Uint32(word).ir_value(loc=loc, ip=ip)],
-            "st.shared.b32 [$0], $1;", "r,r", True, loc, ip)
-
-
-@dsl_user_op
-def st_shared_v4(addr, words, *, loc=None, ip=None) -> None:
-    """Store four 32-bit words at the 16-byte aligned shared address ``addr``."""
-    sg._asm(None, [Int32(addr).ir_value(loc=loc, ip=ip)] + [Uint32(w).ir_value(loc=loc, ip=ip) for w in words],
-            "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", True, loc, ip)
 
 
 # ---------------------------------------------------------------- the kernel
@@ -173,51 +147,51 @@ class QKVEpilogueKernel:
         mine = Int32(buf) + Int32(tidx) * 16
         if head < self.heads:
             src = Int64(qkv) + (Int64(tok) * Int64(row_elems) + Int64(head) * HEAD_DIM + Int64(part) * 8) * 2
-            st_shared_v4(mine, ptx.ld_global_v4(src))
+            ptx.st_shared_v4(mine, ptx.ld_global_v4(src))
         pos = Int64(0)
         live = Int32(1)
         if cutlass.const_expr(c.rope):
-            pos = qf.ld_global_s64(Int64(positions) + Int64(tok) * 8)
+            pos = ptx.ld_global_s64(Int64(positions) + Int64(tok) * 8)
             # One unsigned compare: a negative position is a huge unsigned one.
             if cutlass.Uint64(pos) >= cutlass.Uint64(max_position):
                 live = Int32(0)
                 pos = Int64(0)
         # Per token and lane: the q-norm weight pair and the cos/sin of pair `lane`.
-        w = qf.ld_global_b32(Int64(q_weight) + Int64(lane) * 4) if c.q_weight else None
-        cos_sin = qf.load_cos_sin_pair(c.table_dtype, table, pos, lane) if c.rope else None
+        w = ptx.ld_global_b32(Int64(q_weight) + Int64(lane) * 4) if c.q_weight else None
+        cos_sin = load_cos_sin(c.table_dtype, table, pos, lane) if c.rope else None
         cute.arch.barrier()
         for r in cutlass.range_constexpr(GROUP_HEADS // WARPS):
             h = first + Int32(warp) + WARPS * r
             at = Int32(buf) + (Int32(warp) + WARPS * r) * HEAD_BYTES + Int32(lane) * 4
             if h < nq + kv:
-                a, b = ptx.bf16x2_to_f32(ld_shared_b32(at))
+                a, b = ptx.bf16x2_to_f32(ptx.ld_shared_b32(at))
                 if h < nq:
-                    st_shared_b32(at, self._norm_rope(a, b, c.q_eps, w, cos_sin))
+                    ptx.st_shared_b32(at, self._norm_rope(a, b, c.q_eps, w, cos_sin))
                 else:
-                    st_shared_b32(at, self._norm_rope(a, b, c.k_eps, None, cos_sin))
+                    ptx.st_shared_b32(at, self._norm_rope(a, b, c.k_eps, None, cos_sin))
         cute.arch.barrier()
         if head < self.heads:
             if live != Int32(0):
-                words = sg.ld_shared_v4(mine)
+                words = ptx.ld_shared_v4(mine)
                 if head < nq:
                     dst = Int64(out) + ((Int64(tok) * nq + Int64(head)) * HEAD_DIM + Int64(part) * 8) * 2
                     ptx.st_global_v4(dst, words)
                 else:
-                    slot = qf.ld_global_s64(Int64(slots) + Int64(tok) * 8)
+                    slot = ptx.ld_global_s64(Int64(slots) + Int64(tok) * 8)
                     # A negative slot is a huge unsigned one: skipped with the rest.
                     if cutlass.Uint64(slot) < cutlass.Uint64(num_slots):
                         # K heads nq .. nq+kv-1 (half 0), V heads after them (half 1).
                         is_v = Int32(head >= nq + kv)
-                        row = qf.cache_row_address(cache, slot, kv, head - nq - is_v * kv, block_size)
+                        row = cache_row_address(cache, slot, kv, head - nq - is_v * kv, block_size)
                         ptx.st_global_v4(row + Int64(is_v) * HEAD_BYTES + Int64(part) * 16, words)
 
     def _norm_rope(self, a, b, eps, weight_word, cos_sin):
         """``HeadNorm`` then (with RoPE) the rotation by ``cos_sin``: the QKV
         front's helpers; the packed BF16 pair."""
-        word, na, nb = qf.head_norm_pair(a, b, eps, weight_word)
+        word, na, nb = head_norm_pair(a, b, eps, weight_word)
         if cutlass.const_expr(cos_sin is None):
             return word
-        return qf.rope_pair(na, nb, *cos_sin)
+        return ptx.pack_bf16x2_rn(*rope_pair(na, nb, *cos_sin))
 
 
 def fake_args(constants: QKVFrontConstants) -> tuple:

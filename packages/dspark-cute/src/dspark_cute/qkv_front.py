@@ -47,13 +47,13 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils as cu_utils
 import torch
-from cutlass import Int32, Int64, Uint32
+from cutlass import Int32, Int64
 from cutlass.cute.runtime import make_ptr
-from cutlass.cutlass_dsl import dsl_user_op
 
 from dspark_core.contracts.constants import HEAD_DIM, MAX_DECODE_ROWS, QKVFrontConstants
 from dspark_cute import ptx
 from dspark_cute import skinny_gemm as sg
+from dspark_cute.heads import cache_row_address, head_norm_pair, load_cos_sin, rope_pair
 from dspark_cute.host import (
     CompileCache,
     check_operand,
@@ -65,128 +65,6 @@ from dspark_cute.host import (
     pdl_supported,
     ptr,
 )
-
-# ---------------------------------------------------------------- PTX primitives (own)
-
-
-def _asm(result_type, operands, text, constraints, loc, ip):
-    return sg._asm(result_type, operands, text, constraints, True, loc, ip)
-
-
-def _i32(v, loc, ip):
-    return Int32(v).ir_value(loc=loc, ip=ip)
-
-
-def _i64(v, loc, ip):
-    return Int64(v).ir_value(loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ld_global_b32(addr, *, loc=None, ip=None) -> Uint32:
-    """The 32-bit word at global ``addr`` (Int64, 4-byte aligned)."""
-    from cutlass.cutlass_dsl import T
-
-    return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.global.b32 $0, [$1];", "=r,l", loc, ip))
-
-
-@dsl_user_op
-def ld_global_u16(addr, *, loc=None, ip=None) -> Uint32:
-    """The 16-bit value at global ``addr`` (Int64), zero-extended."""
-    from cutlass.cutlass_dsl import T
-
-    return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)],
-                       "{ .reg .b16 h; ld.global.b16 h, [$1]; cvt.u32.u16 $0, h; }", "=r,l", loc, ip))
-
-
-@dsl_user_op
-def ld_global_clamped_s64(addr, lo, hi, *, loc=None, ip=None) -> Int64:
-    """The int64 at global ``addr`` clamped to ``[lo, hi]`` (Int64 bounds)."""
-    from cutlass.cutlass_dsl import T
-
-    return Int64(_asm(
-        T.i64(), [_i64(addr, loc, ip), _i64(lo, loc, ip), _i64(hi, loc, ip)],
-        "{ .reg .s64 v; ld.global.s64 v, [$1]; max.s64 v, v, $2; min.s64 $0, v, $3; }",
-        "=l,l,l,l", loc, ip,
-    ))
-
-
-@dsl_user_op
-def ld_global_s64(addr, *, loc=None, ip=None) -> Int64:
-    """The int64 at global ``addr`` (8-byte aligned)."""
-    from cutlass.cutlass_dsl import T
-
-    return Int64(_asm(T.i64(), [_i64(addr, loc, ip)], "ld.global.s64 $0, [$1];", "=l,l", loc, ip))
-
-
-@dsl_user_op
-def st_global_b32_if(addr, word, token, m, *, loc=None, ip=None) -> None:
-    """Store ``word`` at global ``addr`` if ``token < m`` (Int32)."""
-    _asm(None, [_i64(addr, loc, ip), Uint32(word).ir_value(loc=loc, ip=ip), _i32(token, loc, ip), _i32(m, loc, ip)],
-         "{ .reg .pred p; setp.lt.s32 p, $2, $3; @p st.global.b32 [$0], $1; }", "l,r,r,r", loc, ip)
-
-
-@dsl_user_op
-def st_global_b32_if_slot(addr, word, token, m, slot, num_slots, *, loc=None, ip=None) -> None:
-    """Store ``word`` at global ``addr`` if ``token < m`` and ``0 <= slot <
-    num_slots`` (the cache insert's skip rule; a skipped address is never
-    dereferenced)."""
-    _asm(None, [_i64(addr, loc, ip), Uint32(word).ir_value(loc=loc, ip=ip), _i32(token, loc, ip),
-                _i32(m, loc, ip), _i64(slot, loc, ip), _i64(num_slots, loc, ip)],
-         "{ .reg .pred p; setp.lt.s32 p, $2, $3; setp.ge.and.s64 p, $4, 0, p; "
-         "setp.lt.and.s64 p, $4, $5, p; @p st.global.b32 [$0], $1; }",
-         "l,r,r,r,l,l", loc, ip)
-
-
-# ---------------------------------------------------------------- traced epilogue
-
-
-def head_norm_pair(a, b, eps: float, weight_word=None) -> tuple:
-    """``HeadNorm`` of a 64-wide head whose GPT-J pair ``j`` lane ``j`` holds:
-    ``s = a*a + b*b``, the head tree (butterfly 16..1), ``r = inv_rms(s, 64,
-    eps)``, ``(a*r, b*r)`` (times the BF16 weight pair if given), rounded to
-    BF16 and widened back. Returns ``(word, a', b')``."""
-    s = ptx.warp_fold(ptx.add_rn(ptx.mul_rn(a, a), ptx.mul_rn(b, b)))
-    r = ptx.inv_rms(s, HEAD_DIM, eps)
-    ya, yb = ptx.mul_rn(a, r), ptx.mul_rn(b, r)
-    if weight_word is not None:
-        wa, wb = ptx.bf16x2_to_f32(weight_word)
-        ya, yb = ptx.mul_rn(ya, wa), ptx.mul_rn(yb, wb)
-    word = ptx.pack_bf16x2_rn(ya, yb)
-    return (word, *ptx.bf16x2_to_f32(word))
-
-
-def rope_pair(a, b, c, s):
-    """GPT-J RoPE of the pair: ``(a*c - b*s, b*c + a*s)``, each product, the
-    difference and the sum rounded once, packed to BF16."""
-    ra = ptx.sub_rn(ptx.mul_rn(a, c), ptx.mul_rn(b, s))
-    rb = ptx.add_rn(ptx.mul_rn(b, c), ptx.mul_rn(a, s))
-    return ptx.pack_bf16x2_rn(ra, rb)
-
-
-def load_cos_sin_pair(table_dtype: str, table, pos, lane) -> tuple:
-    """``(cos, sin)`` of pair ``lane`` at table row ``pos`` (Int64, inside the
-    table) of the ``[P, 64]`` table at byte address ``table``: columns
-    ``lane`` and ``32 + lane``, widened to FP32 exactly."""
-    if table_dtype == "fp32":
-        row = Int64(table) + pos * (HEAD_DIM * 4)
-        c = ptx.as_f32(ld_global_b32(row + Int64(lane) * 4))
-        s = ptx.as_f32(ld_global_b32(row + Int64(lane) * 4 + HEAD_DIM * 2))
-        return c, s
-    row = Int64(table) + pos * (HEAD_DIM * 2)
-    c = ptx.as_f32(ld_global_u16(row + Int64(lane) * 2) << Uint32(16))
-    s = ptx.as_f32(ld_global_u16(row + Int64(lane) * 2 + HEAD_DIM) << Uint32(16))
-    return c, s
-
-
-def cache_row_address(cache, slot, kv_heads: int, kv_head, block_size):
-    """The byte address (Int64) of the cache row of ``slot`` (Int64, not
-    negative) and KV head ``kv_head`` in the BF16 cache ``[num_blocks,
-    kv_heads, block_size, 128]`` at byte address ``cache``: block ``slot //
-    block_size``, row ``slot % block_size``; its K half is the first 128
-    bytes, its V half the next 128."""
-    bs = Int64(block_size)
-    row = (slot // bs * kv_heads + Int64(kv_head)) * bs + slot % bs
-    return Int64(cache) + row * (4 * HEAD_DIM)
 
 
 class QKVFrontKernel:
@@ -241,21 +119,21 @@ class QKVFrontKernel:
             word = ptx.pack_bf16x2_rn(a, b)
             o_addr = Int64(out.toint()) + (Int64(tok) * self.rows + Int64(hd) * HEAD_DIM + Int64(lane) * 2) * 2
             if cutlass.const_expr(self.raw):
-                st_global_b32_if(o_addr, word, tok, m)
+                ptx.st_global_b32_if(o_addr, word, tok, m)
             else:
                 tok_c = cutlass.min(tok, m - 1)
                 if hd < heads + kv:
                     pa, pb = ptx.bf16x2_to_f32(word)
                     if hd < heads:
-                        w = ld_global_b32(Int64(q_weight.toint()) + Int64(lane) * 4) if c.q_weight else None
+                        w = ptx.ld_global_b32(Int64(q_weight.toint()) + Int64(lane) * 4) if c.q_weight else None
                         res = self._norm_rope(pa, pb, c.q_eps, w, table, positions, tok_c, max_pos, lane)
-                        st_global_b32_if(o_addr, res, tok, m)
+                        ptx.st_global_b32_if(o_addr, res, tok, m)
                     else:
                         res = self._norm_rope(pa, pb, c.k_eps, None, table, positions, tok_c, max_pos, lane)
-                        st_global_b32_if(o_addr, res, tok, m)
+                        ptx.st_global_b32_if(o_addr, res, tok, m)
                         self._insert(res, 0, hd - heads, slots, cache, tok, tok_c, m, num_slots, block_size, lane)
                 else:
-                    st_global_b32_if(o_addr, word, tok, m)
+                    ptx.st_global_b32_if(o_addr, word, tok, m)
                     if hd < heads + 2 * kv:
                         self._insert(word, 1, hd - heads - kv, slots, cache, tok, tok_c, m, num_slots,
                                      block_size, lane)
@@ -264,15 +142,15 @@ class QKVFrontKernel:
         word, na, nb = head_norm_pair(a, b, eps, weight_word)
         if not self.c.rope:
             return word
-        pos = ld_global_clamped_s64(Int64(positions.toint()) + Int64(tok_c) * 8, Int64(0), Int64(max_pos) - 1)
-        cos, sin = load_cos_sin_pair(self.c.table_dtype, table.toint(), pos, lane)
-        return rope_pair(na, nb, cos, sin)
+        pos = ptx.ld_global_clamped_s64(Int64(positions.toint()) + Int64(tok_c) * 8, Int64(0), Int64(max_pos) - 1)
+        cos, sin = load_cos_sin(self.c.table_dtype, table.toint(), pos, lane)
+        return ptx.pack_bf16x2_rn(*rope_pair(na, nb, cos, sin))
 
     def _insert(self, word, half: int, kv_head, slots, cache, tok, tok_c, m, num_slots, block_size, lane):
-        slot = ld_global_s64(Int64(slots.toint()) + Int64(tok_c) * 8)
+        slot = ptx.ld_global_s64(Int64(slots.toint()) + Int64(tok_c) * 8)
         row = cache_row_address(cache.toint(), slot, self.c.kv_heads, kv_head, block_size)
         addr = row + half * (2 * HEAD_DIM) + Int64(lane) * 4
-        st_global_b32_if_slot(addr, word, tok, m, slot, num_slots)
+        ptx.st_global_b32_if_slot(addr, word, tok, m, slot, num_slots)
 
 
 def _rounds(cfg: sg.SkinnyConfig) -> int:
@@ -466,13 +344,4 @@ class QKVFront:
         return out
 
 
-__all__ = [
-    "QKVFront",
-    "QKVFrontKernel",
-    "cache_row_address",
-    "compile_qkv_front",
-    "fake_args",
-    "head_norm_pair",
-    "load_cos_sin_pair",
-    "rope_pair",
-]
+__all__ = ["QKVFront", "QKVFrontKernel", "compile_qkv_front", "fake_args"]

@@ -108,7 +108,7 @@ def mainloop(cfg: sg.SkinnyConfig, w_tile, x, m, warp, lane, before_x=None) -> l
             for nt in range(cfg.n_tiles):
                 # The fragments of skinny_gemm's MMA tile 0, x after this step's 2 weight words.
                 a, b = sg.a_fragment(words, 0, half), sg.b_fragment(words, nt, half, W_LOADS)
-                acc[nt] = sg.mma_bf16(a, b, acc[nt])
+                acc[nt] = ptx.mma_bf16(a, b, acc[nt])
         if cfg.group > 1 and (s + 1) % cfg.group == 0:
             # A burst: the next `group` steps of every row issue back to back
             # (64 * group contiguous bytes of a row), keeping `ahead` in flight.
@@ -133,9 +133,9 @@ def store_partials(cfg: sg.SkinnyConfig, acc: list, red, warp, lane) -> None:
 
 def reduced_pair(cfg: sg.SkinnyConfig, red, token, row) -> tuple:
     """The FP32 sums of rows ``row`` and ``row + 1`` (even) for ``token``:
-    the W_K partials folded by halves (``skinny_gemm.fold_halves``)."""
-    pairs = [sg.ld_shared_v2_f32(Int32(red) + Int32(red_offset(w, token, row)) * 4) for w in range(cfg.k_warps)]
-    return sg.fold_halves([p[0] for p in pairs]), sg.fold_halves([p[1] for p in pairs])
+    the W_K partials folded by halves (``ptx.fold_halves``)."""
+    pairs = [ptx.ld_shared_v2_f32(Int32(red) + Int32(red_offset(w, token, row)) * 4) for w in range(cfg.k_warps)]
+    return ptx.fold_halves([p[0] for p in pairs]), ptx.fold_halves([p[1] for p in pairs])
 
 
 __all__ = [

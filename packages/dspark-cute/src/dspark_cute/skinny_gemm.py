@@ -76,9 +76,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from cutlass import Float32, Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Int32, Int64
 
 from dspark_cute import ptx
 
@@ -284,68 +282,6 @@ def red_offset(warp, token, row):
     return (warp * MAX_TOKENS + token) * RED_STRIDE + row
 
 
-# ---------------------------------------------------------------- PTX primitives
-
-
-_asm = ptx._asm  # (kept as this module's name: qkv_front and qkv_epilogue call sg._asm)
-
-
-@dsl_user_op
-def cp_async_16(smem_addr, gmem_addr, prefetch: int = 256, *, loc=None, ip=None) -> None:
-    """Copy 16 bytes from global ``gmem_addr`` (Int64, 16-byte aligned) to
-    shared ``smem_addr`` (Int32) asynchronously, caching in L2 only with a
-    ``prefetch``-byte L2 prefetch (``cp.async.cg...L2::256B`` by default: the
-    next steps read the rest of each 256 bytes; 0: no hint)."""
-    hint = f".L2::{int(prefetch)}B" if prefetch else ""
-    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-         f"cp.async.cg.shared.global{hint} [$0], [$1], 16;", "r,l", True, loc, ip)
-
-
-@dsl_user_op
-def cp_async_commit(*, loc=None, ip=None) -> None:
-    """``cp.async.commit_group`` (an empty group is legal and completes at once)."""
-    _asm(None, [], "cp.async.commit_group;", "", True, loc, ip)
-
-
-@dsl_user_op
-def cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
-    """``cp.async.wait_group pending``: this thread's copies of all but the
-    newest ``pending`` groups have landed and are visible to it."""
-    _asm(None, [], f"cp.async.wait_group {int(pending)};", "", True, loc, ip)
-
-
-@dsl_user_op
-def ld_shared_v4(addr, *, loc=None, ip=None) -> list:
-    """Four 32-bit words at shared ``addr`` (Int32, 16-byte aligned), kept in
-    program order after the preceding ``cp_async_wait``."""
-    words = _asm(llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
-                 "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", True, loc, ip)
-    return [Uint32(llvm.extractvalue(T.i32(), words, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def ld_shared_v2_f32(addr, *, loc=None, ip=None) -> tuple:
-    """Two FP32 at shared ``addr`` (Int32, 8-byte aligned)."""
-    pair = _asm(llvm.StructType.get_literal([T.f32()] * 2), [Int32(addr).ir_value(loc=loc, ip=ip)],
-                "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r", True, loc, ip)
-    return tuple(Float32(llvm.extractvalue(T.f32(), pair, [i], loc=loc, ip=ip)) for i in range(2))
-
-
-@dsl_user_op
-def mma_bf16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
-    """``d = c + A @ B`` on the tensor cores: ``mma.sync.aligned.m16n8k16``
-    row.col, BF16 inputs, FP32 accumulators (fragments as in the PTX ISA)."""
-    ops = [Uint32(v).ir_value(loc=loc, ip=ip) for v in list(a) + list(b)]
-    ops += [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
-    res = _asm(
-        llvm.StructType.get_literal([T.f32()] * 4), ops,
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", False, loc, ip,
-    )
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
 # ---------------------------------------------------------------- the main loop
 
 
@@ -359,13 +295,13 @@ def prologue(slots: int, copy_weight, copy_x, x_regs: bool, before_x) -> None:
     for p in range(slots):
         copy_weight(p)
         if x_regs:
-            cp_async_commit()
+            ptx.cp_async_commit()
     if before_x is not None:
         before_x()
     for p in range(slots):
         copy_x(p)
         if not x_regs:
-            cp_async_commit()
+            ptx.cp_async_commit()
 
 
 def zero_accumulators(cfg: SkinnyConfig) -> list:
@@ -380,7 +316,7 @@ def step_mmas(cfg: SkinnyConfig, words: list, acc: list) -> None:
     for half in range(2):
         for i in range(MMA_TILES):
             for nt in range(cfg.n_tiles):
-                acc[i][nt] = mma_bf16(a_fragment(words, i, half), b_fragment(words, nt, half), acc[i][nt])
+                acc[i][nt] = ptx.mma_bf16(a_fragment(words, i, half), b_fragment(words, nt, half), acc[i][nt])
 
 
 def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=None) -> list:
@@ -403,7 +339,7 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=No
     def copy_weight(step: int, stage: int) -> None:
         for load in range(W_LOADS):
             src = Int64(w_tile) + Int64(weight_offset(cfg, warp, lane, step, load)) * 2
-            cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, load), src, cfg.l2_prefetch)
+            ptx.cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, load), src, cfg.l2_prefetch)
 
     def copy_x(step: int, stage: int) -> None:
         for nt, tok in enumerate(tokens):
@@ -411,7 +347,7 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=No
             if cfg.x_regs:
                 x_words.setdefault(step, []).append(ptx.ld_global_v4(src))
             else:
-                cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, W_LOADS + nt), src, cfg.l2_prefetch)
+                ptx.cp_async_16(Int32(ring) + ring_offset(cfg, tid, stage, W_LOADS + nt), src, cfg.l2_prefetch)
 
     prologue(cfg.stages, lambda p: copy_weight(p, p), lambda p: copy_x(p, p), cfg.x_regs, before_x)
     acc = zero_accumulators(cfg)
@@ -419,8 +355,8 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=No
         stage = s % cfg.stages
         # Committed so far: stages + s groups (one per step, empty at the end);
         # step s's is complete once at most stages - 1 are pending.
-        cp_async_wait(cfg.stages - 1)
-        words = [ld_shared_v4(Int32(ring) + ring_offset(cfg, tid, stage, load)) for load in range(cfg.ring_loads)]
+        ptx.cp_async_wait(cfg.stages - 1)
+        words = [ptx.ld_shared_v4(Int32(ring) + ring_offset(cfg, tid, stage, load)) for load in range(cfg.ring_loads)]
         if cfg.x_regs:
             words += x_words.pop(s)
         step_mmas(cfg, words, acc)
@@ -429,8 +365,8 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x=No
         if s + cfg.stages < cfg.steps:
             copy_weight(s + cfg.stages, stage)
             copy_x(s + cfg.stages, stage)
-        cp_async_commit()
-    cp_async_wait(0)
+        ptx.cp_async_commit()
+    ptx.cp_async_wait(0)
     return acc
 
 
@@ -456,19 +392,11 @@ def store_partials(cfg: SkinnyConfig, acc: list, red, warp, lane) -> None:
     cute.arch.barrier()
 
 
-def fold_halves(values: list) -> object:
-    """``v_w + v_(w + n/2)`` (``add.rn``), repeated down to one value."""
-    while len(values) > 1:
-        half = len(values) // 2
-        values = [ptx.add_rn(values[w], values[w + half]) for w in range(half)]
-    return values[0]
-
-
 def reduced_pair(cfg: SkinnyConfig, red, token, lane) -> tuple:
     """The FP32 sums of rows ``2 lane`` and ``2 lane + 1`` for ``token``
     (Int32, < 8 n_tiles): the W_K partials folded by halves (step 2)."""
-    pairs = [ld_shared_v2_f32(Int32(red) + Int32(red_offset(w, token, 2 * lane)) * 4) for w in range(cfg.k_warps)]
-    return fold_halves([p[0] for p in pairs]), fold_halves([p[1] for p in pairs])
+    pairs = [ptx.ld_shared_v2_f32(Int32(red) + Int32(red_offset(w, token, 2 * lane)) * 4) for w in range(cfg.k_warps)]
+    return ptx.fold_halves([p[0] for p in pairs]), ptx.fold_halves([p[1] for p in pairs])
 
 
 # ---------------------------------------------------------------- fragment layouts (host, for emulation)
@@ -560,15 +488,8 @@ __all__ = [
     "a_fragment",
     "acc_coords",
     "b_fragment",
-    "cp_async_16",
-    "cp_async_commit",
-    "cp_async_wait",
     "emulated_lane_words",
-    "fold_halves",
-    "ld_shared_v2_f32",
-    "ld_shared_v4",
     "mainloop",
-    "mma_bf16",
     "mma_emulated",
     "output_error_bound",
     "projection_error_bound",

@@ -33,7 +33,6 @@ even number of steps and stages (``SkinnyConfig`` refuses others).
 from __future__ import annotations
 
 from cutlass import Int32, Int64
-from cutlass.cutlass_dsl import dsl_user_op
 
 from dspark_cute import ptx
 from dspark_cute.skinny_gemm import (
@@ -42,11 +41,7 @@ from dspark_cute.skinny_gemm import (
     W_LOADS,
     SkinnyConfig,
     _min_i32,
-    cp_async_16,
-    cp_async_commit,
-    cp_async_wait,
     lane_coords,
-    ld_shared_v4,
     prologue,
     ring_offset,
     step_column,
@@ -129,13 +124,6 @@ def _x_offset(cfg: SkinnyConfig, warp, lane, step: int, token):
     return token * cfg.k + step_column(cfg, warp, step) + 8 * t
 
 
-@dsl_user_op
-def sync_warp(*, loc=None, ip=None) -> None:
-    """``bar.warp.sync 0xffffffff``: the warp's lanes meet; their shared-memory
-    accesses before it are ordered before those after it (row copies)."""
-    ptx._asm(None, [], "bar.warp.sync 0xffffffff;", "", True, loc, ip)
-
-
 def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x) -> list:
     """``skinny_gemm.mainloop`` with row copies (``copy`` "rows"): the ring holds
     ``stages / 2`` pairs of steps; a pair's weight is copied by the warp in
@@ -149,14 +137,14 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x) -
     def copy_weight(pair: int, pair_stage: int) -> None:
         for q in range(PAIR_COPIES):
             row, chunk, off = row_copy(cfg, warp, lane, pair, q)
-            cp_async_16(Int32(ring) + rows_ring_offset(cfg, warp, pair_stage, row, chunk),
+            ptx.cp_async_16(Int32(ring) + rows_ring_offset(cfg, warp, pair_stage, row, chunk),
                         Int64(w_tile) + Int64(off) * 2, cfg.l2_prefetch)
 
     def copy_x(pair: int) -> None:
         if cfg.x_copy == "rows":
             for q in range(2 * cfg.n_tiles):
                 slot, chunk, off = x_row_copy(cfg, warp, lane, pair, q, m, minimum=_min_i32)
-                cp_async_16(Int32(ring) + x_rows_offset(cfg, warp, pair % depth, slot, chunk),
+                ptx.cp_async_16(Int32(ring) + x_rows_offset(cfg, warp, pair % depth, slot, chunk),
                             Int64(x) + Int64(off) * 2, cfg.l2_prefetch)
             return
         for step in (2 * pair, 2 * pair + 1):
@@ -165,32 +153,33 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x) -
                 if cfg.x_regs:
                     x_words.setdefault(step, []).append(ptx.ld_global_v4(src))
                 else:
-                    cp_async_16(Int32(ring) + ring_offset(cfg, tid, step % cfg.stages, W_LOADS + nt), src,
+                    ptx.cp_async_16(Int32(ring) + ring_offset(cfg, tid, step % cfg.stages, W_LOADS + nt), src,
                                 cfg.l2_prefetch)
 
     def refill(p: int, ps: int) -> None:
-        sync_warp()  # every lane's reads of the slot before any lane refills it
+        ptx.sync_warp()  # every lane's reads of the slot before any lane refills it
         if p + depth < pairs:
             copy_weight(p + depth, ps)
             copy_x(p + depth)
-        cp_async_commit()
+        ptx.cp_async_commit()
 
     def words_of(s: int, ps: int) -> list:
-        words = [ld_shared_v4(Int32(ring) + rows_read_offset(cfg, warp, lane, s, load, ps)) for load in range(W_LOADS)]
+        words = [ptx.ld_shared_v4(Int32(ring) + rows_read_offset(cfg, warp, lane, s, load, ps))
+                 for load in range(W_LOADS)]
         if cfg.x_regs:
             return words + x_words.pop(s)
         if cfg.x_copy == "rows":
-            return words + [ld_shared_v4(Int32(ring) + x_rows_read_offset(cfg, warp, lane, s, nt, ps))
+            return words + [ptx.ld_shared_v4(Int32(ring) + x_rows_read_offset(cfg, warp, lane, s, nt, ps))
                             for nt in range(cfg.n_tiles)]
-        return words + [ld_shared_v4(Int32(ring) + ring_offset(cfg, tid, s % cfg.stages, W_LOADS + nt))
+        return words + [ptx.ld_shared_v4(Int32(ring) + ring_offset(cfg, tid, s % cfg.stages, W_LOADS + nt))
                         for nt in range(cfg.n_tiles)]
 
     prologue(depth, lambda p: copy_weight(p, p), copy_x, cfg.x_regs, before_x)
     acc = zero_accumulators(cfg)
     for p in range(pairs):
         ps = p % depth
-        cp_async_wait(depth - 1)
-        sync_warp()  # the other lanes' copies of this pair are visible after it
+        ptx.cp_async_wait(depth - 1)
+        ptx.sync_warp()  # the other lanes' copies of this pair are visible after it
         pair_words = [words_of(2 * p, ps), words_of(2 * p + 1, ps)] if cfg.refill == "before" else None
         if cfg.refill == "before":
             refill(p, ps)
@@ -198,7 +187,7 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x) -
             step_mmas(cfg, pair_words[e] if pair_words else words_of(2 * p + e, ps), acc)
         if cfg.refill == "after":
             refill(p, ps)
-    cp_async_wait(0)
+    ptx.cp_async_wait(0)
     return acc
 
 
@@ -209,7 +198,6 @@ __all__ = [
     "row_copy",
     "rows_read_offset",
     "rows_ring_offset",
-    "sync_warp",
     "x_row_copy",
     "x_rows_offset",
     "x_rows_read_offset",

@@ -41,7 +41,6 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
-from cutlass.cutlass_dsl import dsl_user_op
 
 from dspark_cute import ptx
 from dspark_cute.host import CompileCache, compile_kernel, current_stream, fake_stream
@@ -52,14 +51,6 @@ CTAS = 32
 THREADS = 256
 # Rows are Int32 in the kernel, stepped by the grid's threads.
 MAX_ROWS = 2**31 - CTAS * THREADS
-
-
-@dsl_user_op
-def prefetch_l2_evict_last(addr, *, loc=None, ip=None) -> None:
-    """``prefetch.global.L2::evict_last``: start bringing the line of global
-    ``addr`` into L2, kept ahead of streaming lines (nothing waits for it)."""
-    ptx._asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2::evict_last [$0];", "l", True,
-             loc, ip)
 
 
 class WeightPrefetchKernel:
@@ -91,7 +82,7 @@ class WeightPrefetchKernel:
         for r in cutlass.range(first, rows, self.ctas * self.threads, unroll=1):
             row = Int64(base) + Int64(r) * Int64(row_bytes)
             for line in cutlass.range(lines, unroll=1):
-                prefetch_l2_evict_last(row + Int64(line) * LINE)
+                ptx.prefetch_l2_evict_last(row + Int64(line) * LINE)
         if cutlass.const_expr(self.pdl):
             # Complete only after the primary (the small kernel before this
             # one) has: what follows in the stream may read its results.

@@ -1,9 +1,8 @@
 """Traced PTX of the spec's transcendental chain: ``exp_rn``, ``sigmoid_rn``
 and ``silu_rn`` of ``dspark_core.spec.numerics``, bit for bit.
 
-Like ``dspark_cute.ptx``, every helper emits inline PTX while a kernel is
-traced, each FP32 operation with an explicit ``.rn`` and without ``.ftz``, so
-nothing is contracted into an FMA, flushed or approximated:
+Each FP32 operation has an explicit ``.rn`` and no ``.ftz``, so nothing is
+contracted into an FMA, flushed or approximated:
 
 - ``exp_rn(x)``: one asm block per value, in the spec's order:
 
@@ -29,39 +28,33 @@ nothing is contracted into an FMA, flushed or approximated:
   is exact; the spec's ``1.0 / t`` is torch's ``reciprocal(t) * 1.0``, a
   correctly rounded reciprocal times one: the same bits as ``div.rn``);
 - ``silu_rn(x)``: ``mul.rn(x, sigmoid_rn(x))``.
-
-API summary (all traced): ``neg_f32``, ``exp_rn``, ``sigmoid_rn``,
-``silu_rn``; the elementwise kernels' head and tail: ``vector_index`` (a
-thread's 16-byte vector, row and column) and ``st_global_v4_if`` (a 16-byte
-store guarded by an index); on the host, ``EXP_BITS``: the FP32 bit patterns
-of the constants.
 """
 
 from __future__ import annotations
 
-import cutlass
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Float32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.spec import numerics as spec
-from dspark_cute import ptx
-from dspark_cute.ptx import _asm, _f
+
+from .arith import add_rn, div_rn, f32_bits, f32_const, mul_rn, neg_f32
+from .inline import asm, f32
 
 
 def _hex(value: float) -> str:
     """The PTX immediate of ``value`` rounded to FP32: ``0fXXXXXXXX``."""
-    return f"0f{ptx.f32_bits(value):08X}"
+    return f"0f{f32_bits(value):08X}"
 
 
 # The spec's constants (FP32 bit patterns), read from dspark_core.spec.numerics so
 # that the kernel cannot drift from it.
 EXP_BITS = {
-    "log2e": ptx.f32_bits(spec._LOG2E),
-    "ln2_hi": ptx.f32_bits(spec._LN2_HI),
-    "ln2_lo": ptx.f32_bits(spec._LN2_LO),
-    "overflow": ptx.f32_bits(spec.EXP_OVERFLOW),
-    "underflow": ptx.f32_bits(spec.EXP_UNDERFLOW),
-    "coeffs": tuple(ptx.f32_bits(c) for c in spec._EXP_COEFFS),
+    "log2e": f32_bits(spec._LOG2E),
+    "ln2_hi": f32_bits(spec._LN2_HI),
+    "ln2_lo": f32_bits(spec._LN2_LO),
+    "overflow": f32_bits(spec.EXP_OVERFLOW),
+    "underflow": f32_bits(spec.EXP_UNDERFLOW),
+    "coeffs": tuple(f32_bits(c) for c in spec._EXP_COEFFS),
 }
 
 
@@ -123,66 +116,21 @@ _EXP_ASM = _exp_asm()
 
 
 @dsl_user_op
-def neg_f32(a, *, loc=None, ip=None) -> Float32:
-    """``-a`` (``neg.f32``: the sign bit flipped, exact; subnormals kept)."""
-    return Float32(_asm(T.f32(), [_f(a, loc, ip)], "neg.f32 $0, $1;", "=f,f", False, loc, ip))
-
-
-@dsl_user_op
 def exp_rn(x, *, loc=None, ip=None) -> Float32:
     """``dspark_core.spec.numerics.exp_rn(x)`` of FP32 ``x`` (module docstring)."""
-    return Float32(_asm(T.f32(), [_f(x, loc, ip)], _EXP_ASM, "=f,f", False, loc, ip))
+    return Float32(asm(T.f32(), [f32(x, loc, ip)], _EXP_ASM, "=f,f", False, loc, ip))
 
 
 def sigmoid_rn(x) -> Float32:
     """``dspark_core.spec.numerics.sigmoid_rn``: ``1 / (1 + exp_rn(-x))``, the
     negation exact, the sum and the quotient each rounded once."""
-    one = ptx.f32_const(1.0)
-    return ptx.div_rn(one, ptx.add_rn(one, exp_rn(neg_f32(x))))
+    one = f32_const(1.0)
+    return div_rn(one, add_rn(one, exp_rn(neg_f32(x))))
 
 
 def silu_rn(x) -> Float32:
     """``dspark_core.spec.numerics.silu_rn``: ``x * sigmoid_rn(x)``, rounded once."""
-    return ptx.mul_rn(x, sigmoid_rn(x))
+    return mul_rn(x, sigmoid_rn(x))
 
 
-# ---------------------------------------------------------------- the elementwise kernels' head and tail
-
-
-def vector_index(tidx, cta, m, vecs: int, threads: int) -> tuple:
-    """The vector a thread of a 1-D grid of ``threads``-thread CTAs handles,
-    over ``m`` rows of ``vecs`` vectors each: ``total = m * vecs``, ``v =
-    cta * threads + tidx``, ``vc = min(v, total - 1)`` (past the end the
-    last vector again, in bounds; its store is to be guarded by ``v <
-    total``), ``row = vc // vecs`` (unsigned), ``col = vc - row * vecs``; all
-    Int32. Returns ``(v, vc, row, col, total)``."""
-    total = Int32(m) * vecs
-    v = Int32(cta) * threads + Int32(tidx)
-    vc = cutlass.min(v, total - 1)
-    # (Unsigned: vc >= 0, so a plain division by the constant, no floor fix-up.)
-    row = Int32(Uint32(vc) // vecs)
-    col = vc - row * vecs
-    return v, vc, row, col, total
-
-
-@dsl_user_op
-def st_global_v4_if(addr, words, index, limit, *, loc=None, ip=None) -> None:
-    """Store four 32-bit words at the 16-byte aligned global byte address
-    ``addr`` (one ``st.global.v4.b32``) if ``index < limit`` (Int32, signed):
-    the elementwise kernels' tail guard. A predicated store, not a branch, so
-    every thread of a warp stays converged (the o-gate's shuffles need all
-    32 lanes)."""
-    _asm(
-        None,
-        [Int64(addr).ir_value(loc=loc, ip=ip)]
-        + [Uint32(w).ir_value(loc=loc, ip=ip) for w in words]
-        + [Int32(index).ir_value(loc=loc, ip=ip), Int32(limit).ir_value(loc=loc, ip=ip)],
-        "{ .reg .pred p; setp.lt.s32 p, $5, $6; @p st.global.v4.b32 [$0], {$1, $2, $3, $4}; }",
-        "l,r,r,r,r,r,r",
-        True,
-        loc,
-        ip,
-    )
-
-
-__all__ = ["EXP_BITS", "exp_rn", "neg_f32", "sigmoid_rn", "silu_rn", "st_global_v4_if", "vector_index"]
+__all__ = ["EXP_BITS", "exp_rn", "sigmoid_rn", "silu_rn"]

@@ -1,0 +1,38 @@
+"""Every traced PTX primitive of the DSpark kernels, one flat namespace
+(``from dspark_cute import ptx; ptx.add_rn(a, b)``).
+
+Each helper is plain Python that emits MLIR while a ``@cute.kernel`` is
+traced (call it from a kernel or from a function a kernel calls). Values:
+``Float32`` for FP32 values, ``Uint32`` for raw 32-bit words (a bf16x2 or
+fp16x2 pair, an FP32 bit pattern), ``Int64`` for global byte addresses,
+``Int32`` for shared ones. By theme:
+
+- ``cta``: the reference CTA of the row tree (``THREADS``, ``VEC``, ``WARP``,
+  ``WARPS``, ``CHUNK``, ``FRAGMENT_BYTES``);
+- ``arith``: rounded FP32 operations (``add_rn`` .. ``sqrt_rn``, ``neg_f32``,
+  ``max_nan``), bit casts, BF16/FP16 conversions, the BF16 tensor-core MMA;
+- ``memory``: global and shared loads and stores, ``cp.async``, L2 prefetch;
+- ``sync``: PDL, warp and cluster barriers, the mailbox's system-scope
+  loads, stores and polls;
+- ``reduce``: the row tree and the other fixed-order folds;
+- ``math``: the spec's ``exp_rn``, ``sigmoid_rn``, ``silu_rn``.
+
+Inline asm is emitted by ``inline.asm`` alone.
+"""
+
+from . import arith, cta, math, memory, reduce, sync
+from .arith import *  # noqa: F403
+from .cta import *  # noqa: F403
+from .math import *  # noqa: F403
+from .memory import *  # noqa: F403
+from .reduce import *  # noqa: F403
+from .sync import *  # noqa: F403
+
+__all__ = [  # noqa: PLE0604
+    *arith.__all__,
+    *cta.__all__,
+    *math.__all__,
+    *memory.__all__,
+    *reduce.__all__,
+    *sync.__all__,
+]
