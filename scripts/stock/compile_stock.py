@@ -1,0 +1,396 @@
+#!/usr/bin/env python
+"""Build carryable binaries of the stock vLLM 0.33.0 kernels the DSpark draft runs.
+
+Run with the vLLM 0.33.0 environment (its pinned Triton 3.8.0), on a CPU-only
+machine:
+
+    /work/venvs/vllm/bin/python scripts/stock/compile_stock.py [--out DIR]
+
+It writes, under DIR (default ``.device/stock`` at the repository root):
+
+* ``triton/<variant>.cubin`` + ``triton/<variant>.json``: the Triton kernels
+  ``_rmsnorm_fwd_kernel`` (every variant the draft's norms can take) and the FLA
+  ``layer_norm_gated_fwd_kernel`` (o-norm + sigmoid o-gate, sm_90 path),
+  compiled for each requested arch with the same specialization Triton's JIT
+  would derive from the stock launch (pointer alignment, ``T == 1`` /
+  ``T % 16 == 0``), plus the launch metadata (grid rule, block, shared memory,
+  parameter order/types/offsets, constexprs, scratch sizes).
+* ``so/<cubin>.cubin.xz`` + ``so/kernels.json``: the cubins of vLLM's CUDA
+  library that hold the fused QK-norm/RoPE/KV-insert kernel, the SiLU-and-mul
+  kernel, the RoPE kernel and the KV-cache copy kernel, xz-compressed (the
+  11 MB QK cubin packs to about 0.25 MB), with each needed kernel's mangled name
+  and its parameter layout read from ``.nv.info`` (EIATTR_KPARAM_INFO).
+* ``manifest.json``: an index of all of the above.
+
+Nothing of vLLM is copied: the Triton kernels are imported from the installed
+vLLM and compiled; the CUDA cubins are extracted from the installed library
+with ``cuobjdump``. See README.md next to this file, and
+/work/notes/stock-numerics.md for what the kernels compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import lzma
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# vLLM disables Triton when it sees no GPU driver unless the visible-device list
+# is explicitly empty (its "distributed" lenient path); the JIT objects must be
+# real Triton functions for triton.compile.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+REPO = Path(__file__).resolve().parents[2]
+ARCH_NAMES = {90: "sm_90a", 100: "sm_100a"}
+
+# --------------------------------------------------------------------------
+# ELF / .nv.info reading (our own minimal parser)
+# --------------------------------------------------------------------------
+EIATTR = {0x05: "MAX_THREADS", 0x0A: "PARAM_CBANK", 0x10: "REQNTID",
+          0x17: "KPARAM_INFO", 0x19: "CBANK_PARAM_SIZE", 0x1B: "MAXREG_COUNT"}
+
+
+def elf_sections(data: bytes) -> dict[str, tuple[int, int]]:
+    """Section name -> (file offset, size) of an ELF64 little-endian file."""
+    assert data[:4] == b"\x7fELF" and data[4] == 2, "not an ELF64 file"
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    raw = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    strtab = raw[shstrndx][4]
+
+    def name(off: int) -> str:
+        end = data.index(b"\0", strtab + off)
+        return data[strtab + off:end].decode()
+
+    return {name(s[0]): (s[4], s[5]) for s in raw}
+
+
+def kernel_info(data: bytes, kernel: str) -> dict:
+    """Decode the EIATTR records of ``.nv.info.<kernel>`` that a launcher needs."""
+    secs = elf_sections(data)
+    off, size = secs[".nv.info." + kernel]
+    blob = data[off:off + size]
+    info: dict = {"params": []}
+    i = 0
+    while i < len(blob):
+        fmt, attr = blob[i], blob[i + 1]
+        if fmt == 4:  # EIFMT_SVAL: u16 size, payload
+            n, = struct.unpack_from("<H", blob, i + 2)
+            payload = blob[i + 4:i + 4 + n]
+            i += 4 + n
+        else:  # EIFMT_NVAL/BVAL/HVAL: u16 value
+            payload = blob[i + 2:i + 4]
+            i += 4
+        tag = EIATTR.get(attr)
+        if tag == "KPARAM_INFO":
+            _, ordinal, poff, flags = struct.unpack("<IHHI", payload)
+            info["params"].append({"ordinal": ordinal, "offset": poff,
+                                   "size": (flags >> 18) & 0x3FFF})
+        elif tag == "CBANK_PARAM_SIZE":
+            info["param_bytes"], = struct.unpack("<H", payload)
+        elif tag == "PARAM_CBANK":
+            _, base, nbytes = struct.unpack("<IHH", payload)
+            info["param_cbank_offset"] = base
+        elif tag in ("MAX_THREADS", "REQNTID"):
+            info[tag.lower()] = list(struct.unpack("<III", payload))
+        elif tag == "MAXREG_COUNT":
+            info["maxreg"], = struct.unpack("<H", payload)
+    info["params"].sort(key=lambda p: p["ordinal"])
+    if ".nv.shared." + kernel in secs:
+        info["static_shared"] = secs[".nv.shared." + kernel][1]
+    return info
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------
+def _jit(obj):
+    import triton
+    while not isinstance(obj, triton.runtime.jit.JITFunction):
+        obj = obj.fn  # unwrap @triton.heuristics / autotuners
+    return obj
+
+
+# T specializations Triton's JIT makes for an int argument: 1 -> constexpr,
+# multiple of 16 -> i32 with tt.divisibility=16, otherwise plain i32.
+T_SPECS = ("one", "div16", "any")
+
+
+def _t_matches(spec: str) -> str:
+    return {"one": "T == 1", "div16": "T % 16 == 0 and T > 1", "any": "T % 16 != 0 and T > 1"}[spec]
+
+
+def rmsnorm_variants(x_dtypes, d: int = 8192):
+    """(name, signature, constexprs, aligned args, grid info) of fused_rmsnorm_fwd's launches.
+
+    fused_rmsnorm_fwd (no residual stream) launches with bD = min(next_pow2(D), 8192),
+    bT = max(1, next_pow2(8192 // bD)), 8 warps, SINGLE_TILE = bD >= D, KAHAN=True
+    and USE_PDL on sm_90+. The unused s/alpha/beta pointers are x itself.
+    """
+    bd = min(1 << (d - 1).bit_length(), 8192)
+    bt = max(1, 1 << ((8192 // bd) - 1).bit_length())
+    weights = (("bf16", True), ("fp32", True), ("none", False))
+    for xd in x_dtypes:
+        for wd, has_w in weights:
+            for scale in ((False, True) if has_w else (False,)):
+                for yd in ("bf16", "fp32"):
+                    for ts in T_SPECS:
+                        name = f"rmsnorm_D{d}_x-{xd}_w-{wd}_is{int(scale)}_y-{yd}_T-{ts}"
+                        wt = wd if has_w else xd  # w=None: Triton gets a None pointer
+                        sig = {"x_ptr": f"*{xd}", "y_ptr": f"*{yd}", "w_ptr": f"*{wt}",
+                               "s_ptr": f"*{xd}", "alpha_ptr": f"*{xd}", "beta_ptr": f"*{xd}",
+                               "T": "i32", "eps": "fp32", "gain_center": "fp32",
+                               "alpha_scalar": "fp32"}
+                        const = dict(D=d, HAS_WEIGHT=has_w, INPUT_SCALE=scale, KAHAN=True,
+                                     SINGLE_TILE=bd >= d, RESIDUAL=False, GATE_STREAM=False,
+                                     PER_CHANNEL=False, bT=bt, bD=bd, USE_PDL=True)
+                        if not has_w:
+                            sig["w_ptr"] = "constexpr"
+                            const["w_ptr"] = None
+                        if ts == "one":
+                            sig["T"] = "constexpr"
+                            const["T"] = 1
+                        aligned = ["x_ptr", "y_ptr", "s_ptr", "alpha_ptr", "beta_ptr"]
+                        aligned += ["w_ptr"] if has_w else []
+                        aligned += ["T"] if ts == "div16" else []
+                        grid = {"rule": f"(cdiv(T, {bt}), 1, 1)", "rows_per_program": bt}
+                        yield name, sig, const, aligned, grid, 8, _t_matches(ts)
+
+
+def fla_variants(heads):
+    """layer_norm_gated_fwd_kernel as rms_norm_gated(o, og, None, None, 'sigmoid') runs it.
+
+    Rows are tokens * H (H = heads per rank, a constexpr), D = 64, BT = 16, 8 warps;
+    the gate is og viewed [tokens, H, 64] inside qkv, so g_stride_n is qkv's row
+    stride (a multiple of 64, hence of 16). w, b, residual, residual_out, mean are None.
+    launch_pdl is a kernel constexpr (True on sm_90+); the launcher sets no PDL attribute.
+    """
+    for h in heads:
+        for ts in (("div16",) if h % 16 == 0 else ("div16", "any")):
+            name = f"fla_gate_H{h}_D64_T-{ts}"
+            sig = {"x": "*bf16", "g": "*bf16", "y": "*bf16", "rstd": "*fp32", "eps": "fp32",
+                   "T": "i32", "g_stride_n": "i32"}
+            const = dict(w=None, b=None, residual=None, residual_out=None, mean=None, H=h, D=64,
+                         BT=16, BD=64, ACTIVATION="sigmoid", IS_RMS_NORM=True,
+                         STORE_RESIDUAL_OUT=False, HAS_RESIDUAL=False, HAS_WEIGHT=False,
+                         HAS_BIAS=False, launch_pdl=True)
+            for k in ("w", "b", "residual", "residual_out", "mean", "H", "D", "BT", "BD",
+                      "ACTIVATION", "IS_RMS_NORM", "STORE_RESIDUAL_OUT", "HAS_RESIDUAL",
+                      "HAS_WEIGHT", "HAS_BIAS", "launch_pdl"):
+                sig[k] = "constexpr"
+            aligned = ["x", "g", "y", "rstd", "g_stride_n"] + (["T"] if ts == "div16" else [])
+            grid = {"rule": "(cdiv(T, 16), 1, 1)", "rows_per_program": 16}
+            match = "T % 16 == 0" if ts == "div16" else "T % 16 != 0"
+            yield name, sig, const, aligned, grid, 8, match
+
+
+def compile_triton(kind, fn, variants, archs, out: Path, keep_ptx=False) -> list[dict]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    entries = []
+    arg_names = fn.arg_names
+    for name, sig, const, aligned, grid, warps, match in variants:
+        full_sig = {a: sig.get(a, "constexpr") for a in arg_names}
+        attrs = {(arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+        for arch in archs:
+            src = ASTSource(fn=fn, signature=full_sig, constexprs=const, attrs=attrs)
+            k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                               options={"num_warps": warps})
+            md = k.metadata
+            cubin = k.asm["cubin"]
+            tag = f"{name}_{ARCH_NAMES[arch]}"
+            (out / f"{tag}.cubin").write_bytes(cubin)
+            if keep_ptx:
+                (out / f"{tag}.ptx").write_text(k.asm["ptx"])
+            runtime = [a for a in arg_names if full_sig[a] != "constexpr"]
+            kinfo = kernel_info(cubin, md.name)
+            params = [{"name": a, "type": full_sig[a]} for a in runtime]
+            params += [{"name": "global_scratch", "type": "*i8"},
+                       {"name": "profile_scratch", "type": "*i8"}]
+            if len(kinfo["params"]) != len(params):
+                raise RuntimeError(f"{tag}: {len(kinfo['params'])} cubin params vs {len(params)}")
+            for p, kp in zip(params, kinfo["params"]):
+                p.update(offset=kp["offset"], size=kp["size"])
+            meta = {
+                "kind": kind, "variant": name, "arch": ARCH_NAMES[arch],
+                "cubin": f"{tag}.cubin", "sha256": sha256(cubin),
+                "kernel": md.name, "num_warps": md.num_warps, "threads": 32 * md.num_warps,
+                "shared": md.shared, "grid": grid, "use_when": match,
+                "params": params, "param_bytes": kinfo.get("param_bytes"),
+                "constexprs": {k2: v for k2, v in const.items()},
+                "divisibility_16": aligned,
+                "global_scratch_size": md.global_scratch_size,
+                "global_scratch_align": md.global_scratch_align,
+                "profile_scratch_size": md.profile_scratch_size,
+                "profile_scratch_align": md.profile_scratch_align,
+                "triton": triton.__version__,
+            }
+            (out / f"{tag}.json").write_text(json.dumps(meta, indent=1, default=str))
+            entries.append({"variant": name, "arch": ARCH_NAMES[arch], "json": f"{tag}.json"})
+            print(f"  {tag}: {md.name} warps={md.num_warps} shared={md.shared} "
+                  f"{len(cubin)} B", flush=True)
+    return entries
+
+
+# --------------------------------------------------------------------------
+# vLLM CUDA library kernels
+# --------------------------------------------------------------------------
+QK = ("_ZN4vllm20muse_spark_fused_ops38fusedMuseSparkQKNormRopeKVInsertKernelIN3c108BFloat16E"
+      "13__nv_bfloat16LNS_18Fp8KVCacheDataTypeE0E{cs}Li{hd}ELi{n}ELb{rope}ELb{ins}EEEvPT_PKT2_"
+      "PKlSC_PT0_PKfSG_PhSG_fiiiiNS0_7FastDivElSI_lll")
+SO_KERNELS = {
+    # template <scalar bf16, cache bf16, kAuto, cos_sin_t, HD, N, HAS_ROPE, INSERT_KV>
+    **{f"qknorm_rope_kv_cs-{csn}_hd{hd}_n{n}_rope{r}_ins{i}": QK.format(cs=cs, hd=hd, n=n, rope=r, ins=i)
+       for cs, csn in (("f", "fp32"), ("S3_", "bf16")) for hd in (64,) for n in (1, 2, 4)
+       for r in (0, 1) for i in (0, 1)},
+    # act_and_mul_kernel<bf16, bf16x2, silu, packed_silu, ACT_FIRST, VEC, CLAMP?, 256B>
+    "silu_and_mul_bf16_vec16B": "_ZN4vllm18act_and_mul_kernelIN3c108BFloat16E14__nv_bfloat162XadL_"
+        "ZNS_11silu_kernelIS2_EET_RKS5_fEEXadL_ZNS_18packed_silu_kernelIS3_EES5_S7_fEELb1ELb1ELb0"
+        "ELb0EEEvPS5_PS6_ifff",
+    "silu_and_mul_bf16_vec32B": "_ZN4vllm18act_and_mul_kernelIN3c108BFloat16E14__nv_bfloat162XadL_"
+        "ZNS_11silu_kernelIS2_EET_RKS5_fEEXadL_ZNS_18packed_silu_kernelIS3_EES5_S7_fEELb1ELb1ELb0"
+        "ELb1EEEvPS5_PS6_ifff",
+    "silu_and_mul_bf16_scalar": "_ZN4vllm18act_and_mul_kernelIN3c108BFloat16E14__nv_bfloat162XadL_"
+        "ZNS_11silu_kernelIS2_EET_RKS5_fEEXadL_ZNS_18packed_silu_kernelIS3_EES5_S7_fEELb1ELb0ELb0"
+        "ELb0EEEvPS5_PS6_ifff",
+    "rotary_bf16_cs-bf16_gptj": "_ZN4vllm23rotary_embedding_kernelIN3c108BFloat16ES2_Lb0EEEvPKlPT_"
+        "S6_PKT0_illliiilb",
+    "rotary_bf16_cs-fp32_gptj": "_ZN4vllm23rotary_embedding_kernelIN3c108BFloat16EfLb0EEEvPKlPT_"
+        "S6_PKT0_illliiilb",
+    "reshape_and_cache_flash_bf16": "_ZN4vllm30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_"
+        "LNS_18Fp8KVCacheDataTypeE0EEEvPKT_S5_PT0_S7_PKlllllliiiPKfSB_i",
+}
+# Parameter names in order (read from the mangled signatures and the SASS; see the notes).
+SO_PARAMS = {
+    "qknorm": ["qkv", "cos_sin_cache", "positions", "slot_mapping", "kv_cache", "k_scale",
+               "v_scale", "q_fp8_out", "q_scale", "eps", "rotary_dim", "num_tokens",
+               "num_heads", "num_kv_heads", "heads_fastdiv", "qkv_token_stride",
+               "block_fastdiv", "cache_block_stride", "cache_head_stride", "cache_token_stride"],
+    "silu": ["out", "input", "d", "unused_f0", "alpha", "up_offset"],
+    "rotary": ["positions", "query", "key", "cos_sin_cache", "rot_dim", "query_stride",
+               "key_stride", "head_stride", "num_heads", "num_kv_heads", "head_size",
+               "rope_dim_offset", "inverse"],
+    "reshape": ["key", "value", "key_cache", "value_cache", "slot_mapping", "block_stride",
+                "page_stride", "head_stride", "key_stride", "value_stride", "num_heads",
+                "head_size", "block_size", "k_scale", "v_scale", "kv_scale_stride"],
+}
+
+
+def _param_names(label: str) -> list[str]:
+    for prefix, names in (("qknorm", "qknorm"), ("silu", "silu"), ("rotary", "rotary"),
+                          ("reshape", "reshape")):
+        if label.startswith(prefix):
+            return SO_PARAMS[names]
+    raise KeyError(label)
+
+
+def extract_so(so_path: Path, archs, out: Path, cuobjdump: str) -> list[dict]:
+    listing = subprocess.run([cuobjdump, "-lelf", str(so_path)], check=True,
+                             capture_output=True, text=True).stdout
+    names = [line.split(":")[-1].strip() for line in listing.splitlines() if line.startswith("ELF")]
+    entries, wanted = [], {k: v.encode() for k, v in SO_KERNELS.items()}
+    for arch in archs:
+        suffix = f".sm_{arch}.cubin"
+        with tempfile.TemporaryDirectory() as tmp:
+            # One call extracts every cubin whose name contains the suffix.
+            subprocess.run([cuobjdump, "-xelf", suffix, str(so_path)], check=True, cwd=tmp,
+                           capture_output=True)
+            for cubin_name in sorted(n for n in names if n.endswith(suffix)):
+                path = Path(tmp) / cubin_name
+                if not path.exists():
+                    continue
+                data = path.read_bytes()
+                hits = {k: v for k, v in wanted.items() if b"\0" + v + b"\0" in data}
+                if not hits:
+                    continue
+                packed = lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
+                (out / f"{cubin_name}.xz").write_bytes(packed)
+                for label, mangled in hits.items():
+                    info = kernel_info(data, mangled.decode())
+                    pnames = _param_names(label)
+                    if len(pnames) != len(info["params"]):
+                        raise RuntimeError(f"{label}: {len(info['params'])} params in the cubin")
+                    for p, nm in zip(info["params"], pnames):
+                        p["name"] = nm
+                    entries.append({"label": label, "arch": f"sm_{arch}", "kernel": mangled.decode(),
+                                    "cubin": f"{cubin_name}.xz", "cubin_sha256": sha256(data),
+                                    **info})
+                print(f"  {cubin_name}: {len(data)} B -> {len(packed)} B xz, "
+                      f"{len(hits)} kernels", flush=True)
+    found = {(e["label"], e["arch"]) for e in entries}
+    for arch in archs:
+        for label in SO_KERNELS:
+            if (label, f"sm_{arch}") not in found:
+                print(f"  warning: {label} not found for sm_{arch}", file=sys.stderr)
+    return entries
+
+
+# --------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=REPO / ".device" / "stock")
+    ap.add_argument("--arch", default="90,100", help="comma list of 90, 100")
+    ap.add_argument("--parts", default="rmsnorm,fla,so", help="comma list of rmsnorm, fla, so")
+    ap.add_argument("--x-dtypes", default="bf16", help="rmsnorm input dtypes (bf16[,fp32])")
+    ap.add_argument("--hidden", type=int, default=8192, help="rmsnorm D")
+    ap.add_argument("--heads", default="64,32,16,8", help="o-gate heads per rank (constexpr H)")
+    ap.add_argument("--so", type=Path, default=None, help="vLLM _C_stable_libtorch.abi3.so")
+    ap.add_argument("--keep-ptx", action="store_true", help="also write each Triton kernel's PTX")
+    args = ap.parse_args()
+
+    archs = [int(a) for a in args.arch.split(",")]
+    parts = set(args.parts.split(","))
+    out = args.out.resolve()
+    manifest: dict = {"archs": [ARCH_NAMES[a] for a in archs]}
+
+    import triton
+    import vllm
+    vdir = Path(vllm.__file__).parent
+    manifest["vllm"] = getattr(vllm, "__version__", "?")
+    manifest["triton"] = triton.__version__
+    cuobjdump = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+    if parts & {"rmsnorm", "fla"}:
+        (out / "triton").mkdir(parents=True, exist_ok=True)
+    if "rmsnorm" in parts:
+        from vllm.models.muse_spark.common.ops import fused_rmsnorm
+        print("rmsnorm variants:", flush=True)
+        manifest["rmsnorm"] = compile_triton(
+            "rmsnorm", _jit(fused_rmsnorm._rmsnorm_fwd_kernel),
+            rmsnorm_variants(args.x_dtypes.split(","), args.hidden), archs, out / "triton",
+            args.keep_ptx)
+    if "fla" in parts:
+        from vllm.third_party.flash_linear_attention.ops import fused_norm_gate
+        print("o-norm + sigmoid gate (FLA) variants:", flush=True)
+        heads = [int(h) for h in args.heads.split(",")]
+        manifest["fla_gate"] = compile_triton(
+            "fla_gate", _jit(fused_norm_gate.layer_norm_gated_fwd_kernel),
+            fla_variants(heads), archs, out / "triton", args.keep_ptx)
+    if "so" in parts:
+        so_path = args.so or (vdir / "_C_stable_libtorch.abi3.so")
+        (out / "so").mkdir(parents=True, exist_ok=True)
+        print(f"CUDA kernels from {so_path}:", flush=True)
+        kernels = extract_so(so_path, archs, out / "so", cuobjdump)
+        (out / "so" / "kernels.json").write_text(json.dumps(kernels, indent=1))
+        manifest["so"] = {"source": str(so_path), "kernels": "so/kernels.json",
+                          "count": len(kernels)}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"wrote {out} ({total / 2**20:.2f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
