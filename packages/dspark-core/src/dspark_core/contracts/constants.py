@@ -23,7 +23,7 @@ import torch
 from dspark_core.errors import Unsupported
 from dspark_core.runtime.description import MLP, Attention, Boundary, Connection, HeadNorm, Norm, Rope
 from dspark_core.spec.gemv import gemv_unsupported
-from dspark_core.spec.numerics import CHUNK
+from dspark_core.spec.numerics import ARCHS, CHUNK
 
 # The dtype names the constants carry (strings keep them hashable and printable).
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -95,6 +95,8 @@ class NormConstants(_Key):
     gain_center: float
     # The weight scales the input before the norm (else the output after it).
     weight_before_norm: bool
+    # The GPU whose stock tree the norm follows (spec.numerics: sm_90a or sm_100a).
+    arch: str = "sm_90a"
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,10 +146,13 @@ def _refuse(reason: str | None) -> None:
         raise Unsupported(reason)
 
 
-def norm_constants(norm: Norm, hidden_size: int) -> NormConstants:
-    """The constants of a stock norm over ``hidden_size`` columns, or
-    Unsupported where the fused norms do not reproduce it."""
+def norm_constants(norm: Norm, hidden_size: int, arch: str = "sm_90a") -> NormConstants:
+    """The constants of a stock norm over ``hidden_size`` columns on
+    ``arch`` (its tree), or Unsupported where the fused norms do not
+    reproduce it."""
     _refuse(norm.unsupported)
+    if arch not in ARCHS:
+        raise Unsupported(f"no stock norm tree is known for {arch} (only {', '.join(ARCHS)})")
     if norm.hidden_size != hidden_size:
         raise Unsupported(f"a norm over {norm.hidden_size} columns, not the rows' {hidden_size}")
     if hidden_size % CHUNK:
@@ -164,6 +169,7 @@ def norm_constants(norm: Norm, hidden_size: int) -> NormConstants:
         weight_dtype=weight_dtype,
         gain_center=float(norm.gain_center),
         weight_before_norm=bool(norm.weight is not None and norm.weight_before_norm),
+        arch=arch,
     )
 
 
@@ -184,18 +190,19 @@ def connection_unsupported(conn: Connection, hidden_size: int) -> str | None:
     return None
 
 
-def boundary_constants(boundary: Boundary, hidden_size: int) -> BoundaryConstants:
+def boundary_constants(boundary: Boundary, hidden_size: int, arch: str = "sm_90a") -> BoundaryConstants:
     """The constants of the boundary ``post -> connection -> pre``, or
     Unsupported. The pre-norm must produce BF16 (the next layer's input)."""
     _refuse(connection_unsupported(boundary.connection, hidden_size))
-    post_c = norm_constants(boundary.post, hidden_size)
-    pre_c = norm_constants(boundary.pre, hidden_size)
+    post_c = norm_constants(boundary.post, hidden_size, arch)
+    pre_c = norm_constants(boundary.pre, hidden_size, arch)
     if boundary.pre.out_dtype != torch.bfloat16:
         raise Unsupported(f"a next pre-norm that outputs {boundary.pre.out_dtype}, not BF16")
     return BoundaryConstants(hidden_size=hidden_size, post=post_c, pre=pre_c)
 
 
-def row_norm_constants(norm: Norm, hidden_size: int, in_dtype: torch.dtype = torch.bfloat16) -> RowNormConstants:
+def row_norm_constants(norm: Norm, hidden_size: int, in_dtype: torch.dtype = torch.bfloat16,
+                       arch: str = "sm_90a") -> RowNormConstants:
     """The constants of the row norm kernel for ``norm`` on ``in_dtype``
     rows, or Unsupported."""
     if in_dtype not in (torch.bfloat16, torch.float32):
@@ -204,7 +211,7 @@ def row_norm_constants(norm: Norm, hidden_size: int, in_dtype: torch.dtype = tor
         raise Unsupported(f"a norm that outputs {norm.out_dtype}")
     return RowNormConstants(
         hidden_size=hidden_size,
-        norm=norm_constants(norm, hidden_size),
+        norm=norm_constants(norm, hidden_size, arch),
         in_dtype=DTYPE_NAMES[in_dtype],
         out_dtype=DTYPE_NAMES[norm.out_dtype],
     )
@@ -271,8 +278,8 @@ def qkv_front_constants(attn: Attention) -> QKVFrontConstants:
         _refuse(norm.unsupported)
         if norm.head_dim != HEAD_DIM:
             raise Unsupported(f"a QK-norm over {norm.head_dim} columns, not {HEAD_DIM}")
-    if attn.k_norm.weight is not None:
-        raise Unsupported("a K-norm with a weight (the context chain's is weightless)")
+    if attn.q_norm.weight is not None or attn.k_norm.weight is not None:
+        raise Unsupported("a QK-norm with a weight (the stock fused QK-norm is weightless)")
     rotates, table_dtype = _rope_facts(attn.rope)
     return QKVFrontConstants(
         hidden_size=attn.qkv_weight.shape[1],
@@ -352,10 +359,13 @@ class MlpActivationConstants(_Key):
 @dataclass(frozen=True, eq=False)
 class OGateConstants(_Key):
     """The o-norm and sigmoid o-gate kernel (``layers.o_gate``):
-    ``num_heads`` heads of ``HEAD_DIM``, the weightless o-norm's ``eps``."""
+    ``num_heads`` heads of ``HEAD_DIM``, the weightless o-norm's ``eps``, and
+    the GPU whose stock arithmetic it follows (FLA's Triton kernel on
+    sm_90a, FlashInfer's on sm_100a)."""
 
     num_heads: int
     eps: float
+    arch: str = "sm_90a"
 
 
 def mlp_activation_constants(mlp: MLP) -> MlpActivationConstants:
@@ -368,7 +378,7 @@ def mlp_activation_constants(mlp: MLP) -> MlpActivationConstants:
     return MlpActivationConstants(intermediate_size=i)
 
 
-def o_gate_constants(norm: HeadNorm, num_heads: int) -> OGateConstants:
+def o_gate_constants(norm: HeadNorm, num_heads: int, arch: str = "sm_90a") -> OGateConstants:
     """The constants of the o-gate kernel for the o-norm ``norm`` over
     ``num_heads`` heads, or Unsupported (a weightless o-norm of ``HEAD_DIM``)."""
     _refuse(norm.unsupported)
@@ -378,7 +388,9 @@ def o_gate_constants(norm: HeadNorm, num_heads: int) -> OGateConstants:
         raise Unsupported(f"{norm.head_dim}-wide heads, not {HEAD_DIM}")
     if num_heads < 1:
         raise Unsupported(f"{num_heads} heads, not at least one")
-    return OGateConstants(num_heads=num_heads, eps=float(norm.eps))
+    if arch not in ARCHS:
+        raise Unsupported(f"no stock o-gate is known for {arch} (only {', '.join(ARCHS)})")
+    return OGateConstants(num_heads=num_heads, eps=float(norm.eps), arch=arch)
 
 
 @dataclass(frozen=True, eq=False)

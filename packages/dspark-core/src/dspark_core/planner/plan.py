@@ -190,7 +190,7 @@ def check_tp(draft: DraftDescription, tp: int) -> None:
                 raise ValueError(f"TP{tp} cannot split the draft's {n} {what} evenly over its ranks")
 
 
-def context_constants(draft: DraftDescription) -> K.ContextConstants:
+def context_constants(draft: DraftDescription, arch: str = "sm_90a") -> K.ContextConstants:
     """The constants of the fused context K/V chain, or Unsupported where it
     is not bitwise the draft's stock chain."""
     context = draft.context
@@ -201,8 +201,8 @@ def context_constants(draft: DraftDescription) -> K.ContextConstants:
     if context.unsupported is not None:
         raise Unsupported(context.unsupported)
     h = draft.hidden_size
-    hidden = K.norm_constants(context.hidden_norm, h)
-    pres = [K.norm_constants(layer.input_norm, h) for layer in draft.layers]
+    hidden = K.norm_constants(context.hidden_norm, h, arch)
+    pres = [K.norm_constants(layer.input_norm, h, arch) for layer in draft.layers]
     if len(set(pres)) != 1:
         raise Unsupported("layer input norms that differ in more than their weights")
     if draft.layers[0].input_norm.out_dtype != torch.bfloat16:
@@ -227,15 +227,15 @@ def plan_draft(draft: DraftDescription, target: Target | None = None) -> DraftPl
     h = draft.hidden_size
 
     for boundary in draft.boundaries():
-        part = _try(boundary.name, K.boundary_constants, boundary, h)
+        part = _try(boundary.name, K.boundary_constants, boundary, h, target.arch)
         plan.boundaries.append(_with_kernels(part, target, policy.BOUNDARY))
 
-    part = _try("the draft's first norm", K.row_norm_constants, draft.first_norm, h)
+    part = _try("the draft's first norm", K.row_norm_constants, draft.first_norm, h, torch.bfloat16, target.arch)
     if part.fused and part.constants.out_dtype != "bf16":
         part = Part(part.name, reason=f"an input norm that outputs {part.constants.out_dtype}, not bf16")
     plan.input_norm = _with_kernels(part, target, policy.ROW_NORM)
 
-    part = _try("the context K/V chain", context_constants, draft)
+    part = _try("the context K/V chain", context_constants, draft, target.arch)
     plan.context = _with_kernels(part, target, policy.CONTEXT_CHAIN)
 
     for layer in draft.layers:
@@ -265,7 +265,7 @@ def _plan_layer(plan: DraftPlan, layer: Layer, target: Target) -> None:
     # projection's output (bit for bit the stock front).
     part = _try(f"layer {i}'s QKV epilogue", K.qkv_front_constants, attn)
     plan.qkv_epilogues.append(_with_kernels(part, target, policy.QKV_EPILOGUE))
-    gate = _with_kernels(_o_gate_part(i, attn), target, policy.O_GATE)
+    gate = _with_kernels(_o_gate_part(i, attn, target.arch), target, policy.O_GATE)
     attention = _with_kernels(_attention_part(i, attn), target, policy.ATTENTION)
     if attention.fused and target.attention == "staged":
         # The staged kernel takes the o-gate into its epilogue where the
@@ -296,12 +296,12 @@ def _attention_part(i: int, attn: Attention) -> Part:
                                            attn.kv_block_size, "int64"))
 
 
-def _o_gate_part(i: int, attn: Attention) -> Part:
+def _o_gate_part(i: int, attn: Attention, arch: str) -> Part:
     """Layer ``i``'s o-norm with its sigmoid o-gate."""
     name = f"layer {i}'s o-gate"
     if not attn.use_o_gate or attn.o_norm is None:
         return Part(name, reason="the layer has no o-gate")
-    return _try(name, K.o_gate_constants, attn.o_norm, attn.num_heads)
+    return _try(name, K.o_gate_constants, attn.o_norm, attn.num_heads, arch)
 
 
 def _projection_unsupported(weight: torch.Tensor, hidden: int) -> str | None:

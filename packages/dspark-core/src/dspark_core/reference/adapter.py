@@ -53,6 +53,13 @@ def _rope(rotary) -> D.Rope | None:
     return D.Rope(rotary.cos_sin, rotary.head_dim, unsupported)
 
 
+def _context_rope(rotary) -> D.Rope | None:
+    rope = _rope(rotary)
+    if rope is not None:
+        rope.table = rotary.context_table()
+    return rope
+
+
 def _attention(model: DraftModel, i: int, attn: DraftAttention) -> D.Attention:
     stock = type(attn) is DraftAttention
     unsupported = None if stock else f"an attention other than the stock one ({type(attn).__name__})"
@@ -67,8 +74,8 @@ def _attention(model: DraftModel, i: int, attn: DraftAttention) -> D.Attention:
         num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim,
         use_o_gate=attn.use_o_gate,
-        q_norm=_head_norm(attn.q_norm),
-        k_norm=_head_norm(attn.k_norm),
+        q_norm=_head_norm(attn.qk_norm),
+        k_norm=_head_norm(attn.qk_norm),
         o_norm=_head_norm(attn.o_norm) if attn.use_o_gate else None,
         rope=_rope(attn.rotary),
         kv_block_size=model.config.kv_block_size,
@@ -155,14 +162,15 @@ def _context(model: DraftModel) -> D.Context:
     unsupported = None
     if not all(type(layer.self_attn) is DraftAttention for layer in model.layers):
         unsupported = "a layer whose attention is not the stock one"
-    elif not all(type(layer.self_attn.k_norm) is HeadNorm and layer.self_attn.k_norm.weight is None
-                 and layer.self_attn.k_norm.eps == attn.k_norm.eps for layer in model.layers):
+    elif not all(type(layer.self_attn.qk_norm) is HeadNorm and layer.self_attn.qk_norm.weight is None
+                 and layer.self_attn.qk_norm.eps == attn.qk_norm.eps for layer in model.layers):
         unsupported = "a K-norm other than the stock weightless head norm"
     return D.Context(
         hidden_norm=norm_description("the hidden norm", model.hidden_norm, model.config.hidden_size),
         stacked_kv_weight=model.stacked_kv_weight,
-        k_norm=_head_norm(attn.k_norm),
-        rope=_rope(attn.rotary),
+        k_norm=_head_norm(attn.qk_norm),
+        # The context chain rotates with the table cast to BF16 (Rotary.context_table).
+        rope=_context_rope(attn.rotary),
         num_kv_heads=model.config.num_kv_heads,
         head_dim=model.config.head_dim,
         stock=model.precompute_and_store_context_kv,

@@ -56,7 +56,7 @@ class DraftConfig:
     vocab_size: int = 8192
     max_position: int = 8192
     rope_theta: float = 10000.0
-    rope_table_dtype: str = "bf16"
+    rope_table_dtype: str = "fp32"
     use_rope: bool = True
     use_o_gate: bool = True
     rms_norm_eps: float = 1e-6
@@ -66,7 +66,6 @@ class DraftConfig:
     norm_weight_dtype: str = "bf16"
     norm_gain_center: float = 0.0
     norm_weight_before_norm: bool = False
-    q_norm_weight: bool = True
     compute_dtype: str = "bf16"
     residual_dtype: str = "fp32"
     kv_block_size: int = 16

@@ -28,8 +28,10 @@ from dspark_core.spec.layers import (
     RMSNorm,
     Rotary,
     capturing,
+    k_norm_context,
     linear,
     o_gate,
+    qk_norm_rope,
     residual_boundary,
 )
 from dspark_core.spec.numerics import F32
@@ -93,9 +95,11 @@ def attend(q: torch.Tensor, cache: PagedKVCache, attn_slots: torch.Tensor, num_k
 
 
 class DraftAttention(nn.Module):
-    """QKV projection (rows q, k, v, o-gate), QK-norm, GPT-J RoPE, the KV
-    insert, attention, the o-norm with its sigmoid o-gate and the output
-    projection."""
+    """The stock draft attention (vLLM's ``MuseSpark1xAttention`` on the
+    draft's path): QKV projection (rows q, k, v, o-gate), the fused QK-norm
+    and GPT-J RoPE (``qk_norm_rope``: one weightless ``qk_norm`` for q and k),
+    the KV insert, attention (the reference draft's own, ``spec.attention``),
+    the o-norm with its sigmoid o-gate (``o_gate``) and the output projection."""
 
     def __init__(self, config: DraftConfig, rotary: Rotary | None) -> None:
         super().__init__()
@@ -107,9 +111,8 @@ class DraftAttention(nn.Module):
         dtype = DTYPES[c.compute_dtype]
         self.qkv_proj = nn.Parameter(torch.zeros(rows, c.hidden_size, dtype=dtype), requires_grad=False)
         self.o_proj = nn.Parameter(torch.zeros(c.hidden_size, c.q_size, dtype=dtype), requires_grad=False)
-        self.q_norm = HeadNorm(c.head_dim, c.head_norm_eps, has_weight=c.q_norm_weight)
-        self.k_norm = HeadNorm(c.head_dim, c.head_norm_eps, has_weight=False)
-        self.o_norm = HeadNorm(c.head_dim, c.head_norm_eps, has_weight=False)
+        self.qk_norm = HeadNorm(c.head_dim, c.head_norm_eps)
+        self.o_norm = HeadNorm(c.head_dim, c.head_norm_eps)
         # Shared with the model (not a child: one table for every layer).
         self._rotary = [rotary]
 
@@ -142,9 +145,8 @@ class DraftAttention(nn.Module):
         """``front`` after its projection: QK-norm, RoPE and the insert of
         the projection ``qkv`` (BF16 ``[m, rows]``). Returns ``(q, og)``."""
         q, k, v, og = self.split_qkv(qkv)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
-            q, k = self.rotary(q, step.positions), self.rotary(k, step.positions)
+        q = qk_norm_rope(q, self.qk_norm, step.positions, self.rotary)
+        k = qk_norm_rope(k, self.qk_norm, step.positions, self.rotary)
         cache.insert(k, v, step.slots)
         return q, og
 
@@ -383,7 +385,8 @@ class DraftModel(nn.Module):
 
     def context_kv_store(self, kv: torch.Tensor, positions: torch.Tensor, caches, slots) -> None:
         """After the projection ``kv`` (``[L, T, 2 * kv_size]``): per layer the
-        weightless K-norm, RoPE at ``positions`` and the insert at its slots
+        ATen K-norm (``k_norm_context``), RoPE at ``positions`` with the BF16
+        table (``Rotary.context_table``) and the insert at its slots
         (``slots``: one int64 ``[T]`` for every layer, or a list with one per
         layer, None storing nothing)."""
         c = self.config
@@ -396,9 +399,9 @@ class DraftModel(nn.Module):
             if per_layer[i] is None:
                 continue
             attn = layer.self_attn
-            k = attn.k_norm(kv[i, :, 0])
+            k = k_norm_context(kv[i, :, 0], attn.qk_norm)
             if attn.rotary is not None:
-                k = attn.rotary(k, positions)
+                k = attn.rotary(k, positions, attn.rotary.context_table())
             rows = per_layer[i].shape[0]
             caches[i].insert(k[:rows], kv[i, :rows, 1], per_layer[i])
 

@@ -8,7 +8,7 @@ masked), with ``k_j``, ``v_j`` the BF16 K and V rows of KV head ``g`` at that
 cache slot, widened to FP32 exactly:
 
 1. ``s_j = head_sum(q * k_j) * SCALE``: the 64 products (exact: BF16 times
-   BF16 fits FP32), summed by the head tree (``numerics.head_sum``), the sum
+   BF16 fits FP32), summed by the head tree (``head_sum``: pair sums, then folded halves), the sum
    times ``SCALE = fp32(1 / sqrt(D))`` rounded once (0.125 for D = 64, exact);
 2. ``mx = max_j s_j`` over the valid slots (a NaN score makes ``mx`` NaN; no
    valid slot makes it ``-inf``);
@@ -38,15 +38,21 @@ import math
 import torch
 
 from dspark_core.spec.layers import capturing
-from dspark_core.spec.numerics import _f32, exp_rn, fold_halves, head_sum
+from dspark_core.spec.numerics import exp_rn, f32, fold_halves
 
 F32 = torch.float32
 LANES = 128  # the lane sums of step 4: one per thread of the fused kernel's CTA
 
 
+def head_sum(v: torch.Tensor) -> torch.Tensor:
+    """The head tree over FP32 ``[..., D]``: the GPT-J pair sums ``v_2j +
+    v_(2j+1)`` (the pair lane j holds), then folded by halves."""
+    return fold_halves(v[..., 0::2] + v[..., 1::2])
+
+
 def scale(head_dim: int) -> float:
     """``SCALE``: ``1 / sqrt(head_dim)`` (float64) rounded to FP32."""
-    return _f32(1.0 / math.sqrt(head_dim))
+    return f32(1.0 / math.sqrt(head_dim))
 
 
 def check_attention(q: torch.Tensor, cache, attn_slots: torch.Tensor, num_kv_heads: int) -> None:

@@ -40,12 +40,20 @@ from __future__ import annotations
 
 import torch
 
-from dspark_core.spec.numerics import F32, fold_halves, fragment_sum
+from dspark_core.spec.numerics import F32, fold_halves
 
 LANES = 32  # lanes of the warp that owns a row
 VEC = 8  # columns a lane reads per fragment (16 bytes of BF16)
 FRAGMENT = LANES * VEC  # columns per fragment row of the warp
 
+
+
+def fragment_sum(v: torch.Tensor) -> torch.Tensor:
+    """The pairwise sum of the last dim's 8 values:
+    ``((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))``."""
+    v = v[..., 0::2] + v[..., 1::2]
+    v = v[..., 0::2] + v[..., 1::2]
+    return v[..., 0] + v[..., 1]
 
 def gemv_unsupported(weight: torch.Tensor) -> str | None:
     """Why ``weight`` cannot be a GEMV operand, or None: BF16 ``[N, K]``

@@ -1,11 +1,14 @@
-"""The stock eager layers of the DSpark draft: the executable numeric spec.
+"""The stock eager layers of the DSpark draft as vLLM 0.33.0 runs them on
+CUDA: the executable numeric spec each fused kernel reproduces bit for bit.
 
-Each forward is the exact arithmetic a fused kernel must reproduce bit for
-bit, written with the rounded operations of ``dspark_core.spec.numerics`` (read its
-docstring first: the row tree, the head tree, ``inv_rms`` and the NaN
-exception). Inputs of BF16, FP16 or FP32 are widened to FP32 exactly; every
-FP32 operation below rounds once to nearest even; "rounded to bf16" is
-``cvt.rn.bf16.f32``.
+Each forward is the arithmetic of the stock kernel named in its docstring,
+written with ``dspark_core.spec.numerics`` (read its docstring first: the
+row norm's tree per architecture, ``fma_rn`` and the approximate
+instructions). Inputs of BF16, FP16 or FP32 are widened to FP32 exactly;
+every FP32 operation rounds once to nearest even unless it says otherwise;
+"rounded to bf16" is ``cvt.rn.bf16.f32``. Where the stock's tree depends on
+the GPU, a layer takes ``arch`` (``numerics.ARCHS``; default: the device's,
+``stock_arch``, sm_90a on a CPU).
 """
 
 from __future__ import annotations
@@ -15,14 +18,24 @@ from torch import nn
 
 from dspark_core.spec.numerics import (
     F32,
+    check_arch,
     check_head_width,
     check_row_width,
-    head_sum,
+    ex2_approx,
+    ex2_approx_ftz,
+    expf,
+    f32,
+    fma_rn,
+    fold_halves,
     inv_rms,
+    pairwise,
+    rcp_approx_ftz,
+    rcp_full,
     round_to,
-    row_sum,
-    sigmoid_rn,
-    silu_rn,
+    row_sum_of_squares,
+    rsqrt_approx,
+    rsqrt_approx_ftz,
+    sqrt_approx_ftz,
 )
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -40,23 +53,34 @@ def _check_dtype(dtype: torch.dtype, allowed, what: str) -> None:
         raise ValueError(f"{what} must be one of {names}, not {dtype}")
 
 
+def stock_arch(device) -> str:
+    """The architecture whose stock arithmetic a layer on ``device`` follows:
+    sm_100a on a GPU of compute capability 10, else sm_90a (a CPU included)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10:
+        return "sm_100a"
+    return "sm_90a"
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm of rows of ``hidden_size`` columns (a multiple of 2048).
+    """RMSNorm of rows of ``hidden_size`` columns (a multiple of 2048), as
+    the stock Triton norm (``fused_rmsnorm_fwd``, single tile) computes it.
 
-    With ``x`` the row widened to FP32 and ``g = w + c`` (the weight widened
-    to FP32, ``c`` the gain center rounded to FP32 first, like ``eps``, then
-    one rounded FP32 addition; note that it turns a -0.0 weight into +0.0
-    when the center is 0.0):
+    With ``x`` the row widened to FP32 and ``g = w + c`` (the weight widened,
+    plus the gain center ``c`` as FP32, always added: a -0.0 weight with a
+    0.0 center gives +0.0):
 
-    - ``weight_before_norm``: ``x = x * g``; then ``s = row_sum(x * x)`` (each
-      square rounded, the row tree), ``r = inv_rms(s, H, eps)``,
-      ``y = x * r``;
-    - otherwise: ``s = row_sum(x * x)``, ``r = inv_rms(s, H, eps)``,
-      ``y = (x * r) * g`` (without a weight, ``y = x * r``);
+    - ``weight_before_norm`` (``MuseSpark1xRMSNormWithInputScale``):
+      ``v = g * x``; ``s = row_sum_of_squares(v)`` (its tree for ``arch``,
+      the input-scaled leaves on sm_100a); ``r = inv_rms(s, H, eps)``;
+      ``y = r * v``;
+    - otherwise: ``s = row_sum_of_squares(x)``, ``r = inv_rms(s, H, eps)``,
+      ``y = g * (r * x)`` (without a weight, ``y = r * x``);
 
-    then ``y`` rounded to ``out_dtype`` (nearest even). ``eps`` is rounded to
-    FP32 once. Rows are independent; any leading shape is kept.
-    """
+    ``inv_rms`` is ``rsqrt.approx.ftz(fma(s, 1/H, eps))``; then ``y`` rounded
+    to ``out_dtype``. ``eps`` and the center are FP32 (rounded once). Rows are
+    independent; any leading shape is kept. ``arch``: None follows the input's
+    device (``stock_arch``)."""
 
     def __init__(
         self,
@@ -68,9 +92,13 @@ class RMSNorm(nn.Module):
         gain_center: float = 0.0,
         weight_before_norm: bool = False,
         out_dtype: torch.dtype = torch.bfloat16,
+        arch: str | None = None,
     ) -> None:
         super().__init__()
         check_row_width(hidden_size)
+        if arch is not None:
+            check_arch(arch)
+        self.arch = arch
         _check_dtype(out_dtype, OUT_DTYPES, "the norm's output dtype")
         if has_weight:
             _check_dtype(weight_dtype, WEIGHT_DTYPES, "the norm weight's dtype")
@@ -93,7 +121,7 @@ class RMSNorm(nn.Module):
         """``w + gain_center`` in FP32, or None without a weight."""
         if self.weight is None:
             return None
-        return self.weight.to(F32) + self.gain_center
+        return self.weight.to(F32) + f32(self.gain_center)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
@@ -103,44 +131,75 @@ class RMSNorm(nn.Module):
             )
         if out_dtype is not None:
             _check_dtype(out_dtype, OUT_DTYPES, "the norm's output dtype")
+        arch = self.arch or stock_arch(x.device)
         x = x.to(F32)
         g = self.gain()
-        if g is not None and self.weight_before_norm:
-            x = x * g
-        r = inv_rms(row_sum(x * x), self.hidden_size, self.eps)
-        y = x * r.unsqueeze(-1)
-        if g is not None and not self.weight_before_norm:
-            y = y * g
+        scaled = g is not None and self.weight_before_norm
+        if scaled:
+            x = g * x
+        r = inv_rms(row_sum_of_squares(x, arch, scaled), self.hidden_size, self.eps).unsqueeze(-1)
+        y = r * x
+        if g is not None and not scaled:
+            y = g * y
         return y.to(out_dtype or self.out_dtype)
 
 
 class HeadNorm(nn.Module):
-    """RMSNorm of each ``head_dim``-wide head (QK-norm, the context K-norm, the
-    o-norm): ``x`` widened to FP32, ``s = head_sum(x * x)`` (the head tree),
-    ``r = inv_rms(s, D, eps)``, ``y = x * r`` (then ``* g`` with a weight,
-    ``g = w`` in FP32), rounded to BF16. Takes ``[..., D]``."""
+    """A weightless per-head RMSNorm over ``head_dim`` columns: its ``eps``
+    (FP32). The stock draft runs three of them, each its own kernel:
+    ``qk_norm_rope`` (the decode QK-norm), ``k_norm_context`` (the context
+    chain's K-norm) and ``o_gate`` (the o-norm with its sigmoid gate)."""
 
-    def __init__(self, head_dim: int, eps: float = 1e-6, *, has_weight: bool = False) -> None:
+    def __init__(self, head_dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         check_head_width(head_dim)
         _check_eps(eps)
         self.head_dim = head_dim
         self.eps = float(eps)
-        self.has_weight = has_weight
-        self.weight = (
-            nn.Parameter(torch.ones(head_dim, dtype=torch.bfloat16), requires_grad=False)
-            if has_weight
-            else None
-        )
+        self.register_parameter("weight", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.head_dim:
-            raise ValueError(f"HeadNorm({self.head_dim}) takes heads of {self.head_dim}, not {x.shape[-1]}")
-        x = x.to(F32)
-        y = x * inv_rms(head_sum(x * x), self.head_dim, self.eps).unsqueeze(-1)
-        if self.weight is not None:
-            y = y * self.weight.to(F32)
-        return y.to(torch.bfloat16)
+
+def _check_heads(x: torch.Tensor, d: int, what: str) -> None:
+    if x.shape[-1] != d:
+        raise ValueError(f"{what} takes heads of {d} columns, not {x.shape[-1]}")
+
+
+def qk_norm_rope(x: torch.Tensor, norm: HeadNorm, positions: torch.Tensor | None = None,
+                 rotary: Rotary | None = None) -> torch.Tensor:
+    """vLLM's fused QK-norm + RoPE (``fused_muse_spark_qknorm_rope_kv_insert``)
+    of heads ``x`` ``[m, heads, 64]``: lane ``l`` of a head's 8 holds its
+    elements ``8l .. 8l+7``; its sum is the chain ``fma(e7, e7, ... fma(e0,
+    e0, 0))``; the 8 lane sums fold by halves (xor 4, 2, 1); ``r =
+    rsqrt(fma(S, 1/64, eps))`` (``rsqrtf``); ``n = e * r`` in FP32; with
+    ``rotary``, GPT-J RoPE at ``positions`` on the FP32 ``n``
+    (``Rotary.rotate``); one rounding to BF16."""
+    _check_heads(x, norm.head_dim, "the QK-norm")
+    d = norm.head_dim
+    e = x.to(F32).reshape(*x.shape[:-1], d // 8, 8)
+    acc = torch.zeros(e.shape[:-1], dtype=F32, device=x.device)
+    for j in range(8):
+        acc = fma_rn(e[..., j], e[..., j], acc)
+    total = fold_halves(acc)
+    v = fma_rn(total, torch.full_like(total, f32(1.0 / d)), torch.full_like(total, f32(norm.eps)))
+    n = x.to(F32) * rsqrt_approx(v).unsqueeze(-1)
+    if rotary is not None:
+        n = rotary.rotate(n, positions)
+    return n.to(torch.bfloat16)
+
+
+def k_norm_context(k: torch.Tensor, norm: HeadNorm) -> torch.Tensor:
+    """The context chain's K-norm (``precompute_and_store_context_kv``, ATen):
+    ``q = k * k``; per 64-wide row ``s_l = q_l + q_(l+32)`` (l < 32), folded
+    by halves (shfl-down 16 .. 1); ``mean = t * 2^-6``; ``v = mean + eps``;
+    ``r = torch.rsqrt(v)`` (``rsqrtf``); ``k * r`` rounded to BF16."""
+    _check_heads(k, norm.head_dim, "the K-norm")
+    half = norm.head_dim // 2
+    kf = k.to(F32)
+    q = kf * kf
+    total = fold_halves(q[..., :half] + q[..., half:])
+    mean = total * torch.full_like(total, f32(1.0 / norm.head_dim))
+    r = rsqrt_approx(mean + torch.full_like(mean, f32(norm.eps)))
+    return (kf * r.unsqueeze(-1)).to(torch.bfloat16)
 
 
 class GatedResidual(nn.Module):
@@ -190,27 +249,27 @@ class Rotary(nn.Module):
     """GPT-J rotary embedding over whole heads of ``head_dim`` columns.
 
     The table ``cos_sin`` is ``[max_position, head_dim]`` of ``table_dtype``
-    (BF16 by default, or FP32): columns ``j < D/2`` hold ``cos(p * f_j)``,
-    columns ``D/2 + j`` hold ``sin(p * f_j)``, ``f_j = theta ** (-2j / D)``,
-    computed in float64 by torch on the CPU, rounded to FP32, and (for a
-    BF16 table) that rounded to BF16: two roundings, torch's conversion.
-    The table is an operand, not part of the arithmetic: float64 ``pow``,
-    ``cos`` and ``sin`` are not correctly rounded, so its bits are those of
-    this torch build's CPU math library (another library may differ in the
-    last place); every device and both decode paths read this one table's
-    bits, which is what makes RoPE exact across them.
+    (FP32 by default, as vLLM's ``rope_use_fp32_in_outer_product``; or BF16):
+    columns ``j < D/2`` hold ``cos(p * f_j)``, columns ``D/2 + j`` ``sin(p *
+    f_j)``, ``f_j = theta ** (-2j / D)``, computed in float64 by torch on the
+    CPU and rounded to the table's dtype. The table is an operand, not part
+    of the arithmetic: every device and both decode paths read this one
+    table's bits. The context chain rotates with the table cast to BF16
+    (``context_table``), as the stock's rotary op casts its cache to the
+    keys' dtype.
 
-    ``forward(x, positions)`` rotates the pair ``(a, b) = (x_2j, x_(2j+1))``
-    of every head with ``c, s`` of the row's position (widened to FP32):
-    ``a' = a * c - b * s`` and ``b' = b * c + a * s``, each product and the
-    sum/difference rounded once (no FMA), the result rounded to BF16."""
+    ``rotate(x, positions, table)`` turns the pair ``(x, y) = (x_2j,
+    x_(2j+1))`` of every head, with ``c, s`` of the row's position widened
+    to FP32, into ``x' = fma(c, x, -(s * y))`` and ``y' = fma(s, x, c * y)``
+    (each product rounded, then one fused multiply-add: the stock CUDA
+    rotary kernels' form), in FP32. ``forward`` is ``rotate`` rounded to BF16."""
 
     def __init__(
         self,
         head_dim: int,
         max_position: int,
         theta: float = 10000.0,
-        table_dtype: torch.dtype = torch.bfloat16,
+        table_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         if head_dim % 2:
@@ -225,24 +284,36 @@ class Rotary(nn.Module):
         table = torch.cat([torch.cos(angles), torch.sin(angles)], dim=1)
         self.register_buffer("cos_sin", table.to(table_dtype).contiguous(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[m, heads, D]``; ``positions``: integer ``[m]``."""
+    def context_table(self) -> torch.Tensor:
+        """The table the context chain rotates with: ``cos_sin`` in BF16."""
+        return self.cos_sin.to(torch.bfloat16)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[m, heads, D]`` rotated in FP32 at integer ``positions``
+        ``[m]`` (class docstring); ``table`` defaults to ``cos_sin``."""
         if positions.is_floating_point() or positions.is_complex():
             raise ValueError(f"RoPE positions must be integers, not {positions.dtype}")
+        if positions.shape != x.shape[:1]:
+            raise ValueError(f"RoPE takes one position per row: {x.shape[0]} rows, {list(positions.shape)} positions")
         # (The check reads the positions on the host: skipped under graph capture.)
         if not capturing() and positions.numel() and (
             int(positions.min()) < 0 or int(positions.max()) >= self.max_position
         ):
             raise ValueError(f"RoPE positions must lie in [0, {self.max_position})")
+        table = self.cos_sin if table is None else table
         half = self.head_dim // 2
-        cs = self.cos_sin.to(x.device)[positions.long()].to(F32)
+        cs = table.to(x.device)[positions.long()].to(F32)
         c, s = cs[:, None, :half], cs[:, None, half:]
         x = x.to(F32)
         a, b = x[..., 0::2], x[..., 1::2]
         out = torch.empty_like(x)
-        out[..., 0::2] = a * c - b * s
-        out[..., 1::2] = b * c + a * s
-        return out.to(torch.bfloat16)
+        out[..., 0::2] = fma_rn(c, a, -(s * b))
+        out[..., 1::2] = fma_rn(s, a, c * b)
+        return out
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        """``rotate`` rounded to BF16."""
+        return self.rotate(x, positions, table).to(torch.bfloat16)
 
 
 class PagedKVCache:
@@ -318,11 +389,63 @@ def kv_insert(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torc
     cache[s // bs, :, s % bs] = torch.cat([k[keep], v[keep]], dim=-1).to(cache.dtype)
 
 
-def o_gate(attn: torch.Tensor, gate: torch.Tensor, norm: HeadNorm) -> torch.Tensor:
-    """The o-norm with its sigmoid o-gate, per head: ``n = norm(attn)`` (BF16),
-    ``out = n * sigmoid_rn(gate)`` (FP32, the product rounded once), rounded
-    to BF16. ``attn``, ``gate``: ``[m, heads, D]``."""
-    return (norm(attn).to(F32) * sigmoid_rn(gate)).to(torch.bfloat16)
+_NEG_LOG2E = f32(-1.4426950408889634)  # 0xBFB8AA3B
+
+
+def o_gate(attn: torch.Tensor, gate: torch.Tensor, norm: HeadNorm, arch: str | None = None) -> torch.Tensor:
+    """The o-norm with its sigmoid o-gate per head (``attn``, ``gate``
+    ``[m, heads, D]``, BF16), as the stock runs it on ``arch``:
+
+    - sm_90a, FLA's Triton ``layer_norm_gated_fwd_kernel``: lane ``l`` of 16
+      holds ``x_4l .. x_4l+3``, its sum ``fma(x0, x0, x1 * x1) + fma(x2, x2,
+      x3 * x3)``; the 16 sums fold by halves; ``v = fma(S, 1/D, eps)``;
+      ``rstd = div.full(1, sqrt.approx.ftz(v))``; ``h = x * rstd``;
+      ``sig = div.full(1, ex2.approx(g * -log2 e) + 1)``; ``y = h * sig``;
+    - sm_100a, FlashInfer's ``rmsnorm_sigmoid_gate``: up to 256 rows (``m *
+      heads``) lane ``l`` of 32 holds ``x_2l, x_2l+1``, above lane ``l`` of 8
+      holds ``x_8l .. x_8l+7``; squares rounded, summed pairwise in the lane,
+      the lane sums pairwise (xor 1, 2, ...); ``inv = rsqrt.approx.ftz(fma(S,
+      1/D, eps))``; ``sig = rcp.approx.ftz(ex2.approx.ftz(g * -log2 e) + 1)``;
+      ``y = sig * (x * inv)``;
+
+    rounded to BF16."""
+    _check_heads(attn, norm.head_dim, "the o-norm")
+    if gate.shape != attn.shape:
+        raise ValueError(f"the o-gate takes a gate of the attention's shape {list(attn.shape)}, not "
+                         f"{list(gate.shape)}")
+    arch = check_arch(arch or stock_arch(attn.device))
+    d = norm.head_dim
+    x, g = attn.to(F32), gate.to(F32)
+    rows = x.shape[0] * x.shape[1] if x.dim() == 3 else x.numel() // d
+    if arch == "sm_90a":
+        q = x.reshape(*x.shape[:-1], d // 4, 4)
+        pair = [fma_rn(q[..., i], q[..., i], q[..., i + 1] * q[..., i + 1]) for i in (0, 2)]
+        lanes = pair[0] + pair[1]
+    else:
+        per = 2 if rows <= 256 else 8
+        q = (x * x).reshape(*x.shape[:-1], d // per, per)
+        lanes = pairwise(q)
+    total = fold_halves(lanes) if arch == "sm_90a" else pairwise(lanes)
+    v = fma_rn(total, torch.full_like(total, f32(1.0 / d)), torch.full_like(total, f32(norm.eps))).unsqueeze(-1)
+    z = g * torch.full_like(g, _NEG_LOG2E)
+    if arch == "sm_90a":
+        h = x * rcp_full(sqrt_approx_ftz(v))
+        sig = rcp_full(ex2_approx(z) + 1.0)
+        return (h * sig).to(torch.bfloat16)
+    sig = rcp_approx_ftz(ex2_approx_ftz(z) + 1.0)
+    return (sig * (x * rsqrt_approx_ftz(v))).to(torch.bfloat16)
+
+
+def silu_and_mul(gu: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """vLLM's ``SiluAndMul`` (``act_and_mul_kernel``) of BF16 ``gu [m, 2I]``
+    (gate columns first): ``a = x / (expf(-x) + 1)`` (CUDA's accurate
+    ``expf``, IEEE division) rounded to BF16, then ``a * (up + 0.0)`` rounded
+    to BF16 (``up + 0.0`` turns a -0.0 up into +0.0)."""
+    if gu.shape[-1] != 2 * intermediate:
+        raise ValueError(f"the activation takes [m, {2 * intermediate}] gate-up rows, not {list(gu.shape)}")
+    g, u = gu.to(F32).split(intermediate, dim=-1)
+    a = (g / (expf(-g) + 1.0)).to(torch.bfloat16).to(F32)
+    return (a * (u + 0.0)).to(torch.bfloat16)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -333,9 +456,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """The gated SiLU MLP: ``gu = linear(x, gate_up)`` (BF16 ``[m, 2I]``,
-    gate rows first), ``h = silu_rn(g) * u`` (FP32, the product rounded once)
-    rounded to BF16, then ``linear(h, down)`` (BF16 ``[m, H]``)."""
+    """vLLM's ``LlamaMLP``: ``gu = linear(x, gate_up)`` (BF16 ``[m, 2I]``,
+    gate rows first), ``h = silu_and_mul(gu)``, then ``linear(h, down)``
+    (BF16 ``[m, H]``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -348,9 +471,8 @@ class GatedMLP(nn.Module):
         )
 
     def activation(self, gu: torch.Tensor) -> torch.Tensor:
-        """``round_bf16(silu_rn(g) * u)`` of the gate-up output."""
-        g, u = gu.split(self.intermediate_size, dim=-1)
-        return (silu_rn(g) * u.to(F32)).to(torch.bfloat16)
+        """``silu_and_mul`` of the gate-up output."""
+        return silu_and_mul(gu, self.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self.activation(linear(x, self.gate_up)), self.down)
@@ -363,9 +485,13 @@ __all__ = [
     "PagedKVCache",
     "RMSNorm",
     "Rotary",
+    "k_norm_context",
     "kv_insert",
     "linear",
     "o_gate",
+    "qk_norm_rope",
     "residual_boundary",
     "round_to",
+    "silu_and_mul",
+    "stock_arch",
 ]

@@ -1,76 +1,59 @@
-"""The arithmetic rules of the DSpark spec, as PyTorch functions.
+"""The arithmetic of vLLM 0.33.0's stock kernels, as PyTorch functions.
 
-Every function here computes on FP32 tensors with operations that IEEE 754
-defines to round once, to nearest even: ``+``, ``-``, ``*``, ``/`` of float32
-tensors, the square root ``sqrt_rn``, and the conversions ``.to(bfloat16)`` /
-``.to(float16)`` (round to nearest even, subnormals kept) and from them (exact).
-PyTorch runs each of these as its own elementwise kernel, on CPU (SSE/AVX
-``addps``/``mulps``/``divps``) and on CUDA (``add.rn``/``mul.rn``/``div.rn``/
-``sqrt.rn``, the defaults of a build without fast math), so no two of them are
-contracted into a fused multiply-add and none flushes subnormals. (A CPU
-``torch.sqrt`` may be 1 ulp off: ``sqrt_rn`` corrects it exactly; and a CUDA
-division by a Python scalar is a multiplication by its reciprocal, so every
-divisor here is a tensor.)
-The result is therefore a function of the input bits alone: **the same bits on
-CPU and on CUDA**, and the fused kernels reproduce it with the same PTX
-instructions (``*.rn.f32``, no ``.ftz``, ``cvt.rn.bf16.f32``).
+Every function computes on FP32 tensors. Plain ``+``, ``-``, ``*`` and ``/``
+of float32 tensors and the conversions ``.to(bfloat16)`` / ``.to(float16)``
+round once to nearest even on CPU and CUDA alike (each is its own eager
+kernel, so nothing contracts). On top of them:
 
-The one exception is NaN: IEEE 754 leaves a NaN result's payload and sign to
-the implementation (x86 propagates an operand's payload, NVIDIA GPUs return
-the canonical ``0x7fffffff``, and torch's CPU bf16 conversion keeps the sign
-bit), so the spec promises only that a NaN result is a NaN.
-``dspark_core.tools.compare.assert_bitwise`` compares every other bit pattern exactly
-(-0.0, subnormals and infinities included) and NaN against NaN.
+- ``fma_rn(a, b, c)``: one rounding of ``a * b + c`` (``fma.rn.f32``),
+  computed exactly on any device (the product in FP64, the sum rounded to
+  odd at 53 bits, then to FP32);
+- the approximate instructions the stock kernels use, named after them:
+  ``rsqrt_approx_ftz`` (``rsqrt.approx.ftz.f32``, MUFU.RSQ),
+  ``rsqrt_approx`` (``rsqrtf``: MUFU.RSQ with its subnormal scaling),
+  ``sqrt_approx_ftz``, ``div_full`` (``div.full.f32``), ``ex2_approx`` /
+  ``ex2_approx_ftz``, ``rcp_approx_ftz`` and ``expf`` (CUDA's accurate
+  ``expf``, itself built on MUFU.EX2). On a CUDA tensor each runs that very
+  instruction (one NVRTC-compiled elementwise kernel with inline PTX,
+  ``torch.cuda.jiterator``); on a CPU tensor it runs the IEEE operation the
+  instruction approximates, which may differ from the GPU in the last bits.
 
-No function here uses ``torch.rsqrt``, ``torch.exp``, ``torch.sigmoid`` or a
-``torch.sum``/``mean``: their results differ between devices (approximate
-instructions, unspecified reduction orders). Sums follow the trees below and
-the exponential is ``exp_rn``, built from rounded operations only.
+So the spec is **bit for bit the stock on CUDA**, and on a CPU bit for bit
+except where an approximate instruction enters (a norm's reciprocal square
+root, the o-gate's sigmoid, the activation's exponential): the CPU tests pin
+everything around those, and the GPU tests compare against the stock kernels
+themselves. NaN results promise only to be NaN (their payloads are the
+device's).
 
-The row tree (``row_sum``), the contract of every row norm of H columns, H a
-multiple of ``CHUNK`` = 2048 (``THREADS`` = 256 threads x ``VEC`` = 8 columns):
+The row norm's summation tree (``row_sum_of_squares``), the stock Triton
+norm at 8192 columns (``fused_rmsnorm_fwd``: one row per CTA of 8 warps):
+thread ``t`` (0..255) holds the columns ``8t + j + 2048r`` (``r < D/2048``,
+``j < 8``), its elements in the order ``e_(8r+j)``. The thread's sum depends
+on the architecture Triton 3.8 compiles for:
 
-1. column ``c = k * 2048 + t * 8 + j`` belongs to thread ``t`` (0..255),
-   fragment ``k`` (0..H/2048-1), lane-element ``j`` (0..7);
-2. each fragment's 8 values ``v_j`` (squares, for a norm) are added pairwise:
-   ``((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))``;
-3. each thread adds its fragment sums in order of ``k``:
-   ``((f_0 + f_1) + f_2) + ...`` (a single fragment is its own sum);
-4. the 32 threads of each warp ``w = t // 32`` fold by halves: the sum at lane
-   ``l`` becomes ``s_l + s_(l+16)`` for l < 16, then ``+ s_(l+8)`` for l < 8,
-   then 4, 2, 1 (exactly what a ``shfl.bfly`` butterfly with offsets 16, 8, 4,
-   2, 1 leaves in every lane, since a + b == b + a bit for bit);
-5. the 8 warp sums fold by halves the same way: ``w_i + w_(i+4)``, then 2, 1.
+- sm_90a: leaves ``fma(e_2k, e_2k, RN(e_(2k+1)^2))``, then a pairwise tree
+  over the leaves in order;
+- sm_100a: every square rounded, the even-index and the odd-index squares
+  each summed by a pairwise tree, then ``even + odd``; for a norm that scales
+  its input by the weight first, leaves ``fma(e_4j, e_4j, RN(e_(4j+2)^2))``
+  (even) and ``fma(e_(4j+1), e_(4j+1), RN(e_(4j+3)^2))`` (odd) instead.
 
-A layout with one 8-column fragment per thread over a cluster of CTAs (the
-fused all-reduce boundary) reproduces the same tree exactly: each thread forms
-step 2 for its own fragment; the fragment sums are exchanged through
-distributed shared memory; thread ``t`` of the 256-thread reference is then
-emulated by reading fragments ``t, t + 256, t + 512, ...`` (step 3, in that
-order), and steps 4 and 5 are the same butterflies over those emulated
-threads. Nothing in the tree depends on which hardware thread holds what.
-
-The head tree (``head_sum``), for per-head norms over D columns (D a power of
-two, at least 2; the fused kernels take D = 64): pair ``p_j = v_(2j) + v_(2j+1)`` (the GPT-J pair lane j
-holds), then the D/2 pair sums fold by halves (``p_j + p_(j+D/4)``, ...), the
-butterfly of one warp whose lane j holds pair j.
-
-The reciprocal RMS (``inv_rms``): ``1 / sqrt(sum / n + eps)`` as IEEE division,
-IEEE addition, IEEE square root and IEEE division, each rounded once. IEEE
-sqrt and division are correctly rounded by definition, where reciprocal
-square root instructions (``rsqrtps``, ``rsqrt.approx``) are approximations
-that differ between devices (the spec's ``sqrt_rn`` corrects a CPU
-``torch.sqrt`` that is not correctly rounded); ``sum / n`` is a division, not a multiplication by
-``1/n``, so H need not be a power of two.
+Then a warp butterfly (xor 16, 8, 4, 2, 1) and the 8 warp sums folded by
+halves (``fold_halves``): ``((W0+W4)+(W2+W6)) + ((W1+W5)+(W3+W7))``.
+A tree over a count that is not a power of two is padded with +0.0 (what
+Triton's masked loads give), which changes no value.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 import torch
 
-# The reference CTA: THREADS threads, each holding VEC consecutive columns per
-# fragment; CHUNK columns per fragment row of the CTA.
+ARCHS = ("sm_90a", "sm_100a")
+# The stock norm's CTA: THREADS threads, VEC consecutive columns a chunk, CHUNK columns a chunk row.
 THREADS = 256
 VEC = 8
 WARP = 32
@@ -78,174 +61,234 @@ WARPS = THREADS // WARP
 CHUNK = THREADS * VEC
 
 F32 = torch.float32
+F64 = torch.float64
 
 
 def check_row_width(h: int) -> None:
-    """Raise ValueError unless ``h`` is a positive multiple of ``CHUNK``."""
+    """ValueError unless ``h`` is a positive multiple of ``CHUNK``."""
     if h <= 0 or h % CHUNK:
-        raise ValueError(
-            f"a DSpark row norm takes rows of a positive multiple of {CHUNK} "
-            f"columns, not {h}"
-        )
+        raise ValueError(f"a DSpark row norm takes rows of a positive multiple of {CHUNK} columns, not {h}")
 
 
 def check_head_width(d: int) -> None:
-    """Raise ValueError unless ``d`` is a power of two of at least 2."""
+    """ValueError unless ``d`` is a power of two of at least 2."""
     if d < 2 or d & (d - 1):
         raise ValueError(f"a DSpark head norm takes heads of a power of two (>= 2) columns, not {d}")
 
 
-def fold_halves(v: torch.Tensor) -> torch.Tensor:
-    """Sum the last dim (a power of two) by folding halves: ``v[:n/2] +
-    v[n/2:]`` until one value is left (a warp butterfly's order)."""
+def check_arch(arch: str) -> str:
+    if arch not in ARCHS:
+        raise ValueError(f"the spec describes the stock on {', '.join(ARCHS)}, not {arch!r}")
+    return arch
+
+
+def f32(value: float) -> float:
+    """``value`` rounded to FP32 (nearest even), as a Python float."""
+    return float(np.float32(value))
+
+
+def _pad_pow2(v: torch.Tensor) -> torch.Tensor:
     n = v.shape[-1]
-    if n & (n - 1):
-        raise ValueError(f"fold_halves takes a power-of-two width, not {n}")
+    size = 1 << max(n - 1, 0).bit_length()
+    if size == n:
+        return v
+    pad = torch.zeros(*v.shape[:-1], size - n, dtype=v.dtype, device=v.device)
+    return torch.cat([v, pad], dim=-1)
+
+
+def fold_halves(v: torch.Tensor) -> torch.Tensor:
+    """Sum the last dim by folding halves, ``v[:n/2] + v[n/2:]`` until one is
+    left: what a ``shfl.bfly`` butterfly with offsets n/2, ..., 1 leaves in
+    every lane (a + b == b + a bit for bit)."""
+    v = _pad_pow2(v)
     while v.shape[-1] > 1:
         half = v.shape[-1] // 2
         v = v[..., :half] + v[..., half:]
     return v[..., 0]
 
 
-def fragment_sum(v: torch.Tensor) -> torch.Tensor:
-    """The pairwise sum of the last dim's 8 values:
-    ``((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))``."""
-    v = v[..., 0::2] + v[..., 1::2]
-    v = v[..., 0::2] + v[..., 1::2]
-    return v[..., 0] + v[..., 1]
+def pairwise(v: torch.Tensor) -> torch.Tensor:
+    """Sum the last dim by a pairwise tree of neighbours, ``v[0::2] + v[1::2]``
+    until one is left (a tree over elements in order; a butterfly with
+    ascending offsets 1, 2, 4, ... leaves the same)."""
+    v = _pad_pow2(v)
+    while v.shape[-1] > 1:
+        v = v[..., 0::2] + v[..., 1::2]
+    return v[..., 0]
 
 
-def thread_sums(v: torch.Tensor) -> torch.Tensor:
-    """Steps 1-3 of the row tree: FP32 ``[..., H]`` to the 256 thread sums
-    ``[..., 256]``."""
-    h = v.shape[-1]
-    check_row_width(h)
-    frags = fragment_sum(v.reshape(*v.shape[:-1], h // CHUNK, THREADS, VEC))
-    total = frags[..., 0, :]
-    for k in range(1, h // CHUNK):
-        total = total + frags[..., k, :]
-    return total
+def fma_rn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of FP32 operands rounded once to FP32 (``fma.rn.f32``),
+    exactly on any device: the product is exact in FP64; the FP64 sum is made
+    round-to-odd with its exact error (TwoSum), which then rounds to FP32 as
+    the exact sum would (53 >= 24 + 2 bits). Infinities and NaN follow IEEE."""
+    a, b, c = (torch.as_tensor(t, dtype=F32) for t in (a, b, c))
+    a, b, c = torch.broadcast_tensors(a.double(), b.double(), c.double())
+    p = a * b
+    s = p + c
+    bp = s - p
+    err = (p - (s - bp)) + (c - bp)
+    finite = torch.isfinite(s) & torch.isfinite(err)
+    odd = (s.view(torch.int64) & 1) == 1
+    toward = torch.nextafter(s, torch.where(err > 0, torch.full_like(s, math.inf), torch.full_like(s, -math.inf)))
+    s = torch.where(finite & (err != 0) & ~odd, toward, s)
+    return s.to(F32)
+
+
+# -- the approximate instructions -------------------------------------------------
+# Each CUDA implementation is one instruction in inline PTX (NVRTC, no fast math).
+_PTX = {
+    "rsqrt_approx_ftz": "asm(\"rsqrt.approx.ftz.f32 %0, %1;\" : \"=f\"(r) : \"f\"(x));",
+    "sqrt_approx_ftz": "asm(\"sqrt.approx.ftz.f32 %0, %1;\" : \"=f\"(r) : \"f\"(x));",
+    "ex2_approx": "asm(\"ex2.approx.f32 %0, %1;\" : \"=f\"(r) : \"f\"(x));",
+    "ex2_approx_ftz": "asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(r) : \"f\"(x));",
+    "rcp_approx_ftz": "asm(\"rcp.approx.ftz.f32 %0, %1;\" : \"=f\"(r) : \"f\"(x));",
+    "rcp_full": "asm(\"div.full.f32 %0, %1, %2;\" : \"=f\"(r) : \"f\"(1.0f), \"f\"(x));",
+    "rsqrt_approx": "r = rsqrtf(x);",
+    "expf": "r = expf(x);",
+}
+
+
+@functools.cache
+def _jit(name: str):
+    body = _PTX[name]
+    code = f"template <typename T> T dspark_{name}(T x) {{ float r; {body} return r; }}"
+    return torch.cuda.jiterator._create_jit_fn(code)
+
+
+def _device_op(name: str, x: torch.Tensor, cpu) -> torch.Tensor:
+    x = x.to(F32)
+    if x.is_cuda:
+        return _jit(name)(x)
+    return cpu(x)
+
+
+def _flush(x: torch.Tensor) -> torch.Tensor:
+    """``.ftz``: a subnormal input is read as zero of its sign."""
+    tiny = torch.abs(x) < 2.0**-126
+    return torch.where(tiny, torch.copysign(torch.zeros_like(x), x), x)
+
+
+def rsqrt_approx_ftz(x: torch.Tensor) -> torch.Tensor:
+    """``rsqrt.approx.ftz.f32`` (MUFU.RSQ; CPU: IEEE ``1 / sqrt`` of the flushed input)."""
+    return _device_op("rsqrt_approx_ftz", x, lambda v: 1.0 / torch.sqrt(_flush(v)))
+
+
+def rsqrt_approx(x: torch.Tensor) -> torch.Tensor:
+    """CUDA's ``rsqrtf`` (MUFU.RSQ, a subnormal input scaled by 2^24 first and
+    the result by 2^12; the same as the ftz form on normal inputs; CPU: IEEE
+    ``1 / sqrt``). ``torch.rsqrt`` on CUDA is this."""
+    return _device_op("rsqrt_approx", x, lambda v: 1.0 / torch.sqrt(v))
+
+
+def sqrt_approx_ftz(x: torch.Tensor) -> torch.Tensor:
+    """``sqrt.approx.ftz.f32`` (MUFU.SQRT; CPU: IEEE ``sqrt`` of the flushed input)."""
+    return _device_op("sqrt_approx_ftz", x, lambda v: torch.sqrt(_flush(v)))
+
+
+def rcp_full(x: torch.Tensor) -> torch.Tensor:
+    """``div.full.f32(1, x)`` (MUFU.RCP with its range fix-ups; CPU: IEEE ``1 / x``)."""
+    return _device_op("rcp_full", x, lambda v: 1.0 / v)
+
+
+def rcp_approx_ftz(x: torch.Tensor) -> torch.Tensor:
+    """``rcp.approx.ftz.f32`` (MUFU.RCP; CPU: IEEE ``1 / x`` of the flushed input)."""
+    return _device_op("rcp_approx_ftz", x, lambda v: 1.0 / _flush(v))
+
+
+def ex2_approx(x: torch.Tensor) -> torch.Tensor:
+    """``ex2.approx.f32`` (MUFU.EX2; CPU: ``2 ** x`` rounded from FP64)."""
+    return _device_op("ex2_approx", x, lambda v: torch.exp2(v.double()).to(F32))
+
+
+def ex2_approx_ftz(x: torch.Tensor) -> torch.Tensor:
+    """``ex2.approx.ftz.f32`` (CPU: ``2 ** x`` of the flushed input, the result flushed)."""
+    return _device_op("ex2_approx_ftz", x, lambda v: _flush(torch.exp2(_flush(v).double()).to(F32)))
+
+
+def expf(x: torch.Tensor) -> torch.Tensor:
+    """CUDA's accurate ``expf`` (libdevice: a Cody-Waite reduction and MUFU.EX2;
+    CPU: ``e ** x`` rounded from FP64, within its 2 ulp)."""
+    return _device_op("expf", x, lambda v: torch.exp(v.double()).to(F32))
+
+
+# -- the stock row norm's tree ------------------------------------------------------
+def thread_elements(v: torch.Tensor) -> torch.Tensor:
+    """FP32 ``[..., D]`` to ``[..., 256, D/256]``: thread ``t``'s elements in
+    the order ``e_(8r+j)`` = column ``8t + j + 2048r``."""
+    d = v.shape[-1]
+    check_row_width(d)
+    chunks = v.reshape(*v.shape[:-1], d // CHUNK, THREADS, VEC)
+    return chunks.movedim(-3, -2).reshape(*v.shape[:-1], THREADS, d // THREADS)
+
+
+def thread_sum_of_squares(e: torch.Tensor, arch: str, input_scaled: bool = False) -> torch.Tensor:
+    """One thread's sum of the squares of its elements ``e`` ``[..., n]``
+    (module docstring) on ``arch``."""
+    check_arch(arch)
+    if arch == "sm_90a":
+        return pairwise(fma_rn(e[..., 0::2], e[..., 0::2], e[..., 1::2] * e[..., 1::2]))
+    if input_scaled:
+        even = fma_rn(e[..., 0::4], e[..., 0::4], e[..., 2::4] * e[..., 2::4])
+        odd = fma_rn(e[..., 1::4], e[..., 1::4], e[..., 3::4] * e[..., 3::4])
+        return pairwise(even) + pairwise(odd)
+    q = e * e
+    return pairwise(q[..., 0::2]) + pairwise(q[..., 1::2])
 
 
 def reduce_threads(t: torch.Tensor) -> torch.Tensor:
-    """Steps 4-5 of the row tree: the 256 thread sums ``[..., 256]`` to the
-    row sum ``[...]`` (warp butterflies, then the warp sums folded)."""
-    warp_sums = fold_halves(t.reshape(*t.shape[:-1], WARPS, WARP))
-    return fold_halves(warp_sums)
+    """The 256 thread sums ``[..., 256]`` to the row sum: each warp's
+    butterfly, then the 8 warp sums folded by halves."""
+    return fold_halves(fold_halves(t.reshape(*t.shape[:-1], WARPS, WARP)))
 
 
-def row_sum(v: torch.Tensor) -> torch.Tensor:
-    """The row tree over FP32 ``[..., H]`` (module docstring): ``[...]``."""
-    return reduce_threads(thread_sums(v))
-
-
-def head_sum(v: torch.Tensor) -> torch.Tensor:
-    """The head tree over FP32 ``[..., D]``: pair sums, then folded halves."""
-    check_head_width(v.shape[-1])
-    return fold_halves(v[..., 0::2] + v[..., 1::2])
+def row_sum_of_squares(v: torch.Tensor, arch: str = "sm_90a", input_scaled: bool = False) -> torch.Tensor:
+    """The stock norm's sum of squares of FP32 ``[..., D]`` rows: ``[...]``."""
+    return reduce_threads(thread_sum_of_squares(thread_elements(v), arch, input_scaled))
 
 
 def inv_rms(total: torch.Tensor, n: int, eps: float) -> torch.Tensor:
-    """``1 / sqrt(total / n + eps)``, four IEEE operations each rounded once
-    (``eps`` as FP32)."""
-    # A tensor divisor: CUDA torch turns a division by a Python scalar into a
-    # multiplication by its reciprocal, which rounds differently.
-    var = total / torch.full_like(total, float(n)) + _f32(eps)
-    return torch.reciprocal(sqrt_rn(var))
-
-
-def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded FP32 square root (IEEE ``sqrt``, nearest even).
-
-    ``torch.sqrt`` of a CPU float32 tensor may be 1 ulp off (some builds
-    vectorize it with an approximation), so its result ``s`` is corrected:
-    with ``lo``/``hi`` the FP32 neighbours of ``s``, the midpoints ``(lo +
-    s) / 2`` and ``(s + hi) / 2`` are exact in float64 (25 significant bits)
-    and so are their squares (50 bits); ``v`` below the lower midpoint's
-    square gives ``lo``, above the upper one's gives ``hi``, else ``s``.
-    A square root is never exactly a midpoint, so no tie arises. On CUDA
-    ``torch.sqrt`` is already ``sqrt.rn`` and the correction changes nothing.
-    """
-    s = torch.sqrt(v)
-    lo = torch.nextafter(s, torch.zeros_like(s))
-    hi = torch.nextafter(s, torch.full_like(s, float("inf")))
-    s64, v64 = s.double(), v.double()
-    below = (lo.double() + s64) * 0.5
-    above = (s64 + hi.double()) * 0.5
-    out = torch.where(v64 < below * below, lo, s)
-    return torch.where(v64 > above * above, hi, out)
+    """The stock norm's ``rsqrt(total * (1/n) + eps)``: ``fma.rn(total,
+    f32(1/n), f32(eps))``, then ``rsqrt.approx.ftz.f32``."""
+    scale = torch.full_like(total, f32(1.0 / n))
+    return rsqrt_approx_ftz(fma_rn(total, scale, torch.full_like(total, f32(eps))))
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` rounded to ``dtype`` (nearest even) and read back as FP32: the
-    value a kernel holds after storing and reloading it."""
+    """``x`` rounded to ``dtype`` (nearest even) and read back as FP32."""
     return x.to(dtype).to(F32)
 
 
+# -- the reference draft's own attention (not a stock kernel: see spec.attention) -----
 # exp_rn: Cody-Waite reduction by ln 2 and a degree-6 Taylor polynomial, every
-# step a rounded FP32 operation, so it is device independent (its accuracy,
-# about 2 ulp, is not what the spec is for; its bits are).
-_LOG2E = 1.44269502162933349609375  # FP32 log2(e)
-_LN2_HI = 0.693145751953125  # 0x3f317200: 16 significant bits, n * hi exact
-_LN2_LO = 1.428606765330187e-06  # 0x35bfbe8e
-_EXP_COEFFS = (
-    1.0 / 720.0,
-    1.0 / 120.0,
-    1.0 / 24.0,
-    1.0 / 6.0,
-    0.5,
-    1.0,
-    1.0,
-)
-EXP_OVERFLOW = 88.72283935546875  # above: +inf
-EXP_UNDERFLOW = -104.0  # below: +0.0
-
-
-def _f32(value: float) -> float:
-    """``value`` rounded to FP32 (nearest even), as a Python float: plain
-    host arithmetic, so ``torch.compile`` traces through it."""
-    return float(np.float32(value))
+# step a rounded FP32 operation, so it is device independent.
+_LOG2E = 1.44269502162933349609375
+_LN2_HI = 0.693145751953125
+_LN2_LO = 1.428606765330187e-06
+_EXP_COEFFS = (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0)
+EXP_OVERFLOW = 88.72283935546875
+EXP_UNDERFLOW = -104.0
 
 
 def _pow2(n: torch.Tensor) -> torch.Tensor:
-    """``2**n`` of integral FP32 ``n`` in [-126, 127], built from its bits."""
     return ((n.to(torch.int32) + 127) << 23).view(F32)
 
 
 def exp_rn(x: torch.Tensor) -> torch.Tensor:
-    """``e ** x`` of FP32 ``x`` from rounded FP32 operations, in this order:
-
-    1. ``n = rint(x * LOG2E)`` (round half to even; an exact integer in FP32);
-    2. ``r = (x - n * LN2_HI) - n * LN2_LO``;
-    3. ``p = ((((((c6 * r + c5) * r + c4) * r + c3) * r + c2) * r + c1) * r +
-       c0)`` with ``c_k = 1/k!`` in FP32 (Horner, each product and sum rounded);
-    4. ``p * 2**n1 * 2**n2`` with ``n1 = floor(n / 2)`` and ``n2 = n - n1``
-       (the first product exact, the second rounds once, subnormals included);
-    5. ``x > EXP_OVERFLOW`` gives +inf, ``x < EXP_UNDERFLOW`` gives +0.0, NaN
-       stays NaN (selected after the arithmetic).
-    """
+    """``e ** x`` of FP32 ``x`` from rounded FP32 operations, the same bits on
+    every device: ``n = rint(x * LOG2E)``; ``r = (x - n * LN2_HI) - n *
+    LN2_LO``; Horner over ``1/k!``; ``p * 2**floor(n/2) * 2**(n - floor(n/2))``;
+    +inf above ``EXP_OVERFLOW``, +0.0 below ``EXP_UNDERFLOW``, NaN stays NaN."""
     x = x.to(F32)
     clamped = torch.clamp(x, EXP_UNDERFLOW, EXP_OVERFLOW)
     clamped = torch.where(torch.isnan(x), torch.zeros_like(x), clamped)
-    n = torch.round(clamped * _f32(_LOG2E))
-    r = (clamped - n * _f32(_LN2_HI)) - n * _f32(_LN2_LO)
-    p = torch.full_like(r, _f32(_EXP_COEFFS[0]))
+    n = torch.round(clamped * f32(_LOG2E))
+    r = (clamped - n * f32(_LN2_HI)) - n * f32(_LN2_LO)
+    p = torch.full_like(r, f32(_EXP_COEFFS[0]))
     for c in _EXP_COEFFS[1:]:
-        p = p * r + _f32(c)
+        p = p * r + f32(c)
     n1 = torch.floor(n * 0.5)
-    n2 = n - n1
-    out = p * _pow2(n1) * _pow2(n2)
-    out = torch.where(x > EXP_OVERFLOW, torch.full_like(x, float("inf")), out)
+    out = p * _pow2(n1) * _pow2(n - n1)
+    out = torch.where(x > EXP_OVERFLOW, torch.full_like(x, math.inf), out)
     out = torch.where(x < EXP_UNDERFLOW, torch.zeros_like(x), out)
     return torch.where(torch.isnan(x), x, out)
-
-
-def sigmoid_rn(x: torch.Tensor) -> torch.Tensor:
-    """``1 / (1 + exp_rn(-x))``: negate (exact), ``exp_rn``, add, divide."""
-    return 1.0 / (1.0 + exp_rn(-x.to(F32)))
-
-
-def silu_rn(x: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid_rn(x)``, the product rounded once."""
-    x = x.to(F32)
-    return x * sigmoid_rn(x)
