@@ -1,5 +1,5 @@
 """A pytest plugin for refactoring kernels without a GPU: it records a sha256
-of every PTX the compile tests produce (``dspark_cute.host.compile_ptx``),
+of every PTX the compile tests produce (``dspark_cute.runtime.host.compile_ptx``),
 per test, with kernel symbols and comments normalised, into the JSON file
 named by ``PTXPIN_OUT``. Run the compile tests before and after a change and
 compare the two files: equal hashes mean byte-identical PTX, so the GPU
@@ -35,7 +35,7 @@ def normalised(ptx: str) -> str:
 def pytest_configure(config) -> None:
     if not os.environ.get("PTXPIN_OUT"):
         return
-    import dspark_cute.host as host
+    import dspark_cute.runtime.host as host
 
     real = host.compile_ptx
 

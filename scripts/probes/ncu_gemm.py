@@ -37,7 +37,7 @@ def run() -> None:
     import torch
     from package_gemm_sweep import copies_configs  # (this folder: sys.path[0] when run as a script)
 
-    from dspark_comm import package_gemm as pg
+    from dspark_comm.cutedsl import package_gemm as pg
     from dspark_core.contracts.constants import PackageGemmConstants
 
     gen = torch.Generator(device="cuda").manual_seed(5)

@@ -75,8 +75,8 @@ import time
 
 import torch
 
-from dspark_comm import package_gemm as pg
-from dspark_comm import package_gemm_shape as pgs
+from dspark_comm.cutedsl import package_gemm as pg
+from dspark_comm.cutedsl import package_gemm_shape as pgs
 from dspark_core.contracts.constants import PackageGemmConstants
 from dspark_core.spec.gemv import gemv as gemv_spec
 from dspark_core.tools.timing import capture_on_side_stream, median_us

@@ -24,7 +24,7 @@ Measured on an H200 (2026-11-30, us per call, weights streamed from HBM):
 | 8192 x 1024 (m = 1) | 6.7 | 9.4 | 8.4 | 5.8 (R2 U4) |
 
 The warp-per-row GEMV (a warp reads 512 contiguous bytes of a row per load)
-beat cuBLAS everywhere at m = 1: that became ``dspark_cute.gemv``. The skinny
+beat cuBLAS everywhere at m = 1: that became ``dspark_cute.cutedsl.gemm.gemv``. The skinny
 MMA main loop's 8-rows-by-64-bytes loads trail it; pre-permuting the weight
 so each warp load is 512 contiguous bytes closed most of the gap (down:
 91.9 -> 67.7) without changing its sums.
@@ -99,7 +99,7 @@ SHAPES = {  # name: (N, K, rows)
 def permuted_offset(cfg, warp, lane, step: int, load: int):
     """The permuted layout's weight_offset: a warp's copies of one step and
     load are 512 contiguous bytes, its whole K-slice one contiguous run."""
-    from dspark_cute import skinny_gemm as sg
+    from dspark_cute.cutedsl.gemm.skinny import config as sg
 
     return ((warp * cfg.steps + step) * sg.W_LOADS + load) * 256 + lane * 8
 
@@ -115,7 +115,7 @@ def permute_weight(w, kw):
 
 def compiled(g, m, permuted):
     """Compile ``g``'s plain kernel for ``m`` rows, with the permuted map if asked."""
-    from dspark_cute import skinny_gemm as sg
+    from dspark_cute.cutedsl.gemm.skinny import config as sg
 
     plain = sg.weight_offset
     if permuted:
@@ -128,7 +128,7 @@ def compiled(g, m, permuted):
 
 def case(name, n, k, m, ws, mod, names, rows):
     """Every kernel on one (weight shape, m); appends ``(name, m, kernel, us, rel. error)`` to rows."""
-    from dspark_comm.package_gemm import PackageGemm
+    from dspark_comm.cutedsl.package_gemm import PackageGemm
     from dspark_core.contracts.constants import PackageGemmConstants
 
     copies = len(ws)

@@ -68,20 +68,20 @@ def _calls(m, gen, group, fused, plain, unfused, symm, one_shot) -> dict:
 
 
 def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -> None:
-    from dspark_comm.ranks import init_rank, record_case
+    from dspark_comm.runtime.ranks import init_rank, record_case
 
     init_rank(rank, world, init, timeout_s=60.0)
     import torch.distributed._symmetric_memory as symm_mem
 
-    from dspark_comm.allreduce import MailboxAllReduce
-    from dspark_comm.boundary import AllReduceBoundary
-    from dspark_comm.group import TorchGroup
-    from dspark_comm.mailbox import Mailbox
+    from dspark_comm.cutedsl.all_reduce_boundary import AllReduceBoundary
+    from dspark_comm.cutedsl.allreduce import MailboxAllReduce
+    from dspark_comm.runtime.group import TorchGroup
+    from dspark_comm.runtime.mailbox import Mailbox
     from dspark_comm.tp_draft import time_replays
     from dspark_core.contracts.constants import boundary_constants
     from dspark_core.spec.layers import GatedResidual, RMSNorm
     from dspark_core.tools.timing import capture
-    from dspark_cute.boundary import DraftBoundary
+    from dspark_cute.cutedsl.norms.boundary import DraftBoundary
 
     group = TorchGroup()
     mb = Mailbox(group, H, max(ROWS), timeout_s=5.0)
@@ -116,7 +116,7 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int) -
 
 
 def _report(raw: list[dict], out: str) -> str:
-    from dspark_comm.ranks import slower_rank
+    from dspark_comm.runtime.ranks import slower_rank
 
     lines = [
         "TP2 on two H200s (NVLink), H = 8192, BF16 partials, FP32 rank-order sum; microseconds per "
@@ -172,7 +172,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds before the ranks are killed")
     args = parser.parse_args()
-    from dspark_comm.ranks import tp2_benchmark
+    from dspark_comm.runtime.ranks import tp2_benchmark
 
     raw, status = tp2_benchmark("the TP2 all-reduce boundary benchmark", _worker, args.out, "raw.json", args.out,
                                 args.iters, args.reps, timeout_s=args.timeout)

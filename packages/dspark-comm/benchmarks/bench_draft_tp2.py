@@ -62,7 +62,7 @@ def _steps(fn, count: int):
 
 def _worker(rank: int, world: int, init: str, out: str, reps: int, exclude: list, layers: int,
             per_graph: int = 1) -> None:
-    from dspark_comm.ranks import finish_rank, init_rank
+    from dspark_comm.runtime.ranks import finish_rank, init_rank
 
     init_rank(rank, world, init, timeout_s=120.0)
     torch.set_grad_enabled(False)  # inference only (the stock forward's graphs too)
@@ -120,7 +120,7 @@ def _worker(rank: int, world: int, init: str, out: str, reps: int, exclude: list
 
 def _cell(raw: list[dict], key: str):
     """(the slower rank's value or None, its text)."""
-    from dspark_comm.ranks import first_failure
+    from dspark_comm.runtime.ranks import first_failure
 
     vals = [r.get(key, "missing") for r in raw]
     text = first_failure(vals)
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 1 or args.layers < 1 or args.steps_per_graph < 1:
         parser.error("--reps, --layers and --steps-per-graph are at least 1")
-    from dspark_comm.ranks import tp2_benchmark
+    from dspark_comm.runtime.ranks import tp2_benchmark
 
     exclude = [k for k in args.exclude.split(",") if k]
     raw, status = tp2_benchmark("the TP2 draft benchmark", _worker, args.out, "draft_tp2_raw.json", args.out,

@@ -193,19 +193,19 @@ def _rounds(fns: dict, iters: int, reps: int, rounds: int) -> dict:
 
 
 def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int, rounds: int) -> None:
-    from dspark_comm.ranks import init_rank, record_case
+    from dspark_comm.runtime.ranks import init_rank, record_case
 
     init_rank(rank, world, init, timeout_s=60.0)
-    from dspark_comm.boundary import AllReduceBoundary
-    from dspark_comm.group import TorchGroup
-    from dspark_comm.mailbox import Mailbox
-    from dspark_comm.package_gemm import PackageGemm
+    from dspark_comm.cutedsl.all_reduce_boundary import AllReduceBoundary
+    from dspark_comm.cutedsl.package_gemm import PackageGemm
+    from dspark_comm.runtime.group import TorchGroup
+    from dspark_comm.runtime.mailbox import Mailbox
     from dspark_comm.tp_draft import time_replays
     from dspark_core.contracts.constants import PackageGemmConstants, boundary_constants
     from dspark_core.planner.policy import draft_gemm_shape
     from dspark_core.spec.layers import GatedResidual, RMSNorm
     from dspark_core.tools.timing import capture
-    from dspark_cute.boundary import DraftBoundary
+    from dspark_cute.cutedsl.norms.boundary import DraftBoundary
 
     group = TorchGroup()
     mb = Mailbox(group, H, max(ROWS), timeout_s=5.0)
@@ -281,7 +281,7 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int, r
 def _per_round(raw: list[dict], key: str) -> tuple[list[float] | None, str]:
     """``key``'s rounds over the ranks ``raw``: ``(the slower rank's value
     in each round, None)``, or ``(None, the first rank's failure words)``."""
-    from dspark_comm.ranks import first_failure
+    from dspark_comm.runtime.ranks import first_failure
 
     vals = [r[key] for r in raw]
     failed = first_failure(vals)
@@ -291,7 +291,7 @@ def _per_round(raw: list[dict], key: str) -> tuple[list[float] | None, str]:
 
 
 def _report(raw: list[dict], out: str) -> str:
-    from dspark_comm.ranks import slower_rank
+    from dspark_comm.runtime.ranks import slower_rank
 
     cols = [(k, m) for k in KS for m in ROWS]
     lines = [
@@ -405,7 +405,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds of the target's pair")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds before the ranks are killed")
     args = parser.parse_args()
-    from dspark_comm.ranks import tp2_benchmark
+    from dspark_comm.runtime.ranks import tp2_benchmark
 
     raw, status = tp2_benchmark("the TP2 package GEMM benchmark", _worker, args.out, "package_gemm_raw.json",
                                 args.out, args.iters, args.reps, args.rounds, timeout_s=args.timeout)

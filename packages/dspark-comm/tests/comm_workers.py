@@ -103,9 +103,9 @@ def check_env(c):
 
 
 def check_mailbox(c):
-    from dspark_comm.group import TorchGroup
-    from dspark_comm.mailbox import Mailbox
     from dspark_comm.protocol import HEADER_BYTES
+    from dspark_comm.runtime.group import TorchGroup
+    from dspark_comm.runtime.mailbox import Mailbox
 
     c.group = TorchGroup()
     c.ars = {}  # the fused all-reduces per sum order (_allreduce)
@@ -122,7 +122,7 @@ def check_mailbox(c):
 
 
 def _allreduce(c, order):
-    from dspark_comm.allreduce import MailboxAllReduce
+    from dspark_comm.cutedsl.allreduce import MailboxAllReduce
     from dspark_comm.protocol import reference_sum
 
     ar = MailboxAllReduce(c.mb, order)
@@ -205,7 +205,7 @@ def _boundary_modules(gen):
 
 
 def check_boundary(c):
-    from dspark_comm.boundary import AllReduceBoundary
+    from dspark_comm.cutedsl.all_reduce_boundary import AllReduceBoundary
     from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, boundary_constants
     from dspark_core.spec.layers import residual_boundary
 
@@ -245,7 +245,7 @@ def check_boundary(c):
 
 
 def check_published(c):
-    from dspark_comm.allreduce import FusedAllReduce, Publisher, StoreEpilogue
+    from dspark_comm.cutedsl.allreduce import FusedAllReduce, Publisher, StoreEpilogue
     from dspark_core.contracts.constants import FP32_RANK_ORDER
     from dspark_core.spec.layers import residual_boundary
 
@@ -276,7 +276,7 @@ def check_published(c):
 
 
 def check_bias_epilogue(c):
-    from dspark_comm.allreduce import FusedAllReduce
+    from dspark_comm.cutedsl.allreduce import FusedAllReduce
     from dspark_comm.examples import AddBiasEpilogue
 
     fused = FusedAllReduce(c.mb, AddBiasEpilogue())
@@ -327,8 +327,8 @@ def check_fallback(c):
 
 
 def check_other_backend(c):
-    from dspark_comm.allreduce import MailboxAllReduce
-    from dspark_comm.mailbox import Mailbox
+    from dspark_comm.cutedsl.allreduce import MailboxAllReduce
+    from dspark_comm.runtime.mailbox import Mailbox
 
     backend = "torch_symm" if c.mb.backend == "cuda_ipc" else "cuda_ipc"
     mb = Mailbox(c.group, H, CAPACITY, timeout_s=2.0, backend=backend)
@@ -349,9 +349,9 @@ def check_cupy_group(c):
     import cupy
     from cupy.cuda import nccl as cnccl
 
-    from dspark_comm.allreduce import MailboxAllReduce
-    from dspark_comm.group import CupyNcclGroup
-    from dspark_comm.mailbox import Mailbox
+    from dspark_comm.cutedsl.allreduce import MailboxAllReduce
+    from dspark_comm.runtime.group import CupyNcclGroup
+    from dspark_comm.runtime.mailbox import Mailbox
 
     uid = [cnccl.get_unique_id() if c.rank == 0 else None]
     dist.broadcast_object_list(uid, src=0)
@@ -457,8 +457,8 @@ def check_timeout(c):
     """Rank 1 never arrives: rank 0's call gives up after the timeout, flags
     the mailbox, and its next call returns at once; a collective reset makes
     the mailbox whole again."""
-    from dspark_comm.allreduce import MailboxAllReduce
-    from dspark_comm.mailbox import Mailbox, MailboxTimeoutError
+    from dspark_comm.cutedsl.allreduce import MailboxAllReduce
+    from dspark_comm.runtime.mailbox import Mailbox, MailboxTimeoutError
 
     mb = Mailbox(c.group, H, 4, timeout_s=0.25, backend=c.mb.backend)
     res = {}

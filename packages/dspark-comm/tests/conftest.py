@@ -1,13 +1,20 @@
 """Shared test setup of dspark-comm: markers, the printed random seed, the
-CPU compile target."""
+CPU compile target, and dspark-cute's test helpers on the path (``ptx_audit``,
+``skinny_emulation``: the comm kernels are audited and emulated the same way)."""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
+
+CUTE_TESTS = Path(__file__).resolve().parents[2] / "dspark-cute" / "tests"
+if str(CUTE_TESTS) not in sys.path:
+    sys.path.append(str(CUTE_TESTS))
 
 # Without a GPU the CuTe DSL needs a target to compile for (the compile tests
 # pass their arch explicitly; this only keeps the DSL from guessing).

@@ -4,7 +4,7 @@ per rank runs a list of named checks in order (``run_checks``), recording
 each check's JSON result in ``rank<r>.json`` as it ends, so a crash or a kill
 keeps the earlier ones; the pytest side spawns the ranks once per module
 (``run_suite``) and each test asserts on one check's results from every rank
-(``results_of``). The process plumbing is ``dspark_comm.ranks``."""
+(``results_of``). The process plumbing is ``dspark_comm.runtime.ranks``."""
 
 from __future__ import annotations
 
@@ -56,12 +56,12 @@ def _barrier() -> None:
 
 def run_checks(rank: int, world: int, init_file: str, out_dir: str, cfg: dict, checks, *,
                needed=(), skip=(), cleanup=None, timeout_s: float = 120.0) -> None:
-    """One rank: join the NCCL group (``dspark_comm.ranks.init_rank``), run
+    """One rank: join the NCCL group (``dspark_comm.runtime.ranks.init_rank``), run
     ``checks`` (``(name, fn)`` pairs) in order except those in ``skip``, stop
     after a failed check named in ``needed`` (the later ones need what it
     built), then ``cleanup(ctx, results)`` (e.g. close a mailbox a failed run
     left open; its error is printed, not raised) and leave the group."""
-    from dspark_comm.ranks import finish_rank, init_rank
+    from dspark_comm.runtime.ranks import finish_rank, init_rank
 
     init_rank(rank, world, init_file, timeout_s)
     c = Ctx()
@@ -125,7 +125,7 @@ def run_suite(tmp_path_factory, worker, name: str, cfg: dict, timeout_s: float, 
     if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA GPUs (this machine has {torch.cuda.device_count()}); "
                     "run nox -s tests-multigpu on a two-GPU device machine")
-    from dspark_comm.ranks import spawn_ranks
+    from dspark_comm.runtime.ranks import spawn_ranks
 
     # Fresh inputs every run: one seed for both ranks (cfg is shared, so
     # generators seeded alike on both ranks stay alike), printed.

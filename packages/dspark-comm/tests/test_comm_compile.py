@@ -18,10 +18,10 @@ import types
 
 import pytest
 import torch
+from ptx_audit import code, count, ptxas_report, spill_bytes
 
 from dspark_comm.protocol import MailboxLayout
 from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, BoundaryConstants, NormConstants
-from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
 
 ARCHS = ["sm_90a", "sm_100a"]
 H = 8192
@@ -56,8 +56,8 @@ def audit(ptx: str, tp: int, order: str, published: bool, adds_per_column: int |
 @pytest.mark.parametrize("order", [FP32_RANK_ORDER, BF16_RANK_ORDER])
 @pytest.mark.parametrize("published", [False, True])
 def test_all_reduce_compiles(arch, tp, order, published, tmp_path):
-    from dspark_comm.allreduce import AllReduceKernel, StoreEpilogue, all_reduce_fake_args
-    from dspark_cute.host import compile_ptx
+    from dspark_comm.cutedsl.allreduce import AllReduceKernel, StoreEpilogue, all_reduce_fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     layout = MailboxLayout(tp, H, 16)
     rank = tp - 1
@@ -84,9 +84,9 @@ def test_all_reduce_compiles(arch, tp, order, published, tmp_path):
     ],
 )
 def test_boundary_compiles(arch, tp, order, stream_bf16, store, post, pre, tmp_path):
-    from dspark_comm.allreduce import AllReduceKernel, all_reduce_fake_args
-    from dspark_comm.boundary import BoundaryEpilogue
-    from dspark_cute.host import compile_ptx
+    from dspark_comm.cutedsl.all_reduce_boundary import BoundaryEpilogue
+    from dspark_comm.cutedsl.allreduce import AllReduceKernel, all_reduce_fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     c = BoundaryConstants(H, NormConstants(1e-6, post[0], post[2], post[1]),
                           NormConstants(1e-5, pre[0], pre[2], pre[1]))
@@ -109,9 +109,9 @@ def test_boundary_compiles(arch, tp, order, stream_bf16, store, post, pre, tmp_p
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 def test_publish_and_example_compile(arch, tmp_path):
-    from dspark_comm.allreduce import AllReduceKernel, PublishKernel, all_reduce_fake_args, publish_fake_args
+    from dspark_comm.cutedsl.allreduce import AllReduceKernel, PublishKernel, all_reduce_fake_args, publish_fake_args
     from dspark_comm.examples import AddBiasEpilogue
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.runtime.host import compile_ptx
 
     layout = MailboxLayout(4, H, 16)
     ptx = compile_ptx(PublishKernel(layout, 1, True), *publish_fake_args(), arch=arch)
@@ -127,7 +127,7 @@ def test_publish_and_example_compile(arch, tmp_path):
 
 @pytest.mark.compile
 def test_kernel_refuses():
-    from dspark_comm.allreduce import MAX_OPERANDS, AllReduceKernel, Epilogue, StoreEpilogue
+    from dspark_comm.cutedsl.allreduce import MAX_OPERANDS, AllReduceKernel, Epilogue, StoreEpilogue
 
     layout = MailboxLayout(2, H, 16)
     with pytest.raises(ValueError, match="sum order"):
@@ -151,7 +151,7 @@ def _fake_mailbox(capacity: int = 16):
 
 def test_host_refuses_bad_calls():
     """Refusals before any compile or launch (no GPU needed)."""
-    from dspark_comm.allreduce import FusedAllReduce, StoreEpilogue
+    from dspark_comm.cutedsl.allreduce import FusedAllReduce, StoreEpilogue
 
     fused = FusedAllReduce(_fake_mailbox(), StoreEpilogue())
     assert fused.takes(16) and not fused.takes(17) and not fused.takes(0)

@@ -1,5 +1,5 @@
-"""CPU tests of the TP group (``dspark_comm.group``) over two gloo processes
-(one per rank, a file rendezvous, spawned by ``dspark_comm.ranks.spawn_ranks``):
+"""CPU tests of the TP group (``dspark_comm.runtime.group``) over two gloo processes
+(one per rank, a file rendezvous, spawned by ``dspark_comm.runtime.ranks.spawn_ranks``):
 the byte all-gather, the barrier, the collective agreement that fails on
 every rank when one fails, the stock all-reduce; and the mailbox's refusals, which come before any GPU work."""
 
@@ -16,8 +16,8 @@ WORLD = 2
 
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
-    from dspark_comm.group import TorchGroup
-    from dspark_comm.mailbox import Mailbox
+    from dspark_comm.runtime.group import TorchGroup
+    from dspark_comm.runtime.mailbox import Mailbox
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     result = {}
@@ -61,7 +61,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from dspark_comm.ranks import spawn_ranks
+    from dspark_comm.runtime.ranks import spawn_ranks
 
     out = tmp_path_factory.mktemp("group")
     error = spawn_ranks(_worker, WORLD, str(out), timeout_s=120)

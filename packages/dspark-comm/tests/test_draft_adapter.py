@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dspark_comm.draft import DraftAllReduce
-from dspark_comm.group import TPGroup
 from dspark_comm.protocol import MailboxLayout
+from dspark_comm.runtime.group import TPGroup
 from dspark_core.contracts.constants import FP32_RANK_ORDER
 from dspark_core.planner import policy
 from dspark_core.planner.plan import plan_draft

@@ -1,4 +1,4 @@
-"""CPU tests of the package GEMM (``dspark_comm.package_gemm``):
+"""CPU tests of the package GEMM (``dspark_comm.cutedsl.package_gemm``):
 
 - the epilogue's index maps: every (token, column) of the output written by
   exactly one lane of one CTA, and the publish epilogue's word offsets equal
@@ -28,8 +28,9 @@ import types
 
 import pytest
 import torch
+from ptx_audit import code, count, ptxas_report, spill_bytes
 
-from dspark_comm import package_gemm as pg
+from dspark_comm.cutedsl import package_gemm as pg
 from dspark_comm.protocol import (
     ESCAPE,
     HEADER_BYTES,
@@ -44,8 +45,7 @@ from dspark_comm.protocol import (
 from dspark_core.contracts.constants import FP32_RANK_ORDER, PackageGemmConstants
 from dspark_core.planner.policy import DRAFT_GEMMS, draft_gemm_shape
 from dspark_core.tools.compare import mismatches
-from dspark_cute import skinny_gemm as sg
-from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
+from dspark_cute.cutedsl.gemm.skinny import config as sg
 
 ARCHS = ["sm_90a", "sm_100a"]
 
@@ -252,7 +252,7 @@ VARIANTS = [
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_package_gemm_compiles(arch, variant, tmp_path):
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.runtime.host import compile_ptx
 
     label, c, kw, st, nt, mode, tp, rank, pdl = variant
     kw, st = pg.default_shape(c, kw, st, nt)
@@ -281,7 +281,7 @@ def test_x_through_registers_compiles(arch, variant, tmp_path):
     alone in the ring, x's ``ld.global.v4`` loads after the PDL wait, the
     same MMAs and stores as with x in the ring (``audit``), and the room for
     more stages: 6 of 8 warps at 16 tokens (5 with x in the ring)."""
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.runtime.host import compile_ptx
 
     _, c, st, nt, mode, pdl = variant
     kw, st = pg.default_shape(c, None, st, nt, x_regs=True)
@@ -303,7 +303,7 @@ def test_row_copies_compile(arch, refill, x_copy, tmp_path):
     copies, epilogue), no spills."""
     import dataclasses
 
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.runtime.host import compile_ptx
 
     c = _constants("down_proj", 8192, 8192)
     kw, st = pg.default_shape(c)
@@ -391,7 +391,7 @@ def test_default_shapes_of_the_policy():
 
 def test_shape_names_are_reexported():
     """package_gemm re-exports every launch-shape name of package_gemm_shape (the same objects)."""
-    from dspark_comm import package_gemm_shape as shape
+    from dspark_comm.cutedsl import package_gemm_shape as shape
 
     for name in shape.__all__:
         assert name in pg.__all__ and getattr(pg, name) is getattr(shape, name), name
@@ -524,7 +524,7 @@ def test_early_epochs_are_loaded_before_the_main_loop(arch, variant, tmp_path):
     """``early_epochs``: the same kernel (the whole audit above) with every
     round's epoch load after the PDL wait and before the first MMA, so its
     latency hides behind the main loop."""
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.runtime.host import compile_ptx
 
     _, c, nt, tp, rank, pdl = variant
     kw, st = pg.default_shape(c, n_tiles=nt)
@@ -548,7 +548,7 @@ def test_compile_cache_keyed_by_constants(monkeypatch):
     built = []
 
     def fake_compile(obj, *args, what=None):
-        from dspark_cute.host import assert_not_capturing
+        from dspark_cute.runtime.host import assert_not_capturing
 
         assert_not_capturing(what)
         built.append(obj)

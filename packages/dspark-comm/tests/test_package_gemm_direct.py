@@ -1,5 +1,5 @@
 """CPU tests of the package GEMM on the register-direct main loop
-(``dspark_cute.skinny_direct``, ``tile_n`` 16; its GPU checks are in the
+(``dspark_cute.cutedsl.gemm.skinny.direct``, ``tile_n`` 16; its GPU checks are in the
 two-GPU suite):
 
 - the index maps, emulated on integer data: every weight element loaded
@@ -22,13 +22,14 @@ import re
 import numpy as np
 import pytest
 import torch
+from ptx_audit import code, count, ptxas_report, spill_bytes
+from skinny_emulation import emulated_lane_words, mma_emulated
 
-from dspark_comm import package_gemm as pg
+from dspark_comm.cutedsl import package_gemm as pg
 from dspark_comm.protocol import MailboxLayout
 from dspark_core.contracts.constants import PackageGemmConstants
-from dspark_cute import skinny_direct as sd
-from dspark_cute import skinny_gemm as sg
-from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
+from dspark_cute.cutedsl.gemm.skinny import config as sg
+from dspark_cute.cutedsl.gemm.skinny import direct as sd
 
 ARCHS = ["sm_90a", "sm_100a"]
 
@@ -42,13 +43,13 @@ def _direct_chain(cfg, w, x, m):
     for warp in range(cfg.k_warps):
         acc = {nt: np.zeros((32, 4)) for nt in range(cfg.n_tiles)}
         for s in range(cfg.steps):
-            lane_words = sg.emulated_lane_words(cfg, w, x, m, warp, s, sd.weight_offset, sd.W_LOADS, copies)
+            lane_words = emulated_lane_words(cfg, w, x, m, warp, s, sd.weight_offset, sd.W_LOADS, copies)
             for half in range(2):
                 for nt in range(cfg.n_tiles):
                     a = [sg.a_fragment(lw, 0, half) for lw in lane_words]
                     b = [sg.b_fragment(lw, nt, half, sd.W_LOADS) for lw in lane_words]
                     chains.setdefault((warp, nt), []).append((a, b))
-                    acc[nt] += sg.mma_emulated(a, b)
+                    acc[nt] += mma_emulated(a, b)
         for lane in range(32):
             for nt, v in acc.items():
                 for reg in range(4):
@@ -70,7 +71,7 @@ def _ring_chain(cfg, w64, x, m, tile_i):
     chains = {}
     for warp in range(cfg.k_warps):
         for s in range(cfg.steps):
-            lane_words = sg.emulated_lane_words(cfg, w64, x, m, warp, s)
+            lane_words = emulated_lane_words(cfg, w64, x, m, warp, s)
             for half in range(2):
                 for nt in range(cfg.n_tiles):
                     a = [sg.a_fragment(lw, tile_i, half) for lw in lane_words]
@@ -128,7 +129,7 @@ VARIANTS = [
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_direct_package_gemm_compiles(arch, variant, tmp_path):
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.runtime.host import compile_ptx
 
     _, c, nt, mode, tp, rank, pdl, early = variant
     kw, st = pg.default_shape(c)
@@ -174,7 +175,7 @@ def test_refill_bursts_compile(arch, variant, tmp_path):
     """A refill burst (``group``) issues the same loads and MMAs, the loads
     after the prologue in runs of ``group`` steps (2 weight copies each),
     without spills."""
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.runtime.host import compile_ptx
 
     _, c, nt, mode, st, grp = variant
     kw, _ = pg.default_shape(c)

@@ -1,4 +1,4 @@
-"""The package GEMM on two GPUs (``dspark_comm.package_gemm``): one process per
+"""The package GEMM on two GPUs (``dspark_comm.cutedsl.package_gemm``): one process per
 rank (spawned once for every test here, the style of ``test_comm_multigpu.py``
 and reusing its ``comm_workers`` helpers); each test asserts on its check's
 results from both ranks. Skipped with fewer than two GPUs.
@@ -19,10 +19,10 @@ Checks:
   row, with x through registers on the ring main loop; m <= 8; m <= 16) bit
   for bit on the same rows;
 - ``plain`` and ``publish`` also run the register-direct main loop
-  (``tile_n`` 16, ``dspark_cute.skinny_direct``): bit for bit the 64-row
+  (``tile_n`` 16, ``dspark_cute.cutedsl.gemm.skinny.direct``): bit for bit the 64-row
   kernel (passed on two H200s);
 - ``publish`` also runs the one-row GEMV path (``one_row_gemv=True``,
-  ``dspark_comm.package_gemv``): one row bit for bit
+  ``dspark_comm.cutedsl.package_gemv``): one row bit for bit
   ``dspark_core.spec.gemv.gemv``, more rows the 64-row kernel's, and its
   published partial consumed bit for bit its plain output pushed;
 - ``publish``: publish + ``FusedAllReduce(published=True)`` bit for bit the
@@ -76,8 +76,8 @@ def _constants(role: str, k: int, tile_n: int | None = None):
 
 
 def check_setup(c):
-    from dspark_comm.group import TorchGroup
-    from dspark_comm.mailbox import Mailbox
+    from dspark_comm.runtime.group import TorchGroup
+    from dspark_comm.runtime.mailbox import Mailbox
 
     c.group = TorchGroup()
     c.mb = Mailbox(c.group, H, CAPACITY, timeout_s=2.0)
@@ -86,7 +86,7 @@ def check_setup(c):
 
 
 def check_plain(c):
-    from dspark_comm.package_gemm import RING_X_COPY, PackageGemm, error_bound
+    from dspark_comm.cutedsl.package_gemm import RING_X_COPY, PackageGemm, error_bound
 
     gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 100 + c.rank)
     res = {}
@@ -152,9 +152,9 @@ def check_plain(c):
 
 
 def check_publish(c):
-    from dspark_comm.allreduce import FusedAllReduce, MailboxAllReduce, StoreEpilogue
-    from dspark_comm.boundary import AllReduceBoundary
-    from dspark_comm.package_gemm import PackageGemm
+    from dspark_comm.cutedsl.all_reduce_boundary import AllReduceBoundary
+    from dspark_comm.cutedsl.allreduce import FusedAllReduce, MailboxAllReduce, StoreEpilogue
+    from dspark_comm.cutedsl.package_gemm import PackageGemm
     from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, boundary_constants
     from dspark_core.spec.layers import residual_boundary
 
@@ -235,7 +235,7 @@ def check_stress(c):
     """Random m, per-rank delays, three kinds of calls on one mailbox, eager
     then CUDA graph replays (the references: the plain GEMM + the pushing
     fused paths, computed eagerly once per input)."""
-    from dspark_comm.allreduce import FusedAllReduce, MailboxAllReduce, StoreEpilogue
+    from dspark_comm.cutedsl.allreduce import FusedAllReduce, MailboxAllReduce, StoreEpilogue
     from dspark_core.contracts.constants import FP32_RANK_ORDER
     from dspark_core.tools.compare import mismatches
 

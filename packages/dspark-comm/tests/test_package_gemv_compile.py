@@ -1,4 +1,4 @@
-"""CPU tests of the package GEMM's one-row path (``dspark_comm.package_gemv``,
+"""CPU tests of the package GEMM's one-row path (``dspark_comm.cutedsl.package_gemv``,
 ``PackageGemm(one_row_gemv=True)``; its GPU checks are in the two-GPU suite,
 passed on two H200s): compiles for sm_90a and sm_100a, plain and publishing, with and
 without PDL, at TP2 and TP8, with a PTX audit (the GEMV's instruction counts:
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ptx_audit import code, count, ptxas_report, spill_bytes
 
-from dspark_comm import package_gemm as pg
-from dspark_comm import package_gemv as pv
+from dspark_comm.cutedsl import package_gemm as pg
+from dspark_comm.cutedsl import package_gemv as pv
 from dspark_comm.protocol import MailboxLayout
 from dspark_core.contracts.constants import PackageGemmConstants
-from dspark_cute import gemv as gv
-from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
+from dspark_cute.cutedsl.gemm import gemv as gv
 
 ARCHS = ["sm_90a", "sm_100a"]
 NC_LOAD = r"\bld\.global\.nc\.L1::no_allocate\.v4\.b32\b"
@@ -43,7 +43,7 @@ VARIANTS = [
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_one_row_gemv_compiles(arch, variant, tmp_path):
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.runtime.host import compile_ptx
 
     _, n, k, mode, tp, rank, pdl = variant
     c = _constants(n, k)

@@ -1,4 +1,4 @@
-"""CPU tests of the multi-GPU frame: ``dspark_comm.ranks`` (spawning ranks,
+"""CPU tests of the multi-GPU frame: ``dspark_comm.runtime.ranks`` (spawning ranks,
 a failing rank, a rank past the time limit, the refusals of ``init_rank``),
 ``dspark_comm.tp_draft.greedy`` (on a small draft on the CPU: two equal
 paths agree bit for bit; a path that flips a token is caught at that step,
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark_comm import ranks
+from dspark_comm.runtime import ranks
 from dspark_comm.tp_draft import greedy, time_replays
 from dspark_core.reference.config import small_config
 from dspark_core.reference.model import DraftModel
@@ -293,7 +293,7 @@ def test_bench_draft_tp2_graphs_several_steps():
 def test_record_case_and_slower_rank():
     """A benchmark case that raises leaves its words in its cell, the others
     run; a table cell is the slower rank's time, or the first failure."""
-    from dspark_comm.ranks import record_case, slower_rank
+    from dspark_comm.runtime.ranks import record_case, slower_rank
 
     results = {}
     record_case(results, "a", lambda: 3.5)

@@ -54,7 +54,7 @@ class Empty:
 
 def empty_kernel():
     """The compiled ``Empty`` kernel, as a callable on the current stream."""
-    from dspark_cute.host import compile_kernel, current_stream, fake_stream
+    from dspark_cute.runtime.host import compile_kernel, current_stream, fake_stream
 
     compiled = compile_kernel(Empty(), fake_stream())
     return lambda: compiled(current_stream())

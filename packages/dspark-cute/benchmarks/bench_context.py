@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     args = parser.parse_args()
 
-    from dspark_cute.context import ContextChain
+    from dspark_cute.cutedsl.context.chain import ContextChain
 
     # The stock code's graph breaks (host reads) would fill the log.
     torch._logging.set_logs(dynamo=logging.ERROR)

@@ -1,4 +1,4 @@
-"""Benchmark of the one-token GEMV (``dspark_cute.gemv.Gemv``) on the
+"""Benchmark of the one-token GEMV (``dspark_cute.cutedsl.gemm.gemv.Gemv``) on the
 reference draft's four projections (QKV 9216 x 8192, o_proj 8192 x 4096,
 gate_up 32768 x 8192, down 8192 x 16384; BF16, m = 1), beside cuBLAS
 (``torch.mm(x, W.t())``).
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from bench_qkv_front import time_graph
 
     from dspark_core.contracts.constants import GemvConstants
-    from dspark_cute.gemv import Gemv
+    from dspark_cute.cutedsl.gemm.gemv import Gemv
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

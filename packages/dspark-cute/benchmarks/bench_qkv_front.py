@@ -81,7 +81,7 @@ def main() -> None:
     from dspark_core.reference.config import DraftConfig
     from dspark_core.reference.model import DraftAttention, StepInputs
     from dspark_core.spec.layers import PagedKVCache, Rotary
-    from dspark_cute.qkv_front import QKVFront
+    from dspark_cute.cutedsl.qkv.front import QKVFront
 
     cfg = DraftConfig()
     gen = torch.Generator(device="cuda").manual_seed(0)

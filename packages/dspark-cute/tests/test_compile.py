@@ -30,9 +30,9 @@ import re
 import pytest
 import torch
 from cute_testing import WEIGHT_KINDS, WORDS, audit_forbidden, has_f32_constant, norm_constants
+from ptx_audit import count, spill_bytes
 
 from dspark_core.contracts.constants import BoundaryConstants, NormConstants, RowNormConstants
-from dspark_cute.ptx_audit import count, spill_bytes
 
 pytestmark = pytest.mark.compile
 
@@ -83,8 +83,8 @@ ROW_VARIANTS = [
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("w,in_dtype,out_dtype,pdl", ROW_VARIANTS)
 def test_row_norm_compiles(arch, w, in_dtype, out_dtype, pdl):
-    from dspark_cute.host import compile_ptx
-    from dspark_cute.row_norm import RowNormKernel, fake_args
+    from dspark_cute.cutedsl.norms.row_norm import RowNormKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     c = RowNormConstants(hidden_size=H, norm=norm_constants(w), in_dtype=in_dtype, out_dtype=out_dtype)
     ptx = compile_ptx(RowNormKernel(c, pdl), *fake_args(c), arch=arch)
@@ -111,8 +111,8 @@ BOUNDARY_VARIANTS = (
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("post,pre,flags", BOUNDARY_VARIANTS)
 def test_boundary_compiles(arch, post, pre, flags):
-    from dspark_cute.boundary import BoundaryKernel, fake_args
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.cutedsl.norms.boundary import BoundaryKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     stream_bf16, store, late, pdl = flags
     c = BoundaryConstants(hidden_size=H, post=norm_constants(post), pre=norm_constants(pre))
@@ -140,8 +140,8 @@ SPLIT_VARIANTS = [
 @pytest.mark.parametrize("pair,flags", SPLIT_VARIANTS)
 def test_split_boundary_compiles(arch, pair, flags):
     """The boundary split over a cluster (few rows; one fragment per CTA)."""
-    from dspark_cute.boundary import BoundaryKernel, fake_args
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.cutedsl.norms.boundary import BoundaryKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     stream_bf16, store, pdl = flags
     post, pre = norm_constants(pair[0]), norm_constants(pair[1])
@@ -162,7 +162,7 @@ def test_split_boundary_compiles(arch, pair, flags):
 
 
 def test_split_needs_early_gates_and_a_cluster_size():
-    from dspark_cute.boundary import BoundaryKernel, split_ranks
+    from dspark_cute.cutedsl.norms.boundary import BoundaryKernel, split_ranks
 
     c = BoundaryConstants(hidden_size=H, post=norm_constants(1), pre=norm_constants(2))
     assert [split_ranks(h) for h in (2048, 4096, 8192, 16384, 18432)] == [1, 2, 4, 8, 1]
@@ -175,8 +175,8 @@ def test_split_needs_early_gates_and_a_cluster_size():
 def test_compile_cache_keys_keep_signed_zero_apart():
     """Constants that differ only in a -0.0 gain center must not share a
     kernel: w + (-0.0) keeps a -0.0 weight, w + 0.0 does not."""
-    from dspark_cute.host import compile_ptx
-    from dspark_cute.row_norm import RowNormKernel, fake_args
+    from dspark_cute.cutedsl.norms.row_norm import RowNormKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     a = RowNormConstants(H, NormConstants(1e-6, "bf16", 0.0, False), "bf16", "bf16")
     b = RowNormConstants(H, NormConstants(1e-6, "bf16", -0.0, False), "bf16", "bf16")
@@ -208,7 +208,7 @@ def test_host_refuses_bad_operands():
 
 
 def test_compile_refuses_capture(monkeypatch):
-    from dspark_cute import host
+    from dspark_cute.runtime import host
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

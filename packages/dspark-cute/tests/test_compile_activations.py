@@ -1,5 +1,5 @@
-"""CPU tests of the elementwise activation kernels (``dspark_cute.mlp_activation``
-and ``dspark_cute.o_gate``): they compile for sm_90a and sm_100a without a
+"""CPU tests of the elementwise activation kernels (``dspark_cute.cutedsl.gating.mlp_activation``
+and ``dspark_cute.cutedsl.gating.o_gate``): they compile for sm_90a and sm_100a without a
 GPU, a PTX audit of what they compile to, and the host-side refusals.
 
 Compiled here (each for sm_90a and for sm_100a):
@@ -30,13 +30,13 @@ import re
 import pytest
 import torch
 from cute_testing import audit_forbidden, has_f32_constant
+from ptx_audit import code, count, ptxas_report, spill_bytes
 
 from dspark_core.contracts.constants import (
     MlpActivationConstants,
     OGateConstants,
 )
 from dspark_core.spec.layers import GatedMLP, HeadNorm
-from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
 
 ARCHS = ["sm_90a", "sm_100a"]
 # Per element of exp_rn: products x*log2e, n*hi, n*lo, 6 Horner, n*0.5, two
@@ -90,7 +90,7 @@ def audit_pdl(body: str, pdl: bool) -> None:
 def compile_audited(kernel, args, arch: str, pdl: bool) -> tuple[str, str]:
     """``kernel`` compiled for ``arch`` and put through the audits both
     kernels share (target, ``audit_common``, constants, PDL); (PTX, code)."""
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.runtime.host import compile_ptx
 
     ptx = compile_ptx(kernel, *args, arch=arch)
     body = code(ptx)
@@ -112,7 +112,7 @@ def check_ptxas(ptx: str, arch: str, tmp_path) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("i,pdl", MLP_VARIANTS)
 def test_mlp_activation_compiles(arch, i, pdl, tmp_path):
-    from dspark_cute.mlp_activation import MlpActivationKernel, fake_args
+    from dspark_cute.cutedsl.gating.mlp_activation import MlpActivationKernel, fake_args
 
     c = MlpActivationConstants(intermediate_size=i)
     ptx, body = compile_audited(MlpActivationKernel(c, pdl), fake_args(c), arch, pdl)
@@ -131,7 +131,7 @@ def test_mlp_activation_compiles(arch, i, pdl, tmp_path):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("heads,eps,pdl", OGATE_VARIANTS)
 def test_o_gate_compiles(arch, heads, eps, pdl, tmp_path):
-    from dspark_cute.o_gate import OGateKernel, fake_args
+    from dspark_cute.cutedsl.gating.o_gate import OGateKernel, fake_args
     from dspark_cute.ptx import f32_bits
 
     c = OGateConstants(num_heads=heads, eps=eps)
@@ -159,9 +159,9 @@ def test_o_gate_compiles(arch, heads, eps, pdl, tmp_path):
 def test_o_gate_eps_compiles_apart():
     """eps is a compile-time constant: two values, two variants, each with its
     own FP32 immediate."""
-    from dspark_cute.host import compile_ptx
-    from dspark_cute.o_gate import OGateKernel, fake_args
+    from dspark_cute.cutedsl.gating.o_gate import OGateKernel, fake_args
     from dspark_cute.ptx import f32_bits
+    from dspark_cute.runtime.host import compile_ptx
 
     a, b = OGateConstants(8, 1e-6), OGateConstants(8, 1e-5)
     assert a.key() != b.key() and a != b
@@ -175,7 +175,7 @@ def test_o_gate_eps_compiles_apart():
 
 
 def test_mlp_activation_refuses_bad_settings():
-    from dspark_cute.mlp_activation import MAX_VECTORS, MlpActivation
+    from dspark_cute.cutedsl.gating.mlp_activation import MAX_VECTORS, MlpActivation
 
     for bad in (0, 12, -8, 4):
         with pytest.raises(ValueError, match="multiple of 8"):
@@ -195,7 +195,7 @@ def test_mlp_activation_refuses_bad_settings():
 
 
 def test_mlp_activation_refuses_bad_operands():
-    from dspark_cute.mlp_activation import MlpActivation
+    from dspark_cute.cutedsl.gating.mlp_activation import MlpActivation
 
     i = 64
     act = MlpActivation(i, pdl=False)
@@ -220,7 +220,7 @@ def test_mlp_activation_refuses_bad_operands():
 
 
 def test_o_gate_refuses_bad_settings():
-    from dspark_cute.o_gate import OGate
+    from dspark_cute.cutedsl.gating.o_gate import OGate
 
     with pytest.raises(ValueError, match="heads of 64"):
         OGate(32, head_dim=128)
@@ -243,7 +243,7 @@ def test_o_gate_refuses_bad_settings():
 
 
 def test_o_gate_refuses_bad_operands():
-    from dspark_cute.o_gate import OGate
+    from dspark_cute.cutedsl.gating.o_gate import OGate
 
     heads, kv = 4, 1
     w = heads * 64

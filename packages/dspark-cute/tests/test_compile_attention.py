@@ -1,4 +1,4 @@
-"""CPU tests of the decode attention kernel (``dspark_cute.attention``): it
+"""CPU tests of the decode attention kernel (``dspark_cute.cutedsl.attention.paged``): it
 compiles for sm_90a and sm_100a without a GPU, a PTX audit of what it
 compiles to, and the host-side refusals.
 
@@ -19,7 +19,7 @@ the instruction counts of the spec's arithmetic (scores twice, one
 loaded before the PDL wait. Where ``ptxas`` is installed it must accept the
 PTX without spills (the register count is printed).
 
-The opt-in variant (``dspark_cute.attention_v2``: staged K/V, strided q,
+The opt-in variant (``dspark_cute.cutedsl.attention.staged``: staged K/V, strided q,
 the o-gate epilogue), compiled the same way for 7 settings (caps 0 to 768
 slots, with and without the o-gate): the same forbidden-instruction audit,
 its own instruction counts (one score and one pass-2 step per staged chunk
@@ -36,10 +36,10 @@ import re
 import pytest
 import torch
 from cute_testing import audit_forbidden, has_f32_constant
+from ptx_audit import code, count, ptxas_report, spill_bytes
 
 from dspark_core.contracts.constants import AttentionConstants
-from dspark_cute.attention import PREFETCH_GROUP
-from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
+from dspark_cute.cutedsl.attention.common import PREFETCH_GROUP
 
 ARCHS = ["sm_90a", "sm_100a"]
 # (heads, kv heads, block size, slot dtype, pdl)
@@ -108,8 +108,8 @@ def audit(body: str, slot: str, pdl: bool) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=_name)
 def test_attention_compiles(arch, variant, tmp_path):
-    from dspark_cute.attention import PagedAttentionKernel, fake_args
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.cutedsl.attention.direct import PagedAttentionKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     h, kv, bs, slot, pdl = variant
     c = AttentionConstants(num_heads=h, kv_heads=kv, head_dim=64, block_size=bs, slot_dtype=slot)
@@ -134,7 +134,8 @@ def test_constants_compare_by_value():
 
 
 def test_constructor_refuses():
-    from dspark_cute.attention import PagedAttention, PagedAttentionKernel
+    from dspark_cute.cutedsl.attention.direct import PagedAttentionKernel
+    from dspark_cute.cutedsl.attention.paged import PagedAttention
 
     with pytest.raises(ValueError, match="groups over 3 KV heads"):
         PagedAttention(64, 3)
@@ -155,7 +156,7 @@ def test_constructor_refuses():
 def test_operands_refused_without_a_gpu():
     """Every operand check runs before any launch; CPU tensors are refused
     with a sentence naming what was expected."""
-    from dspark_cute.attention import PagedAttention
+    from dspark_cute.cutedsl.attention.paged import PagedAttention
 
     attn = PagedAttention(64, 8, pdl=False)
     q = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
@@ -176,7 +177,7 @@ def test_operands_refused_without_a_gpu():
 def test_cache_slot_and_out_checks(monkeypatch):
     """The cache, slot and output checks, with the CUDA, device and
     alignment conditions waived (no GPU here): each refusal's sentence."""
-    from dspark_cute import attention as mod
+    from dspark_cute.cutedsl.attention import paged as mod
 
     original = mod._check
 
@@ -242,7 +243,7 @@ def audit_v2(body: str, slot: str, pdl: bool, staged: int, eps) -> None:
     chunks (unrolled) and the default's path past them: scores C + 2 (the
     staged ones, the path past the cap, its recompute), pass-2 steps C + 1;
     with the o-gate (``G``): the squares, the norm, two sigmoids."""
-    from dspark_cute.attention_v2 import COPY_GROUP
+    from dspark_cute.cutedsl.attention.staged import COPY_GROUP
 
     audit_forbidden(body, no_rcp=True, explicit_rounding=True)
     c, g = staged // 128, int(eps is not None)
@@ -294,8 +295,8 @@ def audit_v2(body: str, slot: str, pdl: bool, staged: int, eps) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", V2_VARIANTS, ids=_v2_name)
 def test_attention_v2_compiles(arch, variant, tmp_path):
-    from dspark_cute.attention_v2 import PagedAttentionV2Kernel, fake_args_v2, smem_layout
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.cutedsl.attention.staged import PagedAttentionV2Kernel, fake_args_v2, smem_layout
+    from dspark_cute.runtime.host import compile_ptx
 
     h, kv, bs, slot, pdl, staged, eps = variant
     c = AttentionConstants(h, kv, 64, bs, slot, staged_slots=staged, o_gate_eps=eps)
@@ -331,8 +332,9 @@ def test_v2_constants_keep_the_default_key():
 
 
 def test_v2_constructor_refuses():
-    from dspark_cute.attention import PagedAttention, PagedAttentionKernel
-    from dspark_cute.attention_v2 import PagedAttentionV2Kernel
+    from dspark_cute.cutedsl.attention.direct import PagedAttentionKernel
+    from dspark_cute.cutedsl.attention.paged import PagedAttention
+    from dspark_cute.cutedsl.attention.staged import PagedAttentionV2Kernel
 
     with pytest.raises(ValueError, match="multiple of 128 up to 768, not 200"):
         PagedAttention(64, 8, staged=True, max_staged_slots=200)
@@ -358,7 +360,7 @@ def test_v2_constructor_refuses():
 def test_v2_operand_checks(monkeypatch):
     """The strided q and the gate (CUDA, device and alignment waived, no GPU
     here): the QKV output's column slices are taken, other layouts refused."""
-    from dspark_cute import attention as mod
+    from dspark_cute.cutedsl.attention import paged as mod
 
     original = mod._check
 
@@ -406,16 +408,19 @@ def test_compile_dispatch(monkeypatch):
     """``compile_attention`` compiles the default kernel for the default
     constants and the variant's for an option on, keyed apart (the compile
     itself stubbed: no GPU here)."""
-    from dspark_cute import attention as mod
-    from dspark_cute import host
+    from dspark_cute.cutedsl.attention import direct
+    from dspark_cute.cutedsl.attention import paged as mod
+    from dspark_cute.cutedsl.attention import staged as staged_mod
+    from dspark_cute.runtime import host
 
     def fake_compile(obj, *args, what=None, options=None):
         return type(obj).__name__, len(args)
 
-    monkeypatch.setattr(mod, "_CACHE", host.CompileCache())
+    monkeypatch.setattr(direct, "_CACHE", host.CompileCache())
+    monkeypatch.setattr(staged_mod, "_CACHE", host.CompileCache())
     monkeypatch.setattr(host, "compile_kernel", fake_compile)
     default = AttentionConstants(64, 8, 64, 16)
     staged = AttentionConstants(64, 8, 64, 16, staged_slots=384, o_gate_eps=1e-6)
     assert mod.compile_attention(default, True) == ("PagedAttentionKernel", 8)
     assert mod.compile_attention(staged, True) == ("PagedAttentionV2Kernel", 11)
-    assert len(mod._CACHE) == 2
+    assert len(direct._CACHE) == len(staged_mod._CACHE) == 1

@@ -29,9 +29,9 @@ import pytest
 import torch
 from cute_testing import WORDS, audit_forbidden, has_f32_constant
 from cute_testing import norm_constants as norm
+from ptx_audit import code, count
 
 from dspark_core.contracts.constants import ContextNormConstants, ContextStoreConstants, NormConstants
-from dspark_cute.ptx_audit import code, count
 
 ARCHS = ["sm_90a", "sm_100a"]
 # (hidden kind, input-norm kind, layers, H, pdl): each kind once per side.
@@ -45,8 +45,8 @@ NORM_VARIANTS = [
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("hidden,pre,layers,h,pdl", NORM_VARIANTS)
 def test_context_norms_compile(arch, hidden, pre, layers, h, pdl):
-    from dspark_cute.context_norms import ContextNormsKernel, fake_args
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.cutedsl.norms.context_norms import ContextNormsKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     c = ContextNormConstants(hidden_size=h, num_layers=layers, hidden=norm(hidden), pre=norm(pre))
     body = code(compile_ptx(ContextNormsKernel(c, pdl), *fake_args(c), arch=arch))
@@ -85,8 +85,8 @@ STORE_VARIANTS = [
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kv,rope,table,pdl", STORE_VARIANTS)
 def test_context_store_compile(arch, kv, rope, table, pdl):
-    from dspark_cute.context_store import ContextStoreKernel, fake_args
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.cutedsl.context.store import ContextStoreKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     c = ContextStoreConstants(kv_heads=kv, k_eps=1e-6, rope=rope, table_dtype=table)
     body = code(compile_ptx(ContextStoreKernel(c, pdl), *fake_args(c), arch=arch))
@@ -118,8 +118,8 @@ def test_context_store_compile(arch, kv, rope, table, pdl):
 def test_signed_zero_center_compiles_apart():
     """A -0.0 gain center keeps a -0.0 weight where 0.0 does not: the two
     must be separate variants with their own constant."""
-    from dspark_cute.context_norms import ContextNormsKernel, fake_args
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.cutedsl.norms.context_norms import ContextNormsKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     plus = ContextNormConstants(2048, 2, NormConstants(1e-6, "bf16", 0.0, False), norm(0))
     minus = ContextNormConstants(2048, 2, NormConstants(1e-6, "bf16", -0.0, False), norm(0))
@@ -131,7 +131,7 @@ def test_signed_zero_center_compiles_apart():
 
 
 def test_norms_refuse_bad_constants_and_weights():
-    from dspark_cute.context_norms import ContextNorms
+    from dspark_cute.cutedsl.norms.context_norms import ContextNorms
 
     c = ContextNormConstants(8192, 2, norm(1), norm(5))
     with pytest.raises(ValueError, match="ContextNormConstants"):
@@ -147,7 +147,7 @@ def test_norms_refuse_bad_constants_and_weights():
 
 
 def test_store_refuses_bad_constants_and_operands():
-    from dspark_cute.context_store import ContextKvStore
+    from dspark_cute.cutedsl.context.store import ContextKvStore
 
     with pytest.raises(ValueError, match="power of two"):
         ContextKvStore(ContextStoreConstants(3, 1e-6, False, "bf16"))
@@ -172,7 +172,7 @@ def test_store_refuses_bad_constants_and_operands():
 def test_chain_refuses_what_does_not_fuse():
     from dspark_core.reference.config import small_config
     from dspark_core.reference.model import DraftModel
-    from dspark_cute.context import ContextChain, context_constants, store_context_kv
+    from dspark_cute.cutedsl.context.chain import ContextChain, context_constants, store_context_kv
 
     model = DraftModel(small_config())
     c = context_constants(model)
@@ -188,8 +188,8 @@ def test_chain_refuses_what_does_not_fuse():
 
 
 def test_compile_refused_during_capture(monkeypatch):
-    from dspark_cute.context_norms import compile_context_norms
-    from dspark_cute.context_store import compile_context_store
+    from dspark_cute.cutedsl.context.store import compile_context_store
+    from dspark_cute.cutedsl.norms.context_norms import compile_context_norms
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

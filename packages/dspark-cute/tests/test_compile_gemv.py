@@ -1,4 +1,4 @@
-"""CPU tests of the one-token GEMV (``dspark_cute.gemv``): compiles for sm_90a
+"""CPU tests of the one-token GEMV (``dspark_cute.cutedsl.gemm.gemv``): compiles for sm_90a
 and sm_100a without a GPU of the reference draft's four projections (and a
 small shape, other launch settings, with and without PDL), with a PTX audit:
 no ``fma`` (every product ``mul.rn.f32``, every sum ``add.rn.f32``), no
@@ -14,9 +14,9 @@ import re
 
 import pytest
 import torch
+from ptx_audit import code, count, ptxas_report, spill_bytes
 
 from dspark_core.contracts.constants import GemvConstants, gemv_constants
-from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
 
 ARCHS = ["sm_90a", "sm_100a"]
 SHAPES = {"qkv_proj": (9216, 8192), "o_proj": (8192, 4096), "gate_up": (32768, 8192), "down": (8192, 16384),
@@ -26,8 +26,8 @@ X_LOAD = r"\bld\.global\.v4\.b32\b"
 
 
 def _ptx(constants, pdl, arch, rows=2, depth=4):
-    from dspark_cute.gemv import GemvKernel, fake_args
-    from dspark_cute.host import compile_ptx
+    from dspark_cute.cutedsl.gemm.gemv import GemvKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     return compile_ptx(GemvKernel(constants, pdl, rows, depth), *fake_args(), arch=arch)
 
@@ -77,7 +77,7 @@ def test_gemv_settings_and_the_plain_launch_compile(rows, depth):
 
 
 def test_gemv_refuses_what_it_does_not_cover():
-    from dspark_cute.gemv import Gemv, GemvKernel, check_settings
+    from dspark_cute.cutedsl.gemm.gemv import Gemv, GemvKernel, check_settings
 
     good = GemvConstants("o_proj", 64, 256)
     for bad, words in [(GemvConstants("o_proj", 8, 256), "multiple of 16"),

@@ -1,4 +1,4 @@
-"""CPU tests of the QKV epilogue (``dspark_cute.qkv_epilogue``):
+"""CPU tests of the QKV epilogue (``dspark_cute.cutedsl.qkv.epilogue``):
 
 - compiles for sm_90a and sm_100a (several constants: q-norm weight or not,
   RoPE with a BF16 or FP32 table or none, head counts not a multiple of the
@@ -24,9 +24,9 @@ import re
 import pytest
 import torch
 from cute_testing import audit_forbidden
+from ptx_audit import code, count, ptxas_report, spill_bytes
 
 from dspark_core.contracts.constants import QKVFrontConstants
-from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
 
 ARCHS = ["sm_90a", "sm_100a"]
 
@@ -52,8 +52,8 @@ def _name(v) -> str:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=_name)
 def test_qkv_epilogue_compiles(arch, variant, tmp_path):
-    from dspark_cute.host import compile_ptx
-    from dspark_cute.qkv_epilogue import GROUP_HEADS, WARPS, QKVEpilogueKernel, fake_args
+    from dspark_cute.cutedsl.qkv.epilogue import GROUP_HEADS, WARPS, QKVEpilogueKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     c, pdl = variant
     ptx = compile_ptx(QKVEpilogueKernel(c, pdl), *fake_args(c), arch=arch)
@@ -94,8 +94,8 @@ def test_qkv_epilogue_compiles(arch, variant, tmp_path):
 
 def test_one_compile_per_constants(monkeypatch):
     """Equal constants share one compile (the load needs a GPU: stubbed)."""
-    from dspark_cute import host
-    from dspark_cute import qkv_epilogue as qe
+    from dspark_cute.cutedsl.qkv import epilogue as qe
+    from dspark_cute.runtime import host
 
     built = []
     monkeypatch.setattr(qe, "_CACHE", host.CompileCache())
@@ -111,7 +111,7 @@ def test_one_compile_per_constants(monkeypatch):
 
 
 def test_constructor_refuses():
-    from dspark_cute.qkv_epilogue import QKVEpilogue
+    from dspark_cute.cutedsl.qkv.epilogue import QKVEpilogue
 
     with pytest.raises(ValueError, match="QKVFrontConstants"):
         QKVEpilogue(REF.hidden_size)
@@ -134,7 +134,7 @@ def test_constructor_refuses():
 
 
 def test_call_refuses_cpu_operands():
-    from dspark_cute.qkv_epilogue import QKVEpilogue
+    from dspark_cute.cutedsl.qkv.epilogue import QKVEpilogue
 
     c = QKVFrontConstants(4096, 4, 2, False, 1e-6, 1e-6, False, "bf16")
     epi = QKVEpilogue(c, pdl=False)  # no operand on a device yet: nothing to check

@@ -1,5 +1,5 @@
-"""CPU tests of the QKV front (``dspark_cute.qkv_front``) and its skinny GEMM
-main loop (``dspark_cute.skinny_gemm``):
+"""CPU tests of the QKV front (``dspark_cute.cutedsl.qkv.front``) and its skinny GEMM
+main loop (``dspark_cute.cutedsl.gemm.skinny.config``):
 
 - the main loop's index maps, emulated: every thread's 16-byte copies,
   fragments, MMAs (the PTX ISA's m16n8k16 fragment layouts, written out here
@@ -27,10 +27,11 @@ import re
 import numpy as np
 import pytest
 import torch
+from ptx_audit import count
+from skinny_emulation import emulated_lane_words, mma_emulated
 
 from dspark_core.contracts.constants import QKVFrontConstants
-from dspark_cute import skinny_gemm as sg
-from dspark_cute.ptx_audit import count
+from dspark_cute.cutedsl.gemm.skinny import config as sg
 
 ARCHS = ["sm_90a", "sm_100a"]
 
@@ -46,13 +47,13 @@ def emulate_tile(cfg: sg.SkinnyConfig, w: np.ndarray, x: np.ndarray, m: int) -> 
     for warp in range(cfg.k_warps):
         acc = {(i, nt): np.zeros((32, 4)) for i in range(sg.MMA_TILES) for nt in range(cfg.n_tiles)}
         for s in range(cfg.steps):
-            lane_words = sg.emulated_lane_words(cfg, w, x, m, warp, s, copies=copies)
+            lane_words = emulated_lane_words(cfg, w, x, m, warp, s, copies=copies)
             for half in range(2):
                 for i in range(sg.MMA_TILES):
                     for nt in range(cfg.n_tiles):
                         a = [sg.a_fragment(lw, i, half) for lw in lane_words]
                         b = [sg.b_fragment(lw, nt, half) for lw in lane_words]
-                        acc[i, nt] += sg.mma_emulated(a, b)
+                        acc[i, nt] += mma_emulated(a, b)
         for lane in range(32):
             for (i, nt), v in acc.items():
                 for reg in range(4):
@@ -179,8 +180,8 @@ def audit(body: str, c: QKVFrontConstants, cfg: sg.SkinnyConfig, raw: bool, pdl:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=_name)
 def test_qkv_front_compiles(arch, variant):
-    from dspark_cute.host import compile_ptx
-    from dspark_cute.qkv_front import QKVFrontKernel, fake_args
+    from dspark_cute.cutedsl.qkv.front import QKVFrontKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     c, kw, st, nt, raw, pdl = variant
     cfg = sg.SkinnyConfig(c.hidden_size, kw, st, nt)
@@ -200,8 +201,8 @@ def test_qkv_front_compiles(arch, variant):
 def test_qkv_front_row_copies_compile(arch, n_tiles):
     """Row copies (``SkinnyConfig.copy`` "rows"): the same audit (MMAs,
     epilogue, 16-byte copies), plus the warp's two meetings a pair of steps."""
-    from dspark_cute.host import compile_ptx
-    from dspark_cute.qkv_front import QKVFrontKernel, fake_args
+    from dspark_cute.cutedsl.qkv.front import QKVFrontKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     cfg = sg.SkinnyConfig(REF.hidden_size, 4, 4, n_tiles, copy="rows")
     ptx = compile_ptx(QKVFrontKernel(REF, cfg, False, True), *fake_args(REF), arch=arch)
@@ -217,7 +218,7 @@ def test_qkv_front_row_copies_compile(arch, n_tiles):
 def test_front_refuses_the_package_gemm_loop_options(extra):
     """Refill bursts and rotated K-slices are the package GEMM's; the front's
     kernel (ring main loop, head epilogue) refuses them rather than ignore them."""
-    from dspark_cute.qkv_front import QKVFrontKernel
+    from dspark_cute.cutedsl.qkv.front import QKVFrontKernel
 
     cfg = sg.SkinnyConfig(REF.hidden_size, 8, 2, 2, **extra)
     with pytest.raises(ValueError, match="the package GEMM's"):
@@ -225,7 +226,7 @@ def test_front_refuses_the_package_gemm_loop_options(extra):
 
 
 def test_host_refuses_bad_operands():
-    from dspark_cute.qkv_front import QKVFront
+    from dspark_cute.cutedsl.qkv.front import QKVFront
 
     w = torch.zeros((REF.num_heads * 2 + REF.kv_heads * 2) * 64, REF.hidden_size, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="contiguous CUDA"):

@@ -1,4 +1,4 @@
-"""CPU tests of the L2 weight prefetch (``dspark_cute.weight_prefetch``): it
+"""CPU tests of the L2 weight prefetch (``dspark_cute.cutedsl.prefetch``): it
 compiles for sm_90a and sm_100a without a GPU, a PTX audit (it only
 prefetches: no global load or store, no shared memory, no barrier, no
 spills), and the host-side refusals.
@@ -17,8 +17,7 @@ import re
 
 import pytest
 import torch
-
-from dspark_cute.ptx_audit import code, count, ptxas_report, spill_bytes
+from ptx_audit import code, count, ptxas_report, spill_bytes
 
 ARCHS = ["sm_90a", "sm_100a"]
 
@@ -27,8 +26,8 @@ ARCHS = ["sm_90a", "sm_100a"]
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("ctas,threads", [(32, 256), (8, 128), (132, 512)])
 def test_weight_prefetch_compiles_and_only_prefetches(arch, ctas, threads, tmp_path):
-    from dspark_cute.host import compile_ptx
-    from dspark_cute.weight_prefetch import WeightPrefetchKernel, fake_args
+    from dspark_cute.cutedsl.prefetch import WeightPrefetchKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     ptx = compile_ptx(WeightPrefetchKernel(ctas, threads), *fake_args(), arch=arch)
     body = code(ptx)
@@ -53,8 +52,8 @@ def test_inline_prefetch_triggers_first_and_waits_last(arch):
     next kernel may start while this one issues), ``wait`` after the last
     one (this grid completes only after its primary), each exactly once, and
     otherwise the same body as the side-stream variant."""
-    from dspark_cute.host import compile_ptx
-    from dspark_cute.weight_prefetch import WeightPrefetchKernel, fake_args
+    from dspark_cute.cutedsl.prefetch import WeightPrefetchKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
 
     body = code(compile_ptx(WeightPrefetchKernel(pdl=True), *fake_args(), arch=arch))
     assert count(body, r"\bgriddepcontrol\.launch_dependents\b") == 1
@@ -68,7 +67,7 @@ def test_inline_prefetch_triggers_first_and_waits_last(arch):
 
 
 def test_prefetch_lines_clamps_to_the_row_and_refuses_bad_operands():
-    from dspark_cute.weight_prefetch import LINE, prefetch_lines
+    from dspark_cute.cutedsl.prefetch import LINE, prefetch_lines
 
     w = torch.empty(4, 100, dtype=torch.bfloat16)  # 200-byte rows, on the CPU
     with pytest.raises(ValueError, match="multiple of 128"):
@@ -88,7 +87,7 @@ def test_prefetch_lines_clamps_to_the_row_and_refuses_bad_operands():
 def test_prefetch_lines_counts_whole_lines_within_the_row(monkeypatch):
     """On a (meta) weight that claims to be on CUDA: the lines a row gets are
     the requested bytes clamped to the row, rounded down to whole lines."""
-    from dspark_cute import weight_prefetch as wp
+    from dspark_cute.cutedsl import prefetch as wp
 
     class Cuda(torch.Tensor):
         @property
@@ -106,7 +105,7 @@ def test_prefetch_lines_counts_whole_lines_within_the_row(monkeypatch):
 
 
 def test_the_prefetcher_checks_its_roles_and_sizes():
-    from dspark_cute.weight_prefetch import WeightPrefetch, WeightPrefetcher
+    from dspark_cute.cutedsl.prefetch import WeightPrefetch, WeightPrefetcher
 
     with pytest.raises(ValueError, match="prefetch roles"):
         WeightPrefetcher({"embed": 256}, "cpu")

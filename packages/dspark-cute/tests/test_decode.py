@@ -323,7 +323,7 @@ def test_the_attention_kernel_is_bound_from_the_plans_constants(monkeypatch, var
     plan = plan_draft(model, ALL.replace(attention=variant))
     decode = DraftDecode(model, plan)
     assert decode.attention_variant == variant
-    from dspark_cute.attention import check_constants
+    from dspark_cute.cutedsl.attention.common import check_constants
 
     check_constants(plan.attentions[0].constants)  # the kernel takes the plan's constants
     built = {}
@@ -580,7 +580,7 @@ def test_the_prefetch_is_opt_in_and_checked():
     model = DraftModel(small_config(num_layers=1))
     plan = plan_draft(model, ALL)
     assert DraftDecode(model, plan).prefetcher is None
-    from dspark_cute.weight_prefetch import WeightPrefetcher
+    from dspark_cute.cutedsl.prefetch import WeightPrefetcher
 
     decode = DraftDecode(model, plan, prefetch=decode_module.DEFAULT_PREFETCH)
     assert isinstance(decode.prefetcher, WeightPrefetcher)

@@ -1,9 +1,9 @@
-"""GPU tests of ``dspark_cute.mlp_activation.MlpActivation`` and
-``dspark_cute.o_gate.OGate``: bit for bit the stock ``GatedMLP.activation``
+"""GPU tests of ``dspark_cute.cutedsl.gating.mlp_activation.MlpActivation`` and
+``dspark_cute.cutedsl.gating.o_gate.OGate``: bit for bit the stock ``GatedMLP.activation``
 and ``o_gate`` (``dspark_core.spec.layers``, run on the same CUDA device; compared
 with ``dspark_core.tools.compare.assert_bitwise``: any NaN equals any NaN).
 
-- ``dspark_cute.ptx_math`` alone, FP32 in and out (a probe kernel): its
+- ``dspark_cute.ptx.math`` alone, FP32 in and out (a probe kernel): its
   ``exp_rn``, ``sigmoid_rn`` and ``silu_rn`` against the spec's on 2^24
   random FP32 bit patterns, 2^24 values spread over the exponential's range
   (its subnormal results included) and every BF16 pattern: the FP32 bits,
@@ -39,8 +39,8 @@ from dspark_core.spec import numerics
 from dspark_core.spec.layers import GatedMLP, HeadNorm, o_gate
 from dspark_core.tools.compare import assert_bitwise
 from dspark_cute import ptx
-from dspark_cute.host import compile_kernel, current_stream, fake_ptr, fake_stream, ptr
 from dspark_cute.ptx import math as ptx_math
+from dspark_cute.runtime.host import compile_kernel, current_stream, fake_ptr, fake_stream, ptr
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -74,7 +74,7 @@ _PROBE_OPS = {"exp": ptx_math.exp_rn, "sigmoid": ptx_math.sigmoid_rn, "silu": pt
 
 class MathProbe:
     """A test kernel: ``y = op(x)`` over FP32 ``[n]`` (n a multiple of 512),
-    4 values per thread, ``op`` one of ``dspark_cute.ptx_math``'s
+    4 values per thread, ``op`` one of ``dspark_cute.ptx.math``'s
     ``exp_rn``, ``sigmoid_rn``, ``silu_rn``. Call: ``(x, y, n, stream)``."""
 
     def __init__(self, op: str) -> None:
@@ -127,7 +127,7 @@ def test_ptx_math_fp32_bits(op, seed):
 
 
 def _act(i: int, **options):
-    from dspark_cute.mlp_activation import MlpActivation
+    from dspark_cute.cutedsl.gating.mlp_activation import MlpActivation
 
     act = MlpActivation(i, **options)
     act.prepare()
@@ -258,7 +258,7 @@ def test_activation_refuses_bad_operands(seed):
 
 
 def _og(heads: int, eps: float = 1e-6, **options):
-    from dspark_cute.o_gate import OGate
+    from dspark_cute.cutedsl.gating.o_gate import OGate
 
     og = OGate(heads, eps=eps, **options)
     og.prepare()
@@ -429,7 +429,7 @@ def test_o_gate_cuda_graph(seed):
 
 
 def test_activation_compile_refused_during_capture(seed):
-    from dspark_cute.mlp_activation import MlpActivation
+    from dspark_cute.cutedsl.gating.mlp_activation import MlpActivation
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     act = MlpActivation(40)  # constants no other test compiles
@@ -442,7 +442,7 @@ def test_activation_compile_refused_during_capture(seed):
 
 
 def test_o_gate_compile_refused_during_capture(seed):
-    from dspark_cute.o_gate import OGate
+    from dspark_cute.cutedsl.gating.o_gate import OGate
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     og = OGate(3, eps=3e-4)  # constants no other test compiles

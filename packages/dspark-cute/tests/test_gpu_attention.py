@@ -1,4 +1,4 @@
-"""GPU tests of ``dspark_cute.attention.PagedAttention``: bit for bit
+"""GPU tests of ``dspark_cute.cutedsl.attention.paged.PagedAttention``: bit for bit
 ``dspark_core.spec.attention.paged_attention`` run on the same CUDA tensors
 (``dspark_core.tools.compare.assert_bitwise``: NaN equals NaN, every other bit
 pattern exact), for m in {1, 2, 7, 16, 33} and S in {1, 2, 127, 128, 129,
@@ -14,7 +14,7 @@ the out-of-range slot ValueError (and, inside a capture, such a slot
 masked). Fresh seeded random data: the seed is printed (repeat with
 DSPARK_SEED).
 
-The opt-in variant (``dspark_cute.attention_v2``; passed on an H200 with
+The opt-in variant (``dspark_cute.cutedsl.attention.staged``; passed on an H200 with
 the rest of the GPU suite): every case above also runs, against the same spec
 output, ``PagedAttention(..., staged=True)`` (K and V staged in shared
 memory, cap 384 slots: S = 1000 and 4100 run the default's path past it),
@@ -65,7 +65,7 @@ _KERNELS: dict = {}
 def kernel(heads: int, kv: int, slot_dtype=torch.int64, pdl=None, block_size: int = BS, **options):
     """One prepared ``PagedAttention`` per setting (compiled once);
     ``options``: the opt-in variant's (``VARIANTS``)."""
-    from dspark_cute.attention import PagedAttention
+    from dspark_cute.cutedsl.attention.paged import PagedAttention
 
     key = (heads, kv, slot_dtype, pdl, block_size, tuple(sorted(options.items())))
     if key not in _KERNELS:
@@ -360,7 +360,7 @@ def test_o_gate_every_gate_pattern(seed):
 
 
 def test_compile_refused_during_capture(seed):
-    from dspark_cute.attention import PagedAttention
+    from dspark_cute.cutedsl.attention.paged import PagedAttention
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     k = PagedAttention(24, 3, block_size=8)  # constants no other test compiles

@@ -66,7 +66,7 @@ def context_rows(gen: torch.Generator, t: int, h: int) -> torch.Tensor:
 
 def check_norms(hidden_case, pre_case, layers: int, rows: list, h: int, gen, special_weight=False,
                 pdl=None, specials_only=False) -> None:
-    from dspark_cute.context_norms import ContextNorms
+    from dspark_cute.cutedsl.norms.context_norms import ContextNorms
 
     hidden = make_norm(hidden_case, h, gen, special_weight)
     pres = [make_norm(pre_case, h, gen, special_weight) for _ in range(layers)]
@@ -216,7 +216,7 @@ def _store_name(case) -> str:
 
 
 def make_store(case, max_position: int = 4096, pdl=None):
-    from dspark_cute.context_store import ContextKvStore
+    from dspark_cute.cutedsl.context.store import ContextKvStore
 
     kv_heads, layers, table, eps = case
     rotary = Rotary(D, max_position, table_dtype=table).cuda() if table is not None else None
@@ -340,7 +340,7 @@ def compare_chain(model, run_fused, states, positions, slots, num_blocks, what: 
 
 @pytest.mark.parametrize("name", list(CHAINS))
 def test_chain_matches_precompute(name, seed):
-    from dspark_cute.context import ContextChain, store_context_kv
+    from dspark_cute.cutedsl.context.chain import ContextChain, store_context_kv
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     model = chain_model(name, seed)
@@ -354,7 +354,7 @@ def test_chain_matches_precompute(name, seed):
 
 
 def test_chain_refresh(seed):
-    from dspark_cute.context import ContextChain
+    from dspark_cute.cutedsl.context.chain import ContextChain
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     model = chain_model("small", seed)
@@ -369,7 +369,7 @@ def test_chain_refresh(seed):
 
 
 def test_chain_cuda_graph(seed):
-    from dspark_cute.context import ContextChain
+    from dspark_cute.cutedsl.context.chain import ContextChain
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     model = chain_model("small", seed)
@@ -404,7 +404,7 @@ def test_chain_cuda_graph(seed):
 
 
 def test_refuses_bad_operands(seed):
-    from dspark_cute.context_norms import ContextNorms
+    from dspark_cute.cutedsl.norms.context_norms import ContextNorms
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     store, _ = make_store((8, 2, BF16, 1e-6))
@@ -442,7 +442,7 @@ def test_refuses_bad_operands(seed):
 
 def test_compile_refused_during_capture(seed):
     """Last: a refused capture. Constants no other test compiles."""
-    from dspark_cute.context_store import ContextKvStore
+    from dspark_cute.cutedsl.context.store import ContextKvStore
 
     store = ContextKvStore(ContextStoreConstants(4, 2.5e-4, False, "bf16"))
     gen = torch.Generator(device="cuda").manual_seed(seed)

@@ -145,7 +145,7 @@ def test_the_weight_prefetch_kernel_stays_inside_odd_weights(pdl):
     a row-slice view, one row, and more rows than the grid has threads, each
     at the end of an allocation: no fault, and no byte of the weights
     changes."""
-    from dspark_cute.weight_prefetch import WeightPrefetch
+    from dspark_cute.cutedsl.prefetch import WeightPrefetch
 
     prefetch = WeightPrefetch(pdl=pdl)
     prefetch.prepare()
@@ -250,8 +250,8 @@ def test_greedy_tokens_with_every_fused_part_follow_stock(model, options):
 def _gemv_stock(monkeypatch):
     """The stock forward with every one-row projection computed by the
     GEMV's spec (``dspark_core.spec.gemv.gemv``) instead of cuBLAS."""
-    from dspark_core.spec import gemv as spec
     from dspark_core.reference import model as model_module
+    from dspark_core.spec import gemv as spec
     from dspark_core.spec import layers
 
     stock = layers.linear

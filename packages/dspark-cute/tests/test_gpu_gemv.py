@@ -1,4 +1,4 @@
-"""GPU tests of the one-token GEMV (``dspark_cute.gemv.Gemv``): bit for bit
+"""GPU tests of the one-token GEMV (``dspark_cute.cutedsl.gemm.gemv.Gemv``): bit for bit
 ``dspark_core.spec.gemv.gemv`` (the spec, run on the same device, and on the CPU
 for a small shape: its device-independent bits), compared with
 ``dspark_core.tools.compare.assert_bitwise`` (any NaN equals any NaN):
@@ -29,7 +29,7 @@ from cute_testing import check_poisoned, requires_cuda
 from dspark_core.contracts.constants import GemvConstants
 from dspark_core.spec import gemv as G
 from dspark_core.tools.compare import assert_bitwise
-from dspark_cute.gemv import Gemv
+from dspark_cute.cutedsl.gemm.gemv import Gemv
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

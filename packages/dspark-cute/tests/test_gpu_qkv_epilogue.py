@@ -1,4 +1,4 @@
-"""GPU tests of ``dspark_cute.qkv_epilogue.QKVEpilogue`` against the stock
+"""GPU tests of ``dspark_cute.cutedsl.qkv.epilogue.QKVEpilogue`` against the stock
 ``DraftAttention.front`` (``dspark_core``). Passed on an H200 with the rest
 of the GPU suite.
 
@@ -56,7 +56,7 @@ class Setup:
     """A stock attention on CUDA with random weights and its epilogue."""
 
     def __init__(self, case: str, gen: torch.Generator, pdl=None):
-        from dspark_cute.qkv_epilogue import QKVEpilogue
+        from dspark_cute.cutedsl.qkv.epilogue import QKVEpilogue
 
         cfg = DraftConfig(**CASES[case])
         attn, self.table = stock_attention(cfg, gen)
@@ -238,7 +238,7 @@ def test_capture_skips_out_of_range(seed):
 
 
 def test_compile_refused_during_capture(seed):
-    from dspark_cute.qkv_epilogue import QKVEpilogue
+    from dspark_cute.cutedsl.qkv.epilogue import QKVEpilogue
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     s = Setup("norope", gen)

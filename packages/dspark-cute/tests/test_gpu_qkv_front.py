@@ -6,7 +6,7 @@
     projection (``QKVFront.project``, the raw variant: the same main loop
     without the epilogue); so the v and o-gate rows equal the projection;
 (b) the projection against a float64 ``x @ W^T`` within the bound stated in
-    ``dspark_cute.skinny_gemm`` (``output_error_bound``), cuBLAS against
+    ``dspark_cute.cutedsl.gemm.skinny.config`` (``output_error_bound``), cuBLAS against
     float64 within the same bound, and the two against each other within the
     sum of both;
 
@@ -35,7 +35,7 @@ from dspark_core.contracts.constants import qkv_front_constants
 from dspark_core.reference.config import DraftConfig
 from dspark_core.spec.layers import kv_insert, linear
 from dspark_core.tools.compare import assert_bitwise
-from dspark_cute import skinny_gemm as sg
+from dspark_cute.cutedsl.gemm.skinny import config as sg
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -55,7 +55,7 @@ class Setup:
     """A stock attention on CUDA with random weights and its fused front."""
 
     def __init__(self, case: str, gen: torch.Generator, **front_options):
-        from dspark_cute.qkv_front import QKVFront
+        from dspark_cute.cutedsl.qkv.front import QKVFront
 
         cfg = DraftConfig(**CASES[case])
         attn, self.table = stock_attention(cfg, gen)
@@ -258,7 +258,7 @@ def test_positions_beyond_the_table_are_clamped(ref_setup, seed):
 
 
 def test_compile_refused_during_capture(seed):
-    from dspark_cute.qkv_front import QKVFront
+    from dspark_cute.cutedsl.qkv.front import QKVFront
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     s = Setup("norope", gen)

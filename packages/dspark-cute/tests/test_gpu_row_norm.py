@@ -114,7 +114,7 @@ def test_cuda_graph(seed):
 
 
 def test_compile_refused_during_capture(seed):
-    from dspark_cute.row_norm import RowNorm
+    from dspark_cute.cutedsl.norms.row_norm import RowNorm
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     norm = make_norm((BF16, 0.5, False, 3e-4), H, gen, out_dtype=BF16)  # constants no other test compiles

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_cute import skinny_gemm as sg
-from dspark_cute import skinny_rows as sr
+from dspark_cute.cutedsl.gemm.skinny import config as sg
+from dspark_cute.cutedsl.gemm.skinny import rows as sr
 
 
 def _phases_conflict_free(offsets: list[int]) -> bool:

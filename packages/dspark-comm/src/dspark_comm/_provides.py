@@ -24,4 +24,7 @@ on the package GEMM where the all-reduce fuses. The package GEMM sums in its
 own order (within its bound, not cuBLAS's bits), so a decode that must be bit
 for bit the stock TP forward excludes it (``exclude={"package_gemm"}``)."""
 
-KERNELS: tuple[str, ...] = ("all_reduce_boundary", "package_gemm")
+KERNELS: dict[str, str] = {
+    "all_reduce_boundary": "dspark_comm.cutedsl.all_reduce_boundary:AllReduceBoundary",
+    "package_gemm": "dspark_comm.cutedsl.package_gemm:PackageGemm",
+}

@@ -38,7 +38,7 @@ MARGIN = 0.1  # the stock top-two logit gap below which a flipped token is a nea
 
 def _worker(rank: int, world: int, init_file: str, config_json: str, steps: int, block: int, context: int,
             front: bool) -> None:
-    from dspark_comm.ranks import finish_rank, init_rank
+    from dspark_comm.runtime.ranks import finish_rank, init_rank
 
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR,
                         format=f"[rank {rank}] %(name)s: %(message)s")
@@ -126,7 +126,7 @@ def _step_time(tp, fn, ctx, span: int, block: int, start: int) -> float:
 def run_tp2_demo(config, steps: int, block: int, context: int, front: bool = False, timeout_s: float = 600.0) -> int:
     """Spawn the two ranks of the demo (module docstring); 0 where both ended
     cleanly, else 1 with the reason printed. ValueError for bad arguments."""
-    from dspark_comm.ranks import spawn_ranks
+    from dspark_comm.runtime.ranks import spawn_ranks
     from dspark_core.reference.tp import check_tp
 
     check_tp(config, WORLD)

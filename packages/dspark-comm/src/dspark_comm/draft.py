@@ -77,7 +77,7 @@ class DraftAllReduce:
         if mailbox.layout.hidden_size != h:
             raise ValueError(f"a draft of {h} features on a mailbox of {mailbox.layout.hidden_size}")
         if boundary is None:
-            from dspark_comm.boundary import AllReduceBoundary as boundary
+            from dspark_comm.cutedsl.all_reduce_boundary import AllReduceBoundary as boundary
         self.tp, self.rank = tp, rank
         self.mailbox, self.plan, self.model = mailbox, plan, model
         self.sum_order = part.constants.sum_order
@@ -93,7 +93,7 @@ class DraftAllReduce:
         self.weights = [w for layer in model.layers for w in (layer.self_attn.o_proj, layer.mlp.down)]
         if package_gemm and plan.package_gemms:
             if gemm is None:
-                from dspark_comm.package_gemm import PackageGemm as gemm
+                from dspark_comm.cutedsl.package_gemm import PackageGemm as gemm
             extra = {"one_row_gemv": True} if one_row_gemv else {}
             for index, (p, weight) in enumerate(zip(plan.package_gemms, self.weights)):
                 if p.fused:

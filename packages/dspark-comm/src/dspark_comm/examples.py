@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from cutlass import Int64
 
-from dspark_comm.allreduce import Epilogue, RowContext
+from dspark_comm.cutedsl.allreduce import Epilogue, RowContext
 from dspark_cute import ptx
 
 

@@ -47,8 +47,8 @@ class TPDraftRank:
     """One rank's shard, group and mailbox (module docstring)."""
 
     def __init__(self, rank: int, world: int, config=None, capacity: int = 16, timeout_s: float = 5.0) -> None:
-        from dspark_comm.group import TorchGroup
-        from dspark_comm.mailbox import Mailbox
+        from dspark_comm.runtime.group import TorchGroup
+        from dspark_comm.runtime.mailbox import Mailbox
         from dspark_core.reference.config import DraftConfig
         from dspark_core.reference.model import DraftModel
         from dspark_core.reference.tp import shard_draft

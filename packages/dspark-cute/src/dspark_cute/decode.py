@@ -80,7 +80,7 @@ def _log_once(level: int, message: str) -> None:
 
 def provided_kernels() -> frozenset[str]:
     """The kernels of this package that are implemented (``_provides``)."""
-    from ._provides import KERNELS
+    from dspark_cute._provides import KERNELS
 
     return frozenset(KERNELS)
 
@@ -115,7 +115,7 @@ class DraftDecode:
         # Bytes a row per weight role, or None: no prefetch (WeightPrefetcher checks them).
         self.prefetcher = None
         if prefetch:
-            from .weight_prefetch import WeightPrefetcher
+            from dspark_cute.cutedsl.prefetch import WeightPrefetcher
 
             self.prefetcher = WeightPrefetcher(prefetch, next(model.parameters()).device, mode=prefetch_mode)
         if plan.draft_reason is not None:
@@ -155,8 +155,8 @@ class DraftDecode:
         are the stream as they are), storing the new stream except the last,
         both gate timings; each layer's QKV front, attention, o-gate and MLP
         activation; the context chain."""
-        from .boundary import DraftBoundary
-        from .row_norm import RowNorm
+        from dspark_cute.cutedsl.norms.boundary import DraftBoundary
+        from dspark_cute.cutedsl.norms.row_norm import RowNorm
 
         plan = self.plan
         if plan.input_norm is not None and plan.input_norm.fused:
@@ -206,11 +206,11 @@ class DraftDecode:
         front, epilogue, attention, gate, activation = (p[index] if index < len(p) else None for p in parts)
         table = attn.rotary.cos_sin.to(attn.qkv_proj.device) if attn.rotary is not None else None
         kernels = []
-        cls = self._kernel_class(front, "qkv_front", "QKVFront")
+        cls = self._kernel_class(front, "cutedsl.qkv.front", "QKVFront")
         kernels.append(cls and cls(front.constants, attn.qkv_proj, attn.q_norm.weight, table))
-        cls = self._kernel_class(epilogue, "qkv_epilogue", "QKVEpilogue")
+        cls = self._kernel_class(epilogue, "cutedsl.qkv.epilogue", "QKVEpilogue")
         kernels.append(cls and cls(epilogue.constants, attn.q_norm.weight, table))
-        cls = self._kernel_class(attention, "attention", "PagedAttention")
+        cls = self._kernel_class(attention, "cutedsl.attention.paged", "PagedAttention")
         if cls is not None:
             # The plan's constants: the staged variant's say how many slots it
             # stages and whether it takes the o-gate into its epilogue.
@@ -221,9 +221,9 @@ class DraftDecode:
                                o_gate_eps=c.o_gate_eps))
         else:
             kernels.append(None)
-        cls = self._kernel_class(gate, "o_gate", "OGate")
+        cls = self._kernel_class(gate, "cutedsl.gating.o_gate", "OGate")
         kernels.append(cls and cls(gate.constants.num_heads, eps=gate.constants.eps))
-        cls = self._kernel_class(activation, "mlp_activation", "MlpActivation")
+        cls = self._kernel_class(activation, "cutedsl.gating.mlp_activation", "MlpActivation")
         kernels.append(cls and cls(activation.constants))
         for kernel in kernels:
             if kernel is not None:
@@ -238,7 +238,7 @@ class DraftDecode:
         roles = list(GEMV_ROLES)
         for n, part in enumerate(self.plan.gemvs):  # per layer, in GEMV_ROLES order
             layer, role = divmod(n, len(roles))[0], roles[n % len(roles)]
-            cls = self._kernel_class(part, "gemv", "Gemv")
+            cls = self._kernel_class(part, "cutedsl.gemm.gemv", "Gemv")
             if cls is not None:
                 gemvs[(layer, role)] = cls(part.constants, gemv_weight(self.layers[layer], role))
                 gemvs[(layer, role)].prepare()
@@ -256,7 +256,7 @@ class DraftDecode:
         return linear(x, weight)
 
     def _bind_context(self, part):
-        cls = self._kernel_class(part, "context", "ContextChain")
+        cls = self._kernel_class(part, "cutedsl.context.chain", "ContextChain")
         if cls is None:
             return None
         chain = cls(self.model)

@@ -1,0 +1,210 @@
+"""The draft's residual boundary as an epilogue of the mailbox all-reduce:
+the branch's all-reduce and ``dspark_core.spec.layers.residual_boundary`` in one
+kernel, bit for bit the stock all-reduce followed by the stock boundary.
+
+The all-reduce kernel's CTA for a row holds the whole summed row in the
+reference layout of the row tree (thread ``t``: fragments ``t * 8 + k *
+2048``), so the boundary runs on it exactly as ``dspark_cute``'s
+``DraftBoundary`` runs on a loaded branch, with its building blocks
+(``rms_norm_fragments``, ``gate_words``, ``gated_residual``):
+
+1. ``p = post(branch)``, ``branch`` the all-reduce's BF16 output (the sum of
+   the mailbox's sum order, rounded to BF16), the post-norm's row sum in
+   shared-memory words 0-7; ``p`` rounded to BF16;
+2. ``new = alpha * stream + beta * p`` in FP32 (two ``mul.rn``, one
+   ``add.rn`` per column), stored as FP32 rows when ``store_stream``;
+3. ``out = pre(new rounded to BF16)`` (row sum in words 8-15), rounded to BF16.
+
+The gates and norm weights load before the PDL wait (``early``), the stream
+after it but before the peers' partials are polled (``late``), so both
+overlap the wait for the peers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from cutlass import Int32, Int64
+
+from dspark_comm.cutedsl.allreduce import Epilogue, FusedAllReduce, RowContext
+from dspark_comm.protocol import fallback_reason
+from dspark_core.contracts.constants import FP32_RANK_ORDER, BoundaryConstants
+from dspark_cute import ptx
+from dspark_cute.cutedsl.norms.boundary import DraftBoundary, gate_words, gated_residual
+from dspark_cute.cutedsl.norms.row_norm import rms_norm_fragments
+from dspark_cute.runtime.host import check_operand
+
+log = logging.getLogger("dspark_comm")
+
+
+class BoundaryEpilogue(Epilogue):
+    """The residual boundary of ``constants`` over the summed branch row.
+    Operands: the ``[m, H]`` stream (BF16 if ``stream_bf16``, else FP32),
+    the FP32 ``[H]`` alpha and beta, the ``[H]`` post and pre norm weights
+    (any address where a norm has none: not read), the FP32 ``[m, H]`` new
+    stream (any address without ``store_stream``: not written) and the BF16
+    ``[m, H]`` output."""
+
+    operands = ("stream", "alpha", "beta", "post_weight", "pre_weight", "new_stream", "out")
+
+    def __init__(self, constants: BoundaryConstants, stream_bf16: bool, store_stream: bool) -> None:
+        if not isinstance(constants, BoundaryConstants):
+            raise ValueError(f"the boundary epilogue takes BoundaryConstants, not {type(constants).__name__}")
+        self.constants = constants
+        self.stream_bf16 = bool(stream_bf16)
+        self.store_stream = bool(store_stream)
+
+    def key(self) -> tuple:
+        return ("boundary", self.constants.key(), self.stream_bf16, self.store_stream)
+
+    def early(self, ctx: RowContext):
+        _, alpha, beta, post_w, pre_w, _, _ = ctx.operands[:7]
+        return [gate_words(self.constants, alpha, beta, post_w, pre_w, col) for col in ctx.columns]
+
+    def late(self, ctx: RowContext, gates):
+        h = ctx.hidden_size
+        dtype = "bf16" if self.stream_bf16 else "fp32"
+        s_row = Int64(ctx.operands[0]) + Int64(ctx.row) * (h * (2 if self.stream_bf16 else 4))
+        return gates, [ptx.ld_row8(dtype, s_row, col) for col in ctx.columns]
+
+    def finish(self, ctx: RowContext, state, values: list) -> None:
+        c = self.constants
+        h = ctx.hidden_size
+        gates, s = state
+        new_stream, out = ctx.operands[5], ctx.operands[6]
+        # 1. the post-norm of the all-reduced branch, rounded to BF16.
+        y = rms_norm_fragments(
+            c.post, h, values, [g[2] for g in gates] if c.post.weight_dtype else None,
+            ctx.smem, ctx.warp, ctx.lane,
+        )
+        new_row = Int64(new_stream) + Int64(ctx.row) * (4 * h)
+        # 2. the gated FP32 residual (stored if asked), rounded to BF16 for the pre-norm.
+        z = [
+            gated_residual(y[i], s[i], g[0], g[1], new_row, col, self.store_stream)
+            for i, (col, g) in enumerate(zip(ctx.columns, gates))
+        ]
+        # 3. the pre-norm of the BF16-rounded stream, rounded to BF16.
+        o = rms_norm_fragments(
+            c.pre, h, z, [g[3] for g in gates] if c.pre.weight_dtype else None,
+            Int32(ctx.smem) + 4 * ptx.WARPS, ctx.warp, ctx.lane,
+        )
+        out_row = Int64(out) + Int64(ctx.row) * (2 * h)
+        for col, f in zip(ctx.columns, o):
+            ptx.st_row8("bf16", out_row, col, f)
+
+
+class AllReduceBoundary:
+    """One residual boundary whose branch arrives as per-rank partials: the
+    TP all-reduce (the mailbox, in ``sum_order``) and the boundary ``post ->
+    GatedResidual -> pre`` of ``constants`` in one kernel, bound to its
+    constant operands (as ``dspark_cute.DraftBoundary``: ``alpha``, ``beta``
+    contiguous CUDA FP32 ``[H]``, the norm weights or None).
+
+    ``run(partial, stream, store_stream)`` returns ``(new_stream or None,
+    out)``, the bits of the stock all-reduce of the partials followed by
+    ``dspark_core.spec.layers.residual_boundary`` on the BF16 sum. Calls of more
+    rows than the mailbox holds take the group's stock all-reduce and then
+    ``DraftBoundary`` (logged once per reason); every rank decides on the row
+    count alone. With ``published=True`` the partials are already in the
+    mailbox (``Publisher``, the package GEMM) and ``partial`` is None.
+    ``prepare()`` compiles every variant before CUDA graph capture."""
+
+    def __init__(self, mailbox, constants: BoundaryConstants, alpha: torch.Tensor, beta: torch.Tensor,
+                 post_weight: torch.Tensor | None, pre_weight: torch.Tensor | None,
+                 sum_order: str = FP32_RANK_ORDER, *, pdl: bool | None = None) -> None:
+        if not isinstance(constants, BoundaryConstants):
+            raise ValueError(f"AllReduceBoundary takes BoundaryConstants, not {type(constants).__name__}")
+        if constants.hidden_size != mailbox.layout.hidden_size:
+            raise ValueError(
+                f"a boundary over {constants.hidden_size} columns on a mailbox of "
+                f"{mailbox.layout.hidden_size}"
+            )
+        # The unfused path; its constructor checks the constant operands.
+        self.unfused = DraftBoundary(constants, alpha, beta, post_weight, pre_weight, pdl=pdl)
+        if alpha.device != mailbox.device:
+            raise ValueError(f"the gates are on {alpha.device}, the mailbox on {mailbox.device}")
+        self.mailbox, self.constants, self.sum_order = mailbox, constants, sum_order
+        self.alpha, self.beta = alpha, beta
+        self.post_weight, self.pre_weight = post_weight, pre_weight
+        self.pdl = self.unfused.pdl
+        self._fused: dict[tuple, FusedAllReduce] = {}
+        self._logged: set[str] = set()
+
+    def fused(self, stream_bf16: bool, store_stream: bool, published: bool = False) -> FusedAllReduce:
+        """The fused all-reduce of one variant."""
+        key = (bool(stream_bf16), bool(store_stream), bool(published))
+        if key not in self._fused:
+            self._fused[key] = FusedAllReduce(
+                self.mailbox, BoundaryEpilogue(self.constants, key[0], key[1]), self.sum_order,
+                published=key[2], pdl=self.pdl,
+            )
+        return self._fused[key]
+
+    def prepare(self, stream_dtypes=(torch.float32, torch.bfloat16), store_stream=(False, True),
+                published=(False,)) -> None:
+        """Compile the fused variants these calls may launch, and the
+        unfused boundary of the fallback."""
+        for dtype in stream_dtypes:
+            for store in store_stream:
+                for pub in published:
+                    self.fused(dtype == torch.bfloat16, store, pub).prepare()
+        self.unfused.prepare(stream_dtypes=stream_dtypes, store_stream=store_stream)
+
+    def takes(self, m: int) -> bool:
+        """Whether a call of ``m`` rows runs fused (the row count alone)."""
+        return self.fused(False, False).takes(m)
+
+    def run(self, partial: torch.Tensor | None, stream: torch.Tensor, store_stream: bool,
+            out: torch.Tensor | None = None, new_stream: torch.Tensor | None = None,
+            published: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+        h = self.constants.hidden_size
+        dev = self.mailbox.device
+        if not (isinstance(stream, torch.Tensor) and stream.dim() == 2 and stream.shape[1] == h
+                and stream.dtype in (torch.float32, torch.bfloat16)):
+            raise ValueError(f"the boundary takes an FP32 or BF16 [m, {h}] stream")
+        m = stream.shape[0]
+        shape = (m, h)
+        check_operand(stream, shape, stream.dtype, 16, "the stream")
+        if stream.device != dev:
+            raise ValueError(f"the stream is on {stream.device}, the mailbox on {dev}")
+        if published:
+            if partial is not None:
+                raise ValueError("a published boundary reads its partials from the mailbox, not a tensor")
+        else:
+            check_operand(partial, shape, torch.bfloat16, 16, "the branch partial")
+        if out is None:
+            out = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+        else:
+            check_operand(out, shape, torch.bfloat16, 16, "the boundary output")
+        if new_stream is not None and not store_stream:
+            raise ValueError("a new_stream buffer was given with store_stream=False")
+        if store_stream:
+            if new_stream is None:
+                new_stream = torch.empty(shape, dtype=torch.float32, device=dev)
+            else:
+                check_operand(new_stream, shape, torch.float32, 16, "the new stream")
+        fused = self.fused(stream.dtype == torch.bfloat16, store_stream, published)
+        if not fused.takes(m):
+            if published:
+                raise ValueError(f"no published call of {m} rows: {fallback_reason(m, fused.capacity)}")
+            reason = fallback_reason(m, fused.capacity)
+            if reason not in self._logged:
+                self._logged.add(reason)
+                log.warning("dspark-comm: the all-reduce boundary of %s runs the stock all-reduce", reason)
+            if m == 0:
+                return (new_stream if store_stream else None), out
+            branch = partial.clone()
+            self.mailbox.group.all_reduce_(branch)
+            return self.unfused.run(branch, stream, store_stream, out, new_stream)
+        spare = self.alpha  # the address of an operand the variant does not read
+        fused.launch(m, partial, (
+            stream, self.alpha, self.beta,
+            self.post_weight if self.post_weight is not None else spare,
+            self.pre_weight if self.pre_weight is not None else spare,
+            new_stream if store_stream else spare, out,
+        ))
+        return (new_stream if store_stream else None), out
+
+
+__all__ = ["AllReduceBoundary", "BoundaryEpilogue"]

@@ -1,0 +1,238 @@
+"""The gated SiLU activation kernel: ``dspark_core.spec.layers.GatedMLP.activation``,
+bit for bit.
+
+For the gate-up projection's output ``gu`` (BF16 ``[m, 2I]``, rows
+contiguous, the I gate columns first, then the I up columns) it writes BF16
+``h [m, I]``, per element ``c`` of row ``i``:
+
+1. ``g = gu[i, c]`` and ``u = gu[i, I + c]`` widened to FP32 exactly;
+2. ``s = silu_rn(g) = g * sigmoid_rn(g)`` with ``sigmoid_rn(g) = 1 / (1 +
+   exp_rn(-g))`` (``dspark_cute.ptx.math``: the spec's ``exp_rn`` operation
+   by operation; the negation exact, the sum, the quotient and the product
+   each rounded once to nearest even: ``add.rn``, ``div.rn``, ``mul.rn``);
+3. ``h[i, c] = round_bf16(s * u)`` (``mul.rn.f32``, then
+   ``cvt.rn.bf16x2.f32``: nearest even, subnormals kept, overflow to inf).
+
+No FMA, no ``.ftz``, no approximate instruction: the result is a function
+of the input bits alone (NaN payloads aside, ``dspark_core.spec.numerics``).
+
+Layout: one thread per 8 consecutive columns (a 16-byte vector): thread
+``v = cta * 128 + tid`` of a 1-D grid handles vector ``v`` of the ``m * I /
+8`` output vectors (row ``v // (I/8)``), reading its gate and up vectors
+with one 16-byte load each and writing 16 bytes; a thread past the end
+computes the last vector again and its store is predicated off (no branch).
+``m`` is a runtime argument (one compile serves every row count); ``I`` (a
+multiple of 8) is compile-time. With ``pdl`` the kernel waits for the
+previous grid before its loads and then releases the next one (every operand
+comes from the previous kernel: nothing to read before the wait).
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+import torch
+from cutlass import Int32, Int64
+
+from dspark_core.contracts.constants import MlpActivationConstants, mlp_activation_constants
+from dspark_cute import ptx
+from dspark_cute.cutedsl.gating.elementwise import vector_index
+from dspark_cute.runtime.host import (
+    CompileCache,
+    LazyPdl,
+    compile_once,
+    current_stream,
+    describe,
+    fake_ptr,
+    fake_stream,
+    ptr,
+)
+
+# Threads per CTA (each 8 columns).
+THREADS = 128
+# Columns per thread: one 16-byte BF16 vector.
+VEC = 8
+# The vector index v = cta * THREADS + tid is an Int32: m * I / 8 stays below this.
+MAX_VECTORS = 2**31 - THREADS
+
+
+def check_constants(c: MlpActivationConstants) -> None:
+    """ValueError unless ``c`` is a MlpActivationConstants the kernel takes
+    (I a positive multiple of 8)."""
+    if not isinstance(c, MlpActivationConstants):
+        raise ValueError(f"MlpActivation takes MlpActivationConstants, not {type(c).__name__}")
+    i = c.intermediate_size
+    if not isinstance(i, int) or i < VEC or i % VEC:
+        raise ValueError(f"the activation takes an intermediate size that is a positive multiple of {VEC}, not {i}")
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+class MlpActivationKernel:
+    """The traced activation of one ``MlpActivationConstants``; ``pdl``:
+    launched with programmatic dependent launch. Call: ``(gu, out, m,
+    stream)``: global pointers to BF16 ``gu [m, 2I]`` and ``out [m, I]``
+    (both contiguous, 16-byte aligned), ``m`` Int32 (at least 1)."""
+
+    def __init__(self, constants: MlpActivationConstants, pdl: bool) -> None:
+        self.constants = constants
+        self.pdl = pdl
+
+    @cute.jit
+    def __call__(self, gu: cute.Pointer, out: cute.Pointer, m: Int32, stream):
+        vecs = self.constants.intermediate_size // VEC
+        self.kernel(gu, out, m).launch(
+            grid=[(m * vecs + (THREADS - 1)) // THREADS, 1, 1], block=[THREADS, 1, 1],
+            stream=stream, use_pdl=self.pdl,
+        )
+
+    @cute.kernel
+    def kernel(self, gu: cute.Pointer, out: cute.Pointer, m: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        _activation_body(self.constants.intermediate_size, self.pdl, tidx, cta, m, gu.toint(), out.toint())
+
+
+def _activation_body(i: int, pdl: bool, tidx, cta, m, gu, out) -> None:
+    # Past the end: redo the last vector (in bounds), the store is skipped.
+    v, vc, row, col, total = vector_index(tidx, cta, m, i // VEC, THREADS)
+    if pdl:
+        ptx.pdl_wait()
+        # Dependents still wait for this grid's end before they read `out`.
+        ptx.pdl_launch_dependents()
+    g_addr = Int64(gu) + Int64(row) * (4 * i) + Int64(col) * (2 * VEC)
+    g = ptx.ld_bf16x8(g_addr)
+    u = ptx.ld_bf16x8(g_addr + 2 * i)
+    h = [ptx.mul_rn(ptx.silu_rn(gk), uk) for gk, uk in zip(g, u)]
+    words = [ptx.pack_bf16x2_rn(h[2 * k], h[2 * k + 1]) for k in range(VEC // 2)]
+    # out is [m, I] contiguous: vector vc of the flat output.
+    ptx.st_global_v4_if(Int64(out) + Int64(vc) * (2 * VEC), words, v, total)
+
+
+def fake_args(constants: MlpActivationConstants) -> tuple:
+    """The compile signature of ``MlpActivationKernel`` (no GPU memory needed)."""
+    return (fake_ptr("bf16"), fake_ptr("bf16"), Int32(1), fake_stream())
+
+
+_CACHE = CompileCache()
+
+
+def compile_mlp_activation(constants: MlpActivationConstants, pdl: bool):
+    """The compiled ``MlpActivationKernel`` of ``constants`` and ``pdl``,
+    compiled once per process (RuntimeError during CUDA graph capture)."""
+    return compile_once(_CACHE, "mlp_activation", MlpActivationKernel, constants, pdl, fake_args, "MlpActivation")
+
+
+# ---------------------------------------------------------------- host API
+
+
+class MlpActivation(LazyPdl):
+    """``GatedMLP.activation`` for ``intermediate_size`` I, as one kernel
+    launch (module docstring): ``act(gu)`` returns the same bits as the
+    stock ``mlp.activation(gu)``.
+
+    ``gu``: BF16 ``[..., 2I]`` (gate columns, then up columns), contiguous,
+    16-byte aligned, on CUDA, with at least one row and at most
+    ``max_rows`` rows; ``out`` (optional): BF16 ``[..., I]`` of ``gu``'s
+    leading shape, contiguous, 16-byte aligned, on ``gu``'s device.
+    ``pdl``: launch with programmatic dependent launch (default: where the
+    device supports it, sm_90+). One compile serves every row count: call
+    ``prepare()`` before CUDA graph capture; a call is graph-capturable once
+    prepared (a compile during capture raises RuntimeError)."""
+
+    def __init__(self, intermediate_size: int, pdl: bool | None = None) -> None:
+        if isinstance(intermediate_size, MlpActivationConstants):
+            constants = intermediate_size
+        elif isinstance(intermediate_size, int) and not isinstance(intermediate_size, bool):
+            constants = MlpActivationConstants(intermediate_size=intermediate_size)
+        else:
+            raise ValueError(f"MlpActivation takes an int intermediate size, not {type(intermediate_size).__name__}")
+        check_constants(constants)
+        self.constants = constants
+        self.intermediate_size = constants.intermediate_size
+        self._pdl = pdl
+
+    @classmethod
+    def from_module(cls, mlp, pdl: bool | None = None) -> MlpActivation:
+        """The kernel of a stock ``GatedMLP`` (ValueError for another)."""
+        return cls(mlp_activation_constants(mlp), pdl=pdl)
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows one call takes (the Int32 vector index)."""
+        return MAX_VECTORS // (self.intermediate_size // VEC)
+
+    def prepare(self, max_rows: int | None = None) -> None:
+        """Compile the kernel (the one variant of these constants and PDL
+        setting: ``m`` is a runtime argument). ``max_rows``, if given, is the
+        most rows the caller will pass: ValueError above ``self.max_rows``.
+        Call before CUDA graph capture."""
+        if max_rows is not None and not 1 <= max_rows <= self.max_rows:
+            raise ValueError(f"MlpActivation takes 1 to {self.max_rows} rows, not {max_rows}")
+        compile_mlp_activation(self.constants, self.pdl)
+
+    def check(self, gu, out=None) -> None:
+        """ValueError with a sentence unless ``gu`` and ``out`` are operands
+        the kernel takes (class docstring)."""
+        i = self.intermediate_size
+        if not isinstance(gu, torch.Tensor):
+            raise ValueError(f"the gate-up input must be a torch tensor, not {type(gu).__name__}")
+        if gu.dtype != torch.bfloat16:
+            raise ValueError(f"the gate-up input must be bfloat16, not {gu.dtype}")
+        if gu.dim() < 1 or gu.shape[-1] != 2 * i:
+            raise ValueError(f"the gate-up input must be [..., {2 * i}] (gate then up), not {list(gu.shape)}")
+        rows = gu.numel() // (2 * i)
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"the gate-up input must have 1 to {self.max_rows} rows, not {rows}")
+        if not gu.is_contiguous():
+            raise ValueError(f"the gate-up input must be contiguous, not {describe(gu)}")
+        if gu.data_ptr() % 16:
+            raise ValueError("the gate-up input must be aligned to 16 bytes")
+        if not gu.is_cuda:
+            raise ValueError(f"the gate-up input must be a CUDA tensor, not on {gu.device}")
+        if out is None:
+            return
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"the output must be a torch tensor, not {type(out).__name__}")
+        shape = (*gu.shape[:-1], i)
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != shape:
+            raise ValueError(f"the output must be bfloat16 {list(shape)}, not {describe(out)}")
+        if not out.is_contiguous() or out.data_ptr() % 16:
+            raise ValueError(f"the output must be contiguous and aligned to 16 bytes, not {describe(out)}")
+        if out.device != gu.device:
+            raise ValueError(f"the output must be on the input's device {gu.device}, not {out.device}")
+
+    def takes(self, gu, out=None) -> bool:
+        """Whether ``check(gu, out)`` passes."""
+        try:
+            self.check(gu, out)
+        except ValueError:
+            return False
+        return True
+
+    def __call__(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``round_bf16(silu_rn(g) * u)`` of ``gu`` (BF16 ``[..., 2I]``), BF16
+        ``[..., I]``, written into ``out`` if given; ValueError unless
+        ``check(gu, out)`` passes."""
+        self.check(gu, out)
+        return self.launch(gu, out)
+
+    def launch(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``__call__`` without its operand checks (for checked operands)."""
+        i = self.intermediate_size
+        if out is None:
+            out = torch.empty((*gu.shape[:-1], i), dtype=torch.bfloat16, device=gu.device)
+        kernel = compile_mlp_activation(self.constants, self.pdl)
+        kernel(ptr(gu), ptr(out), Int32(gu.numel() // (2 * i)), current_stream())
+        return out
+
+
+__all__ = [
+    "MAX_VECTORS",
+    "MlpActivation",
+    "MlpActivationKernel",
+    "THREADS",
+    "check_constants",
+    "compile_mlp_activation",
+    "fake_args",
+]

@@ -1,0 +1,128 @@
+"""The traced RMSNorm pieces the norm kernels share (the row norm, the
+boundary, the context norms, and dspark-comm's all-reduce boundary), in the
+layout of the reference CTA (``ptx.cta``): thread ``t`` holds fragment ``k``
+= the 8 columns ``t * 8 + k * 2048 .. + 7``.
+
+- ``fragment_columns(tidx, h)``: the first column of each of its fragments;
+- ``load_weight_words(dtype, base, column)``: a weight fragment's raw words;
+- ``gains(norm, words)``: ``g = w + gain_center`` per column, FP32;
+- ``rms_norm_fragments(norm, h, x, words, sums, warp, lane)``: the RMSNorm
+  of one thread's fragments (weight before or after the norm, or none);
+- ``gate_words`` and ``gated_residual``: the residual boundary's gates and its
+  FP32 ``alpha * stream + beta * post(branch)``.
+"""
+
+from __future__ import annotations
+
+from cutlass import Int64
+
+from dspark_core.contracts.constants import BoundaryConstants, NormConstants
+from dspark_cute import ptx
+from dspark_cute.runtime.host import ELEMENT_BYTES
+
+
+def fragment_columns(tidx, h: int) -> list:
+    """The first column of each of thread ``tidx``'s fragments: ``t * 8 + k *
+    2048`` for ``k < h / 2048`` (Int64)."""
+    return [Int64(tidx) * ptx.VEC + k * ptx.CHUNK for k in range(h // ptx.CHUNK)]
+
+
+def load_weight_words(dtype: str, base, column) -> list:
+    """The raw 32-bit words of the 8 weight values from ``column`` of a
+    ``dtype`` weight at byte address ``base``: 4 words (BF16/FP16 pairs) or 8
+    (FP32). Kept packed until ``gains`` widens them (fewer live registers)."""
+    addr = Int64(base) + Int64(column) * ELEMENT_BYTES[dtype]
+    words = ptx.ld_global_v4(addr)
+    if dtype == "fp32":
+        words = words + ptx.ld_global_v4(addr + 16)
+    return words
+
+
+def gains(norm: NormConstants, words: list) -> list:
+    """The 8 gains ``g = w + gain_center`` of a weight fragment's raw words:
+    ``w`` widened to FP32 exactly, then one ``add.rn`` (always performed, so
+    a -0.0 weight with a 0.0 center gives +0.0 as the spec does)."""
+    dtype = norm.weight_dtype
+    if dtype == "fp32":
+        w = [ptx.as_f32(word) for word in words]
+    else:
+        unpack = ptx.bf16x2_to_f32 if dtype == "bf16" else ptx.f16x2_to_f32
+        w = []
+        for word in words:
+            w.extend(unpack(word))
+    center = ptx.f32_const(norm.gain_center)
+    return [ptx.add_rn(v, center) for v in w]
+
+
+def rms_norm_fragments(
+    norm: NormConstants, h: int, x: list, weight_words: list | None, sums_addr, warp, lane,
+    sum_squares=None,
+) -> list:
+    """``dspark_core.spec.layers.RMSNorm.forward`` over one thread's fragments
+    ``x`` (lists of 8 FP32, the row widened exactly), before the output
+    rounding. With ``g = gains(weight_words[k])``:
+
+    - weight before the norm: ``x = x * g``; ``s = row_sum(x * x)``;
+      ``r = inv_rms(s, h, eps)``; ``y = x * r``;
+    - otherwise ``y = x * r``, then ``y = y * g`` with a weight;
+
+    each product ``mul.rn``. ``sums_addr``: 8 FP32 of shared memory reserved
+    for this norm's cross-warp fold. ``sum_squares(x)``, if given, replaces
+    ``ptx.row_sum(x, sums_addr, warp, lane)`` (the row sum of the squares of
+    the fragments, e.g. over a cluster). Returns the ``y`` fragments (FP32)."""
+    has_weight = norm.weight_dtype is not None
+    if has_weight and norm.weight_before_norm:
+        x = [
+            [ptx.mul_rn(v, g) for v, g in zip(f, gains(norm, words))]
+            for f, words in zip(x, weight_words)
+        ]
+    if sum_squares is None:
+        total = ptx.row_sum(x, sums_addr, warp, lane)
+    else:
+        total = sum_squares(x)
+    r = ptx.inv_rms(total, h, norm.eps)
+    y = [[ptx.mul_rn(v, r) for v in f] for f in x]
+    if has_weight and not norm.weight_before_norm:
+        y = [
+            [ptx.mul_rn(v, g) for v, g in zip(f, gains(norm, words))]
+            for f, words in zip(y, weight_words)
+        ]
+    return y
+
+
+def gate_words(c: BoundaryConstants, alpha, beta, post_w, pre_w, column) -> tuple:
+    """The raw words of the fragment at ``column``: alpha's, beta's (8 FP32
+    each), then the post-norm's and the pre-norm's weights (None where a
+    norm has no weight), loaded in that order (``load_weight_words``)."""
+
+    def weight(norm: NormConstants, base):
+        if norm.weight_dtype is None:
+            return None
+        return load_weight_words(norm.weight_dtype, base, column)
+
+    return (
+        load_weight_words("fp32", alpha, column),
+        load_weight_words("fp32", beta, column),
+        weight(c.post, post_w),
+        weight(c.pre, pre_w),
+    )
+
+
+def gated_residual(y: list, s: list, a_words: list, b_words: list, new_row, column, store: bool) -> list:
+    """Step 2 for the fragment at ``column``, and step 3's input: ``p`` =
+    the post-norm's ``y`` (8 FP32) rounded to BF16; ``new = alpha * s + beta
+    * p`` per column (``alpha``, ``beta`` from the raw words ``a_words``,
+    ``b_words``; the two products ``mul.rn``, then their ``add.rn``),
+    stored as FP32 into the row at byte address ``new_row`` when ``store``;
+    returns ``new`` rounded to BF16 (the pre-norm's input)."""
+    p = ptx.round_bf16(y)
+    new = [
+        ptx.add_rn(ptx.mul_rn(ptx.as_f32(a), sv), ptx.mul_rn(ptx.as_f32(b), pv))
+        for a, b, sv, pv in zip(a_words, b_words, s, p)
+    ]
+    if store:
+        ptx.st_row8("fp32", new_row, column, new)
+    return ptx.round_bf16(new)
+
+
+__all__ = ["fragment_columns", "gains", "gate_words", "gated_residual", "load_weight_words", "rms_norm_fragments"]
