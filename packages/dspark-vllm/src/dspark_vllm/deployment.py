@@ -1,0 +1,243 @@
+"""The deployment check of ``decode_backend=latency_specialized`` and the
+facts it reads: which decode backend a config asks for, what this deployment
+misses, and which all-reduce vLLM's row-parallel layers run at TP > 1.
+
+``decode_backend(vllm_config)`` reads ``additional_config["decode_backend"]``:
+``"auto"`` (the default) or ``"latency_specialized"``; anything else is a
+ValueError naming both. ``unsupported(vllm_config)`` lists every requirement
+of the specialized decode that the deployment misses, in words.
+``check_deployment(vllm_config)`` raises one ValueError with all of them;
+at TP > 1 the verdict is a MIN over the TP group's CPU group first, so every
+rank raises if one rank misses a requirement (the GPU and the installed
+versions are per-process facts) and no rank runs fused while another runs
+stock.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dspark_core.contracts.constants import FP32_RANK_ORDER
+
+# The versions the adapter was written against (read from their source).
+VLLM_VERSION = "0.33.0"
+FLASHINFER_VERSION = "0.7.2.post1"
+CUTLASS_DSL_VERSION = "4.8.0"
+PINNED_VERSIONS = {"vllm": VLLM_VERSION, "flashinfer-python": FLASHINFER_VERSION,
+                   "nvidia-cutlass-dsl": CUTLASS_DSL_VERSION}
+
+AUTO = "auto"
+LATENCY_SPECIALIZED = "latency_specialized"
+DECODE_BACKENDS = (AUTO, LATENCY_SPECIALIZED)
+
+# TP sizes the executor takes: one GPU, or the mailbox's TP sizes (whose
+# fused all-reduce may still stay stock, see stock_all_reduce).
+SUPPORTED_TPS = (1, 2, 4, 8)
+# The compute capabilities (major) the kernels are compiled for.
+SUPPORTED_MAJORS = {9: "sm_90a", 10: "sm_100a"}
+# KV cache layouts whose per-layer view is [blocks, kv_heads, block_size, 2D]
+# with blocks outermost in each layer (VLLM_KV_CACHE_LAYOUT; NHD, HND alias them).
+LAYER_OUTERMOST_LAYOUTS = ("LBNHC", "LBHNC", "NHD", "HND")
+
+
+def decode_backend(vllm_config) -> str:
+    """The decode backend the config asks for (``DECODE_BACKENDS``):
+    ``additional_config["decode_backend"]``, ``"auto"`` when absent.
+    ValueError for any other value."""
+    extra = getattr(vllm_config, "additional_config", None)
+    backend = extra.get("decode_backend", AUTO) if isinstance(extra, dict) else AUTO
+    if backend not in DECODE_BACKENDS:
+        raise ValueError(f"decode_backend must be one of {', '.join(DECODE_BACKENDS)} (the DSpark vLLM plugin), "
+                         f"not {backend!r}")
+    return backend
+
+
+def installed_versions() -> dict[str, str | None]:
+    """The installed version of each pinned distribution (None: not installed)."""
+    found = {}
+    for name in PINNED_VERSIONS:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """This process's CUDA compute capability as vLLM's platform reports it,
+    or None off CUDA."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return None
+    capability = current_platform.get_device_capability()
+    return None if capability is None else (capability.major, capability.minor)
+
+
+def arch_of(capability: tuple[int, int] | None) -> str | None:
+    """The kernels' architecture name for a compute capability (None: not one they are compiled for)."""
+    return None if capability is None else SUPPORTED_MAJORS.get(capability[0])
+
+
+def _draft_architectures(spec) -> list[str]:
+    config = getattr(spec, "draft_model_config", None)
+    return list(getattr(config, "architectures", None) or [])
+
+
+def unsupported(vllm_config, capability: tuple[int, int] | None | str = "probe") -> list[str]:
+    """Every requirement of the specialized decode this deployment misses,
+    each a phrase that completes "decode_backend=latency_specialized needs
+    ...". ``capability``: the GPU's compute capability (default: this
+    process's, ``gpu_capability``)."""
+    import vllm.envs as envs
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    if capability == "probe":
+        capability = gpu_capability()
+    parallel = vllm_config.parallel_config
+    spec = vllm_config.speculative_config
+    compilation = vllm_config.compilation_config
+    graphs = compilation.cudagraph_mode
+    model_config = vllm_config.model_config
+    cache = vllm_config.cache_config
+    versions = installed_versions()
+    tp = parallel.tensor_parallel_size
+    layout = os.environ.get("VLLM_KV_CACHE_LAYOUT") or None
+    requirements = {
+        "an sm_90 or sm_100 GPU (CUDA compute capability 9.x or 10.x: the kernels are compiled for sm_90a "
+        "and sm_100a)": arch_of(capability) is not None,
+        "Model Runner V2": bool(getattr(vllm_config, "use_v2_model_runner", False)),
+        "DSpark speculative decoding with the Muse Spark draft (speculative method dspark, MuseSparkDSparkModel)": (
+            spec is not None and spec.method == "dspark" and "MuseSparkDSparkModel" in _draft_architectures(spec)
+        ),
+        f"the draft at the target's tensor-parallel size, one of {', '.join(map(str, SUPPORTED_TPS))}, "
+        "without pipeline, data, expert or context parallelism or micro-batching": (
+            tp in SUPPORTED_TPS
+            and spec is not None
+            and spec.draft_tensor_parallel_size == tp
+            and parallel.pipeline_parallel_size == 1
+            and parallel.data_parallel_size == 1
+            and not parallel.enable_expert_parallel
+            and parallel.decode_context_parallel_size == 1
+            and parallel.prefill_context_parallel_size == 1
+            and not parallel.use_ubatching
+        ),
+        # MuseSparkDSparkModel is @support_torch_compile: compiled unless the mode is NONE.
+        "the draft uncompiled (compilation mode NONE, e.g. -cc.mode=0): the kernels reproduce its eager layers": (
+            compilation.mode == CompilationMode.NONE
+        ),
+        "FULL CUDA graphs for decode batches (cudagraph_mode FULL_DECODE_ONLY or FULL_AND_PIECEWISE; the draft "
+        "then captures FULL_DECODE_ONLY)": graphs is not None and graphs.decode_mode() == CUDAGraphMode.FULL,
+        "a bfloat16 model and a bfloat16 KV cache for the draft (--kv-cache-dtype auto, no speculative "
+        "kv_cache_dtype)": (
+            model_config.dtype == torch.bfloat16
+            and cache.cache_dtype in ("auto", "bfloat16")
+            and (spec is None or spec.kv_cache_dtype in (None, "auto", "bfloat16"))
+        ),
+        f"a layer-outermost KV cache layout (VLLM_KV_CACHE_LAYOUT unset or one of "
+        f"{', '.join(LAYER_OUTERMOST_LAYOUTS)}, not {layout})": layout is None or layout in LAYER_OUTERMOST_LAYOUTS,
+        "the draft's default attention backend (no speculative attention_backend)": (
+            spec is not None and spec.attention_backend is None
+        ),
+        # The bound kernels keep the weights' addresses.
+        "no sleep mode (the kernels bind the weights' addresses)": not model_config.enable_sleep_mode,
+        "no LoRA, KV transfer, EPLB, watermarking or batch invariance": (
+            vllm_config.lora_config is None
+            and vllm_config.kv_transfer_config is None
+            and not parallel.enable_eplb
+            and getattr(vllm_config, "watermark_config", None) is None
+            and not envs.VLLM_BATCH_INVARIANT
+        ),
+    }
+    for name, pinned in PINNED_VERSIONS.items():
+        requirements[f"{name}=={pinned} (found {versions[name] or 'none'})"] = versions[name] == pinned
+    return [need for need, ok in requirements.items() if not ok]
+
+
+def tp_group_size() -> int:
+    """The TP group's size where vLLM's model parallel state is initialized, else 1."""
+    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    return get_tensor_model_parallel_world_size() if model_parallel_is_initialized() else 1
+
+
+def collective_min(values: list[int]) -> list[int]:
+    """The element-wise MIN of ``values`` over the TP group's CPU group
+    (``values`` as they are at TP1 or without a TP group)."""
+    if tp_group_size() <= 1:
+        return list(values)
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+    return t.tolist()
+
+
+def check_deployment(vllm_config) -> None:
+    """Raise ValueError listing every missing requirement (``unsupported``)
+    where this rank or any other TP rank misses one; collective at TP > 1."""
+    missing = unsupported(vllm_config)
+    (supported,) = collective_min([0 if missing else 1])
+    if not supported:
+        reason = "; ".join(missing) or "every other tensor-parallel rank to support it, which one does not"
+        raise ValueError(f"decode_backend=latency_specialized needs {reason}.")
+
+
+@dataclass(frozen=True)
+class AllReduceOrder:
+    """The all-reduce vLLM's ``RowParallelLinear`` runs on the draft's rows at
+    TP > 1 (``CudaCommunicator.all_reduce``'s first match, read from its
+    source): ``backend`` by name, ``sum_order`` the order its sum follows
+    (``FP32_RANK_ORDER``, the one the mailbox reproduces) or None where it has
+    no fixed order, and ``why`` that in words."""
+
+    backend: str
+    sum_order: str | None
+    why: str
+
+
+def stock_all_reduce(tp: int, arch: str | None, disable_custom_all_reduce: bool = False,
+                     env: dict[str, str] | None = None) -> AllReduceOrder:
+    """The draft's all-reduce at TP ``tp`` on ``arch`` (sm_90a / sm_100a),
+    from the environment switches vLLM 0.33.0 reads (``env``, default
+    ``os.environ``), in its dispatch order: NCCL symmetric memory
+    (``VLLM_USE_NCCL_SYMM_MEM``), FlashInfer's all-reduce (on by default for
+    TP 2, 4 and 8 on both architectures; no fixed reduction order, as vLLM's
+    own comment says), then vLLM's custom all-reduce, whose TP2 kernel is
+    one-stage (each rank's BF16 partial widened and summed in FP32 in rank
+    order 0, 1) and whose TP4/TP8 kernels choose one or two stages inside
+    the C++ op by message size (not read from the wheel, so not taken as a
+    fixed order), then torch symmetric memory and NCCL (no fixed order)."""
+    env = os.environ if env is None else env
+
+    def on(name: str, default: str) -> bool:
+        return env.get(name, default) not in ("0", "", "false", "False")
+
+    if tp <= 1:
+        return AllReduceOrder("none", FP32_RANK_ORDER, "TP1 has no all-reduce")
+    if on("VLLM_USE_NCCL_SYMM_MEM", "0"):
+        return AllReduceOrder("nccl_symm_mem", None, f"vLLM's all-reduce at TP{tp} is NCCL's symmetric-memory "
+                              "all-reduce (VLLM_USE_NCCL_SYMM_MEM=1), whose reduction order is not fixed")
+    batch_invariant = on("VLLM_BATCH_INVARIANT", "0")
+    if on("VLLM_ALLREDUCE_USE_FLASHINFER", "1") and not batch_invariant and arch in ("sm_90a", "sm_100a"):
+        return AllReduceOrder("flashinfer", None, f"vLLM's all-reduce at TP{tp} is FlashInfer's allreduce_fusion "
+                              "(VLLM_ALLREDUCE_USE_FLASHINFER=1, the default), which has no fixed reduction order")
+    if not disable_custom_all_reduce:
+        if tp == 2:
+            return AllReduceOrder("custom", FP32_RANK_ORDER, "vLLM's custom all-reduce at TP2 (one stage: FP32 "
+                                  "sums in rank order)")
+        return AllReduceOrder("custom", None, f"vLLM's custom all-reduce at TP{tp} chooses its one- or two-stage "
+                              "kernel inside its C++ op by message size; that order is not checked")
+    return AllReduceOrder("nccl", None, f"vLLM's all-reduce at TP{tp} is torch symmetric memory or NCCL, whose "
+                          "reduction order is not fixed")
+
+
+__all__ = ["AUTO", "AllReduceOrder", "DECODE_BACKENDS", "LATENCY_SPECIALIZED", "PINNED_VERSIONS", "SUPPORTED_TPS",
+           "arch_of", "check_deployment", "collective_min", "decode_backend", "gpu_capability", "installed_versions",
+           "stock_all_reduce", "tp_group_size", "unsupported"]

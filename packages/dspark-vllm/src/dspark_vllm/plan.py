@@ -1,0 +1,207 @@
+"""``python -m dspark_vllm.plan DRAFT_DIR``: which parts of a vLLM Muse Spark
+DSpark draft run fused under ``decode_backend=latency_specialized``, why any
+part stays stock, and what the deployment check says.
+
+    python -m dspark_vllm.plan DRAFT_DIR [--target DIR | --target-layers N]
+        [--tp N] [--arch sm_90a|sm_100a] [--num-sms N]
+        [--kernels installed|all|a,b] [--exact checked|all|a,b]
+        [--kv-cache-dtype auto|fp8|...]
+
+It reads the draft's ``config.json`` (no weights): vLLM's own
+``MuseSparkDSparkForCausalLM`` is built on the meta device at TP1 (a gloo
+group of one; vLLM's CPU platform, so no GPU is touched), its layers' fused
+QK-norm/RoPE/insert flag and its RoPE's dispatch set as vLLM sets them on
+a GPU with its FlashAttention backend, then described (``adapter.describe_vllm``) and planned
+(``planning.plan_vllm``) for ``--arch`` at ``--tp`` (a whole draft split as
+the ranks would hold it). The target decides the draft layers' indices (the
+post-norms' gain centres): ``--target`` names a checkpoint folder (its
+config.json), else a stand-in target of ``--target-layers`` layers is used.
+``--exact`` (default ``checked``: ``planning.VLLM_EXACT_KERNELS``) says which
+kernels count as checked against vLLM; ``all`` shows what would fuse once
+they are. The deployment check is that of an ``--arch`` GPU running the
+config with eager layers and FULL decode graphs. A user error prints one
+line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from dspark_core.planner import policy
+
+# Backend and fused-insert facts of the GPU the plan is made for.
+GPU_ATTENTION_BACKEND = "FLASH_ATTN"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dspark_vllm.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("draft", help="the draft checkpoint folder (its config.json)")
+    p.add_argument("--target", help="the target checkpoint folder (its config.json; no weights needed)")
+    p.add_argument("--target-layers", type=int, default=None,
+                   help="the stand-in target's layer count (default: one past the draft's last target_layer_ids)")
+    p.add_argument("--tp", type=int, default=1, help="the tensor-parallel size (default 1)")
+    p.add_argument("--arch", default="sm_90a", choices=policy.ARCHS, help="the GPU architecture (default sm_90a)")
+    p.add_argument("--num-sms", type=int, default=132, help="the GPU's SM count (default 132, an H200)")
+    p.add_argument("--kernels", default="installed", help="'installed' (default), 'all' or kernel names, a,b")
+    p.add_argument("--exact", default="checked",
+                   help="kernels taken as checked against vLLM: 'checked' (VLLM_EXACT_KERNELS, default), 'all' or a,b")
+    p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (default auto)")
+    return p
+
+
+def _names(text: str, default) -> frozenset[str]:
+    if text == "all":
+        return policy.ALL_KERNELS
+    if text in ("installed", "checked"):
+        return default()
+    names = frozenset(k.strip() for k in text.split(",") if k.strip())
+    unknown = names - policy.ALL_KERNELS
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; the kernels are {', '.join(sorted(policy.ALL_KERNELS))}")
+    return names
+
+
+def _stand_in_target(draft_config: dict, layers: int | None, root: Path) -> Path:
+    ids = draft_config.get("target_layer_ids") or [0]
+    hidden = draft_config.get("target_hidden_size") or draft_config["hidden_size"]
+    heads = draft_config.get("num_attention_heads", 8)
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16",
+              "vocab_size": draft_config.get("vocab_size", 202048), "hidden_size": hidden,
+              "intermediate_size": 4 * hidden, "num_hidden_layers": layers or max(ids) + 1,
+              "num_attention_heads": heads, "num_key_value_heads": draft_config.get("num_key_value_heads", heads),
+              "head_dim": draft_config.get("head_dim", hidden // heads),
+              "max_position_embeddings": draft_config.get("max_position_embeddings", 4096)}
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(draft: Path, target: Path, kv_cache_dtype: str):
+    from vllm.config import (
+        CacheConfig,
+        CompilationConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+
+    model = ModelConfig(model=str(target), tokenizer=str(target), skip_tokenizer_init=True, dtype="bfloat16",
+                        enforce_eager=True)
+    parallel = ParallelConfig()
+    spec = SpeculativeConfig(method="dspark", model=str(draft), target_model_config=model,
+                             target_parallel_config=parallel)
+    return VllmConfig(model_config=model, speculative_config=spec, parallel_config=parallel,
+                      device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(cache_dtype=kv_cache_dtype),
+                      compilation_config=CompilationConfig(mode=0),
+                      additional_config={"decode_backend": "latency_specialized"})
+
+
+def _fused_insert_as_on_gpu(attn) -> bool:
+    """``MuseSpark1xAttention.fused_qk_norm_rope_kv_insert`` as vLLM sets it
+    with FlashAttention (no KV write in forward, the insert bypass supported)."""
+    import torch
+    from vllm.models.muse_spark.common.ops.fused_qk_norm_rope_kv import SUPPORTED_KV_CACHE_DTYPES
+
+    return bool(attn.use_qk_norm and attn.qk_norm is not None and not attn.qk_norm.has_weight
+                and not attn.use_attn_temperature_tuning and attn.head_dim in (64, 128, 256)
+                and attn.default_dtype in (torch.bfloat16, torch.float16)
+                and attn.attn.kv_sharing_target_layer_name is None
+                and attn.attn.kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES)
+
+
+def build_meta_draft(config):
+    """vLLM's MuseSparkDSparkForCausalLM of ``config`` on the meta device, post-load state built."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.models.muse_spark.common.dspark import MuseSparkDSparkForCausalLM
+    from vllm.models.muse_spark.common.layers import materialize_residual_path_constants
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from dspark_vllm.runtime import pin_rope_tables
+
+    with set_current_vllm_config(config):
+        if not model_parallel_is_initialized():
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            initialize_model_parallel(1, 1)
+        with set_default_torch_dtype(torch.bfloat16), torch.device("meta"):
+            model = MuseSparkDSparkForCausalLM(vllm_config=config)
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                # The CustomOp dispatch of a CUDA platform (forward_native where the op is disabled).
+                module._forward_method = module.forward_cuda if type(module).enabled() else module.forward_native
+    backbone = model.model
+    backbone._build_fused_kv_buffers()
+    materialize_residual_path_constants(backbone)
+    for layer in backbone.layers:
+        layer.self_attn.fused_qk_norm_rope_kv_insert = _fused_insert_as_on_gpu(layer.self_attn)
+    pin_rope_tables(backbone)
+    return model
+
+
+def plan_checkpoint(args):
+    """``(plan, missing)`` of the parsed arguments: the DraftPlan and the deployment check's list."""
+    from vllm.config import CUDAGraphMode
+
+    from dspark_vllm import deployment, planning
+    from dspark_vllm.adapter import describe_vllm
+
+    draft_dir = Path(args.draft)
+    draft_config = json.loads((draft_dir / "config.json").read_text())
+    if args.tp < 1:
+        raise ValueError(f"--tp must be a positive integer, not {args.tp}")
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(args.target) if args.target else _stand_in_target(draft_config, args.target_layers, Path(tmp))
+        config = _config(draft_dir, target, args.kv_cache_dtype)
+        model = build_meta_draft(config)
+    draft = describe_vllm(model.model, config.cache_config.block_size or 16, GPU_ATTENTION_BACKEND)
+    kernels = _names(args.kernels, policy.installed_kernels)
+    exact = _names(args.exact, lambda: planning.VLLM_EXACT_KERNELS)
+    target_ = policy.Target("cuda", args.arch, args.num_sms, args.tp, kernels).opt_in(frozenset())
+    plan = planning.plan_vllm(draft, target_, deployment.stock_all_reduce(args.tp, args.arch), exact)
+    # The deployment check as the GPU sees the config: eager layers, FULL decode graphs, TP as asked.
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    config.parallel_config.tensor_parallel_size = args.tp
+    config.speculative_config.draft_tensor_parallel_size = args.tp
+    major = {"sm_90a": 9, "sm_100a": 10}[args.arch]
+    return plan, deployment.unsupported(config, (major, 0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    args = parser().parse_args(argv)
+    try:
+        plan, missing = plan_checkpoint(args)
+    except (ValueError, TypeError, OSError, KeyError, json.JSONDecodeError) as error:
+        print(f"python -m dspark_vllm.plan: error: {error}", file=sys.stderr)
+        return 2
+    print(plan.format())
+    if missing:
+        print(f"decode_backend=latency_specialized on this deployment ({args.arch}, TP{args.tp}) needs:")
+        for need in missing:
+            print(f"  - {need}")
+    else:
+        print(f"the deployment check passes ({args.arch}, TP{args.tp}, eager layers, FULL decode graphs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The plan of a vLLM draft: dspark-core's plan over the adapter's
+description, then the vLLM-side refusals core cannot know.
+
+``plan_vllm(draft, target, all_reduce)`` is ``dspark_core.planner.plan.
+plan_draft`` followed by, in order:
+
+1. every fused part whose kernel is not in ``VLLM_EXACT_KERNELS`` (kernels
+   proven bit for bit equal to vLLM 0.33.0's stock op on a GPU) made stock,
+   with the sentence ``unchecked_reason`` gives (issue 21);
+2. at TP > 1, the fused all-reduce made stock where vLLM's own all-reduce has
+   no fixed reduction order (``deployment.stock_all_reduce``), where a
+   boundary stays stock, or because the plugin does not bind dspark-comm's
+   mailbox to vLLM's TP group yet; the package GEMMs then follow it.
+
+``vllm_target`` is the planner's target as the plugin asks for it: the
+device's architecture, the opt-in kernels declined (each sums a projection in
+its own order, never vLLM's cuBLAS bits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dspark_core.planner import policy
+from dspark_core.planner.plan import DraftPlan, Part, plan_draft
+from dspark_core.planner.policy import Target
+from dspark_core.runtime.description import DraftDescription
+from dspark_vllm.deployment import AllReduceOrder, stock_all_reduce
+
+# Kernel names (dspark_core.contracts.kernels) proven bit for bit equal to
+# vLLM 0.33.0's stock op on a GPU. Empty until issue 21 proves them: every
+# part then stays stock, and the rest of the path (check, description, plan,
+# build, dispatch) still runs.
+VLLM_EXACT_KERNELS: frozenset[str] = frozenset()
+
+# The stock op of vLLM 0.33.0 each kernel stands in for (what issue 21 checks it against).
+STOCK_OPS = {
+    policy.ROW_NORM: "MuseSpark1xRMSNorm (Triton fused_rmsnorm_fwd)",
+    policy.BOUNDARY: "post-norm, norm-preserving residual and next pre-norm (Triton fused_rmsnorm_fwd and ATen)",
+    policy.CONTEXT_CHAIN: "precompute_and_store_context_kv (Triton norms, torch.bmm, ATen K-norm, rotary_embedding, "
+                          "the backend's KV insert)",
+    policy.QKV_FRONT: "QKV projection (cuBLAS) and fused_muse_spark_qknorm_rope_kv_insert",
+    policy.QKV_EPILOGUE: "fused_muse_spark_qknorm_rope_kv_insert",
+    policy.ATTENTION: "attention backend (FlashAttention)",
+    policy.O_GATE: "o-norm and sigmoid o-gate (FLA layer_norm_gated on sm_90, FlashInfer rmsnorm_sigmoid_gate on "
+                   "sm_100)",
+    policy.MLP_ACTIVATION: "SiluAndMul (act_and_mul_kernel)",
+    policy.GEMV: "cuBLAS projection",
+    policy.ALL_REDUCE_BOUNDARY: "tensor_model_parallel_all_reduce and the boundary after it",
+    policy.PACKAGE_GEMM: "row-parallel cuBLAS projection",
+}
+# The plan's part lists and the kernel each runs on.
+PART_KERNELS = (
+    ("input_norm", policy.ROW_NORM),
+    ("context", policy.CONTEXT_CHAIN),
+    ("boundaries", policy.BOUNDARY),
+    ("qkv_fronts", policy.QKV_FRONT),
+    ("qkv_epilogues", policy.QKV_EPILOGUE),
+    ("attentions", policy.ATTENTION),
+    ("o_gates", policy.O_GATE),
+    ("mlp_activations", policy.MLP_ACTIVATION),
+    ("gemvs", policy.GEMV),
+    ("all_reduce", policy.ALL_REDUCE_BOUNDARY),
+    ("package_gemms", policy.PACKAGE_GEMM),
+)
+# Why the fused all-reduce stays stock even where vLLM's order is fixed.
+NO_MAILBOX = ("dspark-vllm does not bind dspark-comm's mailbox to vLLM's TP group yet: the branches all-reduce "
+              "through vLLM's tensor_model_parallel_all_reduce")
+
+
+def unchecked_reason(kernel: str) -> str:
+    """Why a part on ``kernel`` stays stock while the kernel is not in ``VLLM_EXACT_KERNELS``."""
+    return (f"the DSpark {kernel} kernel is not yet checked bit for bit against vLLM 0.33.0's "
+            f"{STOCK_OPS[kernel]} (issue 21)")
+
+
+def vllm_target(device, tp: int = 1, kernels: frozenset[str] | None = None) -> Target:
+    """The planner's target for ``device`` at TP ``tp``: the installed
+    kernels (or ``kernels``), the opt-in ones declined."""
+    return policy.device_target(device, tp, kernels).opt_in(frozenset())
+
+
+def _restock(part: Part | None, reason: str) -> Part | None:
+    return part if part is None or not part.fused else Part(part.name, reason=reason)
+
+
+def _mark_unchecked(plan: DraftPlan, exact: frozenset[str]) -> None:
+    for attr, kernel in PART_KERNELS:
+        if kernel in exact:
+            continue
+        value = getattr(plan, attr)
+        why = unchecked_reason(kernel)
+        if isinstance(value, list):
+            setattr(plan, attr, [_restock(p, why) for p in value])
+        else:
+            setattr(plan, attr, _restock(value, why))
+    # An o-gate planned into the attention kernel's epilogue runs its own
+    # kernel where the attention stays stock.
+    names = {p.name for p in plan.attentions if p.fused}
+    plan.o_gates = [dataclasses.replace(p, via=None) if p.via is not None and p.via not in names else p
+                    for p in plan.o_gates]
+
+
+def _all_reduce_reason(plan: DraftPlan, order: AllReduceOrder) -> str | None:
+    if order.sum_order is None:
+        return order.why
+    stock = next((b for b in plan.boundaries if not b.fused), None)
+    if stock is not None:
+        return f"{stock.name} keeps its stock modules (every rank must fuse every boundary)"
+    if plan.all_reduce.constants.sum_order != order.sum_order:
+        return f"the mailbox sums in {plan.all_reduce.constants.sum_order}, vLLM's all-reduce in {order.sum_order}"
+    return NO_MAILBOX
+
+
+def plan_vllm(draft: DraftDescription, target: Target, all_reduce: AllReduceOrder | None = None,
+              exact: frozenset[str] | None = None) -> DraftPlan:
+    """The plan of vLLM's draft ``draft`` for ``target`` (module docstring).
+    ``all_reduce``: vLLM's all-reduce at ``target.tp`` (default:
+    ``stock_all_reduce`` of the environment); ``exact``: the kernels proven
+    exact (default ``VLLM_EXACT_KERNELS``, read at call time)."""
+    plan = plan_draft(draft, target)
+    if plan.draft_reason is not None:
+        return plan
+    _mark_unchecked(plan, VLLM_EXACT_KERNELS if exact is None else frozenset(exact))
+    if plan.all_reduce is not None and plan.all_reduce.fused:
+        order = all_reduce or stock_all_reduce(target.tp, target.arch)
+        plan.all_reduce = Part(plan.all_reduce.name, reason=_all_reduce_reason(plan, order))
+    if plan.all_reduce is not None and not plan.all_reduce.fused:
+        plan.package_gemms = [_restock(p, "the all-reduce is not fused (nothing to publish into)")
+                              for p in plan.package_gemms]
+    return plan
+
+
+def plan_signature(plan: DraftPlan) -> int:
+    """A 62-bit number that differs between plans fusing different parts
+    (what the TP ranks compare before any of them runs fused)."""
+    text = repr([(p.name, p.fused, None if p.constants is None else p.constants.key()) for p in plan.parts()])
+    text += repr(plan.draft_reason)
+    value = 0
+    for ch in text.encode():
+        value = (value * 131 + ch) % (1 << 62)
+    return value
+
+
+__all__ = ["NO_MAILBOX", "PART_KERNELS", "STOCK_OPS", "VLLM_EXACT_KERNELS", "plan_signature", "plan_vllm",
+           "unchecked_reason", "vllm_target"]

@@ -1,0 +1,179 @@
+"""dspark-core's executor (``DraftDecode``) over vLLM's own module objects,
+and the plugin's class that runs it, on the CPU.
+
+What is stubbed: the DSpark kernels (their host classes, ``_stubs``: each
+built from its constants and the tensors the executor binds, computing
+vLLM's stock op for its part with vLLM's modules), and the GPU kernels vLLM
+itself has no CPU path for (``_draft``'s CPU patches). What is real: vLLM's
+draft class, loader, layers, linear layers, embedding, forward context, KV
+cache views, and dspark-core's executor, planner and constants. So a decode
+equal to vLLM's forward here shows that the description's stock calls are
+vLLM's layer split exactly and that the constants and bound tensors carry
+everything each part needs; it says nothing of the CuTe kernels' numerics
+(issue 21) or of a GPU."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import _draft  # noqa: E402
+import _stubs  # noqa: E402
+import torch  # noqa: E402
+
+from dspark_core.planner import policy  # noqa: E402
+from dspark_core.runtime.decode import DraftDecode  # noqa: E402
+from dspark_vllm import deployment, planning, runtime  # noqa: E402
+from dspark_vllm.adapter import describe_vllm  # noqa: E402
+
+GPU = policy.Target(kernels=policy.ALL_KERNELS).opt_in(frozenset())
+CTX, M = 7, 4
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    from dspark_vllm.plugin import register
+
+    register()
+    return _draft.checkpoint_dir(tmp_path_factory, "executor")
+
+
+@pytest.fixture(scope="module")
+def stock(dirs):
+    built = _draft.build(*dirs, "auto")
+    runtime.pin_rope_tables(built.model.model)  # (what the stock profiling run does first)
+    return built, _draft.run_block(built.model, built.config, CTX, M)
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+@pytest.fixture
+def vllm_log():
+    records, log = Records(), logging.getLogger("vllm.dspark")
+    level = log.level
+    log.addHandler(records)
+    log.setLevel(logging.INFO)
+    yield records.lines
+    log.removeHandler(records)
+    log.setLevel(level)
+
+
+def _decode_block(built, decode, m=M):
+    """One block through ``decode``: the context chain (fused where it takes it), then ``decode.run``."""
+    model = built.model
+    caches = _draft.kv_caches(model, built.config)
+    with torch.inference_mode():
+        states, positions, slots = _draft.context_states(model, CTX), torch.arange(CTX), _draft.context_slots(CTX)
+        if not decode.store_context_kv(states, positions, slots):
+            model.precompute_and_store_context_kv(states, positions, slots)
+        with _draft.step(model, built.config, _draft.query_ids(m), CTX):
+            hidden = decode.run(model.model.embed_input_ids(_draft.query_ids(m)), torch.arange(CTX, CTX + m))
+    return hidden, [c.clone() for c in caches]
+
+
+def _assert_same(got, want):
+    assert torch.equal(got[0], want[0]), (got[0].float() - want[0].float()).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
+def test_the_executors_stock_calls_are_vllms_forward(stock):
+    """Every part stock: the executor's split (projection, QK-norm/RoPE/insert,
+    attention over the cache, o-gate, output GEMM, boundaries, MLP) over
+    vLLM's modules gives vLLM's forward and KV cache bit for bit."""
+    built, want = stock
+    draft = describe_vllm(built.model.model)
+    decode = DraftDecode(draft, planning.plan_vllm(draft, GPU, exact=frozenset()), kernels={})
+    decode.prepare()
+    _assert_same(_decode_block(built, decode), want)
+
+
+def test_the_fused_path_with_stub_kernels_is_vllms_forward(stock):
+    built, want = stock
+    draft = describe_vllm(built.model.model)
+    plan = planning.plan_vllm(draft, GPU, exact=policy.ALL_KERNELS)
+    decode = DraftDecode(draft, plan, kernels=_stubs.KERNELS)
+    decode.prepare()
+    _stubs.CALLS.clear()
+    _assert_same(_decode_block(built, decode), want)
+    kinds = [c[0] for c in _stubs.CALLS]
+    assert kinds[:2] == ["context_chain", "row_norm"]
+    assert {k: kinds.count(k) for k in set(kinds)} == {"context_chain": 1, "row_norm": 1, "boundary": 4,
+                                                       "qkv_epilogue": 2, "o_gate": 2, "mlp_activation": 2}
+    assert ("boundary", M, False) == _stubs.CALLS[-1]  # the last boundary stores no stream
+
+
+def test_rows_the_kernels_do_not_take_run_stock_and_say_so_once(stock, caplog):
+    built, _ = stock
+    draft = describe_vllm(built.model.model)
+    decode = DraftDecode(draft, planning.plan_vllm(draft, GPU, exact=policy.ALL_KERNELS), kernels=_stubs.KERNELS)
+    decode.prepare()
+    m = policy.MAX_DECODE_ROWS + 1
+    want = _draft.run_block(built.model, built.config, CTX, m)
+    _stubs.CALLS.clear()
+    with caplog.at_level(logging.WARNING, logger="dspark.decode"):
+        _assert_same(_decode_block(built, decode, m), want)
+        _decode_block(built, decode, m)
+    assert [c[0] for c in _stubs.CALLS] == ["context_chain", "context_chain"]  # (the chain takes any T)
+    assert caplog.text.count(f"layer 0's attention boundary ran stock: {m} rows, more than 16") == 1
+
+
+def _specialized(dirs, monkeypatch, exact):
+    """The plugin's class with latency_specialized, as on a GPU deployment:
+    the deployment check passed (it refuses this CPU), the plan's target an
+    H200 with every kernel, the given kernels taken as checked against vLLM,
+    the kernels the stubs."""
+    monkeypatch.setattr(deployment, "check_deployment", lambda config: None)
+    monkeypatch.setattr(planning, "vllm_target", lambda device, tp=1, kernels=None: GPU.replace(tp=tp))
+    monkeypatch.setattr(planning, "VLLM_EXACT_KERNELS", exact)
+    monkeypatch.setattr(runtime, "kernel_classes", lambda names: {n: _stubs.KERNELS[n] for n in names})
+    return _draft.build(*dirs, "latency_specialized")
+
+
+def test_the_plugin_class_runs_the_decode_where_it_takes_the_call(dirs, stock, monkeypatch, vllm_log):
+    from vllm.forward_context import set_forward_context
+
+    from dspark_vllm.model import DSparkMuseSparkDSparkForCausalLM
+
+    built = _specialized(dirs, monkeypatch, policy.ALL_KERNELS)
+    model = built.model
+    assert type(model) is DSparkMuseSparkDSparkForCausalLM and model.dspark.decode is not None
+    assert model.dspark.draft.layers[0].attention.qkv_weight is model.model.layers[0].self_attn.qkv_proj.weight
+    _stubs.CALLS.clear()
+    _assert_same(_draft.run_block(model, built.config, CTX, M), stock[1])
+    assert len(_stubs.CALLS) == 12  # the context chain and the 11 fused launches of the block
+    # The memory-profiling run (no attention metadata, no cache bound) and steps beyond 16 rows: vLLM's forward.
+    _stubs.CALLS.clear()
+    ids, positions = torch.full((8,), _draft.MASK_ID), torch.arange(8)
+    with torch.inference_mode(), set_forward_context(None, built.config, num_tokens=8):
+        model.precompute_and_store_context_kv(_draft.context_states(model, 8), positions)
+        model(input_ids=ids, positions=positions, inputs_embeds=None)
+    assert _stubs.CALLS == []
+    m = policy.MAX_DECODE_ROWS + 1
+    _assert_same(_draft.run_block(model, built.config, CTX, m), _draft.run_block(stock[0].model, stock[0].config,
+                                                                                  CTX, m))
+    assert [c[0] for c in _stubs.CALLS] == ["context_chain"]
+    assert "INFO DSpark draft: layer 0's attention, layer 1's attention stay stock: vLLM's CPU_ATTN attention " \
+           "backend runs it; no DSpark kernel reproduces that backend's arithmetic." in vllm_log
+    assert any(line.startswith("INFO The DSpark draft runs 12 of 14 planned parts fused (kernels boundary, "
+                               "context_chain, mlp_activation, o_gate, qkv_epilogue, row_norm)") for line in vllm_log)
+    assert f"INFO A DSpark draft step of {m} rows runs vLLM's stock forward: the kernels take 1 to 16 rows a " \
+           "call." in vllm_log
+
+
+def test_with_no_kernel_checked_the_plugin_class_keeps_vllms_forward(dirs, stock, monkeypatch, vllm_log):
+    built = _specialized(dirs, monkeypatch, frozenset())
+    assert built.model.dspark.decode is None and built.model.dspark.plan.fused_count() == (0, 14)
+    _assert_same(_draft.run_block(built.model, built.config, CTX, M), stock[1])
+    assert "INFO The DSpark draft runs vLLM's stock forward: 0 of 14 planned parts fused." in vllm_log
+    assert any("the DSpark boundary kernel is not yet checked bit for bit against vLLM 0.33.0's" in line
+               for line in vllm_log)
