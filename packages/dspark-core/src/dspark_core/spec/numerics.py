@@ -11,12 +11,14 @@ kernel, so nothing contracts). On top of them:
 - the approximate instructions the stock kernels use, named after them:
   ``rsqrt_approx_ftz`` (``rsqrt.approx.ftz.f32``, MUFU.RSQ),
   ``rsqrt_approx`` (``rsqrtf``: MUFU.RSQ with its subnormal scaling),
-  ``sqrt_approx_ftz``, ``div_full`` (``div.full.f32``), ``ex2_approx`` /
+  ``sqrt_approx_ftz``, ``rcp_full`` (``div.full.f32(1, x)``), ``ex2_approx`` /
   ``ex2_approx_ftz``, ``rcp_approx_ftz`` and ``expf`` (CUDA's accurate
   ``expf``, itself built on MUFU.EX2). On a CUDA tensor each runs that very
   instruction (one NVRTC-compiled elementwise kernel with inline PTX,
   ``torch.cuda.jiterator``); on a CPU tensor it runs the IEEE operation the
-  instruction approximates, which may differ from the GPU in the last bits.
+  instruction approximates (square roots correctly rounded, through FP64:
+  the CPU ``torch.sqrt`` of FP32 is not), which may differ from the GPU in
+  the last bits.
 
 So the spec is **bit for bit the stock on CUDA**, and on a CPU bit for bit
 except where an approximate instruction enters (a norm's reciprocal square
@@ -163,6 +165,14 @@ def _device_op(name: str, x: torch.Tensor, cpu) -> torch.Tensor:
     return cpu(x)
 
 
+def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The IEEE (correctly rounded) FP32 square root: the FP64 root rounded
+    to FP32 (exact rounding: 53 >= 2 * 24 + 2). The CPU ``torch.sqrt`` of an
+    FP32 tensor is not correctly rounded (about 9 % of [1, 2) one ulp off,
+    torch 2.13 CPU, AVX512)."""
+    return torch.sqrt(x.double()).to(F32)
+
+
 def _flush(x: torch.Tensor) -> torch.Tensor:
     """``.ftz``: a subnormal input is read as zero of its sign."""
     tiny = torch.abs(x) < 2.0**-126
@@ -171,19 +181,19 @@ def _flush(x: torch.Tensor) -> torch.Tensor:
 
 def rsqrt_approx_ftz(x: torch.Tensor) -> torch.Tensor:
     """``rsqrt.approx.ftz.f32`` (MUFU.RSQ; CPU: IEEE ``1 / sqrt`` of the flushed input)."""
-    return _device_op("rsqrt_approx_ftz", x, lambda v: 1.0 / torch.sqrt(_flush(v)))
+    return _device_op("rsqrt_approx_ftz", x, lambda v: 1.0 / _sqrt_rn(_flush(v)))
 
 
 def rsqrt_approx(x: torch.Tensor) -> torch.Tensor:
     """CUDA's ``rsqrtf`` (MUFU.RSQ, a subnormal input scaled by 2^24 first and
     the result by 2^12; the same as the ftz form on normal inputs; CPU: IEEE
     ``1 / sqrt``). ``torch.rsqrt`` on CUDA is this."""
-    return _device_op("rsqrt_approx", x, lambda v: 1.0 / torch.sqrt(v))
+    return _device_op("rsqrt_approx", x, lambda v: 1.0 / _sqrt_rn(v))
 
 
 def sqrt_approx_ftz(x: torch.Tensor) -> torch.Tensor:
     """``sqrt.approx.ftz.f32`` (MUFU.SQRT; CPU: IEEE ``sqrt`` of the flushed input)."""
-    return _device_op("sqrt_approx_ftz", x, lambda v: torch.sqrt(_flush(v)))
+    return _device_op("sqrt_approx_ftz", x, lambda v: _sqrt_rn(_flush(v)))
 
 
 def rcp_full(x: torch.Tensor) -> torch.Tensor:
