@@ -162,8 +162,8 @@ def test_the_plugin_class_runs_the_decode_where_it_takes_the_call(dirs, stock, m
     _assert_same(_draft.run_block(model, built.config, CTX, m), _draft.run_block(stock[0].model, stock[0].config,
                                                                                   CTX, m))
     assert [c[0] for c in _stubs.CALLS] == ["context_chain"]
-    assert "INFO DSpark draft: layer 0's attention, layer 1's attention stay stock: vLLM's CPU_ATTN attention " \
-           "backend runs it; no DSpark kernel reproduces that backend's arithmetic." in vllm_log
+    assert "INFO The DSpark draft keeps vLLM's stock code for layer 0's attention, layer 1's attention: vLLM's " \
+           "CPU_ATTN attention backend runs it; no DSpark kernel reproduces that backend's arithmetic." in vllm_log
     assert any(line.startswith("INFO The DSpark draft runs 12 of 14 planned parts fused (kernels boundary, "
                                "context_chain, mlp_activation, o_gate, qkv_epilogue, row_norm)") for line in vllm_log)
     assert f"INFO A DSpark draft step of {m} rows runs vLLM's stock forward: the kernels take 1 to 16 rows a " \
@@ -174,6 +174,6 @@ def test_with_no_kernel_checked_the_plugin_class_keeps_vllms_forward(dirs, stock
     built = _specialized(dirs, monkeypatch, frozenset())
     assert built.model.dspark.decode is None and built.model.dspark.plan.fused_count() == (0, 14)
     _assert_same(_draft.run_block(built.model, built.config, CTX, M), stock[1])
-    assert "INFO The DSpark draft runs vLLM's stock forward: 0 of 14 planned parts fused." in vllm_log
+    assert "WARNING The DSpark draft runs vLLM's stock forward: 0 of 14 planned parts fused." in vllm_log
     assert any("the DSpark boundary kernel is not yet checked bit for bit against vLLM 0.33.0's" in line
                for line in vllm_log)

@@ -23,7 +23,7 @@ import torch
 from vllm.models.muse_spark.common.dspark import MuseSparkDSparkForCausalLM
 
 from dspark_vllm import deployment
-from dspark_vllm.runtime import SpecializedDecode
+from dspark_vllm.runtime import SpecializedDecode, logger
 
 
 class DSparkMuseSparkDSparkForCausalLM(MuseSparkDSparkForCausalLM):
@@ -43,6 +43,8 @@ class DSparkMuseSparkDSparkForCausalLM(MuseSparkDSparkForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         self.decode_backend = deployment.decode_backend(vllm_config)
         deployment.check_deployment(vllm_config)
+        logger.info("decode_backend=latency_specialized: the deployment check passed; the DSpark draft decode is "
+                    "planned and built once the draft's weights are loaded.")
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.dspark = SpecializedDecode(self, vllm_config)
 

@@ -126,7 +126,7 @@ def _log_plan(plan: DraftPlan) -> None:
         if not part.fused and not part.declined:
             reasons.setdefault(part.reason, []).append(part.name)
     for reason, names in reasons.items():
-        logger.info("DSpark draft: %s stay stock: %s.", ", ".join(names), reason)
+        logger.info("The DSpark draft keeps vLLM's stock code for %s: %s.", ", ".join(names), reason)
 
 
 class SpecializedDecode:
@@ -165,7 +165,7 @@ class SpecializedDecode:
             return
         fused, total = plan.fused_count()
         if plan.draft_reason is not None or fused == 0:
-            logger.info("The DSpark draft runs vLLM's stock forward: 0 of %d planned parts fused.", total)
+            logger.warning("The DSpark draft runs vLLM's stock forward: 0 of %d planned parts fused.", total)
             return
         names = fused_kernels(plan)
         kernels = dict(self.kernels) if self.kernels is not None else kernel_classes(names)
