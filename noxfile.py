@@ -5,6 +5,7 @@ CPU (they install what they need into their own virtualenvs):
                            kernels compiled for sm_90a and sm_100a with CuTe DSL 4.3.5
     nox -s compile-cute48  the CuTe DSL compile checks again under 4.8.0 (vLLM 0.33's pin) and 4.8.1
     nox -s lint            ruff
+    nox -s tests-vllm      the vLLM plugin's tests against the real vLLM 0.33.0 (DSPARK_VLLM: the requirement)
 
 GPU (run with the interpreter at hand, nothing installed: a device machine has
 no network; the packages' src/ folders go on PYTHONPATH):
@@ -66,6 +67,18 @@ def compile_cute48(session: nox.Session, cute: str) -> None:
     pin) and 4.8.1 (the newest release as of 2026-11-30)."""
     _install(session, f"nvidia-cutlass-dsl=={cute}")
     session.run("python", "-m", "pytest", "-m", "compile", *TEST_DIRS, *session.posargs, success_codes=[0, 5])
+
+
+@nox.session(name="tests-vllm")
+def tests_vllm(session: nox.Session) -> None:
+    """dspark-vllm's tests against the real vLLM (``DSPARK_VLLM``, default
+    vllm==0.33.0, with its own pins: about 4.5 GB of wheels, ten minutes to
+    install on two cores), our four packages over it without their own
+    dependencies (vLLM's torch and CuTe DSL 4.8.0 serve them)."""
+    session.install(os.environ.get("DSPARK_VLLM", "vllm==0.33.0"))
+    session.install("pytest>=8", "safetensors")
+    session.install("--no-deps", *[f"-e./packages/{p}" for p in PACKAGES])
+    session.run("python", "-m", "pytest", "packages/dspark-vllm/tests", *session.posargs)
 
 
 @nox.session

@@ -127,6 +127,13 @@ def test_rows_the_kernels_do_not_take_run_stock_and_say_so_once(stock, caplog):
     assert caplog.text.count(f"layer 0's attention boundary ran stock: {m} rows, more than 16") == 1
 
 
+def test_the_executors_log_reaches_vllms_logger(vllm_log):
+    runtime.forward_core_logs()
+    runtime.forward_core_logs()  # once per process
+    logging.getLogger("dspark.decode").info("layer 0's o-gate ran stock: a test record")
+    assert vllm_log.count("INFO layer 0's o-gate ran stock: a test record") == 1
+
+
 def _specialized(dirs, monkeypatch, exact):
     """The plugin's class with latency_specialized, as on a GPU deployment:
     the deployment check passed (it refuses this CPU), the plan's target an

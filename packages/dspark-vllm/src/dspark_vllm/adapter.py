@@ -30,6 +30,7 @@ from vllm.lora.layers.base import BaseLayerWithLoRA
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention.attention import Attention as VllmAttention
 from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
+from vllm.model_executor.layers.fusion.fused_act_quant import maybe_fused_act_quant
 from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.models.llama import LlamaMLP
@@ -186,6 +187,11 @@ def _structure_unsupported(model, layers) -> str | None:
                     "executor inserts before attending")
         if type(mlp) is not LlamaMLP or _overridden(mlp, LlamaMLP, "forward"):
             return f"layer {i}'s feed-forward is not a dense LlamaMLP ({type(mlp).__name__}, e.g. MoE)"
+        for what, linear in (("output", attn.o_proj), ("down", mlp.down_proj)):
+            if not (type(linear) is RowParallelLinear and not _overridden(linear, RowParallelLinear, "forward")
+                    and linear.input_is_parallel and linear.reduce_results and linear.bias is None):
+                return (f"layer {i}'s {what} projection is not a bias-free RowParallelLinear all-reduced over the TP "
+                        "group, which the executor's branch all-reduce assumes")
     return None
 
 
@@ -297,7 +303,8 @@ def _mlp(mlp, tp: int, hidden: int) -> D.MLP:
         intermediate_size=int(mlp.down_proj.input_size_per_partition),
         forward=mlp,
         project_gate_up=lambda x: mlp.gate_up_proj(x)[0],
-        activation=mlp.act_fn,
+        # LlamaMLP's activation: fused with the down projection's input quantization where that applies.
+        activation=lambda gu: maybe_fused_act_quant(mlp.act_fn, gu, mlp.down_proj),
         project_down=lambda h: partial(mlp.down_proj, h),
         unsupported=why,
     )
