@@ -27,7 +27,7 @@ def dirs(tmp_path_factory):
     return _draft.checkpoint_dir(tmp_path_factory, "deployment")[:2]
 
 
-def _gpu_like(dirs, **changes):
+def _gpu_like(dirs):
     """A config as a GPU deployment would have it: eager layers with FULL decode graphs."""
     from vllm.config import CUDAGraphMode
 
