@@ -5,7 +5,7 @@ row-parallel projection added after its all-reduce (as in models whose
 ``AddBiasEpilogue``: ``out = bf16(allreduce(x) + bias)``, the sum widened to
 FP32, one ``add.rn.f32`` with the BF16 bias widened, one ``cvt.rn`` to BF16;
 bit for bit ``(stock_all_reduce(x).float() + bias.float()).to(bfloat16)``.
-The README shows it in use.
+The README shows it in use (a test helper: the two-GPU suite runs it).
 """
 
 from __future__ import annotations

@@ -245,7 +245,9 @@ def check_boundary(c):
 
 
 def check_published(c):
-    from dspark_comm.cutedsl.allreduce import FusedAllReduce, Publisher, StoreEpilogue
+    from publisher import Publisher
+
+    from dspark_comm.cutedsl.allreduce import FusedAllReduce, StoreEpilogue
     from dspark_core.contracts.constants import FP32_RANK_ORDER
     from dspark_core.spec.layers import residual_boundary
 
@@ -276,8 +278,9 @@ def check_published(c):
 
 
 def check_bias_epilogue(c):
+    from bias_epilogue import AddBiasEpilogue
+
     from dspark_comm.cutedsl.allreduce import FusedAllReduce
-    from dspark_comm.examples import AddBiasEpilogue
 
     fused = FusedAllReduce(c.mb, AddBiasEpilogue())
     bias = random_rows(torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 8), 1)[0].contiguous()

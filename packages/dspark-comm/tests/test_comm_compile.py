@@ -109,8 +109,10 @@ def test_boundary_compiles(arch, tp, order, stream_bf16, store, post, pre, tmp_p
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 def test_publish_and_example_compile(arch, tmp_path):
-    from dspark_comm.cutedsl.allreduce import AllReduceKernel, PublishKernel, all_reduce_fake_args, publish_fake_args
-    from dspark_comm.examples import AddBiasEpilogue
+    from bias_epilogue import AddBiasEpilogue
+    from publisher import PublishKernel, publish_fake_args
+
+    from dspark_comm.cutedsl.allreduce import AllReduceKernel, all_reduce_fake_args
     from dspark_cute.runtime.host import compile_ptx
 
     layout = MailboxLayout(4, H, 16)
@@ -154,16 +156,17 @@ def test_host_refuses_bad_calls():
     from dspark_comm.cutedsl.allreduce import FusedAllReduce, StoreEpilogue
 
     fused = FusedAllReduce(_fake_mailbox(), StoreEpilogue())
-    assert fused.takes(16) and not fused.takes(17) and not fused.takes(0)
+    assert fused.takes_rows(16) and not fused.takes_rows(17) and not fused.takes_rows(0)
     with pytest.raises(ValueError, match="capacity of 16"):
-        fused.launch(17, None, (0,))
+        fused.run(17, None, (0,))
     with pytest.raises(ValueError, match="operands"):
-        fused.launch(4, None, ())
+        fused.run(4, None, ())
     with pytest.raises(ValueError, match="contiguous CUDA"):
-        fused.launch(4, torch.zeros(4, H, dtype=torch.bfloat16), (0,))
+        fused.run(4, torch.zeros(4, H, dtype=torch.bfloat16), (0,))
+    assert not fused.takes(4, torch.zeros(4, H, dtype=torch.bfloat16), (0,))
     published = FusedAllReduce(_fake_mailbox(), StoreEpilogue(), published=True)
     with pytest.raises(ValueError, match="published"):
-        published.launch(4, torch.zeros(4, H, dtype=torch.bfloat16), (0,))
+        published.run(4, torch.zeros(4, H, dtype=torch.bfloat16), (0,))
     with pytest.raises(ValueError, match="sum order"):
         FusedAllReduce(_fake_mailbox(), StoreEpilogue(), "fp16")
     with pytest.raises(ValueError, match="Epilogue"):

@@ -554,8 +554,10 @@ def test_compile_cache_keyed_by_constants(monkeypatch):
         built.append(obj)
         return object()
 
-    monkeypatch.setattr(pg, "compile_kernel", fake_compile)
-    monkeypatch.setattr(pg, "_CACHE", type(pg._CACHE)())
+    from dspark_cute.runtime import host
+
+    monkeypatch.setattr(host, "compile_kernel", fake_compile)
+    monkeypatch.setattr(pg._compile_package_gemm, "cache", {})
     a = _constants("o_proj", 8192, 1024)
     cfg = sg.SkinnyConfig(1024, 4, 4, 2)
     layout = MailboxLayout(2, 8192, 16)

@@ -5,8 +5,7 @@ the median over ``--replays`` replays, divided by ``--reps``), for H = 8192
 and each row count ``m``:
 
 - ``DraftBoundary`` (FP32 stream, new stream stored, BF16 weights; its
-  default variant, and at up to one row per SM split over a cluster:
-  "split") and ``RowNorm`` (BF16 in/out, BF16 weight);
+  default variant) and ``RowNorm`` (BF16 in/out, BF16 weight);
 - the stock eager chain (``dspark_core.spec.layers``: ``residual_boundary``, and
   ``RMSNorm``), captured in a graph too;
 - the same chains under ``torch.compile`` (Inductor, dynamic shapes; skip
@@ -76,15 +75,9 @@ def build(gen):
         boundary_constants(post, conn, pre, H), conn.alpha, conn.beta, post.weight, pre.weight
     )
     boundary.prepare(stream_dtypes=(torch.float32,), store_stream=(True,))
-    # The same boundary split over a cluster wherever it loads its gates early.
-    split = DraftBoundary(
-        boundary_constants(post, conn, pre, H), conn.alpha, conn.beta, post.weight, pre.weight,
-        split_rows=10**6,
-    )
-    split.prepare(stream_dtypes=(torch.float32,), store_stream=(True,))
     row_norm = RowNorm(row_norm_constants(pre, H), pre.weight)
     row_norm.prepare()
-    return post, conn, pre, boundary, split, row_norm
+    return post, conn, pre, boundary, row_norm
 
 
 def copy_bandwidth(replays: int) -> float:
@@ -95,7 +88,7 @@ def copy_bandwidth(replays: int) -> float:
     return 2 * src.numel() * src.element_size() / us / 1e3
 
 
-def time_rows(m, gen, args, boundaries, row_norm, stock_boundary, stock_norm, compiled_boundary,
+def time_rows(m, gen, args, boundary, row_norm, stock_boundary, stock_norm, compiled_boundary,
               compiled_norm) -> dict:
     """The timings of every method at ``m`` rows (us) and the fused kernels'
     bandwidth (GB/s of row operands; the constants, a few hundred KB, are
@@ -105,13 +98,9 @@ def time_rows(m, gen, args, boundaries, row_norm, stock_boundary, stock_norm, co
     out = torch.empty((m, H), dtype=torch.bfloat16, device="cuda")
     new_stream = torch.empty((m, H), dtype=torch.float32, device="cuda")
     norm_out = torch.empty((m, H), dtype=torch.bfloat16, device="cuda")
-    boundary, split = boundaries
     row = {"m": m, "variant": boundary.variant(m, stream.dtype, True)}
     row["boundary"] = time_graph(
         lambda: boundary.launch(branch, stream, True, out, new_stream), args.reps, args.replays
-    )
-    row["split"] = time_graph(
-        lambda: split.launch(branch, stream, True, out, new_stream), args.reps, args.replays
     )
     row["norm"] = time_graph(lambda: row_norm.launch(branch, norm_out), args.reps, args.replays)
     reps = max(2, args.reps // 4)
@@ -144,7 +133,7 @@ def main(argv=None) -> int:
     from dspark_core.spec.layers import residual_boundary
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    post, conn, pre, boundary, split, row_norm = build(gen)
+    post, conn, pre, boundary, row_norm = build(gen)
     floor = time_graph(empty_kernel(), args.reps, args.replays)
 
     def stock_boundary(b, s):
@@ -161,7 +150,7 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth(args.replays)
     results = []
     for m in args.rows:
-        row = time_rows(m, gen, args, (boundary, split), row_norm, stock_boundary, stock_norm,
+        row = time_rows(m, gen, args, boundary, row_norm, stock_boundary, stock_norm,
                         compiled_boundary, compiled_norm)
         results.append(row)
         print(row, flush=True)
@@ -185,16 +174,16 @@ def render(results, floor: float, copy_bw: float) -> str:
         f"H = {H}, {name}; CUDA graphs, median us per call. Empty kernel: {floor:.2f} us. "
         f"D2D copy: {copy_bw:.0f} GB/s.",
         "",
-        "| m | boundary | split | eager | Inductor | vs eager | vs Inductor | GB/s (% copy) "
+        "| m | boundary | eager | Inductor | vs eager | vs Inductor | GB/s (% copy) "
         "| row norm | eager | Inductor | vs Inductor | GB/s (% copy) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ib, inorm = r.get("inductor_boundary"), r.get("inductor_norm")
         vs_ib = "-" if ib is None else f"{ib / r['boundary']:.2f}x"
         vs_inorm = "-" if inorm is None else f"{inorm / r['norm']:.2f}x"
         lines.append(
-            f"| {r['m']} | {_fmt(r['boundary'])} | {_fmt(r['split'])} | {_fmt(r['eager_boundary'])} "
+            f"| {r['m']} | {_fmt(r['boundary'])} | {_fmt(r['eager_boundary'])} "
             f"| {_fmt(ib)} "
             f"| {r['eager_boundary'] / r['boundary']:.1f}x | {vs_ib} "
             f"| {r['boundary_gbs']:.0f} ({100 * r['boundary_gbs'] / copy_bw:.0f}%) "
@@ -217,8 +206,6 @@ def plot(results, floor: float, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, kind in zip(axes, ("boundary", "norm")):
         keys = [(kind, "CuTe (fused)"), (f"eager_{kind}", "eager"), (f"inductor_{kind}", "Inductor")]
-        if kind == "boundary":
-            keys.insert(1, ("split", "CuTe, row split over a cluster"))
         for key, label in keys:
             if all(key in r for r in results):
                 ax.plot(ms, [r[key] for r in results], marker="o", label=label)

@@ -155,13 +155,14 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     args = parser.parse_args()
 
+    from dspark_core.reference.adapter import describe
     from dspark_cute.cutedsl.context.chain import ContextChain
 
     # The stock code's graph breaks (host reads) would fill the log.
     torch._logging.set_logs(dynamo=logging.ERROR)
     torch.manual_seed(0)
     model = build(args)
-    chain = ContextChain(model)
+    chain = ContextChain.of_draft(describe(model))
     chain.prepare()
     compiled = {}
     if not args.no_compile:

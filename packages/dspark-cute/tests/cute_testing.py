@@ -219,3 +219,12 @@ def stock_attention(config, gen: torch.Generator):
         qw[5], qw[17] = -0.0, -1.5
         attn.q_norm.weight.data.copy_(qw.to(bf16))
     return attn, (rotary.cos_sin if rotary is not None else None)
+
+
+def refuse(kernel, *operands, **options) -> None:
+    """ValueError with ``kernel.problem(*operands)``'s sentence where the
+    kernel does not take the operands (the host classes' contract), else
+    nothing: the operand checks alone, with no launch."""
+    problem = kernel.problem(*operands, **options)
+    if problem is not None:
+        raise ValueError(problem)

@@ -10,16 +10,13 @@ Compiled here (each for sm_90a and for sm_100a):
   pairs x 16 flag sets) takes minutes: all 16 flag sets (stream BF16/FP32,
   store stream, late gates, PDL) for two norm pairs, and every norm kind on
   each side (7 post, 7 pre) with the flags rotating through the 16;
-- the boundary split over a cluster (few rows): all 8 flag sets (stream
-  BF16/FP32, store stream, PDL) for three norm pairs.
 
 The audit, per kernel: no ``fma`` (the spec has none), no ``.ftz``, no
 ``rsqrt``/``.approx``; every global load and store a 16-byte
 ``ld/st.global.v4.b32`` and their counts those of the layout; no local
 memory (spills); per norm one barrier, 5 butterfly shuffles, 2 divisions and
 1 square root; the PDL wait placed after the constant loads (early gates)
-or before every load (late gates); split, per norm one cluster barrier and a
-distributed-shared-memory read per rank, and a last barrier before exit.
+or before every load (late gates).
 """
 
 from __future__ import annotations
@@ -39,12 +36,9 @@ pytestmark = pytest.mark.compile
 ARCHS = ["sm_90a", "sm_100a"]
 H = 8192
 FRAGS = H // 2048
-def audit(
-    ptx: str, loads: int, stores: int, norms: int, early_loads: int | None, ranks: int = 0
-) -> None:
+def audit(ptx: str, loads: int, stores: int, norms: int, early_loads: int | None) -> None:
     """The PTX audit (module docstring); ``early_loads``: global loads
-    expected before ``griddepcontrol.wait`` (None: no PDL); ``ranks``: the
-    CTAs of a split row's cluster (0: not split)."""
+    expected before ``griddepcontrol.wait`` (None: no PDL)."""
     body = "\n".join(line.split("//")[0] for line in ptx.splitlines())
     audit_forbidden(body)
     global_ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", body)
@@ -55,12 +49,7 @@ def audit(
     assert count(body, r"\bshfl\.sync\.bfly\.b32") == 5 * norms
     assert count(body, r"\bdiv\.rn\.f32") == 2 * norms
     assert count(body, r"\bsqrt\.rn\.f32") == norms
-    # A split row: per norm one cluster barrier and a read of each rank's
-    # fragment sums, and one more barrier before the CTA exits.
-    barriers = norms + 1 if ranks else 0
-    assert count(body, r"\bbarrier\.cluster\.arrive\.release\.aligned") == barriers
-    assert count(body, r"\bbarrier\.cluster\.wait\.acquire\.aligned") == barriers
-    assert count(body, r"\bld\.shared::cluster\.f32") == ranks * norms
+    assert "barrier.cluster" not in body and "shared::cluster" not in body
     if early_loads is None:
         assert "griddepcontrol" not in body
     else:
@@ -127,49 +116,6 @@ def test_boundary_compiles(arch, post, pre, flags):
         norms=2,
         early_loads=(0 if late else gates) if pdl else None,
     )
-
-
-SPLIT_VARIANTS = [
-    (pair, flags)
-    for pair in ((2, 1), (5, 6), (0, 3))
-    for flags in itertools.product((False, True), repeat=3)  # stream_bf16, store, pdl
-]
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("pair,flags", SPLIT_VARIANTS)
-def test_split_boundary_compiles(arch, pair, flags):
-    """The boundary split over a cluster (few rows; one fragment per CTA)."""
-    from dspark_cute.cutedsl.norms.boundary import BoundaryKernel, fake_args
-    from dspark_cute.runtime.host import compile_ptx
-
-    stream_bf16, store, pdl = flags
-    post, pre = norm_constants(pair[0]), norm_constants(pair[1])
-    c = BoundaryConstants(hidden_size=H, post=post, pre=pre)
-    kernel = BoundaryKernel(c, stream_bf16, store, False, pdl, split=True)
-    assert kernel.ranks == FRAGS
-    ptx = compile_ptx(kernel, *fake_args(c, stream_bf16), arch=arch)
-    gates = 2 * WORDS["fp32"] + sum(WORDS[n.weight_dtype] for n in (post, pre) if n.weight_dtype)
-    rows = WORDS["bf16"] + WORDS["bf16" if stream_bf16 else "fp32"]
-    audit(
-        ptx,
-        loads=gates + rows,
-        stores=WORDS["bf16"] + (WORDS["fp32"] if store else 0),
-        norms=2,
-        early_loads=gates if pdl else None,
-        ranks=FRAGS,
-    )
-
-
-def test_split_needs_early_gates_and_a_cluster_size():
-    from dspark_cute.cutedsl.norms.boundary import BoundaryKernel, split_ranks
-
-    c = BoundaryConstants(hidden_size=H, post=norm_constants(1), pre=norm_constants(2))
-    assert [split_ranks(h) for h in (2048, 4096, 8192, 16384, 18432)] == [1, 2, 4, 8, 1]
-    with pytest.raises(ValueError, match="early"):
-        BoundaryKernel(c, False, False, True, True, split=True)
-    with pytest.raises(ValueError, match="fragments"):
-        BoundaryKernel(BoundaryConstants(2048, c.post, c.pre), False, False, False, True, split=True)
 
 
 def test_compile_cache_keys_keep_signed_zero_apart():

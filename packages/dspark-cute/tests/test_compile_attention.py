@@ -35,10 +35,11 @@ import re
 
 import pytest
 import torch
-from cute_testing import audit_forbidden, has_f32_constant
+from cute_testing import audit_forbidden, has_f32_constant, refuse
 from ptx_audit import code, count, ptxas_report, spill_bytes
 
 from dspark_core.contracts.constants import AttentionConstants
+from dspark_core.planner.policy import DEFAULT_STAGED_SLOTS
 from dspark_cute.cutedsl.attention.common import PREFETCH_GROUP
 
 ARCHS = ["sm_90a", "sm_100a"]
@@ -108,12 +109,12 @@ def audit(body: str, slot: str, pdl: bool) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=_name)
 def test_attention_compiles(arch, variant, tmp_path):
-    from dspark_cute.cutedsl.attention.direct import PagedAttentionKernel, fake_args
+    from dspark_cute.cutedsl.attention.direct import DirectAttentionKernel, fake_args
     from dspark_cute.runtime.host import compile_ptx
 
     h, kv, bs, slot, pdl = variant
     c = AttentionConstants(num_heads=h, kv_heads=kv, head_dim=64, block_size=bs, slot_dtype=slot)
-    ptx = compile_ptx(PagedAttentionKernel(c, pdl), *fake_args(c), arch=arch)
+    ptx = compile_ptx(DirectAttentionKernel(c, pdl), *fake_args(c), arch=arch)
     assert f".target {arch}" in ptx
     audit(code(ptx), slot, pdl)
     report = ptxas_report(ptx, arch, tmp_path)
@@ -134,23 +135,25 @@ def test_constants_compare_by_value():
 
 
 def test_constructor_refuses():
-    from dspark_cute.cutedsl.attention.direct import PagedAttentionKernel
+    from dspark_cute.cutedsl.attention.direct import DirectAttentionKernel
     from dspark_cute.cutedsl.attention.paged import PagedAttention
 
     with pytest.raises(ValueError, match="groups over 3 KV heads"):
-        PagedAttention(64, 3)
+        PagedAttention(AttentionConstants(64, 3, 64, 16))
     with pytest.raises(ValueError, match="groups over 0 KV heads"):
-        PagedAttention(64, 0)
+        PagedAttention(AttentionConstants(64, 0, 64, 16))
     with pytest.raises(ValueError, match="heads of 64 columns, not 128"):
-        PagedAttention(64, 8, head_dim=128)
+        PagedAttention(AttentionConstants(64, 8, 128, 16))
     with pytest.raises(ValueError, match="block size of 0"):
-        PagedAttention(64, 8, block_size=0)
-    with pytest.raises(ValueError, match="int32 or torch.int64"):
-        PagedAttention(64, 8, slot_dtype=torch.float32)
+        PagedAttention(AttentionConstants(64, 8, 64, 0))
+    with pytest.raises(ValueError, match="int32 or int64, not float32"):
+        PagedAttention(AttentionConstants(64, 8, 64, 16, "float32"))
     with pytest.raises(ValueError, match="AttentionConstants"):
-        PagedAttentionKernel((64, 8), True)
+        PagedAttention((64, 8))
+    with pytest.raises(ValueError, match="AttentionConstants"):
+        DirectAttentionKernel((64, 8), True)
     with pytest.raises(ValueError, match="int32 or int64"):
-        PagedAttentionKernel(AttentionConstants(64, 8, 64, 16, "int16"), True)
+        DirectAttentionKernel(AttentionConstants(64, 8, 64, 16, "int16"), True)
 
 
 def test_operands_refused_without_a_gpu():
@@ -158,20 +161,20 @@ def test_operands_refused_without_a_gpu():
     with a sentence naming what was expected."""
     from dspark_cute.cutedsl.attention.paged import PagedAttention
 
-    attn = PagedAttention(64, 8, pdl=False)
+    attn = PagedAttention(AttentionConstants(64, 8, 64, 16), pdl=False)
     q = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
     cache = torch.zeros(4, 8, 16, 128, dtype=torch.bfloat16)
     slots = torch.zeros(2, 5, dtype=torch.int64)
     with pytest.raises(ValueError, match="contiguous CUDA torch.bfloat16 tensor of \\(2, 64, 64\\)"):
-        attn(q, cache, slots)
+        attn.run(q, cache, slots)
     with pytest.raises(ValueError, match="q of bf16 \\[m, 64, 64\\] with m >= 1"):
-        attn(q[0], cache, slots)
+        attn.run(q[0], cache, slots)
     with pytest.raises(ValueError, match="m >= 1"):
-        attn(q[:0], cache, slots)
+        attn.run(q[:0], cache, slots)
     with pytest.raises(ValueError, match="q must be a contiguous CUDA"):
-        attn(q.to(torch.float16), cache, slots)
+        attn.run(q.to(torch.float16), cache, slots)
     with pytest.raises(ValueError, match="q must be"):
-        attn(torch.zeros(2, 32, 64, dtype=torch.bfloat16), cache, slots)
+        attn.run(torch.zeros(2, 32, 64, dtype=torch.bfloat16), cache, slots)
 
 
 def test_cache_slot_and_out_checks(monkeypatch):
@@ -187,36 +190,36 @@ def test_cache_slot_and_out_checks(monkeypatch):
             original(t, shape, dtype, align, device, name)
 
     monkeypatch.setattr(mod, "_check", cpu_check)
-    attn = mod.PagedAttention(64, 8, pdl=False)
+    attn = mod.PagedAttention(AttentionConstants(64, 8, 64, 16), pdl=False)
     q = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
     cache = torch.zeros(4, 8, 16, 128, dtype=torch.bfloat16)
     slots = torch.zeros(2, 5, dtype=torch.int64)
-    attn.check(q, cache, slots)
-    attn.check(q, cache, slots, torch.zeros_like(q))
+    refuse(attn, q, cache, slots)
+    refuse(attn, q, cache, slots, torch.zeros_like(q))
     with pytest.raises(ValueError, match="the cache must be a PagedKVCache or a bf16 tensor"):
-        attn.check(q, torch.zeros(4, 8, 16), slots)
+        refuse(attn, q, torch.zeros(4, 8, 16), slots)
     with pytest.raises(ValueError, match="the cache must be a contiguous CUDA torch.bfloat16 tensor of "
                                          "\\(4, 8, 16, 128\\)"):
-        attn.check(q, torch.zeros(4, 8, 8, 128, dtype=torch.bfloat16), slots)
+        refuse(attn, q, torch.zeros(4, 8, 8, 128, dtype=torch.bfloat16), slots)
     with pytest.raises(ValueError, match="\\(4, 8, 16, 128\\)"):
-        attn.check(q, torch.zeros(4, 4, 16, 128, dtype=torch.bfloat16), slots)
+        refuse(attn, q, torch.zeros(4, 4, 16, 128, dtype=torch.bfloat16), slots)
     with pytest.raises(ValueError, match="1 to 2\\^31 - 1 slots, not 0"):
-        attn.check(q, torch.zeros(0, 8, 16, 128, dtype=torch.bfloat16), slots)
+        refuse(attn, q, torch.zeros(0, 8, 16, 128, dtype=torch.bfloat16), slots)
     with pytest.raises(ValueError, match="attn_slots must be a contiguous CUDA torch.int64 tensor of \\(2, 5\\)"):
-        attn.check(q, cache, slots.to(torch.int32))
+        refuse(attn, q, cache, slots.to(torch.int32))
     with pytest.raises(ValueError, match="attn_slots must be a contiguous CUDA torch.int64"):
-        attn.check(q, cache, slots.t().contiguous().t())
+        refuse(attn, q, cache, slots.t().contiguous().t())
     with pytest.raises(ValueError, match="attn_slots must be a torch.int64 tensor of \\[2, S\\] with S >= 1"):
-        attn.check(q, cache, torch.zeros(2, 0, dtype=torch.int64))
+        refuse(attn, q, cache, torch.zeros(2, 0, dtype=torch.int64))
     with pytest.raises(ValueError, match="attn_slots must be a contiguous CUDA torch.int64 tensor of \\(2, 5\\)"):
-        attn.check(q, cache, slots.float())
+        refuse(attn, q, cache, slots.float())
     with pytest.raises(ValueError, match="out must be a contiguous CUDA torch.bfloat16 tensor of \\(2, 64, 64\\)"):
-        attn.check(q, cache, slots, torch.zeros(2, 64, 63, dtype=torch.bfloat16))
+        refuse(attn, q, cache, slots, torch.zeros(2, 64, 63, dtype=torch.bfloat16))
     # The int32 variant insists on int32 slots.
-    attn32 = mod.PagedAttention(64, 8, slot_dtype=torch.int32, pdl=False)
-    attn32.check(q, cache, slots.to(torch.int32))
+    attn32 = mod.PagedAttention(AttentionConstants(64, 8, 64, 16, "int32"), pdl=False)
+    refuse(attn32, q, cache, slots.to(torch.int32))
     with pytest.raises(ValueError, match="torch.int32"):
-        attn32.check(q, cache, slots)
+        refuse(attn32, q, cache, slots)
 
 
 # ---------------------------------------------------------------- the opt-in variant (attention_v2)
@@ -295,12 +298,12 @@ def audit_v2(body: str, slot: str, pdl: bool, staged: int, eps) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", V2_VARIANTS, ids=_v2_name)
 def test_attention_v2_compiles(arch, variant, tmp_path):
-    from dspark_cute.cutedsl.attention.staged import PagedAttentionV2Kernel, fake_args_v2, smem_layout
+    from dspark_cute.cutedsl.attention.staged import StagedAttentionKernel, fake_staged_args, smem_layout
     from dspark_cute.runtime.host import compile_ptx
 
     h, kv, bs, slot, pdl, staged, eps = variant
     c = AttentionConstants(h, kv, 64, bs, slot, staged_slots=staged, o_gate_eps=eps)
-    ptx = compile_ptx(PagedAttentionV2Kernel(c, pdl), *fake_args_v2(c), arch=arch)
+    ptx = compile_ptx(StagedAttentionKernel(c, pdl), *fake_staged_args(c), arch=arch)
     assert f".target {arch}" in ptx
     audit_v2(code(ptx), slot, pdl, staged, eps)
     # The shared memory fits an H200 / B200 CTA (227 KB).
@@ -332,28 +335,28 @@ def test_v2_constants_keep_the_default_key():
 
 
 def test_v2_constructor_refuses():
-    from dspark_cute.cutedsl.attention.direct import PagedAttentionKernel
+    from dspark_cute.cutedsl.attention.direct import DirectAttentionKernel
     from dspark_cute.cutedsl.attention.paged import PagedAttention
-    from dspark_cute.cutedsl.attention.staged import PagedAttentionV2Kernel
+    from dspark_cute.cutedsl.attention.staged import StagedAttentionKernel
 
     with pytest.raises(ValueError, match="multiple of 128 up to 768, not 200"):
-        PagedAttention(64, 8, staged=True, max_staged_slots=200)
+        PagedAttention(AttentionConstants(64, 8, 64, 16, staged_slots=200))
     with pytest.raises(ValueError, match="up to 768, not 896"):
-        PagedAttention(64, 8, staged=True, max_staged_slots=896)
-    with pytest.raises(ValueError, match="at least 128 slots, not 0"):
-        PagedAttention(64, 8, staged=True, max_staged_slots=0)
+        PagedAttention(AttentionConstants(64, 8, 64, 16, staged_slots=896))
+    with pytest.raises(ValueError, match="up to 768, not -128"):
+        PagedAttention(AttentionConstants(64, 8, 64, 16, staged_slots=-128))
     with pytest.raises(ValueError, match="non-negative float, not -1.0"):
-        PagedAttention(64, 8, o_gate_eps=-1.0)
+        PagedAttention(AttentionConstants(64, 8, 64, 16, o_gate_eps=-1.0))
     with pytest.raises(ValueError, match="non-negative float, not nan"):
-        PagedAttention(64, 8, o_gate_eps=float("nan"))
-    with pytest.raises(ValueError, match="PagedAttentionV2Kernel"):
-        PagedAttentionKernel(AttentionConstants(64, 8, 64, 16, staged_slots=384), True)
-    with pytest.raises(ValueError, match="default constants compile PagedAttentionKernel"):
-        PagedAttentionV2Kernel(AttentionConstants(64, 8, 64, 16), True)
-    k = PagedAttention(64, 8, staged=True)
+        PagedAttention(AttentionConstants(64, 8, 64, 16, o_gate_eps=float("nan")))
+    with pytest.raises(ValueError, match="StagedAttentionKernel"):
+        DirectAttentionKernel(AttentionConstants(64, 8, 64, 16, staged_slots=384), True)
+    with pytest.raises(ValueError, match="default constants compile DirectAttentionKernel"):
+        StagedAttentionKernel(AttentionConstants(64, 8, 64, 16), True)
+    k = PagedAttention(AttentionConstants(64, 8, 64, 16, staged_slots=DEFAULT_STAGED_SLOTS))
     assert k.constants.staged_slots == 384 and k.takes_strided_q and not k.gated
-    assert not PagedAttention(64, 8).takes_strided_q
-    g = PagedAttention(64, 8, o_gate_eps=1e-6)
+    assert not PagedAttention(AttentionConstants(64, 8, 64, 16)).takes_strided_q
+    g = PagedAttention(AttentionConstants(64, 8, 64, 16, o_gate_eps=1e-6))
     assert g.constants.staged_slots == 0 and g.gated and g.constants.o_gate_eps == 1e-6
 
 
@@ -376,37 +379,39 @@ def test_v2_operand_checks(monkeypatch):
     qkv = torch.zeros(2, 9216, dtype=torch.bfloat16)  # [q 4096 | k 512 | v 512 | gate 4096]
     q = qkv[:, :4096].view(2, 64, 64)
     gate = qkv[:, 5120:]
-    staged = mod.PagedAttention(64, 8, pdl=False, staged=True)
-    gated = mod.PagedAttention(64, 8, pdl=False, staged=True, o_gate_eps=1e-6)
-    staged.check(q, cache, slots)
-    staged.check(q.contiguous(), cache, slots, torch.zeros(2, 64, 64, dtype=torch.bfloat16))
-    gated.check(q, cache, slots, gate=gate)
-    gated.check(q, cache, slots, gate=gate.view(2, 64, 64))
-    gated.check(q[:1], cache, slots[:1], gate=gate[:1])
+    staged = mod.PagedAttention(AttentionConstants(64, 8, 64, 16, staged_slots=DEFAULT_STAGED_SLOTS), pdl=False)
+    gated = mod.PagedAttention(
+        AttentionConstants(64, 8, 64, 16, staged_slots=DEFAULT_STAGED_SLOTS, o_gate_eps=1e-6), pdl=False)
+    refuse(staged, q, cache, slots)
+    refuse(staged, q.contiguous(), cache, slots, torch.zeros(2, 64, 64, dtype=torch.bfloat16))
+    refuse(gated, q, cache, slots, gate=gate)
+    refuse(gated, q, cache, slots, gate=gate.view(2, 64, 64))
+    refuse(gated, q[:1], cache, slots[:1], gate=gate[:1])
     assert mod.row_stride(q, [(2, 64, 64)], "q") == 9216
     with pytest.raises(ValueError, match="q must be a contiguous CUDA"):
-        mod.PagedAttention(64, 8, pdl=False).check(q, cache, slots)  # the default kernel: contiguous q only
+        # The default kernel: contiguous q only.
+        refuse(mod.PagedAttention(AttentionConstants(64, 8, 64, 16), pdl=False), q, cache, slots)
     with pytest.raises(ValueError, match="q must be a bf16 tensor of \\(2, 64, 64\\) with contiguous rows"):
-        staged.check(q.transpose(1, 2), cache, slots)
+        refuse(staged, q.transpose(1, 2), cache, slots)
     with pytest.raises(ValueError, match="row stride that is a multiple of 8"):
-        staged.check(torch.zeros(2, 9220, dtype=torch.bfloat16)[:, :4096].view(2, 64, 64), cache, slots)
+        refuse(staged, torch.zeros(2, 9220, dtype=torch.bfloat16)[:, :4096].view(2, 64, 64), cache, slots)
     with pytest.raises(ValueError, match="q must be a bf16 tensor"):
-        staged.check(q.float(), cache, slots)
+        refuse(staged, q.float(), cache, slots)
     with pytest.raises(ValueError, match="gate must be None"):
-        staged.check(q, cache, slots, gate=gate)
+        refuse(staged, q, cache, slots, gate=gate)
     with pytest.raises(ValueError, match="the gate must be a bf16 tensor of \\(2, 64, 64\\) or \\(2, 4096\\)"):
-        gated.check(q, cache, slots)
+        refuse(gated, q, cache, slots)
     with pytest.raises(ValueError, match="the gate must be a bf16 tensor"):
-        gated.check(q, cache, slots, gate=gate[:, :4032])
+        refuse(gated, q, cache, slots, gate=gate[:, :4032])
     with pytest.raises(ValueError, match="the gate must be a bf16 tensor"):
-        gated.check(q, cache, slots, gate=gate[:1])
+        refuse(gated, q, cache, slots, gate=gate[:1])
     with pytest.raises(ValueError, match="the gate must be a bf16 tensor"):
-        gated.check(q, cache, slots, gate=gate.view(2, 64, 64).transpose(1, 2))
+        refuse(gated, q, cache, slots, gate=gate.view(2, 64, 64).transpose(1, 2))
 
 
 def test_compile_dispatch(monkeypatch):
-    """``compile_attention`` compiles the default kernel for the default
-    constants and the variant's for an option on, keyed apart (the compile
+    """``compile_attention`` compiles the direct kernel for the default
+    constants and the staged one for an option on, keyed apart (the compile
     itself stubbed: no GPU here)."""
     from dspark_cute.cutedsl.attention import direct
     from dspark_cute.cutedsl.attention import paged as mod
@@ -416,11 +421,11 @@ def test_compile_dispatch(monkeypatch):
     def fake_compile(obj, *args, what=None, options=None):
         return type(obj).__name__, len(args)
 
-    monkeypatch.setattr(direct, "_CACHE", host.CompileCache())
-    monkeypatch.setattr(staged_mod, "_CACHE", host.CompileCache())
+    monkeypatch.setattr(direct.compile_direct_attention, "cache", {})
+    monkeypatch.setattr(staged_mod.compile_staged_attention, "cache", {})
     monkeypatch.setattr(host, "compile_kernel", fake_compile)
     default = AttentionConstants(64, 8, 64, 16)
     staged = AttentionConstants(64, 8, 64, 16, staged_slots=384, o_gate_eps=1e-6)
-    assert mod.compile_attention(default, True) == ("PagedAttentionKernel", 8)
-    assert mod.compile_attention(staged, True) == ("PagedAttentionV2Kernel", 11)
-    assert len(direct._CACHE) == len(staged_mod._CACHE) == 1
+    assert mod.compile_attention(default, True) == ("DirectAttentionKernel", 8)
+    assert mod.compile_attention(staged, True) == ("StagedAttentionKernel", 11)
+    assert len(direct.compile_direct_attention.cache) == len(staged_mod.compile_staged_attention.cache) == 1

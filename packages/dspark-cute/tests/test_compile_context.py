@@ -170,21 +170,24 @@ def test_store_refuses_bad_constants_and_operands():
 
 
 def test_chain_refuses_what_does_not_fuse():
+    from dspark_core.errors import Unsupported
+    from dspark_core.planner.plan import context_constants
+    from dspark_core.reference.adapter import describe
     from dspark_core.reference.config import small_config
     from dspark_core.reference.model import DraftModel
-    from dspark_cute.cutedsl.context.chain import ContextChain, context_constants, store_context_kv
+    from dspark_cute.cutedsl.context.chain import ContextChain
 
     model = DraftModel(small_config())
-    c = context_constants(model)
+    draft = describe(model)
+    c = context_constants(draft)
     assert c.norms.num_layers == 2 and c.store.kv_heads == 2 and c.store.rope
     with pytest.raises(ValueError, match="CUDA"):
-        ContextChain(model)
-    states = torch.zeros(3, 2048, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="CUDA"):
-        store_context_kv(model, states, torch.arange(3), model.make_caches(2), torch.arange(3))
+        ContextChain.of_draft(draft)
+    with pytest.raises(ValueError, match="ContextConstants"):
+        ContextChain(c.norms, None, None, draft.context.stacked_kv_weight, None)
     differing = DraftModel(small_config(norm_overrides={"layers.1.input_norm": {"eps": 1e-5}}), device="meta")
-    with pytest.raises(ValueError, match="does not fuse"):
-        context_constants(differing)
+    with pytest.raises(Unsupported, match="differ"):
+        context_constants(describe(differing))
 
 
 def test_compile_refused_during_capture(monkeypatch):

@@ -98,7 +98,7 @@ def test_one_compile_per_constants(monkeypatch):
     from dspark_cute.runtime import host
 
     built = []
-    monkeypatch.setattr(qe, "_CACHE", host.CompileCache())
+    monkeypatch.setattr(qe.compile_qkv_epilogue, "cache", {})
     monkeypatch.setattr(host, "compile_kernel", lambda obj, *args, what=None: built.append(obj) or object())
     a = qe.compile_qkv_epilogue(NOROPE, False)
     b = qe.compile_qkv_epilogue(QKVFrontConstants(**NOROPE.__dict__), False)
@@ -145,8 +145,8 @@ def test_call_refuses_cpu_operands():
     assert "contiguous, 16-byte aligned CUDA bfloat16" in epi.problem(qkv, pos, pos, cache)
     assert not epi.takes(qkv, pos, pos, cache)
     with pytest.raises(ValueError, match="qkv must be a bfloat16 projection of"):
-        epi(torch.zeros(m, rows - 64, dtype=torch.bfloat16), pos, pos, cache)
+        epi.run(torch.zeros(m, rows - 64, dtype=torch.bfloat16), pos, pos, cache)
     with pytest.raises(ValueError, match=r"m >= 1"):
-        epi(torch.zeros(0, rows, dtype=torch.bfloat16), pos[:0], pos[:0], cache)
+        epi.run(torch.zeros(0, rows, dtype=torch.bfloat16), pos[:0], pos[:0], cache)
     with pytest.raises(ValueError, match="CUDA"):
-        epi(qkv, pos, pos, cache)
+        epi.run(qkv, pos, pos, cache)

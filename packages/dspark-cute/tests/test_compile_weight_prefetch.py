@@ -7,7 +7,7 @@ The audit: the one ``prefetch.global.L2::evict_last`` sits in the inner
 (per-line) loop, whose address advances by 128 bytes; the outer loop
 strides rows by the grid's thread count; no ``ld.global``/``st.global``, no
 ``ld.local``/``st.local`` (spills), no ``bar.sync``, no ``griddepcontrol``
-in the side-stream variant; the inline (PDL) variant triggers its dependents
+in the plain variant; the PDL variant triggers its dependents
 before its first prefetch and waits for its primary after its last one.
 """
 
@@ -51,7 +51,7 @@ def test_inline_prefetch_triggers_first_and_waits_last(arch):
     """The PDL variant: ``launch_dependents`` before the first prefetch (the
     next kernel may start while this one issues), ``wait`` after the last
     one (this grid completes only after its primary), each exactly once, and
-    otherwise the same body as the side-stream variant."""
+    otherwise the same body as the plain variant."""
     from dspark_cute.cutedsl.prefetch import WeightPrefetchKernel, fake_args
     from dspark_cute.runtime.host import compile_ptx
 
@@ -114,10 +114,7 @@ def test_the_prefetcher_checks_its_roles_and_sizes():
             WeightPrefetcher({"o_proj": bad}, "cpu")
     with pytest.raises(RuntimeError, match="prepare"):
         WeightPrefetcher({"o_proj": 256}, "cpu").fork(torch.empty(4, 64), "o_proj")
-    with pytest.raises(ValueError, match="prefetch mode"):
-        WeightPrefetcher({"o_proj": 256}, "cpu", mode="async")
-    assert WeightPrefetcher({"o_proj": 256}, "cpu").kernel.pdl  # inline by default: the PDL variant
-    assert not WeightPrefetcher({"o_proj": 256}, "cpu", mode="side").kernel.pdl
+    assert WeightPrefetcher({"o_proj": 256}, "cpu").kernel.pdl  # the PDL variant
     with pytest.raises(ValueError, match="CTAs"):
         WeightPrefetch(ctas=0)
     with pytest.raises(ValueError, match="CTAs"):

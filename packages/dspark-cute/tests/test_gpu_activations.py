@@ -35,6 +35,7 @@ import torch
 from cute_testing import assert_replays_repeat, capture_calls, check_poisoned, random_rows, requires_cuda, special_rows
 from cutlass import Int32, Int64
 
+from dspark_core.contracts.constants import MlpActivationConstants, OGateConstants
 from dspark_core.spec import numerics
 from dspark_core.spec.layers import GatedMLP, HeadNorm, o_gate
 from dspark_core.tools.compare import assert_bitwise
@@ -129,7 +130,7 @@ def test_ptx_math_fp32_bits(op, seed):
 def _act(i: int, **options):
     from dspark_cute.cutedsl.gating.mlp_activation import MlpActivation
 
-    act = MlpActivation(i, **options)
+    act = MlpActivation(MlpActivationConstants(i), **options)
     act.prepare()
     return act
 
@@ -140,8 +141,8 @@ def check_activation(act, gu: torch.Tensor, what: str) -> torch.Tensor:
     expected = GatedMLP(8, act.intermediate_size).activation(gu)
     assert act.takes(gu)
     out = torch.empty(expected.shape, dtype=BF16, device="cuda")
-    check_poisoned(lambda: act(gu, out), [out], [expected], what)
-    assert_bitwise(act(gu), expected, f"{what} (allocated output)")
+    check_poisoned(lambda: act.run(gu, out), [out], [expected], what)
+    assert_bitwise(act.run(gu), expected, f"{what} (allocated output)")
     return expected
 
 
@@ -173,7 +174,7 @@ def test_activation_exhaustive_matches_cpu_spec(seed):
     act = _act(16384)
     gu = exhaustive_gu(16384, gen)
     expected = GatedMLP(8, 16384).activation(gu.cpu())
-    assert_bitwise(act(gu).cpu(), expected, "every gate pattern vs the CPU spec")
+    assert_bitwise(act.run(gu).cpu(), expected, "every gate pattern vs the CPU spec")
 
 
 @pytest.mark.parametrize("i", [s[0] for s in SIZES])
@@ -243,7 +244,7 @@ def test_activation_refuses_bad_operands(seed):
         good[:0],  # no rows
     ):
         with pytest.raises(ValueError):
-            act(gu)
+            act.run(gu)
     for out in (
         torch.empty(4, i, dtype=torch.float32, device="cuda"),
         torch.empty(4, i - 8, dtype=BF16, device="cuda"),
@@ -251,7 +252,7 @@ def test_activation_refuses_bad_operands(seed):
         torch.empty(4, i, dtype=BF16),
     ):
         with pytest.raises(ValueError):
-            act(good, out)
+            act.run(good, out)
 
 
 # ---------------------------------------------------------------- the o-gate
@@ -260,7 +261,7 @@ def test_activation_refuses_bad_operands(seed):
 def _og(heads: int, eps: float = 1e-6, **options):
     from dspark_cute.cutedsl.gating.o_gate import OGate
 
-    og = OGate(heads, eps=eps, **options)
+    og = OGate(OGateConstants(heads, eps), **options)
     og.prepare()
     return og
 
@@ -284,8 +285,8 @@ def check_o_gate(og, attn: torch.Tensor, gate: torch.Tensor, what: str) -> torch
     expected = o_gate(attn.reshape(m, heads, 64), gate.reshape(m, heads, 64), norm).reshape(attn.shape)
     assert og.takes(attn, gate)
     out = torch.empty(attn.shape, dtype=BF16, device="cuda")
-    check_poisoned(lambda: og(attn, gate, out), [out], [expected], what)
-    assert_bitwise(og(attn, gate), expected, f"{what} (allocated output)")
+    check_poisoned(lambda: og.run(attn, gate, out), [out], [expected], what)
+    assert_bitwise(og.run(attn, gate), expected, f"{what} (allocated output)")
     return expected
 
 
@@ -386,9 +387,9 @@ def test_o_gate_refuses_bad_operands(seed):
         (attn, gate.cpu()),
     ):
         with pytest.raises(ValueError):
-            og(a, g)
+            og.run(a, g)
     with pytest.raises(ValueError):
-        og(attn, gate, torch.empty(4, 2048, dtype=torch.float32, device="cuda"))
+        og.run(attn, gate, torch.empty(4, 2048, dtype=torch.float32, device="cuda"))
 
 
 # ---------------------------------------------------------------- CUDA graphs
@@ -399,7 +400,7 @@ def test_activation_cuda_graph(seed):
     act = _act(16384)
     gu = random_rows(gen, 16, 2 * 16384, BF16, "cuda")
     out = torch.empty((16, 16384), dtype=BF16, device="cuda")
-    graph = capture_calls(lambda: act(gu, out))
+    graph = capture_calls(lambda: act.run(gu, out))
     mlp = GatedMLP(8, 16384)
     for _ in range(2):
         gu.copy_(random_rows(gen, 16, 2 * 16384, BF16, "cuda"))
@@ -415,7 +416,7 @@ def test_o_gate_cuda_graph(seed):
     qkv, gate = qkv_gate(gen, m, heads, kv)
     attn = random_rows(gen, m, heads * 64, BF16, "cuda")
     out = torch.empty_like(attn)
-    graph = capture_calls(lambda: og(attn, gate, out))
+    graph = capture_calls(lambda: og.run(attn, gate, out))
     norm = HeadNorm(64, 1e-6)
     for _ in range(2):
         qkv.copy_(qkv_gate(gen, m, heads, kv)[0])
@@ -432,24 +433,24 @@ def test_activation_compile_refused_during_capture(seed):
     from dspark_cute.cutedsl.gating.mlp_activation import MlpActivation
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    act = MlpActivation(40)  # constants no other test compiles
+    act = MlpActivation(MlpActivationConstants(40))  # constants no other test compiles
     gu = random_rows(gen, 2, 80, BF16, "cuda")
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="prepare"):
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            act(gu)
+            act.run(gu)
 
 
 def test_o_gate_compile_refused_during_capture(seed):
     from dspark_cute.cutedsl.gating.o_gate import OGate
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    og = OGate(3, eps=3e-4)  # constants no other test compiles
+    og = OGate(OGateConstants(3, 3e-4))  # constants no other test compiles
     _, gate = qkv_gate(gen, 2, 3, 1)
     attn = random_rows(gen, 2, 3 * 64, BF16, "cuda")
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="prepare"):
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            og(attn, gate)
+            og.run(attn, gate)

@@ -34,6 +34,8 @@ import pytest
 import torch
 from cute_testing import check_poisoned, poison, requires_cuda, special_rows
 
+from dspark_core.contracts.constants import AttentionConstants
+from dspark_core.planner.policy import DEFAULT_STAGED_SLOTS
 from dspark_core.spec.attention import paged_attention
 from dspark_core.spec.layers import HeadNorm, PagedKVCache, o_gate
 from dspark_core.tools.compare import assert_bitwise
@@ -62,14 +64,24 @@ GATE_SPECIALS = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x0001, 0x8001,
 _KERNELS: dict = {}
 
 
+def make_attention(heads: int, kv: int, block_size: int = 16, slot_dtype=torch.int64, pdl=None, *,
+                    staged: bool = False, max_staged_slots: int = DEFAULT_STAGED_SLOTS, o_gate_eps=None):
+    """``PagedAttention`` of the constants these settings name."""
+    from dspark_cute.cutedsl.attention.paged import PagedAttention
+
+    names = {torch.int64: "int64", torch.int32: "int32"}
+    return PagedAttention(AttentionConstants(heads, kv, D, block_size, names[slot_dtype],
+                                             staged_slots=max_staged_slots if staged else 0,
+                                             o_gate_eps=o_gate_eps), pdl=pdl)
+
+
 def kernel(heads: int, kv: int, slot_dtype=torch.int64, pdl=None, block_size: int = BS, **options):
     """One prepared ``PagedAttention`` per setting (compiled once);
     ``options``: the opt-in variant's (``VARIANTS``)."""
-    from dspark_cute.cutedsl.attention.paged import PagedAttention
 
     key = (heads, kv, slot_dtype, pdl, block_size, tuple(sorted(options.items())))
     if key not in _KERNELS:
-        k = PagedAttention(heads, kv, block_size=block_size, slot_dtype=slot_dtype, pdl=pdl, **options)
+        k = make_attention(heads, kv, block_size, slot_dtype, pdl, **options)
         k.prepare()
         _KERNELS[key] = k
     return _KERNELS[key]
@@ -120,7 +132,7 @@ def check_variants(k, q, cache, slots, expected, what: str) -> None:
         want = expected_for(kk, expected, gate)
         out = torch.empty_like(q)
         g = gate if kk.gated else None
-        check_poisoned(lambda kk=kk, out=out, g=g: kk(qv, cache, slots, out, gate=g), [out], [want],
+        check_poisoned(lambda kk=kk, out=out, g=g: kk.run(qv, cache, slots, out, gate=g), [out], [want],
                        f"{what} [{name}]")
 
 
@@ -165,8 +177,8 @@ def check(k, q, cache, slots, what: str) -> torch.Tensor:
     expected = paged_attention(q, cache, slots.long() if slots.dtype != torch.int64 else slots, kv)
     assert expected.shape == (q.shape[0], heads, D)
     out = torch.empty_like(q)
-    check_poisoned(lambda: k(q, cache, slots, out), [out], [expected], what)
-    assert_bitwise(k(q, cache.tensor, slots), expected, f"{what} (allocated output, cache tensor)")
+    check_poisoned(lambda: k.run(q, cache, slots, out), [out], [expected], what)
+    assert_bitwise(k.run(q, cache.tensor, slots), expected, f"{what} (allocated output, cache tensor)")
     check_variants(k, q, cache, slots, expected, what)
     return expected
 
@@ -293,10 +305,10 @@ def test_cuda_graph_replays_with_new_slots(variant, seed):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        k(qv, cache, slots, out, gate=g)  # warm up outside the capture
+        k.run(qv, cache, slots, out, gate=g)  # warm up outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            k(qv, cache, slots, out, gate=g)
+            k.run(qv, cache, slots, out, gate=g)
     torch.cuda.synchronize()
     for step in range(3):
         qv.copy_(random_values(gen, (m, 64, D)))
@@ -305,7 +317,7 @@ def test_cuda_graph_replays_with_new_slots(variant, seed):
         slots.copy_(block_table_slots(gen, cache, m, s, holes=0.1 * step))
         expected = expected_for(k, paged_attention(qv.contiguous(), cache, slots, 8), gate)
         check_poisoned(graph.replay, [out], [expected], f"{variant} graph replay {step}")
-        eager = k(qv, cache, slots, gate=g)
+        eager = k.run(qv, cache, slots, gate=g)
         assert_bitwise(out, eager, f"{variant} graph replay {step} vs eager")
 
 
@@ -321,7 +333,7 @@ def test_out_of_range_slot(variant, seed):
     bad = slots.clone()
     bad[1, 7] = cache.num_slots
     with pytest.raises(ValueError, match="beyond the cache"):
-        k(qv, cache, bad, gate=g)
+        k.run(qv, cache, bad, gate=g)
     with pytest.raises(ValueError, match="beyond the cache"):
         paged_attention(q, cache, bad, 8)
     # Inside a capture the slots cannot be read: the kernel masks the slot.
@@ -330,7 +342,7 @@ def test_out_of_range_slot(variant, seed):
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        k(qv, cache, bad, out, gate=g)
+        k.run(qv, cache, bad, out, gate=g)
     poison(out, 0)
     graph.replay()
     torch.cuda.synchronize()
@@ -355,15 +367,14 @@ def test_o_gate_every_gate_pattern(seed):
     for name in ("staged-gate", "gate"):
         k = kernel(64, 8, **VARIANTS[name])
         out = torch.empty_like(q)
-        check_poisoned(lambda k=k, out=out: k(qv, cache, slots, out, gate=gate), [out],
+        check_poisoned(lambda k=k, out=out: k.run(qv, cache, slots, out, gate=gate), [out],
                        [expected_for(k, attention, gate)], f"every gate pattern [{name}]")
 
 
 def test_compile_refused_during_capture(seed):
-    from dspark_cute.cutedsl.attention.paged import PagedAttention
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    k = PagedAttention(24, 3, block_size=8)  # constants no other test compiles
+    k = make_attention(24, 3, block_size=8)  # constants no other test compiles
     cache = make_cache(gen, 3, 50, block_size=8)
     q = random_values(gen, (2, 24, D))
     slots = block_table_slots(gen, cache, 2, 50)
@@ -371,14 +382,14 @@ def test_compile_refused_during_capture(seed):
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="prepare"):
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            k(q, cache, slots)
+            k.run(q, cache, slots)
     # The same for an opt-in variant (constants no other test compiles).
-    k2 = PagedAttention(24, 3, block_size=8, staged=True, max_staged_slots=256, o_gate_eps=1e-6)
+    k2 = make_attention(24, 3, block_size=8, staged=True, max_staged_slots=256, o_gate_eps=1e-6)
     qv, gate = qkv_views(q, 3, gen)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="prepare"):
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            k2(qv, cache, slots, gate=gate)
+            k2.run(qv, cache, slots, gate=gate)
 
 
 def test_refuses_bad_operands(seed):
@@ -388,31 +399,31 @@ def test_refuses_bad_operands(seed):
     q = random_values(gen, (2, 64, D))
     slots = block_table_slots(gen, cache, 2, 64)
     with pytest.raises(ValueError, match="attn_slots must be a contiguous CUDA torch.int64"):
-        k(q, cache, slots.to(torch.int32))
+        k.run(q, cache, slots.to(torch.int32))
     with pytest.raises(ValueError, match="q must be"):
-        k(q.transpose(1, 2).contiguous().transpose(1, 2), cache, slots)
+        k.run(q.transpose(1, 2).contiguous().transpose(1, 2), cache, slots)
     with pytest.raises(ValueError, match="q must be"):
-        k(q[:, :63].contiguous(), cache, slots)
+        k.run(q[:, :63].contiguous(), cache, slots)
     with pytest.raises(ValueError, match="the cache must be"):
-        k(q, make_cache(gen, 4, 64).tensor, slots)
+        k.run(q, make_cache(gen, 4, 64).tensor, slots)
     with pytest.raises(ValueError, match="out must be"):
-        k(q, cache, slots, torch.empty(2, 64, 64, dtype=torch.float32, device="cuda"))
+        k.run(q, cache, slots, torch.empty(2, 64, 64, dtype=torch.float32, device="cuda"))
     with pytest.raises(ValueError, match="q must be"):
-        k(q.cpu(), cache, slots)
+        k.run(q.cpu(), cache, slots)
     # The opt-in variants: a strided q (and gate) taken, other layouts refused.
     staged, gated = kernel(64, 8, **VARIANTS["staged"]), kernel(64, 8, **VARIANTS["staged-gate"])
     qv, gate = qkv_views(q, 8, gen)
     with pytest.raises(ValueError, match="q must be a contiguous CUDA"):
-        k(qv, cache, slots)  # the default kernel takes a contiguous q only
+        k.run(qv, cache, slots)  # the default kernel takes a contiguous q only
     with pytest.raises(ValueError, match="contiguous rows"):
-        staged(q.transpose(1, 2).contiguous().transpose(1, 2), cache, slots)
+        staged.run(q.transpose(1, 2).contiguous().transpose(1, 2), cache, slots)
     wide = torch.zeros(2, 4096 + 64, dtype=BF16, device="cuda")
     with pytest.raises(ValueError, match="aligned to 16 bytes"):
-        staged(wide[:, 4:4100].view(2, 64, 64), cache, slots)  # 8-byte aligned rows
+        staged.run(wide[:, 4:4100].view(2, 64, 64), cache, slots)  # 8-byte aligned rows
     with pytest.raises(ValueError, match="gate must be None"):
-        staged(qv, cache, slots, gate=gate)
+        staged.run(qv, cache, slots, gate=gate)
     with pytest.raises(ValueError, match="the gate must be a bf16 tensor"):
-        gated(qv, cache, slots)
+        gated.run(qv, cache, slots)
     with pytest.raises(ValueError, match="the gate must be a CUDA tensor"):
-        gated(qv, cache, slots, gate=gate.cpu())
-    assert_bitwise(staged(qv, cache, slots), k(q, cache, slots), "staged on a strided q")
+        gated.run(qv, cache, slots, gate=gate.cpu())
+    assert_bitwise(staged.run(qv, cache, slots), k.run(q, cache, slots), "staged on a strided q")

@@ -95,11 +95,9 @@ def _rows(gen, m, stream_dtype, h: int = H):
 
 
 # Launch settings that force each kernel variant at a row count (by default,
-# up to one row per SM loads the gates early, more load them late; splitting a
-# row over a cluster is opt-in).
+# up to one row per SM loads the gates early, more load them late).
 FORCE_LATE = {"late_rows": 0}
-FORCE_EARLY = {"late_rows": 10**6, "split_rows": 0}
-FORCE_SPLIT = {"late_rows": 10**6, "split_rows": 10**6}
+FORCE_EARLY = {"late_rows": 10**6}
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=_pair_name)
@@ -111,18 +109,18 @@ def test_every_variant(pair, store, stream_dtype, seed):
     # Each count with its default variant and every variant forced.
     for m in (1, 16, 133):
         branch, stream = _rows(gen, m, stream_dtype)
-        for force in ({}, FORCE_LATE, FORCE_EARLY, FORCE_SPLIT):
+        for force in ({}, FORCE_LATE, FORCE_EARLY):
             check(modules, branch, stream, store, f"{_pair_name(pair)} m={m} {force}", **force)
 
 
 @pytest.mark.parametrize("h", [2048, 4096, 16384])
 def test_hidden_sizes(h, seed):
-    """Other widths: 2048 is never split, 4096 splits over 2 CTAs, 16384 over 8."""
+    """Other widths: 2048, 4096 and 16384 columns."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     modules = make_boundary(PAIRS[4], gen, h=h)
     for m in (3, 40):
         branch, stream = _rows(gen, m, FP32, h)
-        for force in ({}, FORCE_LATE, FORCE_EARLY, FORCE_SPLIT):
+        for force in ({}, FORCE_LATE, FORCE_EARLY):
             check(modules, branch, stream, True, f"H={h} m={m} {force}", **force)
 
 
@@ -156,7 +154,7 @@ def test_without_pdl(m, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     modules = make_boundary(PAIRS[3], gen)
     branch, stream = _rows(gen, m, FP32)
-    for force in ({}, FORCE_EARLY, FORCE_SPLIT):
+    for force in ({}, FORCE_EARLY):
         check(modules, branch, stream, True, f"no PDL m={m} {force}", pdl=False, **force)
 
 

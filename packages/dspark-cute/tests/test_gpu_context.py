@@ -12,7 +12,7 @@ on the same CUDA device (``dspark_core.reference.model.DraftModel``'s own
   no RoPE, L up to 9 (two launches), special values in K and V, negative
   slots, per-layer slot lists (None, shorter), out-of-range slots and
   positions (skipped);
-- the whole chain (``store_context_kv``, ``ContextChain``) and its CUDA graph
+- the whole chain (``ContextChain``) and its CUDA graph
   replay.
 
 Outputs and caches are poisoned before each launch (a NaN pattern, then a
@@ -340,25 +340,27 @@ def compare_chain(model, run_fused, states, positions, slots, num_blocks, what: 
 
 @pytest.mark.parametrize("name", list(CHAINS))
 def test_chain_matches_precompute(name, seed):
-    from dspark_cute.cutedsl.context.chain import ContextChain, store_context_kv
+    from dspark_core.reference.adapter import describe
+    from dspark_cute.cutedsl.context.chain import ContextChain
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     model = chain_model(name, seed)
-    chain = ContextChain(model)
+    chain = ContextChain.of_draft(describe(model))
     chain.prepare()
     for t in (1, 16, 133):
         states, positions, slots, num_blocks = chain_inputs(model, gen, t)
-        compare_chain(model, lambda *a: store_context_kv(model, *a), states, positions, slots, num_blocks,
-                      f"{name} store_context_kv T={t}")
+        compare_chain(model, lambda *a: ContextChain.of_draft(describe(model)).run(*a), states, positions, slots,
+                      num_blocks, f"{name} a fresh ContextChain T={t}")
         compare_chain(model, chain.run, states, positions, slots, num_blocks, f"{name} ContextChain T={t}")
 
 
 def test_chain_refresh(seed):
+    from dspark_core.reference.adapter import describe
     from dspark_cute.cutedsl.context.chain import ContextChain
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     model = chain_model("small", seed)
-    chain = ContextChain(model)
+    chain = ContextChain.of_draft(describe(model))
     with torch.no_grad():
         for layer in model.layers:
             layer.input_norm.weight.mul_(1.5)
@@ -369,11 +371,12 @@ def test_chain_refresh(seed):
 
 
 def test_chain_cuda_graph(seed):
+    from dspark_core.reference.adapter import describe
     from dspark_cute.cutedsl.context.chain import ContextChain
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     model = chain_model("small", seed)
-    chain = ContextChain(model)
+    chain = ContextChain.of_draft(describe(model))
     chain.prepare()
     t = 133
     states, positions, slots, num_blocks = chain_inputs(model, gen, t)

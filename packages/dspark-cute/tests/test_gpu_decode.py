@@ -158,7 +158,7 @@ def test_the_weight_prefetch_kernel_stays_inside_odd_weights(pdl):
     before = [w.clone() for w in weights]
     for w in weights:
         for nbytes in (128, 256, 4096):
-            prefetch(w, nbytes)
+            prefetch.run(w, nbytes)
     torch.cuda.synchronize()
     for w, b in zip(weights, before):
         assert_bitwise(w, b, "a prefetched weight")

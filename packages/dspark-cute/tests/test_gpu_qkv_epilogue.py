@@ -108,7 +108,7 @@ def check(s: Setup, x, qkv, step: StepInputs, what: str, monkeypatch, out=None) 
         scratch = cache._storage[NUM_BLOCKS:].clone()
         if out is not None:
             poison(out, which)
-        q = s.epi(qkv, step.positions, step.slots, cache.tensor, out)
+        q = s.epi.run(qkv, step.positions, step.slots, cache.tensor, out)
         torch.cuda.synchronize()
         assert out is None or q is out
         assert q.shape == exp_q.shape and q.is_contiguous()
@@ -141,7 +141,7 @@ def test_given_out_no_ogate_rows_and_pdl_off(m, seed, monkeypatch):
     exp_cache = s.cache(1)
     exp_q, _ = s.stock(x, qkv, step, exp_cache, monkeypatch)
     cache = s.cache(1)
-    q = s.epi(narrow, step.positions, step.slots, cache.tensor)
+    q = s.epi.run(narrow, step.positions, step.slots, cache.tensor)
     torch.cuda.synchronize()
     assert_bitwise(q, exp_q, "no o-gate rows q")
     assert_bitwise(cache.tensor, exp_cache.tensor, "no o-gate rows cache")
@@ -173,11 +173,11 @@ def test_host_raises_out_of_range(seed):
     ]
     for pos, slots, match in bad:
         with pytest.raises(ValueError, match=match):
-            s.epi(qkv, pos, slots, cache.tensor)
+            s.epi.run(qkv, pos, slots, cache.tensor)
     buf = torch.empty(qkv.numel() + 8, dtype=BF16, device="cuda")
     shifted = buf[4 : 4 + qkv.numel()].view(qkv.shape)  # 8-byte aligned only
     with pytest.raises(ValueError, match="16-byte aligned"):
-        s.epi(shifted, step.positions, step.slots, cache.tensor)
+        s.epi.run(shifted, step.positions, step.slots, cache.tensor)
     torch.cuda.synchronize()
     assert_bitwise(cache._storage, before, "cache after refused calls")
 
@@ -190,7 +190,7 @@ def test_cuda_graph(seed, monkeypatch):
     step = s.step(m)
     out = torch.empty((m, s.cfg.num_heads, 64), dtype=BF16, device="cuda")
     cache = s.cache(0)
-    graph = capture_calls(lambda: s.epi(qkv, step.positions, step.slots, cache.tensor, out))
+    graph = capture_calls(lambda: s.epi.run(qkv, step.positions, step.slots, cache.tensor, out))
     for _ in range(2):
         x2, qkv2 = s.qkv(m)
         qkv.copy_(qkv2)
@@ -219,18 +219,18 @@ def test_capture_skips_out_of_range(seed):
     out = poison(torch.empty((3, s.cfg.num_heads, 64), dtype=BF16, device="cuda"), 1)
     cache = s.cache(1)
     with pytest.raises(ValueError):  # outside capture the host reads and refuses them
-        s.epi(qkv, pos, slots, cache.tensor, out)
+        s.epi.run(qkv, pos, slots, cache.tensor, out)
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        s.epi(qkv, pos, slots, cache.tensor, out)  # no host reads inside capture
+        s.epi.run(qkv, pos, slots, cache.tensor, out)  # no host reads inside capture
     torch.cuda.synchronize()
     poison(out, 1)
     poison(cache._storage, 1)
     graph.replay()
     torch.cuda.synchronize()
     ref_cache = s.cache(1)
-    ref_q = s.epi(qkv[:2].contiguous(), pos[:2], torch.tensor([10, -1], device="cuda"), ref_cache.tensor)
+    ref_q = s.epi.run(qkv[:2].contiguous(), pos[:2], torch.tensor([10, -1], device="cuda"), ref_cache.tensor)
     torch.cuda.synchronize()
     assert_bitwise(out[:2], ref_q, "in-range tokens' q")
     assert_bitwise(out[2], poison(torch.empty_like(out[2]), 1), "skipped token's q")
@@ -252,7 +252,7 @@ def test_compile_refused_during_capture(seed):
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="prepare"):
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            epi(qkv, step.positions, step.slots, cache.tensor)
+            epi.run(qkv, step.positions, step.slots, cache.tensor)
 
 
 def test_takes(seed):

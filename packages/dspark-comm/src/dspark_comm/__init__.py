@@ -28,7 +28,6 @@ _LAZY = {
     "Epilogue": "dspark_comm.cutedsl.allreduce",
     "FusedAllReduce": "dspark_comm.cutedsl.allreduce",
     "MailboxAllReduce": "dspark_comm.cutedsl.allreduce",
-    "Publisher": "dspark_comm.cutedsl.allreduce",
     "AllReduceBoundary": "dspark_comm.cutedsl.all_reduce_boundary",
 }
 

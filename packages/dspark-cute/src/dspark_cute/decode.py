@@ -117,7 +117,7 @@ class DraftDecode:
         if prefetch:
             from dspark_cute.cutedsl.prefetch import WeightPrefetcher
 
-            self.prefetcher = WeightPrefetcher(prefetch, next(model.parameters()).device, mode=prefetch_mode)
+            self.prefetcher = WeightPrefetcher(prefetch, next(model.parameters()).device)
         if plan.draft_reason is not None:
             raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason}): nothing to run fused")
         model_tp = getattr(model, "tp", 1)
@@ -214,15 +214,11 @@ class DraftDecode:
         if cls is not None:
             # The plan's constants: the staged variant's say how many slots it
             # stages and whether it takes the o-gate into its epilogue.
-            c = attention.constants
-            slot_dtype = {"int32": torch.int32, "int64": torch.int64}[c.slot_dtype]
-            staged = {"staged": True, "max_staged_slots": c.staged_slots} if c.staged_slots else {}
-            kernels.append(cls(c.num_heads, c.kv_heads, c.head_dim, c.block_size, slot_dtype, **staged,
-                               o_gate_eps=c.o_gate_eps))
+            kernels.append(cls(attention.constants))
         else:
             kernels.append(None)
         cls = self._kernel_class(gate, "cutedsl.gating.o_gate", "OGate")
-        kernels.append(cls and cls(gate.constants.num_heads, eps=gate.constants.eps))
+        kernels.append(cls and cls(gate.constants))
         cls = self._kernel_class(activation, "cutedsl.gating.mlp_activation", "MlpActivation")
         kernels.append(cls and cls(activation.constants))
         for kernel in kernels:
@@ -373,9 +369,8 @@ class DraftDecode:
             if not getattr(kernel, "takes_strided_q", False):
                 q = q.contiguous()  # the fused front's q is a strided view of its output
             gate = og if getattr(kernel, "gated", False) and og is not None else None
-            try:
-                kernel.check(q, cache, step.attn_slots, gate=gate)
-            except ValueError as error:
+            error = kernel.problem(q, cache, step.attn_slots, gate=gate)
+            if error is not None:
                 _log_once(logging.INFO, f"layer {index}'s attention ran stock: {error}")
             else:
                 # run() checked the slots against the caches (the stock raises there).

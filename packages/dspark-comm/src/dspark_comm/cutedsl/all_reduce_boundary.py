@@ -107,7 +107,7 @@ class AllReduceBoundary:
     rows than the mailbox holds take the group's stock all-reduce and then
     ``DraftBoundary`` (logged once per reason); every rank decides on the row
     count alone. With ``published=True`` the partials are already in the
-    mailbox (``Publisher``, the package GEMM) and ``partial`` is None.
+    mailbox (the package GEMM's publish epilogue) and ``partial`` is None.
     ``prepare()`` compiles every variant before CUDA graph capture."""
 
     def __init__(self, mailbox, constants: BoundaryConstants, alpha: torch.Tensor, beta: torch.Tensor,
@@ -151,13 +151,26 @@ class AllReduceBoundary:
                     self.fused(dtype == torch.bfloat16, store, pub).prepare()
         self.unfused.prepare(stream_dtypes=stream_dtypes, store_stream=store_stream)
 
-    def takes(self, m: int) -> bool:
+    def takes_rows(self, m: int) -> bool:
         """Whether a call of ``m`` rows runs fused (the row count alone)."""
-        return self.fused(False, False).takes(m)
+        return self.fused(False, False).takes_rows(m)
 
-    def run(self, partial: torch.Tensor | None, stream: torch.Tensor, store_stream: bool,
-            out: torch.Tensor | None = None, new_stream: torch.Tensor | None = None,
-            published: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def problem(self, partial: torch.Tensor | None, stream: torch.Tensor, store_stream: bool = False,
+                out: torch.Tensor | None = None, new_stream: torch.Tensor | None = None,
+                published: bool = False) -> str | None:
+        """Why ``run`` does not take these operands (a sentence), or None: an
+        FP32 or BF16 ``[m, H]`` stream on the mailbox's device, the BF16
+        partial of its shape (None when ``published``, which also needs ``m``
+        within the mailbox), ``out`` / ``new_stream`` (if given) BF16 / FP32
+        of that shape (``new_stream`` only with ``store_stream``); all
+        contiguous and 16-byte aligned."""
+        try:
+            self._check_operands(partial, stream, store_stream, out, new_stream, published)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def _check_operands(self, partial, stream, store_stream, out, new_stream, published) -> None:
         h = self.constants.hidden_size
         dev = self.mailbox.device
         if not (isinstance(stream, torch.Tensor) and stream.dim() == 2 and stream.shape[1] == h
@@ -171,23 +184,47 @@ class AllReduceBoundary:
         if published:
             if partial is not None:
                 raise ValueError("a published boundary reads its partials from the mailbox, not a tensor")
+            if not self.takes_rows(m):
+                raise ValueError(f"no published call of {m} rows: {fallback_reason(m, self.mailbox.layout.capacity)}")
         else:
             check_operand(partial, shape, torch.bfloat16, 16, "the branch partial")
+        if out is not None:
+            check_operand(out, shape, torch.bfloat16, 16, "the boundary output")
+        if new_stream is not None:
+            if not store_stream:
+                raise ValueError("a new_stream buffer was given with store_stream=False")
+            check_operand(new_stream, shape, torch.float32, 16, "the new stream")
+
+    def takes(self, partial, stream, store_stream: bool = False, out=None, new_stream=None,
+              published: bool = False) -> bool:
+        """Whether ``run`` takes these operands (``problem`` is None)."""
+        return self.problem(partial, stream, store_stream, out, new_stream, published) is None
+
+    def run(self, partial: torch.Tensor | None, stream: torch.Tensor, store_stream: bool,
+            out: torch.Tensor | None = None, new_stream: torch.Tensor | None = None,
+            published: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(new_stream or None, out)`` (class docstring); ValueError with
+        ``problem``'s sentence for operands it does not take."""
+        reason = self.problem(partial, stream, store_stream, out, new_stream, published)
+        if reason is not None:
+            raise ValueError(reason)
+        return self.launch(partial, stream, store_stream, out, new_stream, published)
+
+    def launch(self, partial: torch.Tensor | None, stream: torch.Tensor, store_stream: bool,
+               out: torch.Tensor | None = None, new_stream: torch.Tensor | None = None,
+               published: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``run`` without its checks: fused where the row count fits the
+        mailbox, else the group's stock all-reduce and the unfused boundary
+        (logged once per reason)."""
+        dev = self.mailbox.device
+        shape = tuple(stream.shape)
+        m = shape[0]
         if out is None:
             out = torch.empty(shape, dtype=torch.bfloat16, device=dev)
-        else:
-            check_operand(out, shape, torch.bfloat16, 16, "the boundary output")
-        if new_stream is not None and not store_stream:
-            raise ValueError("a new_stream buffer was given with store_stream=False")
-        if store_stream:
-            if new_stream is None:
-                new_stream = torch.empty(shape, dtype=torch.float32, device=dev)
-            else:
-                check_operand(new_stream, shape, torch.float32, 16, "the new stream")
+        if store_stream and new_stream is None:
+            new_stream = torch.empty(shape, dtype=torch.float32, device=dev)
         fused = self.fused(stream.dtype == torch.bfloat16, store_stream, published)
-        if not fused.takes(m):
-            if published:
-                raise ValueError(f"no published call of {m} rows: {fallback_reason(m, fused.capacity)}")
+        if not fused.takes_rows(m):
             reason = fallback_reason(m, fused.capacity)
             if reason not in self._logged:
                 self._logged.add(reason)
@@ -196,7 +233,7 @@ class AllReduceBoundary:
                 return (new_stream if store_stream else None), out
             branch = partial.clone()
             self.mailbox.group.all_reduce_(branch)
-            return self.unfused.run(branch, stream, store_stream, out, new_stream)
+            return self.unfused.launch(branch, stream, store_stream, out, new_stream)
         spare = self.alpha  # the address of an operand the variant does not read
         fused.launch(m, partial, (
             stream, self.alpha, self.beta,

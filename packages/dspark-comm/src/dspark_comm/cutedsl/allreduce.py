@@ -30,9 +30,9 @@ and ends its row with whatever it read; once the status is set, every later
 call gives up at once (deadline 0), so nothing hangs; ``Mailbox.check()``
 raises ``MailboxTimeoutError``.
 
-``published``: the partials were already stored into every rank's mailbox,
-own rank included, by a producer kernel (``PublishKernel`` here, the package
-GEMM's epilogue later): the kernel pushes nothing and polls every rank's slot.
+````published``: the partials were already stored into every rank's mailbox,
+own rank included, by a producer kernel (the package GEMM's publish
+epilogue): the kernel pushes nothing and polls every rank's slot.
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
 from dspark_cute import ptx
 from dspark_cute.cutedsl.norms.row_norm import fragment_columns
 from dspark_cute.runtime.host import (
-    CompileCache,
     check_operand,
-    compile_kernel,
     current_stream,
+    describe,
     fake_stream,
+    jit_cache,
     pdl_supported,
 )
 
@@ -247,77 +247,16 @@ def _all_reduce_body(k: AllReduceKernel, ctx: RowContext, partial, table, timeou
     ptx.store_u32_if(Uint32(ctx.tidx), local + Int64(ctx.row) * 4, ptx.advance_epoch(epoch, EPOCHS), when_zero=True)
 
 
-class PublishKernel:
-    """The producer side alone: each row's encoded BF16 partial stored into
-    slot (``e``, rank, row) of every rank's mailbox, own rank included (what
-    the package GEMM's epilogue does); ``e`` is the row's current epoch, which
-    the consuming ``AllReduceKernel(published=True)`` then advances. Call:
-    ``(partial, table, m, stream)``."""
-
-    def __init__(self, layout: MailboxLayout, rank: int, pdl: bool) -> None:
-        self.layout, self.rank, self.pdl = layout, rank, pdl
-
-    @cute.jit
-    def __call__(self, partial: Int64, table: Int64, m: Int32, stream):
-        self.kernel(partial, table).launch(
-            grid=[m, 1, 1], block=[ptx.THREADS, 1, 1], stream=stream, use_pdl=self.pdl
-        )
-
-    @cute.kernel
-    def kernel(self, partial: Int64, table: Int64):
-        tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
-        _publish_body(self, tidx, row, partial, table)
-
-
-def _publish_body(k: PublishKernel, tidx, row, partial, table) -> None:
-    # A plain function: the DSL rewrites loops only in the kernel itself.
-    layout = k.layout
-    frags = layout.hidden_size // ptx.CHUNK
-    bases = [ptx.ld_global_u64(Int64(table) + 8 * r) for r in range(layout.tp)]
-    if k.pdl:
-        ptx.pdl_wait()
-    epoch = ptx.ld_relaxed_u32(bases[k.rank] + Int64(row) * 4)
-    row_addr = Int64(partial) + Int64(row) * layout.row_bytes + Int64(tidx) * (2 * ptx.VEC)
-    words = [ptx.ld_global_v4(row_addr + i * FRAGMENT_STRIDE) for i in range(frags)]
-    if k.pdl:
-        ptx.pdl_launch_dependents()
-    pushed = [[ptx.encode_word(w, MARKER, ESCAPE) for w in f] for f in words]
-    for peer in range(layout.tp):
-        dst = _slot(layout, bases[peer], epoch, k.rank, row, tidx)
-        for i in range(frags):
-            ptx.push_v4(dst + i * FRAGMENT_STRIDE, pushed[i])
-
-
 def all_reduce_fake_args() -> tuple:
     """The compile signature of ``AllReduceKernel`` (no GPU memory needed)."""
     return (Int64(0),) * (3 + MAX_OPERANDS) + (Int32(1), fake_stream())
 
 
-def publish_fake_args() -> tuple:
-    """The compile signature of ``PublishKernel``."""
-    return (Int64(0), Int64(0), Int32(1), fake_stream())
-
-
-_CACHE = CompileCache()
-
-
+@jit_cache("MailboxAllReduce")
 def compile_all_reduce(layout: MailboxLayout, rank: int, sum_order: str, epilogue: Epilogue,
                        published: bool, pdl: bool):
-    """The compiled ``AllReduceKernel`` of one variant (once per process;
-    RuntimeError during CUDA graph capture)."""
-    key = ("all_reduce", layout, rank, sum_order, epilogue.key(), published, pdl)
-    return _CACHE.get(key, lambda: compile_kernel(
-        AllReduceKernel(layout, rank, sum_order, epilogue, published, pdl),
-        *all_reduce_fake_args(), what="MailboxAllReduce",
-    ))
-
-
-def compile_publish(layout: MailboxLayout, rank: int, pdl: bool):
-    """The compiled ``PublishKernel`` (once per process)."""
-    return _CACHE.get(("publish", layout, rank, pdl), lambda: compile_kernel(
-        PublishKernel(layout, rank, pdl), *publish_fake_args(), what="MailboxPublish",
-    ))
+    """The compiled ``AllReduceKernel`` of one variant."""
+    return AllReduceKernel(layout, rank, sum_order, epilogue, published, pdl), all_reduce_fake_args()
 
 
 def _address(value, name: str) -> int:
@@ -331,12 +270,13 @@ def _address(value, name: str) -> int:
 class FusedAllReduce:
     """The mailbox all-reduce of ``mailbox`` with ``epilogue`` fused in.
 
-    ``launch(m, partial, operands)`` runs one call of ``m`` rows (``takes(m)``
-    must hold, the same on every rank): ``partial`` a contiguous, 16-byte
-    aligned BF16 ``[m, H]`` CUDA tensor (None when ``published``), ``operands``
-    the epilogue's tensors or addresses in its ``operands`` order. Every rank
-    must make the same sequence of calls over one mailbox. ``prepare()``
-    compiles before CUDA graph capture; ``launch`` is capturable."""
+    A call of ``m`` rows (``takes_rows(m)``, the same on every rank):
+    ``partial`` a contiguous, 16-byte aligned BF16 ``[m, H]`` CUDA tensor
+    (None when ``published``), ``operands`` the epilogue's tensors or
+    addresses in its ``operands`` order. ``run`` checks them (ValueError with
+    ``problem``'s sentence), ``launch`` does not. Every rank must make the
+    same sequence of calls over one mailbox. ``prepare()`` compiles before
+    CUDA graph capture; ``launch`` is capturable."""
 
     def __init__(self, mailbox, epilogue: Epilogue, sum_order: str = FP32_RANK_ORDER, *,
                  published: bool = False, pdl: bool | None = None) -> None:
@@ -351,7 +291,7 @@ class FusedAllReduce:
     def capacity(self) -> int:
         return self.mailbox.layout.capacity
 
-    def takes(self, m: int) -> bool:
+    def takes_rows(self, m: int) -> bool:
         """Whether a call of ``m`` rows runs fused (the row count alone)."""
         return takes(m, self.capacity)
 
@@ -363,53 +303,49 @@ class FusedAllReduce:
         """Compile the kernel (before CUDA graph capture)."""
         self.kernel()
 
+    def problem(self, m: int, partial: torch.Tensor | None, operands: Sequence = ()) -> str | None:
+        """Why the kernel does not take this call (a sentence), or None."""
+        mb = self.mailbox
+        if not self.takes_rows(m):
+            return f"the fused all-reduce does not take this call: {fallback_reason(m, self.capacity)}"
+        if len(operands) != len(self.epilogue.operands):
+            return f"the epilogue takes the operands {self.epilogue.operands}, not {len(operands)} values"
+        try:
+            if self.published:
+                if partial is not None:
+                    return "a published all-reduce reads its partials from the mailbox, not a tensor"
+            else:
+                check_operand(partial, (m, mb.layout.hidden_size), torch.bfloat16, 16, "the partial")
+                if partial.device != mb.device:
+                    return f"the partial is on {partial.device}, the mailbox on {mb.device}"
+            for v, n in zip(operands, self.epilogue.operands):
+                _address(v, n)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def takes(self, m: int, partial: torch.Tensor | None, operands: Sequence = ()) -> bool:
+        """Whether the kernel takes this call (``problem`` is None)."""
+        return self.problem(m, partial, operands) is None
+
+    def run(self, m: int, partial: torch.Tensor | None, operands: Sequence = ()) -> None:
+        """``launch`` after ``problem``'s checks (ValueError with its sentence)."""
+        reason = self.problem(m, partial, operands)
+        if reason is not None:
+            raise ValueError(reason)
+        self.launch(m, partial, operands)
+
     def launch(self, m: int, partial: torch.Tensor | None, operands: Sequence = ()) -> None:
+        """One call of ``m`` rows, unchecked (MailboxTimeoutError where the
+        mailbox gave up waiting before)."""
         mb = self.mailbox
         mb.check_open()
-        if not self.takes(m):
-            raise ValueError(f"the fused all-reduce does not take this call: {fallback_reason(m, self.capacity)}")
-        if len(operands) != len(self.epilogue.operands):
-            raise ValueError(
-                f"the epilogue takes the operands {self.epilogue.operands}, not {len(operands)} values"
-            )
-        if self.published:
-            if partial is not None:
-                raise ValueError("a published all-reduce reads its partials from the mailbox, not a tensor")
-            src = 0
-        else:
-            check_operand(partial, (m, mb.layout.hidden_size), torch.bfloat16, 16, "the partial")
-            if partial.device != mb.device:
-                raise ValueError(f"the partial is on {partial.device}, the mailbox on {mb.device}")
-            src = partial.data_ptr()
+        src = 0 if partial is None else partial.data_ptr()
         addrs = [_address(v, n) for v, n in zip(operands, self.epilogue.operands)]
         addrs += [0] * (MAX_OPERANDS - len(addrs))
         self.kernel()(
             Int64(src), Int64(mb.table.data_ptr()), Int64(mb.timeout_ns),
             *[Int64(a) for a in addrs], Int32(m), current_stream(),
-        )
-
-
-class Publisher:
-    """Publishes BF16 partials into the mailbox (``PublishKernel``) for a
-    ``FusedAllReduce(published=True)`` to consume: the stand-in of a GEMM
-    whose epilogue publishes."""
-
-    def __init__(self, mailbox, pdl: bool | None = None) -> None:
-        self.mailbox = mailbox
-        self.pdl = pdl_supported(mailbox.device) if pdl is None else bool(pdl)
-
-    def prepare(self) -> None:
-        compile_publish(self.mailbox.layout, self.mailbox.rank, self.pdl)
-
-    def publish(self, partial: torch.Tensor) -> None:
-        mb = self.mailbox
-        mb.check_open()
-        m = partial.shape[0] if isinstance(partial, torch.Tensor) and partial.dim() == 2 else 0
-        if not takes(m, mb.layout.capacity):
-            raise ValueError(f"cannot publish {m} rows into a mailbox of {mb.layout.capacity}")
-        check_operand(partial, (m, mb.layout.hidden_size), torch.bfloat16, 16, "the partial")
-        compile_publish(mb.layout, mb.rank, self.pdl)(
-            Int64(partial.data_ptr()), Int64(mb.table.data_ptr()), Int32(m), current_stream()
         )
 
 
@@ -425,22 +361,49 @@ class MailboxAllReduce:
         self.mailbox = mailbox
         self._logged: set[str] = set()
 
-    def takes(self, m: int) -> bool:
-        return self.fused.takes(m)
+    def takes_rows(self, m: int) -> bool:
+        """Whether a call of ``m`` rows runs fused (the row count alone)."""
+        return self.fused.takes_rows(m)
 
     def prepare(self) -> None:
         self.fused.prepare()
 
-    def run(self, partial: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def problem(self, partial, out=None) -> str | None:
+        """Why ``run`` does not take these operands (a sentence), or None: a
+        BF16 ``[m, H]`` partial (the fused path's checks where ``m`` fits the
+        mailbox), ``out`` (if given) a contiguous, aligned BF16 tensor of its
+        shape."""
         h = self.mailbox.layout.hidden_size
         if not (isinstance(partial, torch.Tensor) and partial.dim() == 2 and partial.shape[1] == h):
-            raise ValueError(f"the all-reduce takes a BF16 [m, {h}] partial")
+            return f"the all-reduce takes a BF16 [m, {h}] partial, not {describe(partial)}"
+        if out is not None:
+            try:
+                check_operand(out, tuple(partial.shape), torch.bfloat16, 16, "the all-reduce output")
+            except ValueError as error:
+                return str(error)
+        m = partial.shape[0]
+        if self.takes_rows(m):
+            return self.fused.problem(m, partial, (partial if out is None else out,))
+        return None
+
+    def takes(self, partial, out=None) -> bool:
+        """Whether ``run`` takes these operands (``problem`` is None)."""
+        return self.problem(partial, out) is None
+
+    def run(self, partial: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum (into ``out`` if given); ValueError with ``problem``'s sentence."""
+        reason = self.problem(partial, out)
+        if reason is not None:
+            raise ValueError(reason)
+        return self.launch(partial, out)
+
+    def launch(self, partial: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``run`` without its checks: fused where the row count fits, else
+        the group's stock all-reduce (logged once per reason)."""
         m = partial.shape[0]
         if out is None:
             out = torch.empty_like(partial)
-        else:
-            check_operand(out, tuple(partial.shape), torch.bfloat16, 16, "the all-reduce output")
-        if not self.takes(m):
+        if not self.takes_rows(m):
             reason = fallback_reason(m, self.fused.capacity)
             if reason not in self._logged:
                 self._logged.add(reason)
@@ -460,13 +423,9 @@ __all__ = [
     "FusedAllReduce",
     "MAX_OPERANDS",
     "MailboxAllReduce",
-    "PublishKernel",
-    "Publisher",
     "RowContext",
     "SMEM_FLOATS",
     "StoreEpilogue",
     "all_reduce_fake_args",
     "compile_all_reduce",
-    "compile_publish",
-    "publish_fake_args",
 ]

@@ -12,9 +12,9 @@ epilogues:
   mailbox's header and not advanced; a ``FusedAllReduce(..., published=True)``
   or ``AllReduceBoundary.run(None, ..., published=True)`` launched next on the
   same stream then only consumes the partials (and advances the epochs). This
-  is the contract of ``dspark_comm.cutedsl.allreduce.PublishKernel`` with the GEMM as
+  is the contract of a published ``FusedAllReduce`` with the GEMM as
   the producer: the values in the mailbox are bit for bit those that
-  ``PublishKernel`` (or the pushing all-reduce) would store for the plain
+  the pushing all-reduce would store for the plain
   GEMM's output, so publish + consume equals plain GEMM + the same fused
   all-reduce, bit for bit.
 
@@ -132,11 +132,10 @@ from dspark_cute.cutedsl.gemm.skinny import direct as sd
 from dspark_cute.cutedsl.gemm.skinny.ring import mainloop as ring_mainloop
 from dspark_cute.cutedsl.gemm.skinny.tile import reduced_pair, store_partials
 from dspark_cute.runtime.host import (
-    CompileCache,
     check_operand,
-    compile_kernel,
     current_stream,
     is_operand,
+    jit_cache,
     pdl_supported,
 )
 
@@ -249,21 +248,20 @@ def _direct_body(k: PackageGemmKernel, x, weight, out, table, m, tidx, tile, war
         emit_word(k, bases, out, word, tok, tok_c, col, m, early[rnd] if k.early_epochs else None)
 
 
-_CACHE = CompileCache()
-
-
 def compile_package_gemm(constants: PackageGemmConstants, cfg: sg.SkinnyConfig, mode: str,
                          layout: MailboxLayout | None, rank: int, pdl: bool, early_epochs: bool = False):
-    """The compiled kernel of one variant, compiled once per process, keyed by
-    the constants (RuntimeError during CUDA graph capture: ``prepare()``)."""
-    early_epochs = bool(early_epochs) and mode == "publish"
-    key = ("package_gemm", constants.key(), cfg, mode, layout if mode == "publish" else None,
-           rank if mode == "publish" else 0, pdl, early_epochs)
-    return _CACHE.get(key, lambda: compile_kernel(
-        PackageGemmKernel(constants.hidden_size, cfg, mode, layout, rank, pdl, early_epochs, constants.tile_n),
-        *fake_args(),
-        what="PackageGemm",
-    ))
+    """The compiled kernel of one variant (the mailbox, the rank and the
+    early epochs count only where it publishes)."""
+    publish = mode == "publish"
+    return _compile_package_gemm(constants, cfg, mode, layout if publish else None, rank if publish else 0, pdl,
+                                 bool(early_epochs) and publish)
+
+
+@jit_cache("PackageGemm")
+def _compile_package_gemm(constants: PackageGemmConstants, cfg: sg.SkinnyConfig, mode: str,
+                          layout: MailboxLayout | None, rank: int, pdl: bool, early_epochs: bool):
+    kernel = PackageGemmKernel(constants.hidden_size, cfg, mode, layout, rank, pdl, early_epochs, constants.tile_n)
+    return kernel, fake_args()
 
 
 # ---------------------------------------------------------------- host API
@@ -412,37 +410,41 @@ class PackageGemm:
             return False
         return not publish or (self.mailbox is not None and m <= self.layout.capacity)
 
+    def problem(self, x, out=None, publish: bool = False) -> str | None:
+        """Why ``run(x, out, publish)`` does not take these operands (a
+        sentence), or None: ``x`` BF16 ``[m, k_shard]`` (``takes_rows(m)``)
+        contiguous, 16-byte aligned, on the weight's device; ``out`` (plain;
+        if given) BF16 ``[m, hidden_size]``, contiguous, 4-byte aligned, there
+        too; publishing, a mailbox and no ``out``."""
+        c = self.constants
+        m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
+        if publish and self.mailbox is None:
+            return "PackageGemm refuses this call: this package GEMM has no mailbox to publish into"
+        if publish and out is not None:
+            return "PackageGemm refuses this call: a publishing call writes the mailbox, not an output tensor"
+        if publish and isinstance(m, int) and m > self.layout.capacity:
+            return (f"PackageGemm refuses this call: no published call of {m} rows: "
+                    f"{fallback_reason(m, self.layout.capacity)}")
+        ok = (m is not None and self.takes_rows(m, publish)
+              and is_operand(x, torch.bfloat16, (m, c.k_shard), 16, self.device)
+              and (out is None or is_operand(out, torch.bfloat16, (m, c.hidden_size), 4, self.device)))
+        if ok:
+            return None
+        return (f"PackageGemm refuses this call: it takes x of bf16 [m, {c.k_shard}] (1 <= m <= {c.max_rows}), "
+                f"contiguous, 16-byte aligned, on the weight's device, and an output of bf16 [m, {c.hidden_size}] "
+                f"there")
+
     def takes(self, x, out=None, publish: bool = False) -> bool:
-        """Whether ``run(x, out, publish)`` covers these operands: ``x`` BF16
-        ``[m, k_shard]`` (``takes_rows(m)``) contiguous, 16-byte aligned, on
-        the weight's device; ``out`` (plain; if given) BF16 ``[m,
-        hidden_size]``, contiguous, 4-byte aligned, there too."""
-        if not (isinstance(x, torch.Tensor) and x.dim() == 2 and self.takes_rows(x.shape[0], publish)):
-            return False
-        m = x.shape[0]
-        if not is_operand(x, torch.bfloat16, (m, self.constants.k_shard), 16, self.device):
-            return False
-        if publish:
-            return out is None
-        return out is None or is_operand(out, torch.bfloat16, (m, self.constants.hidden_size), 4, self.device)
+        """Whether ``run(x, out, publish)`` takes these operands (``problem`` is None)."""
+        return self.problem(x, out, publish) is None
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None, publish: bool = False):
         """Plain: ``x @ W^T`` as BF16 ``[m, hidden_size]`` (into ``out`` if
         given), returned. Publish: the partial into every rank's mailbox,
-        returns None. ValueError unless ``takes(x, out, publish)``."""
-        if not self.takes(x, out, publish):
-            c = self.constants
-            m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
-            if publish and self.mailbox is None:
-                why = "this package GEMM has no mailbox to publish into"
-            elif publish and out is not None:
-                why = "a publishing call writes the mailbox, not an output tensor"
-            elif publish and isinstance(m, int) and m > self.layout.capacity:
-                why = f"no published call of {m} rows: {fallback_reason(m, self.layout.capacity)}"
-            else:
-                why = (f"it takes x of bf16 [m, {c.k_shard}] (1 <= m <= {c.max_rows}), contiguous, 16-byte "
-                       f"aligned, on the weight's device, and an output of bf16 [m, {c.hidden_size}] there")
-            raise ValueError(f"PackageGemm refuses this call: {why}")
+        returns None. ValueError with ``problem``'s sentence otherwise."""
+        reason = self.problem(x, out, publish)
+        if reason is not None:
+            raise ValueError(reason)
         return self.launch(x, out, publish)
 
     def launch(self, x: torch.Tensor, out: torch.Tensor | None = None, publish: bool = False):
@@ -467,8 +469,9 @@ class PackageGemm:
         out)`` as ``AllReduceBoundary.run``. Both checked before anything runs."""
         if getattr(boundary, "mailbox", None) is not self.mailbox or self.mailbox is None:
             raise ValueError("the boundary must run over this package GEMM's mailbox")
-        if not self.takes(x, None, publish=True):
-            self.run(x, None, publish=True)  # raises the sentence
+        reason = self.problem(x, None, publish=True)
+        if reason is not None:
+            raise ValueError(reason)
         # The boundary's operand checks, before the partial is published (a
         # published partial that is never consumed would break the rotation).
         shape = (x.shape[0], self.constants.hidden_size)

@@ -9,6 +9,7 @@ kernel. ``package_gemm`` re-exports every name; code that overrides the cap
 from __future__ import annotations
 
 from dspark_core.contracts.constants import MAX_DECODE_ROWS, PackageGemmConstants
+from dspark_core.errors import Unsupported
 from dspark_cute.cutedsl.gemm.skinny import config as sg
 from dspark_cute.cutedsl.gemm.skinny import direct as sd
 
@@ -139,21 +140,21 @@ def smem_bytes(cfg: sg.SkinnyConfig, tile_rows: int) -> int:
 
 
 def check_constants(constants) -> None:
-    """ValueError with a sentence unless the kernel covers ``constants``."""
+    """Unsupported with a sentence unless the kernel covers ``constants``."""
     if not isinstance(constants, PackageGemmConstants):
         raise ValueError(f"PackageGemm takes PackageGemmConstants, not {type(constants).__name__}")
     c = constants
     if c.tile_n not in TILE_ROWS:
-        raise ValueError(f"the package GEMM computes 64 output features per CTA (tile_n 64: the ring main loop) "
+        raise Unsupported(f"the package GEMM computes 64 output features per CTA (tile_n 64: the ring main loop) "
                          f"or 16 (tile_n 16: the register-direct one), not tile_n {c.tile_n}")
     if c.hidden_size <= 0 or c.hidden_size % c.tile_n:
-        raise ValueError(f"the package GEMM's output features must be a positive multiple of {c.tile_n} (its "
+        raise Unsupported(f"the package GEMM's output features must be a positive multiple of {c.tile_n} (its "
                          f"tile_n), not {c.hidden_size}")
     if not 1 <= c.max_rows <= MAX_DECODE_ROWS:
-        raise ValueError(f"the package GEMM takes 1 to {MAX_DECODE_ROWS} rows per call, not max_rows "
+        raise Unsupported(f"the package GEMM takes 1 to {MAX_DECODE_ROWS} rows per call, not max_rows "
                          f"{c.max_rows}")
     if c.split_k not in (1, 2, 4):
-        raise ValueError(f"the package GEMM splits K into 1, 2 or 4 slices (inside one CTA), not "
+        raise Unsupported(f"the package GEMM splits K into 1, 2 or 4 slices (inside one CTA), not "
                          f"split_k {c.split_k}")
 
 

@@ -53,7 +53,7 @@ from dspark_core.contracts.constants import GemvConstants, PackageGemmConstants
 from dspark_core.spec.gemv import gemv_unsupported
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gemm import gemv as gv
-from dspark_cute.runtime.host import CompileCache, compile_kernel
+from dspark_cute.runtime.host import jit_cache
 
 
 def one_row_constants(constants: PackageGemmConstants) -> GemvConstants:
@@ -128,18 +128,19 @@ def _body(k: PackageGemvKernel, x, weight, out, table, warp_id, lane) -> None:
         emit_word(k, bases, out, word, Int32(lane), 0, row0 + 2 * pair, one, early[0] if k.early_epochs else None)
 
 
-_CACHE = CompileCache()
-
-
 def compile_package_gemv(constants: PackageGemmConstants, mode: str, layout: MailboxLayout | None, rank: int,
                          pdl: bool, rows_per_warp: int = gv.ROWS_PER_WARP, depth: int = gv.DEPTH):
-    """The compiled one-row kernel of one variant, once per process
-    (RuntimeError during CUDA graph capture)."""
-    g = one_row_constants(constants)
-    key = ("package_gemv", g.key(), mode, layout if mode == "publish" else None, rank if mode == "publish" else 0,
-           bool(pdl), rows_per_warp, depth)
-    return _CACHE.get(key, lambda: compile_kernel(
-        PackageGemvKernel(g, mode, layout, rank, pdl, rows_per_warp, depth), *fake_args(), what="PackageGemv"))
+    """The compiled one-row kernel of one variant (the mailbox and the rank
+    count only where it publishes)."""
+    publish = mode == "publish"
+    return _compile_package_gemv(one_row_constants(constants), mode, layout if publish else None,
+                                 rank if publish else 0, bool(pdl), rows_per_warp, depth)
+
+
+@jit_cache("PackageGemv")
+def _compile_package_gemv(g: GemvConstants, mode: str, layout: MailboxLayout | None, rank: int, pdl: bool,
+                          rows_per_warp: int, depth: int):
+    return PackageGemvKernel(g, mode, layout, rank, pdl, rows_per_warp, depth), fake_args()
 
 
 __all__ = ["PackageGemvKernel", "compile_package_gemv", "fake_args", "one_row_constants", "one_row_unsupported",

@@ -14,20 +14,15 @@ Layout: a 1-D grid of ``ctas`` CTAs of ``threads`` threads; global thread
 ``g`` takes rows ``g, g + ctas * threads, ...`` and issues each such row's
 ``lines`` prefetches in order.
 
-Two ways to overlap it with the small kernels (``WeightPrefetcher``'s
-``mode``):
-
-- ``"inline"`` (the PDL variant, ``pdl=True``): launched on the executor's
-  stream right after the first small kernel S that follows the previous GEMM,
-  as a programmatic dependent of S. It triggers its own dependents first
-  (``griddepcontrol.launch_dependents``), issues its prefetches while S runs
-  (S triggers right after its own wait), and ends with
-  ``griddepcontrol.wait``: it completes only once S has completed and
-  flushed, so whatever follows it in the stream (a PDL kernel's wait, or a
-  cuBLAS GEMM's stream order) still sees S's results. One extra node on the
-  same stream, no cross-stream edge.
-- ``"side"``: the plain variant on a side stream, forked after the previous
-  GEMM and joined before the next one (two cross-stream graph edges a GEMM).
+The executor's use (``WeightPrefetcher``) is the PDL variant (``pdl=True``):
+launched on the executor's stream right after the first small kernel S that
+follows the previous GEMM, as a programmatic dependent of S. It triggers its
+own dependents first (``griddepcontrol.launch_dependents``), issues its
+prefetches while S runs (S triggers right after its own wait), and ends with
+``griddepcontrol.wait``: it completes only once S has completed and flushed,
+so whatever follows it in the stream (a PDL kernel's wait, or a cuBLAS GEMM's
+stream order) still sees S's results. One extra node on the same stream, no
+cross-stream edge. ``pdl=False`` is the plain kernel (the probe's).
 
 Measured with a probe on an H200 (``scripts/probes/l2_prefetch.py``, 32 CTAs,
 a 4 µs window): 256-512 bytes a row took 1.4-3.0 µs off the next cuBLAS GEMM
@@ -43,7 +38,7 @@ import torch
 from cutlass import Int32, Int64
 
 from dspark_cute import ptx
-from dspark_cute.runtime.host import CompileCache, compile_kernel, current_stream, fake_stream
+from dspark_cute.runtime.host import current_stream, fake_stream, jit_cache
 
 LINE = 128
 # The probe's launch shape: enough CTAs to issue a few MB in about a µs.
@@ -94,15 +89,10 @@ def fake_args() -> tuple:
     return (Int64(0), Int32(1), Int64(LINE), Int32(1), fake_stream())
 
 
-_CACHE = CompileCache()
-
-
+@jit_cache("WeightPrefetch")
 def compile_weight_prefetch(ctas: int = CTAS, threads: int = THREADS, pdl: bool = False):
-    """The compiled ``WeightPrefetchKernel`` of a launch shape and variant,
-    compiled once per process (RuntimeError during CUDA graph capture)."""
-    return _CACHE.get(("weight_prefetch", ctas, threads, pdl),
-                      lambda: compile_kernel(WeightPrefetchKernel(ctas, threads, pdl), *fake_args(),
-                                             what="WeightPrefetch"))
+    """The compiled ``WeightPrefetchKernel`` of a launch shape and variant."""
+    return WeightPrefetchKernel(ctas, threads, pdl), fake_args()
 
 
 def check_bytes_per_row(nbytes, what: str = "prefetch bytes per row") -> None:
@@ -146,7 +136,20 @@ class WeightPrefetch:
         """Compile the kernel (one variant: every operand is a runtime value)."""
         compile_weight_prefetch(self.ctas, self.threads, self.pdl)
 
-    def __call__(self, weight: torch.Tensor, bytes_per_row: int) -> None:
+    def problem(self, weight, bytes_per_row) -> str | None:
+        """Why ``run(weight, bytes_per_row)`` does not take these operands
+        (``prefetch_lines``' sentence), or None."""
+        try:
+            prefetch_lines(weight, bytes_per_row)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def takes(self, weight, bytes_per_row) -> bool:
+        """Whether ``run`` takes these operands (``problem`` is None)."""
+        return self.problem(weight, bytes_per_row) is None
+
+    def run(self, weight: torch.Tensor, bytes_per_row: int) -> None:
         """Prefetch the first ``bytes_per_row`` bytes of every row of
         ``weight`` into L2 (ValueError for operands ``prefetch_lines``
         refuses); a row shorter than one line prefetches nothing."""
@@ -155,56 +158,39 @@ class WeightPrefetch:
             self.launch(weight, lines)
 
     def launch(self, weight: torch.Tensor, lines: int) -> None:
-        """``__call__`` for checked operands and ``lines`` lines a row."""
+        """``run`` for checked operands and ``lines`` lines a row."""
         kernel = compile_weight_prefetch(self.ctas, self.threads, self.pdl)
         kernel(Int64(weight.data_ptr()), Int32(weight.shape[0]), Int64(weight.stride(0) * weight.element_size()),
                Int32(lines), current_stream())
 
 
-MODES = ("inline", "side")
-
-
 class WeightPrefetcher:
-    """The executor's side of the prefetch. ``fork(weight, role)`` right
+    """The executor's side of the prefetch: ``fork(weight, role)`` right
     after a GEMM names the next GEMM's weight; ``kick()`` right after the
-    first small kernel that follows; ``join()`` right before the next GEMM.
+    first small kernel that follows launches the PDL variant on the current
+    stream; ``join()`` right before the next GEMM drops a fork not kicked.
     ``bytes_per_row[role]`` bytes a row are prefetched (a role missing there
-    prefetches nothing). By ``mode`` (module docstring):
-
-    - ``"inline"``: ``fork`` records the weight, ``kick`` launches the PDL
-      variant on the current stream, ``join`` drops a fork not kicked;
-    - ``"side"``: ``fork`` launches the plain variant on a side stream that
-      first waits for the caller's stream, ``kick`` does nothing, ``join``
-      makes the caller's stream wait for the side stream.
-
-    Every call is CUDA-graph capturable; a capture must end joined."""
+    prefetches nothing). Every call is CUDA-graph capturable."""
 
     ROLES = ("qkv_proj", "o_proj", "gate_up", "down")
 
-    def __init__(self, bytes_per_row: dict[str, int], device, prefetch: WeightPrefetch | None = None,
-                 mode: str = "inline") -> None:
+    def __init__(self, bytes_per_row: dict[str, int], device, prefetch: WeightPrefetch | None = None) -> None:
         unknown = set(bytes_per_row) - set(self.ROLES)
         if unknown:
             raise ValueError(f"prefetch roles are {self.ROLES}, not {sorted(unknown)}")
         for role, nbytes in bytes_per_row.items():
             check_bytes_per_row(nbytes, f"the {role} prefetch")
-        if mode not in MODES:
-            raise ValueError(f"a weight prefetch mode is one of {MODES}, not {mode!r}")
         self.bytes_per_row = dict(bytes_per_row)
         self.device = torch.device(device)
-        self.mode = mode
-        self.kernel = prefetch or WeightPrefetch(pdl=mode == "inline")
-        self._side: torch.cuda.Stream | None = None
+        self.kernel = prefetch or WeightPrefetch(pdl=True)
         self._lines: dict[tuple, int] = {}  # checked weights: (address, shape, stride, role) -> lines
-        self._recorded: tuple | None = None  # inline: (weight, lines) forked, not yet kicked
+        self._recorded: tuple | None = None  # (weight, lines) forked, not yet kicked
         self.pending = False
         self.prepared = False
 
     def prepare(self) -> None:
-        """Compile the kernel and, in side mode, make the side stream (before capture)."""
+        """Compile the kernel (before capture)."""
         self.kernel.prepare()
-        if self.mode == "side":
-            self._side = torch.cuda.Stream(device=self.device)
         self.prepared = True
 
     def _lines_of(self, weight: torch.Tensor, role: str) -> int:
@@ -220,17 +206,9 @@ class WeightPrefetcher:
         if role not in self.bytes_per_row:
             return
         lines = self._lines_of(weight, role)
-        if not lines:
-            return
-        if self.mode == "inline":
+        if lines:
             self._recorded = (weight, lines)
             self.pending = True
-            return
-        main = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            self.kernel.launch(weight, lines)
-        self.pending = True
 
     def kick(self) -> None:
         if self._recorded is not None:
@@ -239,17 +217,13 @@ class WeightPrefetcher:
             self.kernel.launch(weight, lines)
 
     def join(self) -> None:
-        if self.pending:
-            if self.mode == "side":
-                torch.cuda.current_stream(self.device).wait_stream(self._side)
-            self._recorded = None
-            self.pending = False
+        self._recorded = None
+        self.pending = False
 
 
 __all__ = [
     "CTAS",
     "LINE",
-    "MODES",
     "THREADS",
     "WeightPrefetch",
     "WeightPrefetchKernel",

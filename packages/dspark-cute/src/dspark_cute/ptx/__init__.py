@@ -12,7 +12,7 @@ fp16x2 pair, an FP32 bit pattern), ``Int64`` for global byte addresses,
 - ``arith``: rounded FP32 operations (``add_rn`` .. ``sqrt_rn``, ``neg_f32``,
   ``max_nan``), bit casts, BF16/FP16 conversions, the BF16 tensor-core MMA;
 - ``memory``: global and shared loads and stores, ``cp.async``, L2 prefetch;
-- ``sync``: PDL, warp and cluster barriers, the mailbox's system-scope
+- ``sync``: PDL, the warp barrier, the mailbox's system-scope
   loads, stores and polls;
 - ``reduce``: the row tree and the other fixed-order folds;
 - ``math``: the spec's ``exp_rn``, ``sigmoid_rn``, ``silu_rn``.

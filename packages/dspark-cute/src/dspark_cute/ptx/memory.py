@@ -1,6 +1,5 @@
 """Global and shared memory access: vector and scalar loads and stores (some
-predicated), ``cp.async`` copies, L2 prefetches, a cluster peer's shared
-memory.
+predicated), ``cp.async`` copies, L2 prefetches.
 
 Addresses: global ones are byte addresses (``Int64``; a kernel computes them
 from a pointer argument's ``toint()``), shared ones byte addresses in the
@@ -298,17 +297,6 @@ def st_shared_v4(addr, values, *, loc=None, ip=None) -> None:
         "r,r,r,r,r", True, loc, ip)
 
 
-@dsl_user_op
-def ld_dsmem_f32(addr, rank, *, loc=None, ip=None) -> Float32:
-    """The FP32 at shared-memory byte address ``addr`` (this CTA's window) of
-    the cluster's CTA ``rank`` (``mapa`` + ``ld.shared::cluster``)."""
-    return Float32(asm(
-        T.f32(), [i32(addr, loc, ip), i32(rank, loc, ip)],
-        "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }",
-        "=f,r,r", True, loc, ip,
-    ))
-
-
 # ---------------------------------------------------------------- cp.async
 
 
@@ -378,7 +366,6 @@ __all__ = [
     "cp_async_wait",
     "cp_async_wait_all",
     "ld_bf16x8",
-    "ld_dsmem_f32",
     "ld_f16x8",
     "ld_f32x8",
     "ld_global_b32",

@@ -12,8 +12,7 @@ from cutlass import Float32, Int32
 
 from .arith import add_rn, div_rn, f32_const, max_nan, mul_rn, sqrt_rn
 from .cta import WARPS
-from .memory import ld_dsmem_f32, ld_shared_f32, st_shared_f32, st_shared_f32_if_lane0
-from .sync import cluster_arrive, cluster_wait
+from .memory import ld_shared_f32, st_shared_f32_if_lane0
 
 
 def fold_halves(values: list) -> Float32:
@@ -84,27 +83,7 @@ def inv_rms(total, n: int, eps: float) -> Float32:
     return div_rn(f32_const(1.0), sqrt_rn(var))
 
 
-def cluster_row_sum(fragment, ranks: int, fsum_addr, sums_addr, tidx, warp, lane) -> Float32:
-    """The row tree of the squares of a row split over a cluster of
-    ``ranks`` CTAs, CTA ``k`` holding fragment ``k`` of every reference
-    thread. Thread ``t``: squares its 8 values and forms their fragment sum
-    (step 2), stored at ``fsum_addr + 4 t`` (256 FP32 reserved); a cluster
-    barrier; the fragment sums ``k = 0 .. ranks-1`` of reference thread
-    ``t`` read from CTA ``k`` and added in order of ``k`` (step 3); the warp
-    butterfly and the cross-warp fold (steps 4-5, ``sums_addr``). Every CTA
-    returns the same sum; the caller keeps its CTA alive until the others
-    have read ``fsum_addr`` (a later cluster barrier)."""
-    f = fragment_sum([mul_rn(v, v) for v in fragment])
-    st_shared_f32(Int32(fsum_addr) + Int32(tidx) * 4, f)
-    cluster_arrive()
-    cluster_wait()
-    addr = Int32(fsum_addr) + Int32(tidx) * 4
-    total = thread_sum([ld_dsmem_f32(addr, Int32(k)) for k in range(ranks)])
-    return cta_fold(warp_fold(total), sums_addr, warp, lane)
-
-
 __all__ = [
-    "cluster_row_sum",
     "cta_fold",
     "fold_halves",
     "fragment_sum",

@@ -1,5 +1,5 @@
 """Ordering between threads, kernels and GPUs: programmatic dependent launch
-(PDL), warp and cluster barriers, and the system-scope loads and stores of the
+(PDL), the warp barrier, and the system-scope loads and stores of the
 mailbox all-reduce (a peer's buffer is mapped into this process, so its
 addresses are ordinary global addresses reached over NVLink).
 
@@ -15,7 +15,7 @@ aligned 32-bit accesses, also as elements of a vector access). The loads are
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Uint32
+from cutlass import Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -52,7 +52,7 @@ def weight_first(ahead: int, load_weight, load_x, before_x=None) -> None:
         load_x(s)
 
 
-# ---------------------------------------------------------------- warps and clusters
+# ---------------------------------------------------------------- warps
 
 
 @dsl_user_op
@@ -60,32 +60,6 @@ def sync_warp(*, loc=None, ip=None) -> None:
     """``bar.warp.sync 0xffffffff``: the warp's lanes meet; their shared-memory
     accesses before it are ordered before those after it."""
     asm(None, [], "bar.warp.sync 0xffffffff;", "", True, loc, ip)
-
-
-@dsl_user_op
-def cluster_id_x(*, loc=None, ip=None) -> Int32:
-    """``%clusterid.x``: the index of this CTA's cluster along x."""
-    return Int32(asm(T.i32(), [], "mov.u32 $0, %clusterid.x;", "=r", False, loc, ip))
-
-
-@dsl_user_op
-def cluster_rank(*, loc=None, ip=None) -> Int32:
-    """``%cluster_ctarank``: this CTA's rank in its cluster."""
-    return Int32(asm(T.i32(), [], "mov.u32 $0, %cluster_ctarank;", "=r", False, loc, ip))
-
-
-@dsl_user_op
-def cluster_arrive(*, loc=None, ip=None) -> None:
-    """``barrier.cluster.arrive.release.aligned``: this thread's shared-memory
-    writes become visible to the cluster's threads that then wait."""
-    asm(None, [], "barrier.cluster.arrive.release.aligned;", "", True, loc, ip)
-
-
-@dsl_user_op
-def cluster_wait(*, loc=None, ip=None) -> None:
-    """``barrier.cluster.wait.acquire.aligned``: wait until every thread of
-    the cluster has arrived (and see what they wrote before arriving)."""
-    asm(None, [], "barrier.cluster.wait.acquire.aligned;", "", True, loc, ip)
 
 
 # ---------------------------------------------------------------- the mailbox: clocks, words, epochs
@@ -206,10 +180,6 @@ def clear_fragments(addr, count: int, stride: int, marker: int, *, loc=None, ip=
 __all__ = [
     "advance_epoch",
     "clear_fragments",
-    "cluster_arrive",
-    "cluster_id_x",
-    "cluster_rank",
-    "cluster_wait",
     "deadline",
     "encode_word",
     "globaltimer",

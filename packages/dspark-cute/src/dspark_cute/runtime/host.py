@@ -23,9 +23,8 @@
   dtype, shape, strides and device, for such sentences;
   ``cache_tensor(cache)``: a KV cache's tensor (given a tensor or a
   ``PagedKVCache``).
-- ``CompileCache``: compiled kernels keyed by hashable constants;
-  ``compile_once(cache, name, kernel_class, constants, pdl, fake_args, what)``:
-  the compile of a kernel of ``(constants, pdl)``, once per process.
+- ``jit_cache(what)``: the decorator of every kernel's compile function:
+  one compile per process for each distinct constants and variant flags.
 - ``compile_kernel(obj, *args)``: ``cute.compile`` after the capture guard.
 - ``compile_ptx(obj, *fake_args, arch)``: the PTX of ``obj`` for ``arch``
   ("sm_90a", "sm_100a"), compiled without loading it (works without a GPU).
@@ -34,7 +33,9 @@
 
 from __future__ import annotations
 
+import functools
 import glob
+import inspect
 import os
 import tempfile
 import threading
@@ -222,41 +223,55 @@ def compile_kernel(obj: Any, *args, what: str | None = None, options: str | None
     return cute.compile(obj, *args)
 
 
-class CompileCache:
-    """Compiled kernels keyed by hashable compile-time constants: ``get(key,
-    build)`` returns the kernel of ``key``, calling ``build()`` (which
-    compiles) the first time. Thread safe; shared by every user of one
-    instance, so equal constants compile once per process."""
+def _key_of(value) -> Hashable:
+    """A compile-cache key part: a constants object's ``key()`` (a stable
+    hash of its exact field bits, with its type), else the value itself."""
+    key = getattr(value, "key", None)
+    if callable(key):
+        return (type(value).__qualname__, key())
+    return value
 
-    def __init__(self) -> None:
-        self._kernels: dict[Hashable, Any] = {}
-        self._lock = threading.Lock()
 
-    def get(self, key: Hashable, build: Callable[[], Any]):
-        kernel = self._kernels.get(key)
-        if kernel is None:
-            with self._lock:
-                kernel = self._kernels.get(key)
+def jit_cache(what: str):
+    """Decorator of a kernel's compile function ``fn(*settings) -> (kernel,
+    fake_args)``: the decorated function returns the compiled kernel,
+    ``cute.compile(kernel, *fake_args)`` once per process for each distinct
+    ``settings`` (the constants, keyed by their ``key()``, the PDL flag and
+    the variant flags; defaults filled in), thread safe. A compile checks
+    first that no CUDA graph is being captured (RuntimeError naming
+    ``what``: ``prepare()`` before capture). ``fn.cache`` holds the kernels,
+    ``fn.cache_clear()`` empties it, ``fn.build(*settings)`` is ``fn``
+    itself (the kernel object and its compile signature, uncompiled)."""
+
+    def decorate(fn: Callable):
+        signature = inspect.signature(fn)
+        lock = threading.Lock()
+
+        @functools.wraps(fn)
+        def compiled(*args, **kwargs):
+            cache = compiled.cache
+            fast = (tuple(_key_of(a) for a in args), tuple(sorted((k, _key_of(v)) for k, v in kwargs.items())))
+            kernel = cache.get(fast)
+            if kernel is not None:
+                return kernel
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            full = (tuple(_key_of(a) for a in bound.args), ())
+            with lock:
+                kernel = cache.get(full)
                 if kernel is None:
-                    kernel = self._kernels[key] = build()
-        return kernel
+                    assert_not_capturing(what)
+                    obj, fake_args = fn(*bound.args)
+                    kernel = cache[full] = compile_kernel(obj, *fake_args, what=what)
+                cache[fast] = kernel
+            return kernel
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._kernels
+        compiled.cache = {}
+        compiled.cache_clear = lambda: compiled.cache.clear()
+        compiled.build = fn
+        return compiled
 
-    def __len__(self) -> int:
-        return len(self._kernels)
-
-
-def compile_once(cache: CompileCache, name: str, kernel_class, constants, pdl: bool, fake_args, what: str):
-    """The compiled ``kernel_class(constants, pdl)`` (compile signature
-    ``fake_args(constants)``), compiled once per process under the key
-    ``(name, constants.key(), pdl)`` of ``cache`` (RuntimeError during CUDA
-    graph capture, naming ``what``)."""
-    return cache.get(
-        (name, constants.key(), pdl),
-        lambda: compile_kernel(kernel_class(constants, pdl), *fake_args(constants), what=what),
-    )
+    return decorate
 
 
 class _StopAfterCompile(Exception):
@@ -294,13 +309,11 @@ def compile_ptx(obj: Any, *fake_args, arch: str = "sm_90a") -> str:
 
 __all__ = [
     "CUTE_DTYPES",
-    "CompileCache",
     "DTYPE_NAMES",
     "TORCH_DTYPES",
     "assert_not_capturing",
     "check_operand",
     "compile_kernel",
-    "compile_once",
     "compile_ptx",
     "current_stream",
     "cute_dtype",
@@ -309,6 +322,7 @@ __all__ = [
     "fake_stream",
     "fake_tensor",
     "is_operand",
+    "jit_cache",
     "pdl_supported",
     "ptr",
     "sm_count",

@@ -21,6 +21,7 @@ import torch
 from cutlass import Float32, Int32, Int64, Uint32, Uint64
 
 from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
+from dspark_core.errors import Unsupported
 from dspark_core.spec.attention import LANES, scale
 from dspark_cute import ptx
 from dspark_cute.cutedsl.heads import head_norm_pair
@@ -40,26 +41,23 @@ MAX_STAGED_SLOTS = 768
 
 
 def check_constants(c: AttentionConstants) -> None:
-    """ValueError unless the kernel takes ``c``: 64-wide heads, query heads a
+    """Unsupported unless the kernels take ``c``: 64-wide heads, query heads a
     multiple of the KV heads, a positive block size, int32 or int64 slots."""
     if not isinstance(c, AttentionConstants):
         raise ValueError(f"PagedAttention takes AttentionConstants, not {type(c).__name__}")
     if c.head_dim != HEAD_DIM:
-        raise ValueError(f"the attention kernel takes heads of {HEAD_DIM} columns, not {c.head_dim}")
+        raise Unsupported(f"the attention kernel takes heads of {HEAD_DIM} columns, not {c.head_dim}")
     if c.kv_heads < 1 or c.num_heads < 1 or c.num_heads % c.kv_heads:
-        raise ValueError(f"{c.num_heads} query heads do not split into groups over {c.kv_heads} KV heads")
+        raise Unsupported(f"{c.num_heads} query heads do not split into groups over {c.kv_heads} KV heads")
     if c.block_size < 1:
-        raise ValueError(f"a KV block size of {c.block_size}, not a positive one")
+        raise Unsupported(f"a KV block size of {c.block_size}, not a positive one")
     if c.slot_dtype not in SLOT_DTYPES:
-        raise ValueError(f"attn_slots of int32 or int64, not {c.slot_dtype}")
+        raise Unsupported(f"attn_slots of int32 or int64, not {c.slot_dtype}")
     staged = c.staged_slots
     if not (isinstance(staged, int) and 0 <= staged <= MAX_STAGED_SLOTS and staged % LANES == 0):
-        raise ValueError(f"staged slots of a multiple of {LANES} up to {MAX_STAGED_SLOTS}, not {staged}")
+        raise Unsupported(f"staged slots of a multiple of {LANES} up to {MAX_STAGED_SLOTS}, not {staged}")
     if c.o_gate_eps is not None and not (isinstance(c.o_gate_eps, float) and c.o_gate_eps >= 0.0):
-        raise ValueError(f"the o-norm's eps must be a non-negative float, not {c.o_gate_eps}")
-
-
-
+        raise Unsupported(f"the o-norm's eps must be a non-negative float, not {c.o_gate_eps}")
 
 
 # ---------------------------------------------------------------- traced math

@@ -86,9 +86,8 @@ from dspark_cute.cutedsl.attention.common import (
     prefetch_rows,
 )
 from dspark_cute.runtime.host import (
-    CompileCache,
-    compile_once,
     fake_stream,
+    jit_cache,
 )
 
 # Slots whose scores pass 1 keeps in shared memory (per thread: one FP32 per
@@ -99,7 +98,7 @@ assert SCORE_CHUNKS * LANES <= LANES * ROW_WORDS
 # ---------------------------------------------------------------- the kernel
 
 
-class PagedAttentionKernel:
+class DirectAttentionKernel:
     """The traced attention of one ``AttentionConstants``; ``pdl``: launched
     with programmatic dependent launch. Call: ``(q, cache, slots, out, m,
     s_len, num_slots, stream)``: byte addresses (Int64) of ``q`` (16-byte
@@ -110,7 +109,7 @@ class PagedAttentionKernel:
     def __init__(self, constants: AttentionConstants, pdl: bool) -> None:
         check_constants(constants)
         if not constants.is_default:
-            raise ValueError("staged or o-gated constants compile attention_v2.PagedAttentionV2Kernel")
+            raise ValueError("staged or o-gated constants compile staged.StagedAttentionKernel")
         self.constants = constants
         self.pdl = pdl
 
@@ -170,17 +169,14 @@ class PagedAttentionKernel:
 
 
 def fake_args(constants: AttentionConstants) -> tuple:
-    """The compile signature of ``PagedAttentionKernel`` (no GPU memory needed)."""
+    """The compile signature of ``DirectAttentionKernel`` (no GPU memory needed)."""
     return (Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), Int32(1), Int64(1), fake_stream())
 
 
-_CACHE = CompileCache()
-
-
+@jit_cache("PagedAttention")
 def compile_direct_attention(constants: AttentionConstants, pdl: bool):
-    """The compiled ``PagedAttentionKernel`` of ``constants`` and ``pdl``,
-    compiled once per process (RuntimeError during CUDA graph capture)."""
-    return compile_once(_CACHE, "attention", PagedAttentionKernel, constants, pdl, fake_args, "PagedAttention")
+    """The compiled ``DirectAttentionKernel`` of ``constants`` and ``pdl``."""
+    return DirectAttentionKernel(constants, pdl), fake_args(constants)
 
 
-__all__ = ["SCORE_CHUNKS", "PagedAttentionKernel", "compile_direct_attention", "fake_args"]
+__all__ = ["SCORE_CHUNKS", "DirectAttentionKernel", "compile_direct_attention", "fake_args"]

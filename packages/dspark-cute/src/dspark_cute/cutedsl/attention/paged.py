@@ -9,8 +9,6 @@ import torch
 from cutlass import Int32, Int64
 
 from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
-from dspark_core.planner.policy import DEFAULT_STAGED_SLOTS
-from dspark_core.spec.attention import LANES
 from dspark_cute.cutedsl.attention.common import SLOT_BYTES, SLOT_DTYPES, check_constants
 from dspark_cute.cutedsl.attention.direct import compile_direct_attention
 from dspark_cute.cutedsl.attention.staged import compile_staged_attention
@@ -27,43 +25,24 @@ def compile_attention(constants: AttentionConstants, pdl: bool):
 
 class PagedAttention(LazyPdl):
     """``dspark_core.spec.attention.paged_attention(q, cache, attn_slots,
-    kv_heads)`` as one kernel launch (module docstring), bit for bit (NaN
-    payloads aside, as ``dspark_core.tools.compare`` allows).
+    kv_heads)`` of ``constants`` as one kernel launch, bit for bit (NaN
+    payloads aside, as ``dspark_core.tools.compare`` allows): ``num_heads``
+    query heads over ``kv_heads`` KV heads of 64 columns, a cache of
+    ``block_size`` slots per block, ``attn_slots`` of ``slot_dtype`` ("int64"
+    or "int32"). With ``staged_slots`` (a multiple of 128 up to 768) the K
+    and V rows of the first that many slots are staged in shared memory (one
+    memory round trip; later slots take the direct path inside the kernel);
+    with ``o_gate_eps`` the output is ``layers.o_gate(., gate, HeadNorm(64,
+    o_gate_eps))`` and the calls take ``gate=``. Either option launches the
+    staged kernel, which also takes ``q`` as a row-strided view
+    (``takes_strided_q``). ``pdl``: programmatic dependent launch (default:
+    where the device supports it, sm_90+). Call ``prepare()`` before CUDA
+    graph capture; ``launch`` is graph-capturable once prepared."""
 
-    ``PagedAttention(heads, kv_heads, head_dim=64, block_size=16,
-    slot_dtype=torch.int64, pdl=None)``: ``heads`` query heads over
-    ``kv_heads`` KV heads of 64 columns, a cache of ``block_size`` slots per
-    block (``DraftConfig.kv_block_size``), ``attn_slots`` of ``slot_dtype``
-    (int64, as ``StepInputs`` builds them, or int32); ``pdl``: launch with
-    programmatic dependent launch (default: where the device supports it,
-    sm_90+). Call ``prepare()`` before CUDA graph capture; the call is
-    graph-capturable once prepared (the operands' addresses are captured).
-
-    Opt-in options (keyword only; both off by default, the kernel above):
-    ``staged=True`` stages the K and V rows of the first
-    ``max_staged_slots`` slots (a multiple of 128 up to 768; slots past it
-    run the default's path inside the kernel) in shared memory in one
-    memory round trip; ``o_gate_eps`` (a float) applies
-    ``layers.o_gate(., gate, HeadNorm(64, o_gate_eps))`` to the output, the
-    call then taking ``gate=``. Either option launches
-    ``attention_v2.PagedAttentionV2Kernel`` (same bits), which also takes
-    ``q`` as a row-strided view (``takes_strided_q``)."""
-
-    def __init__(self, heads: int, kv_heads: int, head_dim: int = HEAD_DIM, block_size: int = 16,
-                 slot_dtype: torch.dtype = torch.int64, pdl: bool | None = None, *, staged: bool = False,
-                 max_staged_slots: int = DEFAULT_STAGED_SLOTS, o_gate_eps: float | None = None) -> None:
-        names = {v: k for k, v in SLOT_DTYPES.items()}
-        if slot_dtype not in names:
-            raise ValueError(f"attn_slots of torch.int32 or torch.int64, not {slot_dtype}")
-        if staged and not (isinstance(max_staged_slots, int) and max_staged_slots >= LANES):
-            raise ValueError(f"staged=True stages at least {LANES} slots, not {max_staged_slots}")
-        constants = AttentionConstants(num_heads=int(heads), kv_heads=int(kv_heads), head_dim=int(head_dim),
-                                       block_size=int(block_size), slot_dtype=names[slot_dtype],
-                                       staged_slots=max_staged_slots if staged else 0,
-                                       o_gate_eps=None if o_gate_eps is None else float(o_gate_eps))
+    def __init__(self, constants: AttentionConstants, *, pdl: bool | None = None) -> None:
         check_constants(constants)
         self.constants = constants
-        self.slot_dtype = slot_dtype
+        self.slot_dtype = SLOT_DTYPES[constants.slot_dtype]
         self._pdl = pdl
 
     def prepare(self) -> None:
@@ -78,11 +57,11 @@ class PagedAttention(LazyPdl):
 
     @property
     def gated(self) -> bool:
-        """Whether the kernel applies the o-gate (the call takes ``gate=``)."""
+        """Whether the kernel applies the o-gate (the calls take ``gate=``)."""
         return self.constants.o_gate_eps is not None
 
-    def check(self, q, cache, attn_slots, out=None, gate=None) -> None:
-        """ValueError with a sentence unless the kernel takes these operands:
+    def problem(self, q, cache, attn_slots, out=None, gate=None) -> str | None:
+        """Why the kernel does not take these operands (a sentence), or None:
         ``q`` BF16 ``[m, heads, 64]`` (m >= 1), 16-byte aligned (with an
         option on: strides ``(S, 64, 1)``, S a multiple of 8); ``cache`` a
         ``PagedKVCache`` or its tensor, BF16 ``[num_blocks, kv_heads,
@@ -93,7 +72,18 @@ class PagedAttention(LazyPdl):
         BF16 ``[m, heads, 64]`` or ``[m, heads * 64]`` with contiguous rows
         of a row stride that is a multiple of 8, 16-byte aligned, on that
         device (without it, ``gate`` must be None). The slot values are not
-        read here (``__call__`` does, outside graph capture)."""
+        read (``run`` does, outside graph capture)."""
+        try:
+            self._check_operands(q, cache, attn_slots, out, gate)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def takes(self, q, cache, attn_slots, out=None, gate=None) -> bool:
+        """Whether the kernel takes these operands (``problem`` is None)."""
+        return self.problem(q, cache, attn_slots, out, gate) is None
+
+    def _check_operands(self, q, cache, attn_slots, out, gate) -> None:
         c = self.constants
         if not (isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] >= 1):
             raise ValueError(f"the attention takes q of bf16 [m, {c.num_heads}, {c.head_dim}] with m >= 1")
@@ -128,25 +118,28 @@ class PagedAttention(LazyPdl):
         elif gate is not None:
             raise ValueError("this attention applies no o-gate (construct it with o_gate_eps): gate must be None")
 
-    def __call__(self, q, cache, attn_slots, out=None, gate=None) -> torch.Tensor:
+
+    def run(self, q, cache, attn_slots, out=None, gate=None) -> torch.Tensor:
         """The attention of ``q`` over ``cache`` at ``attn_slots`` (negative:
         masked), BF16 ``[m, heads, 64]``, written into ``out`` if given (and
-        returned). ValueError for operands ``check`` refuses and, outside
+        returned). ValueError with ``problem``'s sentence and, outside
         CUDA-graph capture, for a slot at or past the cache's slot count (the
         spec's check; it reads the slots on the host). Inside a capture such
         a slot is masked by the kernel. With the o-gate, ``gate`` is the
-        gate (``check``) and the result is ``o_gate(attention, gate,
-        HeadNorm(64, o_gate_eps))``."""
-        self.check(q, cache, attn_slots, out, gate)
+        gate and the result is ``o_gate(attention, gate, HeadNorm(64,
+        o_gate_eps))``."""
+        reason = self.problem(q, cache, attn_slots, out, gate)
+        if reason is not None:
+            raise ValueError(reason)
         tensor = cache_tensor(cache)
         num_slots = tensor.shape[0] * self.constants.block_size
         if not stream_capturing() and int(attn_slots.max()) >= num_slots:
             raise ValueError(f"an attention slot beyond the cache's {num_slots} slots")
         return self.launch(q, tensor, attn_slots, out, gate)
 
-    def launch(self, q, cache: torch.Tensor, attn_slots, out=None, gate=None) -> torch.Tensor:
-        """``__call__`` without its checks (``cache`` the tensor): for operands
-        ``check`` accepts."""
+    def launch(self, q, cache, attn_slots, out=None, gate=None) -> torch.Tensor:
+        """``run`` without its checks (for operands ``takes``)."""
+        cache = cache_tensor(cache)
         m, s_len = attn_slots.shape
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)

@@ -33,7 +33,7 @@ What changes is where the K and V rows come from:
    V from shared memory;
 4. slots past ``staged_slots`` (S above the cap) take the default kernel's
    path inside the kernel: L2 prefetches, K from global memory in pass 1
-   (scores kept in shared memory for the first ``SCORE_CHUNKS_V2`` chunks,
+   (scores kept in shared memory for the first ``STAGED_SCORE_CHUNKS`` chunks,
    recomputed past them), V from global memory in pass 2. No refusal: any S
    works, the slots past the cap only run slower;
 5. the folds and ``div.rn`` as the default (``attention_common.finish``);
@@ -49,7 +49,7 @@ What changes is where the K and V rows come from:
 ``staged_slots = 0`` (``o_gate_eps`` alone) runs every slot through step 4.
 
 Shared memory (bytes): the staged rows ``staged_slots * 256``, the scores
-``SCORE_CHUNKS_V2 * 512``, the slot table ``staged_slots * 4``, the whole
+``STAGED_SCORE_CHUNKS * 512``, the slot table ``staged_slots * 4``, the whole
 region reused by the fold (``128 * 68 * 4`` at least), then 1056 for the
 maxima and warp sums: 102.5 KB at the default cap of 384 slots (2 CTAs per
 H200 SM; 71.7 KB, 3 per SM, at 256), at most 200 KB (768 slots).
@@ -87,12 +87,12 @@ from dspark_cute.cutedsl.attention.common import (
     prefetch_rows,
     score,
 )
-from dspark_cute.runtime.host import CompileCache, compile_once, fake_stream
+from dspark_cute.runtime.host import fake_stream, jit_cache
 
 # Chunks of 128 slots past the staged ones whose scores pass 1 keeps in
 # shared memory (later ones are recomputed in pass 2, as the default does
 # past its SCORE_CHUNKS).
-SCORE_CHUNKS_V2 = 8
+STAGED_SCORE_CHUNKS = 8
 # Rows copied per step of the copy loop (8 threads per 128-byte row), and
 # steps whose table entries are read before their copies are issued.
 COPY_ROWS = LANES // 8
@@ -116,18 +116,18 @@ def smem_layout(c: AttentionConstants) -> Layout:
     """The shared memory of the variant of ``c`` (module docstring)."""
     stage = c.staged_slots * STAGED_ROW_BYTES
     scores = stage
-    table = scores + SCORE_CHUNKS_V2 * LANES * 4
+    table = scores + STAGED_SCORE_CHUNKS * LANES * 4
     tail = max(table + 4 * c.staged_slots, FOLD_BYTES)
     return Layout(scores=scores, table=table, tail=tail, total=tail + TAIL_BYTES)
 
 
-def check_constants_v2(c: AttentionConstants) -> None:
+def check_staged_constants(c: AttentionConstants) -> None:
     """``attention.check_constants`` plus: an option on (else the default
     kernel is the one to use)."""
     check_constants(c)
     if c.is_default:
-        raise ValueError("PagedAttentionV2Kernel runs staged or o-gated variants; the default constants compile "
-                         "PagedAttentionKernel")
+        raise ValueError("StagedAttentionKernel runs staged or o-gated variants; the default constants compile "
+                         "DirectAttentionKernel")
 
 
 # ---------------------------------------------------------------- traced pieces
@@ -151,7 +151,7 @@ def load_staged(half, row) -> list:
 # ---------------------------------------------------------------- the kernel
 
 
-class PagedAttentionV2Kernel:
+class StagedAttentionKernel:
     """The traced staged / o-gated attention of one ``AttentionConstants``
     (an option on); ``pdl``: launched with programmatic dependent launch.
     Call: ``(q, q_stride, cache, slots, out, gate, gate_stride, m, s_len,
@@ -163,7 +163,7 @@ class PagedAttentionV2Kernel:
     ``m`` and ``s_len`` (Int32), ``num_slots`` (Int64)."""
 
     def __init__(self, constants: AttentionConstants, pdl: bool) -> None:
-        check_constants_v2(constants)
+        check_staged_constants(constants)
         self.constants = constants
         self.pdl = pdl
 
@@ -212,7 +212,7 @@ class PagedAttentionV2Kernel:
         kv_head = Int64(Uint32(head) // Uint32(group))
         chunks = (Int32(s_len) + (LANES - 1)) // LANES
         ns = Int32(num_slots)  # < 2^31
-        walk = SlotWalk(c, cache, slot_row, kv_head, lane_t, s_len, num_slots, chunks, own, SCORE_CHUNKS_V2)
+        walk = SlotWalk(c, cache, slot_row, kv_head, lane_t, s_len, num_slots, chunks, own, STAGED_SCORE_CHUNKS)
 
         if cutlass.const_expr(capc > 0):
             # The slot table: every load in flight (indices clamped below S), then the stores.
@@ -277,8 +277,8 @@ class PagedAttentionV2Kernel:
         finish(c, self.pdl, acc, lsum, base, lsums, wsums, out, token, head, tidx, warp, lane, gate_word)
 
 
-def fake_args_v2(constants: AttentionConstants) -> tuple:
-    """The compile signature of ``PagedAttentionV2Kernel`` (no GPU memory needed)."""
+def fake_staged_args(constants: AttentionConstants) -> tuple:
+    """The compile signature of ``StagedAttentionKernel`` (no GPU memory needed)."""
     return (Int64(0), Int64(constants.num_heads * HEAD_DIM), Int64(0), Int64(0), Int64(0), Int64(0),
             Int64(constants.num_heads * HEAD_DIM), Int32(1), Int32(1), Int64(1), fake_stream())
 
@@ -286,22 +286,18 @@ def fake_args_v2(constants: AttentionConstants) -> tuple:
 __all__ = [
     "COPY_GROUP",
     "COPY_ROWS",
-    "SCORE_CHUNKS_V2",
+    "STAGED_SCORE_CHUNKS",
     "Layout",
-    "PagedAttentionV2Kernel",
-    "check_constants_v2",
+    "StagedAttentionKernel",
+    "check_staged_constants",
     "compile_staged_attention",
-    "fake_args_v2",
+    "fake_staged_args",
     "load_staged",
     "smem_layout",
 ]
 
 
-_CACHE = CompileCache()
-
-
+@jit_cache("PagedAttention (staged / o-gate)")
 def compile_staged_attention(constants: AttentionConstants, pdl: bool):
-    """The compiled ``PagedAttentionV2Kernel`` of ``constants`` and ``pdl``,
-    compiled once per process (RuntimeError during CUDA graph capture)."""
-    return compile_once(_CACHE, "attention", PagedAttentionV2Kernel, constants, pdl, fake_args_v2,
-                        "PagedAttention (staged / o-gate)")
+    """The compiled ``StagedAttentionKernel`` of ``constants`` and ``pdl``."""
+    return StagedAttentionKernel(constants, pdl), fake_staged_args(constants)

@@ -1,128 +1,126 @@
-"""The fused context K/V chain of a DSpark draft: ``ContextNorms``, the stock
-K/V projection and ``ContextKvStore``, bit for bit
-``dspark_core.reference.model.DraftModel.precompute_and_store_context_kv``.
+"""The fused context K/V chain of a DSpark draft, bit for bit its stock
+``precompute_and_store_context_kv``, in three steps:
 
-- ``ContextNorms`` (``context_norms``): the hidden norm and every layer's
-  input norm of BF16 context rows, one kernel, BF16 ``[L, T, H]``;
-- the projection stays the stock ``torch.bmm(normed, W^T)`` with ``W`` the
-  model's ``stacked_kv_weight()`` (a device GEMM: the spec does not fix its
-  bits, the same call on the same device does);
-- ``ContextKvStore`` (``context_store``): the weightless K-norm, GPT-J RoPE
-  and the paged-cache insert of K and V, one kernel per 8 layers.
-
-``ContextChain`` binds the three to one model; ``store_context_kv`` is the
-one-call form.
+1. ``ContextNorms``: the hidden norm and every layer's input norm of the BF16
+   context rows, one kernel, BF16 ``[L, T, H]``;
+2. the stock projection ``torch.bmm(normed, W^T)``, ``W`` the layers' K/V
+   projection rows stacked ``[L, 2 * kv_heads * 64, H]`` (a device GEMM: the
+   spec does not fix its bits, the same call on the same device does);
+3. ``ContextKvStore``: the weightless K-norm, GPT-J RoPE and the paged-cache
+   insert of K and V, one kernel per 8 layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
-from dspark_core.contracts.constants import (
-    ContextConstants,
-    ContextNormConstants,
-    context_store_constants,
-    norm_constants,
-)
-from dspark_core.planner.plan import context_unsupported
-from dspark_cute.cutedsl.context.store import MAX_LAYERS_PER_LAUNCH, ContextKvStore, compile_context_store
-from dspark_cute.cutedsl.norms.context_norms import ContextNorms, compile_context_norms
-
-
-def context_constants(model) -> ContextConstants:
-    """The kernels' constants of ``model``'s context chain, or ValueError
-    with the planner's sentence where the fused chain is not bitwise the
-    stock one (``dspark_core.planner.plan.context_unsupported``)."""
-    reason = context_unsupported(model)
-    if reason is not None:
-        raise ValueError(f"the context K/V chain does not fuse: {reason}")
-    h = model.config.hidden_size
-    norms = ContextNormConstants(
-        h, len(model.layers), norm_constants(model.hidden_norm, h), norm_constants(model.layers[0].input_norm, h)
-    )
-    attn = model.layers[0].self_attn
-    return ContextConstants(norms, context_store_constants(attn.k_norm, model.config.num_kv_heads, attn.rotary))
+from dspark_core.contracts.constants import ContextConstants
+from dspark_cute.cutedsl.context.store import MAX_LAYERS_PER_LAUNCH, ContextKvStore
+from dspark_cute.cutedsl.norms.context_norms import ContextNorms
+from dspark_cute.runtime.host import describe
 
 
 class ContextChain:
-    """The fused context chain of one CUDA ``DraftModel``: ``run(context_states,
-    positions, caches, slots)`` leaves the caches with the same bits as
-    ``model.precompute_and_store_context_kv`` with the same arguments, in
-    three steps: ``ContextNorms`` (BF16 ``[L, T, H]``), ``torch.bmm`` with
-    the stacked K/V weight transposed, ``ContextKvStore``.
+    """The context chain of ``constants`` bound to its weights:
+    ``run(context_states, positions, caches, slots)`` leaves the caches with
+    the bits of the stock chain with the same arguments.
 
-    The chain holds snapshots of the weights it stacks (the layers' input-norm
-    weights and their K/V projection rows) and reads the hidden norm's weight
-    and the RoPE table in place; ``refresh()`` copies the stacks again after
-    the model's weights change (in place, so captured graphs stay valid).
-    ``pdl``: programmatic dependent launch (default: where supported). Call
-    ``prepare()`` before CUDA graph capture."""
+    ``hidden_weight``: the hidden norm's ``[H]`` weight (or None);
+    ``pre_weights``: the layers' input-norm weights, a list of ``[H]`` or one
+    ``[L, H]`` tensor (or None); ``kv_weight``: the stacked K/V projection
+    ``[L, 2 * kv_heads * 64, H]`` BF16, or a function that returns it;
+    ``table``: the RoPE table ``[max_position, 64]`` (None without RoPE); all
+    CUDA tensors on one device. A list of input-norm weights and a
+    ``kv_weight`` function are stacked here (snapshots: ``refresh()`` stacks
+    them again, in place, after the weights change); the hidden weight and
+    the table are read in place. ``pdl``: programmatic dependent launch
+    (default: where supported). Call ``prepare()`` before CUDA graph
+    capture."""
 
-    def __init__(self, model, pdl: bool | None = None) -> None:
-        self.model = model
-        self.constants = context_constants(model)
-        self.kv_weight = model.stacked_kv_weight()
-        if self.kv_weight.device.type != "cuda":
-            raise ValueError(f"the fused context chain runs on a CUDA model, not one on {self.kv_weight.device}")
-        hidden = model.hidden_norm.weight
-        self.pre_weights = self._stack_pre_weights()
-        self.norms = ContextNorms(self.constants.norms, hidden, self.pre_weights, pdl=pdl)
-        rotary = model.layers[0].self_attn.rotary
-        self.store = ContextKvStore(
-            self.constants.store, rotary.cos_sin if rotary is not None else None, pdl=pdl
-        )
+    def __init__(self, constants: ContextConstants, hidden_weight: torch.Tensor | None,
+                 pre_weights: Sequence[torch.Tensor] | torch.Tensor | None,
+                 kv_weight: torch.Tensor | Callable[[], torch.Tensor], table: torch.Tensor | None,
+                 *, pdl: bool | None = None) -> None:
+        if not isinstance(constants, ContextConstants):
+            raise ValueError(f"ContextChain takes ContextConstants, not {type(constants).__name__}")
+        self.constants = constants
+        self._pre_list = list(pre_weights) if isinstance(pre_weights, (list, tuple)) else None
+        self.pre_weights = self._stack_pre() if self._pre_list is not None else pre_weights
+        self._kv_source = kv_weight if callable(kv_weight) else None
+        self.kv_weight = kv_weight() if callable(kv_weight) else kv_weight
+        if not (isinstance(self.kv_weight, torch.Tensor) and self.kv_weight.is_cuda):
+            raise ValueError(f"the fused context chain runs on CUDA weights, not a K/V weight "
+                             f"{describe(self.kv_weight)}")
+        self.norms = ContextNorms(constants.norms, hidden_weight, self.pre_weights, pdl=pdl)
+        self.store = ContextKvStore(constants.store, table, pdl=pdl)
 
-    def _stack_pre_weights(self) -> torch.Tensor | None:
-        weights = [layer.input_norm.weight for layer in self.model.layers]
-        if weights[0] is None:
-            return None
-        return torch.stack(weights).contiguous()
+    @classmethod
+    def of_draft(cls, draft, pdl: bool | None = None) -> ContextChain:
+        """The chain of a ``DraftDescription`` (``dspark_core.runtime.description``):
+        its constants from the planner (Unsupported where the chain does not
+        reproduce the draft's) and its tensors, as the executor binds them."""
+        from dspark_core.planner.plan import context_constants
+
+        context = draft.context
+        pre = [layer.input_norm.weight for layer in draft.layers]
+        return cls(context_constants(draft), context.hidden_norm.weight, None if pre[0] is None else pre,
+                   context.stacked_kv_weight, context.rope.table if context.rope is not None else None, pdl=pdl)
+
+    def _stack_pre(self) -> torch.Tensor:
+        return torch.stack(list(self._pre_list)).contiguous()
 
     def refresh(self) -> None:
-        """Copy the model's input-norm weights and K/V projection rows into
-        the chain's stacks again (in place)."""
-        if self.pre_weights is not None:
-            self.pre_weights.copy_(self._stack_pre_weights())
-        self.kv_weight.copy_(self.model.stacked_kv_weight())
+        """Stack the input-norm weights and the K/V projection again, in place
+        (so captured graphs stay valid)."""
+        if self._pre_list is not None:
+            self.pre_weights.copy_(self._stack_pre())
+        if self._kv_source is not None:
+            self.kv_weight.copy_(self._kv_source())
 
     def prepare(self) -> None:
         """Compile both kernels (before CUDA graph capture)."""
-        compile_context_norms(self.constants.norms, self.norms.pdl)
-        compile_context_store(self.constants.store, self.store.pdl)
+        self.norms.prepare()
+        self.store.prepare()
+
+    def problem(self, context_states, positions, caches, slots) -> str | None:
+        """Why the chain does not take these operands (a sentence), or None:
+        BF16 ``[T, H]`` context states (``ContextNorms.problem``; T = 0 stores
+        nothing), int64 ``positions`` ``[T]``, one cache per layer, ``slots``
+        one int64 tensor for every layer or a list with one per layer, None
+        storing nothing (``ContextKvStore.problem``)."""
+        if self._empty(context_states):
+            return None
+        reason = self.norms.problem(context_states)
+        if reason is not None:
+            return reason
+        return self.store.problem_past_kv(self.constants.norms.num_layers, context_states.shape[0],
+                                          context_states.device, positions, caches, slots)
+
+    def takes(self, context_states, positions, caches, slots) -> bool:
+        """Whether the chain takes these operands (``problem`` is None)."""
+        return self.problem(context_states, positions, caches, slots) is None
 
     def run(self, context_states: torch.Tensor, positions: torch.Tensor, caches, slots) -> None:
-        """The context chain of BF16 ``[T, H]`` context states at int64
-        ``positions`` (``[T]``) into ``caches`` (one per layer: tensors or
-        ``PagedKVCache``) at ``slots`` (one int64 tensor for every layer, or a
-        list with one per layer, None storing nothing); ValueError where a
-        kernel does not take its operands (``ContextNorms.takes``,
-        ``ContextKvStore.problem``). T = 0 stores nothing."""
-        h = self.constants.norms.hidden_size
-        if (
-            isinstance(context_states, torch.Tensor)
-            and context_states.dim() == 2
-            and tuple(context_states.shape) == (0, h)
-        ):
+        """The chain into ``caches`` (module docstring); ValueError with
+        ``problem``'s sentence unless it takes the operands."""
+        reason = self.problem(context_states, positions, caches, slots)
+        if reason is not None:
+            raise ValueError(reason)
+        self.launch(context_states, positions, caches, slots)
+
+    def launch(self, context_states: torch.Tensor, positions: torch.Tensor, caches, slots) -> None:
+        """``run`` without its checks."""
+        if self._empty(context_states):
             return
-        normed = self.norms.run(context_states)
+        normed = self.norms.launch(context_states)
         kv = torch.bmm(normed, self.kv_weight.transpose(1, 2))
-        self.store.run(kv, positions, caches, slots)
+        self.store.launch(kv, positions, caches, slots)
+
+    def _empty(self, states) -> bool:
+        h = self.constants.norms.hidden_size
+        return isinstance(states, torch.Tensor) and states.dim() == 2 and tuple(states.shape) == (0, h)
 
 
-def store_context_kv(model, context_states: torch.Tensor, positions: torch.Tensor, caches, slots) -> None:
-    """``model.precompute_and_store_context_kv(context_states, positions,
-    caches, slots)`` run fused, the same cache bits: a fresh
-    ``ContextChain(model).run(...)`` (it stacks the weights anew each call;
-    hold a ``ContextChain`` to repeat it or to capture it in a CUDA graph).
-    ValueError where the chain does not fuse or its operands are not taken."""
-    ContextChain(model).run(context_states, positions, caches, slots)
-
-
-__all__ = [
-    "MAX_LAYERS_PER_LAUNCH",
-    "ContextChain",
-    "ContextKvStore",
-    "ContextNorms",
-    "context_constants",
-    "store_context_kv",
-]
+__all__ = ["MAX_LAYERS_PER_LAUNCH", "ContextChain"]

@@ -45,9 +45,10 @@ import torch
 from cutlass import Int32, Int64, Uint32
 
 from dspark_core.contracts.constants import HEAD_DIM, ContextStoreConstants
+from dspark_core.errors import Unsupported
 from dspark_cute import ptx
 from dspark_cute.cutedsl.heads import head_norm_pair, load_cos_sin, rope_pair
-from dspark_cute.runtime.host import CompileCache, LazyPdl, cache_tensor, compile_once, current_stream, fake_stream
+from dspark_cute.runtime.host import LazyPdl, cache_tensor, current_stream, fake_stream, jit_cache
 
 # Layers one launch takes (a fixed parameter list: a pointer tuple per operand).
 MAX_LAYERS_PER_LAUNCH = 8
@@ -59,14 +60,14 @@ TABLE_DTYPES = ("bf16", "fp32")
 
 
 def check_constants(c: ContextStoreConstants) -> None:
-    """ValueError unless ``c`` is a ContextStoreConstants the kernel takes:
+    """Unsupported unless the kernel takes ``c`` (a ContextStoreConstants):
     a power-of-two number of KV heads up to 32 and a BF16 or FP32 table."""
     if not isinstance(c, ContextStoreConstants):
         raise ValueError(f"ContextKvStore takes ContextStoreConstants, not {type(c).__name__}")
     if c.kv_heads < 1 or c.kv_heads > 32 or c.kv_heads & (c.kv_heads - 1):
-        raise ValueError(f"the context store takes a power of two of KV heads up to 32, not {c.kv_heads}")
+        raise Unsupported(f"the context store takes a power of two of KV heads up to 32, not {c.kv_heads}")
     if c.table_dtype not in TABLE_DTYPES:
-        raise ValueError(f"the context store reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
+        raise Unsupported(f"the context store reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
 
 
 # ---------------------------------------------------------------- traced math
@@ -187,13 +188,10 @@ def fake_args(constants: ContextStoreConstants) -> tuple:
     )
 
 
-_CACHE = CompileCache()
-
-
+@jit_cache("ContextKvStore")
 def compile_context_store(constants: ContextStoreConstants, pdl: bool):
-    """The compiled ``ContextStoreKernel`` of ``constants`` and ``pdl``,
-    compiled once per process (RuntimeError during CUDA graph capture)."""
-    return compile_once(_CACHE, "context_store", ContextStoreKernel, constants, pdl, fake_args, "ContextKvStore")
+    """The compiled ``ContextStoreKernel`` of ``constants`` and ``pdl``."""
+    return ContextStoreKernel(constants, pdl), fake_args(constants)
 
 
 # ---------------------------------------------------------------- host API
@@ -272,8 +270,12 @@ class ContextKvStore(LazyPdl):
         shapes = ((kv.shape[0], kv.shape[1], width), (kv.shape[0], kv.shape[1], 2, c.kv_heads, HEAD_DIM))
         if kv.dim() < 3 or tuple(kv.shape) not in shapes:
             return f"the projected K/V must be [L, T, {width}] or [L, T, 2, {c.kv_heads}, {HEAD_DIM}]"
-        layers, t = kv.shape[0], kv.shape[1]
-        device = kv.device
+        return self.problem_past_kv(kv.shape[0], kv.shape[1], kv.device, positions, caches, slots)
+
+    def problem_past_kv(self, layers: int, t: int, device, positions, caches, slots) -> str | None:
+        """``problem`` of the operands other than the projected K/V, for ``layers``
+        layers of ``t`` rows on ``device``."""
+        c = self.constants
         if c.rope and not (_is_cuda_tensor(positions, torch.int64, device) and tuple(positions.shape) == (t,)):
             return f"the positions must be a contiguous CUDA int64 tensor of [{t}] on the K/V's device"
         if not isinstance(caches, (list, tuple)) or len(caches) != layers:

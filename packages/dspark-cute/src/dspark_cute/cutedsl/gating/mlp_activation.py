@@ -33,17 +33,17 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
 
-from dspark_core.contracts.constants import MlpActivationConstants, mlp_activation_constants
+from dspark_core.contracts.constants import MlpActivationConstants
+from dspark_core.errors import Unsupported
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gating.elementwise import vector_index
 from dspark_cute.runtime.host import (
-    CompileCache,
     LazyPdl,
-    compile_once,
     current_stream,
     describe,
     fake_ptr,
     fake_stream,
+    jit_cache,
     ptr,
 )
 
@@ -56,13 +56,13 @@ MAX_VECTORS = 2**31 - THREADS
 
 
 def check_constants(c: MlpActivationConstants) -> None:
-    """ValueError unless ``c`` is a MlpActivationConstants the kernel takes
-    (I a positive multiple of 8)."""
+    """Unsupported unless the kernel takes ``c`` (a MlpActivationConstants):
+    I a positive multiple of 8."""
     if not isinstance(c, MlpActivationConstants):
         raise ValueError(f"MlpActivation takes MlpActivationConstants, not {type(c).__name__}")
     i = c.intermediate_size
     if not isinstance(i, int) or i < VEC or i % VEC:
-        raise ValueError(f"the activation takes an intermediate size that is a positive multiple of {VEC}, not {i}")
+        raise Unsupported(f"the activation takes an intermediate size that is a positive multiple of {VEC}, not {i}")
 
 
 # ---------------------------------------------------------------- the kernel
@@ -114,13 +114,10 @@ def fake_args(constants: MlpActivationConstants) -> tuple:
     return (fake_ptr("bf16"), fake_ptr("bf16"), Int32(1), fake_stream())
 
 
-_CACHE = CompileCache()
-
-
+@jit_cache("MlpActivation")
 def compile_mlp_activation(constants: MlpActivationConstants, pdl: bool):
-    """The compiled ``MlpActivationKernel`` of ``constants`` and ``pdl``,
-    compiled once per process (RuntimeError during CUDA graph capture)."""
-    return compile_once(_CACHE, "mlp_activation", MlpActivationKernel, constants, pdl, fake_args, "MlpActivation")
+    """The compiled ``MlpActivationKernel`` of ``constants`` and ``pdl``."""
+    return MlpActivationKernel(constants, pdl), fake_args(constants)
 
 
 # ---------------------------------------------------------------- host API
@@ -128,7 +125,7 @@ def compile_mlp_activation(constants: MlpActivationConstants, pdl: bool):
 
 class MlpActivation(LazyPdl):
     """``GatedMLP.activation`` for ``intermediate_size`` I, as one kernel
-    launch (module docstring): ``act(gu)`` returns the same bits as the
+    launch (module docstring): ``run(gu)`` returns the same bits as the
     stock ``mlp.activation(gu)``.
 
     ``gu``: BF16 ``[..., 2I]`` (gate columns, then up columns), contiguous,
@@ -140,22 +137,11 @@ class MlpActivation(LazyPdl):
     ``prepare()`` before CUDA graph capture; a call is graph-capturable once
     prepared (a compile during capture raises RuntimeError)."""
 
-    def __init__(self, intermediate_size: int, pdl: bool | None = None) -> None:
-        if isinstance(intermediate_size, MlpActivationConstants):
-            constants = intermediate_size
-        elif isinstance(intermediate_size, int) and not isinstance(intermediate_size, bool):
-            constants = MlpActivationConstants(intermediate_size=intermediate_size)
-        else:
-            raise ValueError(f"MlpActivation takes an int intermediate size, not {type(intermediate_size).__name__}")
+    def __init__(self, constants: MlpActivationConstants, *, pdl: bool | None = None) -> None:
         check_constants(constants)
         self.constants = constants
         self.intermediate_size = constants.intermediate_size
         self._pdl = pdl
-
-    @classmethod
-    def from_module(cls, mlp, pdl: bool | None = None) -> MlpActivation:
-        """The kernel of a stock ``GatedMLP`` (ValueError for another)."""
-        return cls(mlp_activation_constants(mlp), pdl=pdl)
 
     @property
     def max_rows(self) -> int:
@@ -171,9 +157,16 @@ class MlpActivation(LazyPdl):
             raise ValueError(f"MlpActivation takes 1 to {self.max_rows} rows, not {max_rows}")
         compile_mlp_activation(self.constants, self.pdl)
 
-    def check(self, gu, out=None) -> None:
-        """ValueError with a sentence unless ``gu`` and ``out`` are operands
-        the kernel takes (class docstring)."""
+    def problem(self, gu, out=None) -> str | None:
+        """Why the kernel does not take ``gu`` and ``out`` (class docstring),
+        a sentence, or None."""
+        try:
+            self._check_operands(gu, out)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def _check_operands(self, gu, out) -> None:
         i = self.intermediate_size
         if not isinstance(gu, torch.Tensor):
             raise ValueError(f"the gate-up input must be a torch tensor, not {type(gu).__name__}")
@@ -203,22 +196,20 @@ class MlpActivation(LazyPdl):
             raise ValueError(f"the output must be on the input's device {gu.device}, not {out.device}")
 
     def takes(self, gu, out=None) -> bool:
-        """Whether ``check(gu, out)`` passes."""
-        try:
-            self.check(gu, out)
-        except ValueError:
-            return False
-        return True
+        """Whether the kernel takes these operands (``problem`` is None)."""
+        return self.problem(gu, out) is None
 
-    def __call__(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``round_bf16(silu_rn(g) * u)`` of ``gu`` (BF16 ``[..., 2I]``), BF16
-        ``[..., I]``, written into ``out`` if given; ValueError unless
-        ``check(gu, out)`` passes."""
-        self.check(gu, out)
+        ``[..., I]``, written into ``out`` if given; ValueError with
+        ``problem``'s sentence otherwise."""
+        reason = self.problem(gu, out)
+        if reason is not None:
+            raise ValueError(reason)
         return self.launch(gu, out)
 
     def launch(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``__call__`` without its operand checks (for checked operands)."""
+        """``run`` without its operand checks (for operands ``takes``)."""
         i = self.intermediate_size
         if out is None:
             out = torch.empty((*gu.shape[:-1], i), dtype=torch.bfloat16, device=gu.device)

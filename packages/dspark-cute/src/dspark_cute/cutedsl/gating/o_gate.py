@@ -43,17 +43,17 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
 
-from dspark_core.contracts.constants import HEAD_DIM, OGateConstants, o_gate_constants
+from dspark_core.contracts.constants import HEAD_DIM, OGateConstants
+from dspark_core.errors import Unsupported
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gating.elementwise import vector_index
 from dspark_cute.runtime.host import (
-    CompileCache,
     LazyPdl,
-    compile_once,
     current_stream,
     describe,
     fake_ptr,
     fake_stream,
+    jit_cache,
     ptr,
 )
 
@@ -67,14 +67,14 @@ MAX_VECTORS = 2**31 - THREADS
 
 
 def check_constants(c: OGateConstants) -> None:
-    """ValueError unless ``c`` is an OGateConstants the kernel takes: at
+    """Unsupported unless the kernel takes ``c`` (an OGateConstants): at
     least one head, a non-negative eps."""
     if not isinstance(c, OGateConstants):
         raise ValueError(f"OGate takes OGateConstants, not {type(c).__name__}")
-    if not isinstance(c.num_heads, int) or c.num_heads < 1:
-        raise ValueError(f"the o-gate takes at least one head, not {c.num_heads}")
+    if not isinstance(c.num_heads, int) or isinstance(c.num_heads, bool) or c.num_heads < 1:
+        raise Unsupported(f"the o-gate takes at least one head, not {c.num_heads}")
     if not c.eps >= 0.0:  # NaN fails too
-        raise ValueError(f"the o-norm's eps must be a non-negative number, not {c.eps}")
+        raise Unsupported(f"the o-norm's eps must be a non-negative number, not {c.eps}")
 
 
 # ---------------------------------------------------------------- traced pieces
@@ -155,23 +155,20 @@ def fake_args(constants: OGateConstants) -> tuple:
     return (fake_ptr("bf16"), fake_ptr("bf16"), fake_ptr("bf16"), Int32(1), Int64(HEAD_DIM), fake_stream())
 
 
-_CACHE = CompileCache()
-
-
+@jit_cache("OGate")
 def compile_o_gate(constants: OGateConstants, pdl: bool):
-    """The compiled ``OGateKernel`` of ``constants`` and ``pdl``, compiled
-    once per process (RuntimeError during CUDA graph capture)."""
-    return compile_once(_CACHE, "o_gate", OGateKernel, constants, pdl, fake_args, "OGate")
+    """The compiled ``OGateKernel`` of ``constants`` and ``pdl``."""
+    return OGateKernel(constants, pdl), fake_args(constants)
 
 
 # ---------------------------------------------------------------- host API
 
 
 class OGate(LazyPdl):
-    """``dspark_core.spec.layers.o_gate(attn, gate, norm)`` for ``heads`` heads of
-    ``head_dim`` = 64 and a weightless o-norm of ``eps``, as one kernel launch
-    (module docstring): ``og(attn, gate)`` returns the same bits as the stock
-    function.
+    """``dspark_core.spec.layers.o_gate(attn, gate, norm)`` of ``constants``
+    (``num_heads`` heads of 64 columns, a weightless o-norm of ``eps``), as one kernel launch
+    (module docstring): ``run(attn, gate)`` returns the same bits as the
+    stock function.
 
     ``attn``: BF16 ``[m, heads * 64]`` or ``[m, heads, 64]``, contiguous,
     16-byte aligned, on CUDA, 1 <= m <= ``max_rows``; ``gate``: BF16 of the
@@ -186,26 +183,14 @@ class OGate(LazyPdl):
     a call is graph-capturable once prepared (a compile during capture
     raises RuntimeError)."""
 
-    def __init__(self, heads: int, head_dim: int = HEAD_DIM, eps: float = 1e-6, pdl: bool | None = None) -> None:
-        if head_dim != HEAD_DIM:
-            raise ValueError(f"the o-gate takes heads of {HEAD_DIM} columns, not {head_dim}")
-        if not isinstance(heads, int) or isinstance(heads, bool):
-            raise ValueError(f"OGate takes an int head count, not {type(heads).__name__}")
-        constants = OGateConstants(num_heads=heads, eps=float(eps))
+    def __init__(self, constants: OGateConstants, *, pdl: bool | None = None) -> None:
         check_constants(constants)
         self.constants = constants
-        self.heads = heads
-        self.head_dim = head_dim
+        self.heads = constants.num_heads
+        self.head_dim = HEAD_DIM
         self.eps = constants.eps
-        self.width = heads * HEAD_DIM
+        self.width = self.heads * HEAD_DIM
         self._pdl = pdl
-
-    @classmethod
-    def from_norm(cls, norm, heads: int, pdl: bool | None = None) -> OGate:
-        """The kernel of ``o_gate(attn, gate, norm)`` over ``heads`` heads:
-        ValueError unless ``norm`` is a stock weightless ``HeadNorm`` of 64."""
-        c = o_gate_constants(norm, heads)
-        return cls(c.num_heads, HEAD_DIM, c.eps, pdl=pdl)
 
     @property
     def max_rows(self) -> int:
@@ -244,9 +229,16 @@ class OGate(LazyPdl):
         """The row stride the kernel takes, unchecked (``gate_stride`` checks)."""
         return self.width if gate.shape[0] == 1 else gate.stride(0)  # a single row's stride is never used
 
-    def check(self, attn, gate, out=None) -> None:
-        """ValueError with a sentence unless ``attn``, ``gate`` and ``out``
-        are operands the kernel takes (class docstring)."""
+    def problem(self, attn, gate, out=None) -> str | None:
+        """Why the kernel does not take ``attn``, ``gate`` and ``out`` (class
+        docstring), a sentence, or None."""
+        try:
+            self._check_operands(attn, gate, out)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def _check_operands(self, attn, gate, out) -> None:
         w, h = self.width, self.heads
         for t, name in ((attn, "the attention output"), (gate, "the gate")):
             if not isinstance(t, torch.Tensor):
@@ -282,21 +274,19 @@ class OGate(LazyPdl):
             raise ValueError(f"the output must be on the inputs' device {attn.device}, not {out.device}")
 
     def takes(self, attn, gate, out=None) -> bool:
-        """Whether ``check(attn, gate, out)`` passes."""
-        try:
-            self.check(attn, gate, out)
-        except ValueError:
-            return False
-        return True
+        """Whether the kernel takes these operands (``problem`` is None)."""
+        return self.problem(attn, gate, out) is None
 
-    def __call__(self, attn: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, attn: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The o-normed, gated ``attn`` (BF16, ``attn``'s shape), written into
-        ``out`` if given; ValueError unless ``check(attn, gate, out)`` passes."""
-        self.check(attn, gate, out)
+        ``out`` if given; ValueError with ``problem``'s sentence otherwise."""
+        reason = self.problem(attn, gate, out)
+        if reason is not None:
+            raise ValueError(reason)
         return self.launch(attn, gate, out)
 
     def launch(self, attn: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``__call__`` without its operand checks (for checked operands)."""
+        """``run`` without its operand checks (for operands ``takes``)."""
         if out is None:
             out = torch.empty(attn.shape, dtype=torch.bfloat16, device=attn.device)
         kernel = compile_o_gate(self.constants, self.pdl)

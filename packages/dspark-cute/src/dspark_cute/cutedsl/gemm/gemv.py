@@ -37,17 +37,17 @@ import torch
 from cutlass import Int32, Int64
 
 from dspark_core.contracts.constants import GemvConstants
+from dspark_core.errors import Unsupported
 from dspark_core.spec.gemv import FRAGMENT, LANES, VEC, gemv_unsupported
 from dspark_cute import ptx
 from dspark_cute.runtime.host import (
-    CompileCache,
     LazyPdl,
     check_operand,
-    compile_kernel,
     current_stream,
     describe,
     fake_stream,
     is_operand,
+    jit_cache,
 )
 
 WARPS = 8  # warps per CTA
@@ -135,8 +135,8 @@ def _gemv_body(g: GemvKernel, x, weight, out, warp_id, lane) -> None:
 
 
 def check_settings(constants, rows_per_warp: int = ROWS_PER_WARP, depth: int = DEPTH) -> None:
-    """ValueError with a sentence unless the kernel covers ``constants`` with
-    these launch settings."""
+    """Unsupported with a sentence unless the kernel covers ``constants``
+    (ValueError for launch settings it does not have)."""
     if not isinstance(constants, GemvConstants):
         raise ValueError(f"the GEMV takes GemvConstants, not {type(constants).__name__}")
     if not isinstance(rows_per_warp, int) or rows_per_warp not in (2, 4, 8):
@@ -145,9 +145,9 @@ def check_settings(constants, rows_per_warp: int = ROWS_PER_WARP, depth: int = D
         raise ValueError(f"a GEMV keeps 1 to 16 fragments in flight, not {depth!r}")
     c = constants
     if c.k <= 0 or c.k % FRAGMENT:
-        raise ValueError(f"the GEMV takes K a positive multiple of {FRAGMENT}, not {c.k}")
+        raise Unsupported(f"the GEMV takes K a positive multiple of {FRAGMENT}, not {c.k}")
     if c.n <= 0 or c.n % (WARPS * rows_per_warp):
-        raise ValueError(f"the GEMV takes N a positive multiple of {WARPS * rows_per_warp} (8 warps of "
+        raise Unsupported(f"the GEMV takes N a positive multiple of {WARPS * rows_per_warp} (8 warps of "
                          f"{rows_per_warp} rows), not {c.n}")
 
 
@@ -156,15 +156,10 @@ def fake_args() -> tuple:
     return (Int64(0), Int64(0), Int64(0), fake_stream())
 
 
-_CACHE = CompileCache()
-
-
+@jit_cache("Gemv")
 def compile_gemv(constants: GemvConstants, pdl: bool, rows_per_warp: int = ROWS_PER_WARP, depth: int = DEPTH):
-    """The compiled kernel of one variant, once per process, keyed by the
-    constants and settings (RuntimeError during CUDA graph capture)."""
-    key = ("gemv", constants.key(), bool(pdl), rows_per_warp, depth)
-    return _CACHE.get(key, lambda: compile_kernel(GemvKernel(constants, pdl, rows_per_warp, depth), *fake_args(),
-                                                  what="Gemv"))
+    """The compiled ``GemvKernel`` of one variant."""
+    return GemvKernel(constants, bool(pdl), rows_per_warp, depth), fake_args()
 
 
 class Gemv(LazyPdl):
@@ -173,18 +168,17 @@ class Gemv(LazyPdl):
     launch (default: sm_90+); ``rows_per_warp``, ``depth``: the launch
     settings (module docstring; they do not change the bits).
 
-    - ``run(x, out=None)``: ``x`` BF16 ``[1, k]`` -> BF16 ``[1, n]``,
-      bit for bit ``dspark_core.spec.gemv.gemv(x, weight)``;
-    - ``takes(x, out=None)``: whether ``run`` covers the operands;
-    - ``launch``: ``run`` without its checks; ``prepare()``: compile before
-      CUDA graph capture (a compile during capture raises RuntimeError)."""
+    ``run(x, out=None)``: ``x`` BF16 ``[1, k]`` -> BF16 ``[1, n]``, bit for
+    bit ``dspark_core.spec.gemv.gemv(x, weight)``; ``problem`` / ``takes``
+    say whether it takes the operands, ``launch`` runs without the checks;
+    ``prepare()`` compiles before CUDA graph capture."""
 
     def __init__(self, constants: GemvConstants, weight: torch.Tensor, *, pdl: bool | None = None,
                  rows_per_warp: int = ROWS_PER_WARP, depth: int = DEPTH) -> None:
         check_settings(constants, rows_per_warp, depth)
         why = gemv_unsupported(weight)
         if why is not None:
-            raise ValueError(f"the GEMV cannot take this weight: {why}")
+            raise Unsupported(f"the GEMV cannot take this weight: {why}")
         check_operand(weight, (constants.n, constants.k), torch.bfloat16, 16, "the GEMV's weight")  # CUDA too
         self.constants, self.weight, self.device = constants, weight, weight.device
         self.rows_per_warp, self.depth = rows_per_warp, depth
@@ -197,23 +191,29 @@ class Gemv(LazyPdl):
         """Compile the one variant ``run`` launches."""
         self._kernel()
 
-    def takes(self, x, out=None) -> bool:
-        """Whether ``run(x, out)`` covers these operands: ``x`` BF16 ``[1, k]``
-        contiguous and 16-byte aligned, ``out`` (if given) BF16 ``[1, n]``
-        contiguous and 4-byte aligned, both on the weight's device."""
+    def problem(self, x, out=None) -> str | None:
+        """Why the kernel does not take these operands (a sentence), or None:
+        ``x`` BF16 ``[1, k]`` contiguous and 16-byte aligned, ``out`` (if
+        given) BF16 ``[1, n]`` contiguous and 4-byte aligned, both on the
+        weight's device."""
         c = self.constants
-        if not is_operand(x, torch.bfloat16, (1, c.k), 16, self.device):
-            return False
-        return out is None or is_operand(out, torch.bfloat16, (1, c.n), 4, self.device)
+        if is_operand(x, torch.bfloat16, (1, c.k), 16, self.device) and (
+                out is None or is_operand(out, torch.bfloat16, (1, c.n), 4, self.device)):
+            return None
+        return (f"the GEMV takes x of bf16 [1, {c.k}] (contiguous, 16-byte aligned) and an output of bf16 "
+                f"[1, {c.n}] (contiguous, 4-byte aligned) on {self.device}, not x {describe(x)} and out "
+                f"{describe(out)}")
+
+    def takes(self, x, out=None) -> bool:
+        """Whether the kernel takes these operands (``problem`` is None)."""
+        return self.problem(x, out) is None
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight^T`` (module docstring) into ``out`` if given; returned.
-        ValueError unless ``takes(x, out)``."""
-        if not self.takes(x, out):
-            c = self.constants
-            raise ValueError(f"the GEMV takes x of bf16 [1, {c.k}] (contiguous, 16-byte aligned) and an output "
-                             f"of bf16 [1, {c.n}] (contiguous, 4-byte aligned) on {self.device}, not x "
-                             f"{describe(x)} and out {describe(out)}")
+        ValueError with ``problem``'s sentence otherwise."""
+        reason = self.problem(x, out)
+        if reason is not None:
+            raise ValueError(reason)
         return self.launch(x, out)
 
     def launch(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,14 +17,6 @@ the rows, each fragment's just before its use (fewer live registers, so more
 CTAs per SM when there are many rows). With ``pdl`` each CTA releases its
 dependents right after the wait; a dependent waits for this grid's end
 before it reads the outputs.
-
-``split`` (opt-in, early gates): the row is split over a cluster of
-``H / 2048`` CTAs, CTA ``k`` holding fragment ``k`` of every reference thread,
-the fragment sums exchanged through distributed shared memory
-(``ptx.cluster_row_sum``: the same tree, bit for bit). Measured on an H200
-(H = 8192, CUDA graphs) it was no faster than one CTA a row (3.03 against
-3.14 us at 1 row, 3.40 against 3.32 at 16, 5.84 against 3.56 at 64), so
-``DraftBoundary`` does not split unless asked (``split_rows``).
 """
 
 from __future__ import annotations
@@ -35,9 +27,10 @@ import torch
 from cutlass import Float32, Int32, Int64
 
 from dspark_core.contracts.constants import BoundaryConstants
-from dspark_core.spec.numerics import check_row_width
+from dspark_core.errors import Unsupported
 from dspark_cute import ptx
 from dspark_cute.cutedsl.norms.rms import (
+    check_row_width,
     fragment_columns,
     gate_words,
     gated_residual,
@@ -46,12 +39,13 @@ from dspark_cute.cutedsl.norms.rms import (
 )
 from dspark_cute.runtime.host import (
     TORCH_DTYPES,
-    CompileCache,
     check_operand,
-    compile_kernel,
     current_stream,
+    describe,
     fake_ptr,
     fake_stream,
+    is_operand,
+    jit_cache,
     pdl_supported,
     ptr,
     sm_count,
@@ -69,19 +63,13 @@ class BoundaryKernel:
 
     def __init__(
         self, constants: BoundaryConstants, stream_bf16: bool, store_stream: bool,
-        late_gates: bool, pdl: bool, split: bool = False,
+        late_gates: bool, pdl: bool,
     ) -> None:
-        if split and (late_gates or split_ranks(constants.hidden_size) == 1):
-            raise ValueError("a split boundary loads its gates early and needs 2 to 8 fragments a row")
         self.constants = constants
         self.stream_bf16 = stream_bf16
         self.store_stream = store_stream
         self.late_gates = late_gates
         self.pdl = pdl
-        self.split = split
-        # CTAs per row: one per fragment when split.
-        self.ranks = split_ranks(constants.hidden_size) if split else 1
-        self.cluster = [self.ranks, 1, 1] if split else None
 
     @cute.jit
     def __call__(
@@ -90,8 +78,7 @@ class BoundaryKernel:
         new_stream: cute.Pointer, out: cute.Pointer, m: Int32, cu_stream,
     ):
         self.kernel(branch, stream, alpha, beta, post_w, pre_w, new_stream, out).launch(
-            grid=[m * self.ranks, 1, 1], block=[ptx.THREADS, 1, 1], cluster=self.cluster,
-            stream=cu_stream, use_pdl=self.pdl,
+            grid=[m, 1, 1], block=[ptx.THREADS, 1, 1], stream=cu_stream, use_pdl=self.pdl,
         )
 
     @cute.kernel
@@ -103,10 +90,9 @@ class BoundaryKernel:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        # Two folds (post, pre), each with its own 8 slots: no barrier between;
-        # split, two arrays of 256 fragment sums (post, pre) follow.
+        # Two folds (post, pre), each with its own 8 slots: no barrier between.
         smem = cu_utils.SmemAllocator()
-        sums = smem.allocate_array(Float32, 2 * ptx.WARPS + (2 * ptx.THREADS if self.split else 0))
+        sums = smem.allocate_array(Float32, 2 * ptx.WARPS)
         _boundary_body(
             self, tidx, warp, lane, sums.toint(),
             (branch.toint(), stream.toint(), alpha.toint(), beta.toint(),
@@ -114,38 +100,12 @@ class BoundaryKernel:
         )
 
 
-def split_ranks(h: int) -> int:
-    """CTAs per row of a split boundary: one per 2048-column fragment, when
-    that is a cluster size every sm_90 GPU launches (2 to 8); else 1."""
-    frags = h // ptx.CHUNK
-    return frags if 2 <= frags <= 8 else 1
-
-
 def _boundary_body(k: BoundaryKernel, tidx, warp, lane, sums, addrs) -> None:
     c = k.constants
     h = c.hidden_size
     branch, stream, alpha, beta, post_w, pre_w, new_stream, out = addrs
-    post_sum = pre_sum = None
-    if k.split:
-        row = ptx.cluster_id_x()
-        rank = ptx.cluster_rank()
-        columns = [Int64(rank) * ptx.CHUNK + Int64(tidx) * ptx.VEC]
-        fsums = Int32(sums) + 8 * ptx.WARPS  # after the 16 fold slots
-        ranks = k.ranks
-
-        def post_sum(x):
-            return ptx.cluster_row_sum(x[0], ranks, fsums, sums, tidx, warp, lane)
-
-        def pre_sum(x):
-            total = ptx.cluster_row_sum(
-                x[0], ranks, fsums + 4 * ptx.THREADS, Int32(sums) + 4 * ptx.WARPS, tidx, warp, lane
-            )
-            # This CTA has read the others' pre sums: they may exit once all arrive.
-            ptx.cluster_arrive()
-            return total
-    else:
-        row, _, _ = cute.arch.block_idx()
-        columns = fragment_columns(tidx, h)
+    row, _, _ = cute.arch.block_idx()
+    columns = fragment_columns(tidx, h)
     gates = None
     if not k.late_gates:
         gates = [gate_words(c, alpha, beta, post_w, pre_w, col) for col in columns]
@@ -166,7 +126,7 @@ def _boundary_body(k: BoundaryKernel, tidx, warp, lane, sums, addrs) -> None:
         post_words = [g[2] for g in gates]
     # 1. the post-norm, rounded to BF16.
     y = rms_norm_fragments(
-        c.post, h, x, post_words if c.post.weight_dtype else None, sums, warp, lane, post_sum
+        c.post, h, x, post_words if c.post.weight_dtype else None, sums, warp, lane
     )
     new_row = Int64(new_stream) + Int64(row) * (4 * h)
     z = []
@@ -186,14 +146,11 @@ def _boundary_body(k: BoundaryKernel, tidx, warp, lane, sums, addrs) -> None:
     # 3. the pre-norm of the BF16-rounded stream, rounded to BF16.
     o = rms_norm_fragments(
         c.pre, h, z, pre_words if c.pre.weight_dtype else None,
-        Int32(sums) + 4 * ptx.WARPS, warp, lane, pre_sum,
+        Int32(sums) + 4 * ptx.WARPS, warp, lane,
     )
     out_row = Int64(out) + Int64(row) * (2 * h)
     for col, f in zip(columns, o):
         ptx.st_row8("bf16", out_row, col, f)
-    if k.split:
-        # No CTA leaves while another may still read its shared memory.
-        ptx.cluster_wait()
 
 
 def fake_args(c: BoundaryConstants, stream_bf16: bool) -> tuple:
@@ -212,24 +169,10 @@ def fake_args(c: BoundaryConstants, stream_bf16: bool) -> tuple:
     )
 
 
-_CACHE = CompileCache()
-
-
-def compile_boundary(
-    c: BoundaryConstants, stream_bf16: bool, store_stream: bool, late_gates: bool, pdl: bool,
-    split: bool = False,
-):
-    """The compiled ``BoundaryKernel`` of one variant, compiled once per
-    process (RuntimeError during CUDA graph capture)."""
-    key = ("boundary", c.key(), stream_bf16, store_stream, late_gates, pdl, split)
-    return _CACHE.get(
-        key,
-        lambda: compile_kernel(
-            BoundaryKernel(c, stream_bf16, store_stream, late_gates, pdl, split),
-            *fake_args(c, stream_bf16),
-            what="DraftBoundary",
-        ),
-    )
+@jit_cache("DraftBoundary")
+def compile_boundary(c: BoundaryConstants, stream_bf16: bool, store_stream: bool, late_gates: bool, pdl: bool):
+    """The compiled ``BoundaryKernel`` of one variant."""
+    return BoundaryKernel(c, stream_bf16, store_stream, late_gates, pdl), fake_args(c, stream_bf16)
 
 
 class DraftBoundary:
@@ -243,11 +186,9 @@ class DraftBoundary:
     ``pre(new_stream.to(bf16))``, the same bits as
     ``dspark_core.spec.layers.residual_boundary``. A launch of more than
     ``late_rows`` rows (default: the device's SM count) loads the constants
-    after the PDL wait (``late_gates``); a launch of at most ``split_rows``
-    early-gates rows (default 0: never) splits each row over a cluster of
-    ``H / 2048`` CTAs (the module docstring says why it is off).
-    ``pdl``: launch with programmatic dependent launch (default: where the
-    device supports it). Call ``prepare()`` before CUDA graph capture."""
+    after the PDL wait (``late_gates``). ``pdl``: programmatic dependent
+    launch (default: where the device supports it). Call ``prepare()``
+    before CUDA graph capture."""
 
     def __init__(
         self,
@@ -259,7 +200,6 @@ class DraftBoundary:
         *,
         pdl: bool | None = None,
         late_rows: int | None = None,
-        split_rows: int | None = None,
     ) -> None:
         if not isinstance(constants, BoundaryConstants):
             raise ValueError(
@@ -278,7 +218,7 @@ class DraftBoundary:
                     raise ValueError(f"the {name} has no weight in its constants, yet one was given")
             else:
                 if norm.weight_dtype not in TORCH_DTYPES:
-                    raise ValueError(f"a {name} weight of bf16, fp16 or fp32, not {norm.weight_dtype}")
+                    raise Unsupported(f"a {name} weight of bf16, fp16 or fp32, not {norm.weight_dtype}")
                 check_operand(weight, (h,), TORCH_DTYPES[norm.weight_dtype], 16, f"the {name} weight")
                 if weight.device != alpha.device:
                     raise ValueError(f"the {name} weight is not on the gates' device")
@@ -291,36 +231,28 @@ class DraftBoundary:
         self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
         # Up to one row per SM the constants load before the PDL wait.
         self.late_rows = sm_count(self.device) if late_rows is None else int(late_rows)
-        # Splitting needs 2 to 8 fragments a row (a cluster size every sm_90 launches).
-        self.split_rows = int(split_rows or 0) if split_ranks(h) > 1 else 0
 
     def variant(self, m: int, stream_dtype: torch.dtype, store_stream: bool) -> tuple:
-        """``(stream_bf16, store_stream, late_gates, pdl, split)`` of a launch
-        of ``m`` rows (a split launch loads its gates early)."""
-        late = m > self.late_rows
-        split = not late and m <= self.split_rows
-        return (stream_dtype == torch.bfloat16, bool(store_stream), late, self.pdl, split)
+        """``(stream_bf16, store_stream, late_gates, pdl)`` of a launch of ``m`` rows."""
+        return (stream_dtype == torch.bfloat16, bool(store_stream), m > self.late_rows, self.pdl)
 
     def prepare(self, stream_dtypes=(torch.float32, torch.bfloat16), store_stream=(False, True)):
-        """Compile every variant these calls may launch (both gate timings
-        and the split kernel, each stream dtype and store flag given). Call before CUDA graph
+        """Compile every variant these calls may launch (both gate timings,
+        each stream dtype and store flag given). Call before CUDA graph
         capture."""
-        timings = [(False, False), (True, False)]  # (late gates, split)
-        if self.split_rows > 0:
-            timings.append((False, True))
         for dtype in stream_dtypes:
             for store in store_stream:
-                for late, split in timings:
-                    compile_boundary(
-                        self.constants, dtype == torch.bfloat16, store, late, self.pdl, split
-                    )
+                for late in (False, True):
+                    compile_boundary(self.constants, dtype == torch.bfloat16, store, late, self.pdl)
 
-    def takes(self, branch: torch.Tensor, stream: torch.Tensor) -> bool:
-        """Whether the kernel covers these rows: a contiguous, 16-byte aligned
-        BF16 ``[m, H]`` branch (m >= 1) and an FP32 or BF16 stream of its
-        shape, both on the gates' device."""
+    def problem(self, branch, stream, store_stream: bool = False, out=None, new_stream=None) -> str | None:
+        """Why the kernel does not take these operands (a sentence), or None:
+        a contiguous, 16-byte aligned BF16 ``[m, H]`` branch (m >= 1) and an
+        FP32 or BF16 stream of its shape, both on the gates' device; ``out`` /
+        ``new_stream`` (if given) contiguous, aligned BF16 / FP32 of the
+        branch's shape, ``new_stream`` only with ``store_stream``."""
         h = self.constants.hidden_size
-        return bool(
+        if not (
             isinstance(branch, torch.Tensor)
             and isinstance(stream, torch.Tensor)
             and branch.dim() == 2
@@ -335,36 +267,41 @@ class DraftBoundary:
             and stream.is_contiguous()
             and stream.device == self.device
             and stream.data_ptr() % 16 == 0
-        )
+        ):
+            return (f"DraftBoundary takes a contiguous, 16-byte aligned BF16 [m, {h}] branch (m >= 1) and an "
+                    f"FP32 or BF16 stream of its shape on {self.device}, not {describe(branch)} and "
+                    f"{describe(stream)}")
+        shape = tuple(branch.shape)
+        if out is not None and not is_operand(out, torch.bfloat16, shape, 16, self.device):
+            return f"the boundary output must be a contiguous, aligned bfloat16 {list(shape)}, not {describe(out)}"
+        if new_stream is not None:
+            if not store_stream:
+                return "a new_stream buffer was given with store_stream=False"
+            if not is_operand(new_stream, torch.float32, shape, 16, self.device):
+                return f"the new stream must be a contiguous, aligned float32 {list(shape)}, not {describe(new_stream)}"
+        return None
+
+    def takes(self, branch, stream, store_stream: bool = False, out=None, new_stream=None) -> bool:
+        """Whether the kernel takes these operands (``problem`` is None)."""
+        return self.problem(branch, stream, store_stream, out, new_stream) is None
 
     def run(
         self, branch: torch.Tensor, stream: torch.Tensor, store_stream: bool,
         out: torch.Tensor | None = None, new_stream: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``(new_stream or None, out)`` of rows ``takes`` accepts, written
-        into ``out`` / ``new_stream`` where given (contiguous, aligned, BF16
-        and FP32 of the branch's shape); ValueError otherwise."""
-        h = self.constants.hidden_size
-        if not self.takes(branch, stream):
-            raise ValueError(
-                f"DraftBoundary takes a contiguous, 16-byte aligned BF16 [m, {h}] branch (m >= 1) "
-                f"and an FP32 or BF16 stream of its shape on {self.device}"
-            )
-        shape = tuple(branch.shape)
-        if out is not None:
-            check_operand(out, shape, torch.bfloat16, 16, "the boundary output")
-        if new_stream is not None:
-            if not store_stream:
-                raise ValueError("a new_stream buffer was given with store_stream=False")
-            check_operand(new_stream, shape, torch.float32, 16, "the new stream")
+        """``(new_stream or None, out)`` of operands the kernel takes, written
+        into ``out`` / ``new_stream`` where given; ValueError with
+        ``problem``'s sentence otherwise."""
+        reason = self.problem(branch, stream, store_stream, out, new_stream)
+        if reason is not None:
+            raise ValueError(reason)
         return self.launch(branch, stream, store_stream, out, new_stream)
 
     def launch(
         self, branch: torch.Tensor, stream: torch.Tensor, store_stream: bool,
         out: torch.Tensor | None = None, new_stream: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``run`` without its operand checks (for operands checked by
-        ``takes``)."""
+        """``run`` without its operand checks (for operands ``takes``)."""
         m = branch.shape[0]
         kernel = compile_boundary(self.constants, *self.variant(m, stream.dtype, store_stream))
         if out is None:

@@ -31,21 +31,27 @@ import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64
 
-from dspark_core.contracts.constants import ContextNormConstants, NormConstants
-from dspark_core.spec.numerics import check_row_width
+from dspark_core.contracts.constants import ContextNormConstants
+from dspark_core.errors import Unsupported
 from dspark_cute import ptx
-from dspark_cute.cutedsl.norms.rms import fragment_columns, load_weight_words, rms_norm_fragments
+from dspark_cute.cutedsl.norms.rms import (
+    check_norm,
+    check_row_width,
+    fragment_columns,
+    load_weight_words,
+    rms_norm_fragments,
+)
 from dspark_cute.runtime.host import (
     ELEMENT_BYTES,
     TORCH_DTYPES,
-    CompileCache,
     LazyPdl,
     check_operand,
-    compile_once,
     current_stream,
+    describe,
     fake_ptr,
     fake_stream,
     is_operand,
+    jit_cache,
     ptr,
 )
 
@@ -53,25 +59,16 @@ from dspark_cute.runtime.host import (
 MAX_CTAS = 2**31 - 1
 
 
-def _check_norm(norm: NormConstants, what: str) -> None:
-    if not isinstance(norm, NormConstants):
-        raise ValueError(f"the {what} constants must be NormConstants, not {type(norm).__name__}")
-    if norm.weight_dtype is not None and norm.weight_dtype not in TORCH_DTYPES:
-        raise ValueError(f"a {what} weight of bf16, fp16 or fp32, not {norm.weight_dtype}")
-    if norm.weight_dtype is None and norm.weight_before_norm:
-        raise ValueError(f"a weightless {what} cannot scale its input by a weight")
-
-
 def check_constants(c: ContextNormConstants) -> None:
-    """ValueError unless ``c`` is a ContextNormConstants the kernel takes:
-    H a positive multiple of 2048, at least one layer, valid norm variants."""
+    """Unsupported unless the kernel takes ``c``: H a positive multiple of
+    2048, at least one layer, norm variants the norm kernels take."""
     if not isinstance(c, ContextNormConstants):
         raise ValueError(f"ContextNorms takes ContextNormConstants, not {type(c).__name__}")
     check_row_width(c.hidden_size)
     if c.num_layers < 1:
-        raise ValueError(f"the context norms need at least one layer, not {c.num_layers}")
-    _check_norm(c.hidden, "hidden norm")
-    _check_norm(c.pre, "input norm")
+        raise Unsupported(f"the context norms need at least one layer, not {c.num_layers}")
+    check_norm(c.hidden, "hidden norm")
+    check_norm(c.pre, "input norm")
 
 
 # ---------------------------------------------------------------- the kernel
@@ -161,13 +158,10 @@ def fake_args(c: ContextNormConstants) -> tuple:
     )
 
 
-_CACHE = CompileCache()
-
-
+@jit_cache("ContextNorms")
 def compile_context_norms(constants: ContextNormConstants, pdl: bool):
-    """The compiled ``ContextNormsKernel`` of ``constants`` and ``pdl``,
-    compiled once per process (RuntimeError during CUDA graph capture)."""
-    return compile_once(_CACHE, "context_norms", ContextNormsKernel, constants, pdl, fake_args, "ContextNorms")
+    """The compiled ``ContextNormsKernel`` of ``constants`` and ``pdl``."""
+    return ContextNormsKernel(constants, pdl), fake_args(constants)
 
 
 # ---------------------------------------------------------------- host API
@@ -223,33 +217,37 @@ class ContextNorms(LazyPdl):
         setting). Call before CUDA graph capture."""
         compile_context_norms(self.constants, self.pdl)
 
-    def takes(self, x: torch.Tensor, out: torch.Tensor | None = None) -> bool:
-        """Whether the kernel covers ``x``: a contiguous, 16-byte aligned CUDA
-        BF16 ``[T, H]`` tensor, T >= 1 and ``T * L`` below 2^31, on the
-        weights' device; and ``out`` (if given) a contiguous, aligned BF16
-        ``[L, T, H]`` tensor on that device."""
+    def problem(self, x, out=None) -> str | None:
+        """Why the kernel does not take ``x`` (and ``out``), or None: ``x`` a
+        contiguous, 16-byte aligned CUDA BF16 ``[T, H]`` tensor, T >= 1 and
+        ``T * L`` below 2^31, on the weights' device; ``out`` (if given) a
+        contiguous, aligned BF16 ``[L, T, H]`` tensor on that device."""
         h, layers = self.constants.hidden_size, self.constants.num_layers
-        ok = (
+        if not (
             isinstance(x, torch.Tensor)
             and x.dim() == 2
             and x.shape[1] == h
             and 1 <= x.shape[0] <= MAX_CTAS // layers
             and is_operand(x, torch.bfloat16, x.shape, 16, self.device)
-        )
-        if ok and out is not None:
-            ok = is_operand(out, torch.bfloat16, (layers, x.shape[0], h), 16, x.device)
-        return bool(ok)
+        ):
+            return (f"ContextNorms takes a contiguous, 16-byte aligned CUDA bfloat16 tensor of [T, {h}] with "
+                    f"1 <= T <= {MAX_CTAS // layers} on the weights' device, not {describe(x)}")
+        if out is not None and not is_operand(out, torch.bfloat16, (layers, x.shape[0], h), 16, x.device):
+            return (f"ContextNorms writes a contiguous, 16-byte aligned bfloat16 output of [{layers}, T, {h}], "
+                    f"not {describe(out)}")
+        return None
+
+    def takes(self, x, out=None) -> bool:
+        """Whether the kernel takes these operands (``problem`` is None)."""
+        return self.problem(x, out) is None
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The BF16 ``[L, T, H]`` context norms of ``x`` (BF16 ``[T, H]``),
-        written into ``out`` if given; ValueError unless ``takes(x, out)``."""
-        if not self.takes(x, out):
-            h, layers = self.constants.hidden_size, self.constants.num_layers
-            raise ValueError(
-                f"ContextNorms takes a contiguous, 16-byte aligned CUDA bfloat16 tensor of [T, {h}] "
-                f"with 1 <= T <= {MAX_CTAS // layers} (and an output of [{layers}, T, {h}] in "
-                f"bfloat16) on the weights' device"
-            )
+        written into ``out`` if given; ValueError with ``problem``'s sentence
+        otherwise."""
+        reason = self.problem(x, out)
+        if reason is not None:
+            raise ValueError(reason)
         return self.launch(x, out)
 
     def launch(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

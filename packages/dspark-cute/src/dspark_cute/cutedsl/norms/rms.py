@@ -17,8 +17,27 @@ from __future__ import annotations
 from cutlass import Int64
 
 from dspark_core.contracts.constants import BoundaryConstants, NormConstants
+from dspark_core.errors import Unsupported
 from dspark_cute import ptx
-from dspark_cute.runtime.host import ELEMENT_BYTES
+from dspark_cute.runtime.host import ELEMENT_BYTES, TORCH_DTYPES
+
+
+def check_row_width(h: int) -> None:
+    """Unsupported unless rows of ``h`` columns fit the reference CTA: a
+    positive multiple of 2048 (``ptx.CHUNK``)."""
+    if h <= 0 or h % ptx.CHUNK:
+        raise Unsupported(f"a DSpark row norm takes rows of a positive multiple of {ptx.CHUNK} columns, not {h}")
+
+
+def check_norm(norm: NormConstants, what: str) -> None:
+    """Unsupported unless the norm kernels take ``norm``: no weight or a
+    BF16, FP16 or FP32 one, and a weight before the norm only with a weight."""
+    if not isinstance(norm, NormConstants):
+        raise TypeError(f"the {what} constants must be NormConstants, not {type(norm).__name__}")
+    if norm.weight_dtype is not None and norm.weight_dtype not in TORCH_DTYPES:
+        raise Unsupported(f"a {what} weight of bf16, fp16 or fp32, not {norm.weight_dtype}")
+    if norm.weight_dtype is None and norm.weight_before_norm:
+        raise Unsupported(f"a weightless {what} cannot scale its input by a weight")
 
 
 def fragment_columns(tidx, h: int) -> list:
@@ -56,7 +75,6 @@ def gains(norm: NormConstants, words: list) -> list:
 
 def rms_norm_fragments(
     norm: NormConstants, h: int, x: list, weight_words: list | None, sums_addr, warp, lane,
-    sum_squares=None,
 ) -> list:
     """``dspark_core.spec.layers.RMSNorm.forward`` over one thread's fragments
     ``x`` (lists of 8 FP32, the row widened exactly), before the output
@@ -67,19 +85,14 @@ def rms_norm_fragments(
     - otherwise ``y = x * r``, then ``y = y * g`` with a weight;
 
     each product ``mul.rn``. ``sums_addr``: 8 FP32 of shared memory reserved
-    for this norm's cross-warp fold. ``sum_squares(x)``, if given, replaces
-    ``ptx.row_sum(x, sums_addr, warp, lane)`` (the row sum of the squares of
-    the fragments, e.g. over a cluster). Returns the ``y`` fragments (FP32)."""
+    for this norm's cross-warp fold. Returns the ``y`` fragments (FP32)."""
     has_weight = norm.weight_dtype is not None
     if has_weight and norm.weight_before_norm:
         x = [
             [ptx.mul_rn(v, g) for v, g in zip(f, gains(norm, words))]
             for f, words in zip(x, weight_words)
         ]
-    if sum_squares is None:
-        total = ptx.row_sum(x, sums_addr, warp, lane)
-    else:
-        total = sum_squares(x)
+    total = ptx.row_sum(x, sums_addr, warp, lane)
     r = ptx.inv_rms(total, h, norm.eps)
     y = [[ptx.mul_rn(v, r) for v in f] for f in x]
     if has_weight and not norm.weight_before_norm:
@@ -125,4 +138,5 @@ def gated_residual(y: list, s: list, a_words: list, b_words: list, new_row, colu
     return ptx.round_bf16(new)
 
 
-__all__ = ["fragment_columns", "gains", "gate_words", "gated_residual", "load_weight_words", "rms_norm_fragments"]
+__all__ = ["check_norm", "check_row_width", "fragment_columns", "gains", "gate_words", "gated_residual",
+           "load_weight_words", "rms_norm_fragments"]

@@ -16,20 +16,20 @@ import torch
 from cutlass import Float32, Int32, Int64
 
 from dspark_core.contracts.constants import RowNormConstants
-from dspark_core.spec.numerics import check_row_width
+from dspark_core.errors import Unsupported
 from dspark_cute import ptx
-from dspark_cute.cutedsl.norms.rms import fragment_columns, load_weight_words, rms_norm_fragments
+from dspark_cute.cutedsl.norms.rms import check_row_width, fragment_columns, load_weight_words, rms_norm_fragments
 from dspark_cute.runtime.host import (
     ELEMENT_BYTES,
     TORCH_DTYPES,
-    CompileCache,
     LazyPdl,
     check_operand,
-    compile_once,
     current_stream,
+    describe,
     fake_ptr,
     fake_stream,
     is_operand,
+    jit_cache,
     ptr,
 )
 
@@ -97,13 +97,10 @@ def fake_args(constants: RowNormConstants) -> tuple:
     )
 
 
-_CACHE = CompileCache()
-
-
+@jit_cache("RowNorm")
 def compile_row_norm(constants: RowNormConstants, pdl: bool):
-    """The compiled ``RowNormKernel`` of ``constants`` and ``pdl``, compiled
-    once per process (RuntimeError during CUDA graph capture)."""
-    return compile_once(_CACHE, "row_norm", RowNormKernel, constants, pdl, fake_args, "RowNorm")
+    """The compiled ``RowNormKernel`` of ``constants`` and ``pdl``."""
+    return RowNormKernel(constants, pdl), fake_args(constants)
 
 
 # ---------------------------------------------------------------- host API
@@ -127,9 +124,9 @@ class RowNorm(LazyPdl):
             raise ValueError(f"RowNorm takes RowNormConstants, not {type(constants).__name__}")
         check_row_width(constants.hidden_size)
         if constants.in_dtype not in ("bf16", "fp32"):
-            raise ValueError(f"the row norm reads bf16 or fp32 rows, not {constants.in_dtype}")
+            raise Unsupported(f"the row norm reads bf16 or fp32 rows, not {constants.in_dtype}")
         if constants.out_dtype not in TORCH_DTYPES:
-            raise ValueError(f"the row norm writes bf16, fp16 or fp32, not {constants.out_dtype}")
+            raise Unsupported(f"the row norm writes bf16, fp16 or fp32, not {constants.out_dtype}")
         h = constants.hidden_size
         wdtype = constants.norm.weight_dtype
         if wdtype is None:
@@ -137,7 +134,7 @@ class RowNorm(LazyPdl):
                 raise ValueError("a weightless norm's constants were given a weight")
         else:
             if wdtype not in TORCH_DTYPES:
-                raise ValueError(f"a norm weight of bf16, fp16 or fp32, not {wdtype}")
+                raise Unsupported(f"a norm weight of bf16, fp16 or fp32, not {wdtype}")
             check_operand(weight, (h,), TORCH_DTYPES[wdtype], 16, "the norm weight")
         self.constants = constants
         self.weight = weight
@@ -151,32 +148,37 @@ class RowNorm(LazyPdl):
         per constants and PDL setting). Call before CUDA graph capture."""
         compile_row_norm(self.constants, self.pdl)
 
-    def takes(self, x: torch.Tensor, out: torch.Tensor | None = None) -> bool:
-        """Whether the kernel covers ``x``: a contiguous CUDA tensor of the
-        constants' input dtype, ``[..., H]`` with at least one row, 16-byte
-        aligned, on the weight's device; and ``out`` (if given) a contiguous
-        aligned tensor of ``x``'s shape in the output dtype on that device."""
+    def problem(self, x, out=None) -> str | None:
+        """Why the kernel does not take ``x`` (and ``out``), or None: ``x`` a
+        contiguous CUDA tensor of the constants' input dtype, ``[..., H]``
+        with at least one row, 16-byte aligned, on the weight's device; ``out``
+        (if given) a contiguous aligned tensor of ``x``'s shape in the output
+        dtype on that device."""
         h = self.constants.hidden_size
-        ok = (
+        if not (
             isinstance(x, torch.Tensor)
             and x.dim() >= 1
             and x.shape[-1] == h
             and x.numel() >= h
             and is_operand(x, self.in_dtype, x.shape, 16, self.device)
-        )
-        if ok and out is not None:
-            ok = is_operand(out, self.out_dtype, x.shape, 16, x.device)
-        return bool(ok)
+        ):
+            return (f"RowNorm takes a contiguous, 16-byte aligned CUDA {self.in_dtype} tensor of [..., {h}] with "
+                    f"at least one row on the weight's device, not {describe(x)}")
+        if out is not None and not is_operand(out, self.out_dtype, x.shape, 16, x.device):
+            return (f"RowNorm writes a contiguous, 16-byte aligned {self.out_dtype} output of x's shape, "
+                    f"not {describe(out)}")
+        return None
+
+    def takes(self, x, out=None) -> bool:
+        """Whether the kernel takes these operands (``problem`` is None)."""
+        return self.problem(x, out) is None
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of ``x`` (``[..., H]``) in the output dtype, written into
-        ``out`` if given; ValueError unless ``takes(x, out)``."""
-        if not self.takes(x, out):
-            raise ValueError(
-                f"RowNorm takes a contiguous, 16-byte aligned CUDA {self.in_dtype} tensor of "
-                f"[..., {self.constants.hidden_size}] with at least one row (and an output of its "
-                f"shape in {self.out_dtype}) on the weight's device"
-            )
+        ``out`` if given; ValueError with ``problem``'s sentence otherwise."""
+        reason = self.problem(x, out)
+        if reason is not None:
+            raise ValueError(reason)
         return self.launch(x, out)
 
     def launch(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

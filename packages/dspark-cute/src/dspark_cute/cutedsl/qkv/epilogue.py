@@ -61,18 +61,18 @@ import torch
 from cutlass import Int32, Int64
 
 from dspark_core.contracts.constants import HEAD_DIM, QKVFrontConstants
+from dspark_core.errors import Unsupported
 from dspark_core.spec.layers import capturing
 from dspark_cute import ptx
 from dspark_cute.cutedsl.heads import cache_row_address, head_norm_pair, load_cos_sin, rope_pair
 from dspark_cute.runtime.host import (
-    CompileCache,
     LazyPdl,
     cache_tensor,
-    compile_once,
     current_stream,
     describe,
     fake_stream,
     is_operand,
+    jit_cache,
 )
 
 # Warps per CTA and heads per CTA (each thread copies 16 bytes of a 128-byte head).
@@ -85,15 +85,15 @@ TABLE_DTYPES = ("bf16", "fp32")
 
 
 def check_constants(c: QKVFrontConstants) -> None:
-    """ValueError unless ``c`` is a QKVFrontConstants the kernel takes: at
+    """Unsupported unless the kernel takes ``c`` (a QKVFrontConstants): at
     least one q head and one KV head, a BF16 or FP32 RoPE table."""
     if not isinstance(c, QKVFrontConstants):
         raise ValueError(f"QKVEpilogue takes QKVFrontConstants, not {type(c).__name__}")
     if c.num_heads < 1 or c.kv_heads < 1:
-        raise ValueError(f"the QKV epilogue takes at least one q head and one KV head, not {c.num_heads} "
+        raise Unsupported(f"the QKV epilogue takes at least one q head and one KV head, not {c.num_heads} "
                          f"and {c.kv_heads}")
     if c.table_dtype not in TABLE_DTYPES:
-        raise ValueError(f"the QKV epilogue reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
+        raise Unsupported(f"the QKV epilogue reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
 
 
 # ---------------------------------------------------------------- the kernel
@@ -201,13 +201,10 @@ def fake_args(constants: QKVFrontConstants) -> tuple:
     )
 
 
-_CACHE = CompileCache()
-
-
+@jit_cache("QKVEpilogue")
 def compile_qkv_epilogue(constants: QKVFrontConstants, pdl: bool):
-    """The compiled ``QKVEpilogueKernel`` of ``constants`` and ``pdl``,
-    compiled once per process (RuntimeError during CUDA graph capture)."""
-    return compile_once(_CACHE, "qkv_epilogue", QKVEpilogueKernel, constants, pdl, fake_args, "QKVEpilogue")
+    """The compiled ``QKVEpilogueKernel`` of ``constants`` and ``pdl``."""
+    return QKVEpilogueKernel(constants, pdl), fake_args(constants)
 
 
 # ---------------------------------------------------------------- host API
@@ -301,16 +298,21 @@ class QKVEpilogue(LazyPdl):
         """Whether the kernel covers these operands (``problem`` says why not)."""
         return self.problem(qkv, positions, slots, cache, out) is None
 
-    def check(self, qkv, positions, slots, cache, out=None) -> None:
-        """ValueError with ``problem``'s sentence unless ``takes``; outside
-        CUDA graph capture also the stock front's ValueErrors, read on the
-        host: a position outside ``[0, max_position)`` (with RoPE), a slot
-        beyond the cache, a repeated non-negative slot."""
+    def run(self, qkv, positions, slots, cache, out=None) -> torch.Tensor:
+        """q BF16 ``[m, heads, 64]`` (``out`` if given), K/V inserted into
+        ``cache``. ValueError with ``problem``'s sentence unless it takes the
+        operands; outside CUDA graph capture also the stock front's
+        ValueErrors, read on the host: a position outside ``[0,
+        max_position)`` (with RoPE), a slot beyond the cache, a repeated
+        non-negative slot."""
         reason = self.problem(qkv, positions, slots, cache, out)
         if reason is not None:
             raise ValueError(reason)
-        if capturing():  # no host reads in a capture or while torch.compile traces
-            return
+        if not capturing():  # no host reads in a capture or while torch.compile traces
+            self._check_ranges(positions, slots, cache)
+        return self.launch(qkv, positions, slots, cache, out)
+
+    def _check_ranges(self, positions, slots, cache) -> None:
         if self.constants.rope and (int(positions.min()) < 0 or int(positions.max()) >= self.cos_sin.shape[0]):
             raise ValueError(f"RoPE positions must lie in [0, {self.cos_sin.shape[0]})")
         t = cache_tensor(cache)
@@ -321,14 +323,8 @@ class QKVEpilogue(LazyPdl):
         if torch.unique(kept).numel() != kept.numel():
             raise ValueError("the KV insert takes distinct slots; a non-negative slot repeats")
 
-    def __call__(self, qkv, positions, slots, cache, out=None) -> torch.Tensor:
-        """``check`` then ``launch``: q BF16 ``[m, heads, 64]`` (``out`` if
-        given), K/V inserted into ``cache``."""
-        self.check(qkv, positions, slots, cache, out)
-        return self.launch(qkv, positions, slots, cache, out)
-
     def launch(self, qkv, positions, slots, cache, out=None) -> torch.Tensor:
-        """``__call__`` without its checks (for operands ``takes`` accepts and
+        """``run`` without its checks (for operands ``takes`` accepts and
         in-range positions and slots; the kernel skips others, module
         docstring)."""
         c = self.constants

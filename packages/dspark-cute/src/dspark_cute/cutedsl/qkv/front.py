@@ -51,19 +51,21 @@ from cutlass import Int32, Int64
 from cutlass.cute.runtime import make_ptr
 
 from dspark_core.contracts.constants import HEAD_DIM, MAX_DECODE_ROWS, QKVFrontConstants
+from dspark_core.errors import Unsupported
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gemm.skinny import config as sg
 from dspark_cute.cutedsl.gemm.skinny.ring import mainloop as ring_mainloop
 from dspark_cute.cutedsl.gemm.skinny.tile import reduced_pair, store_partials
 from dspark_cute.cutedsl.heads import cache_row_address, head_norm_pair, load_cos_sin, rope_pair
 from dspark_cute.runtime.host import (
-    CompileCache,
+    cache_tensor,
     check_operand,
-    compile_kernel,
     current_stream,
+    describe,
     fake_ptr,
     fake_stream,
     is_operand,
+    jit_cache,
     pdl_supported,
     ptr,
 )
@@ -176,16 +178,10 @@ def fake_args(constants: QKVFrontConstants) -> tuple:
     )
 
 
-_CACHE = CompileCache()
-
-
+@jit_cache("QKVFront")
 def compile_qkv_front(constants: QKVFrontConstants, cfg: sg.SkinnyConfig, raw: bool, pdl: bool):
-    """The compiled kernel of this variant, compiled once per process
-    (RuntimeError during CUDA graph capture)."""
-    return _CACHE.get(
-        ("qkv_front", constants.key(), cfg, raw, pdl),
-        lambda: compile_kernel(QKVFrontKernel(constants, cfg, raw, pdl), *fake_args(constants), what="QKVFront"),
-    )
+    """The compiled ``QKVFrontKernel`` of one variant."""
+    return QKVFrontKernel(constants, cfg, raw, pdl), fake_args(constants)
 
 
 # ---------------------------------------------------------------- host API
@@ -232,11 +228,11 @@ class QKVFront:
         c = constants
         kv = c.kv_heads
         if c.num_heads < 1 or kv < 1 or kv & (kv - 1) or kv > 32:
-            raise ValueError(f"the QKV front takes at least one head and 1 to 32 KV heads (a power of two), "
+            raise Unsupported(f"the QKV front takes at least one head and 1 to 32 KV heads (a power of two), "
                              f"not {c.num_heads} and {kv}")
         if c.table_dtype not in ("bf16", "fp32"):
-            raise ValueError(f"the QKV front reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
-        # SkinnyConfig raises the ValueError for a hidden size it cannot split.
+            raise Unsupported(f"the QKV front reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
+        # SkinnyConfig raises Unsupported for a hidden size it cannot split.
         self.configs = {nt: sg.SkinnyConfig(c.hidden_size, k_warps, stages, nt, copy=copy) for nt in (1, 2)}
         self.rows = (2 * c.num_heads + 2 * kv) * HEAD_DIM
         check_operand(weight, (self.rows, c.hidden_size), torch.bfloat16, 16, "the QKV weight")
@@ -274,41 +270,44 @@ class QKVFront:
             if project:
                 self._kernel(m, raw=True)
 
-    def takes(self, x, positions, slots, cache, out=None) -> bool:
-        """Whether the kernel covers these operands: ``x`` BF16 ``[m, H]``
-        with 1 <= m <= 16, 16-byte aligned; ``positions`` and ``slots`` int64
-        ``[m]``; ``cache`` BF16 ``[num_blocks, kv, block_size, 128]``; ``out``
+    def problem(self, x, positions, slots, cache, out=None) -> str | None:
+        """Why the kernel does not take these operands (a sentence), or None:
+        ``x`` BF16 ``[m, H]`` with 1 <= m <= 16, 16-byte aligned;
+        ``positions`` and ``slots`` int64 ``[m]``; ``cache`` (a tensor or a
+        ``PagedKVCache``) BF16 ``[num_blocks, kv, block_size, 128]``; ``out``
         (if given) BF16 ``[m, rows]``; all contiguous CUDA tensors on the
         weight's device."""
-        if not (isinstance(x, torch.Tensor) and x.dim() == 2 and 1 <= x.shape[0] <= MAX_DECODE_ROWS):
-            return False
+        c = self.constants
+        if not (isinstance(x, torch.Tensor) and x.dim() == 2 and 1 <= x.shape[0] <= MAX_DECODE_ROWS
+                and is_operand(x, torch.bfloat16, (x.shape[0], c.hidden_size), 16, self.device)):
+            return (f"QKVFront takes x of bf16 [m, {c.hidden_size}] (1 <= m <= {MAX_DECODE_ROWS}), contiguous, "
+                    f"16-byte aligned, on the weight's device, not {describe(x)}")
         m = x.shape[0]
-        ok = (
-            is_operand(x, torch.bfloat16, (m, self.constants.hidden_size), 16, self.device)
-            and is_operand(positions, torch.int64, (m,), 8, self.device)
-            and is_operand(slots, torch.int64, (m,), 8, self.device)
-            and isinstance(cache, torch.Tensor)
-            and cache.dim() == 4
-            and cache.numel() > 0
-            and is_operand(cache, torch.bfloat16, (cache.shape[0], self.constants.kv_heads, cache.shape[2],
-                                                         2 * HEAD_DIM), 4, self.device)
-            and cache.shape[2] < 2**31
-        )
-        if ok and out is not None:
-            ok = is_operand(out, torch.bfloat16, (m, self.rows), 4, self.device)
-        return bool(ok)
+        for name, t in (("positions", positions), ("slots", slots)):
+            if not is_operand(t, torch.int64, (m,), 8, self.device):
+                return f"QKVFront takes {name} of int64 [{m}] on the weight's device, not {describe(t)}"
+        cache = cache_tensor(cache)
+        if not (isinstance(cache, torch.Tensor) and cache.dim() == 4 and cache.numel() > 0
+                and is_operand(cache, torch.bfloat16, (cache.shape[0], c.kv_heads, cache.shape[2], 2 * HEAD_DIM), 4,
+                               self.device)
+                and cache.shape[2] < 2**31):
+            return (f"QKVFront takes a contiguous bf16 cache of [num_blocks, {c.kv_heads}, block_size, "
+                    f"{2 * HEAD_DIM}] on the weight's device, not {describe(cache)}")
+        if out is not None and not is_operand(out, torch.bfloat16, (m, self.rows), 4, self.device):
+            return f"QKVFront writes a contiguous bf16 output of [{m}, {self.rows}], not {describe(out)}"
+        return None
+
+    def takes(self, x, positions, slots, cache, out=None) -> bool:
+        """Whether the kernel takes these operands (``problem`` is None)."""
+        return self.problem(x, positions, slots, cache, out) is None
 
     def run(self, x, positions, slots, cache, out=None) -> torch.Tensor:
         """The front of ``x`` at ``positions``, K/V inserted into ``cache`` at
-        ``slots`` (negative: skipped); returns ``out``. ValueError unless
-        ``takes(...)``."""
-        if not self.takes(x, positions, slots, cache, out):
-            raise ValueError(
-                f"QKVFront takes x of bf16 [m, {self.constants.hidden_size}] (1 <= m <= {MAX_DECODE_ROWS}, "
-                f"16-byte aligned), int64 positions and slots of [m], a bf16 cache of [num_blocks, "
-                f"{self.constants.kv_heads}, block_size, {2 * HEAD_DIM}] and an output of bf16 "
-                f"[m, {self.rows}], all contiguous CUDA tensors on the weight's device"
-            )
+        ``slots`` (negative: skipped); returns ``out``. ValueError with
+        ``problem``'s sentence unless it takes the operands."""
+        reason = self.problem(x, positions, slots, cache, out)
+        if reason is not None:
+            raise ValueError(reason)
         return self.launch(x, positions, slots, cache, out)
 
     def launch(self, x, positions, slots, cache, out=None) -> torch.Tensor:
@@ -316,6 +315,7 @@ class QKVFront:
         m = x.shape[0]
         if out is None:
             out = torch.empty((m, self.rows), dtype=torch.bfloat16, device=x.device)
+        cache = cache_tensor(cache)
         nb, _, bs, _ = cache.shape
         table = self.rope_table if self.rope_table is not None else self.weight
         qw = self.q_norm_weight if self.q_norm_weight is not None else self.weight

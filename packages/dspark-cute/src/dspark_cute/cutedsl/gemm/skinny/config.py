@@ -77,6 +77,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_core.errors import Unsupported
+
 TILE_ROWS = 64  # weight rows per CTA (four 16-row MMA tiles)
 MMA_TILES = TILE_ROWS // 16
 W_LOADS = 2 * MMA_TILES  # 16-byte weight copies per thread and step
@@ -130,7 +132,7 @@ class SkinnyConfig:
         if self.k_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"the skinny GEMM splits K over 1, 2, 4, 8 or 16 warps, not {self.k_warps}")
         if self.k <= 0 or self.k % (STEP_K * self.k_warps):
-            raise ValueError(
+            raise Unsupported(
                 f"the skinny GEMM takes K a positive multiple of {STEP_K * self.k_warps} "
                 f"(32 columns per step and warp), not {self.k}"
             )
@@ -156,7 +158,7 @@ class SkinnyConfig:
             raise ValueError(f"x_copy is 'lane', or 'rows' with row copies of the weight and x through the "
                              f"ring, not {self.x_copy!r} with {self.copy} copies and x_regs {self.x_regs}")
         if self.mmas_per_warp * BETA > 2.0**-10:
-            raise ValueError(f"K = {self.k} over {self.k_warps} warps is beyond the stated error bound")
+            raise Unsupported(f"K = {self.k} over {self.k_warps} warps is beyond the stated error bound")
 
     @property
     def threads(self) -> int:
