@@ -4,8 +4,8 @@
 
 Variants: the ring main loop (tile_n 64) for ``k_warps`` in {4, 8, 16} and
 ``stages`` up to 8 (shared memory up to 227 KB); the register-direct one
-(tile_n 16) for the same ``k_warps``, ``(stages, group)`` in-flight depths
-and refill bursts (``skinny_direct.mainloop``); the ring with x through
+(tile_n 16) for the same ``k_warps`` and in-flight depths
+(``skinny.direct.mainloop``); the ring with x through
 registers (``SkinnyConfig.x_regs``) for 4 and 8 warps; and at m = 1 the
 one-row GEMV path (``one_row_gemv=True``), checked bit for bit against
 ``dspark_core.spec.gemv.gemv``. ``--quick`` (about 3 minutes): K >= 2048, m in
@@ -27,8 +27,8 @@ Measured on an H200 (2026-11-30; us, L2 timing, plain epilogue; full sweep):
 
 HBM timings matched L2 ones from K = 4096 on (the weight no longer fits in
 L2); at K = 2048 from HBM the direct loop wins at 8 warps (8 steps a warp),
-not at 4 (16 steps): ``policy.DIRECT_MAX_STEPS``. Refill bursts did not
-help the direct loop. Rotated K-slices (CTA c's warp w on slice (w + c) mod
+not at 4 (16 steps): ``policy.DIRECT_MAX_STEPS``. Refill bursts (the direct
+loop's ``group``, since removed) did not help it. Rotated K-slices (CTA c's warp w on slice (w + c) mod
 W_K, since removed) did not remove the ring's m = 1 penalty; x through
 registers did (``--quick``, m = 1, K = 2048 / 4096 / 8192: 6.13 / 18.65 /
 35.26 against the ring's 8.68 / 20.78 / 38.53; at m = 16 it is slower,
@@ -47,9 +47,9 @@ summing interleaved steps instead of contiguous slices, a different sum
 order once measured here, were slower: 23.17 / 18.67 / 18.69 and 34.30 /
 32.98 / 33.63; removed.) ``--xregs``: row copies with x through
 registers for every call (slower at m = 16: 20.47 against 18.66 at K = 4096).
-``--refill``: row copies refilling a pair's slot before its MMAs
-(``SkinnyConfig.refill``; a little faster on one H200, not at TP2:
-``package_gemm_shape.RING_REFILL``'s comment). ``--depth`` (about 2
+Row copies refilling a pair's slot before its MMAs (``SkinnyConfig.refill``,
+since removed) were a little faster on one H200, not at TP2 (the package's
+README). ``--depth`` (about 2
 minutes): the ring's warps and depth side by side at K = 4096 and 8192
 (``DEPTHS``), medians of alternating rounds. Measured (one H200, m = 1 / 4
 / 16, us): K = 4096: 8 warps 16.81 / 17.17 / 18.27, 4 warps 18.96 / 17.98
@@ -66,7 +66,7 @@ Prints the best of each loop per (K, m, timing) and writes every row to
 ``$OUT/package_gemm_sweep.json``. Run on one GPU with the packages on
 PYTHONPATH (as ``scripts/gpu-check.sh`` sets it):
 ``python scripts/probes/package_gemm_sweep.py [--quick | --deep | --copies |
---xregs | --refill | --depth]``."""
+--xregs | --depth]``."""
 import dataclasses
 import json
 import os
@@ -86,7 +86,7 @@ KS = (1024, 2048, 4096, 8192)
 ROWS = (1, 2, 4, 16)
 KWS = (4, 8, 16)
 RING_STAGES = (2, 4, 6, 8)
-DIRECT = ((4, 1), (8, 1), (8, 2), (8, 4), (4, 2))  # (stages, group)
+DIRECT = ((4, 1), (8, 1))  # (stages, group: 1, the refill burst since removed)
 CALLS = 20
 HBM_BYTES = 320 << 20
 
@@ -132,14 +132,11 @@ COPIES = [(k, kw, xc, pf, cp) for k, kw in ((4096, 4), (8192, 8))
                              ("rows", 256, "rows"), ("rows", 0, "rows"))]
 
 
-# --xregs and --refill: (k, k_warps) of their side-by-side runs.
+# --xregs: (k, k_warps) of its side-by-side runs.
 SIDE_BY_SIDE = ((4096, 4), (8192, 8))
 # --xregs: x in the ring (the default) against x through registers for every
-# call; --refill: lane copies, row copies refilling after a pair's MMAs (the
-# default) and before them. (label, PackageGemm arguments, SkinnyConfig changes)
+# call. (label, PackageGemm arguments, SkinnyConfig changes)
 XREGS = [("row copies, x in the ring", {}, {}), ("row copies, x_regs", {"x_regs": True}, {})]
-REFILL = [("lane copies", {"copy": "lane"}, {}), ("row copies, refill after", {}, {}),
-          ("row copies, refill before", {}, {"refill": "before"})]
 
 
 def side_by_side(seed: int, variants: list) -> int:
@@ -335,8 +332,6 @@ def main() -> int:
         return depth_sweep(seed)
     if "--xregs" in sys.argv[1:]:
         return side_by_side(seed, XREGS)
-    if "--refill" in sys.argv[1:]:
-        return side_by_side(seed, REFILL)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows = []
     mismatches = 0
@@ -352,7 +347,7 @@ def main() -> int:
         ref = {}
         for loop, kw, st, grp, x_regs, c in variants(k, quick, deep):
             try:
-                gemms = [pg.PackageGemm(c, w, k_warps=kw, stages=st, group=grp, x_regs=x_regs) for w in ws]
+                gemms = [pg.PackageGemm(c, w, k_warps=kw, stages=st, x_regs=x_regs) for w in ws]
                 gemms[0].prepare(publish=(False,))
             except ValueError as e:  # a shape the loop cannot take (K, stages, smem)
                 print(f"  skip {loop} kw{kw} st{st} g{grp} K{k}: {e}", flush=True)

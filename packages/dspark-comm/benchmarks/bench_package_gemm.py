@@ -69,7 +69,6 @@ CASES = [
     ("cuBLAS + NCCL + boundary", "cublas_nccl_bd"),
     ("package GEMM with publish: its kernel alone (profiler; epochs before the main loop, the default)",
      "publish_kernel"),
-    ("the same, epochs loaded in each round (early_epochs=False)", "publish_kernel_early"),
     ("cuBLAS: its kernels alone (profiler; device time per call)", "cublas_kernel"),
     ("package GEMM with publish alone (graph, PDL; the mailbox consumed once after)", "publish_graph"),
     ("package GEMM, plain: its kernel alone (profiler, no PDL)", "gemm_kernel"),
@@ -86,7 +85,7 @@ ONE_ROW = {"gemm_gemv", "publish_kernel_gemv"}
 PUBLISH_KERNEL = "PackageGemmKernel"
 # The profiled rows: the call (of ``_calls``) each profiles.
 PROFILED = {"gemm_kernel": "gemm_no_pdl",
-            "publish_kernel": "publish_bd_no_pdl", "publish_kernel_early": "publish_bd_early_no_pdl",
+            "publish_kernel": "publish_bd_no_pdl",
             "publish_kernel_gemv": "publish_bd_gemv_no_pdl"}
 # Rows that publish without consuming: one consuming call follows them (untimed).
 PUBLISH_ONLY = {"publish_graph", "publish_graph_kw"}
@@ -129,7 +128,7 @@ def _device_us_per_call(fn, calls: int = 30) -> float:
     return float(sum(_profiled(fn, "", calls)) / calls)
 
 
-def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, one_row, kw_twin) -> dict:
+def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, one_row, kw_twin) -> dict:
     """The timed call of each case over ``m`` rows (operands allocated once);
     ``one_row``: the one-row GEMV twins ``(with PDL, without)``, or None;
     ``kw_twin``: the publish twin at the other ring warp count, or None."""
@@ -146,7 +145,6 @@ def _calls(gen, m: int, k: int, gemm, w, fused, unfused, gemm_no_pdl, early_no_p
         "cublas": lambda: torch.matmul(x, w.t(), out=y),
         "publish_bd": lambda: gemm.run_boundary(x, fused, stream, True, o, new),
         "publish_bd_no_pdl": lambda: gemm_no_pdl.run_boundary(x, fused, stream, True, o, new),
-        "publish_bd_early_no_pdl": lambda: early_no_pdl.run_boundary(x, fused, stream, True, o, new),
         "gemm_bd": lambda: (gemm.run(x, y), fused.run(y, stream, True, o, new)),
         "cublas_bd": lambda: (torch.matmul(x, w.t(), out=y), fused.run(y, stream, True, o, new)),
         "cublas_nccl_bd": lambda: (torch.matmul(x, w.t(), out=y), dist.all_reduce(y),
@@ -225,7 +223,6 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int, r
         constants = PackageGemmConstants(role, H, k, s.tile_n, s.split_k, s.max_rows)
         gemm = PackageGemm(constants, w, mb)
         gemm_no_pdl = PackageGemm(constants, w, mb, pdl=False)
-        early_no_pdl = PackageGemm(constants, w, mb, pdl=False, early_epochs=False)
         try:  # the one-row GEMV twins (opt-in path; ValueError where the GEMV cannot take the weight)
             one_row = (PackageGemm(constants, w, mb, one_row_gemv=True),
                        PackageGemm(constants, w, mb, pdl=False, one_row_gemv=True))
@@ -234,7 +231,7 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int, r
         # The publish at the other ring warp count (the ring only; its own sums).
         kw_twin = (PackageGemm(constants, w, mb, k_warps=8 if gemm.k_warps == 4 else 4)
                    if s.tile_n == 64 else None)
-        for g in (gemm, gemm_no_pdl, early_no_pdl, *(one_row or ()), *([kw_twin] if kw_twin else [])):
+        for g in (gemm, gemm_no_pdl, *(one_row or ()), *([kw_twin] if kw_twin else [])):
             g.prepare()
         results[f"shape/{k}"] = (f"tile_n {s.tile_n}, k_warps {gemm.k_warps}, stages "
                                  f"{gemm.stages_by_tiles[0]} / {gemm.stages_by_tiles[1]} / {gemm.stages_by_tiles[2]}"
@@ -244,7 +241,7 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int, r
                                         str(kw_twin.stages_by_tiles[t]) for t in (0, 1, 2))
                                     if kw_twin else ""))
         for m in ROWS:
-            fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, early_no_pdl, one_row, kw_twin)
+            fns = _calls(gen, m, k, gemm, w, fused, unfused, gemm_no_pdl, one_row, kw_twin)
             for _, key in CASES:
                 if key in ONE_ROW and (m != 1 or one_row is None):
                     results[f"{key}/{k}/{m}"] = "-" if m != 1 else one_row_why
@@ -355,8 +352,7 @@ def _report(raw: list[dict], out: str) -> str:
               + verdict(series[label["publish_graph"]]) + " per call in a CUDA graph (the draft's setting); "
               "by the median over the alternating rounds: " + by_rounds(series[round_label["rounds_publish"]]) + "; "
               "the publish no slower in " + rounds_won("rounds_publish", "rounds_cublas") + " rounds; "
-              + verdict(series[label["publish_kernel"]]) + " by the publish-mode kernel's own time; "
-              + verdict(series[label["publish_kernel_early"]]) + " with its epochs loaded in each round;",
+              + verdict(series[label["publish_kernel"]]) + " by the publish-mode kernel's own time;",
               "with the consuming fused boundary too (a stricter reading): "
               + verdict(series[label["publish_bd"]]) + ";",
               f"like for like (the publish kernel's device time against cuBLAS's, both profiled): met at "

@@ -295,19 +295,19 @@ def test_x_through_registers_compiles(arch, variant, tmp_path):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("refill,x_copy", [("after", "lane"), ("before", "lane"), ("after", "rows")])
-def test_row_copies_compile(arch, refill, x_copy, tmp_path):
-    """Row copies (``SkinnyConfig.copy`` "rows", the ring's default) with the
-    refill after a pair's MMAs (the default) or before them, x copied by
-    lanes or in token rows (``x_copy``): the whole audit (the same MMAs,
-    copies, epilogue), no spills."""
+@pytest.mark.parametrize("x_copy", ["lane", "rows"])
+def test_row_copies_compile(arch, x_copy, tmp_path):
+    """Row copies (``SkinnyConfig.copy`` "rows", the ring's default), x
+    copied by lanes or in token rows (``x_copy``; the package GEMM's is
+    ``RING_X_COPY``): the whole audit (the same MMAs, copies, epilogue), no
+    spills."""
     import dataclasses
 
     from dspark_cute.runtime.host import compile_ptx
 
     c = _constants("down_proj", 8192, 8192)
     kw, st = pg.default_shape(c)
-    cfg = dataclasses.replace(pg.ring_config(c.k_shard, kw, st, 2), refill=refill, x_copy=x_copy)
+    cfg = dataclasses.replace(pg.ring_config(c.k_shard, kw, st, 2), x_copy=x_copy)
     assert cfg.copy == "rows" and st % 2 == 0
     layout = MailboxLayout(2, c.hidden_size, 16)
     ptx = compile_ptx(pg.PackageGemmKernel(c.hidden_size, cfg, "publish", layout, 1, True), *pg.fake_args(),
@@ -367,24 +367,15 @@ def test_default_shapes_of_the_policy():
         pg.ring_config(4096, 4, 6, 2, copy="tma")
     with pytest.raises(ValueError, match="row copies take two contiguous steps"):
         pg.ring_config(4096, 4, 5, 2, copy="rows")
-    with pytest.raises(ValueError, match="copy, refill and x_copy are the ring main loop's"):
+    with pytest.raises(ValueError, match="copy is the ring main loop's"):
         pg.PackageGemm(_constants("o_proj", 8192, 1024, tile_n=16), torch.zeros(8192, 1024, dtype=torch.bfloat16),
                        copy="rows")
-    # The refill: the default RING_REFILL for row copies; "before" needs row copies.
-    assert pg.ring_config(4096, 4, 6, 2).refill == pg.RING_REFILL == "after"
-    assert pg.ring_config(4096, 4, 6, 2, refill="before").refill == "before"
-    with pytest.raises(ValueError, match="refill is 'after', or 'before' with row copies"):
-        pg.ring_config(4096, 4, 6, 2, copy="lane", refill="before")
     # x's copies: RING_X_COPY under row copies where x goes through the ring; none with x_regs.
-    assert pg.ring_config(4096, 4, 6, 2).x_copy == pg.RING_X_COPY
-    assert pg.ring_config(4096, 4, 6, 2, x_copy="rows").x_copy == "rows"
-    assert pg.ring_config(4096, 4, 6, 2, x_regs=True, x_copy="rows").x_copy == "lane"
-    assert pg.ring_config(4096, 4, 6, 2, x_copy="rows").ring_bytes == pg.ring_config(4096, 4, 6, 2).ring_bytes
+    assert pg.ring_config(4096, 4, 6, 2).x_copy == pg.RING_X_COPY == "rows"
+    assert pg.ring_config(4096, 4, 6, 2, x_regs=True).x_copy == "lane"
+    assert pg.ring_config(4096, 4, 6, 2, copy="lane").x_copy == "lane"
     with pytest.raises(ValueError, match="x_copy is 'lane', or 'rows' with row copies"):
-        pg.ring_config(4096, 4, 6, 2, copy="lane", x_copy="rows")
-    with pytest.raises(ValueError, match="copy, refill and x_copy are the ring main loop's"):
-        pg.PackageGemm(_constants("o_proj", 8192, 1024, tile_n=16), torch.zeros(8192, 1024, dtype=torch.bfloat16),
-                       x_copy="rows")
+        sg.SkinnyConfig(4096, 4, 6, 2, x_copy="rows")
     with pytest.raises(ValueError, match="n_tiles 1 or 2"):
         pg.default_shape(_constants("o_proj", 8192, 4096), n_tiles=3)
 

@@ -161,40 +161,6 @@ def test_direct_package_gemm_compiles(arch, variant, tmp_path):
         assert spill_bytes(report) == 0, report
 
 
-GROUPED = [  # (id, constants, n_tiles, mode, stages, group)
-    ("k4096-plain-st8-g4", _direct("o_proj", 8192, 4096), 1, "plain", 8, 4),
-    ("k4096-pub-st8-g2", _direct("o_proj", 8192, 4096), 2, "publish", 8, 2),
-    ("k8192-plain-st4-g2", _direct("down_proj", 8192, 8192, 2), 2, "plain", 4, 2),
-]
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variant", GROUPED, ids=[v[0] for v in GROUPED])
-def test_refill_bursts_compile(arch, variant, tmp_path):
-    """A refill burst (``group``) issues the same loads and MMAs, the loads
-    after the prologue in runs of ``group`` steps (2 weight copies each),
-    without spills."""
-    from dspark_cute.runtime.host import compile_ptx
-
-    _, c, nt, mode, st, grp = variant
-    kw, _ = pg.default_shape(c)
-    cfg = sg.SkinnyConfig(c.k_shard, kw, st, nt, grp)
-    layout = MailboxLayout(2, c.hidden_size, 16) if mode == "publish" else None
-    ptx = compile_ptx(pg.PackageGemmKernel(c.hidden_size, cfg, mode, layout, 0, True, True, c.tile_n),
-                      *pg.fake_args(), arch=arch)
-    body = code(ptx)
-    nc = r"\bld\.global\.nc\.L1::no_allocate\.v4\.b32\b"
-    assert count(body, nc) == sd.W_LOADS * cfg.steps
-    assert count(body, r"\bmma\.sync\.aligned\.m16n8k16") == 2 * cfg.n_tiles * cfg.steps
-    order = re.findall(r"ld\.global\.nc\.L1|mma\.sync", body.partition("griddepcontrol.wait")[2])
-    runs = [len(r) for r in "".join("w" if o.startswith("ld") else "m" for o in order).split("m") if r]
-    assert runs == [sd.W_LOADS * grp] * ((cfg.steps - st) // grp), runs
-    report = ptxas_report(ptx, arch, tmp_path)
-    if report and arch == "sm_90a":
-        assert spill_bytes(report) == 0, report
-
-
 def test_direct_shapes_and_refusals():
     c = _direct("o_proj", 8192, 1024)
     # 8 steps a warp: all in flight for 8 tokens, 4 for 16 (DIRECT_DEPTH: measured).
@@ -208,13 +174,6 @@ def test_direct_shapes_and_refusals():
         pg.check_constants(PackageGemmConstants("o_proj", 8200, 1024, 16, 1, 16))
     with pytest.raises(ValueError, match="16 output features"):
         pg.PackageGemmKernel(8200, sg.SkinnyConfig(1024, 4, 2, 2), "plain", None, 0, False, False, 16)
-    with pytest.raises(ValueError, match="refill burst of 5 steps with 4 steps in flight"):
-        sg.SkinnyConfig(4096, 4, 4, 2, 5)
-    with pytest.raises(ValueError, match="the ring main loop"):
-        pg.PackageGemm(PackageGemmConstants("o_proj", 8192, 1024, 64, 1, 16),
-                       torch.zeros(8192, 1024, dtype=torch.bfloat16), group=2)
-    with pytest.raises(ValueError, match="the ring main loop"):
-        pg.PackageGemmKernel(8192, sg.SkinnyConfig(1024, 4, 2, 2, 2), "plain", None, 0, False, False, 64)
     with pytest.raises(ValueError, match="x_regs is the ring main loop's"):  # the direct loop would ignore it
         pg.PackageGemmKernel(8192, sg.SkinnyConfig(1024, 4, 2, 2, x_regs=True), "plain", None, 0, False, False, 16)
     with pytest.raises(ValueError, match="CUDA"):  # the host class checks its weight as for tile_n 64

@@ -214,10 +214,10 @@ def test_qkv_front_row_copies_compile(arch, n_tiles):
 # ---------------------------------------------------------------- host checks (no GPU needed)
 
 
-@pytest.mark.parametrize("extra", [{"group": 2}, {"x_regs": True}])
+@pytest.mark.parametrize("extra", [{"x_regs": True}])
 def test_front_refuses_the_package_gemm_loop_options(extra):
-    """Refill bursts and rotated K-slices are the package GEMM's; the front's
-    kernel (ring main loop, head epilogue) refuses them rather than ignore them."""
+    """x through registers is the package GEMM's; the front's kernel (ring
+    main loop, head epilogue) refuses it rather than ignore it."""
     from dspark_cute.cutedsl.qkv.front import QKVFrontKernel
 
     cfg = sg.SkinnyConfig(REF.hidden_size, 8, 2, 2, **extra)

@@ -86,14 +86,12 @@ the PDL wait, x (and, in publish mode, the epochs) read after it; dependents
 are released after the main loop (a consumer's PDL wait still waits for this
 grid's end before reading the mailbox).
 
-``early_epochs`` (the default, publish mode): every epilogue round's epoch is loaded right after the PDL wait
-(before the main loop's x copies) instead of in its round, so the loads'
-latency hides behind the main loop; in round order the epilogue otherwise
-serializes one epoch load per round before its stores (2 rounds at m <= 8, 4
-at m <= 16 with 4 warps). The same values are read at a point where the same
-kernels have completed, so the bits are the same. Measured on two H200s
-(bench_package_gemm, the publish kernel alone): 5.73 vs 6.14 µs at K = 1024,
-m = 16, the same within 0.3 µs elsewhere; bit for bit the in-round kernel.
+``early_epochs`` (what ``PackageGemm`` launches in publish mode): every
+epilogue round's epoch is loaded right after the PDL wait (before the main
+loop's x copies) instead of in its round, so the loads' latency hides behind
+the main loop; the same values are read at a point where the same kernels
+have completed, so the bits are the same. ``PackageGemmKernel(...,
+early_epochs=False)`` is the in-round kernel the compile tests keep.
 """
 
 from __future__ import annotations
@@ -178,7 +176,7 @@ class PackageGemmKernel:
         if n <= 0 or n % tile_rows:
             raise ValueError(f"the package GEMM computes {tile_rows} output features per CTA; N = {n} is not a "
                              f"positive multiple of {tile_rows}")
-        check_loop_options(cfg.group, tile_rows, cfg.x_regs)
+        check_loop_options(tile_rows, cfg.x_regs)
         check_mode(n, mode, layout, rank)
         self.n, self.cfg, self.mode, self.layout, self.rank, self.pdl = n, cfg, mode, layout, rank, pdl
         self.early_epochs = bool(early_epochs) and mode == "publish"
@@ -275,9 +273,7 @@ class PackageGemm:
     on CUDA. ``mailbox``: the TP group's ``dspark_comm.Mailbox`` of
     ``hidden_size`` columns (None: plain mode only); ``rank``: this rank
     (default and required: the mailbox's). ``k_warps``, ``stages``: the main
-    loop's shape (``default_shape``); ``group``: the register-direct main
-    loop's refill burst (``skinny_direct.mainloop``; 1 for the ring main
-    loop); ``x_regs``: whether the ring main loop loads x into registers
+    loop's shape (``default_shape``); ``x_regs``: whether the ring main loop loads x into registers
     instead of copying it into the ring (``skinny_gemm.SkinnyConfig``: the
     same bits, so a row's bits never depend on the call's row count): None
     (default) for one-row calls only, with up to ``RING_X_DEPTH`` stages
@@ -286,14 +282,10 @@ class PackageGemm:
     copies the ring main loop's weight (``skinny_gemm.SkinnyConfig.copy``;
     the same bits): None (default) the warp's 128-byte row pieces wherever
     the warp's steps are even (``ring_config``; measured: ``RING_COPY``'s
-    comment), "rows" or "lane" always; ``refill``: when row copies refill a
-    pair's slot (``SkinnyConfig.refill``; the same bits): None for
-    ``RING_REFILL``, "after" or "before" its MMAs; ``x_copy``: who copies x
-    into a row-copy ring (``SkinnyConfig.x_copy``; the same bits): None for
-    ``RING_X_COPY``, "lane" or "rows"; ``pdl``: programmatic dependent launch
-    (default: sm_90+); ``early_epochs``: the publish epilogue's epochs loaded
-    before the main loop (module docstring; False: in each round);
-    ``one_row_gemv`` (opt-in): a one-row call runs the
+    comment), "rows" or "lane" always (under row copies x goes through the
+    ring in token rows, ``RING_X_COPY``); ``pdl``: programmatic dependent
+    launch (default: sm_90+); the publish epilogue loads its epochs before
+    the main loop (``early_epochs``, module docstring); ``one_row_gemv`` (opt-in): a one-row call runs the
     one-token GEMV (``dspark_comm.cutedsl.package_gemv``) and sums in
     ``dspark_core.spec.gemv``'s order, not the skinny loop's, so its row may
     differ in the last bits from the same row in a call of more rows
@@ -312,17 +304,16 @@ class PackageGemm:
 
     def __init__(self, constants: PackageGemmConstants, weight: torch.Tensor, mailbox=None,
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
-                 group: int = 1, x_regs: bool | None = None, pdl: bool | None = None,
-                 early_epochs: bool = True, one_row_gemv: bool = False, copy: str | None = None,
-                 refill: str | None = None, x_copy: str | None = None) -> None:
+                 x_regs: bool | None = None, pdl: bool | None = None, one_row_gemv: bool = False,
+                 copy: str | None = None) -> None:
         c = constants
         check_constants(c)
         if x_regs not in (None, True, False):
             raise ValueError(f"x_regs is None (one-row calls), True or False, not {x_regs!r}")
-        check_loop_options(group, c.tile_n, bool(x_regs))
-        if (copy is not None or refill is not None or x_copy is not None) and c.tile_n != sg.TILE_ROWS:
-            raise ValueError(f"copy, refill and x_copy are the ring main loop's (tile_n {sg.TILE_ROWS}); the "
-                             f"register-direct one (tile_n {c.tile_n}) loads into registers")
+        check_loop_options(c.tile_n, bool(x_regs))
+        if copy is not None and c.tile_n != sg.TILE_ROWS:
+            raise ValueError(f"copy is the ring main loop's (tile_n {sg.TILE_ROWS}); the register-direct one "
+                             f"(tile_n {c.tile_n}) loads into registers")
         # Per token tile (0: one row, 1: m <= 8, 2: m <= 16) whether x goes
         # through registers: the register-direct loop always does, unasked.
         ring = c.tile_n == sg.TILE_ROWS
@@ -332,8 +323,8 @@ class PackageGemm:
         depth = {t: st for t, (_, st) in shapes.items()}
         # SkinnyConfig raises the ValueError for a shard or shape it cannot split.
         self.configs = {
-            t: shape.ring_config(c.k_shard, kw, depth[t], max(t, 1), xr[t], copy, refill, x_copy) if ring
-            else sg.SkinnyConfig(c.k_shard, kw, depth[t], max(t, 1), group, xr[t]) for t in (0, 1, 2)}
+            t: shape.ring_config(c.k_shard, kw, depth[t], max(t, 1), xr[t], copy) if ring
+            else sg.SkinnyConfig(c.k_shard, kw, depth[t], max(t, 1), x_regs=xr[t]) for t in (0, 1, 2)}
         for cfg in self.configs.values():
             if smem_bytes(cfg, c.tile_n) > shape.MAX_SMEM_BYTES:
                 raise ValueError(f"{cfg.stages} stages of {kw} warps ({8 * cfg.n_tiles} tokens) take "
@@ -361,7 +352,6 @@ class PackageGemm:
         self.device = weight.device
         self.k_warps, self.stages_by_tiles = kw, depth
         self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
-        self.early_epochs = bool(early_epochs)
         self.one_row_gemv = bool(one_row_gemv)
         if self.one_row_gemv:
             why = one_row_unsupported(c, weight)
@@ -388,7 +378,7 @@ class PackageGemm:
         if m == 1 and self.one_row_gemv:
             return compile_package_gemv(self.constants, mode, self.layout, self.rank, self.pdl)
         return compile_package_gemm(self.constants, self.configs[self.token_tile(m)], mode, self.layout,
-                                    self.rank, self.pdl, self.early_epochs)
+                                    self.rank, self.pdl, early_epochs=True)
 
     def prepare(self, publish: tuple = (False, True)) -> None:
         """Compile the variants ``run`` launches (one row, m <= 8 and m <=

@@ -79,13 +79,6 @@ MAX_SMEM_BYTES = 227 * 1024
 # 33.82 / 33.31 / 33.17; the same bits as lane copies).
 RING_COPY = "rows"
 RING_L2_PREFETCH = 128
-# When a row-copy ring refills a pair's slot (SkinnyConfig.refill): "after"
-# its MMAs. "before" them (the same bits, the two-GPU suite checks it) was
-# faster on one H200 (above) but not at TP2 (bench_package_gemm, two H200s,
-# 2026-11-30, publishing alone in a graph, m = 1 / 4 / 16: 17.87 / 18.45 /
-# 18.93 at K = 4096 and 31.83 / 32.89 / 34.08 at 8192 against "after"'s
-# 17.85 / 18.30 / 18.95 and 31.71 / 32.75 / 33.76 in the same run).
-RING_REFILL = "after"
 # Who copies x under row copies where x goes through the ring (m > 1;
 # SkinnyConfig.x_copy): "lane" (8 tokens x 64 bytes per instruction) or
 # "rows" (4 tokens x 128 bytes: half the L2 requests); the same bits (the
@@ -99,27 +92,23 @@ RING_X_COPY = "rows"
 LANE_L2_PREFETCH = 256
 
 
-def check_loop_options(group: int, tile_rows: int, x_regs: bool = False) -> None:
+def check_loop_options(tile_rows: int, x_regs: bool = False) -> None:
     """ValueError unless the main loop of ``tile_rows`` output features per
-    CTA takes refill bursts of ``group`` steps and ``x_regs``."""
-    if group != 1 and tile_rows != sd.TILE_ROWS:
-        raise ValueError(f"refill bursts (group {group}) are the register-direct main loop's (tile_n "
-                         f"{sd.TILE_ROWS}); the ring main loop (tile_n {tile_rows}) refills one step at a time")
+    CTA takes ``x_regs`` (the ring's: the register-direct loop always loads x
+    into registers)."""
     if x_regs and tile_rows == sd.TILE_ROWS:
         raise ValueError(f"x_regs is the ring main loop's (tile_n {sg.TILE_ROWS}); the register-direct one "
                          f"(tile_n {tile_rows}) always loads x into registers")
 
 
 def ring_config(k_shard: int, k_warps: int, stages: int, n_tiles: int, x_regs: bool = False,
-                copy: str | None = None, refill: str | None = None, x_copy: str | None = None) -> sg.SkinnyConfig:
+                copy: str | None = None) -> sg.SkinnyConfig:
     """The ring main loop's ``SkinnyConfig``. ``copy`` None: row copies
     (``RING_COPY``) where ``k_shard / (32 k_warps)`` steps and ``stages`` are
     both even, else lane copies (the same bits either way); "rows" or "lane":
-    that one. ``refill`` (row copies): None for ``RING_REFILL``, or "after" /
-    "before". ``x_copy`` (row copies, x through the ring): None for
-    ``RING_X_COPY``, or "lane" / "rows"; with ``x_regs`` there are no x
-    copies and it is "lane". ValueError (``SkinnyConfig``) for a shape the
-    loop cannot take, a refill "before" or x_copy "rows" with lane copies."""
+    that one. Under row copies x goes through the ring in token rows
+    (``RING_X_COPY``) unless ``x_regs``. Unsupported / ValueError
+    (``SkinnyConfig``) for a shape the loop cannot take."""
     if copy not in (None, *sg.COPIES):
         raise ValueError(f"copy is None, {' or '.join(map(repr, sg.COPIES))}, not {copy!r}")
     steps = sg.SkinnyConfig(k_shard, k_warps, 1, n_tiles).steps
@@ -127,10 +116,8 @@ def ring_config(k_shard: int, k_warps: int, stages: int, n_tiles: int, x_regs: b
         copy = RING_COPY if steps % 2 == 0 and stages % 2 == 0 else "lane"
     if copy == "rows":
         return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, copy="rows",
-                               l2_prefetch=RING_L2_PREFETCH, refill=refill or RING_REFILL,
-                               x_copy="lane" if x_regs else x_copy or RING_X_COPY)
-    return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, l2_prefetch=LANE_L2_PREFETCH,
-                           refill=refill or "after", x_copy=x_copy or "lane")
+                               l2_prefetch=RING_L2_PREFETCH, x_copy="lane" if x_regs else RING_X_COPY)
+    return sg.SkinnyConfig(k_shard, k_warps, stages, n_tiles, x_regs=x_regs, l2_prefetch=LANE_L2_PREFETCH)
 
 
 def smem_bytes(cfg: sg.SkinnyConfig, tile_rows: int) -> int:
@@ -197,7 +184,6 @@ __all__ = [
     "RING_COPY",
     "RING_DEPTH",
     "RING_L2_PREFETCH",
-    "RING_REFILL",
     "RING_X_COPY",
     "RING_X_DEPTH",
     "TILE_ROWS",

@@ -80,9 +80,9 @@ class QKVFrontKernel:
     ``max_pos`` Int32, ``num_slots`` Int64."""
 
     def __init__(self, constants: QKVFrontConstants, cfg: sg.SkinnyConfig, raw: bool, pdl: bool) -> None:
-        if cfg.group != 1 or cfg.x_regs:
-            raise ValueError("the QKV front runs the ring main loop as is (group 1, x_regs False): refill "
-                             "bursts and x through registers are the package GEMM's")
+        if cfg.x_regs:
+            raise ValueError("the QKV front runs the ring main loop with x in the ring (x_regs False): x "
+                             "through registers is the package GEMM's")
         self.c = constants
         self.cfg = cfg
         self.raw = raw

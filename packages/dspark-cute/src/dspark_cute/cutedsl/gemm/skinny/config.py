@@ -26,8 +26,7 @@ step ``stages`` later as soon as its MMAs are issued. With ``copy`` "rows"
 (``dspark_cute.cutedsl.gemm.skinny.rows``; the package GEMM's ring) the warp copies the
 same words two steps at a time in whole 128-byte row pieces (full-line L2
 requests instead of half lines) and each lane reads its own words back after
-a ``bar.warp.sync`` (``refill`` says whether a pair's slot is refilled
-after or before its MMAs): the same MMAs on the same words. ``l2_prefetch``
+a ``bar.warp.sync``: the same MMAs on the same words. ``l2_prefetch``
 sets the copies' L2 prefetch hint. With ``x_regs`` (the
 package GEMM's one-row calls) the x words skip the ring: each is loaded with
 ``ld.global.v4`` (through L1) when its step's weight copies are issued, held
@@ -100,9 +99,6 @@ class SkinnyConfig:
     k_warps: int = 4
     stages: int = 4
     n_tiles: int = 2
-    # The register-direct main loop's refill burst (skinny_direct): steps
-    # whose loads issue together; the ring main loop refills one step at a time.
-    group: int = 1
     # x through registers (the package GEMM's ring main loop): each step's x
     # words are loaded with ``ld.global.v4`` (through L1) ``stages`` steps
     # ahead instead of copied into the ring, which then holds the weight only
@@ -116,11 +112,6 @@ class SkinnyConfig:
     # instruction: whole-line L2 requests) into a swizzled ring read back
     # after the wait and a __syncwarp. The same words reach the same MMAs.
     copy: str = "lane"
-    # Row copies only: refill a pair's slot "after" its MMAs are issued, or
-    # "before" them (both steps' words loaded first, then the warp meets and
-    # refills: the copies of the pair `stages / 2` ahead start earlier, at
-    # the price of both steps' words in registers at once). The same bits.
-    refill: str = "after"
     # Row copies only: who copies x's words where they go through the ring:
     # "lane", the lane that reads them (8 tokens x 64 bytes per instruction);
     # "rows", the warp, a pair of steps at a time in 128-byte token rows (4
@@ -140,8 +131,6 @@ class SkinnyConfig:
             raise ValueError(f"the skinny GEMM covers 8 or 16 tokens (n_tiles 1 or 2), not {self.n_tiles}")
         if not 1 <= self.stages <= self.steps:
             raise ValueError(f"{self.stages} stages for {self.steps} steps")
-        if not 1 <= self.group <= self.stages:
-            raise ValueError(f"a refill burst of {self.group} steps with {self.stages} steps in flight")
         if not isinstance(self.x_regs, bool):
             raise ValueError(f"x_regs is True or False, not {self.x_regs!r}")
         if self.l2_prefetch not in L2_PREFETCH:
@@ -151,9 +140,6 @@ class SkinnyConfig:
         if self.copy == "rows" and (self.stages % 2 or self.steps % 2):
             raise ValueError(f"row copies take two contiguous steps at a time: an even number of stages and "
                              f"steps, not {self.stages} stages, {self.steps} steps")
-        if self.refill not in ("after", "before") or (self.refill == "before" and self.copy != "rows"):
-            raise ValueError(f"refill is 'after', or 'before' with row copies, not {self.refill!r} "
-                             f"with {self.copy} copies")
         if self.x_copy not in COPIES or (self.x_copy == "rows" and (self.copy != "rows" or self.x_regs)):
             raise ValueError(f"x_copy is 'lane', or 'rows' with row copies of the weight and x through the "
                              f"ring, not {self.x_copy!r} with {self.copy} copies and x_regs {self.x_regs}")

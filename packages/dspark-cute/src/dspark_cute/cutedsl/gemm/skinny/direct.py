@@ -79,10 +79,7 @@ def mainloop(cfg: sg.SkinnyConfig, w_tile, x, m, warp, lane, before_x=None) -> l
     (Int64) of its first weight row, ``x`` of x's first row, ``m`` the token
     count (Int32). The weight loads of the first ``cfg.stages`` steps are
     issued first, then ``before_x()`` (the PDL wait), then x's. Each later
-    step is loaded ``stages`` steps ahead, one step before each step's MMAs
-    (``cfg.group`` 1); or, in bursts of ``group`` steps after every
-    ``group``-th step's MMAs (weights, then x), ``stages - group + 1`` to
-    ``stages`` steps ahead: the same loads either way. Returns
+    step is loaded ``stages`` steps ahead, right before each step's MMAs. Returns
     ``acc[n_tile]`` (4 FP32 each, ``skinny_gemm.acc_coords`` of tile 0)."""
     tokens = [sg.x_token(lane, nt, m, minimum=min_i32) for nt in range(cfg.n_tiles)]
     w_words: dict = {}
@@ -101,7 +98,7 @@ def mainloop(cfg: sg.SkinnyConfig, w_tile, x, m, warp, lane, before_x=None) -> l
     zero = ptx.f32_const(0.0)
     acc = [[zero] * 4 for _ in range(cfg.n_tiles)]
     for s in range(cfg.steps):
-        if cfg.group == 1 and s + cfg.stages < cfg.steps:
+        if s + cfg.stages < cfg.steps:
             load_weight(s + cfg.stages)
             load_x(s + cfg.stages)
         words = w_words.pop(s) + x_words.pop(s)
@@ -110,13 +107,6 @@ def mainloop(cfg: sg.SkinnyConfig, w_tile, x, m, warp, lane, before_x=None) -> l
                 # The fragments of skinny_gemm's MMA tile 0, x after this step's 2 weight words.
                 a, b = sg.a_fragment(words, 0, half), sg.b_fragment(words, nt, half, W_LOADS)
                 acc[nt] = ptx.mma_bf16(a, b, acc[nt])
-        if cfg.group > 1 and (s + 1) % cfg.group == 0:
-            # A burst: the next `group` steps of every row issue back to back
-            # (64 * group contiguous bytes of a row), keeping `ahead` in flight.
-            for j in range(s + 1 + ahead - cfg.group, min(s + 1 + ahead, cfg.steps)):
-                load_weight(j)
-            for j in range(s + 1 + ahead - cfg.group, min(s + 1 + ahead, cfg.steps)):
-                load_x(j)
     return acc
 
 

@@ -17,8 +17,7 @@ so the MMAs, their operands and their order are those of lane copies (the
 same bits). Copies of other lanes become visible through
 ``cp.async.wait_group`` and then ``bar.warp.sync``; a second
 ``bar.warp.sync`` after a pair's MMAs keeps any lane from refilling a slot
-another lane still reads (``refill`` "before": the pair's words are all
-loaded, then the warp meets and refills, then the MMAs run). x is copied (or, ``x_regs``, loaded) per lane as
+another lane still reads. x is copied (or, ``x_regs``, loaded) per lane as
 with lane copies, or (``x_copy`` "rows") by the warp like the weight: copy
 ``q`` of lane ``l`` takes token slot ``4 q + (l >> 3)`` (x's row
 ``min(slot, m - 1)``, the row a lane copy of that slot takes), chunk ``l &
@@ -177,13 +176,9 @@ def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x) -
         ps = p % depth
         ptx.cp_async_wait(depth - 1)
         ptx.sync_warp()  # the other lanes' copies of this pair are visible after it
-        pair_words = [words_of(2 * p, ps), words_of(2 * p + 1, ps)] if cfg.refill == "before" else None
-        if cfg.refill == "before":
-            refill(p, ps)
         for e in range(2):
-            step_mmas(cfg, pair_words[e] if pair_words else words_of(2 * p + e, ps), acc)
-        if cfg.refill == "after":
-            refill(p, ps)
+            step_mmas(cfg, words_of(2 * p + e, ps), acc)
+        refill(p, ps)
     ptx.cp_async_wait(0)
     return acc
 
