@@ -57,3 +57,31 @@ def rng(seed, request) -> np.random.Generator:
 def gen(seed, request) -> torch.Generator:
     """A torch CPU generator of this test's stream of the session seed."""
     return torch.Generator().manual_seed(seed * 2**32 + _test_stream(request))
+
+
+@pytest.fixture
+def approx(monkeypatch):
+    """``approx(ops, record=None)``: make the spec's approximate instructions
+    those of ``ops`` (an ``_independent.Approx``: NumPy functions, applied to
+    float32 CPU tensors through their bits) for this test, by replacing each
+    name in ``dspark_core.spec.numerics`` and ``dspark_core.spec.layers``.
+    ``record`` (a dict) collects each call's input under the function's name."""
+    import _independent as I
+
+    from dspark_core.spec import layers, numerics
+
+    def use(ops, record: dict | None = None) -> None:
+        for name in I.Approx.NAMES:
+            fn = getattr(ops, name)
+
+            def wrapped(x, _fn=fn, _name=name):
+                v = I.to_np(x.to(torch.float32))
+                if record is not None:
+                    record.setdefault(_name, []).append(v)
+                return torch.from_numpy(np.ascontiguousarray(_fn(v), dtype=np.float32))
+
+            for module in (numerics, layers):
+                if hasattr(module, name):
+                    monkeypatch.setattr(module, name, wrapped)
+
+    return use
