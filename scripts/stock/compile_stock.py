@@ -194,20 +194,32 @@ def fla_variants(heads):
             yield name, sig, const, aligned, grid, 8, match
 
 
-def compile_triton(kind, fn, variants, archs, out: Path, keep_ptx=False) -> list[dict]:
+def compile_kernel(fn, sig: dict, const: dict, aligned, warps: int, arch: int):
+    """One Triton kernel compiled in memory for ``arch`` (90, 100) with the
+    specialization the JIT derives from the stock launch: ``sig`` the
+    runtime arguments' types (the rest constexpr), ``const`` the constexprs,
+    ``aligned`` the arguments with a 16-divisibility hint. Returns Triton's
+    compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    arg_names = fn.arg_names
+    full_sig = {a: sig.get(a, "constexpr") for a in arg_names}
+    attrs = {(arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(fn=fn, signature=full_sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
+def compile_triton(kind, fn, variants, archs, out: Path, keep_ptx=False) -> list[dict]:
+    import triton
 
     entries = []
     arg_names = fn.arg_names
     for name, sig, const, aligned, grid, warps, match in variants:
         full_sig = {a: sig.get(a, "constexpr") for a in arg_names}
-        attrs = {(arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
         for arch in archs:
-            src = ASTSource(fn=fn, signature=full_sig, constexprs=const, attrs=attrs)
-            k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                               options={"num_warps": warps})
+            k = compile_kernel(fn, sig, const, aligned, warps, arch)
             md = k.metadata
             cubin = k.asm["cubin"]
             tag = f"{name}_{ARCH_NAMES[arch]}"
@@ -296,11 +308,14 @@ def _param_names(label: str) -> list[str]:
     raise KeyError(label)
 
 
-def extract_so(so_path: Path, archs, out: Path, cuobjdump: str) -> list[dict]:
+def so_cubins(so_path: Path, archs, cuobjdump: str, labels=None):
+    """Yield ``(arch, cubin_name, cubin_bytes, {label: mangled})`` for each
+    cubin of vLLM's CUDA library ``so_path`` (for ``archs``: 90, 100) that
+    holds one of the ``SO_KERNELS`` (those named in ``labels``, default all)."""
     listing = subprocess.run([cuobjdump, "-lelf", str(so_path)], check=True,
                              capture_output=True, text=True).stdout
     names = [line.split(":")[-1].strip() for line in listing.splitlines() if line.startswith("ELF")]
-    entries, wanted = [], {k: v.encode() for k, v in SO_KERNELS.items()}
+    wanted = {k: v.encode() for k, v in SO_KERNELS.items() if labels is None or k in labels}
     for arch in archs:
         suffix = f".sm_{arch}.cubin"
         with tempfile.TemporaryDirectory() as tmp:
@@ -313,22 +328,27 @@ def extract_so(so_path: Path, archs, out: Path, cuobjdump: str) -> list[dict]:
                     continue
                 data = path.read_bytes()
                 hits = {k: v for k, v in wanted.items() if b"\0" + v + b"\0" in data}
-                if not hits:
-                    continue
-                packed = lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
-                (out / f"{cubin_name}.xz").write_bytes(packed)
-                for label, mangled in hits.items():
-                    info = kernel_info(data, mangled.decode())
-                    pnames = _param_names(label)
-                    if len(pnames) != len(info["params"]):
-                        raise RuntimeError(f"{label}: {len(info['params'])} params in the cubin")
-                    for p, nm in zip(info["params"], pnames):
-                        p["name"] = nm
-                    entries.append({"label": label, "arch": f"sm_{arch}", "kernel": mangled.decode(),
-                                    "cubin": f"{cubin_name}.xz", "cubin_sha256": sha256(data),
-                                    **info})
-                print(f"  {cubin_name}: {len(data)} B -> {len(packed)} B xz, "
-                      f"{len(hits)} kernels", flush=True)
+                if hits:
+                    yield arch, cubin_name, data, hits
+
+
+def extract_so(so_path: Path, archs, out: Path, cuobjdump: str) -> list[dict]:
+    entries = []
+    for arch, cubin_name, data, hits in so_cubins(so_path, archs, cuobjdump):
+        packed = lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
+        (out / f"{cubin_name}.xz").write_bytes(packed)
+        for label, mangled in hits.items():
+            info = kernel_info(data, mangled.decode())
+            pnames = _param_names(label)
+            if len(pnames) != len(info["params"]):
+                raise RuntimeError(f"{label}: {len(info['params'])} params in the cubin")
+            for p, nm in zip(info["params"], pnames):
+                p["name"] = nm
+            entries.append({"label": label, "arch": f"sm_{arch}", "kernel": mangled.decode(),
+                            "cubin": f"{cubin_name}.xz", "cubin_sha256": sha256(data),
+                            **info})
+        print(f"  {cubin_name}: {len(data)} B -> {len(packed)} B xz, "
+              f"{len(hits)} kernels", flush=True)
     found = {(e["label"], e["arch"]) for e in entries}
     for arch in archs:
         for label in SO_KERNELS:
