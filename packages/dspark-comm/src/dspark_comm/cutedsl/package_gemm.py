@@ -39,27 +39,22 @@ the operands loaded straight into registers, ``stages`` steps in flight);
 thread ``q`` of epilogue round ``r`` takes output word ``q + threads r``
 (token ``word // 8``, columns ``16 tile + 2 (word % 8)`` and ``+ 1``). It
 computes the same sums in the same order as the 64-row tiles, so the same
-bits (two H200s: bit for bit, plain and publishing). It is the faster loop
-while every step of a warp's K-slice is in flight at once (K = 1024: 3.5 us
-against the ring's 6.4 and cuBLAS's 5.3 at m = 1), the slower one beyond
-(K = 4096: 20-31 us against 18.8-21.3); ``policy.draft_gemm_shape`` picks it
-for shards of at most ``policy.DIRECT_MAX_STEPS`` steps per warp.
+bits. It is the faster loop while every step of a warp's K-slice is in flight
+at once, the slower one beyond; ``policy.draft_gemm_shape`` picks it for
+shards of at most ``policy.DIRECT_MAX_STEPS`` steps per warp.
 
 **Weight copies.** The ring main loop copies the weight in whole 128-byte
-row pieces, two steps at a time (``skinny_gemm.SkinnyConfig.copy`` "rows",
-``dspark_cute.cutedsl.gemm.skinny.rows``; ``ring_config``), wherever a warp's steps are
-even, and otherwise each lane its own 16 bytes: the same MMAs on the same
-words, so the same bits (two H200s: bit for bit the lane-copy and
-register-direct kernels). Measured: ``RING_COPY``'s comment. Where x goes
-through such a ring (m > 1) the warp copies it the same way, in 128-byte
-token rows (``SkinnyConfig.x_copy`` "rows", ``RING_X_COPY``; the same
-words, bit for bit on two H200s). Measured: ``RING_X_COPY``'s comment.
+row pieces, two steps at a time (``SkinnyConfig.copy`` "rows",
+``dspark_cute.cutedsl.gemm.skinny.rows``; ``ring_config``), wherever a warp's
+steps are even, and otherwise each lane its own 16 bytes: the same MMAs on the
+same words, so the same bits. Where x goes through such a ring (m > 1) the
+warp copies it the same way, in 128-byte token rows (``RING_X_COPY``).
 
 **Token tiles.** A call of ``m`` rows runs one of three compiled variants
 (``PackageGemm.token_tile``): m = 1, m <= 8 (``n_tiles`` 1) and m <= 16
 (``n_tiles`` 2). On the ring main loop the one-row variant loads x into
 registers instead of copying it into the ring (``SkinnyConfig.x_regs``,
-``RING_X_DEPTH``: faster at m = 1 only, measured). All three issue the same
+``RING_X_DEPTH``: faster at m = 1 only). All three issue the same
 MMAs on the same operands for a row, so a row's bits do not depend on ``m``.
 
 **Summation order** of ``y[n, r] = sum_k x[n, k] W[r, k]`` (the skinny main
@@ -276,13 +271,12 @@ class PackageGemm:
     loop's shape (``default_shape``); ``x_regs``: whether the ring main loop loads x into registers
     instead of copying it into the ring (``skinny_gemm.SkinnyConfig``: the
     same bits, so a row's bits never depend on the call's row count): None
-    (default) for one-row calls only, with up to ``RING_X_DEPTH`` stages
-    (measured: ``RING_X_DEPTH``'s comment), True or False for every call
+    (default) for one-row calls only, with up to ``RING_X_DEPTH`` stages,
+    True or False for every call
     (``scripts/probes/package_gemm_sweep.py`` times them); ``copy``: who
     copies the ring main loop's weight (``skinny_gemm.SkinnyConfig.copy``;
     the same bits): None (default) the warp's 128-byte row pieces wherever
-    the warp's steps are even (``ring_config``; measured: ``RING_COPY``'s
-    comment), "rows" or "lane" always (under row copies x goes through the
+    the warp's steps are even (``ring_config``), "rows" or "lane" always (under row copies x goes through the
     ring in token rows, ``RING_X_COPY``); ``pdl``: programmatic dependent
     launch (default: sm_90+); the publish epilogue loads its epochs before
     the main loop (``early_epochs``, module docstring); ``one_row_gemv`` (opt-in): a one-row call runs the

@@ -4,15 +4,8 @@
 warp, each warp load 512 contiguous bytes of a row), with the package GEMM's
 two epilogues.
 
-Why: at m = 1 the package GEMM's tensor-core ring trailed cuBLAS by 9-15% at
-the TP2 shards (K = 4096: 21.9 against 19.0 µs; K = 8192: 37.1 against 34.0;
-two H200s, bench_package_gemm), while the warp-per-row GEMV streamed every
-projection of the reference draft faster than cuBLAS at m = 1
-(``scripts/probes/skinny_sweep.py``). Passed the two-GPU suite on two H200s
-(2026-11-30); its publish kernel took 4.10 / 18.83 / 35.36 µs at K = 1024 /
-4096 / 8192 (profiled; cuBLAS's kernels 5.20 / 18.26 / 33.56), against the
-default one-row variant's (the ring with x through registers) 4.67 / 20.62 /
-35.47.
+It streams a one-row call's weight faster than the tensor-core ring at the TP
+shards (the package's README has the measurements).
 
 **Order**: ``dspark_core.spec.gemv``'s (each product ``mul.rn``, a fragment's 8
 products pairwise, the fragment sums in order, the warp butterfly), then one
@@ -25,7 +18,7 @@ m > 1); ``PackageGemm`` says so.
 **Epilogues** (lane 0 of each warp, one 32-bit word per row pair):
 
 - plain: ``out[0, 2p]``, ``out[0, 2p + 1]`` (``st.global.b32``);
-- publish: the word in the mailbox's encoding (``dspark_comm.device.encode``:
+- publish: the word in the mailbox's encoding (``dspark_cute.ptx.encode_word``:
   no value looks empty) with ``st.relaxed.sys.global.b32`` into slot (epoch,
   rank, row 0) of every rank's buffer at ``package_gemm.publish_offset``, the
   epoch row 0's, read (never advanced) from the own buffer's header right
@@ -35,9 +28,6 @@ m > 1); ``PackageGemm`` says so.
 **PDL**: the first fragments' weight loads before the wait; x and the epoch
 after it; dependents released after the main loop (as the skinny package
 GEMM: a consumer still waits for this grid's end).
-
-Registers: no spills up to TP4 (sm_90a and sm_100a, CuTe DSL 4.3.5 and 4.8);
-at TP8 ptxas spills 12 bytes of 4.8's PTX (not 4.3.5's).
 """
 
 from __future__ import annotations

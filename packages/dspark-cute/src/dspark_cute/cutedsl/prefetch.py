@@ -24,10 +24,8 @@ so whatever follows it in the stream (a PDL kernel's wait, or a cuBLAS GEMM's
 stream order) still sees S's results. One extra node on the same stream, no
 cross-stream edge. ``pdl=False`` is the plain kernel (the probe's).
 
-Measured with a probe on an H200 (``scripts/probes/l2_prefetch.py``, 32 CTAs,
-a 4 µs window): 256-512 bytes a row took 1.4-3.0 µs off the next cuBLAS GEMM
-at m = 1; larger chunks slowed it (the prefetches then compete with the
-GEMM's own reads). The executor's use is opt-in until its GPU run.
+Bytes a row of 256-512 help the next GEMM, larger chunks slow it (the
+package's README has the probe's figures).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from dspark_cute import ptx
 from dspark_cute.runtime.host import current_stream, fake_stream, jit_cache
 
 LINE = 128
-# The probe's launch shape: enough CTAs to issue a few MB in about a µs.
+# The probe's launch shape: enough CTAs to issue a few MB quickly.
 CTAS = 32
 THREADS = 256
 # Rows are Int32 in the kernel, stepped by the grid's threads.

@@ -163,7 +163,7 @@ def quotients(lsums, wsums, lane) -> list:
 
 def o_gate_pair(res: list, gate_word, eps: float) -> Uint32:
     """The o-gate of warp 0's lane ``l`` holding the quotients ``res`` of
-    columns ``2l``, ``2l + 1`` (``attention_v2``'s step 5): the BF16 output
+    columns ``2l``, ``2l + 1`` (the staged kernel's step 5): the BF16 output
     word. The head tree of the BF16 output's squares is the pair sum of lane
     ``l`` (the tree's pair ``l``) folded by ``ptx.warp_fold`` (offsets 16 ..
     1: the fold by halves), in every lane."""

@@ -1,5 +1,6 @@
-"""The decode attention kernel: ``dspark_core.spec.attention.paged_attention(q,
-cache, attn_slots, num_kv_heads)``, bit for bit.
+"""The direct decode attention kernel (K and V read from global memory):
+``dspark_core.spec.attention.paged_attention(q, cache, attn_slots,
+num_kv_heads)``, bit for bit.
 
 Operands: ``q`` BF16 ``[m, heads, 64]``; the paged cache BF16 ``[num_blocks,
 kv_heads, block_size, 128]`` (K then V; slot ``s`` is row ``s % block_size``
@@ -47,14 +48,12 @@ kernel then treats such a slot like a negative one). With ``pdl`` the kernel
 waits for the previous grid before any load (every operand may come from
 it) and releases the next grid after pass 2.
 
-``PagedAttention(..., staged=True)`` and/or ``o_gate_eps=...`` launch the
-opt-in variant instead (``dspark_cute.cutedsl.attention.staged``: K and V staged in
-shared memory, a row-strided ``q``, the o-gate fused; the same bits). Both
-kernels call the traced pieces of ``dspark_cute.cutedsl.attention.common`` (the
-score, the pass-2 step, the folds; passes 1 and 2 over global memory, the
-CTA max, steps 4-5), so that both run the same instructions on the same
-values; the default kernel above compiles to the same PTX as before those
-pieces were factored out of it.
+Constants with ``staged_slots`` or ``o_gate_eps`` launch the staged kernel
+instead (``staged``: K and V staged in shared memory, a row-strided ``q``,
+the o-gate fused; the same bits). Both kernels call the traced pieces of
+``common`` (the score, the pass-2 step, the folds; passes 1 and 2 over global
+memory, the CTA max, steps 4-5), so that both run the same instructions on the
+same values.
 """
 
 from __future__ import annotations
@@ -159,7 +158,7 @@ class DirectAttentionKernel:
         mx = cute.make_rmem_tensor(1, Float32)
         mx[0] = ptx.f32_const(-math.inf)
         # Pass 1 (the scores, the thread's max), the CTA max, pass 2 (p_j,
-        # l_t, a_t[d]), then the folds and the output (attention_common).
+        # l_t, a_t[d]), then the folds and the output (common).
         pass1_global(walk, qf, mx, 0)
         top = cta_max(mx[0], maxes, warp, lane)
         acc, lsum = lane_sums()

@@ -1,13 +1,10 @@
-"""The opt-in variant of the decode attention kernel (``dspark_cute.cutedsl.attention.paged``):
-the same bits, fewer memory round trips, a strided ``q``, an optional o-gate.
-
-``PagedAttention(..., staged=True, max_staged_slots=384, o_gate_eps=None)``
-launches it (``AttentionConstants.staged_slots`` / ``o_gate_eps``); the
-default ``PagedAttention`` keeps the GPU-validated kernel of
-``dspark_cute.cutedsl.attention.paged``. Both call the traced pieces of
-``dspark_cute.cutedsl.attention.common`` (the score, the pass-2 step, the folds, the
-cache addressing; the passes over global memory, the CTA max, the folds and
-output), so that both run the same instructions on the same values.
+"""The staged decode attention kernel: the direct kernel's bits (``direct``)
+with fewer memory round trips, a strided ``q`` and an optional o-gate, for
+constants with ``staged_slots`` and / or ``o_gate_eps``
+(``AttentionConstants``). Both kernels call the traced pieces of ``common``
+(the score, the pass-2 step, the folds, the cache addressing; the passes over
+global memory, the CTA max, the folds and output), so that both run the same
+instructions on the same values.
 
 Layout: as the default kernel (one CTA of 128 threads per token and query
 head; the spec's lane ``t`` is the thread of warp ``t % 4`` and lane ``t //
@@ -36,7 +33,7 @@ What changes is where the K and V rows come from:
    (scores kept in shared memory for the first ``STAGED_SCORE_CHUNKS`` chunks,
    recomputed past them), V from global memory in pass 2. No refusal: any S
    works, the slots past the cap only run slower;
-5. the folds and ``div.rn`` as the default (``attention_common.finish``);
+5. the folds and ``div.rn`` as the default (``common.finish``);
    then either the BF16 store, or the o-gate epilogue (the CTA owns the
    whole head: warp 0's lane ``l`` holds columns ``2l``, ``2l + 1``, i.e.
    the head tree's pair ``l``):

@@ -1,12 +1,9 @@
 """The one-token GEMV: ``y = x[1, K] @ W[N, K]^T`` in BF16 with FP32 sums in
 the order ``dspark_core.spec.gemv`` states, bit for bit its ``gemv``.
 
-Why: a draft step at m = 1 streams its weights once per step, so each
-projection is bound by HBM. On an H200 a warp-per-row GEMV with coalesced
-16-byte loads streamed the reference draft's weights faster than cuBLAS at
-m = 1 (``scripts/probes/skinny_sweep.py``: QKV 37.6 vs 43.4 µs, o_proj 18.1 vs
-19.1, gate_up 124.4 vs 128.8, down 64.4 vs 66.5), and as a PDL kernel it
-starts streaming its weight while the small kernel before it still runs.
+A draft step at m = 1 streams its weights once per step, so each projection
+is bound by HBM; as a PDL kernel the GEMV starts streaming its weight while
+the small kernel before it still runs.
 
 **Layout.** CTAs of 8 warps (256 threads); warp ``w`` of CTA ``c`` owns the
 ``rows_per_warp`` consecutive rows from ``(8 c + w) * rows_per_warp``

@@ -111,9 +111,8 @@ class QKVFrontKernel:
         acc = ring_mainloop(cfg, tile, x.toint(), m, ring, tidx, warp, lane,
                           before_x=ptx.pdl_wait if self.pdl else None)
         if cutlass.const_expr(self.pdl):
-            # Release the next grid only now. Released at the start, its CTAs
-            # competed with this grid's for SM slots where 3 CTAs do not fit
-            # (H200, m = 16, 80 KB each: 56 us with PDL, 47 us without).
+            # Release the next grid only now: released at the start, its CTAs
+            # compete with this grid's for SM slots (the package's README).
             ptx.pdl_launch_dependents()
         store_partials(cfg, acc, ring, warp, lane)
         heads, kv = c.num_heads, c.kv_heads

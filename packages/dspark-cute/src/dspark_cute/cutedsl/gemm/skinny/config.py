@@ -234,7 +234,7 @@ def ring_offset(cfg: SkinnyConfig, tid, stage: int, load: int):
     """Byte offset in the ring of a thread's 16-byte slot (a warp's 32 slots
     are contiguous: conflict-free). Under row copies only x's slots (loads
     ``W_LOADS`` ..) are the thread's, after the weight's rows (``x_copy``
-    "rows": the region of ``skinny_rows.x_rows_offset`` instead)."""
+    "rows": the region of ``rows.x_rows_offset`` instead)."""
     if cfg.copy == "rows":
         return cfg.weight_ring_bytes + ((stage * cfg.n_tiles + load - W_LOADS) * cfg.threads + tid) * 16
     return ((stage * cfg.ring_loads + load) * cfg.threads + tid) * 16

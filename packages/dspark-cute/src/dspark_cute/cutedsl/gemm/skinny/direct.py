@@ -1,36 +1,29 @@
-"""The register-direct skinny main loop: the sums of ``skinny_gemm.mainloop``
+"""The register-direct skinny main loop: the sums of ``ring.mainloop``
 (bit for bit, for the same ``k`` and ``k_warps``) over one 16-row MMA tile
 per CTA, its operands loaded straight into registers.
 
-Why (an experiment for the package GEMM's target, issue 6): the ring main
-loop gives each SM one CTA of 64 rows, whose 16-byte copies go through
-shared memory; on an H200 it trails cuBLAS by 8-18% on the TP shards
-(8192 x 1024 to 8192 x 8192), while a GEMV with many warps and its loads in
-registers beat cuBLAS at m = 1 (``scripts/probes/skinny_sweep.py``). Here a
-CTA owns 16 rows (``N / 16`` CTAs: four times the grid), each lane keeps
-``depth`` steps of its copies in flight in registers (no shared-memory ring,
-no ``cp.async``), and only the warp partials meet in shared memory.
-The package GEMM takes it with ``tile_n = 16`` (``PackageGemmConstants``);
-on an H200 it beats the ring and cuBLAS while all of a warp's steps are in
-flight at once (K = 1024) and trails both beyond (K >= 4096), so
-``dspark_core.planner.policy.draft_gemm_shape`` picks it for short shards only.
-Refill bursts (``group``) did not help there (``scripts/probes/package_gemm_sweep.py``).
+A CTA owns 16 rows (``N / 16`` CTAs: four times the ring's grid), each lane
+keeps ``stages`` steps of its loads in flight in registers (no shared-memory
+ring, no ``cp.async``), and only the warp partials meet in shared memory.
+The package GEMM takes it with ``tile_n = 16`` (``PackageGemmConstants``)
+for the shards whose warps have all their steps in flight at once
+(``dspark_core.planner.policy.draft_gemm_shape``).
 
 Layout (``SkinnyConfig``: ``k``, ``k_warps``, ``stages`` = the register
 depth, ``n_tiles``): warp ``w`` owns the K-slice ``[w K / W_K, (w + 1) K /
 W_K)`` of the tile's 16 rows; in step ``s`` lane ``(g, t)`` loads the 16
 bytes at columns ``k0 + 32 s + 8 t`` .. ``+ 7`` of rows ``g`` (load 0) and
 ``g + 8`` (load 1), and of x rows ``g`` and ``g + 8`` (clamped to ``m - 1``)
--- ``skinny_gemm``'s map for its MMA tile ``i = 0``, so each MMA gets the
-operands ``skinny_gemm`` gives the same rows, in the same order (step, then
+-- ``config``'s map for its MMA tile ``i = 0``, so each MMA gets the
+operands the ring loop gives the same rows, in the same order (step, then
 half 0 and 1). The accumulation chain of every output is therefore the
 same instruction sequence on the same values: the same bits, and the same
-summation order and error bound (``skinny_gemm``'s docstring).
+summation order and error bound (``config``'s docstring).
 
 After the main loop the warp partials go to shared memory
 (``red_offset``); thread ``q`` of round ``r`` then takes output word ``q +
 threads r``: token ``word // 8``, rows ``2 (word % 8)`` and ``+ 1``, the
-W_K partials folded by halves (``add.rn``), as ``skinny_gemm.reduced_pair``.
+W_K partials folded by halves (``add.rn``), as ``tile.reduced_pair``.
 """
 
 from __future__ import annotations
@@ -50,7 +43,7 @@ WORDS = TILE_ROWS // 2  # BF16x2 output words per token
 def weight_offset(cfg: sg.SkinnyConfig, warp, lane, step: int, load: int):
     """Element offset in the 16-row tile (rows of ``cfg.k``) of weight copy
     ``load`` (row ``g + 8 load``) of ``step`` for this lane:
-    ``skinny_gemm.weight_offset`` of MMA tile 0."""
+    ``config.weight_offset`` of MMA tile 0."""
     return sg.weight_offset(cfg, warp, lane, step, load)
 
 
@@ -80,7 +73,7 @@ def mainloop(cfg: sg.SkinnyConfig, w_tile, x, m, warp, lane, before_x=None) -> l
     count (Int32). The weight loads of the first ``cfg.stages`` steps are
     issued first, then ``before_x()`` (the PDL wait), then x's. Each later
     step is loaded ``stages`` steps ahead, right before each step's MMAs. Returns
-    ``acc[n_tile]`` (4 FP32 each, ``skinny_gemm.acc_coords`` of tile 0)."""
+    ``acc[n_tile]`` (4 FP32 each, ``config.acc_coords`` of tile 0)."""
     tokens = [sg.x_token(lane, nt, m, minimum=min_i32) for nt in range(cfg.n_tiles)]
     w_words: dict = {}
     x_words: dict = {}
@@ -104,7 +97,7 @@ def mainloop(cfg: sg.SkinnyConfig, w_tile, x, m, warp, lane, before_x=None) -> l
         words = w_words.pop(s) + x_words.pop(s)
         for half in range(2):
             for nt in range(cfg.n_tiles):
-                # The fragments of skinny_gemm's MMA tile 0, x after this step's 2 weight words.
+                # The fragments of the ring loop's MMA tile 0, x after this step's 2 weight words.
                 a, b = sg.a_fragment(words, 0, half), sg.b_fragment(words, nt, half, W_LOADS)
                 acc[nt] = ptx.mma_bf16(a, b, acc[nt])
     return acc

@@ -1,5 +1,5 @@
 """Row copies for the skinny GEMM's ring main loop (``SkinnyConfig.copy``
-"rows"; ``skinny_gemm.mainloop`` runs ``mainloop`` here for them).
+"rows"; ``ring.mainloop`` runs ``mainloop`` here for them).
 
 With lane copies each lane copies the 16 bytes it later reads: one warp
 instruction covers 8 weight rows x 64 bytes, so the L2 sees 64-byte requests
@@ -114,14 +114,14 @@ def x_rows_read_offset(cfg: SkinnyConfig, warp, lane, step: int, n_tile: int, pa
 
 
 def _x_offset(cfg: SkinnyConfig, warp, lane, step: int, token):
-    """``skinny_gemm.x_offset``'s value, summed as ``step_column + 8 t`` (the
+    """``config.x_offset``'s value, summed as ``step_column + 8 t`` (the
     order of the row-copy kernels the GPU runs validated)."""
     _, t = lane_coords(lane)
     return token * cfg.k + step_column(cfg, warp, step) + 8 * t
 
 
 def mainloop(cfg: SkinnyConfig, w_tile, x, m, ring, tid, warp, lane, before_x) -> list:
-    """``skinny_gemm.mainloop`` with row copies (``copy`` "rows"): the ring holds
+    """``ring.mainloop`` with row copies (``copy`` "rows"): the ring holds
     ``stages / 2`` pairs of steps; a pair's weight is copied by the warp in
     128-byte row pieces (``row_copy``), one commit group per pair (with its
     steps' x copies), waited for and then shared by a ``sync_warp``. The
