@@ -181,8 +181,9 @@ def test_rmsnorm_around_an_injected_rsqrt(arch, variant, rng, approx):
     I.assert_same_bits(y, np_norm(norm, w, x, ops=ops), f"injected rsqrt {arch}")
     assert list(record) == ["rsqrt_approx_ftz"] and len(record["rsqrt_approx_ftz"]) == 1
     g = None if w is None else I._add(w, I.f32(norm.gain_center))
-    v = I._mul(g, x) if (g is not None and norm.weight_before_norm) else x
-    s = I.row_sum_of_squares(v, arch, g is not None and norm.weight_before_norm)
+    scaled = g is not None and norm.weight_before_norm
+    v = I._mul(g, x) if scaled else x
+    s = I.row_sum_of_squares(v, arch, scaled)
     I.assert_same_bits(t32(record["rsqrt_approx_ftz"][0]), I.fma(s, I.f32(1.0 / h), I.f32(norm.eps)),
                        "rsqrt's input")
 

@@ -339,6 +339,21 @@ def test_the_row_trees_have_teeth(rng):
     assert (I.f32_bits(seq) != I.torch_bits(s90)).sum() > m // 16
 
 
+def test_bf16_rows_make_fma_leaves_exact_sums(rng):
+    """The numerics docstring: for BF16 rows every square is exact, so the
+    sm_100a fma-leaf tree (elements 4j and 4j + 2) has the rounded-squares
+    tree's bits and sm_90a's leaves ``fma(e_2k, e_2k, RN(e_2k+1^2))`` are
+    ``RN(q_2k + q_2k+1)``; for FP32 rows (inexact squares) neither holds."""
+    h = 8192
+    for fmt, same in (("bf16", True), ("fp32", False)):
+        x = t32(I.random_in(rng, (128, h), fmt, "normal"))
+        fma_tree, rounded = N.row_sum_of_squares(x, "sm_100a", True), N.row_sum_of_squares(x, "sm_100a", False)
+        assert torch.equal(fma_tree.view(torch.int32), rounded.view(torch.int32)) is same, fmt
+        e = N.thread_elements(x)
+        plain = N.reduce_threads(N.pairwise(e * e))
+        assert torch.equal(N.row_sum_of_squares(x, "sm_90a").view(torch.int32), plain.view(torch.int32)) is same, fmt
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_row_sum_special_values(arch, rng):
     h = 4096

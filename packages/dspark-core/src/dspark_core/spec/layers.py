@@ -80,7 +80,9 @@ class RMSNorm(nn.Module):
     ``inv_rms`` is ``rsqrt.approx.ftz(fma(s, 1/H, eps))``; then ``y`` rounded
     to ``out_dtype``. ``eps`` and the center are FP32 (rounded once). Rows are
     independent; any leading shape is kept. ``arch``: None follows the input's
-    device (``stock_arch``)."""
+    device (``stock_arch``). The trees are the stock's for BF16 rows (every
+    draft norm's input); for FP32 or FP16 rows the stock kernel reduces in
+    other orders (``numerics``)."""
 
     def __init__(
         self,

@@ -42,6 +42,15 @@ on the architecture Triton 3.8 compiles for:
 
 Then a warp butterfly (xor 16, 8, 4, 2, 1) and the 8 warp sums folded by
 halves (``fold_halves``): ``((W0+W4)+(W2+W6)) + ((W1+W5)+(W3+W7))``.
+
+These trees are the stock's for BF16 rows (every norm of the draft takes BF16
+rows), read from the compiled PTX of each variant. There the square of an
+element is exact, so an fma leaf ``fma(a, a, RN(b^2))`` has the bits of
+``RN(RN(a^2) + RN(b^2))``: Triton's other packing of an FP32-weight norm on
+sm_100a (fma leaves of elements 4j and 4j + 2 without input scaling) gives
+the rounded-squares tree's bits. Triton reduces FP32 and FP16 rows in other
+layouts and orders, which the spec does not describe (it applies the same
+trees to them).
 A tree over a count that is not a power of two is padded with +0.0 (what
 Triton's masked loads give), which changes no value.
 """
