@@ -15,17 +15,20 @@ fp16x2 pair, an FP32 bit pattern), ``Int64`` for global byte addresses,
 - ``sync``: PDL, the warp barrier, the mailbox's system-scope
   loads, stores and polls;
 - ``reduce``: the row tree and the other fixed-order folds;
-- ``math``: the spec's ``exp_rn``, ``sigmoid_rn``, ``silu_rn``.
+- ``math``: ``exp_rn`` (the reference attention's exponential);
+- ``stock``: the stock kernels' fused multiply-add and approximate
+  instructions (``fma_rn``, ``rsqrt_approx_ftz``, ...) and ``pairwise``.
 
 Inline asm is emitted by ``inline.asm`` alone.
 """
 
-from . import arith, cta, math, memory, reduce, sync
+from . import arith, cta, math, memory, reduce, stock, sync
 from .arith import *  # noqa: F403
 from .cta import *  # noqa: F403
 from .math import *  # noqa: F403
 from .memory import *  # noqa: F403
 from .reduce import *  # noqa: F403
+from .stock import *  # noqa: F403
 from .sync import *  # noqa: F403
 
 __all__ = [  # noqa: PLE0604
@@ -34,5 +37,6 @@ __all__ = [  # noqa: PLE0604
     *math.__all__,
     *memory.__all__,
     *reduce.__all__,
+    *stock.__all__,
     *sync.__all__,
 ]
