@@ -2,8 +2,9 @@
 spec (the ranks are threads, the all-reduce ``dspark_core.reference.tp.LocalGroup``'s
 rank-order sum, NCCL's BF16 sum at TP2), so what is checked is which
 boundary is bound to which constants and weights, which calls fuse and which
-take the stock all-reduce, and that ``DraftDecode`` over the adapter gives the
-bits of the stock TP2 forward (``TPDraftModel.forward``)."""
+take the stock all-reduce, and that ``DraftDecode`` (dspark-core's executor,
+over the shard's description) with the adapter gives the bits of the stock
+TP2 forward (``TPDraftModel.forward``)."""
 
 from __future__ import annotations
 
@@ -17,16 +18,26 @@ from dspark_comm.protocol import MailboxLayout
 from dspark_comm.runtime.group import TPGroup
 from dspark_core.contracts.constants import FP32_RANK_ORDER
 from dspark_core.planner import policy
-from dspark_core.planner.plan import plan_draft
+from dspark_core.planner.plan import plan_draft as plan_description
+from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import small_config
 from dspark_core.reference.model import DraftModel, StepInputs
 from dspark_core.reference.tp import LocalGroup, shard_draft
-from dspark_core.spec.layers import residual_boundary
+from dspark_core.runtime.decode import DraftDecode, build_draft_decode
 from dspark_core.tools.compare import assert_bitwise
-from dspark_cute import decode as decode_module
-from dspark_cute.decode import DraftDecode, build_draft_decode
 
-TP2 = policy.Target(kernels=policy.ALL_KERNELS, tp=2)
+# Only the parts the adapter binds fuse; the others keep their stock modules.
+TP2 = policy.Target(kernels=frozenset({policy.BOUNDARY, policy.ALL_REDUCE_BOUNDARY, policy.PACKAGE_GEMM}), tp=2)
+
+
+def plan_draft(model, target):
+    return plan_description(describe(model), target)
+
+
+def stock_boundary(b, branch, stream):
+    """A described boundary on its stock modules (the executor's order)."""
+    new = b.connection.stock(stream, b.post.stock(branch, torch.bfloat16))
+    return new, b.pre.stock(new.to(torch.bfloat16), torch.bfloat16)
 
 
 class FakeGroup(TPGroup):
@@ -55,9 +66,9 @@ class FakeMailbox:
 
 def fake_boundary(model):
     """A stand-in for ``AllReduceBoundary``: records its binding, sums the
-    partial over the mailbox's group, then runs the spec's boundary of the
+    partial over the mailbox's group, then runs the stock boundary of the
     modules its gates belong to."""
-    by_alpha = {id(conn.alpha): (post, conn, pre) for post, conn, pre in model.boundaries()}
+    by_alpha = {id(b.connection.alpha): b for b in describe(model).boundaries()}
 
     class FakeAllReduceBoundary:
         def __init__(self, mailbox, constants, alpha, beta, post_weight, pre_weight, sum_order):
@@ -75,24 +86,31 @@ def fake_boundary(model):
                 partial = self.mailbox.published.pop()
             self.calls.append((partial.shape[0], stream.dtype, store_stream) + (("published",) if published else ()))
             summed = self.mailbox.group.reduce(partial)  # the mailbox's sum, not the group's all_reduce_
-            new, out = residual_boundary(*self.modules, summed, stream)
+            new, out = stock_boundary(self.modules, summed, stream)
             return (new if store_stream else None), out
 
     return FakeAllReduceBoundary
 
 
 class FakeUnfused:
-    """``dspark_cute.DraftBoundary`` stand-in (after the stock all-reduce)."""
+    """``DraftBoundary`` stand-in (after the stock all-reduce), as the
+    executor builds it from the plan's constants and the gates and weights."""
 
-    def __init__(self, bound):
-        self.bound, self.calls = bound, 0
+    def __init__(self, constants, alpha, beta, post_weight, pre_weight):
+        self.alpha, self.calls = alpha, 0
+
+    def prepare(self, **variants):
+        pass
+
+    def problem(self, branch, stream):
+        return None if branch.shape[0] <= 16 else f"{branch.shape[0]} rows"
 
     def takes(self, branch, stream):
-        return branch.shape[0] <= 16
+        return self.problem(branch, stream) is None
 
     def launch(self, branch, stream, store):
         self.calls += 1
-        new, out = residual_boundary(*self.bound, branch, stream)
+        new, out = stock_boundary(self.bound, branch, stream)
         return (new if store else None), out
 
 
@@ -115,15 +133,16 @@ class FakeGemm:
 
 def _rank(model, local, rank, capacity=16, gemm=None):
     shard = shard_draft(model, rank, local.tp, all_reduce=local.all_reduce(rank))
-    plan = plan_draft(shard, TP2)
+    draft = describe(shard)
+    plan = plan_description(draft, TP2)
     mailbox = FakeMailbox(FakeGroup(local, rank), model.config.hidden_size, capacity)
-    adapter = DraftAllReduce(mailbox, plan, shard, rank, boundary=fake_boundary(shard), gemm=gemm,
+    adapter = DraftAllReduce(mailbox, plan, draft, rank, boundary=fake_boundary(shard), gemm=gemm,
                              package_gemm=gemm is not None)
-    decode = DraftDecode(shard, plan, adapter)
-    decode.boundaries = [FakeUnfused(b) for b in shard.boundaries()]
-    decode.input_norm = None
-    decode.fronts = [None] * len(shard.layers)
-    decode.prepared = True
+    decode = DraftDecode(draft, plan, adapter, kernels={policy.BOUNDARY: FakeUnfused})
+    decode.prepare()
+    by_alpha = {id(b.connection.alpha): b for b in draft.boundaries()}
+    for fused in decode.boundaries:
+        fused.bound = by_alpha[id(fused.alpha)]
     return shard, plan, adapter, decode
 
 
@@ -136,7 +155,7 @@ def test_each_boundary_is_bound_to_its_constants_and_weights_in_order():
         mailbox, constants, alpha, beta, post_w, pre_w, order = b.args
         assert mailbox is adapter.mailbox
         assert constants is part.constants, i
-        assert alpha is conn.alpha and beta is conn.beta, i
+        assert alpha is conn.alpha and beta is conn.beta, i  # the shard's own tensors
         assert post_w is post.weight and pre_w is pre.weight, i
         assert order == FP32_RANK_ORDER
     # The feed-forward boundary of layer i pre-norms into layer i+1's input norm.
@@ -202,8 +221,7 @@ def test_takes_decides_on_the_row_count_alone(capacity, fused):
 
 @pytest.mark.parametrize("m", [1, 2, 7, 16, 17])
 @pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32])
-def test_the_decode_over_the_adapter_is_the_stock_tp2_forward(m, hidden_dtype, caplog, monkeypatch):
-    monkeypatch.setattr(decode_module, "_logged", set())  # the executor logs each reason once
+def test_the_decode_over_the_adapter_is_the_stock_tp2_forward(m, hidden_dtype, caplog):
     model = DraftModel(small_config())
     local = LocalGroup(2, timeout_s=60)
     ranks = [_rank(model, local, r) for r in range(2)]
@@ -235,7 +253,7 @@ def test_the_decode_over_the_adapter_is_the_stock_tp2_forward(m, hidden_dtype, c
             assert [b.calls for b in decode.boundaries] == [0, 0, 0, 0]  # 17 rows: stock boundary too
     assert_bitwise(results[1][1], results[0][1], "rank 1 vs rank 0")
     if m > 16:
-        assert "boundary 0 all-reduced stock: 17 rows above the mailbox" in caplog.text
+        assert "layer 0's attention boundary ran stock: 17 rows" in caplog.text
 
 
 def test_the_stock_all_reduce_sums_a_copy():
@@ -253,40 +271,40 @@ def test_the_adapter_refuses_what_it_cannot_run():
     shard = shard_draft(model, 0, 2, all_reduce=local.all_reduce(0))
     mailbox = FakeMailbox(FakeGroup(local, 0), 2048)
     fake = fake_boundary(shard)
-    no_kernel = plan_draft(shard, TP2.replace(kernels=policy.ALL_KERNELS - {policy.ALL_REDUCE_BOUNDARY}))
+    no_kernel = plan_draft(shard, TP2.replace(kernels=TP2.kernels - {policy.ALL_REDUCE_BOUNDARY}))
     with pytest.raises(ValueError, match="keeps the all-reduce stock: the installed backends do not provide "
                                          "the all_reduce_boundary kernel"):
-        DraftAllReduce(mailbox, no_kernel, shard, 0, boundary=fake)
+        DraftAllReduce(mailbox, no_kernel, describe(shard), 0, boundary=fake)
     # A shard plans at its own TP size only (the planner refuses the others).
     for tp in (1, 4):
         with pytest.raises(ValueError, match=f"a TP2 shard of the draft cannot be planned for TP{tp}"):
             plan_draft(shard, TP2.replace(tp=tp))
-    whole_at_tp4 = plan_draft(model, TP2.replace(tp=4))
+    whole_at_tp4 = plan_draft(DraftModel(small_config(num_layers=1, num_kv_heads=4)), TP2.replace(tp=4))
     with pytest.raises(ValueError, match="a TP4 plan on a mailbox of TP2"):
-        DraftAllReduce(mailbox, whole_at_tp4, shard, 0, boundary=fake)
+        DraftAllReduce(mailbox, whole_at_tp4, describe(shard), 0, boundary=fake)
     with pytest.raises(ValueError, match="rank 1 on the mailbox of rank 0"):
-        DraftAllReduce(mailbox, plan_draft(shard, TP2), shard, 1, boundary=fake)
-    other = shard_draft(model, 1, 2, all_reduce=local.all_reduce(1))
-    with pytest.raises(ValueError, match="the shard of rank 1 of TP2 for rank 0 of TP2"):
-        DraftAllReduce(mailbox, plan_draft(other, TP2), other, 0, boundary=fake)
+        DraftAllReduce(mailbox, plan_draft(shard, TP2), describe(shard), 1, boundary=fake)
+    with pytest.raises(ValueError, match="a TP1 shard of the draft for a TP2 plan"):
+        DraftAllReduce(mailbox, plan_draft(shard, TP2), describe(model), 0, boundary=fake)
     with pytest.raises(ValueError, match="keeps the whole draft stock"):
-        DraftAllReduce(mailbox, plan_draft(shard, TP2.replace(platform="cpu")), shard, 0, boundary=fake)
+        DraftAllReduce(mailbox, plan_draft(shard, TP2.replace(platform="cpu")), describe(shard), 0, boundary=fake)
 
 
 def test_build_draft_decode_wants_the_all_reduce_of_a_tp_shard():
     local = LocalGroup(2)
     shard = shard_draft(DraftModel(small_config(num_layers=1)), 0, 2, all_reduce=local.all_reduce(0))
+    draft = describe(shard)
     with pytest.raises(ValueError, match="a TP2 shard of the draft needs its all-reduce boundaries"):
-        build_draft_decode(shard)
+        build_draft_decode(draft)
 
     class TP4:
         tp = 4
 
     with pytest.raises(ValueError, match="TP4 all-reduce boundaries for a TP2 shard"):
-        build_draft_decode(shard, all_reduce=TP4())
-    adapter = DraftAllReduce(FakeMailbox(FakeGroup(local, 0), 2048), plan_draft(shard, TP2), shard, 0,
+        build_draft_decode(draft, all_reduce=TP4())
+    adapter = DraftAllReduce(FakeMailbox(FakeGroup(local, 0), 2048), plan_draft(shard, TP2), draft, 0,
                              boundary=fake_boundary(shard), package_gemm=False)
-    assert build_draft_decode(shard, all_reduce=adapter) is None  # on a CPU: "not CUDA"
+    assert build_draft_decode(draft, all_reduce=adapter, kernels={}) is None  # on a CPU: "not CUDA"
 
 
 @pytest.mark.parametrize("m", [2, 17])
@@ -340,6 +358,6 @@ def test_one_row_gemv_reaches_every_package_gemm(one_row):
         built.append(kwargs)
         return FakeGemm(constants, weight, mailbox, rank)
 
-    DraftAllReduce(FakeMailbox(FakeGroup(local, 0), 2048), plan_draft(shard, TP2), shard, 0,
+    DraftAllReduce(FakeMailbox(FakeGroup(local, 0), 2048), plan_draft(shard, TP2), describe(shard), 0,
                    boundary=fake_boundary(shard), gemm=gemm, one_row_gemv=one_row)
     assert built == [{"one_row_gemv": True} if one_row else {}] * 4

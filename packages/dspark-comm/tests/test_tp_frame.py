@@ -156,16 +156,31 @@ def test_demo_tp2_without_two_gpus_runs_the_tp1_demo(tmp_path, capsys):
     assert demo.main(["--tp", "2", "--config", str(cfg), "--steps", "1", "--context", "4", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert f"--tp 2 needs 2 CUDA GPUs and this machine has {torch.cuda.device_count()}: running the TP1 demo" in out
-    assert "stock path: 1 steps" in out
+    assert "stock path: 1 greedy steps of 1 token(s)" in out
+    assert "What a rank of TP2 would run with the installed backends:" in out
 
 
-def test_demo_tp_names_dspark_comm_when_it_is_missing(monkeypatch, capsys):
+def test_demo_tp_names_dspark_comm_when_no_backend_provides_it(monkeypatch, capsys, tmp_path):
+    """With two GPUs but no installed TP demo (the ``dspark.tp_demos`` entry
+    point), the demo says which package to install, in one line, exit 2."""
     from dspark_core import demo
 
-    monkeypatch.setitem(sys.modules, "dspark_comm.demo_tp2", None)  # import raises ImportError
-    args = type("Args", (), {"tp": 2, "steps": 1, "block": 1, "context": 4, "front": False})()
-    assert demo._run_tp(small_config(), args) == 2
-    assert "pip install dspark-comm" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(demo, "entry_points", lambda group: [])
+    cfg = tmp_path / "small.json"
+    cfg.write_text(small_config(num_layers=1).to_json())
+    assert demo.main(["--tp", "2", "--config", str(cfg)]) == 2
+    assert "pip install ./packages/dspark-comm" in capsys.readouterr().err
+
+
+def test_the_tp_demo_is_found_through_its_entry_point():
+    from importlib.metadata import entry_points
+
+    from dspark_comm.demo_tp2 import run_tp2_demo
+
+    demos = [ep for ep in entry_points(group="dspark.tp_demos") if ep.name == "comm"]
+    assert demos and demos[0].load() is run_tp2_demo
 
 
 def test_run_tp2_demo_refusals():

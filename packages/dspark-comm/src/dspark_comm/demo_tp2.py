@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, init_file: str, config_json: str, steps: int,
 
 def _demo(rank: int, world: int, config_json: str, steps: int, block: int, context: int, front: bool) -> None:
     from dspark_comm.tp_draft import PACKAGE_GEMM, QKV_FRONT, TPDraftRank, greedy
-    from dspark_core.demo import print_plan
+    from dspark_core.planner.cli import print_plan
     from dspark_core.reference.config import DraftConfig
 
     def say(text: str) -> None:

@@ -1,9 +1,11 @@
 """The fused all-reduce boundaries of a tensor-parallel DSpark draft: the
-adapter ``dspark_cute.decode.DraftDecode`` takes as ``all_reduce``.
+adapter ``dspark_core.runtime.decode.DraftDecode`` takes as ``all_reduce``
+(its ``AllReduceBoundaries`` protocol).
 
-``DraftAllReduce(mailbox, plan, model, rank)`` binds one ``AllReduceBoundary``
-per residual boundary of ``model`` (a rank's shard, ``dspark_core.reference.tp``), in
-the order of ``model.boundaries()`` (layer i's attention boundary 2i, its
+``DraftAllReduce(mailbox, plan, draft, rank)`` binds one ``AllReduceBoundary``
+per residual boundary of ``draft`` (the ``DraftDescription`` of a rank's
+shard, any model's), in the order of ``draft.boundaries()`` (layer i's
+attention boundary 2i, its
 feed-forward boundary 2i + 1), each to its plan part's ``BoundaryConstants``,
 its connection's ``alpha`` / ``beta`` and its post and pre norms' weights, in
 the plan's sum order (``plan.all_reduce.constants.sum_order``). It implements
@@ -54,7 +56,7 @@ class DraftAllReduce:
     ``one_row_gemv=True`` (opt-in) runs the package GEMMs' one-row calls on
     the one-token GEMV (``PackageGemm(one_row_gemv=True)``: its own order)."""
 
-    def __init__(self, mailbox, plan, model, rank: int, *, boundary=None, gemm=None,
+    def __init__(self, mailbox, plan, draft, rank: int, *, boundary=None, gemm=None,
                  package_gemm: bool = True, one_row_gemv: bool = False) -> None:
         tp = plan.target.tp
         if plan.draft_reason is not None:
@@ -67,30 +69,29 @@ class DraftAllReduce:
             raise ValueError(f"a TP{tp} plan on a mailbox of TP{mailbox.layout.tp}")
         if rank != mailbox.rank:
             raise ValueError(f"rank {rank} on the mailbox of rank {mailbox.rank}")
-        model_tp, model_rank = getattr(model, "tp", None), getattr(model, "rank", None)
-        if model_tp is not None and (model_tp, model_rank) != (tp, rank):
-            raise ValueError(f"the shard of rank {model_rank} of TP{model_tp} for rank {rank} of TP{tp}")
-        bounds = model.boundaries()
+        if draft.tp != tp:
+            raise ValueError(f"a TP{draft.tp} shard of the draft for a TP{tp} plan")
+        bounds = draft.boundaries()
         if len(bounds) != len(plan.boundaries):
             raise ValueError(f"a plan of {len(plan.boundaries)} boundaries for a draft of {len(bounds)}")
-        h = model.config.hidden_size
+        h = draft.hidden_size
         if mailbox.layout.hidden_size != h:
             raise ValueError(f"a draft of {h} features on a mailbox of {mailbox.layout.hidden_size}")
         if boundary is None:
             from dspark_comm.cutedsl.all_reduce_boundary import AllReduceBoundary as boundary
         self.tp, self.rank = tp, rank
-        self.mailbox, self.plan, self.model = mailbox, plan, model
+        self.mailbox, self.plan, self.draft = mailbox, plan, draft
         self.sum_order = part.constants.sum_order
         self.capacity = mailbox.layout.capacity
         self.boundaries = []
-        for p, (post, conn, pre) in zip(plan.boundaries, bounds):
+        for p, b in zip(plan.boundaries, bounds):
             if not p.fused:  # the plan's all-reduce fuses only where every boundary does
                 raise ValueError(f"{p.name} keeps its stock modules: {p.reason}")
-            self.boundaries.append(boundary(mailbox, p.constants, conn.alpha, conn.beta, post.weight,
-                                            pre.weight, self.sum_order))
+            self.boundaries.append(boundary(mailbox, p.constants, b.connection.alpha, b.connection.beta,
+                                            b.post.weight, b.pre.weight, self.sum_order))
         # Per boundary: its package GEMM (bound to its projection's weight), or None.
         self.gemms: list = [None] * len(self.boundaries)
-        self.weights = [w for layer in model.layers for w in (layer.self_attn.o_proj, layer.mlp.down)]
+        self.weights = [w for layer in draft.layers for w in (layer.attention.o_proj_weight, layer.mlp.down_weight)]
         if package_gemm and plan.package_gemms:
             if gemm is None:
                 from dspark_comm.cutedsl.package_gemm import PackageGemm as gemm

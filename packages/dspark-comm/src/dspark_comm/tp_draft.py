@@ -11,7 +11,8 @@ its stock forward all-reduces the row-parallel partials with
 ``TorchGroup`` over the world and a ``Mailbox`` of ``capacity`` rows over it.
 
 - ``decode(exclude)``: the specialized decode of the shard
-  (``dspark_cute.decode.build_draft_decode``) with ``DraftAllReduce`` over
+  (``dspark_core.runtime.decode.build_draft_decode`` over the shard's
+  description) with ``DraftAllReduce`` over
   the mailbox, both planned for this GPU at TP ``world`` with the installed
   kernels minus ``exclude``; ``(decode, adapter)``. With ``"package_gemm"``
   excluded the o_proj / down_proj GEMMs stay cuBLAS; with ``"qkv_front"``
@@ -71,14 +72,18 @@ class TPDraftRank:
         on the one-token GEMV (``DraftAllReduce``). RuntimeError where no part
         of the draft fuses."""
         from dspark_comm.draft import DraftAllReduce
-        from dspark_cute.decode import build_draft_decode, draft_plan
+        from dspark_core.reference.adapter import describe
+        from dspark_core.runtime.decode import build_draft_decode, draft_plan
 
         exclude = frozenset(exclude)
-        front = QKV_FRONT not in exclude  # the fused front is opt-in in build_draft_decode: ask for it here
+        # The opt-in kernels (not bit for bit the stock) run unless exclude names them.
+        front, package = QKV_FRONT not in exclude, PACKAGE_GEMM not in exclude
+        draft = describe(self.shard)
         # The plan build_draft_decode makes too (one function: the two cannot drift).
-        plan = draft_plan(self.shard, self.world, exclude, qkv_front=front)
-        adapter = DraftAllReduce(self.mailbox, plan, self.shard, self.rank, one_row_gemv=one_row_gemv)
-        decode = build_draft_decode(self.shard, all_reduce=adapter, exclude=exclude, qkv_front=front)
+        plan = draft_plan(draft, self.world, exclude, qkv_front=front, package_gemm=package)
+        adapter = DraftAllReduce(self.mailbox, plan, draft, self.rank, one_row_gemv=one_row_gemv)
+        decode = build_draft_decode(draft, all_reduce=adapter, exclude=exclude, qkv_front=front,
+                                    package_gemm=package)
         if decode is None:
             raise RuntimeError(f"build_draft_decode kept the TP{self.world} draft stock on {self.device} "
                                "(the reason is in the log)")
