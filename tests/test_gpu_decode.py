@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from dspark_core.planner import policy
+from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
 from dspark_core.reference.model import DraftModel, StepInputs
+from dspark_core.runtime.decode import build_draft_decode as build_description
 from dspark_core.tools.compare import assert_bitwise
 from dspark_core.tools.graphs import StepGraph
-from dspark_cute.decode import build_draft_decode
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,6 +28,12 @@ SEED = int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31))
 print(f"DSPARK_SEED={SEED}")
 CONTEXT = 300
 SPAN = 512  # attn_slots width: every step of a test shares one graph shape
+
+
+def build_draft_decode(model, **options):
+    """The specialized decode of a reference draft: core's executor over its
+    description, with the installed kernels (dspark-cute's)."""
+    return build_description(describe(model), **options)
 
 
 def _reference(**changes) -> DraftModel:
@@ -112,31 +119,29 @@ def test_direct_attention_variant_is_the_stock_forward(model, m):
     assert_bitwise(direct.run(x, step, a), default.run(x, step, b), "direct vs staged with the QKV front")
 
 
-@pytest.mark.parametrize("mode", ["inline", "side"])
 @pytest.mark.parametrize("m", [1, 16])
-def test_the_weight_prefetch_changes_no_bit(model, m, mode):
-    """With the L2 weight prefetch on, in either mode (inline: a PDL
-    dependent of the small kernel after each GEMM that completes only after
-    it; side: a side stream forked after each GEMM and joined before the
-    next), the front-off forward is still the stock forward bit for bit,
-    eagerly and in a graph replay (the capture ends with nothing pending),
-    and with the front on it equals the same decode without the prefetch."""
-    decode = build_draft_decode(model, exclude={policy.QKV_FRONT}, prefetch=True, prefetch_mode=mode)
-    assert decode.prefetcher is not None and decode.prefetcher.mode == mode
+def test_the_weight_prefetch_changes_no_bit(model, m):
+    """With the L2 weight prefetch on (a PDL dependent of the small kernel
+    after each GEMM that completes only after it), the front-off forward is
+    still the stock forward bit for bit, eagerly and in a graph replay (the
+    capture ends with nothing pending), and with the front on it equals the
+    same decode without the prefetch."""
+    decode = build_draft_decode(model, exclude={policy.QKV_FRONT}, prefetch=True)
+    assert decode.prefetcher is not None
     ref_caches, got_caches = _with_context(model), _with_context(model, decode)
     x = _hidden(model, m, torch.bfloat16)
     step = StepInputs.block(CONTEXT, m, "cuda", span=SPAN)
-    assert_bitwise(decode.run(x, step, got_caches), model(x, step, ref_caches), f"prefetch ({mode}) m={m}")
+    assert_bitwise(decode.run(x, step, got_caches), model(x, step, ref_caches), f"prefetch m={m}")
     assert not decode.prefetcher.pending
     graph_caches = _with_context(model)
     decode.run(x, step, graph_caches)
     step1 = StepInputs.block(CONTEXT + m, m, "cuda", span=SPAN)
     graph = StepGraph(decode.run, x, step1, graph_caches)
-    assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), f"prefetch ({mode}) graph replay")
-    with_front = build_draft_decode(model, prefetch=True, prefetch_mode=mode, qkv_front=True)
+    assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), f"prefetch graph replay")
+    with_front = build_draft_decode(model, prefetch=True, qkv_front=True)
     without = build_draft_decode(model, prefetch=False, qkv_front=True)
     a, b = _with_context(model, with_front), _with_context(model, without)
-    assert_bitwise(with_front.run(x, step, a), without.run(x, step, b), f"front on, prefetch ({mode}) vs none")
+    assert_bitwise(with_front.run(x, step, a), without.run(x, step, b), f"front on, prefetch vs none")
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -250,6 +255,7 @@ def test_greedy_tokens_with_every_fused_part_follow_stock(model, options):
 def _gemv_stock(monkeypatch):
     """The stock forward with every one-row projection computed by the
     GEMV's spec (``dspark_core.spec.gemv.gemv``) instead of cuBLAS."""
+    from dspark_core.reference import adapter as adapter_module
     from dspark_core.reference import model as model_module
     from dspark_core.spec import gemv as spec
     from dspark_core.spec import layers
@@ -263,6 +269,7 @@ def _gemv_stock(monkeypatch):
 
     monkeypatch.setattr(layers, "linear", linear)
     monkeypatch.setattr(model_module, "linear", linear)
+    monkeypatch.setattr(adapter_module, "linear", linear)
 
 
 @pytest.mark.parametrize("m", [1, 3])
