@@ -137,11 +137,11 @@ def test_the_weight_prefetch_changes_no_bit(model, m):
     decode.run(x, step, graph_caches)
     step1 = StepInputs.block(CONTEXT + m, m, "cuda", span=SPAN)
     graph = StepGraph(decode.run, x, step1, graph_caches)
-    assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), f"prefetch graph replay")
+    assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), "prefetch graph replay")
     with_front = build_draft_decode(model, prefetch=True, qkv_front=True)
     without = build_draft_decode(model, prefetch=False, qkv_front=True)
     a, b = _with_context(model, with_front), _with_context(model, without)
-    assert_bitwise(with_front.run(x, step, a), without.run(x, step, b), f"front on, prefetch vs none")
+    assert_bitwise(with_front.run(x, step, a), without.run(x, step, b), "front on, prefetch vs none")
 
 
 @pytest.mark.parametrize("pdl", [False, True])
