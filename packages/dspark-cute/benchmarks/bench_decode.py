@@ -8,7 +8,7 @@ The "specialized" column is ``build_draft_decode``'s default (bit for bit:
 cuBLAS + the QKV epilogue, the staged attention, the inline L2 prefetch).
 Extra columns of variants, side by side in the same run: ``--direct`` (the
 direct attention variant), ``--front`` (the fused QKV front on),
-``--prefetch`` (the prefetch off, and in its side-stream mode), ``--gemv``
+``--prefetch`` (the prefetch off), ``--gemv``
 (the one-token GEMV for the projections at m = 1: not cuBLAS's bits; its
 steps of more tokens are the default's). ``--m``
 picks the token counts, ``--no-compile`` skips the Inductor column."""
@@ -22,17 +22,23 @@ from pathlib import Path
 
 import torch
 
+from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
 from dspark_core.reference.model import DraftModel
+from dspark_core.runtime.decode import build_draft_decode as _build
 from dspark_core.tools.graphs import StepGraph
 from dspark_core.tools.timing import gemms_replay, median_us, step_case, weight_floor_us
-from dspark_cute.decode import build_draft_decode
 
 CONTEXT = 256
 
 
 def _median_us(replay, reps: int = 200) -> float:
     return median_us(replay, reps, warmup=10)
+
+
+def build_draft_decode(model, **options):
+    """core's executor over the reference draft's description (dspark-cute's kernels)."""
+    return _build(describe(model), **options)
 
 
 def main(argv=None) -> int:
@@ -46,7 +52,7 @@ def main(argv=None) -> int:
     parser.add_argument("--front", action="store_true",
                         help="also time the decode with the fused QKV front (not bit for bit)")
     parser.add_argument("--prefetch", action="store_true",
-                        help="also time the decode without the L2 weight prefetch and with its side-stream mode")
+                        help="also time the decode without the L2 weight prefetch")
     parser.add_argument("--gemv", action="store_true",
                         help="also time the decode with the one-token GEMV projections (m = 1; not cuBLAS's bits)")
     args = parser.parse_args(argv)
@@ -74,7 +80,6 @@ def main(argv=None) -> int:
             "direct": args.direct and {"attention_variant": "direct"},
             "front": args.front and {"qkv_front": True},
             "no-prefetch": args.prefetch and {"prefetch": False},
-            "prefetch-side": args.prefetch and {"prefetch": True, "prefetch_mode": "side"},
             "gemv": args.gemv and {"gemv": True},
         }
         for name, options in variants.items():
@@ -100,7 +105,7 @@ def main(argv=None) -> int:
     return 0
 
 
-NAMES = ("stock", "inductor", "specialized", "direct", "front", "no-prefetch", "prefetch-side", "gemv")
+NAMES = ("stock", "inductor", "specialized", "direct", "front", "no-prefetch", "gemv")
 FUSED = NAMES[2:]
 
 

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
+from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
 from dspark_core.reference.model import DraftModel
+from dspark_core.runtime.decode import build_draft_decode as _build
 from dspark_core.tools.graphs import StepGraph
 from dspark_core.tools.timing import step_case
-from dspark_cute.decode import build_draft_decode
 
 CONTEXT = 256
 STEPS = 5
@@ -55,6 +56,11 @@ def _profile(run) -> dict[str, tuple[int, float]]:
             per[evt.name][0] += 1
             per[evt.name][1] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
     return {k: (v[0] // STEPS, v[1] / STEPS) for k, v in per.items()}
+
+
+def build_draft_decode(model, **options):
+    """core's executor over the reference draft's description (dspark-cute's kernels)."""
+    return _build(describe(model), **options)
 
 
 def main(argv=None) -> int:
