@@ -14,9 +14,11 @@ the entry points resolve as if the packages were installed.
 
 from __future__ import annotations
 
+import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +28,10 @@ def write(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for pyproject in sorted(ROOT.glob("packages/*/pyproject.toml")):
         project = tomllib.loads(pyproject.read_text())["project"]
-        name, version = project["name"], project.get("version", "0")
+        name = project["name"]
+        init = pyproject.parent / "src" / name.replace("-", "_") / "__init__.py"
+        found = re.search(r'^__version__ = "([^"]+)"', init.read_text(), re.M)
+        version = project.get("version") or (found.group(1) if found else "0")
         info = out / f"{name.replace('-', '_')}-{version}.dist-info"
         info.mkdir(exist_ok=True)
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
