@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -173,6 +174,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds before the ranks are killed")
     args = parser.parse_args()
     from dspark_comm.runtime.ranks import tp2_benchmark
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     raw, status = tp2_benchmark("the TP2 all-reduce boundary benchmark", _worker, args.out, "raw.json", args.out,
                                 args.iters, args.reps, timeout_s=args.timeout)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -199,6 +200,8 @@ def main(argv=None) -> int:
     if args.reps < 1 or args.layers < 1 or args.steps_per_graph < 1:
         parser.error("--reps, --layers and --steps-per-graph are at least 1")
     from dspark_comm.runtime.ranks import tp2_benchmark
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     exclude = [k for k in args.exclude.split(",") if k]
     raw, status = tp2_benchmark("the TP2 draft benchmark", _worker, args.out, "draft_tp2_raw.json", args.out,

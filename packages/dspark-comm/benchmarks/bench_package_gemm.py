@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -402,6 +403,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds before the ranks are killed")
     args = parser.parse_args()
     from dspark_comm.runtime.ranks import tp2_benchmark
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     raw, status = tp2_benchmark("the TP2 package GEMM benchmark", _worker, args.out, "package_gemm_raw.json",
                                 args.out, args.iters, args.reps, args.rounds, timeout_s=args.timeout)

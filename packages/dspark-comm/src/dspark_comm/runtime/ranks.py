@@ -124,20 +124,20 @@ def spawn_for_results(fn, world: int, results_path: str, *args, timeout_s: float
 def tp2_benchmark(what: str, fn, out: str, results_file: str, *args, timeout_s: float = 180.0):
     """``spawn_for_results(fn, 2, out/results_file, *args)`` for the TP2
     benchmark ``what`` (e.g. "the TP2 draft benchmark"): with fewer than two
-    CUDA GPUs it prints that ``what`` needs two and returns ``(None, 0)``;
-    where no rank recorded a result it prints why and returns ``(None, 1)``;
-    else ``(results, 0 where every rank ended cleanly, else 1)``, after
-    printing the seconds taken. Creates ``out``."""
+    CUDA GPUs it logs that ``what`` needs two (WARNING, ``dspark.ranks``)
+    and returns ``(None, 0)``; where no rank recorded a result it logs why
+    and returns ``(None, 1)``; else ``(results, 0 where every rank ended
+    cleanly, else 1)``, the seconds taken logged (INFO). Creates ``out``."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        print(f"{what} needs two CUDA GPUs; skipped")
+        log.warning("%s needs two CUDA GPUs; skipped", what)
         return None, 0
     os.makedirs(out, exist_ok=True)
     t0 = time.monotonic()
     raw, error = spawn_for_results(fn, 2, os.path.join(out, results_file), *args, timeout_s=timeout_s)
     if raw is None:
-        print(f"the ranks recorded no result ({error})")
+        log.warning("the ranks of %s recorded no result (%s)", what, error)
         return None, 1
-    print(f"({time.monotonic() - t0:.1f} s)")
+    log.info("%s took %.1f s", what, time.monotonic() - t0)
     return raw, 0 if error is None else 1
 
 
