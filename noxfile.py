@@ -1,26 +1,27 @@
 """DSpark's sessions.
 
-CPU (they install what they need into their own virtualenvs):
-    nox -s tests           every package's CPU tests and the cross-package tests/,
-                           kernels compiled for sm_90a and sm_100a with CuTe DSL 4.3.5
-    nox -s compile-cute48  the CuTe DSL compile checks again under 4.8.0 (vLLM 0.33's pin) and 4.8.1
+CPU (each installs what it needs into its own virtualenv):
     nox -s lint            ruff
-    nox -s tests-vllm      the vLLM plugin's tests against the real vLLM 0.33.0 (DSPARK_VLLM: the requirement)
+    nox -s tests           every package's CPU suite and the cross-package tests/ (pytest-xdist),
+                           kernels compiled for sm_90a and sm_100a with CuTe DSL 4.8.0 (vLLM 0.33.0's pin)
+    nox -s tests-vllm      the vLLM plugin's tests and the stock-recompile check, against the real
+                           vLLM 0.33.0 and its pins (DSPARK_VLLM: the requirement)
+    nox -s compile-cute    the compile checks under the other ends of the CuTe DSL range: 4.3.5, 4.8.1
 
 GPU (run with the interpreter at hand, nothing installed: a device machine has
-no network; the packages' src/ folders go on PYTHONPATH):
+no network; the packages' src/ folders and their entry-point metadata go on PYTHONPATH):
     nox -s tests-sm90      GPU tests on an sm_90 GPU (H100/H200)
     nox -s tests-sm100     GPU tests on an sm_100 GPU (B200)
     nox -s tests-multigpu  tests that need two or more GPUs
     nox -s bench           benchmarks: markdown tables and PNG plots in bench-results/
 
 Environment: DSPARK_TORCH (the torch requirement of the CPU sessions, default
-torch==2.13.0, the CPU build on this project's machines), DSPARK_SEED (fix the
-tests' random seed), DSPARK_BENCH_OUT (the benchmarks' output folder),
-DSPARK_ATTENTION / DSPARK_PREFETCH / DSPARK_QKV_FRONT (the specialized
-decode's attention variant, its weight prefetch, on at TP1 unless
-DSPARK_PREFETCH=0, and its opt-in fused QKV front; the GPU suites pass them
-explicitly where they depend on them).
+torch==2.13.0, the CPU build on this project's machines), DSPARK_CUTE (the
+CuTe DSL of ``tests``, default nvidia-cutlass-dsl==4.8.0), DSPARK_SEED (fix
+the tests' random seed), DSPARK_BENCH_OUT (the benchmarks' output folder),
+DSPARK_ATTENTION / DSPARK_PREFETCH / DSPARK_QKV_FRONT / DSPARK_GEMV /
+DSPARK_PACKAGE_GEMM (the specialized decode's switches; the GPU suites pass
+them explicitly where they depend on them).
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ SRC_PATH = os.pathsep.join(
 TEST_DIRS = [d for d in [f"packages/{p}/tests" for p in PACKAGES] + ["tests"] if (ROOT / d).is_dir()]
 
 nox.options.sessions = ["lint", "tests"]
+CUTE = os.environ.get("DSPARK_CUTE", "nvidia-cutlass-dsl==4.8.0")
 nox.options.reuse_existing_virtualenvs = True
 
 
-def _install(session: nox.Session, cute: str = "nvidia-cutlass-dsl==4.3.5") -> None:
+def _install(session: nox.Session, cute: str = CUTE) -> None:
     session.install(TORCH)
     session.install(cute)
+    session.install("pytest-xdist")
     session.install(*[f"-e./packages/{p}[test]" for p in PACKAGES])
 
 
@@ -57,16 +60,18 @@ def _install(session: nox.Session, cute: str = "nvidia-cutlass-dsl==4.3.5") -> N
 def tests(session: nox.Session) -> None:
     """The CPU suite of every package, compile checks and PTX audits included."""
     _install(session)
-    session.run("python", "-m", "pytest", "-m", "not gpu and not multigpu", *TEST_DIRS, *session.posargs)
+    session.run("python", "-m", "pytest", "-n", "auto", "-m", "not gpu and not multigpu", *TEST_DIRS,
+                *session.posargs)
 
 
-@nox.session(name="compile-cute48")
-@nox.parametrize("cute", ["4.8.0", "4.8.1"])
-def compile_cute48(session: nox.Session, cute: str) -> None:
-    """The kernels' compile checks under nvidia-cutlass-dsl 4.8.0 (vLLM 0.33's
-    pin) and 4.8.1 (the newest release as of 2026-11-30)."""
+@nox.session(name="compile-cute")
+@nox.parametrize("cute", ["4.3.5", "4.8.1"])
+def compile_cute(session: nox.Session, cute: str) -> None:
+    """The kernels' compile checks under the ends of the supported CuTe DSL
+    range besides ``tests``' 4.8.0: 4.3.5 and 4.8.1."""
     _install(session, f"nvidia-cutlass-dsl=={cute}")
-    session.run("python", "-m", "pytest", "-m", "compile", *TEST_DIRS, *session.posargs, success_codes=[0, 5])
+    session.run("python", "-m", "pytest", "-n", "auto", "-m", "compile", *TEST_DIRS, *session.posargs,
+                success_codes=[0, 5])
 
 
 @nox.session(name="tests-vllm")
@@ -76,9 +81,10 @@ def tests_vllm(session: nox.Session) -> None:
     install on two cores), our four packages over it without their own
     dependencies (vLLM's torch and CuTe DSL 4.8.0 serve them)."""
     session.install(os.environ.get("DSPARK_VLLM", "vllm==0.33.0"))
-    session.install("pytest>=8", "safetensors")
+    session.install("pytest>=8", "pytest-xdist", "hypothesis", "safetensors")
     session.install("--no-deps", *[f"-e./packages/{p}" for p in PACKAGES])
-    session.run("python", "-m", "pytest", "packages/dspark-vllm/tests", *session.posargs)
+    session.run("python", "-m", "pytest", "-n", "auto", "packages/dspark-vllm/tests",
+                "packages/dspark-core/tests/test_stock_recompile.py", *session.posargs)
 
 
 @nox.session
@@ -108,8 +114,16 @@ def _gpu_session(session: nox.Session, major: int, marker: str, min_gpus: int = 
             f"needs {min_gpus} GPU(s) of compute capability {major}.x; this machine has "
             f"{_gpus() or 'none'} (the suite runs on a device machine)"
         )
-    env = {"PYTHONPATH": SRC_PATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    session.run("python", "-m", "pytest", "-m", marker, *TEST_DIRS, *session.posargs, env=env, external=True)
+    session.run("python", "-m", "pytest", "-m", marker, *TEST_DIRS, *session.posargs, env=_gpu_env(session),
+                external=True)
+
+
+def _gpu_env(session: nox.Session) -> dict:
+    """PYTHONPATH for a machine where the packages are not installed: their
+    src/ folders and their entry-point metadata (scripts/dev_entry_points.py)."""
+    meta = Path(session.create_tmp()) / "dspark-meta"
+    session.run("python", str(ROOT / "scripts" / "dev_entry_points.py"), str(meta), external=True, silent=True)
+    return {"PYTHONPATH": os.pathsep.join([SRC_PATH, str(meta), os.environ.get("PYTHONPATH", "")])}
 
 
 @nox.session(name="tests-sm90", venv_backend="none")
@@ -131,7 +145,7 @@ def tests_multigpu(session: nox.Session) -> None:
 
 
 # Columns a benchmark times beyond its defaults: the draft step with the
-# one-token GEMV (the fastest m = 1 step, issue 4's 1.3x over Inductor).
+# one-token GEMV (the fastest m = 1 step).
 BENCH_ARGS = {"bench_decode.py": ("--gemv",)}
 
 
@@ -141,7 +155,7 @@ def bench(session: nox.Session) -> None:
     if not _gpus():
         session.skip("the benchmarks time GPU kernels; this machine has no GPU")
     out = os.environ.get("DSPARK_BENCH_OUT", str(ROOT / "bench-results"))
-    env = {"PYTHONPATH": SRC_PATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = _gpu_env(session)
     for script in sorted(ROOT.glob("packages/*/benchmarks/bench_*.py")):
         extra = BENCH_ARGS.get(script.name, ())
         session.run("python", str(script), "--out", out, *extra, *session.posargs, env=env, external=True)
