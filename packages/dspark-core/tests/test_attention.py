@@ -1,17 +1,21 @@
-"""The attention spec (``dspark_core.spec.attention``): bit for bit against the
-independent NumPy CTA emulation (``_independent.attention``), close to a
-float64 softmax, its special cases (-0.0 terms, masked slots that hold
-garbage, NaN and infinite scores, no valid slot) and its ValueErrors."""
+"""The attention spec (``dspark_core.spec.attention``, the reference draft's
+own attention, not a stock kernel): its head tree (``head_sum``) against one
+warp's butterfly, the attention bit for bit against the independent NumPy CTA
+emulation (``_independent.attention``), close to a float64 softmax, its
+special cases (-0.0 terms, masked slots that hold garbage, NaN and infinite
+scores, no valid slot) and its ValueErrors."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
 import torch
-from _independent import assert_same_bits, random_in, to_np, to_torch
+from _independent import _add, assert_same_bits, random_f32, random_in, to_np, to_torch, warp_head_sum
 from _independent import attention as np_attention
 
-from dspark_core.spec.attention import LANES, lane_sums, paged_attention, scale
+from dspark_core.spec.attention import LANES, head_sum, lane_sums, paged_attention, scale
 from dspark_core.spec.layers import PagedKVCache
 
 BLOCK = 16
@@ -47,6 +51,33 @@ def _expected(q, cache, attn_slots, kv_heads):
             v = kv[rows // BLOCK, g, rows % BLOCK, d:]
             out[i, h] = np_attention(qn[i, h], k, v, valid)
     return out
+
+
+@pytest.mark.parametrize("d", [2, 4, 8, 16, 32, 64, 128, 256])
+def test_head_sum_matches_the_warp(d, rng):
+    v = random_f32(rng, (5, 7, d), "mixed")
+    assert_same_bits(head_sum(torch.from_numpy(v)), warp_head_sum(v), f"head_sum D={d}")
+
+
+def test_head_sum_order_is_pairs_then_halves():
+    """D = 8, values chosen so each order gives different bits: the pairs
+    (v0+v1), (v2+v3), ..., then (p0+p2), (p1+p3), then the last add."""
+    v = np.array([1.0, 2.0**-24, 2.0**-24, 0.0, 2.0**-24, 0.0, 0.0, 0.0], dtype=np.float32)
+    assert head_sum(torch.from_numpy(v)).item() == 1.0
+    assert warp_head_sum(v) == np.float32(1.0)
+    # another order, ((v1 + v2) + v4) + v0 = 1 + 2**-23, shows the value depends on it:
+    assert _add(_add(_add(v[1], v[2]), v[4]), v[0]) != np.float32(1.0)
+
+
+def test_head_sum_accuracy(rng):
+    """Non-negative terms, log2(D) additions on every path: gamma_log2(D)."""
+    u = 2.0**-24
+    for d in (2, 8, 64):
+        v = np.abs(random_f32(rng, (200, d), "wide"))
+        got = head_sum(torch.from_numpy(v)).numpy().astype(np.float64)
+        exact = np.array([math.fsum(r) for r in v.astype(np.float64)])
+        k = int(math.log2(d))
+        assert np.all(np.abs(got - exact) <= k * u / (1 - k * u) * exact)
 
 
 @pytest.mark.parametrize(
