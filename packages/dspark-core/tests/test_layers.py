@@ -879,6 +879,17 @@ def test_silu_and_mul_around_an_injected_expf(rng, approx):
     I.assert_same_bits(t32(record["expf"][0]), -gu[:, :inter], "expf's input")
 
 
+def test_silu_and_mul_every_bf16_gate():
+    """Every BF16 gate value (all 65536 patterns: zeros, subnormals,
+    infinities, NaNs), with up 1.0, -0.0 and -3.5: the spec equals the
+    independent ``bf16(RN(x / RN(expf(-x) + 1)))`` times ``RN(up + 0.0)``."""
+    x = I.bf16_value(np.arange(2**16, dtype=np.uint32).astype(np.uint16))
+    for up in (1.0, -0.0, -3.5):
+        gu = np.stack([x, np.full_like(x, up)]).reshape(1, -1)
+        got = L.silu_and_mul(I.to_torch(gu, "bf16"), x.size)
+        I.assert_same_bits(got, I.silu_and_mul(gu, x.size), f"every BF16 gate, up {up}")
+
+
 def test_silu_and_mul_rejects_shape():
     with pytest.raises(ValueError, match=r"the activation takes \[m, 1024\] gate-up rows"):
         L.silu_and_mul(torch.zeros(2, 1000, dtype=torch.bfloat16), 512)
