@@ -1,8 +1,10 @@
 """CPU tests of the context kernels: they compile for sm_90a and sm_100a
-without a GPU, a PTX audit of what they compile to, and the host-side
-refusals.
+without a GPU, a PTX audit of what they compile to, no spills (ptxas, where
+installed), the host-side refusals; and the store's K-norm and RoPE code run
+on CPU tensors against the spec.
 
-Compiled here (each for sm_90a and for sm_100a):
+Compiled here (each for sm_90a and for sm_100a, the norms with that arch's
+stock tree):
 
 - the context norms: every norm kind (no weight; BF16, FP16, FP32 weights,
   each before and after the norm) on the hidden side and on the input-norm
@@ -11,25 +13,32 @@ Compiled here (each for sm_90a and for sm_100a):
 - the context store: 1, 2, 4, 8, 16 and 32 KV heads, each with a BF16 RoPE
   table, an FP32 table and no RoPE, with PDL; and one without PDL.
 
-The audit: no ``fma`` (the spec has none), no ``.ftz``, no ``rsqrt`` or
-``.approx``, no local memory (spills). The norms kernel: every global access
-a 16-byte ``ld/st.global.v4.b32``, their counts those of the layout (weights,
-rows, outputs), the weight loads (only) before ``griddepcontrol.wait``, two
-barriers, 10 butterfly shuffles, 4 divisions and 2 square roots. The store
-kernel: per head one 4-byte load and store each of K and V, 5 shuffles, 2
-divisions and 1 square root; the slot (and position) loads; nothing loaded
-before the PDL wait.
+The norms kernel's audit: the norms' (``norm_testing.audit_norm_ptx``: per
+norm one ``rsqrt.approx.ftz.f32``, its ``fma.rn.f32`` leaves and eps, its
+``mul.rn.f32``, nothing else approximate, explicit ``.rn``), every global
+access a 16-byte ``ld/st.global.v4.b32``, their counts those of the layout
+(weights, rows, outputs), the weight loads (only) before
+``griddepcontrol.wait``, two barriers, 10 butterfly shuffles. The store's:
+per head one 4-byte load and store each of K and V, 10 butterfly shuffles
+(the ATen order's two sums), one ``rsqrt.approx.f32`` (``rsqrtf``, no
+``.ftz``), 12 ``add.rn.f32``, 5 ``mul.rn.f32`` and with RoPE 2 more and 2
+``fma.rn.f32`` (vLLM's rotary form); no other approximate instruction, no
+division or square root; the BF16 roundings; the slot (and position)
+loads; nothing loaded before the PDL wait.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
+import numpy as np
 import pytest
 import torch
-from cute_testing import WORDS, audit_forbidden, has_f32_constant
-from cute_testing import norm_constants as norm
-from ptx_audit import code, count
+from cute_testing import WORDS, has_f32_constant
+from cute_testing import norm_constants as kind_constants
+from norm_testing import audit_norm_ptx
+from ptx_audit import code, count, ptxas_report, spill_bytes
 
 from dspark_core.contracts.constants import ContextNormConstants, ContextStoreConstants, NormConstants
 
@@ -41,17 +50,28 @@ NORM_VARIANTS = [
 ] + [(1, 2, 2, 8192, False)]
 
 
+def norm(i: int, arch: str = "sm_90a") -> NormConstants:
+    return dataclasses.replace(kind_constants(i), arch=arch)
+
+
+def no_spills(ptx: str, arch: str, tmp_path) -> None:
+    report = ptxas_report(ptx, arch, tmp_path)
+    if report:
+        assert spill_bytes(report) == 0 and spill_bytes(report, "stack frame") == 0, report
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("hidden,pre,layers,h,pdl", NORM_VARIANTS)
-def test_context_norms_compile(arch, hidden, pre, layers, h, pdl):
+def test_context_norms_compile(arch, hidden, pre, layers, h, pdl, tmp_path):
     from dspark_cute.cutedsl.norms.context_norms import ContextNormsKernel, fake_args
     from dspark_cute.runtime.host import compile_ptx
 
-    c = ContextNormConstants(hidden_size=h, num_layers=layers, hidden=norm(hidden), pre=norm(pre))
-    body = code(compile_ptx(ContextNormsKernel(c, pdl), *fake_args(c), arch=arch))
+    c = ContextNormConstants(hidden_size=h, num_layers=layers, hidden=norm(hidden, arch), pre=norm(pre, arch))
+    ptx = compile_ptx(ContextNormsKernel(c, pdl), *fake_args(c), arch=arch)
+    body = code(ptx)
     assert f".target {arch}" in body
-    audit_forbidden(body)
+    audit_norm_ptx(body, [c.hidden, c.pre], h)
     frags = h // 2048
     weights = sum(frags * WORDS[n.weight_dtype] for n in (c.hidden, c.pre) if n.weight_dtype)
     global_ops = re.findall(r"\b(?:ld|st)\.global[.\w]*", body)
@@ -60,8 +80,6 @@ def test_context_norms_compile(arch, hidden, pre, layers, h, pdl):
     assert count(body, r"\bst\.global\.v4\.b32") == frags
     assert count(body, r"\bbar\.sync\b") == 2
     assert count(body, r"\bshfl\.sync\.bfly\.b32") == 10
-    assert count(body, r"\bdiv\.rn\.f32") == 4
-    assert count(body, r"\bsqrt\.rn\.f32") == 2
     # BF16 rounding of the hidden norm (4 words per fragment) and of the output.
     assert count(body, r"\bcvt\.rn\.bf16x2\.f32") == 8 * frags
     if pdl:
@@ -71,6 +89,7 @@ def test_context_norms_compile(arch, hidden, pre, layers, h, pdl):
         assert "griddepcontrol.launch_dependents" in body
     else:
         assert "griddepcontrol" not in body
+    no_spills(ptx, arch, tmp_path)
 
 
 # (kv heads, rope, table dtype, pdl)
@@ -84,14 +103,14 @@ STORE_VARIANTS = [
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kv,rope,table,pdl", STORE_VARIANTS)
-def test_context_store_compile(arch, kv, rope, table, pdl):
+def test_context_store_compile(arch, kv, rope, table, pdl, tmp_path):
     from dspark_cute.cutedsl.context.store import ContextStoreKernel, fake_args
     from dspark_cute.runtime.host import compile_ptx
 
     c = ContextStoreConstants(kv_heads=kv, k_eps=1e-6, rope=rope, table_dtype=table)
-    body = code(compile_ptx(ContextStoreKernel(c, pdl), *fake_args(c), arch=arch))
+    ptx = compile_ptx(ContextStoreKernel(c, pdl), *fake_args(c), arch=arch)
+    body = code(ptx)
     assert f".target {arch}" in body
-    audit_forbidden(body)
     table_loads = {"bf16": (0, 2), "fp32": (2, 0)}[table] if rope else (0, 0)
     assert count(body, r"\bld\.global\.b32\b") == 2 * kv + table_loads[0]
     assert count(body, r"\bld\.global\.b16\b") == table_loads[1]
@@ -100,18 +119,30 @@ def test_context_store_compile(arch, kv, rope, table, pdl):
     assert set(re.findall(r"\b(?:ld|st)\.global[.\w]*", body)) <= {
         "ld.global.b32", "ld.global.b16", "ld.global.s64", "st.global.b32"
     }
-    assert count(body, r"\bshfl\.sync\.bfly\.b32") == 5 * kv
-    assert count(body, r"\bdiv\.rn\.f32") == 2 * kv
-    assert count(body, r"\bsqrt\.rn\.f32") == kv
-    # RoPE: 4 products, one difference and one sum per pair; none without it.
-    assert count(body, r"\bsub\.rn\.f32") == (kv if rope else 0)
-    assert count(body, r"\bmul\.rn\.f32") == kv * (2 + 2 + (4 if rope else 0))
+    # The K-norm: two butterflies, rsqrtf, the ATen order's adds and products.
+    assert count(body, r"\bshfl\.sync\.bfly\.b32") == 10 * kv
+    assert count(body, r"\brsqrt\.approx\.f32\b") == kv
+    assert count(body, r"\.approx") == kv and ".ftz" not in body
+    assert not re.search(r"\bdiv\.(rn|full|approx)|\bsqrt\.|\brcp\.|\bex2\.", body)
+    assert count(body, r"\badd\.rn\.f32") == 12 * kv
+    assert count(body, r"\bsub\.rn\.f32") == 0
+    assert count(body, r"\bmul\.rn\.f32") == kv * (5 + (2 if rope else 0))
+    # RoPE: fma(c, x, -(s * y)) and fma(s, x, c * y) per pair.
+    assert count(body, r"\bfma\.rn\.f32") == (2 * kv if rope else 0)
+    assert count(body, r"\bfma\b|fma\.") == count(body, r"\bfma\.rn\.f32")
+    for op in re.findall(r"\b(?:add|sub|mul)(?:\.\w+)*\.f32\b", body):
+        assert ".rn." in op, f"an FP32 operation without an explicit rounding: {op}"
+    # BF16 roundings: the K-norm's, RoPE's, an FP32 table's cos and sin.
+    cvts = kv * (2 if rope else 1) + (1 if rope and table == "fp32" else 0)
+    assert count(body, r"\bcvt\.rn\.bf16x2\.f32") == cvts
+    assert "satfinite" not in body and not re.search(r"\b(ld|st)\.local", body)
     if pdl:
         head, sep, _ = body.partition("griddepcontrol.wait")
         assert sep, "no PDL wait"
         assert not re.search(r"\bld\.global", head), "a load before the PDL wait"
     else:
         assert "griddepcontrol" not in body
+    no_spills(ptx, arch, tmp_path)
 
 
 @pytest.mark.compile
@@ -200,3 +231,100 @@ def test_compile_refused_during_capture(monkeypatch):
         compile_context_norms(ContextNormConstants(2048, 1, norm(3), norm(4)), True)
     with pytest.raises(RuntimeError, match="prepare"):
         compile_context_store(ContextStoreConstants(4, 3e-5, True, "fp32"), True)
+
+
+# ---------------------------------------------------------------- the store's code on the CPU
+
+
+def _cpu_ptx():
+    """The ``ptx`` functions the store's K-norm and RoPE trace, as CPU tensor
+    operations (a packed BF16 word: a pair of BF16 tensors; ``rsqrt.approx``:
+    the spec's CPU stand-in; ``fma.rn``: the spec's exact one)."""
+    from types import SimpleNamespace
+
+    from dspark_core.spec import numerics
+
+    return SimpleNamespace(
+        bf16x2_to_f32=lambda w: (w[0].float(), w[1].float()),
+        pack_bf16x2_rn=lambda a, b: (a.to(torch.bfloat16), b.to(torch.bfloat16)),
+        mul_rn=torch.mul, add_rn=torch.add, neg_f32=torch.neg, fma_rn=numerics.fma_rn,
+        f32_const=lambda v: torch.tensor(np.float32(v)), rsqrt_approx=numerics.rsqrt_approx,
+    )
+
+
+def _cpu_cute():
+    """``cute.arch.shuffle_sync_bfly`` over the last dim (the 32 lanes)."""
+    from types import SimpleNamespace
+
+    lanes = torch.arange(32)
+    return SimpleNamespace(arch=SimpleNamespace(shuffle_sync_bfly=lambda v, offset: v[..., lanes ^ offset]))
+
+
+def _heads(gen: torch.Generator, rows: int, special: bool) -> torch.Tensor:
+    """BF16 ``[rows, 64]`` heads of a wide exponent range; with ``special``
+    -0.0, subnormals, infinities, NaN and overflowing squares mixed in."""
+    x = torch.randn(rows, 64, generator=gen) * torch.exp2(torch.randint(-30, 31, (rows, 64), generator=gen).float())
+    if special:
+        pick = torch.randint(0, 40, x.shape, generator=gen)
+        for i, v in enumerate([-0.0, 0.0, 1e-40, -3e-39, float("inf"), float("-inf"), float("nan"), 3e38, 1e-25]):
+            x = torch.where(pick == i, torch.full_like(x, v), x)
+        x[0] = 2e19  # squares overflow together
+        x[1] = 1e-39  # subnormal squares vanish
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["random", "special"])
+@pytest.mark.parametrize("table_dtype", [None, torch.bfloat16, torch.float32], ids=["norope", "bf16", "fp32"])
+def test_store_code_is_the_spec(monkeypatch, special, table_dtype, seed):
+    """``k_norm_pair`` (``k_sum_of_squares``: lane ``j``'s pair, the two
+    butterflies, ``s0 + s1``), ``context_cos_sin``'s BF16 rounding and
+    ``rope_pair``, run with CPU tensors in the lanes' layout, give the bits
+    of ``spec.layers.k_norm_context`` then ``Rotary`` with ``context_table``."""
+    from dspark_core.spec.layers import HeadNorm, Rotary, k_norm_context
+    from dspark_core.tools.compare import assert_bitwise
+    from dspark_cute.cutedsl.context import store
+
+    monkeypatch.setattr(store, "ptx", _cpu_ptx())
+    monkeypatch.setattr(store, "cute", _cpu_cute())
+    gen = torch.Generator().manual_seed(seed)
+    rows, eps = 3000, (1e-6, 1e-5, 0.1)[seed % 3]
+    k = _heads(gen, rows, special)
+    word, n0, n1 = store.k_norm_pair((k[:, 0::2], k[:, 1::2]), eps)
+    expected = k_norm_context(k.view(rows, 1, 64), HeadNorm(64, eps)).view(rows, 64)
+    assert_bitwise(torch.stack(word, dim=-1).reshape(rows, 64), expected, "K-norm")
+    if table_dtype is None:
+        return
+    rotary = Rotary(64, 1024, table_dtype=table_dtype)
+    positions = torch.randint(0, 1024, (rows,), generator=gen)
+    table = rotary.cos_sin[positions]
+    cos, sin = table[:, :32].float(), table[:, 32:].float()
+    if table_dtype == torch.float32:  # context_cos_sin's rounding of an FP32 table
+        cos, sin = cos.to(torch.bfloat16).float(), sin.to(torch.bfloat16).float()
+    r0, r1 = store.rope_pair(n0, n1, cos, sin)
+    got = torch.stack([r0, r1], dim=-1).reshape(rows, 64).to(torch.bfloat16)
+    want = rotary(expected.view(rows, 1, 64), positions, rotary.context_table()).view(rows, 64)
+    assert_bitwise(got, want, f"K-norm + RoPE ({table_dtype} table)")
+
+
+def test_store_sum_is_not_the_head_tree(monkeypatch):
+    """A negative control: the old head tree (pairs ``q_2j + q_(2j+1)``, then
+    the butterfly) misses the ATen order on these rows; ``k_sum_of_squares``
+    does not."""
+    from dspark_cute.cutedsl.context import store
+
+    monkeypatch.setattr(store, "ptx", _cpu_ptx())
+    monkeypatch.setattr(store, "cute", _cpu_cute())
+    gen = torch.Generator().manual_seed(7)
+    k = _heads(gen, 4000, False).float()
+    a, b = k[:, 0::2], k[:, 1::2]
+    q = k * k
+    aten = q[:, :32] + q[:, 32:]
+    for half in (16, 8, 4, 2, 1):
+        aten = aten[:, :half] + aten[:, half:2 * half]
+    ours = store.k_sum_of_squares(a, b)
+    assert torch.equal(ours, aten[:, :1].expand_as(ours)), "every lane holds the ATen total"
+    pairs = a * a + b * b
+    lanes = torch.arange(32)
+    for o in (16, 8, 4, 2, 1):
+        pairs = pairs + pairs[:, lanes ^ o]
+    assert (pairs[:, 0] != aten[:, 0]).any()

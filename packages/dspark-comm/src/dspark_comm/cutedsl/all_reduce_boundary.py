@@ -3,10 +3,16 @@ the branch's all-reduce and ``dspark_core.spec.layers.residual_boundary`` in one
 kernel, bit for bit the stock all-reduce followed by the stock boundary.
 
 The all-reduce kernel's CTA for a row holds the whole summed row in the
-reference layout of the row tree (thread ``t``: fragments ``t * 8 + k *
-2048``), so the boundary runs on it exactly as ``dspark_cute``'s
-``DraftBoundary`` runs on a loaded branch, with its building blocks
-(``rms_norm_fragments``, ``gate_words``, ``gated_residual``):
+layout of the stock norm's CTA (thread ``t``: fragments ``t * 8 + k *
+2048``, ``dspark_core.spec.numerics``), so the boundary runs on it exactly as
+``dspark_cute``'s ``DraftBoundary`` runs on a loaded branch, with its
+building blocks (``rms_norm_fragments``, ``gate_words``, ``gated_residual``):
+each norm's thread sum is the stock tree of its constants' ``arch`` over the
+thread's own fragments (sm_90a: per fragment ``(p0 + p1) + (p2 + p3)``, ``p_k
+= fma(e_2k, e_2k, e_(2k+1)^2)``, pairwise over the fragments; sm_100a: even
+and odd partials per fragment, each pairwise over the fragments, then their
+sum), the warp butterfly, the CTA fold of the 8 warp sums in shared memory,
+``rsqrt.approx.ftz(fma(s, 1/H, eps))``:
 
 1. ``p = post(branch)``, ``branch`` the all-reduce's BF16 output (the sum of
    the mailbox's sum order, rounded to BF16), the post-norm's row sum in

@@ -2,12 +2,14 @@
 ``precompute_and_store_context_kv``, in three steps:
 
 1. ``ContextNorms``: the hidden norm and every layer's input norm of the BF16
-   context rows, one kernel, BF16 ``[L, T, H]``;
+   context rows (the stock Triton norm's tree of the constants' arch), one
+   kernel, BF16 ``[L, T, H]``;
 2. the stock projection ``torch.bmm(normed, W^T)``, ``W`` the layers' K/V
    projection rows stacked ``[L, 2 * kv_heads * 64, H]`` (a device GEMM: the
    spec does not fix its bits, the same call on the same device does);
-3. ``ContextKvStore``: the weightless K-norm, GPT-J RoPE and the paged-cache
-   insert of K and V, one kernel per 8 layers.
+3. ``ContextKvStore``: the stock ATen K-norm, vLLM's GPT-J rotary kernel
+   with the table in BF16 and the paged-cache insert of K and V, one kernel
+   per 8 layers.
 """
 
 from __future__ import annotations
@@ -57,15 +59,19 @@ class ContextChain:
         self.store = ContextKvStore(constants.store, table, pdl=pdl)
 
     @classmethod
-    def of_draft(cls, draft, pdl: bool | None = None) -> ContextChain:
+    def of_draft(cls, draft, pdl: bool | None = None, arch: str | None = None) -> ContextChain:
         """The chain of a ``DraftDescription`` (``dspark_core.runtime.description``):
-        its constants from the planner (Unsupported where the chain does not
-        reproduce the draft's) and its tensors, as the executor binds them."""
+        its constants from the planner for ``arch`` (the norms' stock tree;
+        default: the draft's device's, ``spec.layers.stock_arch``;
+        Unsupported where the chain does not reproduce the draft's) and its
+        tensors, as the executor binds them."""
         from dspark_core.planner.plan import context_constants
+        from dspark_core.spec.layers import stock_arch
 
+        arch = arch or stock_arch(draft.device)
         context = draft.context
         pre = [layer.input_norm.weight for layer in draft.layers]
-        return cls(context_constants(draft), context.hidden_norm.weight, None if pre[0] is None else pre,
+        return cls(context_constants(draft, arch), context.hidden_norm.weight, None if pre[0] is None else pre,
                    context.stacked_kv_weight, context.rope.table if context.rope is not None else None, pdl=pdl)
 
     def _stack_pre(self) -> torch.Tensor:

@@ -1,32 +1,38 @@
 """The context K/V store kernel: ``dspark_core.reference.model.DraftModel.context_kv_store``
-after the stock K/V projection, bit for bit.
+after the stock K/V projection, bit for bit (the stock ATen K-norm, vLLM's
+rotary kernel with the table cast to BF16, the cache insert).
 
 Input: the projection's BF16 output ``kv`` ``[L, T, 2 * kv_heads * 64]``
 (viewed ``[L, T, 2, kv_heads, 64]``: K heads, then V heads). Per (row ``t``,
 layer ``l``) whose slot ``s = slots_l[t]`` is non-negative, for every KV head:
 
-1. the weightless K-norm (``dspark_core.spec.layers.HeadNorm``): ``x`` the head
-   widened to FP32, ``p_j = x_2j * x_2j + x_(2j+1) * x_(2j+1)`` (each square
-   and the sum rounded), the 32 pair sums folded by halves (the head tree),
-   ``r = 1 / sqrt(sum / 64 + eps)`` (``div.rn``, ``add.rn``, ``sqrt.rn``,
-   ``div.rn``), ``y = x * r`` rounded to BF16;
-2. with RoPE (``dspark_core.spec.layers.Rotary``), ``c, s`` the table's cos and sin
-   of pair ``j`` at the row's position (BF16 or FP32, widened exactly):
-   ``a' = a * c - b * s``, ``b' = b * c + a * s`` (each product and the
-   difference/sum rounded, no FMA), rounded to BF16;
+1. the K-norm (``dspark_core.spec.layers.k_norm_context``), ``k`` the head
+   widened to FP32: ``q_i = k_i * k_i``; ``s_l = q_l + q_(l+32)`` (l < 32),
+   the 32 sums folded by halves; ``mean = total * 2^-6``; ``v = mean +
+   eps``; ``r = rsqrt.approx.f32(v)`` (CUDA's ``rsqrtf``, ``torch.rsqrt``);
+   ``n = k * r`` rounded to BF16 (every FP32 step rounded once);
+2. with RoPE (``dspark_core.spec.layers.Rotary.rotate`` with
+   ``context_table``), ``c, s`` the table's cos and sin of pair ``j`` at the
+   row's position rounded to BF16 (an FP32 table is rounded here, a BF16 one
+   read as is) and widened: ``x' = fma(c, x, -(s * y))``, ``y' = fma(s, x,
+   c * y)`` (each product rounded) on the BF16 ``n``, rounded to BF16;
 3. the insert: K and V (V's bits as projected) written at
    ``cache_l[s // bs, head, s % bs]``, K in the first 64 columns of the last
    dim, V in the next 64.
 
 Layout: one warp per (row, layer); lane ``j`` holds the GPT-J pair
-``(2j, 2j + 1)`` of every head (one 32-bit word each of K and V), so the
-head tree is a warp butterfly (offsets 16, 8, 4, 2, 1: every lane ends with
-the spec's sum) and every head's K and V are read and written as 128
-contiguous bytes per warp. A CTA holds ``WARPS_PER_CTA`` warps, consecutive
-rows of one layer; the grid is (row groups, layers of this launch). One
-launch takes up to ``MAX_LAYERS_PER_LAUNCH`` layers, each its own ``kv``
-row block, cache tensor, slot mapping and row count (the stock chain inserts
-the first ``len(slots_l)`` rows); more layers take more launches.
+``(2j, 2j + 1)`` of every head (one 32-bit word each of K and V), so every
+head's K and V are read and written as 128 contiguous bytes per warp. The
+K-norm's sum in that layout (``k_sum_of_squares``): ``s0 = k_2j^2``, ``s1
+= k_(2j+1)^2``, each folded by a butterfly (xor 16, 8, 4, 2, 1), then ``s0
++ s1``: the ATen order bit for bit (after xor 16 lane ``j < 16`` holds
+``s_2j`` and ``s_(2j+1)``; each later xor is one fold by halves of the
+``s_l``; every lane ends with the total). A CTA holds ``WARPS_PER_CTA``
+warps, consecutive rows of one layer; the grid is (row groups, layers of this
+launch). One launch takes up to ``MAX_LAYERS_PER_LAUNCH`` layers, each its
+own ``kv`` row block, cache tensor, slot mapping and row count (the stock
+chain inserts the first ``len(slots_l)`` rows); more layers take more
+launches.
 
 A negative slot skips its row (nothing of it is read past the slot). So
 that no launch writes outside its cache, the kernel also skips a slot of
@@ -42,12 +48,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 
 from dspark_core.contracts.constants import HEAD_DIM, ContextStoreConstants
 from dspark_core.errors import Unsupported
 from dspark_cute import ptx
-from dspark_cute.cutedsl.heads import head_norm_pair, load_cos_sin, rope_pair
 from dspark_cute.runtime.host import LazyPdl, cache_tensor, current_stream, fake_stream, jit_cache
 
 # Layers one launch takes (a fixed parameter list: a pointer tuple per operand).
@@ -73,11 +78,53 @@ def check_constants(c: ContextStoreConstants) -> None:
 # ---------------------------------------------------------------- traced math
 
 
+def k_sum_of_squares(a, b) -> Float32:
+    """The K-norm's sum of squares of the head whose pair ``(a, b)`` (FP32,
+    columns ``2j``, ``2j + 1``) lane ``j`` holds, in every lane:
+    ``s0 = a * a``, ``s1 = b * b``; ``s += shfl.bfly(s, o)`` for ``o`` = 16,
+    8, 4, 2, 1 on each; ``s0 + s1`` (module docstring: the ATen order)."""
+    s0, s1 = ptx.mul_rn(a, a), ptx.mul_rn(b, b)
+    for offset in (16, 8, 4, 2, 1):
+        s0 = ptx.add_rn(s0, cute.arch.shuffle_sync_bfly(s0, offset=offset))
+        s1 = ptx.add_rn(s1, cute.arch.shuffle_sync_bfly(s1, offset=offset))
+    return ptx.add_rn(s0, s1)
+
+
 def k_norm_pair(word, eps: float) -> tuple:
-    """The weightless K-norm of the head whose pair this lane holds as a
-    packed BF16 ``word`` (``heads.head_norm_pair``), widened to FP32."""
-    _, a, b = head_norm_pair(*ptx.bf16x2_to_f32(word), eps)
-    return a, b
+    """The K-norm (``spec.layers.k_norm_context``) of the head whose pair this
+    lane holds as a packed BF16 ``word``: ``mean = k_sum_of_squares * 2^-6``,
+    ``r = rsqrt.approx.f32(mean + eps)``, ``(a * r, b * r)`` rounded to BF16.
+    Returns ``(word, a', b')``: the packed pair and its values widened back."""
+    a, b = ptx.bf16x2_to_f32(word)
+    mean = ptx.mul_rn(k_sum_of_squares(a, b), ptx.f32_const(1.0 / HEAD_DIM))
+    r = ptx.rsqrt_approx(ptx.add_rn(mean, ptx.f32_const(eps)))
+    out = ptx.pack_bf16x2_rn(ptx.mul_rn(a, r), ptx.mul_rn(b, r))
+    return (out, *ptx.bf16x2_to_f32(out))
+
+
+def rope_pair(x, y, c, s) -> tuple:
+    """vLLM's rotary kernel on one GPT-J pair (FP32): ``(fma(c, x, -(s *
+    y)), fma(s, x, c * y))``, each product rounded, then one ``fma.rn``."""
+    return (
+        ptx.fma_rn(c, x, ptx.neg_f32(ptx.mul_rn(s, y))),
+        ptx.fma_rn(s, x, ptx.mul_rn(c, y)),
+    )
+
+
+def context_cos_sin(table_dtype: str, table, position, lane) -> tuple:
+    """``(cos, sin)`` of pair ``lane`` at ``position`` (Int64, inside the
+    table) of the ``[P, 64]`` table at byte address ``table`` (columns
+    ``lane`` and ``32 + lane``) as the context chain rotates with them:
+    rounded to BF16 (``Rotary.context_table``; a BF16 table's values are
+    read as is), widened to FP32."""
+    if table_dtype == "fp32":
+        at = Int64(table) + Int64(position) * (4 * HEAD_DIM) + Int64(lane) * 4
+        c, s = ptx.as_f32(ptx.ld_global_b32(at)), ptx.as_f32(ptx.ld_global_b32(at + 2 * HEAD_DIM))
+        return ptx.round_bf16x2(c, s)
+    at = Int64(table) + Int64(position) * (2 * HEAD_DIM) + Int64(lane) * 2
+    # A BF16 is the high half of the FP32 of the same value.
+    return (ptx.as_f32(ptx.ld_global_u16(at) << Uint32(16)),
+            ptx.as_f32(ptx.ld_global_u16(at + HEAD_DIM) << Uint32(16)))
 
 
 def _select(values: tuple, index):
@@ -167,15 +214,15 @@ class ContextStoreKernel:
                 )
                 if cutlass.const_expr(c.rope):
                     if cutlass.Uint64(position) < cutlass.Uint64(max_position):
-                        cos, sin = load_cos_sin(c.table_dtype, table, position, lane)
+                        cos, sin = context_cos_sin(c.table_dtype, table, position, lane)
                         for h in cutlass.range_constexpr(heads):
-                            n0, n1 = k_norm_pair(k_words[h], c.k_eps)
+                            _, n0, n1 = k_norm_pair(k_words[h], c.k_eps)
                             r0, r1 = rope_pair(n0, n1, cos, sin)
                             _store_head(cache_row, head_stride, h, lane, ptx.pack_bf16x2_rn(r0, r1), v_words[h])
                 else:
                     for h in cutlass.range_constexpr(heads):
-                        n0, n1 = k_norm_pair(k_words[h], c.k_eps)
-                        _store_head(cache_row, head_stride, h, lane, ptx.pack_bf16x2_rn(n0, n1), v_words[h])
+                        word, _, _ = k_norm_pair(k_words[h], c.k_eps)
+                        _store_head(cache_row, head_stride, h, lane, word, v_words[h])
 
 
 def fake_args(constants: ContextStoreConstants) -> tuple:
@@ -357,6 +404,9 @@ __all__ = [
     "ContextStoreKernel",
     "check_constants",
     "compile_context_store",
+    "context_cos_sin",
     "fake_args",
     "k_norm_pair",
+    "k_sum_of_squares",
+    "rope_pair",
 ]

@@ -5,7 +5,8 @@ Per row (one CTA of 256 threads, thread ``t`` holding the 8-column fragments
 ``t * 8 + k * 2048``, as the row norm):
 
 1. ``p = post(branch)`` (``rms_norm_fragments`` of the BF16 branch read as is,
-   the post-norm's row sum in shared-memory slot 0), rounded to BF16;
+   the post-norm's row sum in shared-memory slot 0, the stock tree of its
+   ``arch``), rounded to BF16;
 2. ``new = alpha * stream + beta * p`` in FP32: two ``mul.rn`` and one
    ``add.rn`` per column; stored as FP32 rows when ``store_stream``;
 3. ``out = pre(new rounded to BF16)`` (row sum in slot 1), rounded to BF16.
@@ -30,6 +31,7 @@ from dspark_core.contracts.constants import BoundaryConstants
 from dspark_core.errors import Unsupported
 from dspark_cute import ptx
 from dspark_cute.cutedsl.norms.rms import (
+    check_arch,
     check_row_width,
     fragment_columns,
     gate_words,
@@ -207,6 +209,8 @@ class DraftBoundary:
             )
         h = constants.hidden_size
         check_row_width(h)
+        check_arch(constants.post)
+        check_arch(constants.pre)
         check_operand(alpha, (h,), torch.float32, 16, "the residual alpha")
         check_operand(beta, (h,), torch.float32, 16, "the residual beta")
         for norm, weight, name in (

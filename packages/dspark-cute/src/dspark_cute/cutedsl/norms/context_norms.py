@@ -4,9 +4,11 @@ one launch, bit for bit.
 For BF16 context rows ``x`` (``[T, H]``, H a multiple of 2048) and ``L``
 layers it writes BF16 ``[L, T, H]``:
 ``out[l, t] = input_norm_l(round_bf16(hidden_norm(x[t])))``, every norm the
-stock ``RMSNorm`` (``dspark_core.spec.layers``) of the constants' variant: no
-weight, or a BF16/FP16/FP32 weight with its gain center, applied before or
-after the normalisation, with its eps.
+stock ``RMSNorm`` (``dspark_core.spec.layers``; the stock Triton norm of
+``precompute_and_store_context_kv``) of the constants' variant: no weight, or
+a BF16/FP16/FP32 weight with its gain center, applied before or after the
+normalisation, with its eps, its squares summed by the stock tree of its
+``arch`` and ``rsqrt.approx.ftz(fma(s, 1/H, eps))``.
 
 Layout: one CTA of 256 threads per (row, layer) pair, in a 1-D grid of
 ``T * L`` CTAs ordered row-major (CTA ``b`` is row ``b // L``, layer
@@ -14,8 +16,8 @@ Layout: one CTA of 256 threads per (row, layer) pair, in a 1-D grid of
 row's second and later reads come from L2. Each CTA computes the hidden
 norm of its row (the same bits in each of the L CTAs), rounds it to BF16 and
 applies its layer's input norm. Thread ``t`` holds the 8-column fragments
-``t * 8 + k * 2048`` (the spec's reference CTA: ``dspark_core.spec.numerics``
-row tree), read and written with 16-byte vector accesses; the two norms fold
+``t * 8 + k * 2048`` (the stock norm's CTA: ``dspark_core.spec.numerics``),
+read and written with 16-byte vector accesses; the two norms fold
 their warp sums through separate shared-memory slots, so there is one
 barrier per norm. The row count is a runtime argument (one compile serves
 every ``T``); ``H`` and ``L`` are compile-time constants.

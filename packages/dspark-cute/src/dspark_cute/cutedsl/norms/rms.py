@@ -1,13 +1,16 @@
 """The traced RMSNorm pieces the norm kernels share (the row norm, the
 boundary, the context norms, and dspark-comm's all-reduce boundary), in the
-layout of the reference CTA (``ptx.cta``): thread ``t`` holds fragment ``k``
-= the 8 columns ``t * 8 + k * 2048 .. + 7``.
+layout of the stock norm's CTA (``ptx.cta``, ``dspark_core.spec.numerics``):
+thread ``t`` holds fragment ``k`` = the 8 columns ``t * 8 + k * 2048 .. + 7``.
+Each norm sums its squares with the stock tree of its constants' ``arch``
+(sm_90a or sm_100a, chosen when the kernel is traced).
 
 - ``fragment_columns(tidx, h)``: the first column of each of its fragments;
 - ``load_weight_words(dtype, base, column)``: a weight fragment's raw words;
 - ``gains(norm, words)``: ``g = w + gain_center`` per column, FP32;
 - ``rms_norm_fragments(norm, h, x, words, sums, warp, lane)``: the RMSNorm
-  of one thread's fragments (weight before or after the norm, or none);
+  of one thread's fragments (weight before or after the norm, or none; the
+  tree of ``norm.arch``);
 - ``gate_words`` and ``gated_residual``: the residual boundary's gates and its
   FP32 ``alpha * stream + beta * post(branch)``.
 """
@@ -18,6 +21,7 @@ from cutlass import Int64
 
 from dspark_core.contracts.constants import BoundaryConstants, NormConstants
 from dspark_core.errors import Unsupported
+from dspark_core.spec.numerics import ARCHS
 from dspark_cute import ptx
 from dspark_cute.runtime.host import ELEMENT_BYTES, TORCH_DTYPES
 
@@ -29,6 +33,12 @@ def check_row_width(h: int) -> None:
         raise Unsupported(f"a DSpark row norm takes rows of a positive multiple of {ptx.CHUNK} columns, not {h}")
 
 
+def check_arch(norm: NormConstants) -> None:
+    """Unsupported unless a stock row tree is known for ``norm.arch``."""
+    if norm.arch not in ARCHS:
+        raise Unsupported(f"no stock norm tree is known for {norm.arch!r} (only {', '.join(ARCHS)})")
+
+
 def check_norm(norm: NormConstants, what: str) -> None:
     """Unsupported unless the norm kernels take ``norm``: no weight or a
     BF16, FP16 or FP32 one, and a weight before the norm only with a weight."""
@@ -38,6 +48,7 @@ def check_norm(norm: NormConstants, what: str) -> None:
         raise Unsupported(f"a {what} weight of bf16, fp16 or fp32, not {norm.weight_dtype}")
     if norm.weight_dtype is None and norm.weight_before_norm:
         raise Unsupported(f"a weightless {what} cannot scale its input by a weight")
+    check_arch(norm)
 
 
 def fragment_columns(tidx, h: int) -> list:
@@ -78,26 +89,31 @@ def rms_norm_fragments(
 ) -> list:
     """``dspark_core.spec.layers.RMSNorm.forward`` over one thread's fragments
     ``x`` (lists of 8 FP32, the row widened exactly), before the output
-    rounding. With ``g = gains(weight_words[k])``:
+    rounding, with the tree of ``norm.arch``. With ``g = gains(weight_words[k])``:
 
-    - weight before the norm: ``x = x * g``; ``s = row_sum(x * x)``;
-      ``r = inv_rms(s, h, eps)``; ``y = x * r``;
-    - otherwise ``y = x * r``, then ``y = y * g`` with a weight;
+    - weight before the norm: ``v = g * x``; ``s = row_sum_of_squares(v)``
+      (the input-scaled leaves on sm_100a); ``r = row_inv_rms(s, h, eps)``;
+      ``y = r * v``;
+    - otherwise ``s = row_sum_of_squares(x)``, ``y = r * x``, then ``y = g *
+      y`` with a weight;
 
-    each product ``mul.rn``. ``sums_addr``: 8 FP32 of shared memory reserved
-    for this norm's cross-warp fold. Returns the ``y`` fragments (FP32)."""
+    each product ``mul.rn``; ``row_inv_rms`` is ``rsqrt.approx.ftz(fma.rn(s,
+    1/h, eps))``. ``sums_addr``: 8 FP32 of shared memory reserved for this
+    norm's cross-warp fold. Returns the ``y`` fragments (FP32)."""
+    check_arch(norm)
     has_weight = norm.weight_dtype is not None
-    if has_weight and norm.weight_before_norm:
+    scaled = has_weight and norm.weight_before_norm
+    if scaled:
         x = [
-            [ptx.mul_rn(v, g) for v, g in zip(f, gains(norm, words))]
+            [ptx.mul_rn(g, v) for v, g in zip(f, gains(norm, words))]
             for f, words in zip(x, weight_words)
         ]
-    total = ptx.row_sum(x, sums_addr, warp, lane)
-    r = ptx.inv_rms(total, h, norm.eps)
-    y = [[ptx.mul_rn(v, r) for v in f] for f in x]
-    if has_weight and not norm.weight_before_norm:
+    total = ptx.row_sum_of_squares(x, norm.arch, scaled, sums_addr, warp, lane)
+    r = ptx.row_inv_rms(total, h, norm.eps)
+    y = [[ptx.mul_rn(r, v) for v in f] for f in x]
+    if has_weight and not scaled:
         y = [
-            [ptx.mul_rn(v, g) for v, g in zip(f, gains(norm, words))]
+            [ptx.mul_rn(g, v) for v, g in zip(f, gains(norm, words))]
             for f, words in zip(y, weight_words)
         ]
     return y
@@ -138,5 +154,5 @@ def gated_residual(y: list, s: list, a_words: list, b_words: list, new_row, colu
     return ptx.round_bf16(new)
 
 
-__all__ = ["check_norm", "check_row_width", "fragment_columns", "gains", "gate_words", "gated_residual",
+__all__ = ["check_arch", "check_norm", "check_row_width", "fragment_columns", "gains", "gate_words", "gated_residual",
            "load_weight_words", "rms_norm_fragments"]

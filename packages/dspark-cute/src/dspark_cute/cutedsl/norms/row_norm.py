@@ -1,11 +1,17 @@
-"""The row norm kernel: one ``dspark_core.spec.layers.RMSNorm`` over rows, bit for bit.
+"""The row norm kernel: one ``dspark_core.spec.layers.RMSNorm`` over rows, bit for
+bit (the stock Triton norm ``fused_rmsnorm_fwd`` on the constants' ``arch``).
 
-Layout (the reference CTA of ``dspark_core.spec.numerics``): one CTA of 256
+Layout (the stock norm's CTA, ``dspark_core.spec.numerics``): one CTA of 256
 threads per row; thread ``t`` holds fragment ``k`` = the 8 columns
 ``t * 8 + k * 2048 .. + 7`` for ``k < H / 2048``, read and written with
 16-byte vector accesses (one per BF16/FP16 fragment, two per FP32 fragment).
-The row count is a runtime argument (grid = rows), so one compile serves
-every ``m``.
+Per row: the weight's fragments (before the PDL wait), the row's, then
+``rms_norm_fragments``: the gains ``w + c``, the stock tree of
+``norm.arch`` (sm_90a: fma leaves, pairwise; sm_100a: even and odd
+pairwise trees), the warp butterfly and the CTA fold,
+``rsqrt.approx.ftz(fma(s, 1/H, eps))``, the products, one rounding at the
+store. The row count is a runtime argument (grid = rows), so one compile
+serves every ``m``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,13 @@ from cutlass import Float32, Int32, Int64
 from dspark_core.contracts.constants import RowNormConstants
 from dspark_core.errors import Unsupported
 from dspark_cute import ptx
-from dspark_cute.cutedsl.norms.rms import check_row_width, fragment_columns, load_weight_words, rms_norm_fragments
+from dspark_cute.cutedsl.norms.rms import (
+    check_arch,
+    check_row_width,
+    fragment_columns,
+    load_weight_words,
+    rms_norm_fragments,
+)
 from dspark_cute.runtime.host import (
     ELEMENT_BYTES,
     TORCH_DTYPES,
@@ -123,6 +135,7 @@ class RowNorm(LazyPdl):
         if not isinstance(constants, RowNormConstants):
             raise ValueError(f"RowNorm takes RowNormConstants, not {type(constants).__name__}")
         check_row_width(constants.hidden_size)
+        check_arch(constants.norm)
         if constants.in_dtype not in ("bf16", "fp32"):
             raise Unsupported(f"the row norm reads bf16 or fp32 rows, not {constants.in_dtype}")
         if constants.out_dtype not in TORCH_DTYPES:
