@@ -194,6 +194,31 @@ def fla_variants(heads):
             yield name, sig, const, aligned, grid, 8, match
 
 
+def boundary_variants(d: int = 8192):
+    """``_norm_residual_norm_fwd_kernel`` as ``fused_norm_residual_norm_fwd``
+    launches it for the draft's boundary (vLLM's one-kernel boundary, which
+    its draft layer does not run; the benchmarks time it beside ours): BF16
+    branch, FP32 stream, per-channel FP32 alpha and beta (GATE_STREAM), BF16
+    post and pre weights after the norm, BF16 output; bD = next_pow2(D), bT
+    = max(1, 8192 // bD), 32 warps at bD >= 8192 (the sm_100 large-T switch
+    to bT 2 / 8 warps is not taken on sm_90)."""
+    bd = 1 << (d - 1).bit_length()
+    bt = max(1, 8192 // bd)
+    warps = 32 if bd >= 8192 else (16 if bd >= 4096 else 8)
+    for ts in ("div16", "any"):
+        name = f"boundary_D{d}_T-{ts}"
+        sig = {"branch_ptr": "*bf16", "stream_ptr": "*fp32", "new_stream_ptr": "*fp32", "out_ptr": "*bf16",
+               "post_w_ptr": "*bf16", "pre_w_ptr": "*bf16", "alpha_ptr": "*fp32", "beta_ptr": "*fp32",
+               "T": "i32", "post_eps": "fp32", "pre_eps": "fp32", "post_gain_center": "fp32",
+               "pre_gain_center": "fp32", "alpha_scalar": "fp32"}
+        const = dict(D=d, POST_HAS_WEIGHT=True, POST_INPUT_SCALE=False, PRE_HAS_WEIGHT=True,
+                     PRE_INPUT_SCALE=False, GATE_STREAM=True, PER_CHANNEL=True, bT=bt, bD=bd)
+        aligned = ["branch_ptr", "stream_ptr", "new_stream_ptr", "out_ptr", "post_w_ptr", "pre_w_ptr",
+                   "alpha_ptr", "beta_ptr"] + (["T"] if ts == "div16" else [])
+        grid = {"rule": f"(cdiv(T, {bt}), 1, 1)", "rows_per_program": bt}
+        yield name, sig, const, aligned, grid, warps, _t_matches(ts)
+
+
 def compile_kernel(fn, sig: dict, const: dict, aligned, warps: int, arch: int):
     """One Triton kernel compiled in memory for ``arch`` (90, 100) with the
     specialization the JIT derives from the stock launch: ``sig`` the
@@ -362,7 +387,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / ".device" / "stock")
     ap.add_argument("--arch", default="90,100", help="comma list of 90, 100")
-    ap.add_argument("--parts", default="rmsnorm,fla,so", help="comma list of rmsnorm, fla, so")
+    ap.add_argument("--parts", default="rmsnorm,fla,boundary,so", help="comma list of rmsnorm, fla, boundary, so")
     ap.add_argument("--x-dtypes", default="bf16", help="rmsnorm input dtypes (bf16[,fp32])")
     ap.add_argument("--hidden", type=int, default=8192, help="rmsnorm D")
     ap.add_argument("--heads", default="64,32,16,8", help="o-gate heads per rank (constexpr H)")
@@ -382,7 +407,7 @@ def main() -> int:
     manifest["triton"] = triton.__version__
     cuobjdump = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
 
-    if parts & {"rmsnorm", "fla"}:
+    if parts & {"rmsnorm", "fla", "boundary"}:
         (out / "triton").mkdir(parents=True, exist_ok=True)
     if "rmsnorm" in parts:
         from vllm.models.muse_spark.common.ops import fused_rmsnorm
@@ -398,6 +423,12 @@ def main() -> int:
         manifest["fla_gate"] = compile_triton(
             "fla_gate", _jit(fused_norm_gate.layer_norm_gated_fwd_kernel),
             fla_variants(heads), archs, out / "triton", args.keep_ptx)
+    if "boundary" in parts:
+        from vllm.models.muse_spark.common.ops import fused_rmsnorm
+        print("one-kernel boundary (fused_norm_residual_norm_fwd) variants:", flush=True)
+        manifest["boundary"] = compile_triton(
+            "boundary", _jit(fused_rmsnorm._norm_residual_norm_fwd_kernel), boundary_variants(args.hidden),
+            archs, out / "triton", args.keep_ptx)
     if "so" in parts:
         so_path = args.so or (vdir / "_C_stable_libtorch.abi3.so")
         (out / "so").mkdir(parents=True, exist_ok=True)

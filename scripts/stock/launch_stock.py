@@ -10,6 +10,8 @@ around the calls. Each ``stock_*`` function mirrors the stock op it stands for:
     stock_rmsnorm(x, w, eps, gain_center=0.0, input_scale=False, out_dtype=None)
         = vllm.models.muse_spark.common.ops.fused_rmsnorm.fused_rmsnorm_fwd (no residual)
     stock_o_gate(attn_output, og, eps)      = rms_norm_gated(o, og, None, None, "sigmoid")
+    stock_norm_residual_norm(branch, stream, post_w, pre_w, post_eps, pre_eps, alpha, beta)
+                                            = fused_norm_residual_norm_fwd (vLLM's one-kernel boundary)
     stock_silu_and_mul(x)                   = SiluAndMul.forward_cuda
     stock_rotary(positions, query, key, head_size, cos_sin_cache, is_neox=False)
                                             = ops.rotary_embedding (in place)
@@ -198,6 +200,29 @@ def stock_rmsnorm(x, w, eps, gain_center=0.0, input_scale=False, out_dtype=None,
     bt = meta["grid"]["rows_per_program"]
     _launch_triton(meta, root, values, (math.ceil(t / bt), 1, 1), pdl)
     return y.view(shape)
+
+
+def stock_norm_residual_norm(branch, stream, post_w, pre_w, post_eps, pre_eps, alpha, beta, *,
+                             post_gain_center=0.0, pre_gain_center=0.0, root: Path = DEFAULT_DIR):
+    """vLLM's one-kernel boundary ``fused_norm_residual_norm_fwd`` (BF16 branch,
+    FP32 stream, FP32 per-channel alpha and beta, BF16 weights after the norms):
+    ``(out, new_stream)``. Not the draft layer's stock arithmetic (its own
+    sum order): the benchmarks time it beside DSpark's boundary."""
+    t, d = branch.shape
+    out = torch.empty((t, d), dtype=torch.bfloat16, device=branch.device)
+    new_stream = torch.empty((t, d), dtype=torch.float32, device=branch.device)
+    variant = f"boundary_D{d}_T-{'div16' if t % 16 == 0 else 'any'}"
+    metas = [m for m in _triton_meta("boundary_", _arch(branch.device), root) if m["variant"] == variant]
+    if not metas:
+        raise KeyError(f"{variant} was not compiled (compile_stock.py --parts boundary)")
+    _aligned(branch, stream, out, new_stream, post_w, pre_w, alpha, beta)
+    values = {"branch_ptr": branch, "stream_ptr": stream, "new_stream_ptr": new_stream, "out_ptr": out,
+              "post_w_ptr": post_w, "pre_w_ptr": pre_w, "alpha_ptr": alpha, "beta_ptr": beta, "T": t,
+              "post_eps": float(post_eps), "pre_eps": float(pre_eps), "post_gain_center": float(post_gain_center),
+              "pre_gain_center": float(pre_gain_center), "alpha_scalar": 1.0}
+    bt = metas[0]["grid"]["rows_per_program"]
+    _launch_triton(metas[0], root, values, (math.ceil(t / bt), 1, 1), False)
+    return out, new_stream
 
 
 def stock_o_gate(attn_output, og, eps, *, root: Path = DEFAULT_DIR):
