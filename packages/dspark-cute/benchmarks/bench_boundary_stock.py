@@ -88,15 +88,15 @@ def main(argv=None) -> int:
         branch = torch.randn(m, H, generator=gen, device=dev).bfloat16()
         stream = torch.randn(m, H, generator=gen, device=dev)
 
-        def chain():
+        def chain(branch=branch, stream=stream):
             post = stock.stock_rmsnorm(branch, post_w, eps)
             new = alpha * stream + beta * post.to(torch.float32)
             return stock.stock_rmsnorm(new.to(torch.bfloat16), pre_w, eps), new
 
-        def one_kernel():
+        def one_kernel(branch=branch, stream=stream):
             return stock.stock_norm_residual_norm(branch, stream, post_w, pre_w, eps, eps, alpha, beta)
 
-        def dspark():
+        def dspark(branch=branch, stream=stream):
             new, out = fused.launch(branch, stream, True)
             return out, new
 
