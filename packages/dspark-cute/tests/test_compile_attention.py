@@ -21,13 +21,19 @@ PTX without spills (the register count is printed).
 
 The opt-in variant (``dspark_cute.cutedsl.attention.staged``: staged K/V, strided q,
 the o-gate epilogue), compiled the same way for 7 settings (caps 0 to 768
-slots, with and without the o-gate): the same forbidden-instruction audit,
-its own instruction counts (one score and one pass-2 step per staged chunk
-on top of the default's, the o-gate's squares, norm and two sigmoids),
+slots, with and without the o-gate; the o-gate in each stock arithmetic,
+FLA's sm_90a and FlashInfer's sm_100a): the same forbidden-instruction audit
+outside the o-gate, its own instruction counts (one score and one pass-2
+step per staged chunk on top of the default's; the o-gate's squares, norm
+and two sigmoids with exactly its arch's approximate instructions and fused
+multiply-adds, its 5 butterflies in its arch's order), the expression the
+o-gated kernel stores (``test_compile_activations.trace``) the spec's o-gate
+of the two BF16-rounded quotients and the gate word, node for node,
 ``cp.async.cg`` copies and one ``cp.async.wait_all`` where staged, nothing
 (``cp.async`` included) before the PDL wait, its shared memory within a
 227 KB CTA, no spills. Host side: the default constants keep their key,
-the options' refusals, the strided-q and gate checks, the compile dispatch."""
+the options' refusals, the strided-q and gate checks, the o-gate arch
+setting, the compile dispatch."""
 
 from __future__ import annotations
 
@@ -241,15 +247,94 @@ def _v2_name(v) -> str:
     return f"h{h}-kv{kv}-bs{bs}-{slot}{'-pdl' if pdl else ''}-staged{staged}-gate{eps}"
 
 
-def audit_v2(body: str, slot: str, pdl: bool, staged: int, eps) -> None:
+# (variant, o-gate arch): every variant, the gated ones in both stock o-gates.
+V2_CASES = [(v, og) for v in V2_VARIANTS for og in (["sm_90a", "sm_100a"] if v[-1] is not None else [None])]
+
+# The o-gate epilogue's instructions per lane (2 columns), by arch: its fused
+# multiply-adds and approximate instructions (pattern -> count), its rounded
+# products and sums, its butterflies in order.
+EPILOGUE_ALLOWED = {
+    "sm_90a": {r"\bfma\.rn\.f32\b": 2, r"\bsqrt\.approx\.ftz\.f32\b": 1, r"\bdiv\.full\.f32\b": 3,
+               r"\bex2\.approx\.f32\b": 2},
+    "sm_100a": {r"\bfma\.rn\.f32\b": 1, r"\brsqrt\.approx\.ftz\.f32\b": 1, r"\bex2\.approx\.ftz\.f32\b": 2,
+                r"\brcp\.approx\.ftz\.f32\b": 2},
+}
+# sm_90a: 1 square, 2 x * rstd, 2 z, 2 h * sig; 5 butterfly sums, 2 (e + 1).
+# sm_100a: 2 squares, 2, 2, 2; 1 pair sum, 5 butterfly sums, 2.
+EPILOGUE_ROUNDED = {"sm_90a": (7, 7), "sm_100a": (8, 8)}
+EPILOGUE_SHUFFLES = {"sm_90a": ["1", "16", "8", "4", "2"], "sm_100a": ["1", "2", "4", "8", "16"]}
+
+
+def _find(node, pred):
+    """The first node of the tree ``node`` (depth first) that satisfies ``pred``, or None."""
+    seen = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, tuple) or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if pred(n):
+            return n
+        stack.extend(reversed(n[1:]))
+    return None
+
+
+def _smem(node) -> set:
+    """The shared-load indices in the tree ``node``."""
+    found, seen, stack = set(), set(), [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, tuple) and id(n) not in seen:
+            seen.add(id(n))
+            if n[0] == "smem":
+                found.add(n[1])
+            else:
+                stack.extend(n[1:])
+    return found
+
+
+def audit_epilogue(body: str, eps: float, og_arch: str) -> str:
+    """The o-gate epilogue of ``og_arch`` in the variant's PTX: the stored
+    word's expression is the spec's o-gate of the BF16-rounded quotients
+    ``(R0, R1)`` and the gate word (node for node), the butterflies in its
+    order; returns ``body`` without its fused multiply-adds and approximate
+    instructions (each counted exactly)."""
+    from test_compile_activations import NEG_LOG2E, expected_o_gate_words, hi16, lo16, trace, without
+
+    stores = trace(body)
+    assert len(stores) == 1 and len(stores[0]) == 1
+    word = stores[0][0]
+    x_word = _find(word, lambda n: n[0] == "bf16x2" and all(a[0] == "div.rn" for a in n[1:]))
+    z = _find(word, lambda n: n[0] == "mul.rn" and n[2] == NEG_LOG2E)
+    assert x_word is not None and z is not None and z[1][0] in ("lo16", "hi16") and z[1][1][0] == "ld"
+    gate_word = z[1][1]
+    # Column 2l's quotient (the first word of each ld.shared.v2 of the warp
+    # sums) is the low half of the rounded pair.
+    assert min(_smem(x_word[2][1])) < min(_smem(x_word[1][1])), "the quotients' columns swapped"
+    expected = expected_o_gate_words([lo16(x_word), hi16(x_word)], [lo16(gate_word), hi16(gate_word)], eps,
+                                     og_arch)
+    assert word == expected[0], "the o-gate epilogue's expression is not the spec's"
+    shuffles = re.findall(r"\bshfl\.sync\.bfly\.b32\s+%\w+, %\w+, (\d+), 31, -1;", body)
+    assert shuffles[-5:] == EPILOGUE_SHUFFLES[og_arch], shuffles
+    for pattern, n in EPILOGUE_ALLOWED[og_arch].items():
+        body = without(body, pattern, n)
+    return body
+
+
+def audit_v2(body: str, slot: str, pdl: bool, staged: int, eps, og_arch=None) -> None:
     """The variant's PTX: ``audit``'s rules with its counts. ``C`` staged
     chunks (unrolled) and the default's path past them: scores C + 2 (the
     staged ones, the path past the cap, its recompute), pass-2 steps C + 1;
-    with the o-gate (``G``): the squares, the norm, two sigmoids."""
+    with the o-gate (``G``) of ``og_arch``: ``audit_epilogue``, then its
+    squares, norm and two sigmoids."""
     from dspark_cute.cutedsl.attention.staged import COPY_GROUP
 
-    audit_forbidden(body, no_rcp=True, explicit_rounding=True)
     c, g = staged // 128, int(eps is not None)
+    gm, ga = EPILOGUE_ROUNDED[og_arch] if g else (0, 0)
+    if g:
+        body = audit_epilogue(body, eps, og_arch)
+    audit_forbidden(body, no_rcp=True, explicit_rounding=True)
     assert count(body, r"\bmax\.NaN\.f32\b") == c + 9
     assert not re.search(r"\bmax(\.\w+)*\.f32\b", body.replace("max.NaN.f32", "")), "a max that drops NaN"
     # Global memory: q, K and V past the cap, q + K recomputed; the slot
@@ -270,15 +355,15 @@ def audit_v2(body: str, slot: str, pdl: bool, staged: int, eps) -> None:
     assert count(body, r"\bld\.shared\.s32\b") == (COPY_GROUP + 2 * c if c else 0)
     assert count(body, r"\bst\.shared\.b32\b") == c
     # Arithmetic (audit's terms): scores 65 products and 63 sums each;
-    # pass-2 steps 76 products, 71 sums, 4 differences; the folds; the o-gate
-    # 6 products + 2 exp_rn (12 each), 21 sums, 6 differences, 4 quotients.
-    assert count(body, r"\bmul\.rn\.f32\b") == (c + 2) * 65 + (c + 1) * 76 + 30 * g
-    assert count(body, r"\badd\.rn\.f32\b") == (c + 2) * 63 + (c + 1) * 71 + 8 + 2 * 31 + 2 * 3 + 21 * g
-    assert count(body, r"\bsub\.rn\.f32\b") == 4 * (c + 1) + 6 * g
-    assert count(body, r"\bdiv\.rn\.f32\b") == 2 + 4 * g
-    assert count(body, r"\bsqrt\.rn\.f32\b") == g
-    assert count(body, r"\bcvt\.rni\.f32\.f32\b") == c + 1 + 2 * g
-    assert count(body, r"\bcvt\.rn\.bf16x2\.f32\b") == 1 + 2 * g
+    # pass-2 steps 76 products, 71 sums, 4 differences; the folds; the
+    # o-gate's (EPILOGUE_ROUNDED), no difference, quotient or exp_rn of its own.
+    assert count(body, r"\bmul\.rn\.f32\b") == (c + 2) * 65 + (c + 1) * 76 + gm
+    assert count(body, r"\badd\.rn\.f32\b") == (c + 2) * 63 + (c + 1) * 71 + 8 + 2 * 31 + 2 * 3 + ga
+    assert count(body, r"\bsub\.rn\.f32\b") == 4 * (c + 1)
+    assert count(body, r"\bdiv\.rn\.f32\b") == 2
+    assert count(body, r"\bsqrt\.rn\.f32\b") == 0
+    assert count(body, r"\bcvt\.rni\.f32\.f32\b") == c + 1
+    assert count(body, r"\bcvt\.rn\.bf16x2\.f32\b") == 1 + g
     assert count(body, r"\bshfl\.sync\.bfly\.b32\b") == 10 + 5 * g
     assert count(body, r"\bbar\.sync\b") == 4 + (2 if c else 0)
     assert count(body, r"\bst\.shared\.v4\.f32\b") == 16
@@ -296,19 +381,22 @@ def audit_v2(body: str, slot: str, pdl: bool, staged: int, eps) -> None:
 
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variant", V2_VARIANTS, ids=_v2_name)
-def test_attention_v2_compiles(arch, variant, tmp_path):
+@pytest.mark.parametrize("variant,og_arch", V2_CASES, ids=lambda v: _v2_name(v) if isinstance(v, tuple) else str(v))
+def test_attention_v2_compiles(arch, variant, og_arch, tmp_path):
+    from test_compile_activations import ptxas_report as any_ptxas_report
+
     from dspark_cute.cutedsl.attention.staged import StagedAttentionKernel, fake_staged_args, smem_layout
     from dspark_cute.runtime.host import compile_ptx
 
     h, kv, bs, slot, pdl, staged, eps = variant
     c = AttentionConstants(h, kv, 64, bs, slot, staged_slots=staged, o_gate_eps=eps)
-    ptx = compile_ptx(StagedAttentionKernel(c, pdl), *fake_staged_args(c), arch=arch)
+    kernel = StagedAttentionKernel(c, pdl) if og_arch is None else StagedAttentionKernel(c, pdl, og_arch)
+    ptx = compile_ptx(kernel, *fake_staged_args(c), arch=arch)
     assert f".target {arch}" in ptx
-    audit_v2(code(ptx), slot, pdl, staged, eps)
+    audit_v2(code(ptx), slot, pdl, staged, eps, og_arch)
     # The shared memory fits an H200 / B200 CTA (227 KB).
     assert smem_layout(c).total <= 227 * 1024
-    report = ptxas_report(ptx, arch, tmp_path)
+    report = any_ptxas_report(ptx, arch, tmp_path)
     if report:
         assert spill_bytes(report) == spill_bytes(report, "spill loads") == 0, report
         registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
@@ -358,6 +446,33 @@ def test_v2_constructor_refuses():
     assert not PagedAttention(AttentionConstants(64, 8, 64, 16)).takes_strided_q
     g = PagedAttention(AttentionConstants(64, 8, 64, 16, o_gate_eps=1e-6))
     assert g.constants.staged_slots == 0 and g.gated and g.constants.o_gate_eps == 1e-6
+
+
+def test_o_gate_arch_setting(monkeypatch):
+    """The o-gate epilogue's arch: the constructor's, else the current CUDA
+    device's stock arch (``spec.layers.stock_arch``; sm_90a without CUDA);
+    None without the o-gate; anything but sm_90a / sm_100a refused."""
+    from dspark_core.errors import Unsupported
+    from dspark_cute.cutedsl.attention import paged as mod
+    from dspark_cute.cutedsl.attention.staged import StagedAttentionKernel
+
+    gated = AttentionConstants(64, 8, 64, 16, staged_slots=384, o_gate_eps=1e-6)
+    assert mod.PagedAttention(gated, o_gate_arch="sm_100a").o_gate_arch == "sm_100a"
+    assert mod.PagedAttention(gated, o_gate_arch="sm_90a").o_gate_arch == "sm_90a"
+    assert mod.PagedAttention(AttentionConstants(64, 8, 64, 16, staged_slots=384), o_gate_arch="sm_100a"
+                              ).o_gate_arch is None
+    asked = []
+    monkeypatch.setattr(mod, "stock_arch", lambda device: asked.append(device) or "sm_100a")
+    lazy = mod.PagedAttention(gated)
+    assert not asked and lazy.o_gate_arch == "sm_100a" and lazy.o_gate_arch == "sm_100a" and len(asked) == 1
+    monkeypatch.undo()
+    if not torch.cuda.is_available():
+        assert mod.PagedAttention(gated).o_gate_arch == "sm_90a"
+    for bad in ("sm_80", "sm_90", "sm_100"):
+        with pytest.raises(Unsupported, match="no stock o-gate is known"):
+            mod.PagedAttention(gated, o_gate_arch=bad)
+        with pytest.raises(Unsupported, match="no stock o-gate is known"):
+            StagedAttentionKernel(gated, True, bad)
 
 
 def test_v2_operand_checks(monkeypatch):
@@ -429,3 +544,19 @@ def test_compile_dispatch(monkeypatch):
     assert mod.compile_attention(default, True) == ("DirectAttentionKernel", 8)
     assert mod.compile_attention(staged, True) == ("StagedAttentionKernel", 11)
     assert len(direct.compile_direct_attention.cache) == len(staged_mod.compile_staged_attention.cache) == 1
+    # The o-gate's arch is a variant of its own; an ungated variant ignores it.
+    mod.compile_attention(staged, True, "sm_90a")
+    assert len({id(k) for k in staged_mod.compile_staged_attention.cache.values()}) == 1
+    mod.compile_attention(staged, True, "sm_100a")
+    assert len({id(k) for k in staged_mod.compile_staged_attention.cache.values()}) == 2
+    ungated = AttentionConstants(64, 8, 64, 16, staged_slots=384)
+    mod.compile_attention(ungated, True, "sm_90a")
+    mod.compile_attention(ungated, True, "sm_100a")
+    assert len({id(k) for k in staged_mod.compile_staged_attention.cache.values()}) == 3
+    built = []
+    monkeypatch.setattr(staged_mod.StagedAttentionKernel, "__init__",
+                        lambda self, c, pdl, arch="sm_90a": built.append(arch) or None)
+    monkeypatch.setattr(staged_mod.compile_staged_attention, "cache", {})
+    mod.PagedAttention(staged, pdl=True, o_gate_arch="sm_100a").prepare()
+    mod.PagedAttention(ungated, pdl=True, o_gate_arch="sm_100a").prepare()
+    assert built == ["sm_100a", "sm_90a"]

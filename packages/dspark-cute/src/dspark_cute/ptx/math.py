@@ -1,10 +1,11 @@
-"""Traced PTX of the spec's transcendental chain: ``exp_rn``, ``sigmoid_rn``
-and ``silu_rn`` of ``dspark_core.spec.numerics``, bit for bit.
+"""Traced PTX of the exponentials: ``exp_rn`` (the reference attention's,
+``dspark_core.spec.numerics.exp_rn``) and ``expf`` (CUDA's accurate
+``expf``, ``dspark_core.spec.numerics.expf``: the stock activation's), each
+bit for bit.
 
-Each FP32 operation has an explicit ``.rn`` and no ``.ftz``, so nothing is
-contracted into an FMA, flushed or approximated:
-
-- ``exp_rn(x)``: one asm block per value, in the spec's order:
+- ``exp_rn(x)``: one asm block per value, every FP32 operation with an
+  explicit ``.rn`` and no ``.ftz`` (nothing contracted, flushed or
+  approximated), in the spec's order:
 
   1. the clamp: ``c = x``, then ``-104`` where ``x < -104``, ``88.72283935546875``
      where ``x > 88.72283935546875`` (``setp`` + ``selp``: ordered
@@ -24,10 +25,27 @@ contracted into an FMA, flushed or approximated:
 
   The constants are the spec's own (``dspark_core.spec.numerics``) rounded to FP32
   on the host and written as exact hex immediates (``0fXXXXXXXX``).
-- ``sigmoid_rn(x)``: ``div.rn(1, add.rn(1, exp_rn(neg(x))))`` (``neg.f32``
-  is exact; the spec's ``1.0 / t`` is torch's ``reciprocal(t) * 1.0``, a
-  correctly rounded reciprocal times one: the same bits as ``div.rn``);
-- ``silu_rn(x)``: ``mul.rn(x, sigmoid_rn(x))``.
+
+- ``expf(x)``: one asm block per value, the instruction sequence of
+  libdevice's ``__nv_expf`` as CUDA compiles ``expf`` without fast math
+  (``__CUDA_FTZ`` 0: what nvcc emits for vLLM's ``silu_kernel``, what NVRTC
+  emits for the spec's ``expf`` on CUDA, and what CuTe DSL's
+  ``cute.math.exp(x, fastmath=False)`` lowers to), in this order:
+
+  1. ``t = cvt.sat(fma.rn(x, 0x3BBB989D, 0.5))`` (``log2 e / 252``; the
+     saturation clamps to [0, 1], a NaN to +0);
+  2. ``j = fma.rm(t, 252, 12582913)`` (``floor(252 t)`` in the low
+     mantissa bits of ``1.5 * 2^23 + 1``);
+  3. ``f = add.rn(j, -12583039)`` (the integer ``k = floor(252 t) - 126``,
+     exact), ``u = fma.rn(x, 0x3FB8AA3B, -f)`` then ``u = fma.rn(x,
+     0x32A57060, u)`` (``x log2 e - k``, log2 e in two parts);
+  4. ``s = bits(j) << 23`` (``2^k``, k in [-126, 126]);
+  5. ``e = mul.rn(ex2.approx.ftz(u), s)``.
+
+  The stock kernel has ``1 + expf(-x)`` contracted into step 5 (``fma(s,
+  p, 1)``); ``mul.rn`` here keeps ``expf`` a function of its own, and
+  ``add.rn(expf(-x), 1)`` gives the same bits: ``s * p`` is exact unless
+  it is below 2^-126 (where both sums round to 1) or overflows (both inf).
 """
 
 from __future__ import annotations
@@ -37,7 +55,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.spec import numerics as spec
 
-from .arith import add_rn, div_rn, f32_bits, f32_const, mul_rn, neg_f32
+from .arith import f32_bits
 from .inline import asm, f32
 
 
@@ -121,16 +139,43 @@ def exp_rn(x, *, loc=None, ip=None) -> Float32:
     return Float32(asm(T.f32(), [f32(x, loc, ip)], _EXP_ASM, "=f,f", False, loc, ip))
 
 
-def sigmoid_rn(x) -> Float32:
-    """``dspark_core.spec.numerics.sigmoid_rn``: ``1 / (1 + exp_rn(-x))``, the
-    negation exact, the sum and the quotient each rounded once."""
-    one = f32_const(1.0)
-    return div_rn(one, add_rn(one, exp_rn(neg_f32(x))))
+# CUDA's expf (libdevice __nv_expf without FTZ): its constants' FP32 bits.
+EXPF_BITS = {
+    "log2e_252": 0x3BBB989D,  # log2(e) / 252
+    "half": 0x3F000000,  # 0.5
+    "scale": 0x437C0000,  # 252.0
+    "magic": 0x4B400001,  # 12582913.0 = 1.5 * 2^23 + 1
+    "unbias": 0xCB40007F,  # -12583039.0 = -(1.5 * 2^23 + 127)
+    "log2e_hi": 0x3FB8AA3B,  # log2(e) rounded to FP32
+    "log2e_lo": 0x32A57060,  # log2(e) - log2e_hi
+}
+
+# (The PTX of __nv_expf, with explicit .rn on the add and the final product.)
+_EXPF_ASM = " ".join([
+    "{",
+    ".reg .f32 t, j, f, u, p, s;",
+    ".reg .b32 b;",
+    f"fma.rn.f32 t, $1, 0f{EXPF_BITS['log2e_252']:08X}, 0f{EXPF_BITS['half']:08X};",
+    "cvt.sat.f32.f32 t, t;",
+    f"fma.rm.f32 j, t, 0f{EXPF_BITS['scale']:08X}, 0f{EXPF_BITS['magic']:08X};",
+    f"add.rn.f32 f, j, 0f{EXPF_BITS['unbias']:08X};",
+    "neg.f32 f, f;",
+    f"fma.rn.f32 u, $1, 0f{EXPF_BITS['log2e_hi']:08X}, f;",
+    f"fma.rn.f32 u, $1, 0f{EXPF_BITS['log2e_lo']:08X}, u;",
+    "mov.b32 b, j;",
+    "shl.b32 b, b, 23;",
+    "mov.b32 s, b;",
+    "ex2.approx.ftz.f32 p, u;",
+    "mul.rn.f32 $0, p, s;",
+    "}",
+])
 
 
-def silu_rn(x) -> Float32:
-    """``dspark_core.spec.numerics.silu_rn``: ``x * sigmoid_rn(x)``, rounded once."""
-    return mul_rn(x, sigmoid_rn(x))
+@dsl_user_op
+def expf(x, *, loc=None, ip=None) -> Float32:
+    """CUDA's accurate ``expf(x)`` of FP32 ``x``
+    (``dspark_core.spec.numerics.expf`` on CUDA; module docstring)."""
+    return Float32(asm(T.f32(), [f32(x, loc, ip)], _EXPF_ASM, "=f,f", False, loc, ip))
 
 
-__all__ = ["EXP_BITS", "exp_rn", "sigmoid_rn", "silu_rn"]
+__all__ = ["EXPF_BITS", "EXP_BITS", "exp_rn", "expf"]

@@ -24,7 +24,7 @@ from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
 from dspark_core.errors import Unsupported
 from dspark_core.spec.attention import LANES, scale
 from dspark_cute import ptx
-from dspark_cute.cutedsl.heads import head_norm_pair
+from dspark_cute.cutedsl.gating.o_gate import o_gate_fragment
 
 WARPS = LANES // ptx.WARP  # 4
 # The transposed lane sums: one row of 64 FP32 per thread, padded to 68 words
@@ -161,16 +161,19 @@ def quotients(lsums, wsums, lane) -> list:
     return res
 
 
-def o_gate_pair(res: list, gate_word, eps: float) -> Uint32:
-    """The o-gate of warp 0's lane ``l`` holding the quotients ``res`` of
-    columns ``2l``, ``2l + 1`` (the staged kernel's step 5): the BF16 output
-    word. The head tree of the BF16 output's squares is the pair sum of lane
-    ``l`` (the tree's pair ``l``) folded by ``ptx.warp_fold`` (offsets 16 ..
-    1: the fold by halves), in every lane."""
-    x0, x1 = ptx.round_bf16x2(res[0], res[1])
-    _, n0, n1 = head_norm_pair(x0, x1, eps)
-    g0, g1 = ptx.bf16x2_to_f32(gate_word)
-    return ptx.pack_bf16x2_rn(ptx.mul_rn(n0, ptx.sigmoid_rn(g0)), ptx.mul_rn(n1, ptx.sigmoid_rn(g1)))
+def o_gate_pair(res: list, gate_word, eps: float, arch: str) -> Uint32:
+    """The o-gate epilogue of warp 0's lane ``l`` holding the quotients
+    ``res`` of columns ``2l``, ``2l + 1`` (the staged kernel's step 5): the
+    BF16 output word of ``layers.o_gate(attention, gate, HeadNorm(64,
+    eps), arch)`` for the attention output ``x = round_bf16(res)`` and the
+    gate pair ``gate_word``, in ``dspark_cute.cutedsl.gating.o_gate``'s
+    arithmetic for ``arch`` with the head over 32 lanes of 2 columns
+    (``head_sum_of_squares``: on sm_90a FLA's lane ``l // 2`` is lanes ``l``
+    and ``l ^ 1``, its folds the butterflies 16, 8, 4, 2; on sm_100a the
+    butterflies 1 .. 16), in every lane."""
+    x = list(ptx.round_bf16x2(res[0], res[1]))
+    g = list(ptx.bf16x2_to_f32(gate_word))
+    return o_gate_fragment(x, g, eps, arch)[0]
 
 
 # ---------------------------------------------------------------- the passes over global memory
@@ -267,7 +270,7 @@ def pass2_global(w: SlotWalk, acc, lsum, top, q_row, first: int) -> None:
 
 @cute.jit
 def finish(c: AttentionConstants, pdl: bool, acc, lsum, red, lsums, wsums, out, token, head, tidx, warp, lane,
-           gate_word=None) -> None:
+           gate_word=None, o_gate_arch: str = "sm_90a") -> None:
     """Steps 4-5 after pass 2, in this order: with ``pdl`` the release of
     the next grid; ``l``'s warp fold (``ptx.warp_fold``), lane 0 storing its
     warp's at ``lsums + 4 warp``; a CTA barrier (the shared memory before
@@ -275,7 +278,7 @@ def finish(c: AttentionConstants, pdl: bool, acc, lsum, red, lsums, wsums, out, 
     into ``wsums``; in warp 0, ``quotients`` and lane ``l``'s output word at
     ``out + ((token * heads + head) * 64 + 2 l) * 2``: the two BF16
     quotients (``cvt.rn``) or, with ``c.o_gate_eps``, ``o_gate_pair`` of them
-    and ``gate_word``."""
+    and ``gate_word`` in the stock o-gate arithmetic of ``o_gate_arch``."""
     if cutlass.const_expr(pdl):
         # Dependents still wait for this grid's end before they read `out`.
         ptx.pdl_launch_dependents()
@@ -291,4 +294,4 @@ def finish(c: AttentionConstants, pdl: bool, acc, lsum, red, lsums, wsums, out, 
         if cutlass.const_expr(c.o_gate_eps is None):
             ptx.st_global_b32(out_row + Int64(lane) * 4, ptx.pack_bf16x2_rn(res[0], res[1]))
         else:
-            ptx.st_global_b32(out_row + Int64(lane) * 4, o_gate_pair(res, gate_word, c.o_gate_eps))
+            ptx.st_global_b32(out_row + Int64(lane) * 4, o_gate_pair(res, gate_word, c.o_gate_eps, o_gate_arch))

@@ -9,18 +9,24 @@ import torch
 from cutlass import Int32, Int64
 
 from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
+from dspark_core.spec.layers import stock_arch
 from dspark_cute.cutedsl.attention.common import SLOT_BYTES, SLOT_DTYPES, check_constants
 from dspark_cute.cutedsl.attention.direct import compile_direct_attention
 from dspark_cute.cutedsl.attention.staged import compile_staged_attention
+from dspark_cute.cutedsl.gating.o_gate import check_arch
 from dspark_cute.runtime.host import LazyPdl, cache_tensor, current_stream, stream_capturing
 
 
-def compile_attention(constants: AttentionConstants, pdl: bool):
+def compile_attention(constants: AttentionConstants, pdl: bool, o_gate_arch: str = "sm_90a"):
     """The compiled kernel of ``constants`` and ``pdl``: the direct one for
-    the default constants, the staged one where an option is on."""
+    the default constants, the staged one where an option is on, its o-gate
+    epilogue (where ``o_gate_eps`` is set) in the arithmetic of
+    ``o_gate_arch`` (ignored without it: one compile per ungated setting)."""
     if constants.is_default:
         return compile_direct_attention(constants, pdl)
-    return compile_staged_attention(constants, pdl)
+    if constants.o_gate_eps is None:
+        return compile_staged_attention(constants, pdl)
+    return compile_staged_attention(constants, pdl, o_gate_arch)
 
 
 class PagedAttention(LazyPdl):
@@ -33,22 +39,43 @@ class PagedAttention(LazyPdl):
     and V rows of the first that many slots are staged in shared memory (one
     memory round trip; later slots take the direct path inside the kernel);
     with ``o_gate_eps`` the output is ``layers.o_gate(., gate, HeadNorm(64,
-    o_gate_eps))`` and the calls take ``gate=``. Either option launches the
+    o_gate_eps), o_gate_arch)`` (the stock o-gate of ``o_gate_arch``,
+    "sm_90a" or "sm_100a"; default: the one the stock runs on the current
+    CUDA device, ``dspark_core.spec.layers.stock_arch``, as ``layers.o_gate``
+    defaults) and the calls take ``gate=``. Either option launches the
     staged kernel, which also takes ``q`` as a row-strided view
     (``takes_strided_q``). ``pdl``: programmatic dependent launch (default:
     where the device supports it, sm_90+). Call ``prepare()`` before CUDA
     graph capture; ``launch`` is graph-capturable once prepared."""
 
-    def __init__(self, constants: AttentionConstants, *, pdl: bool | None = None) -> None:
+    def __init__(self, constants: AttentionConstants, *, pdl: bool | None = None,
+                 o_gate_arch: str | None = None) -> None:
         check_constants(constants)
         self.constants = constants
         self.slot_dtype = SLOT_DTYPES[constants.slot_dtype]
         self._pdl = pdl
+        self._o_gate_arch = None if o_gate_arch is None else check_arch(o_gate_arch)
+
+    @property
+    def o_gate_arch(self) -> str | None:
+        """The stock o-gate whose arithmetic the epilogue runs (None without
+        the o-gate): the constructor's, or the current CUDA device's stock
+        arch, asked on first use (sm_90a without CUDA)."""
+        if not self.gated:
+            return None
+        if self._o_gate_arch is None:
+            self._o_gate_arch = stock_arch("cuda" if torch.cuda.is_available() else "cpu")
+        return self._o_gate_arch
+
+    def _compiled(self):
+        if self.gated:
+            return compile_attention(self.constants, self.pdl, self.o_gate_arch)
+        return compile_attention(self.constants, self.pdl)
 
     def prepare(self) -> None:
-        """Compile the kernel this object launches (one per constants and PDL
-        setting). Call before CUDA graph capture."""
-        compile_attention(self.constants, self.pdl)
+        """Compile the kernel this object launches (one per constants, PDL
+        setting and o-gate arch). Call before CUDA graph capture."""
+        self._compiled()
 
     @property
     def takes_strided_q(self) -> bool:
@@ -127,7 +154,7 @@ class PagedAttention(LazyPdl):
         spec's check; it reads the slots on the host). Inside a capture such
         a slot is masked by the kernel. With the o-gate, ``gate`` is the
         gate and the result is ``o_gate(attention, gate, HeadNorm(64,
-        o_gate_eps))``."""
+        o_gate_eps), o_gate_arch)``."""
         reason = self.problem(q, cache, attn_slots, out, gate)
         if reason is not None:
             raise ValueError(reason)
@@ -143,7 +170,7 @@ class PagedAttention(LazyPdl):
         m, s_len = attn_slots.shape
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-        kernel = compile_attention(self.constants, self.pdl)
+        kernel = self._compiled()
         if self.takes_strided_q:
             g, g_stride = (gate.data_ptr(), gate.stride(0)) if gate is not None else (0, 0)
             kernel(Int64(q.data_ptr()), Int64(q.stride(0)), Int64(cache.data_ptr()), Int64(attn_slots.data_ptr()),

@@ -35,13 +35,13 @@ What changes is where the K and V rows come from:
    works, the slots past the cap only run slower;
 5. the folds and ``div.rn`` as the default (``common.finish``);
    then either the BF16 store, or the o-gate epilogue (the CTA owns the
-   whole head: warp 0's lane ``l`` holds columns ``2l``, ``2l + 1``, i.e.
-   the head tree's pair ``l``):
-   ``x = round_bf16(a / l)``, ``s = warp_fold(x_2l^2 + x_(2l+1)^2)`` (the
-   butterfly 16, 8, 4, 2, 1 is the head tree's fold by halves),
-   ``n = round_bf16(x * inv_rms(s, 64, eps))``, ``out = round_bf16(n *
-   sigmoid_rn(g))``: ``layers.o_gate(paged_attention(...), gate,
-   HeadNorm(64, eps))`` bit for bit.
+   whole head: warp 0's lane ``l`` holds columns ``2l``, ``2l + 1``):
+   ``x = round_bf16(a / l)``, then the stock o-gate of ``o_gate_arch``
+   (``dspark_cute.cutedsl.gating.o_gate``, the head as 32 lanes of 2
+   columns: ``common.o_gate_pair``): ``layers.o_gate(paged_attention(...),
+   gate, HeadNorm(64, eps), o_gate_arch)`` bit for bit. ``o_gate_arch`` is
+   a compile-time setting of the kernel (the constants carry only the
+   o-norm's eps).
 
 ``staged_slots = 0`` (``o_gate_eps`` alone) runs every slot through step 4.
 
@@ -84,6 +84,7 @@ from dspark_cute.cutedsl.attention.common import (
     prefetch_rows,
     score,
 )
+from dspark_cute.cutedsl.gating.o_gate import check_arch
 from dspark_cute.runtime.host import fake_stream, jit_cache
 
 # Chunks of 128 slots past the staged ones whose scores pass 1 keeps in
@@ -157,12 +158,15 @@ class StagedAttentionKernel:
     8), the cache tensor (16-byte aligned), ``attn_slots``, ``out``
     (contiguous, 4-byte aligned) and the gate's first row (4-byte aligned,
     row ``i`` at element ``i * gate_stride``; unused without the o-gate);
-    ``m`` and ``s_len`` (Int32), ``num_slots`` (Int64)."""
+    ``m`` and ``s_len`` (Int32), ``num_slots`` (Int64). ``o_gate_arch``:
+    the stock o-gate whose arithmetic the epilogue runs (``ARCHS`` of
+    ``dspark_cute.cutedsl.gating.o_gate``; unused without the o-gate)."""
 
-    def __init__(self, constants: AttentionConstants, pdl: bool) -> None:
+    def __init__(self, constants: AttentionConstants, pdl: bool, o_gate_arch: str = "sm_90a") -> None:
         check_staged_constants(constants)
         self.constants = constants
         self.pdl = pdl
+        self.o_gate_arch = check_arch(o_gate_arch)
 
     @cute.jit
     def __call__(self, q: Int64, q_stride: Int64, cache: Int64, slots: Int64, out: Int64, gate: Int64,
@@ -271,7 +275,8 @@ class StagedAttentionKernel:
         pass2_global(walk, acc, lsum, top, q_row, capc)
         # The staged rows, scores and table are dead once every thread is past
         # pass 2 (finish's first barrier); the fold reuses them.
-        finish(c, self.pdl, acc, lsum, base, lsums, wsums, out, token, head, tidx, warp, lane, gate_word)
+        finish(c, self.pdl, acc, lsum, base, lsums, wsums, out, token, head, tidx, warp, lane, gate_word,
+               self.o_gate_arch)
 
 
 def fake_staged_args(constants: AttentionConstants) -> tuple:
@@ -295,6 +300,7 @@ __all__ = [
 
 
 @jit_cache("PagedAttention (staged / o-gate)")
-def compile_staged_attention(constants: AttentionConstants, pdl: bool):
-    """The compiled ``StagedAttentionKernel`` of ``constants`` and ``pdl``."""
-    return StagedAttentionKernel(constants, pdl), fake_staged_args(constants)
+def compile_staged_attention(constants: AttentionConstants, pdl: bool, o_gate_arch: str = "sm_90a"):
+    """The compiled ``StagedAttentionKernel`` of ``constants``, ``pdl`` and
+    ``o_gate_arch``."""
+    return StagedAttentionKernel(constants, pdl, o_gate_arch), fake_staged_args(constants)

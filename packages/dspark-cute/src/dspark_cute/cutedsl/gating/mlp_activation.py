@@ -1,20 +1,26 @@
-"""The gated SiLU activation kernel: ``dspark_core.spec.layers.GatedMLP.activation``,
-bit for bit.
+"""The gated SiLU activation kernel: ``dspark_core.spec.layers.silu_and_mul``
+(``GatedMLP.activation``, vLLM's ``SiluAndMul``), bit for bit the stock
+``act_and_mul_kernel``.
 
 For the gate-up projection's output ``gu`` (BF16 ``[m, 2I]``, rows
 contiguous, the I gate columns first, then the I up columns) it writes BF16
 ``h [m, I]``, per element ``c`` of row ``i``:
 
-1. ``g = gu[i, c]`` and ``u = gu[i, I + c]`` widened to FP32 exactly;
-2. ``s = silu_rn(g) = g * sigmoid_rn(g)`` with ``sigmoid_rn(g) = 1 / (1 +
-   exp_rn(-g))`` (``dspark_cute.ptx.math``: the spec's ``exp_rn`` operation
-   by operation; the negation exact, the sum, the quotient and the product
-   each rounded once to nearest even: ``add.rn``, ``div.rn``, ``mul.rn``);
-3. ``h[i, c] = round_bf16(s * u)`` (``mul.rn.f32``, then
-   ``cvt.rn.bf16x2.f32``: nearest even, subnormals kept, overflow to inf).
+1. ``x = gu[i, c]`` and ``u = gu[i, I + c]`` widened to FP32 exactly;
+2. ``e = expf(neg(x))``: CUDA's accurate ``expf`` (``dspark_cute.ptx.math.expf``,
+   libdevice's instruction sequence: a Cody-Waite reduction with ``fma.rn``,
+   ``cvt.sat`` and ``fma.rm``, ``ex2.approx.ftz.f32``, the power of two from
+   its bits, ``mul.rn``); the negation exact;
+3. ``a = div.rn(x, add.rn(e, 1))`` (IEEE division), rounded to BF16
+   (``cvt.rn.bf16x2.f32``) and widened back: the stock's ``silu_kernel``
+   returns a BF16;
+4. ``h[i, c] = cvt.rn.bf16(mul.rn(a, add.rn(u, 0.0)))`` (``u + 0.0`` turns a
+   -0.0 up into +0.0, as the stock's ``up + up_offset`` does).
 
-No FMA, no ``.ftz``, no approximate instruction: the result is a function
-of the input bits alone (NaN payloads aside, ``dspark_core.spec.numerics``).
+The approximate ``ex2`` inside ``expf`` is the only approximate instruction,
+its ``fma``s the only fused multiply-adds (the stock contracts ``1 +
+expf(-x)`` into expf's last product instead: the same bits, see
+``dspark_cute.ptx.math``). Subnormals are kept; BF16 overflow rounds to inf.
 
 Layout: one thread per 8 consecutive columns (a 16-byte vector): thread
 ``v = cta * 128 + tid`` of a 1-D grid handles vector ``v`` of the ``m * I /
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import cutlass.cute as cute
 import torch
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 
 from dspark_core.contracts.constants import MlpActivationConstants
 from dspark_core.errors import Unsupported
@@ -93,6 +99,22 @@ class MlpActivationKernel:
         _activation_body(self.constants.intermediate_size, self.pdl, tidx, cta, m, gu.toint(), out.toint())
 
 
+def silu_bf16(x) -> Float32:
+    """Steps 2-3 of the module docstring for one FP32 gate value ``x``:
+    ``div.rn(x, add.rn(expf(-x), 1))``, not yet rounded to BF16."""
+    e = ptx.expf(ptx.neg_f32(x))
+    return ptx.div_rn(x, ptx.add_rn(e, ptx.f32_const(1.0)))
+
+
+def activation_words(g: list, u: list) -> list:
+    """Steps 2-4 for the FP32 gate values ``g`` and up values ``u`` of one
+    fragment (an even count, column order): the output words (BF16 pairs)."""
+    a = ptx.round_bf16([silu_bf16(x) for x in g])
+    zero = ptx.f32_const(0.0)
+    h = [ptx.mul_rn(ak, ptx.add_rn(uk, zero)) for ak, uk in zip(a, u)]
+    return [ptx.pack_bf16x2_rn(h[k], h[k + 1]) for k in range(0, len(h), 2)]
+
+
 def _activation_body(i: int, pdl: bool, tidx, cta, m, gu, out) -> None:
     # Past the end: redo the last vector (in bounds), the store is skipped.
     v, vc, row, col, total = vector_index(tidx, cta, m, i // VEC, THREADS)
@@ -103,8 +125,7 @@ def _activation_body(i: int, pdl: bool, tidx, cta, m, gu, out) -> None:
     g_addr = Int64(gu) + Int64(row) * (4 * i) + Int64(col) * (2 * VEC)
     g = ptx.ld_bf16x8(g_addr)
     u = ptx.ld_bf16x8(g_addr + 2 * i)
-    h = [ptx.mul_rn(ptx.silu_rn(gk), uk) for gk, uk in zip(g, u)]
-    words = [ptx.pack_bf16x2_rn(h[2 * k], h[2 * k + 1]) for k in range(VEC // 2)]
+    words = activation_words(g, u)
     # out is [m, I] contiguous: vector vc of the flat output.
     ptx.st_global_v4_if(Int64(out) + Int64(vc) * (2 * VEC), words, v, total)
 
@@ -124,9 +145,10 @@ def compile_mlp_activation(constants: MlpActivationConstants, pdl: bool):
 
 
 class MlpActivation(LazyPdl):
-    """``GatedMLP.activation`` for ``intermediate_size`` I, as one kernel
-    launch (module docstring): ``run(gu)`` returns the same bits as the
-    stock ``mlp.activation(gu)``.
+    """``silu_and_mul(gu, I)`` (``GatedMLP.activation``) for
+    ``intermediate_size`` I, as one kernel launch (module docstring):
+    ``run(gu)`` returns the same bits as the spec and vLLM's stock
+    ``SiluAndMul``.
 
     ``gu``: BF16 ``[..., 2I]`` (gate columns, then up columns), contiguous,
     16-byte aligned, on CUDA, with at least one row and at most
@@ -200,7 +222,7 @@ class MlpActivation(LazyPdl):
         return self.problem(gu, out) is None
 
     def run(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``round_bf16(silu_rn(g) * u)`` of ``gu`` (BF16 ``[..., 2I]``), BF16
+        """``silu_and_mul(gu, I)`` of ``gu`` (BF16 ``[..., 2I]``), BF16
         ``[..., I]``, written into ``out`` if given; ValueError with
         ``problem``'s sentence otherwise."""
         reason = self.problem(gu, out)
@@ -223,7 +245,9 @@ __all__ = [
     "MlpActivation",
     "MlpActivationKernel",
     "THREADS",
+    "activation_words",
     "check_constants",
     "compile_mlp_activation",
     "fake_args",
+    "silu_bf16",
 ]

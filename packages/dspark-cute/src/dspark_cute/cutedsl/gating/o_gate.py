@@ -1,47 +1,63 @@
-"""The o-gate kernel: ``dspark_core.spec.layers.o_gate(attn, gate, norm)`` with the
-weightless o-norm, bit for bit.
+"""The o-gate kernel: ``dspark_core.spec.layers.o_gate(attn, gate, norm, arch)``
+with the weightless o-norm, bit for bit the stock o-gate of ``arch``.
 
 For the attention output ``attn`` (BF16 ``[m, heads * 64]``, contiguous) and
 the o-gate rows of the QKV projection ``gate`` (BF16 ``[m, heads * 64]``, a
 column slice with its own row stride) it writes BF16 ``out [m, heads * 64]``
 (contiguous), per head of D = 64 columns ``x = attn[i, 64h : 64h + 64]``
-and ``g = gate[i, 64h : 64h + 64]``, widened to FP32 exactly:
+and ``g = gate[i, 64h : 64h + 64]``, widened to FP32 exactly. The
+arithmetic is the one of the constants' ``arch``, chosen at compile time:
 
-1. ``HeadNorm`` without a weight: the squares ``x_c * x_c`` (``mul.rn``),
-   the head tree (``dspark_core.spec.numerics.head_sum``: pair sums ``p_j =
-   x_2j^2 + x_(2j+1)^2``, then folded by halves ``p_j + p_(j+16)``, 8, 4, 2,
-   1; each sum ``add.rn``), ``r = inv_rms(s, 64, eps) = 1 / sqrt(s / 64 +
-   eps)`` (``div.rn``, ``add.rn``, ``sqrt.rn``, ``div.rn``; 64 and eps FP32
-   constants), ``n_c = round_bf16(x_c * r)`` (``mul.rn``,
-   ``cvt.rn.bf16x2.f32``);
-2. ``out_c = round_bf16(n_c * sigmoid_rn(g_c))``: ``n_c`` widened back
-   exactly, ``sigmoid_rn`` the spec's (``dspark_cute.ptx.math``: ``exp_rn``
-   operation by operation, ``1 / (1 + e)`` with ``add.rn`` and ``div.rn``),
-   the product ``mul.rn``, rounded to BF16 nearest even.
+- ``sm_90a``, FLA's Triton ``layer_norm_gated_fwd_kernel``:
 
-No FMA, no ``.ftz``, no approximate instruction (NaN payloads aside, the
-result is a function of the input bits: ``dspark_core.spec.numerics``).
+  1. ``S``: the leaves ``fma.rn(x_4j, x_4j, mul.rn(x_4j+1, x_4j+1))`` and
+     ``fma.rn(x_4j+2, x_4j+2, mul.rn(x_4j+3, x_4j+3))``, their sum ``F_j``
+     (``add.rn``; FLA's lane ``j`` of 16), the 16 ``F_j`` folded by halves
+     (``F_j + F_j+8``, then 4, 2, 1);
+  2. ``v = fma.rn(S, 2^-6, eps)``, ``rstd = div.full(1,
+     sqrt.approx.ftz(v))``;
+  3. per column ``h = mul.rn(x, rstd)``, ``z = mul.rn(g, -log2 e)``
+     (``0xBFB8AA3B``), ``sig = div.full(1, add.rn(ex2.approx(z), 1))``,
+     ``out = cvt.rn.bf16(mul.rn(h, sig))``;
+
+- ``sm_100a``, FlashInfer's ``rmsnorm_sigmoid_gate``:
+
+  1. ``S``: the 64 squares ``mul.rn(x_c, x_c)`` summed by the pairwise tree
+     of neighbours in column order (``add.rn``);
+  2. ``v = fma.rn(S, 2^-6, eps)``, ``inv = rsqrt.approx.ftz(v)``;
+  3. per column ``z = mul.rn(g, -log2 e)``, ``sig =
+     rcp.approx.ftz(add.rn(ex2.approx.ftz(z), 1))``, ``out =
+     cvt.rn.bf16(mul.rn(sig, mul.rn(x, inv)))``.
+
+  FlashInfer lays a head over 32 lanes of 2 columns up to 256 rows (``m *
+  heads``) and over 8 lanes of 8 above, each lane's squares summed
+  pairwise, the lane sums by ascending butterflies: both are the pairwise
+  tree over the 64 squares, so the kernel has one path for every row count.
+
+These are the only approximate instructions and the only fused
+multiply-adds (NaN payloads aside, the result is a function of the input
+bits: ``dspark_core.spec.numerics`` runs the same instructions on CUDA).
 
 Layout: one thread per 8 consecutive columns (a 16-byte vector), 8 threads
 per head: thread ``v = cta * 128 + tid`` of a 1-D grid handles vector ``v``
 of the ``m * heads * 8`` vectors (row ``v // (heads * 8)``), so the 8 lanes
-``8k .. 8k + 7`` of a warp hold one head, lane ``l`` its pairs ``4 (l % 8)
-.. + 3``. The head tree's folds over 16, 8 and 4 pairs are butterflies
-between lanes ``l ^ 4``, ``l ^ 2``, ``l ^ 1`` (each of the 4 pair sums a
-shuffle), the folds over 2 and 1 pair stay in the thread; every lane ends
+``8k .. 8k + 7`` of a warp hold one head, lane ``l`` its columns ``8 (l %
+8) .. + 7`` (``head_sum_of_squares``: on sm_90a FLA's lanes ``2l`` and ``2l
++ 1``, their folds 8, 4, 2 the butterflies ``l ^ 4``, ``l ^ 2``, ``l ^ 1``
+and the last fold in the thread; on sm_100a the thread's pairwise tree,
+then the butterflies ``l ^ 1``, ``l ^ 2``, ``l ^ 4``); every lane ends
 with the same sum (``a + b == b + a`` bit for bit). A thread past the end
 computes the last vector again (the shuffles need every lane) and its store
 is predicated off. ``m`` and the gate's row stride are runtime arguments;
-``heads`` and ``eps`` are compile-time. With ``pdl`` the kernel waits for
-the previous grid before its loads, then releases the next one.
+``heads``, ``eps`` and ``arch`` are compile-time. With ``pdl`` the kernel
+waits for the previous grid before its loads, then releases the next one.
 """
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint32
 
 from dspark_core.contracts.constants import HEAD_DIM, OGateConstants
 from dspark_core.errors import Unsupported
@@ -57,6 +73,9 @@ from dspark_cute.runtime.host import (
     ptr,
 )
 
+# The stock o-gates this kernel reproduces: FLA's Triton kernel (sm_90a) and
+# FlashInfer's CuTe kernel (sm_100a).
+ARCHS = ("sm_90a", "sm_100a")
 # Threads per CTA (each 8 columns; 16 heads per CTA).
 THREADS = 128
 # Columns per thread (one 16-byte BF16 vector) and threads per head.
@@ -64,45 +83,119 @@ VEC = 8
 HEAD_THREADS = HEAD_DIM // VEC
 # The vector index v = cta * THREADS + tid is an Int32: m * heads * 8 stays below this.
 MAX_VECTORS = 2**31 - THREADS
+# -log2(e) rounded to FP32 (both stock kernels' sigmoid scale) and 1/64.
+NEG_LOG2E_BITS = 0xBFB8AA3B
+INV_D_BITS = 0x3C800000
+# FLA's lanes: 4 columns each, 16 a head.
+FLA_COLUMNS = 4
+
+
+def check_arch(arch) -> str:
+    """``arch`` if a stock o-gate of it is known (``ARCHS``), else Unsupported."""
+    if arch not in ARCHS:
+        raise Unsupported(f"no stock o-gate is known for {arch!r} (only {', '.join(ARCHS)})")
+    return arch
 
 
 def check_constants(c: OGateConstants) -> None:
     """Unsupported unless the kernel takes ``c`` (an OGateConstants): at
-    least one head, a non-negative eps."""
+    least one head, a non-negative eps, an arch of ``ARCHS``."""
     if not isinstance(c, OGateConstants):
         raise ValueError(f"OGate takes OGateConstants, not {type(c).__name__}")
     if not isinstance(c.num_heads, int) or isinstance(c.num_heads, bool) or c.num_heads < 1:
         raise Unsupported(f"the o-gate takes at least one head, not {c.num_heads}")
     if not c.eps >= 0.0:  # NaN fails too
         raise Unsupported(f"the o-norm's eps must be a non-negative number, not {c.eps}")
+    check_arch(c.arch)
 
 
 # ---------------------------------------------------------------- traced pieces
+# Shared with the staged attention's o-gate epilogue (which holds a head as
+# 32 lanes of 2 columns).
 
 
-def head_sum_of_squares(x: list) -> cutlass.Float32:
-    """The head tree of the squares of a 64-wide head whose 8-column
-    fragment ``x`` (8 FP32) lane ``l`` holds at columns ``8 (l % 8)``: the
-    4 pair sums, the butterflies 4, 2, 1 (pairs 16, 8, 4 apart), then
-    ``(q0 + q2) + (q1 + q3)`` (pairs 2, then 1 apart). Every lane of the
-    head's 8 returns the sum."""
-    sq = [ptx.mul_rn(v, v) for v in x]
-    q = [ptx.add_rn(sq[2 * j], sq[2 * j + 1]) for j in range(VEC // 2)]
-    for offset in (4, 2, 1):
-        q = [ptx.add_rn(s, cute.arch.shuffle_sync_bfly(s, offset=offset)) for s in q]
-    return ptx.add_rn(ptx.add_rn(q[0], q[2]), ptx.add_rn(q[1], q[3]))
+def _bfly(value, offset: int) -> Float32:
+    return cute.arch.shuffle_sync_bfly(value, offset=offset)
 
 
-def o_gate_fragment(x: list, g: list, eps: float) -> list:
-    """Steps 1-2 of the module docstring for one thread's fragment: the 4
-    output words (BF16 pairs) of attention values ``x`` and gate values
-    ``g`` (8 FP32 each)."""
-    r = ptx.inv_rms(head_sum_of_squares(x), HEAD_DIM, eps)
-    n = []
-    for j in range(0, VEC, 2):
-        n.extend(ptx.round_bf16x2(ptx.mul_rn(x[j], r), ptx.mul_rn(x[j + 1], r)))
-    o = [ptx.mul_rn(nc, ptx.sigmoid_rn(gc)) for nc, gc in zip(n, g)]
-    return [ptx.pack_bf16x2_rn(o[j], o[j + 1]) for j in range(0, VEC, 2)]
+def head_sum_of_squares(x: list, arch: str) -> Float32:
+    """The stock o-norm's sum of squares of a 64-wide head held by
+    ``64 / n`` consecutive lanes (aligned to their count), lane ``l`` of
+    them columns ``n l .. n l + n - 1`` as ``x`` (``n`` FP32, a power of two
+    from 2 to 64); every lane of the head returns it:
+
+    - sm_90a: FLA's lane sums ``F_j = fma(x0, x0, x1 * x1) + fma(x2, x2,
+      x3 * x3)`` over its lanes of 4 columns, folded by halves; a fold over
+      FLA lanes that lie in other threads is a butterfly (offset the FLA
+      offset times the threads per FLA lane, or over the FLA lanes per
+      thread), the ones within the thread are sums in it; with 2 columns a
+      thread holds one leaf and the butterfly 1 makes ``F_j``;
+    - sm_100a: the squares rounded, summed pairwise in the thread, then the
+      butterflies 1, 2, 4, ... over the lanes (the pairwise tree of the 64)."""
+    n = len(x)
+    lanes = HEAD_DIM // n
+    if arch == "sm_90a":
+        leaves = [ptx.fma_rn(x[k], x[k], ptx.mul_rn(x[k + 1], x[k + 1])) for k in range(0, n, 2)]
+        if n < FLA_COLUMNS:
+            # Two threads per FLA lane: its two leaves, then the folds 8 .. 1.
+            s = ptx.add_rn(leaves[0], _bfly(leaves[0], 1))
+            for offset in (8, 4, 2, 1):
+                s = ptx.add_rn(s, _bfly(s, offset * (FLA_COLUMNS // n)))
+            return s
+        f = [ptx.add_rn(leaves[2 * j], leaves[2 * j + 1]) for j in range(n // FLA_COLUMNS)]
+        per = len(f)  # FLA lanes in this thread
+        for offset in (8, 4, 2, 1):
+            if offset >= per:
+                f = [ptx.add_rn(v, _bfly(v, offset // per)) for v in f]
+            else:
+                f = [ptx.add_rn(f[j], f[j + offset]) for j in range(offset)]
+        return f[0]
+    s = ptx.pairwise([ptx.mul_rn(v, v) for v in x])
+    offset = 1
+    while offset < lanes:
+        s = ptx.add_rn(s, _bfly(s, offset))
+        offset *= 2
+    return s
+
+
+def o_norm_scale(total, eps: float, arch: str) -> Float32:
+    """The o-norm's factor of the sum of squares ``total``: ``v =
+    fma.rn(total, 2^-6, eps)``, then ``div.full(1, sqrt.approx.ftz(v))``
+    (sm_90a) or ``rsqrt.approx.ftz(v)`` (sm_100a)."""
+    v = ptx.fma_rn(total, ptx.as_f32(Uint32(INV_D_BITS)), ptx.f32_const(eps))
+    if arch == "sm_90a":
+        return ptx.rcp_full(ptx.sqrt_approx_ftz(v))
+    return ptx.rsqrt_approx_ftz(v)
+
+
+def gate_sigmoid(g, arch: str) -> Float32:
+    """The stock sigmoid of the gate value ``g``: ``z = mul.rn(g, -log2
+    e)``, then ``div.full(1, add.rn(ex2.approx(z), 1))`` (sm_90a) or
+    ``rcp.approx.ftz(add.rn(ex2.approx.ftz(z), 1))`` (sm_100a)."""
+    z = ptx.mul_rn(g, ptx.as_f32(Uint32(NEG_LOG2E_BITS)))
+    one = ptx.f32_const(1.0)
+    if arch == "sm_90a":
+        return ptx.rcp_full(ptx.add_rn(ptx.ex2_approx(z), one))
+    return ptx.rcp_approx_ftz(ptx.add_rn(ptx.ex2_approx_ftz(z), one))
+
+
+def gated(x, scale, g, arch: str) -> Float32:
+    """One output value before its BF16 rounding: ``mul.rn(mul.rn(x,
+    scale), gate_sigmoid(g))`` (sm_90a: ``h * sig``; sm_100a: ``sig * h``,
+    the same product)."""
+    h = ptx.mul_rn(x, scale)
+    sig = gate_sigmoid(g, arch)
+    return ptx.mul_rn(h, sig) if arch == "sm_90a" else ptx.mul_rn(sig, h)
+
+
+def o_gate_fragment(x: list, g: list, eps: float, arch: str) -> list:
+    """The module docstring's steps for one thread's fragment: the output
+    words (BF16 pairs, column order) of attention values ``x`` and gate
+    values ``g`` (FP32 each, ``len(x)`` consecutive columns of a head held
+    as ``head_sum_of_squares`` says)."""
+    scale = o_norm_scale(head_sum_of_squares(x, arch), eps, arch)
+    y = [gated(xc, scale, gc, arch) for xc, gc in zip(x, g)]
+    return [ptx.pack_bf16x2_rn(y[j], y[j + 1]) for j in range(0, len(y), 2)]
 
 
 # ---------------------------------------------------------------- the kernel
@@ -117,6 +210,7 @@ class OGateKernel:
     of 8), W = heads * 64; ``m`` Int32 (at least 1)."""
 
     def __init__(self, constants: OGateConstants, pdl: bool) -> None:
+        check_constants(constants)
         self.constants = constants
         self.pdl = pdl
 
@@ -146,7 +240,7 @@ def _o_gate_body(c: OGateConstants, pdl: bool, tidx, cta, m, gate_stride, attn, 
         ptx.pdl_launch_dependents()
     x = ptx.ld_bf16x8(Int64(attn) + Int64(vc) * (2 * VEC))
     g = ptx.ld_bf16x8(Int64(gate) + (Int64(row) * Int64(gate_stride) + Int64(col) * VEC) * 2)
-    words = o_gate_fragment(x, g, c.eps)
+    words = o_gate_fragment(x, g, c.eps, c.arch)
     ptx.st_global_v4_if(Int64(out) + Int64(vc) * (2 * VEC), words, v, total)
 
 
@@ -165,10 +259,11 @@ def compile_o_gate(constants: OGateConstants, pdl: bool):
 
 
 class OGate(LazyPdl):
-    """``dspark_core.spec.layers.o_gate(attn, gate, norm)`` of ``constants``
-    (``num_heads`` heads of 64 columns, a weightless o-norm of ``eps``), as one kernel launch
-    (module docstring): ``run(attn, gate)`` returns the same bits as the
-    stock function.
+    """``dspark_core.spec.layers.o_gate(attn, gate, norm, arch)`` of
+    ``constants`` (``num_heads`` heads of 64 columns, a weightless o-norm of
+    ``eps``, the stock arithmetic of ``arch``), as one kernel launch (module
+    docstring): ``run(attn, gate)`` returns the same bits as the spec and
+    the stock kernel of ``arch`` (the arithmetic runs on any sm_90+ GPU).
 
     ``attn``: BF16 ``[m, heads * 64]`` or ``[m, heads, 64]``, contiguous,
     16-byte aligned, on CUDA, 1 <= m <= ``max_rows``; ``gate``: BF16 of the
@@ -189,6 +284,7 @@ class OGate(LazyPdl):
         self.heads = constants.num_heads
         self.head_dim = HEAD_DIM
         self.eps = constants.eps
+        self.arch = constants.arch
         self.width = self.heads * HEAD_DIM
         self._pdl = pdl
 
@@ -296,14 +392,20 @@ class OGate(LazyPdl):
 
 
 __all__ = [
+    "ARCHS",
     "HEAD_THREADS",
     "MAX_VECTORS",
+    "NEG_LOG2E_BITS",
     "OGate",
     "OGateKernel",
     "THREADS",
+    "check_arch",
     "check_constants",
     "compile_o_gate",
     "fake_args",
+    "gate_sigmoid",
+    "gated",
     "head_sum_of_squares",
     "o_gate_fragment",
+    "o_norm_scale",
 ]
