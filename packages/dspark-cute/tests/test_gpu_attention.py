@@ -24,9 +24,16 @@ each with ``q`` a row-strided view of a QKV-like output ``[m, q | k | v |
 gate]`` (the K/V columns NaN, never read) and, for the o-gate ones, the gate
 its column slice (random values with special ones planted: +-0, +-inf, NaN,
 subnormals, the largest finite), compared with ``o_gate(paged_attention(q,
-...), gate, HeadNorm(64, eps))``; outputs poisoned as above. Also: every
-BF16 gate pattern once; the graph replay and the out-of-range slot for each
-variant; a variant's compile during capture refused; its operand refusals."""
+...), gate, HeadNorm(64, eps), arch)`` (the kernel's o-gate arch: the
+device's stock, FLA's on an H200); outputs poisoned as above. Also: every
+BF16 gate pattern once, also in FlashInfer's arithmetic (``o_gate_arch=
+"sm_100a"``, the B200's stock o-gate, whose instructions run here); for m in
+{1, 2, 7, 16, 133, 4096} the o-gated variants against FLA's stock kernel
+(the carried binary, on the spec's attention output and the same strided
+gate) and, in FlashInfer's arithmetic, against the spec's sm_100a o-gate;
+the graph replay (also in FlashInfer's arithmetic) and the out-of-range slot
+for each variant; a variant's compile during capture refused; its operand
+refusals."""
 
 from __future__ import annotations
 
@@ -57,6 +64,12 @@ VARIANTS = {
     "staged-gate": {"staged": True, "o_gate_eps": 1e-6},
     "gate": {"o_gate_eps": 1e-5},
 }
+# The o-gated variants in FlashInfer's arithmetic (the B200's stock o-gate),
+# run by the o-gate tests below.
+GATE_ARCH_VARIANTS = {
+    "staged-gate-sm100": {"staged": True, "o_gate_eps": 1e-6, "o_gate_arch": "sm_100a"},
+    "gate-sm100": {"o_gate_eps": 1e-5, "o_gate_arch": "sm_100a"},
+}
 # BF16 patterns planted in the gates: +-0, +-inf, NaN (both signs), the
 # smallest subnormals, a subnormal, the smallest normal, the largest finite.
 GATE_SPECIALS = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x0001, 0x8001, 0x0055, 0x0080, 0x7F7F, 0xFF7F]
@@ -65,14 +78,16 @@ _KERNELS: dict = {}
 
 
 def make_attention(heads: int, kv: int, block_size: int = 16, slot_dtype=torch.int64, pdl=None, *,
-                    staged: bool = False, max_staged_slots: int = DEFAULT_STAGED_SLOTS, o_gate_eps=None):
-    """``PagedAttention`` of the constants these settings name."""
+                    staged: bool = False, max_staged_slots: int = DEFAULT_STAGED_SLOTS, o_gate_eps=None,
+                    o_gate_arch=None):
+    """``PagedAttention`` of the constants these settings name (the o-gate's
+    arch: ``o_gate_arch``, by default the device's stock one)."""
     from dspark_cute.cutedsl.attention.paged import PagedAttention
 
     names = {torch.int64: "int64", torch.int32: "int32"}
     return PagedAttention(AttentionConstants(heads, kv, D, block_size, names[slot_dtype],
                                              staged_slots=max_staged_slots if staged else 0,
-                                             o_gate_eps=o_gate_eps), pdl=pdl)
+                                             o_gate_eps=o_gate_eps), pdl=pdl, o_gate_arch=o_gate_arch)
 
 
 def kernel(heads: int, kv: int, slot_dtype=torch.int64, pdl=None, block_size: int = BS, **options):
@@ -117,10 +132,11 @@ def qkv_views(q: torch.Tensor, kv: int, gen) -> tuple:
 
 def expected_for(k, attention: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """The spec of variant ``k`` given the spec's attention output: with the
-    o-gate, ``o_gate(attention, gate, HeadNorm(64, eps))``."""
+    o-gate, ``o_gate(attention, gate, HeadNorm(64, eps), arch)`` of the
+    kernel's o-gate arch."""
     if not k.gated:
         return attention
-    return o_gate(attention, gate, HeadNorm(D, k.constants.o_gate_eps))
+    return o_gate(attention, gate, HeadNorm(D, k.constants.o_gate_eps), k.o_gate_arch)
 
 
 def check_variants(k, q, cache, slots, expected, what: str) -> None:
@@ -288,13 +304,13 @@ def test_underflow_signed_zero_and_no_valid_slot(seed):
         check(kernel(64, 8), q3, cache, block_table_slots(gen, cache, 2, 40), f"infinite scores {sign}")
 
 
-@pytest.mark.parametrize("variant", ["default", *VARIANTS])
+@pytest.mark.parametrize("variant", ["default", *VARIANTS, "staged-gate-sm100"])
 def test_cuda_graph_replays_with_new_slots(variant, seed):
     """A captured call replayed on new q, slots (and gate) in place: the
     spec's bits and the eager call's. The variants read q (and the gate) as
     strided views of one QKV-like output."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    k = kernel(64, 8) if variant == "default" else kernel(64, 8, **VARIANTS[variant])
+    k = kernel(64, 8) if variant == "default" else kernel(64, 8, **{**VARIANTS, **GATE_ARCH_VARIANTS}[variant])
     m, s = 16, 400
     cache = make_cache(gen, 8, s + 200)
     q = random_values(gen, (m, 64, D))
@@ -364,11 +380,85 @@ def test_o_gate_every_gate_pattern(seed):
     every = torch.arange(-32768, 32768, dtype=torch.int32, device="cuda").to(torch.int16)
     gate.view(torch.int16).copy_(every[torch.randperm(65536, generator=gen, device="cuda")].view(m, 64, D))
     attention = paged_attention(q, cache, slots, 8)
-    for name in ("staged-gate", "gate"):
-        k = kernel(64, 8, **VARIANTS[name])
+    for name, options in (*((n, VARIANTS[n]) for n in ("staged-gate", "gate")), *GATE_ARCH_VARIANTS.items()):
+        k = kernel(64, 8, **options)
         out = torch.empty_like(q)
         check_poisoned(lambda k=k, out=out: k.run(qv, cache, slots, out, gate=gate), [out],
                        [expected_for(k, attention, gate)], f"every gate pattern [{name}]")
+
+
+def _gated_operands(gen, m: int, heads: int, kv: int, s: int):
+    """q (a strided view of a QKV-like output), its gate (specials planted),
+    a cache and slots for ``m`` tokens over ``s`` slot columns (a random
+    block table with holes; past 133 tokens random slots, some masked), and
+    the spec's attention output."""
+    cache = make_cache(gen, kv, max(s, 64))
+    q = random_values(gen, (m, heads, D))
+    if m <= 133:
+        slots = block_table_slots(gen, cache, m, s, holes=0.1)
+    else:
+        slots = torch.randint(-4, cache.num_slots, (m, s), generator=gen, device="cuda")
+    qv, gate = qkv_views(q, kv, gen)
+    return qv, gate, cache, slots, paged_attention(q, cache, slots, kv)
+
+
+# Rows of the o-gate epilogue's stock and arch cases; (heads, kv heads) per row count.
+GATE_ROWS = [1, 2, 7, 16, 133, 4096]
+
+
+def _gate_heads(m: int) -> tuple:
+    return (64, 8) if m <= 133 else (8, 2)
+
+
+@pytest.fixture(scope="module")
+def stock_kernels():
+    """``stock.py``'s launcher of vLLM 0.33.0's carried stock binaries
+    (``stock_o_gate``: FLA's kernel), or a skip saying how to build them;
+    the binaries compared here are the sm_90 ones (an H100/H200)."""
+    from stock import stock_dir, stock_ops
+
+    ops = stock_ops()
+    if ops is None:
+        pytest.skip(f"no stock binaries in {stock_dir()}: run scripts/stock/compile_stock.py with vLLM 0.33.0's "
+                    "venv and carry .device/stock")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the stock comparisons run the carried sm_90 binaries (an H100/H200)")
+    return ops
+
+
+@pytest.mark.parametrize("m", GATE_ROWS)
+def test_o_gate_epilogue_vs_stock(m, stock_kernels, seed):
+    """The o-gated variants (FLA's arithmetic, the H200's stock) bit for bit
+    FLA's stock kernel (the carried binary) applied to the spec's attention
+    output with the same strided gate, and the spec."""
+    stock = stock_kernels
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    heads, kv = _gate_heads(m)
+    qv, gate, cache, slots, attention = _gated_operands(gen, m, heads, kv, 300 if m <= 133 else 40)
+    for name in ("staged-gate", "gate"):
+        k = kernel(heads, kv, **VARIANTS[name], o_gate_arch="sm_90a")
+        want = stock.stock_o_gate(attention.clone(), gate, k.constants.o_gate_eps)
+        out = torch.empty_like(attention)
+        check_poisoned(lambda k=k, out=out: k.run(qv, cache, slots, out, gate=gate), [out],
+                       [expected_for(k, attention, gate)], f"m={m} [{name}]")
+        assert_bitwise(out, want, f"m={m} [{name}] vs FLA's stock kernel")
+
+
+@pytest.mark.parametrize("m", GATE_ROWS)
+def test_o_gate_epilogue_sm100_arithmetic(m, seed):
+    """The o-gate epilogue in FlashInfer's arithmetic (the B200's stock; its
+    instructions run on any sm_90+ GPU) against the spec's sm_100a o-gate on
+    this device: rows ``m * heads`` on both sides of FlashInfer's 256-row
+    layout switch."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    heads, kv = _gate_heads(m)
+    qv, gate, cache, slots, attention = _gated_operands(gen, m, heads, kv, 300 if m <= 133 else 40)
+    for name, options in GATE_ARCH_VARIANTS.items():
+        k = kernel(heads, kv, **options)
+        assert k.o_gate_arch == "sm_100a"
+        out = torch.empty_like(attention)
+        check_poisoned(lambda k=k, out=out: k.run(qv, cache, slots, out, gate=gate), [out],
+                       [expected_for(k, attention, gate)], f"m={m} [{name}]")
 
 
 def test_compile_refused_during_capture(seed):
