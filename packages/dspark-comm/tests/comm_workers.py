@@ -205,13 +205,16 @@ def _boundary_modules(gen):
 
 
 def check_boundary(c):
+    from norm_testing import boundary_consts
+
     from dspark_comm.cutedsl.all_reduce_boundary import AllReduceBoundary
-    from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, boundary_constants
-    from dspark_core.spec.layers import residual_boundary
+    from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
+    from dspark_core.spec.layers import residual_boundary, stock_arch
 
     shared = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 5)  # weights and streams: replicated
     c.modules = post, conn, pre = _boundary_modules(shared)
-    constants = boundary_constants(post, conn, pre, H)
+    # The device's stock tree, as the spec modules (arch None) follow it.
+    constants = boundary_consts(post, conn, pre, stock_arch("cuda"))
     c.bds = {
         order: AllReduceBoundary(c.mb, constants, conn.alpha, conn.beta, post.weight, pre.weight, order)
         for order in (FP32_RANK_ORDER, BF16_RANK_ORDER)

@@ -61,7 +61,9 @@ def empty_kernel():
 
 def build(gen):
     from dspark_core.contracts.constants import boundary_constants, row_norm_constants
-    from dspark_core.spec.layers import GatedResidual, RMSNorm
+    from dspark_core.reference.adapter import norm_description
+    from dspark_core.runtime import description as D
+    from dspark_core.spec.layers import GatedResidual, RMSNorm, stock_arch
     from dspark_cute import DraftBoundary, RowNorm
 
     post = RMSNorm(H, 1e-6).cuda()
@@ -71,11 +73,15 @@ def build(gen):
     conn = GatedResidual(H).cuda()
     conn.alpha.data.copy_(torch.rand(H, generator=gen, device="cuda") + 0.5)
     conn.beta.data.copy_(torch.randn(H, generator=gen, device="cuda"))
+    # The constants as the planner builds them, with the device's stock tree.
+    arch = stock_arch("cuda")
+    post_d, pre_d = norm_description("the post-norm", post, H), norm_description("the pre-norm", pre, H)
+    described = D.Boundary("the boundary", post_d, D.Connection("the connection", conn, conn.alpha, conn.beta), pre_d)
     boundary = DraftBoundary(
-        boundary_constants(post, conn, pre, H), conn.alpha, conn.beta, post.weight, pre.weight
+        boundary_constants(described, H, arch), conn.alpha, conn.beta, post.weight, pre.weight
     )
     boundary.prepare(stream_dtypes=(torch.float32,), store_stream=(True,))
-    row_norm = RowNorm(row_norm_constants(pre, H), pre.weight)
+    row_norm = RowNorm(row_norm_constants(pre_d, H, torch.bfloat16, arch), pre.weight)
     row_norm.prepare()
     return post, conn, pre, boundary, row_norm
 

@@ -1,10 +1,15 @@
 """GPU tests of ``dspark_cute.DraftBoundary``: bit for bit
-``dspark_core.spec.layers.residual_boundary`` run on the same CUDA device (its new
-FP32 stream and its BF16 output), for post/pre norms of every weight kind,
-FP32 and BF16 streams, with and without the stream stored, early and late
-gates, with and without PDL, many row counts, special values and in a CUDA
-graph. Outputs are poisoned before each launch (a NaN pattern, then a finite
-one) so an unwritten element shows."""
+``dspark_core.spec.layers.residual_boundary`` run on the same CUDA device
+with the constants' arch's tree (sm_90a; sm_100a for some pairs: the tree is
+the constants', so both run on an H200): its new FP32 stream and its BF16
+output, for post/pre norms of every weight kind, FP32 and BF16 streams, with
+and without the stream stored, early and late gates, with and without PDL,
+many row counts, special values and in a CUDA graph; and bit for bit the
+stock draft layer's chain on the same operands (vLLM 0.33.0's
+``fused_rmsnorm_fwd`` binaries, ATen's ``alpha * stream + beta * p``, the
+stock norm again), m in {1, 2, 7, 16, 133, 4096}, special rows planted.
+Outputs are poisoned before each launch (a NaN pattern, then a finite one)
+so an unwritten element shows."""
 
 from __future__ import annotations
 
@@ -19,9 +24,9 @@ from cute_testing import (
     requires_cuda,
     special_rows,
 )
+from norm_testing import STOCK_ROWS, boundary_consts, planted_rows, stock_boundary, stock_or_skip, with_arch
 from test_gpu_row_norm import NORMS, ROWS
 
-from dspark_core.contracts.constants import boundary_constants
 from dspark_core.spec.layers import GatedResidual, residual_boundary
 from dspark_core.tools.compare import assert_bitwise
 
@@ -61,18 +66,26 @@ def make_boundary(pair, gen: torch.Generator, special: bool = False, h: int = H)
     return post, conn, pre
 
 
-def check(modules, branch, stream, store: bool, what: str, **kwargs) -> None:
+def boundary(modules, arch: str = "sm_90a", **kwargs):
     from dspark_cute import DraftBoundary
 
     post, conn, pre = modules
-    h = branch.shape[1]
-    kernel = DraftBoundary(
-        boundary_constants(post, conn, pre, h), conn.alpha, conn.beta, post.weight, pre.weight,
-        **kwargs,
-    )
+    return DraftBoundary(boundary_consts(post, conn, pre, arch), conn.alpha, conn.beta, post.weight, pre.weight,
+                         **kwargs)
+
+
+def check(modules, branch, stream, store: bool, what: str, arch: str = "sm_90a", stock_outs=None,
+          **kwargs) -> None:
+    """The kernel of ``modules`` on ``arch`` against the spec with that arch's
+    tree (and against the stock chain's ``stock_outs`` = (new stream, out),
+    if given), outputs poisoned."""
+    post, conn, pre = modules
+    with_arch(post, arch)
+    with_arch(pre, arch)
+    kernel = boundary(modules, arch, **kwargs)
     kernel.prepare(stream_dtypes=(stream.dtype,), store_stream=(store,))
     assert kernel.takes(branch, stream)
-    what = f"{what} variant={kernel.variant(branch.shape[0], stream.dtype, store)}"
+    what = f"{what} [{arch}] variant={kernel.variant(branch.shape[0], stream.dtype, store)}"
     exp_stream, exp_out = residual_boundary(post, conn, pre, branch, stream)
     out = torch.empty_like(exp_out)
     if store:
@@ -83,6 +96,10 @@ def check(modules, branch, stream, store: bool, what: str, **kwargs) -> None:
         )
     else:
         check_poisoned(lambda: kernel.run(branch, stream, False, out), [out], [exp_out], what)
+    if stock_outs is not None:
+        assert_bitwise(out, stock_outs[1], f"{what}: the output against the stock chain")
+        if store:
+            assert_bitwise(new_stream, stock_outs[0], f"{what}: the new stream against the stock chain")
     got_stream, got_out = kernel.run(branch, stream, store)
     assert (got_stream is None) == (not store)
     assert_bitwise(got_out, exp_out, f"{what} (allocated output)")
@@ -111,6 +128,19 @@ def test_every_variant(pair, store, stream_dtype, seed):
         branch, stream = _rows(gen, m, stream_dtype)
         for force in ({}, FORCE_LATE, FORCE_EARLY):
             check(modules, branch, stream, store, f"{_pair_name(pair)} m={m} {force}", **force)
+
+
+@pytest.mark.parametrize("pair", [PAIRS[1], PAIRS[2], PAIRS[4]], ids=_pair_name)
+@pytest.mark.parametrize("store", [False, True], ids=["nostore", "store"])
+def test_sm100a_tree(pair, store, seed):
+    """The sm_100a tree on both norms (weightless, input-scaled, FP16 and
+    FP32 weights among the pairs), every gate timing, special rows planted."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    modules = make_boundary(pair, gen, special=True)
+    for m in (1, 16, 133):
+        branch, stream = planted_rows(gen, m, H, BF16), planted_rows(gen, m, H, FP32)
+        for force in ({}, FORCE_LATE, FORCE_EARLY):
+            check(modules, branch, stream, store, f"{_pair_name(pair)} m={m} {force}", arch="sm_100a", **force)
 
 
 @pytest.mark.parametrize("h", [2048, 4096, 16384])
@@ -149,6 +179,33 @@ def test_special_values(pair, seed):
             check(modules, normal_branch, s_specials, True, f"special {stream_dtype} stream {force}", **force)
 
 
+# Norm pairs the stock has (BF16, FP32 or no weight; input-scaled or not;
+# centers 0 and 1): every kind on each side.
+STOCK_PAIRS = [
+    ((BF16, 0.0, False, 1e-6), (BF16, 1.0, True, 1e-5)),
+    ((FP32, 1.0, False, 1e-5), (None, 0.0, False, 1e-6)),
+    ((None, 0.0, False, 1e-6), (FP32, 0.0, True, 1e-6)),
+    ((BF16, 1.0, True, 1e-6), (FP32, 1.0, False, 1e-6)),
+    ((FP32, 0.0, True, 1e-5), (BF16, 0.0, False, 1e-6)),
+]
+
+
+@pytest.mark.parametrize("stream_dtype", [FP32, BF16], ids=["stream_fp32", "stream_bf16"])
+@pytest.mark.parametrize("pair", STOCK_PAIRS, ids=_pair_name)
+def test_against_the_stock(pair, stream_dtype, seed):
+    """The kernel (sm_90a) against the stock draft layer's chain on the same
+    operands (``norm_testing.stock_boundary``) and against the spec, m in
+    {1, 2, 7, 16, 133, 4096} (early and late gates), special rows planted in
+    the branch and the stream, special gates and weights."""
+    stock = stock_or_skip()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    modules = make_boundary(pair, gen, special=True)
+    for m in STOCK_ROWS:
+        branch, stream = planted_rows(gen, m, H, BF16), planted_rows(gen, m, H, stream_dtype)
+        stock_outs = stock_boundary(stock, *modules, branch, stream)
+        check(modules, branch, stream, True, f"stock {_pair_name(pair)} {stream_dtype} m={m}", stock_outs=stock_outs)
+
+
 @pytest.mark.parametrize("m", [1, 133])
 def test_without_pdl(m, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -162,13 +219,9 @@ def test_without_pdl(m, seed):
 def test_cuda_graph_chain(m, seed):
     """Two boundaries in one graph, the second reading the first's outputs
     (as consecutive draft layers do): PDL must order them; replays repeat."""
-    from dspark_cute import DraftBoundary
-
     gen = torch.Generator(device="cuda").manual_seed(seed)
     post, conn, pre = make_boundary(PAIRS[0], gen)
-    kernel = DraftBoundary(
-        boundary_constants(post, conn, pre, H), conn.alpha, conn.beta, post.weight, pre.weight
-    )
+    kernel = boundary((post, conn, pre))
     kernel.prepare()
     branch, stream = _rows(gen, m, FP32)
     outs = [torch.empty((m, H), dtype=BF16, device="cuda") for _ in range(2)]
@@ -199,7 +252,7 @@ def test_refuses_bad_operands(seed):
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     post, conn, pre = make_boundary(PAIRS[0], gen)
-    c = boundary_constants(post, conn, pre, H)
+    c = boundary_consts(post, conn, pre, "sm_90a")
     kernel = DraftBoundary(c, conn.alpha, conn.beta, post.weight, pre.weight)
     branch, stream = _rows(gen, 4, FP32)
     for b, s in [

@@ -1,19 +1,24 @@
 """GPU tests of the context kernels, bit for bit against the stock chain run
 on the same CUDA device (``dspark_core.reference.model.DraftModel``'s own
 ``context_norms``, ``context_kv_store`` and
-``precompute_and_store_context_kv``):
+``precompute_and_store_context_kv``, the spec) and against vLLM 0.33.0's
+own kernels on the same operands (``stock.py``: the stock Triton norm's
+binaries, the device's ATen K-norm, vLLM's rotary kernel with the BF16
+table; the insert, a copy, is the spec's):
 
 - ``ContextNorms``: every norm kind on each side (no weight, BF16/FP16/FP32
   weights before or after the norm, gain centers 0 and 1, several eps), T in
   {1, 2, 7, 16, 133, 1000}, L in {1, 2, 5, 9}, rows of special values (-0.0,
   subnormals, +-inf, NaN, overflowing and underflowing squares), other H,
-  without PDL;
+  without PDL, the sm_100a tree; against the stock's norms (BF16, FP32 or no
+  weight) T in {1, 2, 7, 16, 133, 4096};
 - ``ContextKvStore``: 1, 2, 8 and 32 KV heads, BF16 and FP32 RoPE tables and
   no RoPE, L up to 9 (two launches), special values in K and V, negative
   slots, per-layer slot lists (None, shorter), out-of-range slots and
-  positions (skipped);
-- the whole chain (``ContextChain``) and its CUDA graph
-  replay.
+  positions (skipped); against ATen's K-norm and vLLM's rotary kernel, T in
+  {1, 2, 7, 16, 133, 4096};
+- the whole chain (``ContextChain``), against the stock chain too, and its
+  CUDA graph replay.
 
 Outputs and caches are poisoned before each launch (a NaN pattern, then a
 finite one) so unwritten elements show, and cache rows no slot names must
@@ -38,8 +43,19 @@ from cute_testing import (
     requires_cuda,
     special_rows,
 )
+from norm_testing import (
+    STOCK_H,
+    STOCK_ROWS,
+    context_norm_consts,
+    planted_rows,
+    stock_has,
+    stock_k_norm,
+    stock_norm,
+    stock_or_skip,
+    with_arch,
+)
 
-from dspark_core.contracts.constants import ContextNormConstants, ContextStoreConstants, norm_constants
+from dspark_core.contracts.constants import ContextStoreConstants
 from dspark_core.reference.config import small_config
 from dspark_core.reference.model import DraftModel
 from dspark_core.spec.layers import HeadNorm, PagedKVCache, Rotary
@@ -56,22 +72,33 @@ ROWS = [1, 2, 7, 16, 133, 1000]
 
 
 def context_rows(gen: torch.Generator, t: int, h: int) -> torch.Tensor:
-    """BF16 ``[t, h]`` random rows; with 10 rows or more the last 10 are the
-    special rows of ``cute_testing.special_rows``."""
-    x = random_rows(gen, t, h, BF16, "cuda")
-    if t >= 10:
+    """BF16 ``[t, h]`` random rows with special rows planted
+    (``norm_testing.planted_rows``); with 20 rows or more the last 10 are the
+    special rows of ``cute_testing.special_rows`` too."""
+    x = planted_rows(gen, t, h, BF16)
+    if t >= 20:
         x[-10:] = special_rows(h, BF16, "cuda")
     return x
 
 
+def stock_context_norms(stock, hidden, pres, x: torch.Tensor) -> torch.Tensor:
+    """The stock chain's norms (``dspark.py``'s hidden norm, then each layer's
+    ``pre_qkv_proj_norm`` of its BF16 output), the stock kernel each."""
+    h = stock_norm(stock, hidden, x, BF16)
+    return torch.stack([stock_norm(stock, p, h, BF16) for p in pres])
+
+
 def check_norms(hidden_case, pre_case, layers: int, rows: list, h: int, gen, special_weight=False,
-                pdl=None, specials_only=False) -> None:
+                pdl=None, specials_only=False, arch: str = "sm_90a", stock=None) -> None:
+    """The kernel of the norms of these cases on ``arch`` against the spec
+    with that arch's tree (and against the ``stock`` kernels, if given), T
+    in ``rows`` (special rows planted)."""
     from dspark_cute.cutedsl.norms.context_norms import ContextNorms
 
-    hidden = make_norm(hidden_case, h, gen, special_weight)
-    pres = [make_norm(pre_case, h, gen, special_weight) for _ in range(layers)]
-    stock = SimpleNamespace(hidden_norm=hidden, layers=[SimpleNamespace(input_norm=p) for p in pres])
-    c = ContextNormConstants(h, layers, norm_constants(hidden, h), norm_constants(pres[0], h))
+    hidden = with_arch(make_norm(hidden_case, h, gen, special_weight), arch)
+    pres = [with_arch(make_norm(pre_case, h, gen, special_weight), arch) for _ in range(layers)]
+    model = SimpleNamespace(hidden_norm=hidden, layers=[SimpleNamespace(input_norm=p) for p in pres])
+    c = context_norm_consts(hidden, pres[0], layers, arch)
     pre_weights = torch.stack([p.weight for p in pres]) if pres[0].weight is not None else None
     kernel = ContextNorms(c, hidden.weight, pre_weights, pdl=pdl)
     kernel.prepare()
@@ -79,10 +106,12 @@ def check_norms(hidden_case, pre_case, layers: int, rows: list, h: int, gen, spe
         x = special_rows(h, BF16, "cuda") if specials_only else context_rows(gen, t, h)
         t = x.shape[0]
         assert kernel.takes(x)
-        expected = DraftModel.context_norms(stock, x)
+        expected = DraftModel.context_norms(model, x)
         out = torch.empty((layers, t, h), dtype=BF16, device="cuda")
-        what = f"norms {norm_name(hidden_case)} / {norm_name(pre_case)} L={layers} T={t} H={h}"
+        what = f"norms {norm_name(hidden_case)} / {norm_name(pre_case)} L={layers} T={t} H={h} [{arch}]"
         check_poisoned(lambda x=x, out=out: kernel.run(x, out), [out], [expected], what)
+        if stock is not None:
+            assert_bitwise(out, stock_context_norms(stock, hidden, pres, x), f"{what} against the stock kernels")
         assert_bitwise(kernel.run(x), expected, f"{what} (allocated output)")
 
 
@@ -116,12 +145,36 @@ def test_norms_without_pdl(seed):
     check_norms(NORMS[3], NORMS[1], 2, [1, 133], H, gen, pdl=False)
 
 
+@pytest.mark.parametrize("i", range(len(NORMS)), ids=[norm_name(n) for n in NORMS])
+def test_norms_sm100a_tree(i, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    check_norms(NORMS[i], NORMS[(i + 2) % 7], 2, [1, 7, 133], H, gen, arch="sm_100a")
+    check_norms(NORMS[i], NORMS[(i + 2) % 7], 2, [10], H, gen, special_weight=True, specials_only=True,
+                arch="sm_100a")
+
+
+# (hidden, input norm) cases the stock has: BF16, FP32 or no weight, input-scaled or not.
+STOCK_NORM_PAIRS = [(1, 5), (6, 0), (0, 2), (5, 6), (2, 1)]
+
+
+@pytest.mark.parametrize("pair", STOCK_NORM_PAIRS, ids=lambda p: f"{norm_name(NORMS[p[0]])}__{norm_name(NORMS[p[1]])}")
+def test_norms_against_the_stock(pair, seed):
+    """The kernel (sm_90a) against the stock chain's Triton norms on the same
+    rows (special rows planted, special weights), T in {1, 2, 7, 16, 133,
+    4096}, two layers."""
+    stock = stock_or_skip()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hidden, pre = NORMS[pair[0]], NORMS[pair[1]]
+    assert all(stock_has(make_norm(case, STOCK_H, gen), BF16, BF16) for case in (hidden, pre))
+    check_norms(hidden, pre, 2, list(STOCK_ROWS), STOCK_H, gen, special_weight=True, stock=stock)
+
+
 # ---------------------------------------------------------------- the store
 
 
 def stock_store_model(kv_heads: int, layers: int, eps: float, rotary: Rotary | None):
     """The parts of a DraftModel that ``DraftModel.context_kv_store`` reads."""
-    attn = SimpleNamespace(k_norm=HeadNorm(D, eps), rotary=rotary)
+    attn = SimpleNamespace(qk_norm=HeadNorm(D, eps), rotary=rotary)
     return SimpleNamespace(
         config=SimpleNamespace(num_kv_heads=kv_heads, head_dim=D),
         layers=[SimpleNamespace(self_attn=attn) for _ in range(layers)],
@@ -286,6 +339,57 @@ def test_store_skips_out_of_range(seed):
         assert_untouched(caches[i].tensor, good, POISONS[BF16][1], f"out-of-range rows, layer {i}")
 
 
+def stock_context_store(stock, kv, positions, caches, slots, kv_heads: int, eps: float, table) -> None:
+    """The stock chain's store after the projection ``kv`` ``[L, T, 2 * kv *
+    64]``: the K-norm of every layer's K at once (ATen on this device:
+    ``pow(2).mean(-1)``, ``+ eps``, ``rsqrt``, ``* k``, BF16), vLLM's rotary
+    kernel in place on all of them (``positions.repeat(L)``, the BF16
+    ``table``), then each layer's insert of its first ``len(slots_l)`` rows."""
+    layers, t = kv.shape[:2]
+    kv = kv.view(layers, t, 2, kv_heads, D)
+    k = stock_k_norm(kv[:, :, 0].contiguous(), eps)
+    if table is not None:
+        stock.stock_rotary(positions.repeat(layers), k.view(layers * t, kv_heads * D), None, D, table)
+    per_layer = slots if isinstance(slots, list) else [slots] * layers
+    for i in range(layers):
+        if per_layer[i] is not None:
+            rows = per_layer[i].shape[0]
+            caches[i].insert(k[i, :rows], kv[i, :rows, 1], per_layer[i])
+
+
+@pytest.mark.parametrize("case", [STORES[2], STORES[3], STORES[1], STORES[4]], ids=_store_name)
+def test_store_against_the_stock(case, seed):
+    """The kernel against the stock's own kernels on the same projection:
+    ATen's K-norm, vLLM's ``rotary_embedding_kernel`` with the table cast to
+    BF16, the insert; T in {1, 2, 7, 16, 133, 4096}, special heads, negative
+    slots; the caches poisoned."""
+    stock = stock_or_skip()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv_heads, layers, table_dtype, eps = case
+    store, model = make_store(case)
+    rotary = model.layers[0].self_attn.rotary
+    table = rotary.context_table().contiguous() if rotary is not None else None
+    for t in STOCK_ROWS:
+        kv = projected_kv(gen, layers, t, kv_heads)
+        positions = torch.randint(0, 4096, (t,), generator=gen, device="cuda")
+        num_blocks = (t + 40) // BLOCK + 2
+        slots = make_slots(gen, t, num_blocks * BLOCK)
+        what = f"{_store_name(case)} T={t}"
+        for which in (0, 1):
+            ours, ref = make_caches(layers, kv_heads, num_blocks), make_caches(layers, kv_heads, num_blocks)
+            spec = make_caches(layers, kv_heads, num_blocks)
+            for cache in ours + ref + spec:
+                poison(cache.tensor, which)
+            stock_context_store(stock, kv, positions, ref, slots, kv_heads, eps, table)
+            DraftModel.context_kv_store(model, kv, positions, spec, slots)
+            store.run(kv, positions, ours, slots)
+            torch.cuda.synchronize()
+            for i in range(layers):
+                assert_bitwise(ours[i].tensor, ref[i].tensor, f"{what} layer {i} against the stock (poison {which})")
+                assert_bitwise(ours[i].tensor, spec[i].tensor, f"{what} layer {i} against the spec (poison {which})")
+                assert_untouched(ours[i].tensor, slots, POISONS[BF16][which], f"{what} layer {i}")
+
+
 def test_store_without_pdl(seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     case = (8, 2, FP32, 1e-6)
@@ -352,6 +456,44 @@ def test_chain_matches_precompute(name, seed):
         compare_chain(model, lambda *a: ContextChain.of_draft(describe(model)).run(*a), states, positions, slots,
                       num_blocks, f"{name} a fresh ContextChain T={t}")
         compare_chain(model, chain.run, states, positions, slots, num_blocks, f"{name} ContextChain T={t}")
+
+
+def stock_chain(stock, model, states, positions, caches, slots) -> None:
+    """The stock ``precompute_and_store_context_kv`` from vLLM's kernels: the
+    stock norms, ``torch.bmm`` against the stacked K/V rows,
+    ``stock_context_store`` (layer 0's eps and BF16 table)."""
+    normed = stock_context_norms(stock, model.hidden_norm, [layer.input_norm for layer in model.layers], states)
+    kv = torch.bmm(normed, model.stacked_kv_weight().transpose(1, 2))
+    attn = model.layers[0].self_attn
+    table = attn.rotary.context_table().contiguous() if attn.rotary is not None else None
+    stock_context_store(stock, kv, positions, caches, slots, model.config.num_kv_heads, attn.qk_norm.eps, table)
+
+
+def test_chain_against_the_stock(seed):
+    """The whole chain (H = 8192, FP32 weights before the norm, the FP32 RoPE
+    table) against the stock chain of vLLM's kernels, T in {1, 2, 7, 16, 133,
+    4096}, special rows planted."""
+    from dspark_core.reference.adapter import describe
+    from dspark_cute.cutedsl.context.chain import ContextChain
+
+    stock = stock_or_skip()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    model = chain_model("h8192-fp32w-before-fp32rope", seed)
+    chain = ContextChain.of_draft(describe(model), arch="sm_90a")
+    chain.prepare()
+    for t in STOCK_ROWS:
+        states, positions, slots, num_blocks = chain_inputs(model, gen, t)
+        for which in (0, 1):
+            ours, ref = model.make_caches(num_blocks, "cuda"), model.make_caches(num_blocks, "cuda")
+            for cache in ours + ref:
+                poison(cache.tensor, which)
+            stock_chain(stock, model, states, positions, ref, slots)
+            chain.run(states, positions, ours, slots)
+            torch.cuda.synchronize()
+            for i in range(len(ours)):
+                what = f"chain T={t} layer {i}"
+                assert_bitwise(ours[i].tensor, ref[i].tensor, f"{what} against the stock (poison {which})")
+                assert_untouched(ours[i].tensor, slots, POISONS[BF16][which], what)
 
 
 def test_chain_refresh(seed):
@@ -432,7 +574,7 @@ def test_refuses_bad_operands(seed):
         with pytest.raises(ValueError):
             store.run(*args)
     hidden = make_norm(NORMS[1], H, gen)
-    c = ContextNormConstants(H, 2, norm_constants(hidden, H), norm_constants(hidden, H))
+    c = context_norm_consts(hidden, hidden, 2, "sm_90a")
     norms = ContextNorms(c, hidden.weight, torch.stack([hidden.weight, hidden.weight]))
     x = context_rows(gen, 4, H)
     for x_bad in (x.float(), x[:, : H // 2].contiguous(), x[:0], x.flatten()[4 : 4 + 3 * H].view(3, H), x.cpu()):
