@@ -449,9 +449,9 @@ def test_v2_constructor_refuses():
 
 
 def test_o_gate_arch_setting(monkeypatch):
-    """The o-gate epilogue's arch: the constructor's, else the current CUDA
-    device's stock arch (``spec.layers.stock_arch``; sm_90a without CUDA);
-    None without the o-gate; anything but sm_90a / sm_100a refused."""
+    """The o-gate epilogue's arch: the constructor's, else the constants'
+    (``AttentionConstants.o_gate_arch``, which the planner sets from its
+    target); None without the o-gate; anything but sm_90a / sm_100a refused."""
     from dspark_core.errors import Unsupported
     from dspark_cute.cutedsl.attention import paged as mod
     from dspark_cute.cutedsl.attention.staged import StagedAttentionKernel
@@ -461,13 +461,10 @@ def test_o_gate_arch_setting(monkeypatch):
     assert mod.PagedAttention(gated, o_gate_arch="sm_90a").o_gate_arch == "sm_90a"
     assert mod.PagedAttention(AttentionConstants(64, 8, 64, 16, staged_slots=384), o_gate_arch="sm_100a"
                               ).o_gate_arch is None
-    asked = []
-    monkeypatch.setattr(mod, "stock_arch", lambda device: asked.append(device) or "sm_100a")
-    lazy = mod.PagedAttention(gated)
-    assert not asked and lazy.o_gate_arch == "sm_100a" and lazy.o_gate_arch == "sm_100a" and len(asked) == 1
-    monkeypatch.undo()
-    if not torch.cuda.is_available():
-        assert mod.PagedAttention(gated).o_gate_arch == "sm_90a"
+    assert mod.PagedAttention(gated).o_gate_arch == "sm_90a"  # the constants' default
+    blackwell = AttentionConstants(64, 8, 64, 16, staged_slots=384, o_gate_eps=1e-6, o_gate_arch="sm_100a")
+    assert mod.PagedAttention(blackwell).o_gate_arch == "sm_100a"
+    assert blackwell != gated and blackwell.key() != gated.key()
     for bad in ("sm_80", "sm_90", "sm_100"):
         with pytest.raises(Unsupported, match="no stock o-gate is known"):
             mod.PagedAttention(gated, o_gate_arch=bad)

@@ -405,7 +405,8 @@ class AttentionConstants(_Key):
     ``staged_slots``, the slots whose K and V rows the kernel stages in
     shared memory (0: none); ``o_gate_eps``, None or the eps of the
     weightless o-norm whose o-gate the kernel applies to its output
-    (``layers.o_gate(paged_attention(...), gate, HeadNorm(D, eps))``)."""
+    (``layers.o_gate(paged_attention(...), gate, HeadNorm(D, eps), arch)``)
+    in the stock o-gate arithmetic of ``o_gate_arch``."""
 
     num_heads: int
     kv_heads: int
@@ -414,6 +415,7 @@ class AttentionConstants(_Key):
     slot_dtype: str = "int64"
     staged_slots: int = 0
     o_gate_eps: float | None = None
+    o_gate_arch: str = "sm_90a"
 
     @property
     def is_default(self) -> bool:
@@ -422,4 +424,6 @@ class AttentionConstants(_Key):
 
     def _fields(self) -> tuple:
         fields = super()._fields()
-        return fields[:5] if self.is_default else fields
+        if self.is_default:
+            return fields[:5]
+        return fields if self.o_gate_eps is not None else fields[:7]

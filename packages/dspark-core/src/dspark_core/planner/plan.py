@@ -272,7 +272,8 @@ def _plan_layer(plan: DraftPlan, layer: Layer, target: Target) -> None:
         # o-gate fuses: its constants say so.
         eps = gate.constants.eps if gate.fused else None
         attention = Part(attention.name, dataclasses.replace(
-            attention.constants, staged_slots=policy.DEFAULT_STAGED_SLOTS, o_gate_eps=eps))
+            attention.constants, staged_slots=policy.DEFAULT_STAGED_SLOTS, o_gate_eps=eps,
+            o_gate_arch=gate.constants.arch if gate.fused else "sm_90a"))
         if gate.fused:
             gate = Part(gate.name, gate.constants, via=attention.name)
     plan.attentions.append(attention)

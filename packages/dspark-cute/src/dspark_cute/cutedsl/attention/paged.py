@@ -9,7 +9,6 @@ import torch
 from cutlass import Int32, Int64
 
 from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
-from dspark_core.spec.layers import stock_arch
 from dspark_cute.cutedsl.attention.common import SLOT_BYTES, SLOT_DTYPES, check_constants
 from dspark_cute.cutedsl.attention.direct import compile_direct_attention
 from dspark_cute.cutedsl.attention.staged import compile_staged_attention
@@ -40,9 +39,8 @@ class PagedAttention(LazyPdl):
     memory round trip; later slots take the direct path inside the kernel);
     with ``o_gate_eps`` the output is ``layers.o_gate(., gate, HeadNorm(64,
     o_gate_eps), o_gate_arch)`` (the stock o-gate of ``o_gate_arch``,
-    "sm_90a" or "sm_100a"; default: the one the stock runs on the current
-    CUDA device, ``dspark_core.spec.layers.stock_arch``, as ``layers.o_gate``
-    defaults) and the calls take ``gate=``. Either option launches the
+    "sm_90a" or "sm_100a"; default: the constants' ``o_gate_arch``, which
+    the planner sets from its target) and the calls take ``gate=``. Either option launches the
     staged kernel, which also takes ``q`` as a row-strided view
     (``takes_strided_q``). ``pdl``: programmatic dependent launch (default:
     where the device supports it, sm_90+). Call ``prepare()`` before CUDA
@@ -59,13 +57,11 @@ class PagedAttention(LazyPdl):
     @property
     def o_gate_arch(self) -> str | None:
         """The stock o-gate whose arithmetic the epilogue runs (None without
-        the o-gate): the constructor's, or the current CUDA device's stock
-        arch, asked on first use (sm_90a without CUDA)."""
+        the o-gate): the constructor's, else the constants' (the planner's
+        target)."""
         if not self.gated:
             return None
-        if self._o_gate_arch is None:
-            self._o_gate_arch = stock_arch("cuda" if torch.cuda.is_available() else "cpu")
-        return self._o_gate_arch
+        return self._o_gate_arch or self.constants.o_gate_arch
 
     def _compiled(self):
         if self.gated:
