@@ -1,39 +1,132 @@
-"""Traced pieces of a 64-wide head that a warp holds one GPT-J pair per lane
-(lane ``j``: columns ``2j``, ``2j + 1``), shared by the QKV front and
-epilogue and the context K/V store: ``HeadNorm``, RoPE, the RoPE table's
-cos and sin, the paged cache's row address."""
+"""Traced pieces of a 64-wide head shared by the head kernels: the stock fused
+QK-norm (``dspark_core.spec.layers.qk_norm_rope``) in two lane layouts, its
+RoPE, the RoPE table's cos and sin, the paged cache's row address, and the
+pre-stock pair-layout norm and rotation other kernels still call.
+
+The stock fused QK-norm of one head ``e_0 .. e_63`` (BF16 widened to FP32):
+stock lane ``l`` of 8 sums its elements ``8l .. 8l+7`` as the chain
+``L_l = fma(e_(8l+7), e_(8l+7), ... fma(e_8l, e_8l, +0.0))``; the eight
+``L_l`` fold by halves (``(L_0 + L_4) + (L_2 + L_6)`` plus ``(L_1 + L_5) +
+(L_3 + L_7)``, each ``add.rn``); ``r = rsqrt.approx.f32(fma(S, 1/64,
+eps))`` (CUDA's ``rsqrtf``, subnormals kept); ``n_i = e_i * r``
+(``mul.rn``). Two layouts compute it:
+
+- ``qk_norm_lane8``: the stock's own, lane ``l`` of an 8-lane group (lanes
+  ``8g .. 8g+7`` of a warp) holding ``e_8l .. e_8l+7``; the fold is the
+  butterfly xor 4, 2, 1 inside the group;
+- ``qk_norm_pair``: a warp per head, lane ``j`` holding the GPT-J pair
+  ``(e_2j, e_2j+1)`` as a packed BF16 word: stock lane ``l`` is lanes ``4l
+  .. 4l+3``; each of them gathers those four words (``shfl.sync.idx``) and
+  runs stock lane ``l``'s chain itself, and the butterfly xor 16, 8, 4 folds
+  the eight chains in the stock's order.
+
+RoPE (``rope_fma``): the pair ``(x, y)`` of the FP32 ``n`` with ``c, s``
+turns into ``x' = fma(c, x, -(s * y))``, ``y' = fma(s, x, c * y)``, each
+product ``mul.rn`` (the stock CUDA rotary kernels' form).
+"""
 
 from __future__ import annotations
 
-from cutlass import Int64, Uint32
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dspark_core.contracts.constants import HEAD_DIM
 from dspark_cute import ptx
+from dspark_cute.ptx.inline import asm, i64, words
+
+# Elements per stock lane, stock lanes per head, GPT-J pairs per stock lane.
+LANE_ELEMS = 8
+LANES = HEAD_DIM // LANE_ELEMS
+LANE_PAIRS = LANE_ELEMS // 2
 
 
-def head_norm_pair(a, b, eps: float, weight_word=None) -> tuple:
-    """``HeadNorm`` of the head whose pair ``(a, b)`` (FP32) this lane holds:
-    ``s = a*a + b*b`` (each rounded), the head tree (the warp butterfly 16 ..
-    1), ``r = inv_rms(s, 64, eps)``, ``(a*r, b*r)`` (times the BF16 weight
-    pair ``weight_word`` if given), rounded to BF16. Returns ``(word, a',
-    b')``: the packed pair and its two values widened back."""
-    s = ptx.warp_fold(ptx.add_rn(ptx.mul_rn(a, a), ptx.mul_rn(b, b)))
-    r = ptx.inv_rms(s, HEAD_DIM, eps)
-    ya, yb = ptx.mul_rn(a, r), ptx.mul_rn(b, r)
-    if weight_word is not None:
-        wa, wb = ptx.bf16x2_to_f32(weight_word)
-        ya, yb = ptx.mul_rn(ya, wa), ptx.mul_rn(yb, wb)
-    word = ptx.pack_bf16x2_rn(ya, yb)
-    return (word, *ptx.bf16x2_to_f32(word))
+@dsl_user_op
+def ld_global_v2(addr, *, loc=None, ip=None) -> list:
+    """Two 32-bit words from the 8-byte aligned global byte address ``addr``
+    (one ``ld.global.v2.b32``), kept in program order."""
+    pair = asm(llvm.StructType.get_literal([T.i32()] * 2), [i64(addr, loc, ip)], "ld.global.v2.b32 {$0, $1}, [$2];",
+               "=r,=r,l", True, loc, ip)
+    return words(pair, 2, loc, ip)
 
 
-def rope_pair(a, b, c, s) -> tuple:
-    """GPT-J RoPE of one pair, no FMA: ``(a * c - b * s, b * c + a * s)``,
-    each product and the difference/sum rounded once (FP32)."""
+# ---------------------------------------------------------------- the stock fused QK-norm
+
+
+def square_chain(values: list) -> Float32:
+    """``fma(v_n, v_n, ... fma(v_1, v_1, fma(v_0, v_0, +0.0)))`` for the FP32
+    ``values`` ``v_0 .. v_n`` in order: one stock lane's sum (``fma.rn``)."""
+    total = Float32(0.0)
+    for v in values:
+        total = ptx.fma_rn(v, v, total)
+    return total
+
+
+def qk_rsqrt(total, eps) -> Float32:
+    """``rsqrt.approx.f32(fma(total, 1/64, eps))``; ``eps`` a Python number
+    (its nearest FP32 taken) or a traced ``Float32``."""
+    if isinstance(eps, (int, float)):
+        eps = ptx.f32_const(float(eps))
+    return ptx.rsqrt_approx(ptx.fma_rn(total, ptx.f32_const(1.0 / HEAD_DIM), eps))
+
+
+def qk_norm_lane8(values: list, eps) -> list:
+    """The stock QK-norm (module docstring) of the head this thread's 8-lane
+    group holds, ``values`` the 8 FP32 ``e_8l .. e_8l+7`` of stock lane ``l
+    = lane % 8``: the 8 normalized FP32 ``n_8l .. n_8l+7``. Every lane of the
+    warp must call it (the group's butterfly). ``eps``: as ``qk_rsqrt``."""
+    total = square_chain(values)
+    for offset in (4, 2, 1):
+        total = ptx.add_rn(total, cute.arch.shuffle_sync_bfly(total, offset=offset))
+    r = qk_rsqrt(total, eps)
+    return [ptx.mul_rn(v, r) for v in values]
+
+
+def qk_norm_pair(word, lane, eps) -> tuple:
+    """The stock QK-norm (module docstring) of the head this warp holds, lane
+    ``lane`` holding the BF16 pair ``(e_2j, e_2j+1)`` packed in ``word``
+    (``j = lane``): the normalized FP32 pair ``(n_2j, n_2j+1)``. Each lane
+    gathers the words of lanes ``4l .. 4l+3`` (``l = lane // 4``), runs the
+    chain of ``e_8l .. e_8l+7`` and folds by the butterfly xor 16, 8, 4 (lane
+    ``lane ^ 4k`` holds stock lane ``l ^ k``). Every lane of the warp must
+    call it. ``eps``: as ``qk_rsqrt``."""
+    first = Int32(lane) & Int32(ptx.WARP - LANE_PAIRS)
+    group = [cute.arch.shuffle_sync(Uint32(word), offset=first | Int32(i)) for i in range(LANE_PAIRS)]
+    total = square_chain([v for w in group for v in ptx.bf16x2_to_f32(w)])
+    for offset in (16, 8, 4):
+        total = ptx.add_rn(total, cute.arch.shuffle_sync_bfly(total, offset=offset))
+    r = qk_rsqrt(total, eps)
+    a, b = ptx.bf16x2_to_f32(word)
+    return ptx.mul_rn(a, r), ptx.mul_rn(b, r)
+
+
+def rope_fma(x, y, c, s) -> tuple:
+    """GPT-J RoPE of the FP32 pair ``(x, y)`` by ``c``, ``s`` as the stock
+    rotary kernels compute it: ``(fma(c, x, -(s * y)), fma(s, x, c * y))``,
+    each product rounded (``mul.rn``), its negation exact."""
     return (
-        ptx.sub_rn(ptx.mul_rn(a, c), ptx.mul_rn(b, s)),
-        ptx.add_rn(ptx.mul_rn(b, c), ptx.mul_rn(a, s)),
+        ptx.fma_rn(c, x, ptx.neg_f32(ptx.mul_rn(s, y))),
+        ptx.fma_rn(s, x, ptx.mul_rn(c, y)),
     )
+
+
+def load_cos_sin_quad(table_dtype: str, table, position, lane) -> tuple:
+    """``(cos, sin)``: lists of the 4 FP32 of pairs ``4 lane .. 4 lane + 3`` at
+    ``position`` (Int64, inside the table) of the ``[P, 64]`` table at byte
+    address ``table`` (16-byte aligned): columns ``4 lane + i`` and ``32 + 4
+    lane + i``, widened exactly (one 16-byte load each for FP32, one 8-byte
+    load each for BF16)."""
+    if table_dtype == "fp32":
+        at = Int64(table) + Int64(position) * (4 * HEAD_DIM) + Int64(lane) * (4 * LANE_PAIRS)
+        return ([ptx.as_f32(w) for w in ptx.ld_global_v4(at)],
+                [ptx.as_f32(w) for w in ptx.ld_global_v4(at + 2 * HEAD_DIM)])
+    at = Int64(table) + Int64(position) * (2 * HEAD_DIM) + Int64(lane) * (2 * LANE_PAIRS)
+    return ([v for w in ld_global_v2(at) for v in ptx.bf16x2_to_f32(w)],
+            [v for w in ld_global_v2(at + HEAD_DIM) for v in ptx.bf16x2_to_f32(w)])
+
+
+# ---------------------------------------------------------------- shared by every head kernel
 
 
 def load_cos_sin(table_dtype: str, table, position, lane) -> tuple:
@@ -61,4 +154,50 @@ def cache_row_address(cache, slot, kv_heads: int, kv_head, block_size):
     return Int64(cache) + row * (4 * HEAD_DIM)
 
 
-__all__ = ["cache_row_address", "head_norm_pair", "load_cos_sin", "rope_pair"]
+# ---------------------------------------------------------------- the pre-stock pair layout
+
+
+def head_norm_pair(a, b, eps: float, weight_word=None) -> tuple:
+    """A per-head norm of the head whose pair ``(a, b)`` (FP32) this lane
+    holds (a warp per head, lane ``j``: columns ``2j``, ``2j + 1``): ``s =
+    a*a + b*b`` (each rounded), the head tree (the warp butterfly 16 .. 1),
+    ``r = inv_rms(s, 64, eps)`` (IEEE ``1 / sqrt(s / 64 + eps)``), ``(a*r,
+    b*r)`` (times the BF16 weight pair ``weight_word`` if given), rounded to
+    BF16. Returns ``(word, a', b')``: the packed pair and its two values
+    widened back. Not the stock fused QK-norm (``qk_norm_pair`` is)."""
+    s = ptx.warp_fold(ptx.add_rn(ptx.mul_rn(a, a), ptx.mul_rn(b, b)))
+    r = ptx.inv_rms(s, HEAD_DIM, eps)
+    ya, yb = ptx.mul_rn(a, r), ptx.mul_rn(b, r)
+    if weight_word is not None:
+        wa, wb = ptx.bf16x2_to_f32(weight_word)
+        ya, yb = ptx.mul_rn(ya, wa), ptx.mul_rn(yb, wb)
+    word = ptx.pack_bf16x2_rn(ya, yb)
+    return (word, *ptx.bf16x2_to_f32(word))
+
+
+def rope_pair(a, b, c, s) -> tuple:
+    """GPT-J RoPE of one pair, no FMA: ``(a * c - b * s, b * c + a * s)``,
+    each product and the difference/sum rounded once (FP32). Not the stock
+    rotary kernels' form (``rope_fma`` is)."""
+    return (
+        ptx.sub_rn(ptx.mul_rn(a, c), ptx.mul_rn(b, s)),
+        ptx.add_rn(ptx.mul_rn(b, c), ptx.mul_rn(a, s)),
+    )
+
+
+__all__ = [
+    "LANES",
+    "LANE_ELEMS",
+    "LANE_PAIRS",
+    "cache_row_address",
+    "head_norm_pair",
+    "ld_global_v2",
+    "load_cos_sin",
+    "load_cos_sin_quad",
+    "qk_norm_lane8",
+    "qk_norm_pair",
+    "qk_rsqrt",
+    "rope_fma",
+    "rope_pair",
+    "square_chain",
+]

@@ -10,24 +10,29 @@ For ``x`` BF16 ``[m, H]`` (1 <= m <= 16) and the QKV weight ``W`` BF16
    order and the error bound against float64; tensor-core MMAs, the only
    multiply-adds of the kernel), rounded to BF16 (``cvt.rn.bf16x2.f32``);
 2. per token, one warp per (token, head), lane ``j`` holding the GPT-J pair
-   ``(a, b) = (p_2j, p_2j+1)`` widened exactly to FP32:
+   ``(p_2j, p_2j+1)`` of the step-1 BF16 projection (a packed word):
 
-   - q heads: ``HeadNorm`` (``s = a*a + b*b`` then the head tree: the
-     butterfly with offsets 16, 8, 4, 2, 1; ``r = 1 / sqrt(s / 64 + q_eps)``;
-     ``a * r``, ``b * r``, times the BF16 q-norm weight if any; rounded to
-     BF16), then RoPE with ``c, s`` = the table row ``positions[token]`` at
-     columns ``j`` and ``32 + j``: ``a' = a*c - b*s``, ``b' = b*c + a*s``
-     (each product and the sum rounded once, no FMA), rounded to BF16;
-   - k heads: the same with ``k_eps`` and no weight; the result is also
-     written to the K half of the cache row of ``slots[token]``;
+   - q and k heads: vLLM's fused QK-norm (``heads.qk_norm_pair``: the
+     stock's 8 lanes of 8 elements are lanes ``4l .. 4l+3`` here; each lane
+     gathers its four words and runs the sequential chain ``fma(e_8l+7,
+     e_8l+7, ... fma(e_8l, e_8l, +0.0))`` itself, the eight chains fold by
+     the butterfly xor 16, 8, 4; ``r = rsqrt.approx.f32(fma(S, 1/64,
+     eps))``, ``q_eps`` for q heads, ``k_eps`` for k heads; ``(a, b) =
+     (p_2j * r, p_2j+1 * r)`` in FP32), then, with RoPE, ``c, s`` = the
+     table row ``positions[token]`` at columns ``j`` and ``32 + j``: ``a' =
+     fma(c, a, -(s * b))``, ``b' = fma(s, a, c * b)`` (``heads.rope_fma``),
+     one rounding to BF16; a k head's result is also written to the K half
+     of the cache row of ``slots[token]``;
    - v heads: the projection as is, also written to the V half of that row;
    - o-gate heads: the projection as is;
 
-   every FP32 operation an IEEE ``*.rn.f32`` (``dspark_cute.ptx``), so steps
-   2 are bit for bit the stock ``HeadNorm`` / ``Rotary`` / ``kv_insert``
-   applied to the kernel's step-1 projection;
+   every other FP32 operation ``mul.rn`` / ``add.rn`` (``dspark_cute.ptx``),
+   so step 2 is bit for bit vLLM's ``fused_muse_spark_qknorm_rope_kv_insert``
+   (``dspark_core.spec.layers.qk_norm_rope`` and ``kv_insert``) applied to
+   the kernel's step-1 projection;
 3. ``out[token, 64 hd + 2j .. + 1]`` = the pair (q and k rows normed and
-   rotated, v and o-gate rows projected).
+   rotated, v and o-gate rows projected): the stock op's ``qkv`` after it
+   ran in place.
 
 The cache is ``[num_blocks, kv, block_size, 128]`` BF16 (K then V); slot
 ``s`` is row ``s % block_size`` of block ``s // block_size``; a negative slot
@@ -56,7 +61,7 @@ from dspark_cute import ptx
 from dspark_cute.cutedsl.gemm.skinny import config as sg
 from dspark_cute.cutedsl.gemm.skinny.ring import mainloop as ring_mainloop
 from dspark_cute.cutedsl.gemm.skinny.tile import reduced_pair, store_partials
-from dspark_cute.cutedsl.heads import cache_row_address, head_norm_pair, load_cos_sin, rope_pair
+from dspark_cute.cutedsl.heads import cache_row_address, load_cos_sin, qk_norm_pair, rope_fma
 from dspark_cute.runtime.host import (
     cache_tensor,
     check_operand,
@@ -71,11 +76,27 @@ from dspark_cute.runtime.host import (
 )
 
 
+def check_constants(c: QKVFrontConstants) -> None:
+    """Unsupported unless the kernel takes ``c`` (a QKVFrontConstants): at
+    least one q head, 1 to 32 KV heads (a power of two), no q-norm weight
+    (the stock fused QK-norm is weightless), a BF16 or FP32 RoPE table."""
+    if not isinstance(c, QKVFrontConstants):
+        raise ValueError(f"QKVFront takes QKVFrontConstants, not {type(c).__name__}")
+    kv = c.kv_heads
+    if c.num_heads < 1 or kv < 1 or kv & (kv - 1) or kv > 32:
+        raise Unsupported(f"the QKV front takes at least one head and 1 to 32 KV heads (a power of two), "
+                         f"not {c.num_heads} and {kv}")
+    if c.q_weight:
+        raise Unsupported("a q-norm weight (the stock fused QK-norm is weightless)")
+    if c.table_dtype not in ("bf16", "fp32"):
+        raise Unsupported(f"the QKV front reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
+
+
 class QKVFrontKernel:
     """The traced QKV front of one ``QKVFrontConstants`` and variant
     (``SkinnyConfig`` ``cfg``, ``raw``, ``pdl``). Call: ``(x, weight,
-    q_weight, table, positions, slots, cache, out, m, num_slots,
-    block_size, max_pos, stream)``: global pointers (a pointer whose operand
+    table, positions, slots, cache, out, m, num_slots, block_size, max_pos,
+    stream)``: global pointers (a pointer whose operand
     the variant does not read may be any), ``m``, ``block_size`` and
     ``max_pos`` Int32, ``num_slots`` Int64."""
 
@@ -83,6 +104,7 @@ class QKVFrontKernel:
         if cfg.x_regs:
             raise ValueError("the QKV front runs the ring main loop with x in the ring (x_regs False): x "
                              "through registers is the package GEMM's")
+        check_constants(constants)
         self.c = constants
         self.cfg = cfg
         self.raw = raw
@@ -90,15 +112,15 @@ class QKVFrontKernel:
         self.rows = (2 * constants.num_heads + 2 * constants.kv_heads) * HEAD_DIM
 
     @cute.jit
-    def __call__(self, x: cute.Pointer, weight: cute.Pointer, q_weight: cute.Pointer, table: cute.Pointer,
+    def __call__(self, x: cute.Pointer, weight: cute.Pointer, table: cute.Pointer,
                  positions: cute.Pointer, slots: cute.Pointer, cache: cute.Pointer, out: cute.Pointer,
                  m: Int32, num_slots: Int64, block_size: Int32, max_pos: Int32, stream):
-        self.kernel(x, weight, q_weight, table, positions, slots, cache, out, m, num_slots, block_size,
+        self.kernel(x, weight, table, positions, slots, cache, out, m, num_slots, block_size,
                     max_pos).launch(grid=[self.rows // sg.TILE_ROWS, 1, 1], block=[self.cfg.threads, 1, 1],
                                     stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, x: cute.Pointer, weight: cute.Pointer, q_weight: cute.Pointer, table: cute.Pointer,
+    def kernel(self, x: cute.Pointer, weight: cute.Pointer, table: cute.Pointer,
                positions: cute.Pointer, slots: cute.Pointer, cache: cute.Pointer, out: cute.Pointer,
                m: Int32, num_slots: Int64, block_size: Int32, max_pos: Int32):
         c, cfg = self.c, self.cfg
@@ -116,6 +138,13 @@ class QKVFrontKernel:
             ptx.pdl_launch_dependents()
         store_partials(cfg, acc, ring, warp, lane)
         heads, kv = c.num_heads, c.kv_heads
+        # The norm's eps: q heads q_eps, k heads k_eps (the CTA's head is uniform).
+        if cutlass.const_expr(c.q_eps == c.k_eps):
+            eps = ptx.f32_const(c.q_eps)
+        else:
+            eps = ptx.f32_const(c.k_eps)
+            if hd < heads:
+                eps = ptx.f32_const(c.q_eps)
         for r in cutlass.range_constexpr(_rounds(cfg)):
             tok = Int32(warp) + cfg.k_warps * r
             a, b = reduced_pair(cfg, ring, tok, lane)
@@ -125,15 +154,11 @@ class QKVFrontKernel:
                 ptx.st_global_b32_if(o_addr, word, tok, m)
             else:
                 tok_c = cutlass.min(tok, m - 1)
+                # One warp per (token, head); the branches are CTA-uniform.
                 if hd < heads + kv:
-                    pa, pb = ptx.bf16x2_to_f32(word)
-                    if hd < heads:
-                        w = ptx.ld_global_b32(Int64(q_weight.toint()) + Int64(lane) * 4) if c.q_weight else None
-                        res = self._norm_rope(pa, pb, c.q_eps, w, table, positions, tok_c, max_pos, lane)
-                        ptx.st_global_b32_if(o_addr, res, tok, m)
-                    else:
-                        res = self._norm_rope(pa, pb, c.k_eps, None, table, positions, tok_c, max_pos, lane)
-                        ptx.st_global_b32_if(o_addr, res, tok, m)
+                    res = self._norm_rope(word, eps, table, positions, tok_c, max_pos, lane)
+                    ptx.st_global_b32_if(o_addr, res, tok, m)
+                    if hd >= heads:
                         self._insert(res, 0, hd - heads, slots, cache, tok, tok_c, m, num_slots, block_size, lane)
                 else:
                     ptx.st_global_b32_if(o_addr, word, tok, m)
@@ -141,13 +166,17 @@ class QKVFrontKernel:
                         self._insert(word, 1, hd - heads - kv, slots, cache, tok, tok_c, m, num_slots,
                                      block_size, lane)
 
-    def _norm_rope(self, a, b, eps, weight_word, table, positions, tok_c, max_pos, lane):
-        word, na, nb = head_norm_pair(a, b, eps, weight_word)
-        if not self.c.rope:
-            return word
+    def _norm_rope(self, word, eps, table, positions, tok_c, max_pos, lane):
+        """The fused QK-norm (with ``eps``) and, with RoPE, the rotation of
+        the q or k head whose pair ``word`` this lane holds: the packed BF16
+        result."""
+        c = self.c
+        na, nb = qk_norm_pair(word, lane, eps)
+        if cutlass.const_expr(not c.rope):
+            return ptx.pack_bf16x2_rn(na, nb)
         pos = ptx.ld_global_clamped_s64(Int64(positions.toint()) + Int64(tok_c) * 8, Int64(0), Int64(max_pos) - 1)
-        cos, sin = load_cos_sin(self.c.table_dtype, table.toint(), pos, lane)
-        return ptx.pack_bf16x2_rn(*rope_pair(na, nb, cos, sin))
+        cos, sin = load_cos_sin(c.table_dtype, table.toint(), pos, lane)
+        return ptx.pack_bf16x2_rn(*rope_fma(na, nb, cos, sin))
 
     def _insert(self, word, half: int, kv_head, slots, cache, tok, tok_c, m, num_slots, block_size, lane):
         slot = ptx.ld_global_s64(Int64(slots.toint()) + Int64(tok_c) * 8)
@@ -171,7 +200,7 @@ def fake_args(constants: QKVFrontConstants) -> tuple:
     # Alignments as `launch` passes them: x and the weight 16 bytes (16-byte
     # copies), the 4-byte-accessed operands 4, positions and slots 8.
     return (
-        fake_ptr("bf16", 16), fake_ptr("bf16", 16), fake_ptr("bf16", 4), fake_ptr(table, 4),
+        fake_ptr("bf16", 16), fake_ptr("bf16", 16), fake_ptr(table, 4),
         _int64_ptr(0), _int64_ptr(0), fake_ptr("bf16", 4), fake_ptr("bf16", 4),
         Int32(1), Int64(1), Int32(1), Int32(1), fake_stream(),
     )
@@ -194,14 +223,16 @@ class QKVFront:
     """``DraftAttention.front`` of ``constants`` bound to its weights, as one
     kernel launch (module docstring): ``run(x, positions, slots, cache)``
     returns ``out`` BF16 ``[m, rows]`` (q and k rows normed and rotated as
-    the stock front returns / inserts them, v and o-gate rows projected) and
-    writes K and V into ``cache`` at ``slots``; bit for bit the stock chain
-    applied to the kernel's projection, which is ``x @ W^T`` up to the
-    summation order stated in ``dspark_cute.cutedsl.gemm.skinny.config``.
+    vLLM's fused QK-norm / RoPE / KV insert leaves them in its ``qkv``, v and
+    o-gate rows projected) and writes K and V into ``cache`` at ``slots``;
+    bit for bit that stock op applied to the kernel's projection, which is
+    ``x @ W^T`` up to the summation order stated in
+    ``dspark_cute.cutedsl.gemm.skinny.config``.
 
     ``weight``: the QKV projection, BF16 ``[rows, H]``, contiguous, on CUDA,
-    16-byte aligned; ``q_norm_weight``: the q-norm's BF16 ``[64]`` weight
-    (None without one, as ``constants.q_weight`` says); ``rope_table``: the
+    16-byte aligned; ``q_norm_weight``: must be None (the stock fused
+    QK-norm is weightless; the argument stays for the host contract's
+    signature); ``rope_table``: the
     ``Rotary.cos_sin`` table ``[max_position, 64]`` of
     ``constants.table_dtype`` on the weight's device (None without RoPE).
     ``k_warps`` and ``stages``: the main loop's shape (``SkinnyConfig``);
@@ -222,26 +253,17 @@ class QKVFront:
         pdl: bool | None = None,
         copy: str = "lane",
     ) -> None:
-        if not isinstance(constants, QKVFrontConstants):
-            raise ValueError(f"QKVFront takes QKVFrontConstants, not {type(constants).__name__}")
+        check_constants(constants)
         c = constants
         kv = c.kv_heads
-        if c.num_heads < 1 or kv < 1 or kv & (kv - 1) or kv > 32:
-            raise Unsupported(f"the QKV front takes at least one head and 1 to 32 KV heads (a power of two), "
-                             f"not {c.num_heads} and {kv}")
-        if c.table_dtype not in ("bf16", "fp32"):
-            raise Unsupported(f"the QKV front reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
         # SkinnyConfig raises Unsupported for a hidden size it cannot split.
         self.configs = {nt: sg.SkinnyConfig(c.hidden_size, k_warps, stages, nt, copy=copy) for nt in (1, 2)}
         self.rows = (2 * c.num_heads + 2 * kv) * HEAD_DIM
         check_operand(weight, (self.rows, c.hidden_size), torch.bfloat16, 16, "the QKV weight")
         device = weight.device
-        if c.q_weight:
-            check_operand(q_norm_weight, (HEAD_DIM,), torch.bfloat16, 4, "the q-norm weight")
-            if q_norm_weight.device != device:
-                raise ValueError("the q-norm weight must be on the QKV weight's device")
-        elif q_norm_weight is not None:
-            raise ValueError("constants without a q-norm weight were given one")
+        if q_norm_weight is not None:
+            raise ValueError("the QKV front's QK-norm is weightless (the stock fused QK-norm), yet a q-norm "
+                             "weight was given")
         if c.rope:
             dtype = torch.bfloat16 if c.table_dtype == "bf16" else torch.float32
             ok = isinstance(rope_table, torch.Tensor) and rope_table.dim() == 2
@@ -253,7 +275,7 @@ class QKVFront:
             raise ValueError("constants without RoPE were given a RoPE table")
         self.constants = c
         self.weight = weight
-        self.q_norm_weight = q_norm_weight
+        self.q_norm_weight = None
         self.rope_table = rope_table
         self.device = device
         self.pdl = pdl_supported(device) if pdl is None else bool(pdl)
@@ -317,9 +339,8 @@ class QKVFront:
         cache = cache_tensor(cache)
         nb, _, bs, _ = cache.shape
         table = self.rope_table if self.rope_table is not None else self.weight
-        qw = self.q_norm_weight if self.q_norm_weight is not None else self.weight
         self._kernel(m)(
-            ptr(x), ptr(self.weight), ptr(qw, 4), ptr(table, 4), _i64_ptr(positions), _i64_ptr(slots),
+            ptr(x), ptr(self.weight), ptr(table, 4), _i64_ptr(positions), _i64_ptr(slots),
             ptr(cache, 4), ptr(out, 4), Int32(m), Int64(nb * bs), Int32(bs), Int32(table.shape[0]),
             current_stream(),
         )
@@ -339,7 +360,7 @@ class QKVFront:
             raise ValueError(f"QKVFront.project writes a contiguous bf16 [{m}, {self.rows}] CUDA output")
         w = self.weight
         self._kernel(m, raw=True)(
-            ptr(x), ptr(w), ptr(w, 4), ptr(w, 4), _int64_ptr(x.data_ptr()), _int64_ptr(x.data_ptr()),
+            ptr(x), ptr(w), ptr(w, 4), _int64_ptr(x.data_ptr()), _int64_ptr(x.data_ptr()),
             ptr(w, 4), ptr(out, 4), Int32(m), Int64(0), Int32(1), Int32(1), current_stream(),
         )
         return out
