@@ -77,7 +77,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    from dspark_core.contracts.constants import qkv_front_constants
+    from dspark_core.contracts.constants import QKVFrontConstants
     from dspark_core.reference.config import DraftConfig
     from dspark_core.reference.model import DraftAttention, StepInputs
     from dspark_core.spec.layers import PagedKVCache, Rotary
@@ -95,11 +95,13 @@ def main() -> None:
         attn.qkv_proj.data.copy_(w.to(torch.bfloat16))
         attns.append(attn)
     weight_bytes = attns[0].qkv_proj.numel() * 2
-    constants = qkv_front_constants(attns[0])
+    eps = cfg.head_norm_eps
+    constants = QKVFrontConstants(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                                  q_weight=False, q_eps=eps, k_eps=eps, rope=True, table_dtype="bf16")
     device = torch.cuda.get_device_name()
 
     def fronts(**kw):
-        fs = [QKVFront(constants, a.qkv_proj, a.q_norm.weight, table, **kw) for a in attns]
+        fs = [QKVFront(constants, a.qkv_proj, None, table, **kw) for a in attns]
         for f in fs:
             f.prepare()
         return fs

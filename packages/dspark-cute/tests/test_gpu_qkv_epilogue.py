@@ -1,281 +1,355 @@
-"""GPU tests of ``dspark_cute.cutedsl.qkv.epilogue.QKVEpilogue`` against the stock
-``DraftAttention.front`` (``dspark_core``). Passed on an H200 with the rest
-of the GPU suite.
+"""GPU tests of ``dspark_cute.cutedsl.qkv.epilogue.QKVEpilogue``, bit for bit
+against dspark-core's spec run on CUDA (``spec.layers.qk_norm_rope`` on the
+q and k heads, ``kv_insert``: what ``DraftAttention.front_from`` computes)
+and against vLLM 0.33.0's own ``fused_muse_spark_qknorm_rope_kv_insert``
+(the carried stock binary, fixture ``stock``; skipped without it) on the
+same operands, each in place on its own copy of ``qkv``.
 
-Both sides get the same projection: ``qkv = linear(x, attn.qkv_proj)`` is
-computed once, and the stock front's own ``linear`` call is replaced by one
-that returns exactly that tensor (so special values can be planted in it).
-Checked bit for bit (``assert_bitwise``): q, and the whole cache (every
-block, poisoned before with a NaN pattern and then a finite one, so rows the
-stock insert leaves alone must keep their poison bits; the scratch block past
-our cache tensor must stay untouched), for m in {1, 2, 7, 16, 33}, BF16 and
-FP32 RoPE tables and no RoPE, the q-norm with and without a weight, special
-values in qkv, negative slots, qkv with and without the o-gate rows, a given
-``out``; graph capture and replay; the host's ValueErrors for out-of-range
-positions and slots outside capture and the kernel's skips inside it; the
-compile refused during capture. Fresh seeded random data: the seed is
-printed (repeat with DSPARK_SEED)."""
+Compared bit for bit (NaN payloads aside): every row of ``qkv`` after the
+call (q and k rows normed and rotated; v and o-gate rows untouched) and the
+whole cache storage, poisoned first with a NaN pattern and then a finite
+one, with a scratch block past the cache tensor that no insert may touch;
+the returned q is the view of ``qkv``'s q rows. For m in {1, 2, 7, 16, 133};
+RoPE with the FP32 table (every layer but the first), the BF16 table (layer
+0 in decode) and none; 1 to 32 KV heads (powers of two); eps 0 and a q eps
+other than the k eps (spec only: the stock takes one eps); qkv without the
+o-gate rows; random rows and rows of special values (-0.0, subnormals, +-inf,
+NaN, near-overflow, squares that overflow and underflow, a zero head with
+eps 0); negative slots skipped; PDL on and off; CUDA graph replays; the
+host's ValueErrors for out-of-range positions and slots outside capture and
+the kernel's skips inside it. Fresh seeded random data: the seed is printed
+(repeat with DSPARK_SEED)."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-from cute_testing import (
-    assert_replays_repeat,
-    capture_calls,
-    poison,
-    random_rows,
-    requires_cuda,
-    special_rows,
-    stock_attention,
-)
+import functools
 
-import dspark_core.reference.model as model_module
-from dspark_core.contracts.constants import qkv_front_constants
-from dspark_core.reference.config import DraftConfig
-from dspark_core.reference.model import StepInputs
-from dspark_core.spec.layers import PagedKVCache, linear
+import pytest
+import stock as stock_binaries
+import torch
+from cute_testing import assert_replays_repeat, capture_calls, poison, random_rows, requires_cuda, special_rows
+
+from dspark_core.contracts.constants import HEAD_DIM, QKVFrontConstants
+from dspark_core.spec.layers import HeadNorm, Rotary, kv_insert, qk_norm_rope
 from dspark_core.tools.compare import assert_bitwise
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
+
+@pytest.fixture(scope="session")
+def stock():
+    """vLLM 0.33.0's stock kernels (``tests/stock.py``; skips without the binaries)."""
+    ops = stock_binaries.stock_ops()
+    if ops is None:
+        pytest.skip(f"no stock binaries in {stock_binaries.stock_dir()}: run scripts/stock/compile_stock.py with "
+                    "vLLM 0.33.0's venv and carry .device/stock")
+    return ops
+
 BF16 = torch.bfloat16
-ROWS = [1, 2, 7, 16, 33]
-NUM_BLOCKS, BLOCK = 64, 16
-# name: DraftConfig changes
+ROWS = [1, 2, 7, 16, 133]
+NUM_BLOCKS, BLOCK = 72, 16
+MAX_POSITION = 4096
+# name: (q heads, KV heads, table "fp32"/"bf16"/None, q_eps, k_eps, o-gate rows)
 CASES = {
-    "ref": {},
-    "small-noqw-fp32": dict(hidden_size=2048, num_heads=8, num_kv_heads=1, q_norm_weight=False,
-                            rope_table_dtype="fp32", head_norm_eps=1e-5, max_position=512),
-    "norope": dict(hidden_size=4096, num_heads=4, num_kv_heads=2, use_rope=False),
-    "norope-noqw": dict(hidden_size=2048, num_heads=20, num_kv_heads=4, use_rope=False, q_norm_weight=False),
+    "ref-fp32": (64, 8, "fp32", 1e-6, 1e-6, True),
+    "ref-bf16": (64, 8, "bf16", 1e-6, 1e-6, True),
+    "ref-norope": (64, 8, None, 1e-6, 1e-6, True),
+    "kv1-fp32": (8, 1, "fp32", 1e-6, 1e-6, True),
+    "kv2-bf16": (4, 2, "bf16", 1e-5, 1e-5, True),
+    "kv4-norope": (32, 4, None, 1e-6, 1e-6, True),
+    "kv16-fp32": (16, 16, "fp32", 1e-6, 1e-6, True),
+    "kv32-bf16": (64, 32, "bf16", 1e-6, 1e-6, True),
+    "eps0-fp32": (8, 2, "fp32", 0.0, 0.0, True),
+    "no-ogate-fp32": (64, 8, "fp32", 1e-6, 1e-6, False),
+    "two-eps-bf16": (16, 4, "bf16", 1e-5, 0.1, True),  # the spec alone: the stock takes one eps
 }
 
 
-class Setup:
-    """A stock attention on CUDA with random weights and its epilogue."""
+@functools.cache
+def rotary(table: str) -> Rotary:
+    """The ``Rotary`` of ``table``'s dtype on CUDA (one per dtype)."""
+    return Rotary(HEAD_DIM, MAX_POSITION, table_dtype=torch.float32 if table == "fp32" else BF16).cuda()
 
-    def __init__(self, case: str, gen: torch.Generator, pdl=None):
+
+class Setup:
+    """One case: its constants, table and epilogue; operands and the two references."""
+
+    def __init__(self, case: str, pdl=None):
         from dspark_cute.cutedsl.qkv.epilogue import QKVEpilogue
 
-        cfg = DraftConfig(**CASES[case])
-        attn, self.table = stock_attention(cfg, gen)
-        self.cfg, self.attn, self.gen = cfg, attn, gen
-        self.constants = qkv_front_constants(attn)
-        self.epi = QKVEpilogue(self.constants, attn.q_norm.weight, self.table, pdl=pdl)
+        self.nq, self.kv, table, self.q_eps, self.k_eps, self.ogate = CASES[case]
+        self.rotary = rotary(table) if table else None
+        self.constants = QKVFrontConstants(hidden_size=8192, num_heads=self.nq, kv_heads=self.kv, q_weight=False,
+                                           q_eps=self.q_eps, k_eps=self.k_eps, rope=table is not None,
+                                           table_dtype=table or "bf16")
+        self.table = self.rotary.cos_sin if self.rotary is not None else None
+        self.epi = QKVEpilogue(self.constants, None, self.table, pdl=pdl)
         self.epi.prepare()
+        self.q_size, self.kv_size = self.nq * HEAD_DIM, self.kv * HEAD_DIM
+        self.rows = 2 * self.q_size + 2 * self.kv_size if self.ogate else self.q_size + 2 * self.kv_size
 
-    def step(self, m: int) -> StepInputs:
+    def step(self, m: int, gen) -> tuple:
         """Random positions and distinct slots, some negative."""
-        pos = torch.randint(0, self.cfg.max_position, (m,), generator=self.gen, device="cuda")
-        slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=self.gen, device="cuda")[:m].clone()
+        pos = torch.randint(0, MAX_POSITION, (m,), generator=gen, device="cuda")
+        slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=gen, device="cuda")[:m].clone()
         if m >= 2:
             slots[0] = -1
         if m >= 7:
             slots[m - 2] = -7
-        return StepInputs(pos, slots, torch.zeros((m, 1), dtype=torch.int64, device="cuda"))
+        return pos, slots
 
-    def cache(self, which: int) -> PagedKVCache:
-        """A cache whose storage (scratch block included) holds poison ``which``."""
-        cache = PagedKVCache(NUM_BLOCKS, self.cfg.num_kv_heads, BLOCK, 64, "cuda")
-        poison(cache._storage, which)
-        return cache
+    def qkv(self, m: int, gen, special: bool = False) -> torch.Tensor:
+        """Random rows; with ``special``, special heads in token 0 and rows of
+        special values (``cute_testing.special_rows``) in tokens 1 .. 9."""
+        qkv = random_rows(gen, m, self.rows, BF16, "cuda")
+        if special:
+            heads = qkv[0, : self.q_size + 2 * self.kv_size].view(-1, HEAD_DIM)
+            tiny = torch.tensor(1, dtype=torch.int16, device="cuda").view(BF16)  # the smallest subnormal
+            big = torch.finfo(BF16).max
+            plants = [
+                lambda h: h.fill_(-0.0),
+                lambda h: h.fill_(0.0),  # S = 0: r = rsqrt(eps) (inf with eps 0: 0 * inf = NaN)
+                lambda h: h.copy_(tiny.expand(HEAD_DIM)),  # squares underflow to 0
+                lambda h: h.fill_(big),  # squares overflow: S = inf, r = 0
+                lambda h: h.__setitem__(slice(0, HEAD_DIM, 7), float("inf")),
+                lambda h: h.__setitem__(11, float("-inf")),
+                lambda h: h.__setitem__(33, float("nan")),
+                # Squares that are FP32 subnormals (2^-128, 2^-140).
+                lambda h: h.copy_(torch.where(torch.arange(HEAD_DIM, device="cuda") % 2 == 0, 2.0**-64,
+                                              -(2.0**-70)).to(BF16)),
+                lambda h: h.fill_(2.0**-64),  # S = 2^-122: v = 2^-128, a subnormal, where eps is 0
+            ]
+            for i, plant in enumerate(plants):
+                for start in (0, self.nq, self.nq + self.kv):  # a q, a k and a v head
+                    if start + i < heads.shape[0]:
+                        plant(heads[start + i])
+            n = min(m, 10) - 1
+            if n > 0:
+                qkv[1 : 1 + n] = special_rows(self.rows, BF16, "cuda")[:n]
+        return qkv
 
-    def qkv(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = random_rows(self.gen, m, self.cfg.hidden_size, BF16, "cuda")
-        return x, linear(x, self.attn.qkv_proj)
+    def storage(self, which: int) -> torch.Tensor:
+        """A cache storage of ``NUM_BLOCKS + 1`` blocks (the last a scratch
+        block past the cache tensor ``storage[:NUM_BLOCKS]``), poisoned."""
+        t = torch.empty((NUM_BLOCKS + 1, self.kv, BLOCK, 2 * HEAD_DIM), dtype=BF16, device="cuda")
+        return poison(t, which)
 
-    def stock(self, x, qkv, step: StepInputs, cache: PagedKVCache, monkeypatch):
-        """``attn.front(x, step, cache)`` with its projection returning ``qkv``."""
-        attn = self.attn
+    def spec(self, qkv: torch.Tensor, pos, slots, storage: torch.Tensor) -> None:
+        """The spec on CUDA, in place on ``qkv`` and ``storage[:NUM_BLOCKS]``."""
+        m = qkv.shape[0]
+        q = qkv[:, : self.q_size].reshape(m, self.nq, HEAD_DIM)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(m, self.kv, HEAD_DIM)
+        v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].reshape(m, self.kv, HEAD_DIM)
+        q = qk_norm_rope(q, HeadNorm(HEAD_DIM, self.q_eps), pos, self.rotary)
+        k = qk_norm_rope(k, HeadNorm(HEAD_DIM, self.k_eps), pos, self.rotary)
+        kv_insert(storage[:NUM_BLOCKS], k, v, slots)
+        qkv[:, : self.q_size] = q.reshape(m, -1)
+        qkv[:, self.q_size : self.q_size + self.kv_size] = k.reshape(m, -1)
 
-        def same_projection(a, b):
-            assert a is x and b is attn.qkv_proj
-            return qkv
+    def stock(self, ops, qkv: torch.Tensor, pos, slots, storage: torch.Tensor) -> None:
+        """vLLM's stock kernel, in place on ``qkv`` and ``storage[:NUM_BLOCKS]``."""
+        assert self.q_eps == self.k_eps, "the stock takes one eps"
+        rope = self.table is not None
+        ops.stock_qknorm_rope_kv_insert(qkv, pos, self.nq, self.kv, HEAD_DIM, self.q_eps,
+                                        self.table if rope else None, HEAD_DIM if rope else 0, slots,
+                                        storage[:NUM_BLOCKS], BLOCK)
 
-        with monkeypatch.context() as mp:
-            mp.setattr(model_module, "linear", same_projection)
-            return attn.front(x, step, cache)
 
-
-def check(s: Setup, x, qkv, step: StepInputs, what: str, monkeypatch, out=None) -> None:
-    """q, og and the whole cache of the epilogue vs the stock front, for both
-    poisons; the scratch block of our cache keeps its poison."""
+def check(s: Setup, qkv0: torch.Tensor, pos, slots, what: str, ops=None) -> None:
+    """The epilogue on a copy of ``qkv0`` against the spec (and, with
+    ``ops``, the stock) on copies of it, for both cache poisons."""
+    m = qkv0.shape[0]
     for which in (0, 1):
-        exp_cache = s.cache(which)
-        exp_q, exp_og = s.stock(x, qkv, step, exp_cache, monkeypatch)
-        cache = s.cache(which)
-        scratch = cache._storage[NUM_BLOCKS:].clone()
-        if out is not None:
-            poison(out, which)
-        q = s.epi.run(qkv, step.positions, step.slots, cache.tensor, out)
+        qkv, storage = qkv0.clone(), s.storage(which)
+        q = s.epi.run(qkv, pos, slots, storage[:NUM_BLOCKS])
+        exp_qkv, exp_storage = qkv0.clone(), s.storage(which)
+        s.spec(exp_qkv, pos, slots, exp_storage)
+        if ops is not None:
+            st_qkv, st_storage = qkv0.clone(), s.storage(which)
+            s.stock(ops, st_qkv, pos, slots, st_storage)
         torch.cuda.synchronize()
-        assert out is None or q is out
-        assert q.shape == exp_q.shape and q.is_contiguous()
-        assert_bitwise(q, exp_q, f"{what} q (poison {which})")
-        assert_bitwise(cache.tensor, exp_cache.tensor, f"{what} cache (poison {which})")
-        assert_bitwise(cache._storage[NUM_BLOCKS:], scratch, f"{what} scratch block (poison {which})")
-        if qkv.shape[1] == s.attn.qkv_proj.shape[0]:
-            assert_bitwise(s.attn.split_qkv(qkv)[3], exp_og, f"{what} og")
+        assert q.shape == (m, s.nq, HEAD_DIM) and q.data_ptr() == qkv.data_ptr()
+        assert q.stride()[1:] == (HEAD_DIM, 1) and (m == 1 or q.stride(0) == s.rows), "not the view of the q rows"
+        assert_bitwise(q, exp_qkv[:, : s.q_size].reshape(m, s.nq, HEAD_DIM), f"{what}: q (poison {which})")
+        rest = s.q_size + s.kv_size
+        assert_bitwise(qkv[:, rest:], qkv0[:, rest:], f"{what}: v and o-gate rows untouched (poison {which})")
+        assert_bitwise(qkv, exp_qkv, f"{what}: qkv vs the spec (poison {which})")
+        assert_bitwise(storage, exp_storage, f"{what}: cache vs the spec (poison {which})")
+        if ops is not None:
+            assert_bitwise(qkv, st_qkv, f"{what}: qkv vs the stock kernel (poison {which})")
+            assert_bitwise(storage, st_storage, f"{what}: cache vs the stock kernel (poison {which})")
+            assert_bitwise(st_qkv, exp_qkv, f"{what}: the stock kernel vs the spec (poison {which})")
+
+
+STOCK_CASES = [case for case, c in CASES.items() if c[3] == c[4]]
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("m", ROWS)
-def test_matches_stock_front(case, m, seed, monkeypatch):
+def test_matches_spec(case, m, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup(case, gen)
-    x, qkv = s.qkv(m)
-    check(s, x, qkv, s.step(m), f"{case} m={m}", monkeypatch)
+    s = Setup(case)
+    pos, slots = s.step(m, gen)
+    check(s, s.qkv(m, gen), pos, slots, f"{case} m={m} random")
+    check(s, s.qkv(m, gen, special=True), pos, slots, f"{case} m={m} special")
 
 
-@pytest.mark.parametrize("m", [1, 16, 33])
-def test_given_out_no_ogate_rows_and_pdl_off(m, seed, monkeypatch):
+@pytest.mark.parametrize("case", STOCK_CASES)
+@pytest.mark.parametrize("m", ROWS)
+def test_matches_stock(case, m, seed, stock):
+    """The same operands through vLLM's stock kernel too (and the spec)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup("ref", gen, pdl=False)
-    x, qkv = s.qkv(m)
-    step = s.step(m)
-    out = torch.empty((m, s.cfg.num_heads, 64), dtype=BF16, device="cuda")
-    check(s, x, qkv, step, f"out m={m}", monkeypatch, out)
-    # Without the o-gate rows: the same q and cache (the kernel never reads them).
-    narrow = qkv[:, : s.cfg.q_size + 2 * s.cfg.kv_size].contiguous()
-    exp_cache = s.cache(1)
-    exp_q, _ = s.stock(x, qkv, step, exp_cache, monkeypatch)
-    cache = s.cache(1)
-    q = s.epi.run(narrow, step.positions, step.slots, cache.tensor)
-    torch.cuda.synchronize()
-    assert_bitwise(q, exp_q, "no o-gate rows q")
-    assert_bitwise(cache.tensor, exp_cache.tensor, "no o-gate rows cache")
+    s = Setup(case)
+    pos, slots = s.step(m, gen)
+    check(s, s.qkv(m, gen), pos, slots, f"{case} m={m} random", stock)
+    check(s, s.qkv(m, gen, special=True), pos, slots, f"{case} m={m} special", stock)
 
 
-@pytest.mark.parametrize("case", ["ref", "small-noqw-fp32", "norope-noqw"])
-def test_special_values(case, seed, monkeypatch):
-    """Rows of -0.0, subnormals, +-inf, NaN, huge and tiny values in qkv."""
+@pytest.mark.parametrize("case", ["ref-fp32", "ref-bf16", "eps0-fp32"])
+def test_pdl_off(case, seed, stock):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup(case, gen)
-    rows = s.attn.qkv_proj.shape[0]
-    x, qkv = s.qkv(16)
-    qkv[:10] = special_rows(rows, BF16, "cuda")
-    check(s, x, qkv, s.step(16), f"{case} special", monkeypatch)
+    s = Setup(case, pdl=False)
+    assert not s.epi.pdl
+    for m in (1, 16, 133):
+        pos, slots = s.step(m, gen)
+        check(s, s.qkv(m, gen, special=True), pos, slots, f"{case} pdl off m={m}", stock)
 
 
 def test_host_raises_out_of_range(seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup("ref", gen)
-    _, qkv = s.qkv(4)
-    step = s.step(4)
-    cache = s.cache(1)
-    before = cache._storage.clone()
+    s = Setup("ref-fp32")
+    qkv0 = s.qkv(4, gen)
+    pos, slots = s.step(4, gen)
+    storage = s.storage(1)
+    before = storage.clone()
     bad = [
-        (step.positions.clone().fill_(s.cfg.max_position), step.slots, "RoPE positions"),
-        (step.positions.clone().fill_(-1), step.slots, "RoPE positions"),
-        (step.positions, torch.tensor([1, 2, NUM_BLOCKS * BLOCK, -1], device="cuda"), "beyond the cache"),
-        (step.positions, torch.tensor([5, 5, 6, -1], device="cuda"), "distinct slots"),
+        (pos.clone().fill_(MAX_POSITION), slots, "RoPE positions"),
+        (pos.clone().fill_(-1), slots, "RoPE positions"),
+        (pos, torch.tensor([1, 2, NUM_BLOCKS * BLOCK, -1], device="cuda"), "beyond the cache"),
+        (pos, torch.tensor([5, 5, 6, -1], device="cuda"), "distinct slots"),
     ]
-    for pos, slots, match in bad:
+    qkv = qkv0.clone()
+    for p, sl, match in bad:
         with pytest.raises(ValueError, match=match):
-            s.epi.run(qkv, pos, slots, cache.tensor)
+            s.epi.run(qkv, p, sl, storage[:NUM_BLOCKS])
     buf = torch.empty(qkv.numel() + 8, dtype=BF16, device="cuda")
     shifted = buf[4 : 4 + qkv.numel()].view(qkv.shape)  # 8-byte aligned only
     with pytest.raises(ValueError, match="16-byte aligned"):
-        s.epi.run(shifted, step.positions, step.slots, cache.tensor)
+        s.epi.run(shifted, pos, slots, storage[:NUM_BLOCKS])
     torch.cuda.synchronize()
-    assert_bitwise(cache._storage, before, "cache after refused calls")
+    assert_bitwise(storage, before, "cache after refused calls")
+    assert_bitwise(qkv, qkv0, "qkv after refused calls")
 
 
-def test_cuda_graph(seed, monkeypatch):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup("ref", gen)
+def graph_replays(s: Setup, gen, ops=None) -> None:
+    """A captured epilogue (each call on a fresh copy of the projection, as
+    the draft's projection rewrites it every step) replays bit for bit the
+    spec (and, with ``ops``, the stock) on new projections and positions."""
     m = 16
-    x, qkv = s.qkv(m)
-    step = s.step(m)
-    out = torch.empty((m, s.cfg.num_heads, 64), dtype=BF16, device="cuda")
-    cache = s.cache(0)
-    graph = capture_calls(lambda: s.epi.run(qkv, step.positions, step.slots, cache.tensor, out))
-    for _ in range(2):
-        x2, qkv2 = s.qkv(m)
-        qkv.copy_(qkv2)
-        step.positions.copy_(s.step(m).positions)
+    src, qkv = s.qkv(m, gen), torch.empty((m, s.rows), dtype=BF16, device="cuda")
+    pos, slots = s.step(m, gen)
+    storage = s.storage(0)
+
+    def call():
+        qkv.copy_(src)
+        s.epi.run(qkv, pos, slots, storage[:NUM_BLOCKS])
+
+    graph = capture_calls(call)
+    for special in (False, True):
+        src.copy_(s.qkv(m, gen, special))
+        pos.copy_(s.step(m, gen)[0])
         for which in (0, 1):
-            poison(out, which)
-            poison(cache._storage, which)
-            exp_cache = s.cache(which)
-            exp_q, _ = s.stock(x2, qkv2, step, exp_cache, monkeypatch)
+            poison(storage, which)
             graph.replay()
+            exp_qkv, exp_storage = src.clone(), s.storage(which)
+            s.spec(exp_qkv, pos, slots, exp_storage)
+            if ops is not None:
+                st_qkv, st_storage = src.clone(), s.storage(which)
+                s.stock(ops, st_qkv, pos, slots, st_storage)
             torch.cuda.synchronize()
-            assert_bitwise(out, exp_q, f"graph replay q (poison {which})")
-            assert_bitwise(cache.tensor, exp_cache.tensor, f"graph replay cache (poison {which})")
-        assert_replays_repeat(graph, [out])
+            assert_bitwise(qkv, exp_qkv, f"graph replay qkv vs the spec (poison {which})")
+            assert_bitwise(storage, exp_storage, f"graph replay cache vs the spec (poison {which})")
+            if ops is not None:
+                assert_bitwise(qkv, st_qkv, f"graph replay qkv vs the stock (poison {which})")
+                assert_bitwise(storage, st_storage, f"graph replay cache vs the stock (poison {which})")
+        assert_replays_repeat(graph, [qkv, storage])
+
+
+def test_cuda_graph(seed):
+    graph_replays(Setup("ref-fp32"), torch.Generator(device="cuda").manual_seed(seed))
+
+
+def test_cuda_graph_stock(seed, stock):
+    graph_replays(Setup("ref-bf16"), torch.Generator(device="cuda").manual_seed(seed), stock)
 
 
 def test_capture_skips_out_of_range(seed):
     """Inside capture nothing is read on the host: the kernel skips a slot
     beyond the cache (token 1) and a token whose position lies outside the
-    table (token 2: neither q nor K/V written)."""
+    table (token 2: neither its q and k rows nor its K/V written)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup("ref", gen)
-    _, qkv = s.qkv(3)
-    pos = torch.tensor([3, 4, s.cfg.max_position + 5], device="cuda")
+    s = Setup("ref-fp32")
+    qkv0 = s.qkv(3, gen)
+    pos = torch.tensor([3, 4, MAX_POSITION + 5], device="cuda")
     slots = torch.tensor([10, NUM_BLOCKS * BLOCK + 3, 20], device="cuda")
-    out = poison(torch.empty((3, s.cfg.num_heads, 64), dtype=BF16, device="cuda"), 1)
-    cache = s.cache(1)
+    storage = s.storage(1)
+    qkv = qkv0.clone()
     with pytest.raises(ValueError):  # outside capture the host reads and refuses them
-        s.epi.run(qkv, pos, slots, cache.tensor, out)
+        s.epi.run(qkv, pos, slots, storage[:NUM_BLOCKS])
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        s.epi.run(qkv, pos, slots, cache.tensor, out)  # no host reads inside capture
+        s.epi.run(qkv, pos, slots, storage[:NUM_BLOCKS])  # no host reads inside capture
     torch.cuda.synchronize()
-    poison(out, 1)
-    poison(cache._storage, 1)
+    qkv.copy_(qkv0)
+    poison(storage, 1)
     graph.replay()
     torch.cuda.synchronize()
-    ref_cache = s.cache(1)
-    ref_q = s.epi.run(qkv[:2].contiguous(), pos[:2], torch.tensor([10, -1], device="cuda"), ref_cache.tensor)
-    torch.cuda.synchronize()
-    assert_bitwise(out[:2], ref_q, "in-range tokens' q")
-    assert_bitwise(out[2], poison(torch.empty_like(out[2]), 1), "skipped token's q")
-    assert_bitwise(cache._storage, ref_cache._storage, "cache after skipped slots and positions")
+    exp_qkv, exp_storage = qkv0[:2].clone(), s.storage(1)
+    s.spec(exp_qkv, pos[:2], torch.tensor([10, -1], device="cuda"), exp_storage)
+    assert_bitwise(qkv[:2], exp_qkv, "in-range tokens")
+    assert_bitwise(qkv[2], qkv0[2], "the skipped token's rows")
+    assert_bitwise(storage, exp_storage, "cache after skipped slots and positions")
 
 
 def test_compile_refused_during_capture(seed):
     from dspark_cute.cutedsl.qkv.epilogue import QKVEpilogue
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup("norope", gen)
+    s = Setup("kv4-norope")
     c = s.constants
     other = type(c)(**{**c.__dict__, "k_eps": 3e-4})  # constants no other test compiles
-    epi = QKVEpilogue(other, s.attn.q_norm.weight, None)
-    _, qkv = s.qkv(2)
-    step = s.step(2)
-    cache = s.cache(0)
+    epi = QKVEpilogue(other, None, None)
+    qkv = s.qkv(2, gen)
+    pos, slots = s.step(2, gen)
+    storage = s.storage(0)
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="prepare"):
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            epi.run(qkv, step.positions, step.slots, cache.tensor)
+            epi.run(qkv, pos, slots, storage[:NUM_BLOCKS])
 
 
 def test_takes(seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup("ref", gen)
-    _, qkv = s.qkv(4)
-    step = s.step(4)
-    cache = s.cache(0)
+    s = Setup("ref-fp32")
+    qkv = s.qkv(4, gen)
+    pos, slots = s.step(4, gen)
+    cache = s.storage(0)[:NUM_BLOCKS]
     e = s.epi
-    assert e.takes(qkv, step.positions, step.slots, cache.tensor)
-    assert e.takes(qkv, step.positions, step.slots, cache)  # a PagedKVCache too
+    assert e.takes(qkv, pos, slots, cache)
+    assert e.takes(qkv[:, : s.q_size + 2 * s.kv_size].contiguous(), pos, slots, cache)  # no o-gate rows
     bad = [
-        (qkv.float(), step.positions, step.slots, cache.tensor),
-        (qkv[:, :-64].contiguous(), step.positions, step.slots, cache.tensor),
-        (qkv, step.positions.int(), step.slots, cache.tensor),
-        (qkv, step.positions, step.slots[:3], cache.tensor),
-        (qkv, step.positions, step.slots, cache.tensor[:, :1].contiguous()),
-        (qkv, step.positions, step.slots, cache.tensor.float()),
-        (qkv.cpu(), step.positions, step.slots, cache.tensor),
+        (qkv.float(), pos, slots, cache),
+        (qkv[:, :-64].contiguous(), pos, slots, cache),
+        (qkv[:, :-64], pos, slots, cache),  # strided
+        (qkv, pos.int(), slots, cache),
+        (qkv, pos, slots[:3], cache),
+        (qkv, pos, slots, cache[:, :1].contiguous()),
+        (qkv, pos, slots, cache.float()),
+        (qkv.cpu(), pos, slots, cache),
     ]
     for args in bad:
         assert not e.takes(*args)
         with pytest.raises(ValueError):
-            e(*args)
-    with pytest.raises(ValueError, match="out must be"):
-        e(qkv, step.positions, step.slots, cache.tensor, torch.empty((4, 63, 64), dtype=BF16, device="cuda"))
+            e.run(*args)

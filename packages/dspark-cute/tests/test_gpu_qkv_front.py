@@ -1,73 +1,109 @@
-"""GPU tests of ``dspark_cute.QKVFront`` against the stock
-``DraftAttention.front`` chain (``dspark_core``), for m in {1, 2, 7, 16}:
+"""GPU tests of ``dspark_cute.QKVFront`` for m in {1, 2, 7, 16} (and 1 .. 16 in
+the tile-boundary test):
 
-(a) the epilogue bit for bit: the front's ``out`` and cache equal the stock
-    q-norm, k-norm, RoPE and ``kv_insert`` applied to the kernel's own BF16
+(a) the epilogue bit for bit: the front's ``out`` and cache equal vLLM's
+    fused QK-norm / RoPE / KV insert applied to the kernel's own BF16
     projection (``QKVFront.project``, the raw variant: the same main loop
-    without the epilogue); so the v and o-gate rows equal the projection;
+    without the epilogue), both as dspark-core's spec computes it on CUDA
+    (``qk_norm_rope``, ``kv_insert``) and as vLLM 0.33.0's stock kernel does
+    (the carried binary, fixture ``stock``; where the q and k eps agree), so
+    the v and o-gate rows equal the projection;
 (b) the projection against a float64 ``x @ W^T`` within the bound stated in
-    ``dspark_cute.cutedsl.gemm.skinny.config`` (``output_error_bound``), cuBLAS against
-    float64 within the same bound, and the two against each other within the
-    sum of both;
+    ``dspark_cute.cutedsl.gemm.skinny.config`` (``output_error_bound``),
+    cuBLAS against float64 within the same bound, and the two against each
+    other within the sum of both: the front sums its projection in its own
+    order;
+(c) against the spec's whole chain (the stock cuBLAS projection, then the
+    fused epilogue): every head whose 64 projected values equal cuBLAS's bit
+    for bit (most of them) has the chain's outputs and cache rows bit for
+    bit;
 
-negative slots leave the (poisoned) cache rows untouched, outputs are
-poisoned (a NaN pattern, then a finite one) before each launch, graph
-replays give the same bits, special values in x (the epilogue still bit for
-bit), several constants (q-norm weight or not, BF16/FP32/no RoPE table, head
-counts, hidden sizes), main-loop shapes and PDL off. Fresh seeded random data:
-the seed is printed (repeat with DSPARK_SEED)."""
+negative slots leave the (poisoned) cache rows untouched, outputs and caches
+are poisoned (a NaN pattern, then a finite one) before each launch, with a
+scratch block past the cache that no insert may touch; graph replays give
+the same bits; special values in x (the epilogue still bit for bit) and
+weights planting special projected heads (zero, overflowing squares,
+underflowing squares); several constants (1 to 32 KV heads, BF16/FP32/no
+RoPE table, a q and a k eps, hidden sizes), main-loop shapes, row copies
+and PDL off. Fresh seeded random data: the seed is printed (repeat with
+DSPARK_SEED)."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-from cute_testing import (
-    assert_replays_repeat,
-    capture_calls,
-    poison,
-    random_rows,
-    requires_cuda,
-    special_rows,
-    stock_attention,
-)
+import functools
 
-from dspark_core.contracts.constants import qkv_front_constants
-from dspark_core.reference.config import DraftConfig
-from dspark_core.spec.layers import kv_insert, linear
-from dspark_core.tools.compare import assert_bitwise
+import pytest
+import stock as stock_binaries
+import torch
+from cute_testing import assert_replays_repeat, capture_calls, poison, random_rows, requires_cuda, special_rows
+
+from dspark_core.contracts.constants import HEAD_DIM, QKVFrontConstants
+from dspark_core.spec.layers import HeadNorm, Rotary, kv_insert, linear, qk_norm_rope
+from dspark_core.tools.compare import assert_bitwise, bits
 from dspark_cute.cutedsl.gemm.skinny import config as sg
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
+
+@pytest.fixture(scope="session")
+def stock():
+    """vLLM 0.33.0's stock kernels (``tests/stock.py``; skips without the binaries)."""
+    ops = stock_binaries.stock_ops()
+    if ops is None:
+        pytest.skip(f"no stock binaries in {stock_binaries.stock_dir()}: run scripts/stock/compile_stock.py with "
+                    "vLLM 0.33.0's venv and carry .device/stock")
+    return ops
+
 BF16 = torch.bfloat16
 ROWS = [1, 2, 7, 16]
 NUM_BLOCKS, BLOCK = 64, 16
-# name: DraftConfig changes
+MAX_POSITION = 4096
+# name: (hidden size, q heads, KV heads, table "fp32"/"bf16"/None, q_eps, k_eps)
 CASES = {
-    "ref": {},
-    "small-noqw-fp32": dict(hidden_size=2048, num_heads=8, num_kv_heads=1, q_norm_weight=False,
-                            rope_table_dtype="fp32", head_norm_eps=1e-5, max_position=512),
-    "norope": dict(hidden_size=4096, num_heads=4, num_kv_heads=2, use_rope=False),
+    "ref-fp32": (8192, 64, 8, "fp32", 1e-6, 1e-6),
+    "kv32-bf16": (2048, 32, 32, "bf16", 1e-6, 1e-6),
+    "kv1-norope": (2048, 8, 1, None, 1e-5, 1e-5),
+    "kv2-bf16-two-eps": (2048, 8, 2, "bf16", 1e-5, 0.1),  # the spec alone: the stock takes one eps
 }
 
 
+@functools.cache
+def rotary(table: str) -> Rotary:
+    """The ``Rotary`` of ``table``'s dtype on CUDA (one per dtype)."""
+    return Rotary(HEAD_DIM, MAX_POSITION, table_dtype=torch.float32 if table == "fp32" else BF16).cuda()
+
+
 class Setup:
-    """A stock attention on CUDA with random weights and its fused front."""
+    """A case's constants, random weight (N(0, 1/H); q head 1 and k head 0
+    rows zero, q head 2 rows times 2^100, q head 3 rows times 2^-100) and
+    its fused front."""
 
     def __init__(self, case: str, gen: torch.Generator, **front_options):
         from dspark_cute.cutedsl.qkv.front import QKVFront
 
-        cfg = DraftConfig(**CASES[case])
-        attn, self.table = stock_attention(cfg, gen)
-        self.cfg, self.attn, self.gen = cfg, attn, gen
-        self.constants = qkv_front_constants(attn)
+        self.hidden, self.nq, self.kv, table, self.q_eps, self.k_eps = CASES[case]
+        self.gen = gen
+        self.rotary = rotary(table) if table else None
+        self.table = self.rotary.cos_sin if self.rotary is not None else None
+        self.constants = QKVFrontConstants(hidden_size=self.hidden, num_heads=self.nq, kv_heads=self.kv,
+                                           q_weight=False, q_eps=self.q_eps, k_eps=self.k_eps,
+                                           rope=table is not None, table_dtype=table or "bf16")
+        self.q_size, self.kv_size = self.nq * HEAD_DIM, self.kv * HEAD_DIM
+        self.rows = 2 * self.q_size + 2 * self.kv_size
+        w = torch.randn((self.rows, self.hidden), generator=gen, device="cuda") / self.hidden**0.5
+        head = w.view(-1, HEAD_DIM, self.hidden)
+        head[1] = 0.0  # a zero q head: S = 0
+        head[self.nq] = 0.0  # a zero k head
+        head[2] *= 2.0**100  # squares overflow: S = inf
+        head[3] *= 2.0**-100  # squares underflow
+        self.weight = w.to(BF16)
         # The front's defaults unless a test names its main-loop shape or PDL.
-        self.front = QKVFront(self.constants, attn.qkv_proj, attn.q_norm.weight, self.table, **front_options)
+        self.front = QKVFront(self.constants, self.weight, None, self.table, **front_options)
         self.front.prepare(project=True)
 
-    def step(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, m: int) -> tuple:
         """Random positions and distinct slots, some negative."""
-        pos = torch.randint(0, self.cfg.max_position, (m,), generator=self.gen, device="cuda")
+        pos = torch.randint(0, MAX_POSITION, (m,), generator=self.gen, device="cuda")
         slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=self.gen, device="cuda")[:m].clone()
         if m >= 2:
             slots[0] = -1
@@ -75,62 +111,108 @@ class Setup:
             slots[m - 2] = -7
         return pos, slots
 
-    def cache(self) -> torch.Tensor:
-        return torch.empty((NUM_BLOCKS, self.cfg.num_kv_heads, BLOCK, 128), dtype=BF16, device="cuda")
+    def x(self, m: int) -> torch.Tensor:
+        return random_rows(self.gen, m, self.hidden, BF16, "cuda")
 
-    def expected(self, raw: torch.Tensor, pos, slots, cache: torch.Tensor):
-        """The stock chain (``DraftAttention.front`` after its projection)
-        on the projection ``raw``: ``(out, cache after the insert)``."""
-        attn = self.attn
-        q, k, v, og = attn.split_qkv(raw)
-        q, k = attn.q_norm(q), attn.k_norm(k)
-        if attn.rotary is not None:
-            q, k = attn.rotary(q, pos), attn.rotary(k, pos)
-        cache = cache.clone()
-        kv_insert(cache, k, v, slots)
-        m = raw.shape[0]
-        return torch.cat([t.reshape(m, -1) for t in (q, k, v, og)], dim=1), cache
+    def storage(self, which: int) -> torch.Tensor:
+        """A cache storage of ``NUM_BLOCKS + 1`` blocks (the last a scratch
+        block past the cache tensor ``storage[:NUM_BLOCKS]``), poisoned."""
+        t = torch.empty((NUM_BLOCKS + 1, self.kv, BLOCK, 2 * HEAD_DIM), dtype=BF16, device="cuda")
+        return poison(t, which)
+
+    def spec(self, qkv: torch.Tensor, pos, slots, storage: torch.Tensor) -> None:
+        """The spec's fused epilogue on CUDA, in place on the projection
+        ``qkv`` and on ``storage[:NUM_BLOCKS]``."""
+        m = qkv.shape[0]
+        q = qkv[:, : self.q_size].reshape(m, self.nq, HEAD_DIM)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(m, self.kv, HEAD_DIM)
+        v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].reshape(m, self.kv, HEAD_DIM)
+        q = qk_norm_rope(q, HeadNorm(HEAD_DIM, self.q_eps), pos, self.rotary)
+        k = qk_norm_rope(k, HeadNorm(HEAD_DIM, self.k_eps), pos, self.rotary)
+        kv_insert(storage[:NUM_BLOCKS], k, v, slots)
+        qkv[:, : self.q_size] = q.reshape(m, -1)
+        qkv[:, self.q_size : self.q_size + self.kv_size] = k.reshape(m, -1)
+
+    def stock(self, ops, qkv: torch.Tensor, pos, slots, storage: torch.Tensor) -> None:
+        """vLLM's stock kernel, in place on ``qkv`` and ``storage[:NUM_BLOCKS]``."""
+        rope = self.table is not None
+        ops.stock_qknorm_rope_kv_insert(qkv, pos, self.nq, self.kv, HEAD_DIM, self.q_eps,
+                                        self.table if rope else None, HEAD_DIM if rope else 0, slots,
+                                        storage[:NUM_BLOCKS], BLOCK)
 
 
-def check_epilogue(s: Setup, x: torch.Tensor, what: str) -> torch.Tensor:
-    """(a): out and cache bit for bit the stock chain on the kernel's own
-    projection, each output poisoned with both patterns first. Returns the
-    projection."""
+def check_epilogue(s: Setup, x: torch.Tensor, what: str, ops=None) -> torch.Tensor:
+    """(a): out and cache bit for bit the spec's (and, with ``ops``, the
+    stock kernel's) epilogue on the kernel's own projection, each output
+    poisoned with both patterns first. Returns the projection."""
     m = x.shape[0]
     pos, slots = s.step(m)
-    raw = torch.empty((m, s.front.rows), dtype=BF16, device="cuda")
+    raw = torch.empty((m, s.rows), dtype=BF16, device="cuda")
     out = torch.empty_like(raw)
-    cache = s.cache()
     for which in (0, 1):
         poison(raw, which)
         s.front.project(x, raw)
         poison(out, which)
-        poison(cache, which)
-        exp_out, exp_cache = s.expected(raw, pos, slots, cache)
-        s.front.run(x, pos, slots, cache, out)
+        storage = s.storage(which)
+        assert s.front.run(x, pos, slots, storage[:NUM_BLOCKS], out) is out
+        exp_out, exp_storage = raw.clone(), s.storage(which)
+        s.spec(exp_out, pos, slots, exp_storage)
+        if ops is not None:
+            st_out, st_storage = raw.clone(), s.storage(which)
+            s.stock(ops, st_out, pos, slots, st_storage)
         torch.cuda.synchronize()
-        assert_bitwise(out, exp_out, f"{what} out (poison {which})")
-        assert_bitwise(cache, exp_cache, f"{what} cache (poison {which})")
-        # (Rows of negative slots keep their poison in exp_cache: a write
-        # anywhere in the cache other than the stock insert's shows.)
+        assert_bitwise(out, exp_out, f"{what}: out vs the spec on its projection (poison {which})")
+        assert_bitwise(storage, exp_storage, f"{what}: cache vs the spec (poison {which})")
+        if ops is not None:
+            assert_bitwise(out, st_out, f"{what}: out vs the stock kernel on its projection (poison {which})")
+            assert_bitwise(storage, st_storage, f"{what}: cache vs the stock kernel (poison {which})")
+        # (Rows of negative slots keep their poison in the expected caches: a
+        # write anywhere other than the stock insert's shows.)
     # The allocating path and a second projection give the same bits.
-    assert_bitwise(s.front.project(x), raw, f"{what} projection repeat")
+    assert_bitwise(s.front.project(x), raw, f"{what}: projection repeat")
+    check_chain(s, x, raw, out, pos, slots, what)
     return raw
+
+
+def check_chain(s: Setup, x, raw, out, pos, slots, what: str) -> None:
+    """(c): the heads whose projection equals cuBLAS's bit for bit have the
+    spec chain's (cuBLAS, then the epilogue) outputs and cache rows."""
+    m = x.shape[0]
+    ref = linear(x, s.weight)
+    exp, exp_storage = ref.clone(), s.storage(1)
+    s.spec(exp, pos, slots, exp_storage)
+    storage = s.storage(1)
+    got = s.front.run(x, pos, slots, storage[:NUM_BLOCKS])
+    torch.cuda.synchronize()
+    same = (bits(raw).view(m, -1, HEAD_DIM) == bits(ref).view(m, -1, HEAD_DIM)).all(-1)  # [m, heads]
+    heads = got.view(m, -1, HEAD_DIM)[same]
+    assert_bitwise(heads, exp.view(m, -1, HEAD_DIM)[same], f"{what}: heads of equal projections vs the chain")
+    k0, v0 = s.nq, s.nq + s.kv
+    keep = slots >= 0
+    for half, first in ((0, k0), (1, v0)):
+        rows = same[:, first : first + s.kv] & keep[:, None]  # [m, kv]
+        t, h = rows.nonzero(as_tuple=True)
+        sl = slots[t]
+        cols = slice(half * HEAD_DIM, (half + 1) * HEAD_DIM)
+        assert_bitwise(storage[sl // BLOCK, h, sl % BLOCK, cols], exp_storage[sl // BLOCK, h, sl % BLOCK, cols],
+                       f"{what}: cache rows of equal projections vs the chain ({'KV'[half]})")
+    print(f"{what}: {int(same.sum())} of {same.numel()} heads project bit for bit as cuBLAS")
 
 
 def check_bound(s: Setup, x: torch.Tensor, raw: torch.Tensor, what: str, rows=None) -> float:
     """(b): kernel and cuBLAS projections vs float64; returns the largest
     |err| / bound of the kernel."""
-    w = s.attn.qkv_proj
+    w = s.weight
     rows = slice(None) if rows is None else rows
     x, raw = x[rows], raw[rows]
     y = x.double() @ w.double().t()
-    ours = sg.output_error_bound(raw, x, w, s.front.configs[1].k_warps)
+    k_warps = s.front.configs[1].k_warps
+    ours = sg.output_error_bound(raw, x, w, k_warps)
     err = (raw.double() - y).abs()
     worst = float((err / ours).max())
     assert (err <= ours).all(), f"{what}: projection beyond the bound (max ratio {worst:.3g})"
     ref = linear(x, w)
-    theirs = sg.output_error_bound(ref, x, w, s.front.configs[1].k_warps)
+    theirs = sg.output_error_bound(ref, x, w, k_warps)
     assert ((ref.double() - y).abs() <= theirs).all(), f"{what}: cuBLAS beyond the stated bound"
     assert ((raw.double() - ref.double()).abs() <= ours + theirs).all(), f"{what}: kernel vs cuBLAS"
     print(f"{what}: max |err| / bound = {worst:.3g}")
@@ -139,44 +221,48 @@ def check_bound(s: Setup, x: torch.Tensor, raw: torch.Tensor, what: str, rows=No
 
 @pytest.fixture
 def ref_setup(seed):
-    """The reference shape (H 8192, 64 heads, 8 KV heads), weights from the
-    test's printed seed."""
-    return Setup("ref", torch.Generator(device="cuda").manual_seed(seed))
+    """The reference shape (H 8192, 64 heads, 8 KV heads, FP32 table),
+    weights from the test's printed seed."""
+    return Setup("ref-fp32", torch.Generator(device="cuda").manual_seed(seed))
 
 
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("m", ROWS)
-def test_reference_shape(ref_setup, m, seed):
-    s = ref_setup
-    x = random_rows(s.gen, m, s.cfg.hidden_size, BF16, "cuda")
-    raw = check_epilogue(s, x, f"ref m={m}")
-    check_bound(s, x, raw, f"ref m={m}")
-
-
-@pytest.mark.parametrize("m", ROWS)
-def test_unit_scale_data(ref_setup, m, seed):
-    """x of unit scale (the draft's normed inputs): bound and epilogue."""
-    s = ref_setup
-    x = torch.randn((m, s.cfg.hidden_size), generator=s.gen, device="cuda").to(BF16)
-    raw = check_epilogue(s, x, f"unit m={m}")
-    check_bound(s, x, raw, f"unit m={m}")
-
-
-@pytest.mark.parametrize("case", ["small-noqw-fp32", "norope"])
-@pytest.mark.parametrize("m", ROWS)
-def test_other_constants(case, m, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup(case, gen)
-    x = random_rows(gen, m, s.cfg.hidden_size, BF16, "cuda")
+def test_cases(case, m, seed):
+    """Every case against the spec: random x, then x of unit scale (the
+    draft's normed inputs)."""
+    s = Setup(case, torch.Generator(device="cuda").manual_seed(seed))
+    x = s.x(m)
     raw = check_epilogue(s, x, f"{case} m={m}")
     check_bound(s, x, raw, f"{case} m={m}")
+    x = torch.randn((m, s.hidden), generator=s.gen, device="cuda").to(BF16)
+    raw = check_epilogue(s, x, f"{case} unit m={m}")
+    check_bound(s, x, raw, f"{case} unit m={m}")
 
 
-@pytest.mark.parametrize("k_warps,stages,pdl", [(8, 2, True), (4, 4, False)])
-def test_main_loop_shapes(k_warps, stages, pdl, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup("small-noqw-fp32", gen, k_warps=k_warps, stages=stages, pdl=pdl)
+@pytest.mark.parametrize("case", [c for c, v in CASES.items() if v[4] == v[5]])
+@pytest.mark.parametrize("m", ROWS)
+def test_cases_stock(case, m, seed, stock):
+    """The epilogue against vLLM's stock kernel on the front's own projection."""
+    s = Setup(case, torch.Generator(device="cuda").manual_seed(seed))
+    check_epilogue(s, s.x(m), f"{case} m={m} stock", stock)
+
+
+def test_every_row_count(ref_setup, seed, stock):
+    """m = 1 .. 16 (both token tiles and their boundary): the epilogue bit
+    for bit the stock kernel's on the front's projection."""
+    s = ref_setup
+    for m in range(1, 17):
+        check_epilogue(s, s.x(m), f"m={m}", stock)
+
+
+@pytest.mark.parametrize("k_warps,stages,pdl", [(8, 2, False)])
+def test_main_loop_shape(k_warps, stages, pdl, seed):
+    s = Setup("kv2-bf16-two-eps", torch.Generator(device="cuda").manual_seed(seed), k_warps=k_warps,
+              stages=stages, pdl=pdl)
+    assert s.front.pdl == pdl
     for m in (3, 16):
-        x = random_rows(gen, m, s.cfg.hidden_size, BF16, "cuda")
+        x = s.x(m)
         raw = check_epilogue(s, x, f"kw{k_warps} st{stages} m={m}")
         check_bound(s, x, raw, f"kw{k_warps} st{stages} m={m}")
 
@@ -185,107 +271,111 @@ def test_row_copies_same_bits(seed):
     """Row copies (the warp's 128-byte row pieces) feed the same MMAs the
     same words as lane copies: the same raw projection and outputs, bit for
     bit, for both token tiles."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    lane = Setup("small-noqw-fp32", gen, k_warps=4, stages=4)
-    rows = Setup("small-noqw-fp32", torch.Generator(device="cuda").manual_seed(seed), k_warps=4, stages=4,
-                 copy="rows")
+    lane = Setup("kv1-norope", torch.Generator(device="cuda").manual_seed(seed))
+    rows = Setup("kv1-norope", torch.Generator(device="cuda").manual_seed(seed), copy="rows")
     assert rows.front.configs[2].copy == "rows" and lane.front.configs[2].copy == "lane"
+    assert torch.equal(bits(lane.weight), bits(rows.weight))
     for m in (1, 5, 16):
-        x = random_rows(gen, m, lane.cfg.hidden_size, BF16, "cuda")
+        x = lane.x(m)
         a = check_epilogue(lane, x, f"lane m={m}")
         b = check_epilogue(rows, x, f"rows m={m}")
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"m={m}: row copies changed the projection"
+        assert torch.equal(bits(a), bits(b)), f"m={m}: row copies changed the projection"
 
 
-def test_special_values(ref_setup, seed):
+def test_special_values(ref_setup, seed, stock):
     """Rows of -0.0, subnormals, inf, -inf, NaN, huge and tiny values (plus
     random rows up to 16): the epilogue bit for bit on whatever the
     projection gives; the finite, non-overflowing rows within the bound."""
     s = ref_setup
-    h = s.cfg.hidden_size
-    x = torch.cat([special_rows(h, BF16, "cuda"), random_rows(s.gen, 6, h, BF16, "cuda")])
-    raw = check_epilogue(s, x, "special")
+    x = torch.cat([special_rows(s.hidden, BF16, "cuda"), s.x(6)])
+    raw = check_epilogue(s, x, "special", stock)
     finite = [0, 1, 2, 6, 8, 9, 10, 11, 12, 13, 14, 15]
     check_bound(s, x, raw, "special", rows=finite)
-    # A NaN in x makes every output of its row NaN; an infinity, NaN or inf.
+    # A NaN in x makes every output of its row NaN; an infinity, NaN or inf
+    # (the zero heads aside: 0 * inf is NaN).
     assert torch.isnan(raw[5]).all()
     assert (~torch.isfinite(raw[[3, 4]])).all()
 
 
 def test_slots_beyond_the_cache_write_nothing(ref_setup, seed):
     s = ref_setup
-    x = random_rows(s.gen, 4, s.cfg.hidden_size, BF16, "cuda")
+    x = s.x(4)
     pos, _ = s.step(4)
     slots = torch.tensor([NUM_BLOCKS * BLOCK, NUM_BLOCKS * BLOCK + 17, -1, -2**40], device="cuda")
-    cache = poison(s.cache(), 1)
-    before = cache.clone()
-    s.front.run(x, pos, slots, cache)
+    storage = s.storage(1)
+    before = storage.clone()
+    s.front.run(x, pos, slots, storage[:NUM_BLOCKS])
     torch.cuda.synchronize()
-    assert_bitwise(cache, before, "cache after out-of-range slots")
+    assert_bitwise(storage, before, "cache after out-of-range slots")
 
 
-def test_cuda_graph(ref_setup, seed):
+def test_cuda_graph(ref_setup, seed, stock):
     s = ref_setup
     m = 16
-    x = random_rows(s.gen, m, s.cfg.hidden_size, BF16, "cuda")
+    x = s.x(m)
     pos, slots = s.step(m)
-    out = torch.empty((m, s.front.rows), dtype=BF16, device="cuda")
-    cache = s.cache()
-    graph = capture_calls(lambda: s.front.run(x, pos, slots, cache, out))
+    out = torch.empty((m, s.rows), dtype=BF16, device="cuda")
+    storage = s.storage(0)
+    graph = capture_calls(lambda: s.front.run(x, pos, slots, storage[:NUM_BLOCKS], out))
     for _ in range(2):
-        x.copy_(random_rows(s.gen, m, s.cfg.hidden_size, BF16, "cuda"))
+        x.copy_(s.x(m))
         pos.copy_(s.step(m)[0])
         raw = s.front.project(x)
         for which in (0, 1):
             poison(out, which)
-            poison(cache, which)
-            exp_out, exp_cache = s.expected(raw, pos, slots, cache)
+            poison(storage, which)
             graph.replay()
+            exp_out, exp_storage = raw.clone(), s.storage(which)
+            s.spec(exp_out, pos, slots, exp_storage)
+            st_out, st_storage = raw.clone(), s.storage(which)
+            s.stock(stock, st_out, pos, slots, st_storage)
             torch.cuda.synchronize()
-            assert_bitwise(out, exp_out, f"graph replay out (poison {which})")
-            assert_bitwise(cache, exp_cache, f"graph replay cache (poison {which})")
-        assert_replays_repeat(graph, [out])
+            assert_bitwise(out, exp_out, f"graph replay out vs the spec (poison {which})")
+            assert_bitwise(storage, exp_storage, f"graph replay cache vs the spec (poison {which})")
+            assert_bitwise(out, st_out, f"graph replay out vs the stock (poison {which})")
+            assert_bitwise(storage, st_storage, f"graph replay cache vs the stock (poison {which})")
+        assert_replays_repeat(graph, [out, storage])
 
 
 def test_positions_beyond_the_table_are_clamped(ref_setup, seed):
     s = ref_setup
-    x = random_rows(s.gen, 2, s.cfg.hidden_size, BF16, "cuda")
+    x = s.x(2)
     slots = torch.tensor([-1, -1], device="cuda")
-    last = s.cfg.max_position - 1
-    a = s.front.run(x, torch.tensor([last, 0], device="cuda"), slots, s.cache())
-    b = s.front.run(x, torch.tensor([last + 100, -3], device="cuda"), slots, s.cache())
+    last = MAX_POSITION - 1
+    a = s.front.run(x, torch.tensor([last, 0], device="cuda"), slots, s.storage(0)[:NUM_BLOCKS])
+    b = s.front.run(x, torch.tensor([last + 100, -3], device="cuda"), slots, s.storage(0)[:NUM_BLOCKS])
+    torch.cuda.synchronize()
     assert_bitwise(b, a, "clamped positions")
 
 
 def test_compile_refused_during_capture(seed):
     from dspark_cute.cutedsl.qkv.front import QKVFront
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup("norope", gen)
+    s = Setup("kv1-norope", torch.Generator(device="cuda").manual_seed(seed))
     c = s.constants
     other = type(c)(**{**c.__dict__, "k_eps": 3e-4})  # constants no other test compiles
-    front = QKVFront(other, s.attn.qkv_proj, s.attn.q_norm.weight, None)
-    x = random_rows(gen, 2, s.cfg.hidden_size, BF16, "cuda")
+    front = QKVFront(other, s.weight, None, None)
+    x = s.x(2)
     pos, slots = s.step(2)
-    cache = s.cache()
+    storage = s.storage(0)
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="prepare"):
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            front.run(x, pos, slots, cache)
+            front.run(x, pos, slots, storage[:NUM_BLOCKS])
 
 
 def test_refuses_bad_operands(ref_setup, seed):
     s = ref_setup
-    h = s.cfg.hidden_size
-    x = random_rows(s.gen, 4, h, BF16, "cuda")
+    h = s.hidden
+    x = s.x(4)
     pos, slots = s.step(4)
-    cache = s.cache()
+    cache = s.storage(0)[:NUM_BLOCKS]
     f = s.front
     assert f.takes(x, pos, slots, cache)
     bad = [
         (x.float(), pos, slots, cache),
-        (random_rows(s.gen, 17, h, BF16, "cuda"), pos, slots, cache),  # too many rows
+        (s.x(17), pos, slots, cache),  # too many rows
         (x[:, : h // 2].contiguous(), pos, slots, cache),
         (x.flatten()[4 : 4 + 3 * h].view(3, h), pos[:3], slots[:3], cache),  # 8-byte aligned only
         (x, pos.int(), slots, cache),
