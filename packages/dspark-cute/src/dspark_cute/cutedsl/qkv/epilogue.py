@@ -27,8 +27,8 @@ head's 8 lanes as the stock's: lane ``l`` holds the head's elements ``e_8l
 Every other FP32 operation is ``mul.rn`` / ``add.rn`` (``dspark_cute.ptx``),
 so the result is the stock kernel's on the same ``qkv``, bit for bit.
 
-Layout: a CTA of ``THREADS`` threads per (group of ``GROUP_HEADS``
-consecutive heads of the row q, k, v; token); every access of ``qkv`` and
+Layout: a CTA of ``THREADS`` threads per (token, group of ``GROUP_HEADS``
+consecutive heads of the row q, k, v); every access of ``qkv`` and
 the cache is 16 bytes (``ld.global.v4`` / ``st.global.v4``). The threads of
 heads past the row's last compute on a clamped copy and write nothing.
 
@@ -111,7 +111,7 @@ class QKVEpilogueKernel:
     16-byte aligned; an operand the constants do not read may be any
     address); ``row_elems`` (Int32), ``num_slots = num_blocks * bs``
     (Int64), ``bs`` (Int32), ``P`` (Int64) and ``m`` (Int32, the grid's
-    y)."""
+    x)."""
 
     def __init__(self, constants: QKVFrontConstants, pdl: bool) -> None:
         check_constants(constants)
@@ -124,7 +124,7 @@ class QKVEpilogueKernel:
     def __call__(self, qkv: Int64, table: Int64, positions: Int64, slots: Int64, cache: Int64, row_elems: Int32,
                  num_slots: Int64, block_size: Int32, max_position: Int64, m: Int32, stream):
         self.kernel(qkv, table, positions, slots, cache, row_elems, num_slots, block_size, max_position).launch(
-            grid=[self.groups, m, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+            grid=[m, self.groups, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, qkv: Int64, table: Int64, positions: Int64, slots: Int64, cache: Int64, row_elems: Int32,
@@ -132,7 +132,7 @@ class QKVEpilogueKernel:
         c = self.c
         nq, kv = c.num_heads, c.kv_heads
         tidx, _, _ = cute.arch.thread_idx()
-        group, tok, _ = cute.arch.block_idx()
+        tok, group, _ = cute.arch.block_idx()
         if cutlass.const_expr(self.pdl):
             ptx.pdl_wait()
             ptx.pdl_launch_dependents()
