@@ -6,7 +6,8 @@ The all-reduce kernel's CTA for a row holds the whole summed row in the
 layout of the stock norm's CTA (thread ``t``: fragments ``t * 8 + k *
 2048``, ``dspark_core.spec.numerics``), so the boundary runs on it exactly as
 ``dspark_cute``'s ``DraftBoundary`` runs on a loaded branch, with its
-building blocks (``rms_norm_fragments``, ``gate_words``, ``gated_residual``):
+building blocks (``rms_norm_fragments``, ``gate_words``, ``stream_products``,
+``gated_residual_of``):
 each norm's thread sum is the stock tree of its constants' ``arch`` over the
 thread's own fragments (sm_90a: per fragment ``(p0 + p1) + (p2 + p3)``, ``p_k
 = fma(e_2k, e_2k, e_(2k+1)^2)``, pairwise over the fragments; sm_100a: even
@@ -18,7 +19,8 @@ sum), the warp butterfly, the CTA fold of the 8 warp sums in shared memory,
    the mailbox's sum order, rounded to BF16), the post-norm's row sum in
    shared-memory words 0-7; ``p`` rounded to BF16;
 2. ``new = alpha * stream + beta * p`` in FP32 (two ``mul.rn``, one
-   ``add.rn`` per column), stored as FP32 rows when ``store_stream``;
+   ``add.rn`` per column; ``alpha * stream`` taken in ``late``, before the
+   peers' partials are polled), stored as FP32 rows when ``store_stream``;
 3. ``out = pre(new rounded to BF16)`` (row sum in words 8-15), rounded to BF16.
 
 The gates and norm weights load before the PDL wait (``early``), the stream
@@ -37,8 +39,8 @@ from dspark_comm.cutedsl.allreduce import Epilogue, FusedAllReduce, RowContext
 from dspark_comm.protocol import fallback_reason
 from dspark_core.contracts.constants import FP32_RANK_ORDER, BoundaryConstants
 from dspark_cute import ptx
-from dspark_cute.cutedsl.norms.boundary import DraftBoundary, gate_words, gated_residual
-from dspark_cute.cutedsl.norms.row_norm import rms_norm_fragments
+from dspark_cute.cutedsl.norms.boundary import DraftBoundary
+from dspark_cute.cutedsl.norms.rms import gate_words, gated_residual_of, rms_norm_fragments, stream_products
 from dspark_cute.runtime.host import check_operand
 
 log = logging.getLogger("dspark_comm")
@@ -72,12 +74,14 @@ class BoundaryEpilogue(Epilogue):
         h = ctx.hidden_size
         dtype = "bf16" if self.stream_bf16 else "fp32"
         s_row = Int64(ctx.operands[0]) + Int64(ctx.row) * (h * (2 if self.stream_bf16 else 4))
-        return gates, [ptx.ld_row8(dtype, s_row, col) for col in ctx.columns]
+        s = [ptx.ld_row8(dtype, s_row, col) for col in ctx.columns]
+        # alpha * stream needs no norm: taken while the peers' partials arrive.
+        return gates, [stream_products(g[0], f) for g, f in zip(gates, s)]
 
     def finish(self, ctx: RowContext, state, values: list) -> None:
         c = self.constants
         h = ctx.hidden_size
-        gates, s = state
+        gates, a_s = state
         new_stream, out = ctx.operands[5], ctx.operands[6]
         # 1. the post-norm of the all-reduced branch, rounded to BF16.
         y = rms_norm_fragments(
@@ -87,7 +91,7 @@ class BoundaryEpilogue(Epilogue):
         new_row = Int64(new_stream) + Int64(ctx.row) * (4 * h)
         # 2. the gated FP32 residual (stored if asked), rounded to BF16 for the pre-norm.
         z = [
-            gated_residual(y[i], s[i], g[0], g[1], new_row, col, self.store_stream)
+            gated_residual_of(y[i], a_s[i], g[1], new_row, col, self.store_stream)
             for i, (col, g) in enumerate(zip(ctx.columns, gates))
         ]
         # 3. the pre-norm of the BF16-rounded stream, rounded to BF16.

@@ -8,7 +8,9 @@ Per row (one CTA of 256 threads, thread ``t`` holding the 8-column fragments
    the post-norm's row sum in shared-memory slot 0, the stock tree of its
    ``arch``), rounded to BF16;
 2. ``new = alpha * stream + beta * p`` in FP32: two ``mul.rn`` and one
-   ``add.rn`` per column; stored as FP32 rows when ``store_stream``;
+   ``add.rn`` per column (``alpha * stream``, which needs no norm, is taken
+   before step 1 where the gates load early); stored as FP32 rows when
+   ``store_stream``;
 3. ``out = pre(new rounded to BF16)`` (row sum in slot 1), rounded to BF16.
 
 The gates (``alpha``, ``beta``) and the norm weights are constants of the
@@ -35,9 +37,10 @@ from dspark_cute.cutedsl.norms.rms import (
     check_row_width,
     fragment_columns,
     gate_words,
-    gated_residual,
+    gated_residual_of,
     load_weight_words,
     rms_norm_fragments,
+    stream_products,
 )
 from dspark_cute.runtime.host import (
     TORCH_DTYPES,
@@ -118,6 +121,7 @@ def _boundary_body(k: BoundaryKernel, tidx, warp, lane, sums, addrs) -> None:
     s_dtype = "bf16" if k.stream_bf16 else "fp32"
     s_row = Int64(stream) + Int64(row) * (h * (2 if k.stream_bf16 else 4))
     s = [ptx.ld_row8(s_dtype, s_row, col) for col in columns]
+    a_s = None
     if k.late_gates:
         # Only the post-norm weight is needed before the first row sum.
         post_words = [
@@ -126,6 +130,8 @@ def _boundary_body(k: BoundaryKernel, tidx, warp, lane, sums, addrs) -> None:
         ]
     else:
         post_words = [g[2] for g in gates]
+        # alpha * stream needs no norm: before the post-norm (off its critical path).
+        a_s = [stream_products(g[0], f) for g, f in zip(gates, s)]
     # 1. the post-norm, rounded to BF16.
     y = rms_norm_fragments(
         c.post, h, x, post_words if c.post.weight_dtype else None, sums, warp, lane
@@ -135,16 +141,16 @@ def _boundary_body(k: BoundaryKernel, tidx, warp, lane, sums, addrs) -> None:
     pre_words = []
     for i, col in enumerate(columns):
         if k.late_gates:
-            a_words = load_weight_words("fp32", alpha, col)
+            products = stream_products(load_weight_words("fp32", alpha, col), s[i])
             b_words = load_weight_words("fp32", beta, col)
             pre_words.append(
                 load_weight_words(c.pre.weight_dtype, pre_w, col) if c.pre.weight_dtype else None
             )
         else:
-            a_words, b_words = gates[i][0], gates[i][1]
+            products, b_words = a_s[i], gates[i][1]
             pre_words.append(gates[i][3])
         # 2. the gated FP32 residual (stored if asked), rounded to BF16 for the pre-norm.
-        z.append(gated_residual(y[i], s[i], a_words, b_words, new_row, col, k.store_stream))
+        z.append(gated_residual_of(y[i], products, b_words, new_row, col, k.store_stream))
     # 3. the pre-norm of the BF16-rounded stream, rounded to BF16.
     o = rms_norm_fragments(
         c.pre, h, z, pre_words if c.pre.weight_dtype else None,

@@ -11,8 +11,9 @@ Each norm sums its squares with the stock tree of its constants' ``arch``
 - ``rms_norm_fragments(norm, h, x, words, sums, warp, lane)``: the RMSNorm
   of one thread's fragments (weight before or after the norm, or none; the
   tree of ``norm.arch``);
-- ``gate_words`` and ``gated_residual``: the residual boundary's gates and its
-  FP32 ``alpha * stream + beta * post(branch)``.
+- ``gate_words``, ``stream_products`` and ``gated_residual(_of)``: the
+  residual boundary's gates and its FP32 ``alpha * stream + beta *
+  post(branch)`` (``alpha * stream`` computable before the post-norm).
 """
 
 from __future__ import annotations
@@ -137,22 +138,33 @@ def gate_words(c: BoundaryConstants, alpha, beta, post_w, pre_w, column) -> tupl
     )
 
 
-def gated_residual(y: list, s: list, a_words: list, b_words: list, new_row, column, store: bool) -> list:
-    """Step 2 for the fragment at ``column``, and step 3's input: ``p`` =
-    the post-norm's ``y`` (8 FP32) rounded to BF16; ``new = alpha * s + beta
-    * p`` per column (``alpha``, ``beta`` from the raw words ``a_words``,
-    ``b_words``; the two products ``mul.rn``, then their ``add.rn``),
+def stream_products(a_words: list, s: list) -> list:
+    """Step 2's first products for one fragment: ``RN(alpha * stream)`` per
+    column (``alpha`` from its raw words, ``s`` the stream widened), which
+    need no norm: the boundaries compute them as soon as both are loaded."""
+    return [ptx.mul_rn(ptx.as_f32(a), sv) for a, sv in zip(a_words, s)]
+
+
+def gated_residual_of(y: list, a_s: list, b_words: list, new_row, column, store: bool) -> list:
+    """Step 2 for the fragment at ``column`` from its ``stream_products``
+    ``a_s``, and step 3's input: ``p`` = the post-norm's ``y`` (8 FP32)
+    rounded to BF16; ``new = a_s + beta * p`` per column (``beta`` from its
+    raw words ``b_words``; the product ``mul.rn``, then the ``add.rn``),
     stored as FP32 into the row at byte address ``new_row`` when ``store``;
     returns ``new`` rounded to BF16 (the pre-norm's input)."""
     p = ptx.round_bf16(y)
-    new = [
-        ptx.add_rn(ptx.mul_rn(ptx.as_f32(a), sv), ptx.mul_rn(ptx.as_f32(b), pv))
-        for a, b, sv, pv in zip(a_words, b_words, s, p)
-    ]
+    new = [ptx.add_rn(av, ptx.mul_rn(ptx.as_f32(b), pv)) for av, b, pv in zip(a_s, b_words, p)]
     if store:
         ptx.st_row8("fp32", new_row, column, new)
     return ptx.round_bf16(new)
 
 
+def gated_residual(y: list, s: list, a_words: list, b_words: list, new_row, column, store: bool) -> list:
+    """``gated_residual_of`` with the stream products taken here: ``new =
+    alpha * s + beta * p`` (the two products ``mul.rn``, then their
+    ``add.rn``)."""
+    return gated_residual_of(y, stream_products(a_words, s), b_words, new_row, column, store)
+
+
 __all__ = ["check_arch", "check_norm", "check_row_width", "fragment_columns", "gains", "gate_words", "gated_residual",
-           "load_weight_words", "rms_norm_fragments"]
+           "gated_residual_of", "load_weight_words", "rms_norm_fragments", "stream_products"]
