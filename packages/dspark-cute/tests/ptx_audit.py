@@ -4,9 +4,11 @@ resource report. ``host.compile_ptx`` gives the PTX on a CPU machine."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -21,19 +23,40 @@ def count(body: str, pattern: str) -> int:
     return len(re.findall(pattern, body, flags=re.MULTILINE))
 
 
+def ptxas_candidates() -> list[str]:
+    """Every ptxas this interpreter can reach: ``DSPARK_PTXAS``, the CUDA
+    wheels' (``nvidia-cuda-nvcc``: CuTe DSL 4.8 writes PTX 9.4, which the
+    CUDA 13.0 toolkit's ptxas cannot read), Triton's, then ``PATH``'s."""
+    found = [os.environ.get("DSPARK_PTXAS")]
+    for site in map(Path, sys.path):
+        found += sorted(str(p) for p in site.glob("nvidia/cu*/bin/ptxas"))
+        found += sorted(str(p) for p in site.glob("nvidia/cuda_nvcc/bin/ptxas"))
+        found.append(str(site / "triton" / "backends" / "nvidia" / "bin" / "ptxas-blackwell"))
+    found.append(shutil.which("ptxas"))
+    return list(dict.fromkeys(exe for exe in found if exe and Path(exe).is_file()))
+
+
 def ptxas_report(ptx: str, arch: str, workdir: str | Path) -> str:
-    """ptxas's verbose report (registers, spills) of ``ptx`` for ``arch``, or
-    "" where ptxas is not installed. Raises RuntimeError if ptxas rejects it."""
-    if shutil.which("ptxas") is None:
-        return ""
+    """ptxas's verbose report (registers, spills) of ``ptx`` for ``arch``
+    from the first ptxas (``ptxas_candidates``) that reads the PTX's
+    ``.version``; "" where none is installed. RuntimeError if every one
+    rejects it, or one rejects it for another reason."""
     workdir = Path(workdir)
     src = workdir / f"k_{arch}.ptx"
     src.write_text(ptx)
-    r = subprocess.run(["ptxas", "-v", f"-arch={arch}", str(src), "-o", str(workdir / "k.cubin")],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"ptxas rejected the PTX: {r.stderr}")
-    return r.stderr
+    rejected = []
+    for exe in ptxas_candidates():
+        r = subprocess.run([exe, "-v", f"-arch={arch}", str(src), "-o", str(workdir / "k.cubin")],
+                           capture_output=True, text=True)
+        if r.returncode == 0:
+            return r.stderr
+        if "Unsupported .version" in r.stderr or "not defined for" in r.stderr:
+            rejected.append(f"{exe}: {r.stderr.strip().splitlines()[0]}")
+            continue
+        raise RuntimeError(f"{exe} rejected the PTX: {r.stderr}")
+    if rejected:
+        raise RuntimeError("no installed ptxas reads this PTX (pip install nvidia-cuda-nvcc): " + "; ".join(rejected))
+    return ""
 
 
 # What a ptxas -v report counts in bytes per function (spill_bytes).

@@ -50,7 +50,7 @@ import pytest
 import torch
 from cute_testing import audit_forbidden, has_f32_constant
 from cutlass import Int64
-from ptx_audit import code, count, spill_bytes
+from ptx_audit import code, count, ptxas_report, spill_bytes
 
 from dspark_core.contracts.constants import (
     MlpActivationConstants,
@@ -186,29 +186,6 @@ def trace(ptx: str, plain_is_rn: bool = False) -> list:
         elif not dest.startswith("{"):
             env[dest] = ("int", op)
     return stores
-
-
-def ptxas_report(ptx: str, arch: str, workdir: Path) -> str:
-    """ptxas's verbose report of ``ptx`` for ``arch`` from the first ptxas
-    (``PATH``'s, then the CUDA wheels' of this interpreter, Triton's) that
-    reads the PTX's ``.version``; "" where none does. RuntimeError if that
-    ptxas rejects it for another reason."""
-    site = Path(torch.__file__).resolve().parents[1]
-    candidates = [shutil.which("ptxas"), *sorted(str(p) for p in site.glob("nvidia/cu*/bin/ptxas")),
-                  str(site / "triton/backends/nvidia/bin/ptxas-blackwell")]
-    src = workdir / f"k_{arch}.ptx"
-    src.write_text(ptx)
-    for exe in candidates:
-        if not exe or not Path(exe).is_file():
-            continue
-        r = subprocess.run([exe, "-v", f"-arch={arch}", str(src), "-o", str(workdir / "k.cubin")],
-                           capture_output=True, text=True)
-        if r.returncode == 0:
-            return r.stderr
-        if "Unsupported .version" in r.stderr or "not defined for" in r.stderr:
-            continue
-        raise RuntimeError(f"{exe} rejected the PTX: {r.stderr}")
-    return ""
 
 
 def check_ptxas(ptx: str, arch: str, tmp_path) -> None:

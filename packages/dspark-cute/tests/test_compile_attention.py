@@ -383,8 +383,6 @@ def audit_v2(body: str, slot: str, pdl: bool, staged: int, eps, og_arch=None) ->
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant,og_arch", V2_CASES, ids=lambda v: _v2_name(v) if isinstance(v, tuple) else str(v))
 def test_attention_v2_compiles(arch, variant, og_arch, tmp_path):
-    from test_compile_activations import ptxas_report as any_ptxas_report
-
     from dspark_cute.cutedsl.attention.staged import StagedAttentionKernel, fake_staged_args, smem_layout
     from dspark_cute.runtime.host import compile_ptx
 
@@ -396,7 +394,7 @@ def test_attention_v2_compiles(arch, variant, og_arch, tmp_path):
     audit_v2(code(ptx), slot, pdl, staged, eps, og_arch)
     # The shared memory fits an H200 / B200 CTA (227 KB).
     assert smem_layout(c).total <= 227 * 1024
-    report = any_ptxas_report(ptx, arch, tmp_path)
+    report = ptxas_report(ptx, arch, tmp_path)
     if report:
         assert spill_bytes(report) == spill_bytes(report, "spill loads") == 0, report
         registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
