@@ -202,7 +202,9 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int, r
     from dspark_comm.tp_draft import time_replays
     from dspark_core.contracts.constants import PackageGemmConstants, boundary_constants
     from dspark_core.planner.policy import draft_gemm_shape
-    from dspark_core.spec.layers import GatedResidual, RMSNorm
+    from dspark_core.reference.adapter import norm_description
+    from dspark_core.runtime import description as D
+    from dspark_core.spec.layers import GatedResidual, RMSNorm, stock_arch
     from dspark_core.tools.timing import capture
     from dspark_cute.cutedsl.norms.boundary import DraftBoundary
 
@@ -212,7 +214,11 @@ def _worker(rank: int, world: int, init: str, out: str, iters: int, reps: int, r
     post = RMSNorm(H, weight_dtype=torch.bfloat16).cuda()
     pre = RMSNorm(H, weight_dtype=torch.bfloat16).cuda()
     conn = GatedResidual(H).cuda()
-    c = boundary_constants(post, conn, pre, H)
+    # The constants as the planner builds them, with the device's stock tree.
+    described = D.Boundary("the boundary", norm_description("the post-norm", post, H),
+                           D.Connection("the connection", conn, conn.alpha, conn.beta),
+                           norm_description("the pre-norm", pre, H))
+    c = boundary_constants(described, H, stock_arch("cuda"))
     fused = AllReduceBoundary(mb, c, conn.alpha, conn.beta, post.weight, pre.weight)
     fused.prepare(published=(False, True))
     unfused = DraftBoundary(c, conn.alpha, conn.beta, post.weight, pre.weight)

@@ -309,7 +309,7 @@ def check_fallback(c):
             records.append(record.getMessage())
 
     handler = Keep()
-    logging.getLogger("dspark_comm").addHandler(handler)
+    logging.getLogger("dspark.comm").addHandler(handler)
     try:
         gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 5000 + c.rank)
         shared = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 9)
@@ -327,7 +327,7 @@ def check_fallback(c):
         y = random_rows(gen, 16)
         res["fused_after"] = bad(c.ars[FP32_RANK_ORDER].run(y), nccl(y))
     finally:
-        logging.getLogger("dspark_comm").removeHandler(handler)
+        logging.getLogger("dspark.comm").removeHandler(handler)
     c.mb.check()
     return {"mismatches": res, "logged": records}
 

@@ -151,11 +151,13 @@ def check_plain(c):
 
 
 def check_publish(c):
+    from norm_testing import boundary_consts
+
     from dspark_comm.cutedsl.all_reduce_boundary import AllReduceBoundary
     from dspark_comm.cutedsl.allreduce import FusedAllReduce, MailboxAllReduce, StoreEpilogue
     from dspark_comm.cutedsl.package_gemm import PackageGemm
-    from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, boundary_constants
-    from dspark_core.spec.layers import residual_boundary
+    from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
+    from dspark_core.spec.layers import residual_boundary, stock_arch
 
     shared = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 5)  # weights of the boundary, streams
     gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 200 + c.rank)
@@ -171,7 +173,7 @@ def check_publish(c):
     from dspark_core.spec.gemv import gemv as gemv_spec
 
     post, conn, pre = c.modules = _boundary_modules(shared)
-    constants = boundary_constants(post, conn, pre, H)
+    constants = boundary_consts(post, conn, pre, stock_arch("cuda"))
     c.bd = bd = AllReduceBoundary(c.mb, constants, conn.alpha, conn.beta, post.weight, pre.weight)
     bd.prepare(published=(False, True))
     res = {}

@@ -43,7 +43,7 @@ from dspark_cute.cutedsl.norms.boundary import DraftBoundary
 from dspark_cute.cutedsl.norms.rms import gate_words, gated_residual_of, rms_norm_fragments, stream_products
 from dspark_cute.runtime.host import check_operand
 
-log = logging.getLogger("dspark_comm")
+log = logging.getLogger("dspark.comm")
 
 
 class BoundaryEpilogue(Epilogue):

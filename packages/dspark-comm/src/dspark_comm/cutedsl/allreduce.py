@@ -70,7 +70,7 @@ from dspark_cute.runtime.host import (
     pdl_supported,
 )
 
-log = logging.getLogger("dspark_comm")
+log = logging.getLogger("dspark.comm")
 
 # Shared memory every all-reduce kernel reserves for its epilogue (FP32 words).
 SMEM_FLOATS = 64
