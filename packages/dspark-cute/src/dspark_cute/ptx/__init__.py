@@ -15,7 +15,8 @@ fp16x2 pair, an FP32 bit pattern), ``Int64`` for global byte addresses,
 - ``sync``: PDL, the warp barrier, the mailbox's system-scope
   loads, stores and polls;
 - ``reduce``: the row tree and the other fixed-order folds;
-- ``math``: ``exp_rn`` (the reference attention's exponential);
+- ``math``: the exponentials, ``exp_rn`` (the reference attention's) and
+  ``expf`` (CUDA's accurate ``expf``: the stock activation's);
 - ``stock``: the stock kernels' fused multiply-add and approximate
   instructions (``fma_rn``, ``rsqrt_approx_ftz``, ...) and ``pairwise``.
 
