@@ -22,8 +22,18 @@ from dspark_core.runtime import decode as decode_module
 from dspark_core.runtime.decode import DraftDecode, build_draft_decode, draft_plan
 from dspark_core.spec import gemv as gemv_spec
 from dspark_core.spec.attention import paged_attention
-from dspark_core.spec.layers import GatedResidual, HeadNorm, RMSNorm, Rotary, kv_insert, o_gate, residual_boundary
-from dspark_core.spec.numerics import F32, silu_rn
+from dspark_core.spec.layers import (
+    GatedResidual,
+    HeadNorm,
+    RMSNorm,
+    Rotary,
+    k_norm_context,
+    kv_insert,
+    o_gate,
+    qk_norm_rope,
+    residual_boundary,
+    silu_and_mul,
+)
 from dspark_core.tools.compare import assert_bitwise
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -34,7 +44,8 @@ CALLS: list[tuple] = []  # (kernel, detail) of every launch of a stand-in
 
 def _norm(c, h, weight, out_dtype="bf16") -> RMSNorm:
     norm = RMSNorm(h, c.eps, has_weight=weight is not None, weight_dtype=DTYPES[c.weight_dtype or "bf16"],
-                   gain_center=c.gain_center, weight_before_norm=c.weight_before_norm, out_dtype=DTYPES[out_dtype])
+                   gain_center=c.gain_center, weight_before_norm=c.weight_before_norm, out_dtype=DTYPES[out_dtype],
+                   arch=c.arch)
     if weight is not None:
         norm.weight.data = weight
     return norm
@@ -87,10 +98,8 @@ class FakeBoundary(Kernel):
 
 
 def _head_norms(c, q_weight):
-    q_norm = HeadNorm(64, c.q_eps, has_weight=c.q_weight)
-    if c.q_weight:
-        q_norm.weight.data = q_weight
-    return q_norm, HeadNorm(64, c.k_eps)
+    assert q_weight is None and not c.q_weight  # the stock QK-norm is weightless
+    return HeadNorm(64, c.q_eps), HeadNorm(64, c.k_eps)
 
 
 def _rope(table):
@@ -102,9 +111,7 @@ def _rope(table):
 def _epilogue(c, q_norm, k_norm, rope, qkv, positions, slots, cache):
     q_size, kv_size = c.num_heads * 64, c.kv_heads * 64
     q, k, v = (t.reshape(qkv.shape[0], -1, 64) for t in qkv.split([q_size, kv_size, kv_size, q_size], -1)[:3])
-    q, k = q_norm(q), k_norm(k)
-    if rope is not None:
-        q, k = rope(q, positions), rope(k, positions)
+    q, k = qk_norm_rope(q, q_norm, positions, rope), qk_norm_rope(k, k_norm, positions, rope)
     kv_insert(cache, k, v, slots)
     return q
 
@@ -128,13 +135,8 @@ class FakeFront(FakeEpilogue):
     def launch(self, x, positions, slots, cache):
         CALLS.append(("qkv_front", x.shape[0]))
         qkv = torch.matmul(x, self.weight.t())
-        _epilogue(self.c, self.q_norm, self.k_norm, self.rope, qkv, positions, slots, cache)
-        q_size = self.c.num_heads * 64
-        q = qkv[:, :q_size].reshape(x.shape[0], -1, 64)
-        normed = self.q_norm(q)
-        if self.rope is not None:
-            normed = self.rope(normed, positions)
-        qkv[:, :q_size] = normed.reshape(x.shape[0], q_size)
+        q = _epilogue(self.c, self.q_norm, self.k_norm, self.rope, qkv, positions, slots, cache)
+        qkv[:, : q.shape[1] * 64] = q.reshape(x.shape[0], -1)
         return qkv
 
 
@@ -153,16 +155,16 @@ class FakeAttention(Kernel):
     def launch(self, q, cache, attn_slots, gate=None):
         CALLS.append(("attention", q.shape[0], gate is not None))
         out = paged_attention(q, cache, attn_slots, self.c.kv_heads)
-        return o_gate(out, gate, HeadNorm(64, self.c.o_gate_eps)) if gate is not None else out
+        return o_gate(out, gate, HeadNorm(64, self.c.o_gate_eps), "sm_90a") if gate is not None else out
 
 
 class FakeOGate(Kernel):
     def __init__(self, constants):
-        self.norm = HeadNorm(64, constants.eps)
+        self.norm, self.arch = HeadNorm(64, constants.eps), constants.arch
 
     def launch(self, attn, gate):
         CALLS.append(("o_gate", attn.shape[0]))
-        return o_gate(attn, gate, self.norm)
+        return o_gate(attn, gate, self.norm, self.arch)
 
 
 class FakeActivation(Kernel):
@@ -171,8 +173,7 @@ class FakeActivation(Kernel):
 
     def launch(self, gu):
         CALLS.append(("mlp_activation", gu.shape[0]))
-        g, u = gu.split(self.i, dim=-1)
-        return (silu_rn(g) * u.to(F32)).to(torch.bfloat16)
+        return silu_and_mul(gu, self.i)
 
 
 class FakeGemv(Kernel):
@@ -207,7 +208,7 @@ class FakeContextChain(Kernel):
         for i, cache in enumerate(caches):
             if per_layer[i] is None:
                 continue
-            k = HeadNorm(64, self.store.k_eps)(kv[i, :, 0])
+            k = k_norm_context(kv[i, :, 0], HeadNorm(64, self.store.k_eps))
             if self.rope is not None:
                 k = self.rope(k, positions)
             rows = per_layer[i].shape[0]

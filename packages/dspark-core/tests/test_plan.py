@@ -191,19 +191,29 @@ def test_context_and_front_refuse_128_wide_heads():
     assert r["layer 1's QKV front"] == "128-wide heads, not 64"
 
 
-def test_context_and_front_refuse_a_weighted_k_norm():
-    model = meta()
-    model.layers[0].self_attn.k_norm = HeadNorm(64, has_weight=True).to_empty(device="meta")
-    r = reasons(plan_draft(model, ALL))
-    assert r["the context K/V chain"] == "a K-norm other than the stock weightless head norm"
-    assert r["layer 0's QKV front"] == "a K-norm with a weight (the context chain's is weightless)"
+class WeightedHeadNorm(HeadNorm):
+    """A head norm with a weight: no stock kernel of the draft has one."""
+
+    def __init__(self, head_dim: int = 64, eps: float = 1e-6) -> None:
+        super().__init__(head_dim, eps)
+        self.weight = nn.Parameter(torch.ones(head_dim, dtype=torch.bfloat16), requires_grad=False)
 
 
-def test_context_refuses_a_weighted_k_norm_in_a_later_layer():
+def test_context_and_front_refuse_a_weighted_qk_norm():
     model = meta()
-    model.layers[1].self_attn.k_norm = HeadNorm(64, has_weight=True).to_empty(device="meta")
+    model.layers[0].self_attn.qk_norm = WeightedHeadNorm()
     r = reasons(plan_draft(model, ALL))
     assert r["the context K/V chain"] == "a K-norm other than the stock weightless head norm"
+    assert r["layer 0's QKV front"] == "a head norm other than the stock one (WeightedHeadNorm)"
+    assert "layer 1's QKV front" not in r
+
+
+def test_context_refuses_a_qk_norm_in_a_later_layer_that_differs():
+    model = meta()
+    model.layers[1].self_attn.qk_norm = HeadNorm(64, 1e-5)
+    r = reasons(plan_draft(model, ALL))
+    assert r["the context K/V chain"] == "a K-norm other than the stock weightless head norm"
+    assert "layer 1's QKV epilogue" not in r  # its own eps is the epilogue's constant
 
 
 def test_context_refuses_no_layers():
@@ -270,7 +280,7 @@ def test_the_staged_attention_takes_the_o_gate_only_where_it_fuses():
     assert [p.constants.staged_slots for p in no_gate.attentions] == [policy.DEFAULT_STAGED_SLOTS] * 2
     assert reasons(no_gate)["layer 0's o-gate"] == "the caller excluded the o_gate kernel"
     weighted = meta()
-    weighted.layers[0].self_attn.o_norm = HeadNorm(64, has_weight=True)
+    weighted.layers[0].self_attn.o_norm = WeightedHeadNorm()
     plan = plan_draft(weighted, ALL)
     assert [p.constants.o_gate_eps for p in plan.attentions] == [None, 1e-6]
     assert [p.via for p in plan.o_gates] == [None, "layer 1's attention"]
@@ -314,10 +324,10 @@ def test_o_gate_and_activation_refusals():
     assert r["layer 0's o-gate"] == "the layer has no o-gate"
     assert "layer 0's attention" not in r
     model = meta()
-    model.layers[0].self_attn.o_norm = HeadNorm(64, has_weight=True)
+    model.layers[0].self_attn.o_norm = WeightedHeadNorm()
     model.layers[1].mlp.intermediate_size = 1001
     r = reasons(plan_draft(model, ALL))
-    assert r["layer 0's o-gate"] == "an o-norm with a weight (the fused o-gate takes a weightless one)"
+    assert r["layer 0's o-gate"] == "a head norm other than the stock one (WeightedHeadNorm)"
     assert r["layer 1's MLP activation"] == "an intermediate size of 1001, not a positive multiple of 8"
 
 
