@@ -85,8 +85,11 @@ def tests_vllm(session: nox.Session) -> None:
     session.install(os.environ.get("DSPARK_VLLM", "vllm==0.33.0"))
     session.install("pytest>=8", "pytest-xdist", "hypothesis", "safetensors")
     session.install("--no-deps", *[f"-e./packages/{p}" for p in PACKAGES])
-    session.run("python", "-m", "pytest", "-n", "auto", "packages/dspark-vllm/tests",
-                "packages/dspark-core/tests/test_stock_recompile.py", *session.posargs)
+    # Two processes: the plugin's tests import vLLM on its CPU platform (Triton off, vLLM's
+    # placeholder triton.jit), the stock recompile imports it with Triton on to compile its kernels.
+    session.run("python", "-m", "pytest", "-n", "auto", "packages/dspark-vllm/tests", *session.posargs)
+    session.run("python", "-m", "pytest", "-n", "auto", "packages/dspark-core/tests/test_stock_recompile.py",
+                *session.posargs)
 
 
 @nox.session

@@ -117,6 +117,11 @@ def sha256(data: bytes) -> str:
 def _jit(obj):
     import triton
     while not isinstance(obj, triton.runtime.jit.JITFunction):
+        if not hasattr(obj, "fn"):
+            raise RuntimeError(
+                f"{getattr(obj, '__qualname__', obj)!r} is not a Triton kernel: vLLM was imported with Triton "
+                "disabled (its TritonPlaceholder, no active GPU driver); import vLLM first with "
+                "CUDA_VISIBLE_DEVICES='' (or on a GPU) to compile its kernels")
         obj = obj.fn  # unwrap @triton.heuristics / autotuners
     return obj
 

@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 from vllm.v1.attention.backend import AttentionImpl
 
+from dspark_vllm.plan import _free_port
+
 VOCAB, DRAFT_VOCAB, HIDDEN, TARGET_LAYERS = 512, 384, 2048, 4
 N_LAYERS, N_HEADS, N_KV, HEAD_DIM, INTER = 2, 8, 4, 64, 1024
 MARKOV_RANK, TARGET_LAYER_IDS, N_SPEC, BLOCK = 32, [0, 2], 4, 16
@@ -162,7 +164,7 @@ def init_dist(config) -> None:
     if model_parallel_is_initialized():
         return
     with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:29537",
+        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
                                      local_rank=0, backend="gloo")
         initialize_model_parallel(1, 1)
 
