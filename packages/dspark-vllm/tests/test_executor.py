@@ -141,7 +141,7 @@ def _specialized(dirs, monkeypatch, exact):
     the kernels the stubs."""
     monkeypatch.setattr(deployment, "check_deployment", lambda config: None)
     monkeypatch.setattr(planning, "vllm_target", lambda device, tp=1, kernels=None: GPU.replace(tp=tp))
-    monkeypatch.setattr(planning, "VLLM_EXACT_KERNELS", exact)
+    monkeypatch.setattr(planning, "VLLM_EXACT_KERNELS", {GPU.arch: exact})
     monkeypatch.setattr(runtime, "kernel_classes", lambda names: {n: _stubs.KERNELS[n] for n in names})
     return _draft.build(*dirs, "latency_specialized")
 

@@ -1,8 +1,9 @@
 """The description and the plan over vLLM's real modules (the draft built
 from the test checkpoint by vLLM's loader, ``_draft``): the description binds
-the model's own parameters after load; with ``VLLM_EXACT_KERNELS`` empty
-every part stays stock with the issue-21 reason; with it patched to every
-kernel the parts the kernels reproduce fuse; one test per refusal (each
+the model's own parameters after load; with no kernel checked every part
+stays stock with the issue-21 reason; with the kernels checked on an H200
+(and with every kernel) the parts the kernels reproduce fuse, on sm_100a
+none; one test per refusal (each
 change made to the built modules, and undone); the CLI."""
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def test_the_description_binds_the_models_own_parameters_after_load(built):
 
 
 def test_with_no_kernel_checked_against_vllm_every_part_stays_stock(built):
-    plan = _plan(built, exact=planning.VLLM_EXACT_KERNELS)
-    assert planning.VLLM_EXACT_KERNELS == frozenset() and plan.fused_count() == (0, 14)
+    plan = _plan(built, exact=frozenset())
+    assert plan.fused_count() == (0, 14)
     reasons = _reasons(plan)
     assert reasons["layer 0's attention boundary"] == planning.unchecked_reason(policy.BOUNDARY)
     assert reasons["layer 1's QKV epilogue"].startswith("the DSpark qkv_epilogue kernel is not yet checked bit for "
@@ -94,6 +95,21 @@ def test_with_no_kernel_checked_against_vllm_every_part_stays_stock(built):
     assert all(r.endswith("(issue 21)") for n, r in reasons.items() if not n.endswith("attention"))
     assert reasons["layer 0's attention"].endswith("attention backend runs it; no DSpark kernel reproduces that "
                                                    "backend's arithmetic")
+
+
+def test_on_an_h200_the_gpu_checked_kernels_fuse_and_on_sm100_none(built):
+    checked = planning.exact_kernels("sm_90a")
+    assert policy.ATTENTION not in checked and policy.QKV_FRONT not in checked and policy.GEMV not in checked
+    plan = _plan(built, exact=None)
+    assert plan.fused_count() == (12, 14)
+    assert set(_reasons(plan)) == {"layer 0's attention", "layer 1's attention"}
+    assert all(p.fused and p.via is None for p in plan.o_gates)  # their own kernel beside vLLM's attention
+    assert planning.exact_kernels("sm_100a") == frozenset()
+    sm100 = _plan(built, exact=None, target=GPU.replace(arch="sm_100a"))
+    reasons = _reasons(sm100)
+    assert sm100.fused_count() == (0, 14)
+    assert reasons["layer 0's feed-forward boundary"] == planning.unchecked_reason(policy.BOUNDARY, "sm_100a")
+    assert reasons["layer 0's feed-forward boundary"].endswith("on an sm_100a GPU (compile-checked only) (issue 21)")
 
 
 def test_with_every_kernel_checked_the_reproduced_parts_fuse(built):
@@ -193,6 +209,7 @@ def test_the_plan_cli_prints_the_plan_and_the_deployment_check(built, capsys):
     assert "the deployment check passes (sm_90a, TP1, eager layers, FULL decode graphs)" in out
     assert main([draft_dir, "--tp", "4", "--kv-cache-dtype", "fp8", "--kernels", "all"]) == 0
     out = capsys.readouterr().out
-    assert "0 of 17 parts fused" in out and "(issue 21)" in out
+    assert "(the fused path has never run on sm_90a at TP4: compile-checked only)" in out
+    assert "9 of 17 parts fused" in out and "a KV cache of fp8: the context store inserts BF16 K and V" in out
     assert "needs:\n  - a bfloat16 model and a bfloat16 KV cache" in out
     assert main(["/nonexistent"]) == 2 and "error:" in capsys.readouterr().err

@@ -5,7 +5,8 @@ draft's specialized decode inside vLLM.
 - ``model``: the draft class, switched by ``additional_config["decode_backend"]``;
 - ``deployment``: the deployment check (``unsupported``) and the all-reduce facts;
 - ``adapter``: ``describe_vllm``, the model-neutral description of vLLM's draft;
-- ``planning``: the plan with the vLLM-side refusals (``VLLM_EXACT_KERNELS``);
+- ``planning``: the plan with the vLLM-side refusals (``exact_kernels``:
+  per architecture, the kernels checked against vLLM's stock on a GPU);
 - ``runtime``: the specialized decode's lifecycle and per-call dispatch;
 - ``plan``: ``python -m dspark_vllm.plan``, the plan of a draft checkpoint.
 

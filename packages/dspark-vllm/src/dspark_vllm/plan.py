@@ -16,7 +16,7 @@ a GPU with its FlashAttention backend, then described (``adapter.describe_vllm``
 the ranks would hold it). The target decides the draft layers' indices (the
 post-norms' gain centres): ``--target`` names a checkpoint folder (its
 config.json), else a stand-in target of ``--target-layers`` layers is used.
-``--exact`` (default ``checked``: ``planning.VLLM_EXACT_KERNELS``) says which
+``--exact`` (default ``checked``: ``planning.exact_kernels(arch)``) says which
 kernels count as checked against vLLM; ``all`` shows what would fuse once
 they are. The deployment check is that of an ``--arch`` GPU running the
 config with eager layers and FULL decode graphs. A user error prints one
@@ -50,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-sms", type=int, default=132, help="the GPU's SM count (default 132, an H200)")
     p.add_argument("--kernels", default="installed", help="'installed' (default), 'all' or kernel names, a,b")
     p.add_argument("--exact", default="checked",
-                   help="kernels taken as checked against vLLM: 'checked' (VLLM_EXACT_KERNELS, default), 'all' or a,b")
+                   help="kernels taken as checked against vLLM: 'checked' (on a GPU of --arch, default), 'all' or a,b")
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (default auto)")
     return p
 
@@ -172,7 +172,7 @@ def plan_checkpoint(args):
         model = build_meta_draft(config)
     draft = describe_vllm(model.model, config.cache_config.block_size or 16, GPU_ATTENTION_BACKEND)
     kernels = _names(args.kernels, policy.installed_kernels)
-    exact = _names(args.exact, lambda: planning.VLLM_EXACT_KERNELS)
+    exact = _names(args.exact, lambda: planning.exact_kernels(args.arch))
     target_ = policy.Target("cuda", args.arch, args.num_sms, args.tp, kernels).opt_in(frozenset())
     plan = planning.plan_vllm(draft, target_, deployment.stock_all_reduce(args.tp, args.arch), exact)
     # The deployment check as the GPU sees the config: eager layers, FULL decode graphs, TP as asked.

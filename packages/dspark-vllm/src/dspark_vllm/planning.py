@@ -4,9 +4,10 @@ description, then the vLLM-side refusals core cannot know.
 ``plan_vllm(draft, target, all_reduce)`` is ``dspark_core.planner.plan.
 plan_draft`` followed by, in order:
 
-1. every fused part whose kernel is not in ``VLLM_EXACT_KERNELS`` (kernels
-   proven bit for bit equal to vLLM 0.33.0's stock op on a GPU) made stock,
-   with the sentence ``unchecked_reason`` gives (issue 21);
+1. every fused part whose kernel is not in ``exact_kernels(target.arch)``
+   (kernels proven bit for bit equal to vLLM 0.33.0's stock op on a GPU of
+   that architecture) made stock, with the sentence ``unchecked_reason``
+   gives;
 2. at TP > 1, the fused all-reduce made stock where vLLM's own all-reduce has
    no fixed reduction order (``deployment.stock_all_reduce``), where a
    boundary stays stock, or because the plugin does not bind dspark-comm's
@@ -27,11 +28,23 @@ from dspark_core.planner.policy import Target
 from dspark_core.runtime.description import DraftDescription
 from dspark_vllm.deployment import AllReduceOrder, stock_all_reduce
 
-# Kernel names (dspark_core.contracts.kernels) proven bit for bit equal to
-# vLLM 0.33.0's stock op on a GPU. Empty until issue 21 proves them: every
-# part then stays stock, and the rest of the path (check, description, plan,
-# build, dispatch) still runs.
-VLLM_EXACT_KERNELS: frozenset[str] = frozenset()
+# Per architecture, the kernels (dspark_core.contracts.kernels) run on a GPU
+# of it against vLLM 0.33.0's stock binaries on the same operands, every bit
+# equal (scripts/gpu-check.sh: the norms, qkv and gating suites, H200). The
+# attention keeps vLLM's backend (no DSpark kernel reproduces it); the front,
+# the GEMV and the package GEMM sum their projections in their own order;
+# the mailbox is not bound to vLLM's TP group. sm_100a has no GPU run yet:
+# every part stays stock there.
+VLLM_EXACT_KERNELS: dict[str, frozenset[str]] = {
+    "sm_90a": frozenset({policy.ROW_NORM, policy.BOUNDARY, policy.CONTEXT_CHAIN, policy.QKV_EPILOGUE,
+                         policy.O_GATE, policy.MLP_ACTIVATION}),
+}
+
+
+def exact_kernels(arch: str) -> frozenset[str]:
+    """The kernels checked bit for bit against vLLM's stock on a GPU of ``arch`` (none for an unchecked arch)."""
+    return VLLM_EXACT_KERNELS.get(arch, frozenset())
+
 
 # The stock op of vLLM 0.33.0 each kernel stands in for (what issue 21 checks it against).
 STOCK_OPS = {
@@ -68,10 +81,11 @@ NO_MAILBOX = ("dspark-vllm does not bind dspark-comm's mailbox to vLLM's TP grou
               "through vLLM's tensor_model_parallel_all_reduce")
 
 
-def unchecked_reason(kernel: str) -> str:
-    """Why a part on ``kernel`` stays stock while the kernel is not in ``VLLM_EXACT_KERNELS``."""
+def unchecked_reason(kernel: str, arch: str = "sm_90a") -> str:
+    """Why a part on ``kernel`` stays stock on ``arch`` while the kernel is not checked there."""
+    where = "" if arch in VLLM_EXACT_KERNELS else f" on an {arch} GPU (compile-checked only)"
     return (f"the DSpark {kernel} kernel is not yet checked bit for bit against vLLM 0.33.0's "
-            f"{STOCK_OPS[kernel]} (issue 21)")
+            f"{STOCK_OPS[kernel]}{where} (issue 21)")
 
 
 def vllm_target(device, tp: int = 1, kernels: frozenset[str] | None = None) -> Target:
@@ -84,12 +98,12 @@ def _restock(part: Part | None, reason: str) -> Part | None:
     return part if part is None or not part.fused else Part(part.name, reason=reason)
 
 
-def _mark_unchecked(plan: DraftPlan, exact: frozenset[str]) -> None:
+def _mark_unchecked(plan: DraftPlan, exact: frozenset[str], arch: str) -> None:
     for attr, kernel in PART_KERNELS:
         if kernel in exact:
             continue
         value = getattr(plan, attr)
-        why = unchecked_reason(kernel)
+        why = unchecked_reason(kernel, arch)
         if isinstance(value, list):
             setattr(plan, attr, [_restock(p, why) for p in value])
         else:
@@ -117,11 +131,11 @@ def plan_vllm(draft: DraftDescription, target: Target, all_reduce: AllReduceOrde
     """The plan of vLLM's draft ``draft`` for ``target`` (module docstring).
     ``all_reduce``: vLLM's all-reduce at ``target.tp`` (default:
     ``stock_all_reduce`` of the environment); ``exact``: the kernels proven
-    exact (default ``VLLM_EXACT_KERNELS``, read at call time)."""
+    exact (default ``exact_kernels(target.arch)``, read at call time)."""
     plan = plan_draft(draft, target)
     if plan.draft_reason is not None:
         return plan
-    _mark_unchecked(plan, VLLM_EXACT_KERNELS if exact is None else frozenset(exact))
+    _mark_unchecked(plan, exact_kernels(target.arch) if exact is None else frozenset(exact), target.arch)
     if plan.all_reduce is not None and plan.all_reduce.fused:
         order = all_reduce or stock_all_reduce(target.tp, target.arch)
         plan.all_reduce = Part(plan.all_reduce.name, reason=_all_reduce_reason(plan, order))
@@ -142,5 +156,5 @@ def plan_signature(plan: DraftPlan) -> int:
     return value
 
 
-__all__ = ["NO_MAILBOX", "PART_KERNELS", "STOCK_OPS", "VLLM_EXACT_KERNELS", "plan_signature", "plan_vllm",
-           "unchecked_reason", "vllm_target"]
+__all__ = ["NO_MAILBOX", "PART_KERNELS", "STOCK_OPS", "VLLM_EXACT_KERNELS", "exact_kernels", "plan_signature",
+           "plan_vllm", "unchecked_reason", "vllm_target"]
