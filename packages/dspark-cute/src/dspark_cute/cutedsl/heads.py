@@ -1,7 +1,6 @@
 """Traced pieces of a 64-wide head shared by the head kernels: the stock fused
 QK-norm (``dspark_core.spec.layers.qk_norm_rope``) in two lane layouts, its
-RoPE, the RoPE table's cos and sin, the paged cache's row address, and the
-pre-stock pair-layout norm and rotation other kernels still call.
+RoPE, the RoPE table's cos and sin, and the paged cache's row address.
 
 The stock fused QK-norm of one head ``e_0 .. e_63`` (BF16 widened to FP32):
 stock lane ``l`` of 8 sums its elements ``8l .. 8l+7`` as the chain
@@ -154,43 +153,11 @@ def cache_row_address(cache, slot, kv_heads: int, kv_head, block_size):
     return Int64(cache) + row * (4 * HEAD_DIM)
 
 
-# ---------------------------------------------------------------- the pre-stock pair layout
-
-
-def head_norm_pair(a, b, eps: float, weight_word=None) -> tuple:
-    """A per-head norm of the head whose pair ``(a, b)`` (FP32) this lane
-    holds (a warp per head, lane ``j``: columns ``2j``, ``2j + 1``): ``s =
-    a*a + b*b`` (each rounded), the head tree (the warp butterfly 16 .. 1),
-    ``r = inv_rms(s, 64, eps)`` (IEEE ``1 / sqrt(s / 64 + eps)``), ``(a*r,
-    b*r)`` (times the BF16 weight pair ``weight_word`` if given), rounded to
-    BF16. Returns ``(word, a', b')``: the packed pair and its two values
-    widened back. Not the stock fused QK-norm (``qk_norm_pair`` is)."""
-    s = ptx.warp_fold(ptx.add_rn(ptx.mul_rn(a, a), ptx.mul_rn(b, b)))
-    r = ptx.inv_rms(s, HEAD_DIM, eps)
-    ya, yb = ptx.mul_rn(a, r), ptx.mul_rn(b, r)
-    if weight_word is not None:
-        wa, wb = ptx.bf16x2_to_f32(weight_word)
-        ya, yb = ptx.mul_rn(ya, wa), ptx.mul_rn(yb, wb)
-    word = ptx.pack_bf16x2_rn(ya, yb)
-    return (word, *ptx.bf16x2_to_f32(word))
-
-
-def rope_pair(a, b, c, s) -> tuple:
-    """GPT-J RoPE of one pair, no FMA: ``(a * c - b * s, b * c + a * s)``,
-    each product and the difference/sum rounded once (FP32). Not the stock
-    rotary kernels' form (``rope_fma`` is)."""
-    return (
-        ptx.sub_rn(ptx.mul_rn(a, c), ptx.mul_rn(b, s)),
-        ptx.add_rn(ptx.mul_rn(b, c), ptx.mul_rn(a, s)),
-    )
-
-
 __all__ = [
     "LANES",
     "LANE_ELEMS",
     "LANE_PAIRS",
     "cache_row_address",
-    "head_norm_pair",
     "ld_global_v2",
     "load_cos_sin",
     "load_cos_sin_quad",
@@ -198,6 +165,5 @@ __all__ = [
     "qk_norm_pair",
     "qk_rsqrt",
     "rope_fma",
-    "rope_pair",
     "square_chain",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .arith import add_rn, div_rn, f32_const, max_nan, mul_rn, sqrt_rn
+from .arith import add_rn, f32_const, max_nan, mul_rn
 from .cta import WARPS
 from .memory import ld_shared_f32, st_shared_f32_if_lane0
 from .stock import fma_rn, pairwise, rsqrt_approx_ftz
@@ -116,20 +116,11 @@ def row_inv_rms(total, n: int, eps: float) -> Float32:
     return rsqrt_approx_ftz(fma_rn(total, f32_const(1.0 / n), f32_const(eps)))
 
 
-def inv_rms(total, n: int, eps: float) -> Float32:
-    """``1 / sqrt(total / n + eps)`` as ``div.rn``, ``add.rn``, ``sqrt.rn``,
-    ``div.rn`` (``n`` and ``eps`` FP32 constants): the IEEE form, for the
-    head kernels that still use it (the row norms use ``row_inv_rms``)."""
-    var = add_rn(div_rn(total, f32_const(float(n))), f32_const(eps))
-    return div_rn(f32_const(1.0), sqrt_rn(var))
-
-
 __all__ = [
     "chunk_partials",
     "cta_fold",
     "fold_halves",
     "fragment_sum",
-    "inv_rms",
     "row_inv_rms",
     "row_sum_of_squares",
     "thread_sum_of_squares",
