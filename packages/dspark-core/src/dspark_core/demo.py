@@ -23,7 +23,7 @@ from importlib.metadata import entry_points
 import torch
 
 from dspark_core.planner import policy
-from dspark_core.planner.cli import print_plan
+from dspark_core.planner.cli import positive_int, print_plan
 from dspark_core.planner.plan import plan_draft
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
@@ -174,22 +174,12 @@ def _summary(results: dict, steps: int, opt_in: bool, device: torch.device) -> s
             f"path's; tokens {'equal' if ft == st else 'differ'}; a step is {speed:.2f}x faster (medians).")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {value}")
-    return value
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dspark_core.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="a DraftConfig JSON file (default: the reference draft)")
-    p.add_argument("--steps", type=_positive, default=4, help="greedy decode steps per path (default 4)")
-    p.add_argument("--block", type=_positive, default=1, help=f"tokens per step, 1 to {policy.MAX_DECODE_ROWS}")
-    p.add_argument("--context", type=_positive, default=64, help="context tokens stored first (default 64)")
+    p.add_argument("--steps", type=positive_int, default=4, help="greedy decode steps per path (default 4)")
+    p.add_argument("--block", type=positive_int, default=1, help=f"tokens per step, 1 to {policy.MAX_DECODE_ROWS}")
+    p.add_argument("--context", type=positive_int, default=64, help="context tokens stored first (default 64)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run (default auto)")
     p.add_argument("--front", action="store_true",
                    help="run the opt-in fused QKV front (exact up to its projection's summation order)")

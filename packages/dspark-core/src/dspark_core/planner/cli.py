@@ -21,7 +21,8 @@ from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, plan_draft
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse's type for a positive integer (ArgumentTypeError otherwise)."""
     try:
         value = int(text)
     except ValueError:
@@ -34,9 +35,9 @@ def _positive_int(text: str) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-plan", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="a DraftConfig JSON file (default: the reference draft)")
-    p.add_argument("--tp", type=_positive_int, default=1, help="the tensor-parallel size (default 1)")
+    p.add_argument("--tp", type=positive_int, default=1, help="the tensor-parallel size (default 1)")
     p.add_argument("--arch", default="sm_90a", choices=policy.ARCHS, help="the GPU architecture (default sm_90a)")
-    p.add_argument("--num-sms", type=_positive_int, default=132, help="the GPU's SM count (default 132, an H200)")
+    p.add_argument("--num-sms", type=positive_int, default=132, help="the GPU's SM count (default 132, an H200)")
     p.add_argument("--kernels", default="installed",
                    help="'installed' (what the installed backends provide, the default), 'all' (every kernel "
                         "of the design) or a comma-separated list of kernel names")
