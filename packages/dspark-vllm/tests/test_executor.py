@@ -91,7 +91,7 @@ def test_the_executors_stock_calls_are_vllms_forward(stock):
     attention over the cache, o-gate, output GEMM, boundaries, MLP) over
     vLLM's modules gives vLLM's forward and KV cache bit for bit."""
     built, want = stock
-    draft = describe_vllm(built.model.model)
+    draft = describe_vllm(built.model.model, kv_cache_layout="LBHNC")
     decode = DraftDecode(draft, planning.plan_vllm(draft, GPU, exact=frozenset()), kernels={})
     decode.prepare()
     _assert_same(_decode_block(built, decode), want)
@@ -99,7 +99,7 @@ def test_the_executors_stock_calls_are_vllms_forward(stock):
 
 def test_the_fused_path_with_stub_kernels_is_vllms_forward(stock):
     built, want = stock
-    draft = describe_vllm(built.model.model)
+    draft = describe_vllm(built.model.model, kv_cache_layout="LBHNC")
     plan = planning.plan_vllm(draft, GPU, exact=policy.ALL_KERNELS)
     decode = DraftDecode(draft, plan, kernels=_stubs.KERNELS)
     decode.prepare()
@@ -114,7 +114,7 @@ def test_the_fused_path_with_stub_kernels_is_vllms_forward(stock):
 
 def test_rows_the_kernels_do_not_take_run_stock_and_say_so_once(stock, caplog):
     built, _ = stock
-    draft = describe_vllm(built.model.model)
+    draft = describe_vllm(built.model.model, kv_cache_layout="LBHNC")
     decode = DraftDecode(draft, planning.plan_vllm(draft, GPU, exact=policy.ALL_KERNELS), kernels=_stubs.KERNELS)
     decode.prepare()
     m = policy.MAX_DECODE_ROWS + 1
@@ -142,6 +142,7 @@ def _specialized(dirs, monkeypatch, exact):
     monkeypatch.setattr(deployment, "check_deployment", lambda config: None)
     monkeypatch.setattr(planning, "vllm_target", lambda device, tp=1, kernels=None: GPU.replace(tp=tp))
     monkeypatch.setattr(planning, "VLLM_EXACT_KERNELS", {GPU.arch: exact})
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "LBHNC")  # the layout the DSpark inserts write
     monkeypatch.setattr(runtime, "kernel_classes", lambda names: {n: _stubs.KERNELS[n] for n in names})
     return _draft.build(*dirs, "latency_specialized")
 

@@ -35,8 +35,8 @@ def built(tmp_path_factory):
     return b
 
 
-def _plan(built, exact=policy.ALL_KERNELS, target=GPU, **kw):
-    return planning.plan_vllm(describe_vllm(built.model.model), target, exact=exact, **kw)
+def _plan(built, exact=policy.ALL_KERNELS, target=GPU, layout="LBHNC", **kw):
+    return planning.plan_vllm(describe_vllm(built.model.model, kv_cache_layout=layout), target, exact=exact, **kw)
 
 
 def _reasons(plan) -> dict[str, str]:
@@ -112,6 +112,22 @@ def test_on_an_h200_the_gpu_checked_kernels_fuse_and_on_sm100_none(built):
     assert reasons["layer 0's feed-forward boundary"].endswith("on an sm_100a GPU (compile-checked only) (issue 21)")
 
 
+def test_the_inserts_stay_stock_unless_the_kv_cache_layout_is_lbhnc(built, monkeypatch):
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    plan = _plan(built, layout=None)
+    reasons = _reasons(plan)
+    assert plan.fused_count() == (9, 16)  # the opt-in fronts refused for the layout, not only declined
+    why = ("the KV cache layout is LBNHC, vLLM's default (VLLM_KV_CACHE_LAYOUT unset): each layer's [blocks, "
+           "kv_heads, block_size, 2D] view is not contiguous, and the DSpark inserts write the LBHNC order "
+           "(VLLM_KV_CACHE_LAYOUT=LBHNC fuses them)")
+    assert [reasons[n] for n in ("the context K/V chain", "layer 0's QKV epilogue", "layer 1's QKV epilogue")] \
+        == [why] * 3
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "HND")  # vLLM's legacy name of LBHNC
+    assert _plan(built, layout=None).fused_count() == (12, 14)
+    reasons = _reasons(_plan(built, layout="LHBNC"))
+    assert reasons["layer 0's QKV epilogue"].startswith("the KV cache layout is LHBNC, the cache config's:")
+
+
 def test_with_every_kernel_checked_the_reproduced_parts_fuse(built):
     plan = _plan(built)
     assert plan.fused_count() == (12, 14)
@@ -182,7 +198,7 @@ def test_at_tp4_an_all_reduce_without_a_fixed_order_stays_stock(built):
     """The description as a TP4 rank's (its tp fact set to 4; the test
     draft's shapes split over 4), planned with vLLM's all-reduce facts
     as deployment.stock_all_reduce reads them from the environment."""
-    draft = dataclasses.replace(describe_vllm(built.model.model), tp=4)
+    draft = dataclasses.replace(describe_vllm(built.model.model, kv_cache_layout="LBHNC"), tp=4)
     tp4 = GPU.replace(tp=4)
     plan = planning.plan_vllm(draft, tp4, deployment.stock_all_reduce(4, "sm_90a", env={}), policy.ALL_KERNELS)
     assert plan.all_reduce.reason.startswith("vLLM's all-reduce at TP4 is FlashInfer's allreduce_fusion")
@@ -202,7 +218,8 @@ def test_the_plan_cli_prints_the_plan_and_the_deployment_check(built, capsys):
 
     draft_dir = built.config.speculative_config.draft_model_config.model
     target_dir = built.config.model_config.model
-    assert main([draft_dir, "--target", target_dir, "--exact", "all", "--kernels", "all"]) == 0
+    assert main([draft_dir, "--target", target_dir, "--exact", "all", "--kernels", "all", "--kv-cache-layout",
+                 "LBHNC"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("DSpark plan for TP1: one GPU of sm_90a (132 SMs)")
     assert "12 of 14 parts fused" in out and "FLASH_ATTN attention backend runs it" in out

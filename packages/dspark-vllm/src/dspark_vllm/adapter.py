@@ -43,6 +43,7 @@ from vllm.models.muse_spark.common.layers import (
 )
 
 from dspark_core.runtime import description as D
+from dspark_vllm.deployment import insert_layout_unsupported
 
 STOCK_NORMS = (MuseSpark1xRMSNorm, MuseSpark1xRMSNormWithInputScale)
 # KV cache dtypes whose cache holds the model's BF16 K/V as they are.
@@ -195,10 +196,12 @@ def _structure_unsupported(model, layers) -> str | None:
     return None
 
 
-def _attention_unsupported(attn) -> str | None:
+def _attention_unsupported(attn, layout_why: str | None) -> str | None:
     """Why the QKV epilogue (and front) do not take this layer, or None."""
     if attn.attn.kv_cache_dtype not in BF16_CACHE_DTYPES:
         return f"a KV cache of {attn.attn.kv_cache_dtype}: the kernels insert BF16 K and V"
+    if layout_why is not None:
+        return layout_why
     if attn.use_attn_temperature_tuning:
         return "attention temperature tuning (a per-position query scale the kernels do not apply)"
     if not attn.fused_qk_norm_rope_kv_insert:
@@ -241,7 +244,7 @@ def _head_norm(norm, head_dim: int, what: str) -> D.HeadNorm:
     return D.HeadNorm(int(norm.hidden_size), float(norm.variance_epsilon), None, unsupported)
 
 
-def _attention(attn, block_size: int, backend: str | None) -> D.Attention:
+def _attention(attn, block_size: int, backend: str | None, layout_why: str | None) -> D.Attention:
     m_heads, d = attn.num_heads, attn.head_dim
 
     def heads(t: torch.Tensor) -> torch.Tensor:
@@ -287,7 +290,7 @@ def _attention(attn, block_size: int, backend: str | None) -> D.Attention:
         project_out=lambda gated: partial(attn.o_proj, gated),
         cache=lambda positions: (attn.attn.kv_cache, _slots(attn)),
         attention_operands=None,
-        unsupported=_attention_unsupported(attn),
+        unsupported=_attention_unsupported(attn, layout_why),
         attention_unsupported=f"vLLM's {backend} attention backend runs it; no DSpark kernel reproduces that "
                               "backend's arithmetic",
     )
@@ -310,10 +313,10 @@ def _mlp(mlp, tp: int, hidden: int) -> D.MLP:
     )
 
 
-def _context(model, dtype: torch.dtype) -> D.Context:
+def _context(model, dtype: torch.dtype, layout_why: str | None) -> D.Context:
     attns = [layer.self_attn for layer in model.layers]
     unsupported = next((f"a KV cache of {a.attn.kv_cache_dtype}: the context store inserts BF16 K and V"
-                        for a in attns if a.attn.kv_cache_dtype not in BF16_CACHE_DTYPES), None)
+                        for a in attns if a.attn.kv_cache_dtype not in BF16_CACHE_DTYPES), layout_why)
     return D.Context(
         hidden_norm=norm_description("the hidden norm", model.hidden_norm, model.config.hidden_size, dtype),
         stacked_kv_weight=lambda: model._stacked_kv_weight,
@@ -330,11 +333,15 @@ def _context(model, dtype: torch.dtype) -> D.Context:
 
 
 def describe_vllm(model: MuseSparkDSparkModel, block_size: int = 16,
-                  attention_backend: str | None = None) -> D.DraftDescription:
+                  attention_backend: str | None = None, kv_cache_layout: str | None = None) -> D.DraftDescription:
     """The model-neutral description of vLLM's draft backbone ``model``
     (module docstring), read after its weights are loaded. ``block_size``:
     the KV cache's block size (the cache config's); ``attention_backend``:
-    the backend's name in the attention's refusal (default: the layer's)."""
+    the backend's name in the attention's refusal (default: the layer's);
+    ``kv_cache_layout``: the cache config's recorded layout, if any (else
+    ``deployment.kv_cache_layout``'s: the environment's or vLLM's default).
+    The QKV epilogue, the front and the context chain insert into the KV
+    cache: they are refused with the reason unless the layout is LBHNC."""
     if not isinstance(model, MuseSparkDSparkModel):
         raise TypeError(f"describe_vllm takes vLLM's MuseSparkDSparkModel, not {type(model).__name__}")
     config = model.config
@@ -342,6 +349,7 @@ def describe_vllm(model: MuseSparkDSparkModel, block_size: int = 16,
     dtype = model.default_dtype
     layers = list(model.layers)
     structure = _structure_unsupported(model, layers)
+    layout_why = insert_layout_unsupported(kv_cache_layout)
     tp = layers[0].self_attn.o_proj.tp_size if layers else 1
     final = norm_description("the final norm", model.norm, h, dtype)
     inputs = [norm_description(f"layer {i}'s input norm", layer.self_attn.pre_qkv_proj_norm, h, dtype)
@@ -361,7 +369,8 @@ def describe_vllm(model: MuseSparkDSparkModel, block_size: int = 16,
             _connection(f"layer {i}'s feed-forward connection", layer.add_ffn, residual),
             inputs[i + 1] if i + 1 < len(layers) else final,
         )
-        attention = _attention(layer.self_attn, block_size, attention_backend) if structure is None else None
+        attention = (_attention(layer.self_attn, block_size, attention_backend, layout_why) if structure is None
+                     else None)
         mlp = _mlp(layer.feed_forward, tp, h) if structure is None else None
         described.append(D.Layer(i, inputs[i], attention, attention_boundary, mlp, ffn_boundary))
     if structure is not None:
@@ -375,7 +384,7 @@ def describe_vllm(model: MuseSparkDSparkModel, block_size: int = 16,
         device=model.norm.weight.device if model.norm.weight is not None else next(model.parameters()).device,
         layers=described,
         final_norm=final,
-        context=_context(model, dtype) if described else None,
+        context=_context(model, dtype, layout_why) if described else None,
         tp=tp,
         all_reduce=tensor_model_parallel_all_reduce if tp > 1 else None,
         positions=lambda positions: positions,

@@ -42,6 +42,38 @@ SUPPORTED_MAJORS = {9: "sm_90a", 10: "sm_100a"}
 # KV cache layouts whose per-layer view is [blocks, kv_heads, block_size, 2D]
 # with blocks outermost in each layer (VLLM_KV_CACHE_LAYOUT; NHD, HND alias them).
 LAYER_OUTERMOST_LAYOUTS = ("LBNHC", "LBHNC", "NHD", "HND")
+# The legacy names vLLM takes for two of them.
+LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+# What vLLM 0.33.0 resolves when no backend declares its layouts (FlashAttention
+# declares none): the first of its default preference.
+DEFAULT_LAYOUT = "LBNHC"
+# The one layout whose per-layer view [blocks, kv_heads, block_size, 2D] is a
+# contiguous tensor: the DSpark inserts (QKV epilogue, context chain) take no other.
+INSERT_LAYOUT = "LBHNC"
+
+
+def kv_cache_layout(recorded: str | None = None, env=None) -> tuple[str, str]:
+    """The KV cache layout the draft gets and where it comes from: the cache
+    config's ``recorded`` one, else ``VLLM_KV_CACHE_LAYOUT`` (of ``env``,
+    default the process's), else vLLM's default; legacy names resolved."""
+    env = os.environ if env is None else env
+    if recorded:
+        name, source = recorded, "the cache config's"
+    elif env.get("VLLM_KV_CACHE_LAYOUT"):
+        name, source = env["VLLM_KV_CACHE_LAYOUT"], "VLLM_KV_CACHE_LAYOUT's"
+    else:
+        name, source = DEFAULT_LAYOUT, "vLLM's default (VLLM_KV_CACHE_LAYOUT unset)"
+    return LAYOUT_ALIASES.get(name, name), source
+
+
+def insert_layout_unsupported(recorded: str | None = None, env=None) -> str | None:
+    """Why the DSpark KV inserts do not take the draft's cache layout, or None."""
+    layout, source = kv_cache_layout(recorded, env)
+    if layout == INSERT_LAYOUT:
+        return None
+    return (f"the KV cache layout is {layout}, {source}: each layer's [blocks, kv_heads, block_size, 2D] view is "
+            f"not contiguous, and the DSpark inserts write the {INSERT_LAYOUT} order "
+            f"(VLLM_KV_CACHE_LAYOUT={INSERT_LAYOUT} fuses them)")
 
 
 def decode_backend(vllm_config) -> str:

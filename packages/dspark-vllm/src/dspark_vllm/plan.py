@@ -5,7 +5,7 @@ part stays stock, and what the deployment check says.
     python -m dspark_vllm.plan DRAFT_DIR [--target DIR | --target-layers N]
         [--tp N] [--arch sm_90a|sm_100a] [--num-sms N]
         [--kernels installed|all|a,b] [--exact checked|all|a,b]
-        [--kv-cache-dtype auto|fp8|...]
+        [--kv-cache-dtype auto|fp8|...] [--kv-cache-layout LBHNC|LBNHC|...]
 
 It reads the draft's ``config.json`` (no weights): vLLM's own
 ``MuseSparkDSparkForCausalLM`` is built on the meta device at TP1 (a gloo
@@ -52,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--exact", default="checked",
                    help="kernels taken as checked against vLLM: 'checked' (on a GPU of --arch, default), 'all' or a,b")
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (default auto)")
+    p.add_argument("--kv-cache-layout", default=None,
+                   help="vLLM's KV cache layout (default: VLLM_KV_CACHE_LAYOUT, else vLLM's default LBNHC)")
     return p
 
 
@@ -170,7 +172,8 @@ def plan_checkpoint(args):
         target = Path(args.target) if args.target else _stand_in_target(draft_config, args.target_layers, Path(tmp))
         config = _config(draft_dir, target, args.kv_cache_dtype)
         model = build_meta_draft(config)
-    draft = describe_vllm(model.model, config.cache_config.block_size or 16, GPU_ATTENTION_BACKEND)
+    draft = describe_vllm(model.model, config.cache_config.block_size or 16, GPU_ATTENTION_BACKEND,
+                          args.kv_cache_layout)
     kernels = _names(args.kernels, policy.installed_kernels)
     exact = _names(args.exact, lambda: planning.exact_kernels(args.arch))
     target_ = policy.Target("cuda", args.arch, args.num_sms, args.tp, kernels).opt_in(frozenset())

@@ -150,7 +150,8 @@ class SpecializedDecode:
         backbone = self.model.model
         pin_rope_tables(backbone)
         block_size = int(getattr(self.vllm_config.cache_config, "block_size", 16) or 16)
-        self.draft = draft = describe_vllm(backbone, block_size)
+        layout = getattr(self.vllm_config.cache_config, "kv_cache_layout", None)
+        self.draft = draft = describe_vllm(backbone, block_size, kv_cache_layout=layout)
         target = planning.vllm_target(draft.device, draft.tp)
         order = None
         if draft.tp > 1:
