@@ -491,6 +491,11 @@ def test_cli_rejects_a_bad_config(tmp_path):
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip() == "dspark-plan: error: unknown DraftConfig keys ['hidden']"
     assert "Traceback" not in _cli("--tp", "3").stderr
+    path.write_text(json.dumps({"architectures": ["MuseSparkDSparkModel"], "hidden_size": 8192}))
+    out = _cli(str(path))
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "dspark-plan: error: a checkpoint config (architectures ['MuseSparkDSparkModel']), not a DraftConfig: plan "
+        "a vLLM draft checkpoint with python -m dspark_vllm.plan <its folder>")
 
 
 def test_a_target_without_kernels_calls_them_excluded():

@@ -154,6 +154,10 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DraftConfig:
+        if "architectures" in data:
+            # A checkpoint's config.json (vLLM's draft): its plan is dspark-vllm's, over vLLM's own modules.
+            raise ValueError(f"a checkpoint config (architectures {data['architectures']}), not a DraftConfig: "
+                             "plan a vLLM draft checkpoint with python -m dspark_vllm.plan <its folder>")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
