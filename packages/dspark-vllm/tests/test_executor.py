@@ -10,7 +10,7 @@ cache views, and dspark-core's executor, planner and constants. So a decode
 equal to vLLM's forward here shows that the description's stock calls are
 vLLM's layer split exactly and that the constants and bound tensors carry
 everything each part needs; it says nothing of the CuTe kernels' numerics
-(issue 21) or of a GPU."""
+(the GPU suites check those) or of a GPU."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The description and the plan over vLLM's real modules (the draft built
 from the test checkpoint by vLLM's loader, ``_draft``): the description binds
 the model's own parameters after load; with no kernel checked every part
-stays stock with the issue-21 reason; with the kernels checked on an H200
+stays stock with the not-yet-checked reason; with the kernels checked on an H200
 (and with every kernel) the parts the kernels reproduce fuse, on sm_100a
 none; one test per refusal (each
 change made to the built modules, and undone); the CLI."""
@@ -92,7 +92,7 @@ def test_with_no_kernel_checked_against_vllm_every_part_stays_stock(built):
     assert reasons["layer 0's attention boundary"] == planning.unchecked_reason(policy.BOUNDARY)
     assert reasons["layer 1's QKV epilogue"].startswith("the DSpark qkv_epilogue kernel is not yet checked bit for "
                                                         "bit against vLLM 0.33.0's fused_muse_spark_qknorm_rope")
-    assert all(r.endswith("(issue 21)") for n, r in reasons.items() if not n.endswith("attention"))
+    assert all(r.startswith("the DSpark ") for n, r in reasons.items() if not n.endswith("attention"))
     assert reasons["layer 0's attention"].endswith("attention backend runs it; no DSpark kernel reproduces that "
                                                    "backend's arithmetic")
 
@@ -109,7 +109,7 @@ def test_on_an_h200_the_gpu_checked_kernels_fuse_and_on_sm100_none(built):
     reasons = _reasons(sm100)
     assert sm100.fused_count() == (0, 14)
     assert reasons["layer 0's feed-forward boundary"] == planning.unchecked_reason(policy.BOUNDARY, "sm_100a")
-    assert reasons["layer 0's feed-forward boundary"].endswith("on an sm_100a GPU (compile-checked only) (issue 21)")
+    assert reasons["layer 0's feed-forward boundary"].endswith("on an sm_100a GPU (compile-checked only)")
 
 
 def test_the_inserts_stay_stock_unless_the_kv_cache_layout_is_lbhnc(built, monkeypatch):

@@ -46,7 +46,7 @@ def exact_kernels(arch: str) -> frozenset[str]:
     return VLLM_EXACT_KERNELS.get(arch, frozenset())
 
 
-# The stock op of vLLM 0.33.0 each kernel stands in for (what issue 21 checks it against).
+# The stock op of vLLM 0.33.0 each kernel stands in for (what its GPU check compares it with).
 STOCK_OPS = {
     policy.ROW_NORM: "MuseSpark1xRMSNorm (Triton fused_rmsnorm_fwd)",
     policy.BOUNDARY: "post-norm, norm-preserving residual and next pre-norm (Triton fused_rmsnorm_fwd and ATen)",
@@ -85,7 +85,7 @@ def unchecked_reason(kernel: str, arch: str = "sm_90a") -> str:
     """Why a part on ``kernel`` stays stock on ``arch`` while the kernel is not checked there."""
     where = "" if arch in VLLM_EXACT_KERNELS else f" on an {arch} GPU (compile-checked only)"
     return (f"the DSpark {kernel} kernel is not yet checked bit for bit against vLLM 0.33.0's "
-            f"{STOCK_OPS[kernel]}{where} (issue 21)")
+            f"{STOCK_OPS[kernel]}{where}")
 
 
 def vllm_target(device, tp: int = 1, kernels: frozenset[str] | None = None) -> Target:
