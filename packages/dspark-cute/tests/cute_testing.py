@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from dspark_core.spec.layers import RMSNorm
+from dspark_core.contracts.constants import HEAD_DIM
+from dspark_core.spec.layers import HeadNorm, RMSNorm, kv_insert, qk_norm_rope
 from dspark_core.tools.compare import assert_bitwise
 
 requires_cuda = pytest.mark.skipif(
@@ -228,3 +229,30 @@ def refuse(kernel, *operands, **options) -> None:
     problem = kernel.problem(*operands, **options)
     if problem is not None:
         raise ValueError(problem)
+
+
+def qkv_epilogue_spec(s, qkv: torch.Tensor, pos, slots, cache: torch.Tensor) -> None:
+    """The spec's QKV epilogue on CUDA, in place on ``qkv`` (rows ``[q | k |
+    v | ...]`` of ``s.nq`` q heads, ``s.kv`` KV heads) and ``cache``: q and k
+    heads ``qk_norm_rope`` (``s.q_eps``, ``s.k_eps``, ``s.rotary``), then
+    ``kv_insert`` of k and v at ``slots``. ``s``: a QKV test setup."""
+    m = qkv.shape[0]
+    q = qkv[:, : s.q_size].reshape(m, s.nq, HEAD_DIM)
+    k = qkv[:, s.q_size : s.q_size + s.kv_size].reshape(m, s.kv, HEAD_DIM)
+    v = qkv[:, s.q_size + s.kv_size : s.q_size + 2 * s.kv_size].reshape(m, s.kv, HEAD_DIM)
+    q = qk_norm_rope(q, HeadNorm(HEAD_DIM, s.q_eps), pos, s.rotary)
+    k = qk_norm_rope(k, HeadNorm(HEAD_DIM, s.k_eps), pos, s.rotary)
+    kv_insert(cache, k, v, slots)
+    qkv[:, : s.q_size] = q.reshape(m, -1)
+    qkv[:, s.q_size : s.q_size + s.kv_size] = k.reshape(m, -1)
+
+
+def qkv_epilogue_stock(s, ops, qkv: torch.Tensor, pos, slots, cache: torch.Tensor, block: int) -> None:
+    """vLLM's stock ``fused_muse_spark_qknorm_rope_kv_insert`` (``ops``,
+    ``stock.py``'s launcher), in place on ``qkv`` and ``cache`` (blocks of
+    ``block`` slots), with ``s``'s heads, eps and RoPE table (None: no RoPE)."""
+    if s.q_eps != s.k_eps:
+        raise ValueError("the stock takes one eps for q and k")
+    rope = s.table is not None
+    ops.stock_qknorm_rope_kv_insert(qkv, pos, s.nq, s.kv, HEAD_DIM, s.q_eps, s.table if rope else None,
+                                    HEAD_DIM if rope else 0, slots, cache, block)

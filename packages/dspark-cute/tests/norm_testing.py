@@ -12,10 +12,10 @@ no weight, BF16 / FP32 out), with the stock kernel itself.
 
 from __future__ import annotations
 
-import functools
 import re
 
 import torch
+from stock import stock_or_skip  # re-exported: the norm GPU tests' stock launcher or a skip
 
 from dspark_core.contracts.constants import (
     BoundaryConstants,
@@ -118,29 +118,6 @@ def planted_rows(gen: torch.Generator, m: int, h: int, dtype: torch.dtype) -> to
 
 
 # ---------------------------------------------------------------- the stock
-
-
-@functools.cache
-def _stock_module():
-    from stock import stock_ops
-
-    return stock_ops()
-
-
-def stock_or_skip():
-    """``stock.py``'s launcher of the carried stock binaries (``stock_rmsnorm``,
-    ``stock_rotary``, ...), or a skip saying how to build them; the sm_90a
-    binaries need an sm_90 GPU (an H100/H200)."""
-    import pytest
-    from stock import stock_dir
-
-    ops = _stock_module()
-    if ops is None:
-        pytest.skip(f"no stock binaries in {stock_dir()}: run scripts/stock/compile_stock.py with vLLM 0.33.0's "
-                    "venv and carry .device/stock")
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the stock comparisons run the carried sm_90a binaries (an H100/H200)")
-    return ops
 
 
 def stock_has(norm, x_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:

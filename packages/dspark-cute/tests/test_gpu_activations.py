@@ -70,15 +70,9 @@ def stock_kernels():
     """``stock.py``'s launcher of vLLM 0.33.0's carried stock binaries
     (``stock_silu_and_mul``, ``stock_o_gate``), or a skip saying how to build
     them; the binaries compared here are the sm_90 ones (an H100/H200)."""
-    from stock import stock_dir, stock_ops
+    from stock import stock_or_skip
 
-    ops = stock_ops()
-    if ops is None:
-        pytest.skip(f"no stock binaries in {stock_dir()}: run scripts/stock/compile_stock.py with vLLM 0.33.0's "
-                    "venv and carry .device/stock")
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the stock comparisons run the carried sm_90 binaries (an H100/H200)")
-    return ops
+    return stock_or_skip()
 
 
 def bf16_bits(values, device="cuda") -> torch.Tensor:

@@ -27,10 +27,19 @@ import functools
 import pytest
 import stock as stock_binaries
 import torch
-from cute_testing import assert_replays_repeat, capture_calls, poison, random_rows, requires_cuda, special_rows
+from cute_testing import (
+    assert_replays_repeat,
+    capture_calls,
+    poison,
+    qkv_epilogue_spec,
+    qkv_epilogue_stock,
+    random_rows,
+    requires_cuda,
+    special_rows,
+)
 
 from dspark_core.contracts.constants import HEAD_DIM, QKVFrontConstants
-from dspark_core.spec.layers import HeadNorm, Rotary, kv_insert, qk_norm_rope
+from dspark_core.spec.layers import Rotary
 from dspark_core.tools.compare import assert_bitwise
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -39,11 +48,7 @@ pytestmark = [pytest.mark.gpu, requires_cuda]
 @pytest.fixture(scope="session")
 def stock():
     """vLLM 0.33.0's stock kernels (``tests/stock.py``; skips without the binaries)."""
-    ops = stock_binaries.stock_ops()
-    if ops is None:
-        pytest.skip(f"no stock binaries in {stock_binaries.stock_dir()}: run scripts/stock/compile_stock.py with "
-                    "vLLM 0.33.0's venv and carry .device/stock")
-    return ops
+    return stock_binaries.stock_or_skip(sm90=False)
 
 BF16 = torch.bfloat16
 ROWS = [1, 2, 7, 16, 133]
@@ -136,23 +141,11 @@ class Setup:
 
     def spec(self, qkv: torch.Tensor, pos, slots, storage: torch.Tensor) -> None:
         """The spec on CUDA, in place on ``qkv`` and ``storage[:NUM_BLOCKS]``."""
-        m = qkv.shape[0]
-        q = qkv[:, : self.q_size].reshape(m, self.nq, HEAD_DIM)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(m, self.kv, HEAD_DIM)
-        v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].reshape(m, self.kv, HEAD_DIM)
-        q = qk_norm_rope(q, HeadNorm(HEAD_DIM, self.q_eps), pos, self.rotary)
-        k = qk_norm_rope(k, HeadNorm(HEAD_DIM, self.k_eps), pos, self.rotary)
-        kv_insert(storage[:NUM_BLOCKS], k, v, slots)
-        qkv[:, : self.q_size] = q.reshape(m, -1)
-        qkv[:, self.q_size : self.q_size + self.kv_size] = k.reshape(m, -1)
+        qkv_epilogue_spec(self, qkv, pos, slots, storage[:NUM_BLOCKS])
 
     def stock(self, ops, qkv: torch.Tensor, pos, slots, storage: torch.Tensor) -> None:
         """vLLM's stock kernel, in place on ``qkv`` and ``storage[:NUM_BLOCKS]``."""
-        assert self.q_eps == self.k_eps, "the stock takes one eps"
-        rope = self.table is not None
-        ops.stock_qknorm_rope_kv_insert(qkv, pos, self.nq, self.kv, HEAD_DIM, self.q_eps,
-                                        self.table if rope else None, HEAD_DIM if rope else 0, slots,
-                                        storage[:NUM_BLOCKS], BLOCK)
+        qkv_epilogue_stock(self, ops, qkv, pos, slots, storage[:NUM_BLOCKS], BLOCK)
 
 
 def check(s: Setup, qkv0: torch.Tensor, pos, slots, what: str, ops=None) -> None:
