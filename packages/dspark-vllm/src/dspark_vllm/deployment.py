@@ -39,11 +39,11 @@ DECODE_BACKENDS = (AUTO, LATENCY_SPECIALIZED)
 SUPPORTED_TPS = (1, 2, 4, 8)
 # The compute capabilities (major) the kernels are compiled for.
 SUPPORTED_MAJORS = {9: "sm_90a", 10: "sm_100a"}
-# KV cache layouts whose per-layer view is [blocks, kv_heads, block_size, 2D]
-# with blocks outermost in each layer (VLLM_KV_CACHE_LAYOUT; NHD, HND alias them).
-LAYER_OUTERMOST_LAYOUTS = ("LBNHC", "LBHNC", "NHD", "HND")
-# The legacy names vLLM takes for two of them.
+# The legacy names vLLM takes for two KV cache layouts (VLLM_KV_CACHE_LAYOUT).
 LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+# KV cache layouts whose per-layer view is [blocks, kv_heads, block_size, 2D]
+# with blocks outermost in each layer, by either name.
+LAYER_OUTERMOST_LAYOUTS = ("LBNHC", "LBHNC", *LAYOUT_ALIASES)
 # What vLLM 0.33.0 resolves when no backend declares its layouts (FlashAttention
 # declares none): the first of its default preference.
 DEFAULT_LAYOUT = "LBNHC"
@@ -52,23 +52,22 @@ DEFAULT_LAYOUT = "LBNHC"
 INSERT_LAYOUT = "LBHNC"
 
 
-def kv_cache_layout(recorded: str | None = None, env=None) -> tuple[str, str]:
+def kv_cache_layout(recorded: str | None = None) -> tuple[str, str]:
     """The KV cache layout the draft gets and where it comes from: the cache
-    config's ``recorded`` one, else ``VLLM_KV_CACHE_LAYOUT`` (of ``env``,
-    default the process's), else vLLM's default; legacy names resolved."""
-    env = os.environ if env is None else env
+    config's ``recorded`` one, else ``VLLM_KV_CACHE_LAYOUT``, else vLLM's
+    default; legacy names resolved."""
     if recorded:
         name, source = recorded, "the cache config's"
-    elif env.get("VLLM_KV_CACHE_LAYOUT"):
-        name, source = env["VLLM_KV_CACHE_LAYOUT"], "VLLM_KV_CACHE_LAYOUT's"
+    elif os.environ.get("VLLM_KV_CACHE_LAYOUT"):
+        name, source = os.environ["VLLM_KV_CACHE_LAYOUT"], "VLLM_KV_CACHE_LAYOUT's"
     else:
         name, source = DEFAULT_LAYOUT, "vLLM's default (VLLM_KV_CACHE_LAYOUT unset)"
     return LAYOUT_ALIASES.get(name, name), source
 
 
-def insert_layout_unsupported(recorded: str | None = None, env=None) -> str | None:
+def insert_layout_unsupported(recorded: str | None = None) -> str | None:
     """Why the DSpark KV inserts do not take the draft's cache layout, or None."""
-    layout, source = kv_cache_layout(recorded, env)
+    layout, source = kv_cache_layout(recorded)
     if layout == INSERT_LAYOUT:
         return None
     return (f"the KV cache layout is {layout}, {source}: each layer's [blocks, kv_heads, block_size, 2D] view is "
