@@ -320,23 +320,27 @@ def test_the_row_trees_have_teeth(rng):
     """On wide-range data the trees differ from one another and from other
     orders in many rows (normal data: many terms of one size, so every
     addition rounds): sm_90a vs sm_100a; sm_100a input-scaled vs not;
-    sm_90a's fma leaves vs rounded squares in the same tree; sequential."""
-    h, m = 8192, 128
+    sm_90a's fma leaves vs rounded squares in the same tree; sequential.
+    About 9 % of rows tell the closest pairs apart: 512 rows (about 45
+    expected) against a floor of 8 leave no seed that fails by chance; 128
+    rows (about 11 expected) fell to 8 on a CI seed."""
+    h, m = 8192, 512
+    floor = 8
     x = I.random_f32(rng, (m, h), "normal")
     xt = t32(x)
     s90, s100 = N.row_sum_of_squares(xt, "sm_90a"), N.row_sum_of_squares(xt, "sm_100a")
     s100s = N.row_sum_of_squares(xt, "sm_100a", True)
-    assert (I.torch_bits(s90) != I.torch_bits(s100)).sum() > m // 16
-    assert (I.torch_bits(s100) != I.torch_bits(s100s)).sum() > 0
+    assert (I.torch_bits(s90) != I.torch_bits(s100)).sum() > floor
+    assert (I.torch_bits(s100) != I.torch_bits(s100s)).sum() > floor
     assert torch.equal(N.row_sum_of_squares(xt, "sm_90a", True), s90)  # sm_90a: one tree either way
     e = I.thread_registers(x)
     rounded = I.cta_reduce(I._tree([I._add(I._mul(e[2 * k], e[2 * k]), I._mul(e[2 * k + 1], e[2 * k + 1]))
                                     for k in range(16)]))
-    assert (I.f32_bits(rounded) != I.torch_bits(s90)).sum() > m // 16
+    assert (I.f32_bits(rounded) != I.torch_bits(s90)).sum() > floor
     seq = np.zeros(m, np.float32)
     for col in range(h):
         seq = I._add(seq, I._mul(x[:, col], x[:, col]))
-    assert (I.f32_bits(seq) != I.torch_bits(s90)).sum() > m // 16
+    assert (I.f32_bits(seq) != I.torch_bits(s90)).sum() > floor
 
 
 def test_bf16_rows_make_fma_leaves_exact_sums(rng):
