@@ -41,6 +41,7 @@ from dspark_core.contracts.constants import FP32_RANK_ORDER, BoundaryConstants
 from dspark_cute import ptx
 from dspark_cute.cutedsl.norms.boundary import DraftBoundary
 from dspark_cute.cutedsl.norms.rms import gate_words, gated_residual_of, rms_norm_fragments, stream_products
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import check_operand
 
 log = logging.getLogger("dspark.comm")
@@ -104,6 +105,13 @@ class BoundaryEpilogue(Epilogue):
             ptx.st_row8("bf16", out_row, col, f)
 
 
+ops.define(
+    "all_reduce_boundary",
+    "(str handle, Tensor? partial, Tensor stream, bool store_stream, Tensor(a!) out, Tensor(b!)? new_stream, "
+    "bool published, Tensor(c!) mailbox) -> ()",
+)
+
+
 class AllReduceBoundary:
     """One residual boundary whose branch arrives as per-rank partials: the
     TP all-reduce (the mailbox, in ``sum_order``) and the boundary ``post ->
@@ -118,7 +126,12 @@ class AllReduceBoundary:
     ``DraftBoundary`` (logged once per reason); every rank decides on the row
     count alone. With ``published=True`` the partials are already in the
     mailbox (the package GEMM's publish epilogue) and ``partial`` is None.
-    ``prepare()`` compiles every variant before CUDA graph capture."""
+    ``prepare()`` compiles every variant before CUDA graph capture. Traced
+    by torch.compile, a fused call is the op
+    ``torch.ops.dspark.all_reduce_boundary``, which names this rank's mailbox
+    among what it writes (the package GEMM's publish writes it too)."""
+
+    OP = "all_reduce_boundary"
 
     def __init__(self, mailbox, constants: BoundaryConstants, alpha: torch.Tensor, beta: torch.Tensor,
                  post_weight: torch.Tensor | None, pre_weight: torch.Tensor | None,
@@ -138,6 +151,7 @@ class AllReduceBoundary:
         self.alpha, self.beta = alpha, beta
         self.post_weight, self.pre_weight = post_weight, pre_weight
         self.pdl = self.unfused.pdl
+        self.op_handle = ops.register(self)
         self._fused: dict[tuple, FusedAllReduce] = {}
         self._logged: set[str] = set()
 
@@ -244,14 +258,22 @@ class AllReduceBoundary:
             branch = partial.clone()
             self.mailbox.group.all_reduce_(branch)
             return self.unfused.launch(branch, stream, store_stream, out, new_stream)
+        # The mailbox view only for a traced graph's dependencies (the kernel reads the peer table).
+        ops.launch(self, partial, stream, store_stream, out, new_stream, published,
+                   self.mailbox.words() if ops.tracing() else None)
+        return (new_stream if store_stream else None), out
+
+    def _launch_kernel(self, partial: torch.Tensor | None, stream: torch.Tensor, store_stream: bool,
+                       out: torch.Tensor, new_stream: torch.Tensor | None, published: bool,
+                       mailbox: torch.Tensor | None) -> None:
+        fused = self.fused(stream.dtype == torch.bfloat16, store_stream, published)
         spare = self.alpha  # the address of an operand the variant does not read
-        fused.launch(m, partial, (
+        fused.launch(stream.shape[0], partial, (
             stream, self.alpha, self.beta,
             self.post_weight if self.post_weight is not None else spare,
             self.pre_weight if self.pre_weight is not None else spare,
             new_stream if store_stream else spare, out,
         ))
-        return (new_stream if store_stream else None), out
 
 
 __all__ = ["AllReduceBoundary", "BoundaryEpilogue"]

@@ -61,6 +61,7 @@ from dspark_comm.protocol import (
 from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
 from dspark_cute import ptx
 from dspark_cute.cutedsl.norms.row_norm import fragment_columns
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     check_operand,
     current_stream,
@@ -349,17 +350,25 @@ class FusedAllReduce:
         )
 
 
+ops.define("all_reduce", "(str handle, Tensor partial, Tensor(a!) out, Tensor(b!) mailbox) -> ()")
+
+
 class MailboxAllReduce:
     """The plain all-reduce over a mailbox's TP group: ``run(partial)``
     returns the BF16 sum of every rank's ``[m, H]`` partial in ``sum_order``
     (``protocol``): fused when ``1 <= m <= capacity``, else the group's stock
     all-reduce (NCCL), logged once per reason. Every rank must call it with
-    the same row count."""
+    the same row count. Traced by torch.compile, a fused call is the op
+    ``torch.ops.dspark.all_reduce`` (this rank's mailbox among what it
+    writes)."""
+
+    OP = "all_reduce"
 
     def __init__(self, mailbox, sum_order: str = FP32_RANK_ORDER, *, pdl: bool | None = None) -> None:
         self.fused = FusedAllReduce(mailbox, StoreEpilogue(), sum_order, pdl=pdl)
         self.mailbox = mailbox
         self._logged: set[str] = set()
+        self.op_handle = ops.register(self)
 
     def takes_rows(self, m: int) -> bool:
         """Whether a call of ``m`` rows runs fused (the row count alone)."""
@@ -412,8 +421,11 @@ class MailboxAllReduce:
             if m:
                 self.mailbox.group.all_reduce_(out)
             return out
-        self.fused.launch(m, partial, (out,))
+        ops.launch(self, partial, out, self.mailbox.words() if ops.tracing() else None)
         return out
+
+    def _launch_kernel(self, partial: torch.Tensor, out: torch.Tensor, mailbox: torch.Tensor | None) -> None:
+        self.fused.launch(partial.shape[0], partial, (out,))
 
 
 __all__ = [

@@ -124,6 +124,7 @@ from dspark_cute.cutedsl.gemm.skinny import config as sg
 from dspark_cute.cutedsl.gemm.skinny import direct as sd
 from dspark_cute.cutedsl.gemm.skinny.ring import mainloop as ring_mainloop
 from dspark_cute.cutedsl.gemm.skinny.tile import reduced_pair, store_partials
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     check_operand,
     current_stream,
@@ -260,6 +261,9 @@ def _compile_package_gemm(constants: PackageGemmConstants, cfg: sg.SkinnyConfig,
 # ---------------------------------------------------------------- host API
 
 
+ops.define("package_gemm", "(str handle, Tensor x, Tensor(a!)? out, Tensor(b!)? mailbox, bool publish) -> ()")
+
+
 class PackageGemm:
     """One rank's package GEMM of ``constants`` bound to its weight shard
     (module docstring).
@@ -294,7 +298,13 @@ class PackageGemm:
     - ``takes(x, out=None, publish=False)``: whether ``run`` covers the
       operands (``1 <= m <= max_rows``, and ``m <= capacity`` to publish);
     - ``launch``: ``run`` without its checks; ``prepare()``: compile before
-      CUDA graph capture (a compile during capture raises RuntimeError)."""
+      CUDA graph capture (a compile during capture raises RuntimeError).
+
+    Traced by torch.compile, a launch is the op
+    ``torch.ops.dspark.package_gemm``; a publishing one names this rank's
+    mailbox as what it writes, so the consuming boundary stays after it."""
+
+    OP = "package_gemm"
 
     def __init__(self, constants: PackageGemmConstants, weight: torch.Tensor, mailbox=None,
                  rank: int | None = None, *, k_warps: int | None = None, stages: int | None = None,
@@ -351,6 +361,7 @@ class PackageGemm:
             why = one_row_unsupported(c, weight)
             if why is not None:
                 raise ValueError(f"the one-row GEMV cannot take this package GEMM: {why}")
+        self.op_handle = ops.register(self)
 
     @property
     def stages(self) -> int:
@@ -433,17 +444,25 @@ class PackageGemm:
 
     def launch(self, x: torch.Tensor, out: torch.Tensor | None = None, publish: bool = False):
         """``run`` without its operand checks (for operands ``takes``)."""
+        if publish:
+            # The mailbox view only for a traced graph's dependencies (the kernel writes the peer table's).
+            ops.launch(self, x, None, self.mailbox.words() if ops.tracing() else None, True)
+            return None
+        if out is None:
+            out = torch.empty((x.shape[0], self.constants.hidden_size), dtype=torch.bfloat16, device=x.device)
+        ops.launch(self, x, out, None, False)
+        return out
+
+    def _launch_kernel(self, x: torch.Tensor, out: torch.Tensor | None, mailbox: torch.Tensor | None,
+                       publish: bool) -> None:
         m = x.shape[0]
         if publish:
             self.mailbox.check_open()
             self._kernel(m, True)(Int64(x.data_ptr()), Int64(self.weight.data_ptr()), Int64(0),
                                   Int64(self.mailbox.table.data_ptr()), Int32(m), current_stream())
-            return None
-        if out is None:
-            out = torch.empty((m, self.constants.hidden_size), dtype=torch.bfloat16, device=x.device)
+            return
         self._kernel(m, False)(Int64(x.data_ptr()), Int64(self.weight.data_ptr()), Int64(out.data_ptr()),
                                Int64(0), Int32(m), current_stream())
-        return out
 
     def run_boundary(self, x: torch.Tensor, boundary, stream: torch.Tensor, store_stream: bool,
                      out: torch.Tensor | None = None, new_stream: torch.Tensor | None = None):

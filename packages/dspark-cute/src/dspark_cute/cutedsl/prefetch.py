@@ -36,6 +36,7 @@ import torch
 from cutlass import Int32, Int64
 
 from dspark_cute import ptx
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import current_stream, fake_stream, jit_cache
 
 LINE = 128
@@ -168,7 +169,10 @@ class WeightPrefetcher:
     first small kernel that follows launches the PDL variant on the current
     stream; ``join()`` right before the next GEMM drops a fork not kicked.
     ``bytes_per_row[role]`` bytes a row are prefetched (a role missing there
-    prefetches nothing). Every call is CUDA-graph capturable."""
+    prefetches nothing). Every call is CUDA-graph capturable. While
+    torch.compile traces, it prefetches nothing: the prefetch writes no
+    tensor, so it has no custom op (a compiled graph would drop it) and
+    changes no result."""
 
     ROLES = ("qkv_proj", "o_proj", "gate_up", "down")
 
@@ -201,7 +205,7 @@ class WeightPrefetcher:
     def fork(self, weight: torch.Tensor, role: str) -> None:
         if not self.prepared:
             raise RuntimeError("WeightPrefetcher.prepare() has not run")
-        if role not in self.bytes_per_row:
+        if role not in self.bytes_per_row or ops.tracing():
             return
         lines = self._lines_of(weight, role)
         if lines:

@@ -13,6 +13,7 @@ from dspark_cute.cutedsl.attention.common import SLOT_BYTES, SLOT_DTYPES, check_
 from dspark_cute.cutedsl.attention.direct import compile_direct_attention
 from dspark_cute.cutedsl.attention.staged import compile_staged_attention
 from dspark_cute.cutedsl.gating.o_gate import check_arch
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import LazyPdl, cache_tensor, current_stream, stream_capturing
 
 
@@ -26,6 +27,9 @@ def compile_attention(constants: AttentionConstants, pdl: bool, o_gate_arch: str
     if constants.o_gate_eps is None:
         return compile_staged_attention(constants, pdl)
     return compile_staged_attention(constants, pdl, o_gate_arch)
+
+
+ops.define("attention", "(str handle, Tensor q, Tensor cache, Tensor attn_slots, Tensor(a!) out, Tensor? gate) -> ()")
 
 
 class PagedAttention(LazyPdl):
@@ -44,7 +48,10 @@ class PagedAttention(LazyPdl):
     staged kernel, which also takes ``q`` as a row-strided view
     (``takes_strided_q``). ``pdl``: programmatic dependent launch (default:
     where the device supports it, sm_90+). Call ``prepare()`` before CUDA
-    graph capture; ``launch`` is graph-capturable once prepared."""
+    graph capture; ``launch`` is graph-capturable once prepared. Traced by
+    torch.compile, a launch is the op ``torch.ops.dspark.attention``."""
+
+    OP = "attention"
 
     def __init__(self, constants: AttentionConstants, *, pdl: bool | None = None,
                  o_gate_arch: str | None = None) -> None:
@@ -53,6 +60,7 @@ class PagedAttention(LazyPdl):
         self.slot_dtype = SLOT_DTYPES[constants.slot_dtype]
         self._pdl = pdl
         self._o_gate_arch = None if o_gate_arch is None else check_arch(o_gate_arch)
+        self.op_handle = ops.register(self)
 
     @property
     def o_gate_arch(self) -> str | None:
@@ -162,20 +170,23 @@ class PagedAttention(LazyPdl):
 
     def launch(self, q, cache, attn_slots, out=None, gate=None) -> torch.Tensor:
         """``run`` without its checks (for operands ``takes``)."""
-        cache = cache_tensor(cache)
-        m, s_len = attn_slots.shape
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        ops.launch(self, q, cache_tensor(cache), attn_slots, out, gate)
+        return out
+
+    def _launch_kernel(self, q: torch.Tensor, cache: torch.Tensor, attn_slots: torch.Tensor, out: torch.Tensor,
+                       gate: torch.Tensor | None) -> None:
+        m, s_len = attn_slots.shape
         kernel = self._compiled()
         if self.takes_strided_q:
             g, g_stride = (gate.data_ptr(), gate.stride(0)) if gate is not None else (0, 0)
             kernel(Int64(q.data_ptr()), Int64(q.stride(0)), Int64(cache.data_ptr()), Int64(attn_slots.data_ptr()),
                    Int64(out.data_ptr()), Int64(g), Int64(g_stride), Int32(m), Int32(s_len),
                    Int64(cache.shape[0] * self.constants.block_size), current_stream())
-            return out
+            return
         kernel(Int64(q.data_ptr()), Int64(cache.data_ptr()), Int64(attn_slots.data_ptr()), Int64(out.data_ptr()),
                Int32(m), Int32(s_len), Int64(cache.shape[0] * self.constants.block_size), current_stream())
-        return out
 
 
 def _check(t, shape: tuple, dtype, align: int, device, name: str) -> None:

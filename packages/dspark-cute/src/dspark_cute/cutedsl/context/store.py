@@ -53,6 +53,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from dspark_core.contracts.constants import HEAD_DIM, ContextStoreConstants
 from dspark_core.errors import Unsupported
 from dspark_cute import ptx
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import LazyPdl, cache_tensor, current_stream, fake_stream, jit_cache
 
 # Layers one launch takes (a fixed parameter list: a pointer tuple per operand).
@@ -243,6 +244,8 @@ def compile_context_store(constants: ContextStoreConstants, pdl: bool):
 
 # ---------------------------------------------------------------- host API
 
+ops.define("context_store", "(str handle, Tensor kv, Tensor? positions, Tensor(a!)[] caches, Tensor?[] slots) -> ()")
+
 
 def _is_cuda_tensor(t, dtype, device) -> bool:
     return (
@@ -264,7 +267,11 @@ class ContextKvStore(LazyPdl):
     ``constants.rope``; None without. ``pdl``: launch with programmatic
     dependent launch (default: where the device supports it, sm_90+). Call
     ``prepare()`` before CUDA graph capture; ``run`` and ``launch`` are
-    graph-capturable once prepared (the operands' addresses are captured)."""
+    graph-capturable once prepared (the operands' addresses are captured).
+    Traced by torch.compile, a launch is the op
+    ``torch.ops.dspark.context_store``."""
+
+    OP = "context_store"
 
     def __init__(self, constants: ContextStoreConstants, cos_sin: torch.Tensor | None = None,
                  pdl: bool | None = None) -> None:
@@ -282,6 +289,7 @@ class ContextKvStore(LazyPdl):
         self.cos_sin = cos_sin
         self.device = cos_sin.device if cos_sin is not None else None
         self._pdl = pdl
+        self.op_handle = ops.register(self)
 
     def prepare(self) -> None:
         """Compile the kernel this object launches (one per constants and PDL
@@ -363,14 +371,14 @@ class ContextKvStore(LazyPdl):
     def launch(self, kv, positions, caches, slots) -> None:
         """``run`` without its operand checks (for operands ``takes``
         accepts): one launch per ``MAX_LAYERS_PER_LAUNCH`` storing layers."""
+        per_layer = self.per_layer_slots(slots, kv.shape[0])
+        ops.launch(self, kv, positions if self.constants.rope else None, [cache_tensor(x) for x in caches],
+                   per_layer)
+
+    def _launch_kernel(self, kv: torch.Tensor, positions: torch.Tensor | None, tensors: list, slots: list) -> None:
         c = self.constants
-        layers, t = kv.shape[0], kv.shape[1]
-        tensors = [cache_tensor(x) for x in caches]
-        entries = [
-            (i, tensors[i], s)
-            for i, s in enumerate(self.per_layer_slots(slots, layers))
-            if s is not None and s.shape[0] > 0
-        ]
+        t = kv.shape[1]
+        entries = [(i, tensors[i], s) for i, s in enumerate(slots) if s is not None and s.shape[0] > 0]
         if not entries:
             return
         kernel = compile_context_store(c, self.pdl)

@@ -43,6 +43,7 @@ from dspark_core.contracts.constants import MlpActivationConstants
 from dspark_core.errors import Unsupported
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gating.elementwise import vector_index
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     LazyPdl,
     current_stream,
@@ -143,6 +144,8 @@ def compile_mlp_activation(constants: MlpActivationConstants, pdl: bool):
 
 # ---------------------------------------------------------------- host API
 
+ops.define("mlp_activation", "(str handle, Tensor gu, Tensor(a!) out) -> ()")
+
 
 class MlpActivation(LazyPdl):
     """``silu_and_mul(gu, I)`` (``GatedMLP.activation``) for
@@ -157,13 +160,17 @@ class MlpActivation(LazyPdl):
     ``pdl``: launch with programmatic dependent launch (default: where the
     device supports it, sm_90+). One compile serves every row count: call
     ``prepare()`` before CUDA graph capture; a call is graph-capturable once
-    prepared (a compile during capture raises RuntimeError)."""
+    prepared (a compile during capture raises RuntimeError). Traced by
+    torch.compile, a launch is the op ``torch.ops.dspark.mlp_activation``."""
+
+    OP = "mlp_activation"
 
     def __init__(self, constants: MlpActivationConstants, *, pdl: bool | None = None) -> None:
         check_constants(constants)
         self.constants = constants
         self.intermediate_size = constants.intermediate_size
         self._pdl = pdl
+        self.op_handle = ops.register(self)
 
     @property
     def max_rows(self) -> int:
@@ -235,9 +242,12 @@ class MlpActivation(LazyPdl):
         i = self.intermediate_size
         if out is None:
             out = torch.empty((*gu.shape[:-1], i), dtype=torch.bfloat16, device=gu.device)
-        kernel = compile_mlp_activation(self.constants, self.pdl)
-        kernel(ptr(gu), ptr(out), Int32(gu.numel() // (2 * i)), current_stream())
+        ops.launch(self, gu, out)
         return out
+
+    def _launch_kernel(self, gu: torch.Tensor, out: torch.Tensor) -> None:
+        kernel = compile_mlp_activation(self.constants, self.pdl)
+        kernel(ptr(gu), ptr(out), Int32(gu.numel() // (2 * self.intermediate_size)), current_stream())
 
 
 __all__ = [

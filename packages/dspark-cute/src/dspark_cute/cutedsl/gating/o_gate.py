@@ -63,6 +63,7 @@ from dspark_core.contracts.constants import HEAD_DIM, OGateConstants
 from dspark_core.errors import Unsupported
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gating.elementwise import vector_index
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     LazyPdl,
     current_stream,
@@ -257,6 +258,8 @@ def compile_o_gate(constants: OGateConstants, pdl: bool):
 
 # ---------------------------------------------------------------- host API
 
+ops.define("o_gate", "(str handle, Tensor attn, Tensor gate, Tensor(a!) out) -> ()")
+
 
 class OGate(LazyPdl):
     """``dspark_core.spec.layers.o_gate(attn, gate, norm, arch)`` of
@@ -276,7 +279,10 @@ class OGate(LazyPdl):
     (default: where the device supports it, sm_90+). One compile serves every
     row count and gate stride: call ``prepare()`` before CUDA graph capture;
     a call is graph-capturable once prepared (a compile during capture
-    raises RuntimeError)."""
+    raises RuntimeError). Traced by torch.compile, a launch is the op
+    ``torch.ops.dspark.o_gate``."""
+
+    OP = "o_gate"
 
     def __init__(self, constants: OGateConstants, *, pdl: bool | None = None) -> None:
         check_constants(constants)
@@ -287,6 +293,7 @@ class OGate(LazyPdl):
         self.arch = constants.arch
         self.width = self.heads * HEAD_DIM
         self._pdl = pdl
+        self.op_handle = ops.register(self)
 
     @property
     def max_rows(self) -> int:
@@ -385,10 +392,13 @@ class OGate(LazyPdl):
         """``run`` without its operand checks (for operands ``takes``)."""
         if out is None:
             out = torch.empty(attn.shape, dtype=torch.bfloat16, device=attn.device)
+        ops.launch(self, attn, gate, out)
+        return out
+
+    def _launch_kernel(self, attn: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> None:
         kernel = compile_o_gate(self.constants, self.pdl)
         kernel(ptr(attn), ptr(gate), ptr(out), Int32(attn.shape[0]), Int64(self._row_stride(gate)),
                current_stream())
-        return out
 
 
 __all__ = [

@@ -37,6 +37,7 @@ from dspark_core.contracts.constants import GemvConstants
 from dspark_core.errors import Unsupported
 from dspark_core.spec.gemv import FRAGMENT, LANES, VEC, gemv_unsupported
 from dspark_cute import ptx
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     LazyPdl,
     check_operand,
@@ -159,6 +160,9 @@ def compile_gemv(constants: GemvConstants, pdl: bool, rows_per_warp: int = ROWS_
     return GemvKernel(constants, bool(pdl), rows_per_warp, depth), fake_args()
 
 
+ops.define("gemv", "(str handle, Tensor x, Tensor(a!) out) -> ()")
+
+
 class Gemv(LazyPdl):
     """The GEMV of ``constants`` bound to ``weight`` (BF16 ``[n, k]``,
     contiguous, 16-byte aligned, on CUDA). ``pdl``: programmatic dependent
@@ -168,7 +172,10 @@ class Gemv(LazyPdl):
     ``run(x, out=None)``: ``x`` BF16 ``[1, k]`` -> BF16 ``[1, n]``, bit for
     bit ``dspark_core.spec.gemv.gemv(x, weight)``; ``problem`` / ``takes``
     say whether it takes the operands, ``launch`` runs without the checks;
-    ``prepare()`` compiles before CUDA graph capture."""
+    ``prepare()`` compiles before CUDA graph capture. Traced by
+    torch.compile, a launch is the op ``torch.ops.dspark.gemv``."""
+
+    OP = "gemv"
 
     def __init__(self, constants: GemvConstants, weight: torch.Tensor, *, pdl: bool | None = None,
                  rows_per_warp: int = ROWS_PER_WARP, depth: int = DEPTH) -> None:
@@ -180,6 +187,7 @@ class Gemv(LazyPdl):
         self.constants, self.weight, self.device = constants, weight, weight.device
         self.rows_per_warp, self.depth = rows_per_warp, depth
         self._pdl = None if pdl is None else bool(pdl)
+        self.op_handle = ops.register(self)
 
     def _kernel(self):
         return compile_gemv(self.constants, self.pdl, self.rows_per_warp, self.depth)
@@ -217,8 +225,11 @@ class Gemv(LazyPdl):
         """``run`` without its operand checks (for operands ``takes``)."""
         if out is None:
             out = torch.empty((1, self.constants.n), dtype=torch.bfloat16, device=x.device)
-        self._kernel()(Int64(x.data_ptr()), Int64(self.weight.data_ptr()), Int64(out.data_ptr()), current_stream())
+        ops.launch(self, x, out)
         return out
+
+    def _launch_kernel(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        self._kernel()(Int64(x.data_ptr()), Int64(self.weight.data_ptr()), Int64(out.data_ptr()), current_stream())
 
 
 __all__ = ["DEPTH", "Gemv", "GemvKernel", "ROWS_PER_WARP", "THREADS", "WARPS", "check_settings", "compile_gemv",

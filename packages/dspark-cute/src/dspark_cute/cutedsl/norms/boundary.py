@@ -42,6 +42,7 @@ from dspark_cute.cutedsl.norms.rms import (
     rms_norm_fragments,
     stream_products,
 )
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     TORCH_DTYPES,
     check_operand,
@@ -183,6 +184,12 @@ def compile_boundary(c: BoundaryConstants, stream_bf16: bool, store_stream: bool
     return BoundaryKernel(c, stream_bf16, store_stream, late_gates, pdl), fake_args(c, stream_bf16)
 
 
+ops.define(
+    "boundary",
+    "(str handle, Tensor branch, Tensor stream, bool store_stream, Tensor(a!) out, Tensor(b!)? new_stream) -> ()",
+)
+
+
 class DraftBoundary:
     """One residual boundary ``post -> GatedResidual -> pre`` bound to its
     constant operands: ``alpha``, ``beta`` (contiguous CUDA FP32 ``[H]``) and
@@ -196,7 +203,10 @@ class DraftBoundary:
     ``late_rows`` rows (default: the device's SM count) loads the constants
     after the PDL wait (``late_gates``). ``pdl``: programmatic dependent
     launch (default: where the device supports it). Call ``prepare()``
-    before CUDA graph capture."""
+    before CUDA graph capture. Traced by torch.compile, a launch is the op
+    ``torch.ops.dspark.boundary``."""
+
+    OP = "boundary"
 
     def __init__(
         self,
@@ -241,6 +251,7 @@ class DraftBoundary:
         self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
         # Up to one row per SM the constants load before the PDL wait.
         self.late_rows = sm_count(self.device) if late_rows is None else int(late_rows)
+        self.op_handle = ops.register(self)
 
     def variant(self, m: int, stream_dtype: torch.dtype, store_stream: bool) -> tuple:
         """``(stream_bf16, store_stream, late_gates, pdl)`` of a launch of ``m`` rows."""
@@ -312,12 +323,17 @@ class DraftBoundary:
         out: torch.Tensor | None = None, new_stream: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``run`` without its operand checks (for operands ``takes``)."""
-        m = branch.shape[0]
-        kernel = compile_boundary(self.constants, *self.variant(m, stream.dtype, store_stream))
         if out is None:
             out = torch.empty(branch.shape, dtype=torch.bfloat16, device=branch.device)
         if store_stream and new_stream is None:
             new_stream = torch.empty(branch.shape, dtype=torch.float32, device=branch.device)
+        ops.launch(self, branch, stream, store_stream, out, new_stream)
+        return (new_stream if store_stream else None), out
+
+    def _launch_kernel(self, branch: torch.Tensor, stream: torch.Tensor, store_stream: bool, out: torch.Tensor,
+                       new_stream: torch.Tensor | None) -> None:
+        m = branch.shape[0]
+        kernel = compile_boundary(self.constants, *self.variant(m, stream.dtype, store_stream))
         kernel(
             ptr(branch),
             ptr(stream),
@@ -330,7 +346,6 @@ class DraftBoundary:
             Int32(m),
             current_stream(),
         )
-        return (new_stream if store_stream else None), out
 
 
 __all__ = ["BoundaryKernel", "DraftBoundary", "compile_boundary", "fake_args"]

@@ -43,6 +43,7 @@ from dspark_cute.cutedsl.norms.rms import (
     load_weight_words,
     rms_norm_fragments,
 )
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     ELEMENT_BYTES,
     TORCH_DTYPES,
@@ -168,6 +169,8 @@ def compile_context_norms(constants: ContextNormConstants, pdl: bool):
 
 # ---------------------------------------------------------------- host API
 
+ops.define("context_norms", "(str handle, Tensor x, Tensor(a!) out) -> ()")
+
 
 class ContextNorms(LazyPdl):
     """``DraftModel.context_norms`` of ``constants`` bound to its weights, as
@@ -184,7 +187,10 @@ class ContextNorms(LazyPdl):
     ContextNorms). ``pdl``: launch with programmatic dependent launch
     (default: where the device supports it, sm_90+). Call ``prepare()``
     before CUDA graph capture; ``run`` and ``launch`` are graph-capturable
-    once prepared."""
+    once prepared. Traced by torch.compile, a launch is the op
+    ``torch.ops.dspark.context_norms``."""
+
+    OP = "context_norms"
 
     def __init__(
         self,
@@ -213,6 +219,7 @@ class ContextNorms(LazyPdl):
         self.pre_weights = pre_weights
         self.device = device
         self._pdl = pdl
+        self.op_handle = ops.register(self)
 
     def prepare(self) -> None:
         """Compile the kernel this object launches (one per constants and PDL
@@ -259,7 +266,12 @@ class ContextNorms(LazyPdl):
         m = x.shape[0]
         if out is None:
             out = torch.empty((c.num_layers, m, c.hidden_size), dtype=torch.bfloat16, device=x.device)
-        kernel = compile_context_norms(c, self.pdl)
+        ops.launch(self, x, out)
+        return out
+
+    def _launch_kernel(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        m = x.shape[0]
+        kernel = compile_context_norms(self.constants, self.pdl)
         kernel(
             ptr(x),
             ptr(self.hidden_weight if self.hidden_weight is not None else x),
@@ -268,7 +280,6 @@ class ContextNorms(LazyPdl):
             Int32(m),
             current_stream(),
         )
-        return out
 
 
 __all__ = [

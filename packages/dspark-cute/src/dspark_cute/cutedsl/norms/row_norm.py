@@ -31,6 +31,7 @@ from dspark_cute.cutedsl.norms.rms import (
     load_weight_words,
     rms_norm_fragments,
 )
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     ELEMENT_BYTES,
     TORCH_DTYPES,
@@ -117,6 +118,8 @@ def compile_row_norm(constants: RowNormConstants, pdl: bool):
 
 # ---------------------------------------------------------------- host API
 
+ops.define("row_norm", "(str handle, Tensor x, Tensor(a!) out) -> ()")
+
 
 class RowNorm(LazyPdl):
     """``dspark_core.spec.layers.RMSNorm`` of ``constants`` bound to its weight,
@@ -127,7 +130,10 @@ class RowNorm(LazyPdl):
     (a contiguous CUDA tensor, 16-byte aligned), or None for a weightless
     norm. ``pdl``: launch with programmatic dependent launch (default: where
     the device supports it, sm_90+). Call ``prepare()`` before CUDA graph
-    capture; ``run`` and ``launch`` are graph-capturable once prepared."""
+    capture; ``run`` and ``launch`` are graph-capturable once prepared.
+    Traced by torch.compile, a launch is the op ``torch.ops.dspark.row_norm``."""
+
+    OP = "row_norm"
 
     def __init__(
         self, constants: RowNormConstants, weight: torch.Tensor | None, pdl: bool | None = None
@@ -155,6 +161,7 @@ class RowNorm(LazyPdl):
         self.out_dtype = TORCH_DTYPES[constants.out_dtype]
         self.device = weight.device if weight is not None else None
         self._pdl = pdl
+        self.op_handle = ops.register(self)
 
     def prepare(self) -> None:
         """Compile this norm's kernel (every variant it launches: there is one
@@ -199,11 +206,14 @@ class RowNorm(LazyPdl):
         ``takes``)."""
         if out is None:
             out = torch.empty(x.shape, dtype=self.out_dtype, device=x.device)
+        ops.launch(self, x, out)
+        return out
+
+    def _launch_kernel(self, x: torch.Tensor, out: torch.Tensor) -> None:
         m = x.numel() // self.constants.hidden_size
         kernel = compile_row_norm(self.constants, self.pdl)
         weight = self.weight if self.weight is not None else x
         kernel(ptr(x), ptr(weight), ptr(out), Int32(m), current_stream())
-        return out
 
 
 __all__ = [

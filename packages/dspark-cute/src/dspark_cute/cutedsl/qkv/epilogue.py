@@ -64,6 +64,7 @@ from dspark_cute.cutedsl.heads import (
     qk_norm_lane8,
     rope_fma,
 )
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     LazyPdl,
     cache_tensor,
@@ -194,6 +195,8 @@ def compile_qkv_epilogue(constants: QKVFrontConstants, pdl: bool):
 
 # ---------------------------------------------------------------- host API
 
+ops.define("qkv_epilogue", "(str handle, Tensor(a!) qkv, Tensor positions, Tensor slots, Tensor(b!) cache) -> ()")
+
 
 class QKVEpilogue(LazyPdl):
     """``DraftAttention.front_from`` for ``constants`` as vLLM's fused
@@ -212,7 +215,10 @@ class QKVEpilogue(LazyPdl):
     launch with programmatic dependent launch (default: where the device
     supports it, sm_90+). Call ``prepare()`` before CUDA graph capture;
     ``run`` and ``launch`` are graph-capturable once prepared (the operands'
-    addresses are captured)."""
+    addresses are captured). Traced by torch.compile, a launch is the op
+    ``torch.ops.dspark.qkv_epilogue``."""
+
+    OP = "qkv_epilogue"
 
     def __init__(self, constants: QKVFrontConstants, q_norm_weight: torch.Tensor | None = None,
                  cos_sin: torch.Tensor | None = None, pdl: bool | None = None) -> None:
@@ -238,6 +244,7 @@ class QKVEpilogue(LazyPdl):
         self._pdl = pdl
         self.q_size = c.num_heads * HEAD_DIM
         self.kv_size = c.kv_heads * HEAD_DIM
+        self.op_handle = ops.register(self)
 
     def prepare(self) -> None:
         """Compile the kernel this object launches (one per constants and PDL
@@ -308,9 +315,14 @@ class QKVEpilogue(LazyPdl):
         """``run`` without its checks (for operands ``takes`` accepts and
         in-range positions and slots; the kernel skips others, module
         docstring)."""
+        ops.launch(self, qkv, positions, slots, cache_tensor(cache))
+        c = self.constants
+        return qkv[:, : self.q_size].unflatten(1, (c.num_heads, HEAD_DIM))
+
+    def _launch_kernel(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       t: torch.Tensor) -> None:
         c = self.constants
         m = qkv.shape[0]
-        t = cache_tensor(cache)
         nb, _, bs, _ = t.shape
         table = Int64(self.cos_sin.data_ptr() if c.rope else 0)
         max_position = Int64(self.cos_sin.shape[0] if c.rope else 1)
@@ -319,7 +331,6 @@ class QKVEpilogue(LazyPdl):
             Int64(t.data_ptr()), Int32(qkv.shape[1]), Int64(nb * bs), Int32(bs), max_position, Int32(m),
             current_stream(),
         )
-        return qkv[:, : self.q_size].unflatten(1, (c.num_heads, HEAD_DIM))
 
 
 __all__ = [

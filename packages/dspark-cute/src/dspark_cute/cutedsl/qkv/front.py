@@ -62,6 +62,7 @@ from dspark_cute.cutedsl.gemm.skinny import config as sg
 from dspark_cute.cutedsl.gemm.skinny.ring import mainloop as ring_mainloop
 from dspark_cute.cutedsl.gemm.skinny.tile import reduced_pair, store_partials
 from dspark_cute.cutedsl.heads import cache_row_address, load_cos_sin, qk_norm_pair, rope_fma
+from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     cache_tensor,
     check_operand,
@@ -214,6 +215,9 @@ def compile_qkv_front(constants: QKVFrontConstants, cfg: sg.SkinnyConfig, raw: b
 
 # ---------------------------------------------------------------- host API
 
+ops.define("qkv_front",
+           "(str handle, Tensor x, Tensor positions, Tensor slots, Tensor(a!) cache, Tensor(b!) out) -> ()")
+
 
 def _i64_ptr(t: torch.Tensor):
     return _int64_ptr(t.data_ptr())
@@ -239,7 +243,10 @@ class QKVFront:
     ``pdl``: launch with programmatic dependent launch (default: sm_90+);
     ``copy``: who copies the weight (``SkinnyConfig.copy``: "lane" or the
     warp's 128-byte "rows"; the same bits).
-    Call ``prepare()`` before CUDA graph capture."""
+    Call ``prepare()`` before CUDA graph capture. Traced by torch.compile,
+    a launch is the op ``torch.ops.dspark.qkv_front``."""
+
+    OP = "qkv_front"
 
     def __init__(
         self,
@@ -279,6 +286,7 @@ class QKVFront:
         self.rope_table = rope_table
         self.device = device
         self.pdl = pdl_supported(device) if pdl is None else bool(pdl)
+        self.op_handle = ops.register(self)
 
     def _kernel(self, m: int, raw: bool = False):
         return compile_qkv_front(self.constants, self.configs[1 if m <= 8 else 2], raw, self.pdl)
@@ -333,10 +341,14 @@ class QKVFront:
 
     def launch(self, x, positions, slots, cache, out=None) -> torch.Tensor:
         """``run`` without its operand checks (for operands ``takes``)."""
-        m = x.shape[0]
         if out is None:
-            out = torch.empty((m, self.rows), dtype=torch.bfloat16, device=x.device)
-        cache = cache_tensor(cache)
+            out = torch.empty((x.shape[0], self.rows), dtype=torch.bfloat16, device=x.device)
+        ops.launch(self, x, positions, slots, cache_tensor(cache), out)
+        return out
+
+    def _launch_kernel(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        m = x.shape[0]
         nb, _, bs, _ = cache.shape
         table = self.rope_table if self.rope_table is not None else self.weight
         self._kernel(m)(
@@ -344,7 +356,6 @@ class QKVFront:
             ptr(cache, 4), ptr(out, 4), Int32(m), Int64(nb * bs), Int32(bs), Int32(table.shape[0]),
             current_stream(),
         )
-        return out
 
     def project(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Step 1 alone (the ``raw`` variant): the BF16 projection ``[m,
