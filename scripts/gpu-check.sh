@@ -13,6 +13,7 @@
 #   check-spec     the spec on CUDA against the stock binaries (scripts/stock/check_spec.py, ~20 s)
 #   spec           dspark-core's GPU tests (the spec on CUDA; no CuTe DSL needed)
 #   norms qkv gating gemv attention   the kernel families' GPU suites (against the spec and the stock binaries)
+#   ops            the custom ops (opcheck, torch.compile against eager) and the on-disk kernel cache
 #   decode         the executor over the reference draft (tests/test_gpu_decode.py)
 #   multigpu       the two-GPU suites (comm, package GEMM, TP2 draft); kind nvidia-h200-x2
 #   bench-boundary bench_boundary_stock (DSpark / vLLM's chain / vLLM's one-kernel boundary)
@@ -56,6 +57,7 @@ wanted qkv && gpu qkv 200 packages/dspark-cute/tests/test_gpu_qkv_epilogue.py pa
 wanted gating && gpu gating 200 packages/dspark-cute/tests/test_gpu_activations.py
 wanted attention && gpu attention 200 packages/dspark-cute/tests/test_gpu_attention.py
 wanted gemv && gpu gemv 150 packages/dspark-cute/tests/test_gpu_gemv.py
+wanted ops && gpu ops 240 packages/dspark-cute/tests/test_gpu_ops.py packages/dspark-cute/tests/test_gpu_disk_cache.py
 wanted decode && gpu decode 300 tests/test_gpu_decode.py
 if wanted multigpu; then
   step comm-multigpu 150 python -m pytest -m multigpu packages/dspark-comm/tests/test_comm_multigpu.py -q -p no:cacheprovider

@@ -24,7 +24,8 @@
   ``cache_tensor(cache)``: a KV cache's tensor (given a tensor or a
   ``PagedKVCache``).
 - ``jit_cache(what)``: the decorator of every kernel's compile function:
-  one compile per process for each distinct constants and variant flags.
+  one compile per process for each distinct constants and variant flags
+  (and, opted in, one per machine: ``disk_cache``).
 - ``compile_kernel(obj, *args)``: ``cute.compile`` after the capture guard.
 - ``compile_ptx(obj, *fake_args, arch)``: the PTX of ``obj`` for ``arch``
   ("sm_90a", "sm_100a"), compiled without loading it (works without a GPU).
@@ -48,6 +49,8 @@ import torch
 from cutlass import BFloat16, Float16, Float32
 from cutlass.base_dsl.compiler import PostCompileHookContext
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream, make_ptr
+
+from dspark_cute.runtime import disk_cache
 
 CUTE_DTYPES = {"bf16": BFloat16, "fp16": Float16, "fp32": Float32}
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -239,7 +242,9 @@ def jit_cache(what: str):
     ``settings`` (the constants, keyed by their ``key()``, the PDL flag and
     the variant flags; defaults filled in), thread safe. A compile checks
     first that no CUDA graph is being captured (RuntimeError naming
-    ``what``: ``prepare()`` before capture). ``fn.cache`` holds the kernels,
+    ``what``: ``prepare()`` before capture). With ``DSPARK_KERNEL_CACHE``
+    set, a compile first looks in the on-disk cache and writes what it
+    compiles there (``disk_cache``). ``fn.cache`` holds the kernels,
     ``fn.cache_clear()`` empties it, ``fn.build(*settings)`` is ``fn``
     itself (the kernel object and its compile signature, uncompiled)."""
 
@@ -261,8 +266,14 @@ def jit_cache(what: str):
                 kernel = cache.get(full)
                 if kernel is None:
                     assert_not_capturing(what)
-                    obj, fake_args = fn(*bound.args)
-                    kernel = cache[full] = compile_kernel(obj, *fake_args, what=what)
+                    disk_key = disk_cache.key(fn, bound.args) if disk_cache.directory() else None
+                    kernel = disk_cache.load(disk_key) if disk_key else None
+                    if kernel is None:
+                        obj, fake_args = fn(*bound.args)
+                        kernel = compile_kernel(obj, *fake_args, what=what)
+                        if disk_key:
+                            disk_cache.store(disk_key, kernel)
+                    cache[full] = kernel
                 cache[fast] = kernel
             return kernel
 
