@@ -86,11 +86,16 @@ def _stable(value):
 def _fingerprint() -> str:
     """The hash of every DSpark kernel package's sources, the CuTe DSL's and
     Python's versions."""
+    import importlib.metadata
     import importlib.util
 
-    import cutlass
+    try:
+        dsl = importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:  # a DSL on the path, not installed (a device machine)
+        import cutlass
 
-    h = hashlib.sha256(f"py{sys.version_info[:2]} cutlass {cutlass.__version__}".encode())
+        dsl = getattr(cutlass, "__version__", "unknown")
+    h = hashlib.sha256(f"py{sys.version_info[:2]} nvidia-cutlass-dsl {dsl}".encode())
     for name in _PACKAGES:
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.submodule_search_locations:
