@@ -17,7 +17,10 @@ and the tensors it binds, and has the same verbs:
 - ``takes(*operands) -> bool``: ``problem(...) is None``;
 - ``run(*operands)``: checked (ValueError with ``problem``'s sentence), then
   ``launch``;
-- ``launch(*operands)``: unchecked, for operands the caller has checked.
+- ``launch(*operands)``: unchecked, for operands the caller has checked;
+  while torch.compile or torch.export traces, one ``torch.library`` custom op
+  (with its fake; dspark-cute's ``runtime.ops``), so a traced graph holds one
+  opaque node per launch.
 
 The constructors the executor calls, per kernel name (``KERNEL_SIGNATURES``).
 """
