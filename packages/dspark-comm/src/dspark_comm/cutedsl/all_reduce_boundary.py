@@ -218,6 +218,9 @@ class AllReduceBoundary:
             if not store_stream:
                 raise ValueError("a new_stream buffer was given with store_stream=False")
             check_operand(new_stream, shape, torch.float32, 16, "the new stream")
+        for t, name in ((out, "output"), (new_stream, "new stream")):
+            if t is not None and t.device != dev:
+                raise ValueError(f"the boundary's {name} is on {t.device}, the mailbox on {dev}")
 
     def takes(self, partial, stream, store_stream: bool = False, out=None, new_stream=None,
               published: bool = False) -> bool:

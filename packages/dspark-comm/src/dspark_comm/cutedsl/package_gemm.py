@@ -128,6 +128,7 @@ from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     check_operand,
     current_stream,
+    describe,
     is_operand,
     jit_cache,
     pdl_supported,
@@ -478,18 +479,11 @@ class PackageGemm:
         # The boundary's operand checks, before the partial is published (a
         # published partial that is never consumed would break the rotation).
         shape = (x.shape[0], self.constants.hidden_size)
-        if not (isinstance(stream, torch.Tensor) and stream.dtype in (torch.float32, torch.bfloat16)):
-            raise ValueError(f"the boundary takes an FP32 or BF16 {list(shape)} stream")
-        check_operand(stream, shape, stream.dtype, 16, "the stream")
-        if out is not None:
-            check_operand(out, shape, torch.bfloat16, 16, "the boundary output")
-        if new_stream is not None:
-            if not store_stream:
-                raise ValueError("a new_stream buffer was given with store_stream=False")
-            check_operand(new_stream, shape, torch.float32, 16, "the new stream")
-        if not (stream.device == self.mailbox.device and all(
-                t is None or t.device == self.mailbox.device for t in (out, new_stream))):
-            raise ValueError(f"the boundary's operands must be on the mailbox's device {self.mailbox.device}")
+        reason = boundary.problem(None, stream, store_stream, out, new_stream, published=True)
+        if reason is None and tuple(stream.shape) != shape:
+            reason = f"the boundary's stream must have x's {shape[0]} rows: {list(shape)}, not {describe(stream)}"
+        if reason is not None:
+            raise ValueError(reason)
         self.launch(x, None, publish=True)
         return boundary.run(None, stream, store_stream, out, new_stream, published=True)
 
