@@ -478,8 +478,8 @@ def test_cli_prints_reasons_of_a_refusing_config(tmp_path):
     out = _cli(str(path), "--tp", "2", "--kernels", "all")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    front = next(line for line in lines if line.strip().startswith("layer 0's QKV front"))
-    number = front.split("reason ")[1].rstrip(")")
+    epilogue = next(line for line in lines if line.strip().startswith("layer 0's QKV epilogue"))
+    number = epilogue.split("reason ")[1].rstrip(")")
     assert f"  reason {number}: 6 KV heads, not a power of two up to 32" in lines
     assert out.stdout.count("6 KV heads, not a power of two up to 32") == 1  # each reason once
 

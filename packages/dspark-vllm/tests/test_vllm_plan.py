@@ -116,7 +116,7 @@ def test_the_inserts_stay_stock_unless_the_kv_cache_layout_is_lbhnc(built, monke
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
     plan = _plan(built, layout=None)
     reasons = _reasons(plan)
-    assert plan.fused_count() == (9, 16)  # the opt-in fronts refused for the layout, not only declined
+    assert plan.fused_count() == (9, 14)  # the opt-in fronts not asked for, whatever the layout
     why = ("the KV cache layout is LBNHC, vLLM's default (VLLM_KV_CACHE_LAYOUT unset): each layer's [blocks, "
            "kv_heads, block_size, 2D] view is not contiguous, and the DSpark inserts write the LBHNC order "
            "(VLLM_KV_CACHE_LAYOUT=LBHNC fuses them)")
@@ -227,6 +227,6 @@ def test_the_plan_cli_prints_the_plan_and_the_deployment_check(built, capsys):
     assert main([draft_dir, "--tp", "4", "--kv-cache-dtype", "fp8", "--kernels", "all"]) == 0
     out = capsys.readouterr().out
     assert "(the fused path has never run on sm_90a at TP4: compile-checked only)" in out
-    assert "9 of 17 parts fused" in out and "a KV cache of fp8: the context store inserts BF16 K and V" in out
+    assert "9 of 15 parts fused" in out and "a KV cache of fp8: the context store inserts BF16 K and V" in out
     assert "needs:\n  - a bfloat16 model and a bfloat16 KV cache" in out
     assert main(["/nonexistent"]) == 2 and "error:" in capsys.readouterr().err

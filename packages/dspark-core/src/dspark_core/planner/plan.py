@@ -152,6 +152,13 @@ def _try(name: str, build: Callable, *args, **kwargs) -> Part:
 
 
 def _with_kernels(part: Part, target: Target, *kernels: str) -> Part:
+    """``part`` with its kernels' availability: an opt-in the caller did not
+    ask for makes it "not asked for" whether or not it would fuse (so the
+    count of parts asked for is the same for every deployment); a kernel
+    excluded or not installed makes a fusable part stock."""
+    for kernel in kernels:
+        if kernel in target.declined:
+            return Part(part.name, reason=policy.OPT_IN[kernel])
     missing = _kernel_missing(target, *kernels)
     if part.fused and missing:
         return Part(part.name, reason=missing)
