@@ -26,6 +26,7 @@ product ``mul.rn`` (the stock CUDA rotary kernels' form).
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
@@ -68,6 +69,20 @@ def qk_rsqrt(total, eps) -> Float32:
     if isinstance(eps, (int, float)):
         eps = ptx.f32_const(float(eps))
     return ptx.rsqrt_approx(ptx.fma_rn(total, ptx.f32_const(1.0 / HEAD_DIM), eps))
+
+
+@cute.jit
+def head_eps(q_eps: cutlass.Constexpr, k_eps: cutlass.Constexpr, head: Int32, q_heads: cutlass.Constexpr) -> Float32:
+    """The QK-norm's eps of ``head`` (uniform across the caller's threads):
+    ``q_eps`` for the ``q_heads`` q heads (head index below ``q_heads``),
+    ``k_eps`` for the k heads; one constant where the two are equal."""
+    if cutlass.const_expr(q_eps == k_eps):
+        eps = ptx.f32_const(q_eps)
+    else:
+        eps = ptx.f32_const(k_eps)
+        if head < q_heads:
+            eps = ptx.f32_const(q_eps)
+    return eps
 
 
 def qk_norm_lane8(values: list, eps) -> list:

@@ -60,6 +60,7 @@ from dspark_cute.cutedsl.heads import (
     LANE_PAIRS,
     LANES,
     cache_row_address,
+    head_eps,
     load_cos_sin_quad,
     qk_norm_lane8,
     rope_fma,
@@ -154,12 +155,7 @@ class QKVEpilogueKernel:
                 live = Int32(0)
                 pos = Int64(0)
             cos, sin = load_cos_sin_quad(c.table_dtype, table, pos, lane)
-        if cutlass.const_expr(c.q_eps == c.k_eps):
-            eps = ptx.f32_const(c.q_eps)
-        else:
-            eps = ptx.f32_const(c.k_eps)
-            if h < nq:
-                eps = ptx.f32_const(c.q_eps)
+        eps = head_eps(c.q_eps, c.k_eps, h, nq)
         n = qk_norm_lane8([v for w in raw for v in ptx.bf16x2_to_f32(w)], eps)
         pairs = [(n[2 * i], n[2 * i + 1]) for i in range(LANE_PAIRS)]
         if cutlass.const_expr(c.rope):

@@ -61,7 +61,7 @@ from dspark_cute import ptx
 from dspark_cute.cutedsl.gemm.skinny import config as sg
 from dspark_cute.cutedsl.gemm.skinny.ring import mainloop as ring_mainloop
 from dspark_cute.cutedsl.gemm.skinny.tile import reduced_pair, store_partials
-from dspark_cute.cutedsl.heads import cache_row_address, load_cos_sin, qk_norm_pair, rope_fma
+from dspark_cute.cutedsl.heads import cache_row_address, head_eps, load_cos_sin, qk_norm_pair, rope_fma
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     cache_tensor,
@@ -139,13 +139,7 @@ class QKVFrontKernel:
             ptx.pdl_launch_dependents()
         store_partials(cfg, acc, ring, warp, lane)
         heads, kv = c.num_heads, c.kv_heads
-        # The norm's eps: q heads q_eps, k heads k_eps (the CTA's head is uniform).
-        if cutlass.const_expr(c.q_eps == c.k_eps):
-            eps = ptx.f32_const(c.q_eps)
-        else:
-            eps = ptx.f32_const(c.k_eps)
-            if hd < heads:
-                eps = ptx.f32_const(c.q_eps)
+        eps = head_eps(c.q_eps, c.k_eps, hd, heads)  # the CTA's head is uniform
         for r in cutlass.range_constexpr(_rounds(cfg)):
             tok = Int32(warp) + cfg.k_warps * r
             a, b = reduced_pair(cfg, ring, tok, lane)
