@@ -130,7 +130,7 @@ def _private(path: Path, is_dir: bool) -> str | None:
     st = path.lstat()
     kind = stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)
     if not kind:
-        return f"{path} is not a {'directory' if is_dir else 'regular file'}"
+        return f"{path} is not a {'directory' if is_dir else 'regular file'} (a link is not followed)"
     if st.st_uid != os.geteuid():
         return f"{path} belongs to another user"
     if stat.S_IMODE(st.st_mode) & 0o022:
