@@ -3,10 +3,10 @@
 ``DSPARK_KERNEL_CACHE=1`` (or a directory) turns it on; the default
 directory is ``$XDG_CACHE_HOME/dspark/kernels`` (``~/.cache/dspark/kernels``).
 A compile then looks for ``<dir>/<key>.o`` first and loads it
-(``cutlass.cute.runtime.load_module``, milliseconds) instead of tracing and
-compiling (up to seconds a variant); a miss compiles and writes the object
-(``dump_to_object``: the host launcher and the cubin) for the next process,
-so TP ranks and restarts compile each variant once.
+(``cutlass.cute.runtime.load_module``) instead of tracing and compiling; a
+miss compiles and writes the object (``dump_to_object``: the host launcher
+and the cubin) for the next process, so TP ranks and restarts compile each
+variant once.
 
 The key is the SHA-256 of: the compile function (module and name), its
 settings (constants by their stable ``key()``, dataclasses field by field,
