@@ -2,13 +2,17 @@
 a CPU: every launch of a host class is one op whose schema marks the
 tensors it writes; the fakes propagate; torch.compile traces a launch into
 one opaque node without a graph break; the eager path never goes through the
-dispatcher; a handle without a live host raises. (That each op's CUDA
-implementation gives the direct launch's bits is ``test_gpu_ops.py``.)"""
+dispatcher and hands each tensor to the kernel argument of its name (the
+kernels' launch signatures; hosts that bind weights built over CPU tensors
+with their CUDA checks relaxed); a handle without a live host raises. (That
+each op's CUDA implementation gives the direct launch's bits is
+``test_gpu_ops.py``.)"""
 
 from __future__ import annotations
 
 import gc
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -192,3 +196,153 @@ def test_a_handle_without_a_live_host_raises():
         ops.host_of(handle)
     with pytest.raises(RuntimeError, match="another process"):
         ops._implementation("RowNorm:from-another-process", torch.zeros(1), torch.zeros(1))
+
+
+def _value(v):
+    """A launch argument as a plain value: a DSL scalar's int; pointer and
+    stream stand-ins as they are."""
+    return v if isinstance(v, (tuple, str)) else int(v)
+
+
+def _recorded_call(monkeypatch, module, compile_name, kernel_cls, host, *args):
+    """Launch ``host`` eagerly with its compile function replaced by a
+    recorder (pointers as ``("ptr", address)``): the kernel's arguments by
+    the names of ``kernel_cls.__call__``."""
+    seen = []
+    monkeypatch.setattr(module, "ptr", lambda t, align=16: ("ptr", t.data_ptr()))
+    monkeypatch.setattr(module, "current_stream", lambda: "stream")
+    monkeypatch.setattr(module, compile_name, lambda *settings: lambda *a: seen.append(a))
+    host.launch(*args)
+    (call,) = seen
+    names = list(inspect.signature(kernel_cls.__call__).parameters)[1:]
+    assert len(names) == len(call)
+    return {n: _value(v) for n, v in zip(names, call)}
+
+
+def test_eager_launches_pass_each_tensor_to_its_kernel_argument(monkeypatch):
+    """The host-to-kernel plumbing of the hosts a CPU can build, against the
+    names of their kernels' launch signatures."""
+    from dspark_cute.cutedsl.attention import direct, staged
+    from dspark_cute.cutedsl.attention import paged as paged_module
+    from dspark_cute.cutedsl.gating import mlp_activation as act_module
+    from dspark_cute.cutedsl.gating import o_gate as gate_module
+
+    act, gate, attn = _hosts()
+    gu, out = torch.randn(3, 512).bfloat16(), torch.empty(3, 256, dtype=torch.bfloat16)
+    got = _recorded_call(monkeypatch, act_module, "compile_mlp_activation", act_module.MlpActivationKernel, act,
+                         gu, out)
+    assert got == {"gu": ("ptr", gu.data_ptr()), "out": ("ptr", out.data_ptr()), "m": 3, "stream": "stream"}
+
+    qkv = torch.randn(2, 3 * 256).bfloat16()
+    a, g, o = torch.randn(2, 256).bfloat16(), qkv[:, 512:], torch.empty(2, 256, dtype=torch.bfloat16)
+    got = _recorded_call(monkeypatch, gate_module, "compile_o_gate", gate_module.OGateKernel, gate, a, g, o)
+    assert got == {"attn": ("ptr", a.data_ptr()), "gate": ("ptr", g.data_ptr()), "out": ("ptr", o.data_ptr()),
+                   "m": 2, "gate_stride": 768, "stream": "stream"}
+
+    q = torch.randn(2, 8, 64).bfloat16()
+    cache = torch.randn(5, 2, 16, 128).bfloat16()
+    slots = torch.zeros(2, 7, dtype=torch.int64)
+    out = torch.empty_like(q)
+    monkeypatch.setattr(paged_module, "current_stream", lambda: "stream")
+    seen = []
+    monkeypatch.setattr(attn, "_compiled", lambda: lambda *args: seen.append(args))
+    attn.launch(q, cache, slots, out)
+    kernel_cls = staged.StagedAttentionKernel if attn.takes_strided_q else direct.DirectAttentionKernel
+    names = list(inspect.signature(kernel_cls.__call__).parameters)[1:]
+    got = {n: _value(v) for n, v in zip(names, seen[0])}
+    expected = {"q": q.data_ptr(), "cache": cache.data_ptr(), "slots": slots.data_ptr(), "out": out.data_ptr(),
+                "m": 2, "s_len": 7, "num_slots": 5 * 16, "stream": "stream"}
+    if attn.takes_strided_q:
+        expected.update(q_stride=512, gate=0, gate_stride=0)
+    assert len(names) == len(seen[0]) and got == expected
+
+
+def _cpu_operands(monkeypatch, module):
+    """Let ``module``'s host class take CPU tensors (its operand checks
+    are CUDA-only; what they check is the GPU suites')."""
+    monkeypatch.setattr(module, "check_operand", lambda *args, **kwargs: None)
+    if hasattr(module, "is_operand"):
+        monkeypatch.setattr(module, "is_operand", lambda *args, **kwargs: True)
+
+
+def test_eager_launches_of_bound_hosts_pass_their_tensors(monkeypatch):
+    """The plumbing of the hosts that bind weights (row norm, boundary,
+    context norms, QKV epilogue, GEMV), built over CPU tensors with their
+    CUDA checks relaxed, against their kernels' launch signatures."""
+    from dspark_core.contracts.constants import (
+        BoundaryConstants,
+        ContextNormConstants,
+        GemvConstants,
+        NormConstants,
+        QKVFrontConstants,
+        RowNormConstants,
+    )
+    from dspark_cute.cutedsl.gemm import gemv as gemv_module
+    from dspark_cute.cutedsl.norms import boundary as boundary_module
+    from dspark_cute.cutedsl.norms import context_norms as context_module
+    from dspark_cute.cutedsl.norms import row_norm as row_module
+    from dspark_cute.cutedsl.qkv import epilogue as epilogue_module
+
+    h = 2048
+    norm = NormConstants(1e-6, "bf16", 0.0, False)
+    w = torch.randn(h).bfloat16()
+    x = torch.randn(3, h).bfloat16()
+
+    _cpu_operands(monkeypatch, row_module)
+    row = row_module.RowNorm(RowNormConstants(h, norm, "bf16", "bf16"), w, pdl=False)
+    out = torch.empty_like(x)
+    got = _recorded_call(monkeypatch, row_module, "compile_row_norm", row_module.RowNormKernel, row, x, out)
+    assert got == {"x": ("ptr", x.data_ptr()), "weight": ("ptr", w.data_ptr()), "out": ("ptr", out.data_ptr()),
+                   "m": 3, "stream": "stream"}
+
+    _cpu_operands(monkeypatch, boundary_module)
+    alpha, beta, w2 = torch.rand(h), torch.randn(h), torch.randn(h).bfloat16()
+    bd = boundary_module.DraftBoundary(BoundaryConstants(h, norm, norm), alpha, beta, w, w2, pdl=False)
+    stream, out, new = torch.randn(3, h), torch.empty_like(x), torch.empty(3, h)
+    got = _recorded_call(monkeypatch, boundary_module, "compile_boundary", boundary_module.BoundaryKernel, bd,
+                         x, stream, True, out, new)
+    assert got == {"branch": ("ptr", x.data_ptr()), "stream": ("ptr", stream.data_ptr()),
+                   "alpha": ("ptr", alpha.data_ptr()), "beta": ("ptr", beta.data_ptr()),
+                   "post_w": ("ptr", w.data_ptr()), "pre_w": ("ptr", w2.data_ptr()),
+                   "new_stream": ("ptr", new.data_ptr()), "out": ("ptr", out.data_ptr()), "m": 3,
+                   "cu_stream": "stream"}
+
+    _cpu_operands(monkeypatch, context_module)
+    pres = torch.randn(2, h).bfloat16()
+    ctx = context_module.ContextNorms(ContextNormConstants(h, 2, norm, norm), w, pres, pdl=False)
+    out = torch.empty(2, 3, h, dtype=torch.bfloat16)
+    got = _recorded_call(monkeypatch, context_module, "compile_context_norms", context_module.ContextNormsKernel,
+                         ctx, x, out)
+    assert got == {"x": ("ptr", x.data_ptr()), "hidden_w": ("ptr", w.data_ptr()), "pre_w": ("ptr", pres.data_ptr()),
+                   "out": ("ptr", out.data_ptr()), "m": 3, "stream": "stream"}
+
+    monkeypatch.setattr(epilogue_module, "is_operand", lambda *args, **kwargs: True)
+    table = torch.randn(100, 64).bfloat16()
+    epi = epilogue_module.QKVEpilogue(QKVFrontConstants(h, 4, 2, False, 1e-6, 1e-6, True, "bf16"), None, table,
+                                      pdl=False)
+    qkv = torch.randn(3, (2 * 4 + 2 * 2) * 64).bfloat16()
+    positions, slots = torch.arange(3), torch.arange(3)
+    cache = torch.zeros(6, 2, 16, 128).bfloat16()
+    seen = []
+    monkeypatch.setattr(epilogue_module, "current_stream", lambda: "stream")
+    monkeypatch.setattr(epilogue_module, "compile_qkv_epilogue", lambda *settings: lambda *a: seen.append(a))
+    q = epi.launch(qkv, positions, slots, cache)
+    names = list(inspect.signature(epilogue_module.QKVEpilogueKernel.__call__).parameters)[1:]
+    assert {n: _value(v) for n, v in zip(names, seen[0])} == {
+        "qkv": qkv.data_ptr(), "table": table.data_ptr(), "positions": positions.data_ptr(),
+        "slots": slots.data_ptr(), "cache": cache.data_ptr(), "row_elems": qkv.shape[1], "num_slots": 6 * 16,
+        "block_size": 16, "max_position": 100, "m": 3, "stream": "stream"}
+    assert q.shape == (3, 4, 64) and q.data_ptr() == qkv.data_ptr()
+
+    weight = torch.randn(1024, h).bfloat16()
+    monkeypatch.setattr(gemv_module, "gemv_unsupported", lambda w: None)
+    _cpu_operands(monkeypatch, gemv_module)
+    gv = gemv_module.Gemv(GemvConstants("o_proj", 1024, h), weight, pdl=False)
+    xo, out = torch.randn(1, h).bfloat16(), torch.empty(1, 1024, dtype=torch.bfloat16)
+    seen = []
+    monkeypatch.setattr(gemv_module, "current_stream", lambda: "stream")
+    monkeypatch.setattr(gv, "_kernel", lambda: lambda *a: seen.append(a))
+    gv.launch(xo, out)
+    names = list(inspect.signature(gemv_module.GemvKernel.__call__).parameters)[1:]
+    assert {n: _value(v) for n, v in zip(names, seen[0])} == {
+        "x": xo.data_ptr(), "weight": weight.data_ptr(), "out": out.data_ptr(), "stream": "stream"}
