@@ -346,3 +346,59 @@ def test_eager_launches_of_bound_hosts_pass_their_tensors(monkeypatch):
     names = list(inspect.signature(gemv_module.GemvKernel.__call__).parameters)[1:]
     assert {n: _value(v) for n, v in zip(names, seen[0])} == {
         "x": xo.data_ptr(), "weight": weight.data_ptr(), "out": out.data_ptr(), "stream": "stream"}
+
+
+def test_eager_launches_of_the_front_and_the_context_store_pass_their_tensors(monkeypatch):
+    """The same for the QKV front (its skinny GEMM's operands and the
+    epilogue's) and the context store (its per-layer address tuples, padded
+    to ``MAX_LAYERS_PER_LAUNCH``, a layer without slots left out)."""
+    from dspark_core.contracts.constants import ContextStoreConstants, QKVFrontConstants
+    from dspark_cute.cutedsl.context import store as store_module
+    from dspark_cute.cutedsl.qkv import front as front_module
+
+    h = 2048
+    _cpu_operands(monkeypatch, front_module)
+    c = QKVFrontConstants(h, 4, 2, False, 1e-6, 1e-6, True, "fp32")
+    rows = (2 * 4 + 2 * 2) * 64
+    weight, table = torch.randn(rows, h).bfloat16(), torch.randn(100, 64)
+    front = front_module.QKVFront(c, weight, None, table, pdl=False)
+    x, positions, slots = torch.randn(3, h).bfloat16(), torch.arange(3), torch.arange(3)
+    cache, out = torch.zeros(6, 2, 16, 128).bfloat16(), torch.empty(3, rows, dtype=torch.bfloat16)
+    seen = []
+    monkeypatch.setattr(front_module, "ptr", lambda t, align=16: ("ptr", t.data_ptr()))
+    monkeypatch.setattr(front_module, "_i64_ptr", lambda t: ("ptr", t.data_ptr()))
+    monkeypatch.setattr(front_module, "current_stream", lambda: "stream")
+    monkeypatch.setattr(front, "_kernel", lambda m, raw=False: lambda *a: seen.append((m, raw, a)))
+    assert front.launch(x, positions, slots, cache, out) is out
+    m, raw, call = seen[0]
+    names = list(inspect.signature(front_module.QKVFrontKernel.__call__).parameters)[1:]
+    assert (m, raw) == (3, False) and {n: _value(v) for n, v in zip(names, call)} == {
+        "x": ("ptr", x.data_ptr()), "weight": ("ptr", weight.data_ptr()), "table": ("ptr", table.data_ptr()),
+        "positions": ("ptr", positions.data_ptr()), "slots": ("ptr", slots.data_ptr()),
+        "cache": ("ptr", cache.data_ptr()), "out": ("ptr", out.data_ptr()), "m": 3, "num_slots": 6 * 16,
+        "block_size": 16, "max_pos": 100, "stream": "stream"}
+
+    monkeypatch.setattr(store_module, "_is_cuda_tensor", lambda t, dtype, device: isinstance(t, torch.Tensor))
+    table = torch.randn(50, 64).bfloat16()
+    store = store_module.ContextKvStore(ContextStoreConstants(2, 1e-6, True, "bf16"), table, pdl=False)
+    layers, t = 3, 5
+    kv = torch.randn(layers, t, 2 * 2 * 64).bfloat16()
+    caches = [torch.zeros(4, 2, 16, 128).bfloat16() for _ in range(layers)]
+    per_layer = [torch.arange(t), None, torch.arange(2)]
+    positions = torch.arange(t)
+    seen = []
+    monkeypatch.setattr(store_module, "current_stream", lambda: "stream")
+    monkeypatch.setattr(store_module, "compile_context_store", lambda *settings: lambda *a: seen.append(a))
+    store.launch(kv, positions, caches, per_layer)
+    names = list(inspect.signature(store_module.ContextStoreKernel.__call__).parameters)[1:]
+    (call,) = seen
+    got = {n: (tuple(_value(x) for x in v) if isinstance(v, tuple) else _value(v)) for n, v in zip(names, call)}
+    pad = store_module.MAX_LAYERS_PER_LAUNCH - 2
+    layer_bytes = t * 2 * 2 * store_module.HEAD_BYTES
+    assert got == {
+        "positions": positions.data_ptr(), "table": table.data_ptr(),
+        "kv": (kv.data_ptr(), kv.data_ptr() + 2 * layer_bytes) + (0,) * pad,
+        "caches": (caches[0].data_ptr(), caches[2].data_ptr()) + (0,) * pad,
+        "slots": (per_layer[0].data_ptr(), per_layer[2].data_ptr()) + (0,) * pad,
+        "rows": (t, 2) + (0,) * pad, "num_slots": 4 * 16, "block_size": 16, "max_position": 50,
+        "groups": -(-t // store_module.WARPS_PER_CTA), "layers": 2, "stream": "stream"}
