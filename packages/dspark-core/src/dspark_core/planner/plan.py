@@ -132,9 +132,12 @@ def _reason_index(reasons: dict[str, list[str]], part: Part) -> int:
 
 
 def _kernel_missing(target: Target, *kernels: str) -> str | None:
+    """Why the kernels are not there for a part: an opt-in not asked for
+    (first, whatever else holds), excluded, or not installed; None if they are."""
     for kernel in kernels:
         if kernel in target.declined:
             return policy.OPT_IN[kernel]
+    for kernel in kernels:
         if kernel in target.excluded:
             return f"the caller excluded the {kernel} kernel"
         if kernel not in target.kernels:
@@ -156,13 +159,11 @@ def _with_kernels(part: Part, target: Target, *kernels: str) -> Part:
     ask for makes it "not asked for" whether or not it would fuse (so the
     count of parts asked for is the same for every deployment); a kernel
     excluded or not installed makes a fusable part stock."""
-    for kernel in kernels:
-        if kernel in target.declined:
-            return Part(part.name, reason=policy.OPT_IN[kernel])
     missing = _kernel_missing(target, *kernels)
-    if part.fused and missing:
-        return Part(part.name, reason=missing)
-    return part
+    if missing is None:
+        return part
+    stock = Part(part.name, reason=missing)
+    return stock if part.fused or stock.declined else part
 
 
 def draft_unsupported(draft: DraftDescription, target: Target) -> str | None:
