@@ -138,7 +138,12 @@ def _private(path: Path, is_dir: bool) -> str | None:
     return None
 
 
-def _ready(root: Path) -> bool:
+def _root() -> Path | None:
+    """The cache directory, created private, or None where the cache is off
+    or the directory may not be trusted (logged once)."""
+    root = directory()
+    if root is None:
+        return None
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         why = _private(root, True)
@@ -146,20 +151,23 @@ def _ready(root: Path) -> bool:
         why = f"cannot create {root}: {error}"
     if why:
         _warn_once(f"{why}; compiling in memory")
-        return False
-    return True
+        return None
+    return root
 
 
 def load(cache_key: str):
     """The compiled kernel stored under ``cache_key``, or None (a miss, an
     untrusted or unreadable file: logged)."""
-    root = directory()
-    if root is None or not _ready(root):
+    root = _root()
+    if root is None:
         return None
     path = root / f"{cache_key}.o"
-    if not path.exists():
+    try:
+        why = _private(path, False)
+    except FileNotFoundError:
         return None
-    why = _private(path, False)
+    except OSError as error:
+        why = f"cannot read {path}: {error}"
     if why:
         _warn_once(f"{why}; compiling in memory")
         return None
@@ -175,8 +183,8 @@ def load(cache_key: str):
 
 def store(cache_key: str, compiled) -> None:
     """Write ``compiled`` under ``cache_key`` (atomically; failures logged)."""
-    root = directory()
-    if root is None or not _ready(root):
+    root = _root()
+    if root is None:
         return
     path = root / f"{cache_key}.o"
     tmp = root / f".{cache_key}.{os.getpid()}.tmp"
