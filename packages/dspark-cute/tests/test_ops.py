@@ -199,9 +199,18 @@ def test_a_handle_without_a_live_host_raises():
 
 
 def _value(v):
-    """A launch argument as a plain value: a DSL scalar's int; pointer and
-    stream stand-ins as they are."""
-    return v if isinstance(v, (tuple, str)) else int(v)
+    """A launch argument as a plain value: a DSL scalar's int, a tuple of
+    them as a tuple of ints; pointer and stream stand-ins as they are."""
+    if isinstance(v, str) or (isinstance(v, tuple) and v[:1] == ("ptr",)):
+        return v
+    return tuple(int(x) for x in v) if isinstance(v, tuple) else int(v)
+
+
+def _named(kernel_cls, args) -> dict:
+    """A launch's arguments by the names of ``kernel_cls.__call__`` (one each)."""
+    names = list(inspect.signature(kernel_cls.__call__).parameters)[1:]
+    assert len(names) == len(args)
+    return {n: _value(v) for n, v in zip(names, args)}
 
 
 def _recorded_call(monkeypatch, module, compile_name, kernel_cls, host, *args):
@@ -214,9 +223,7 @@ def _recorded_call(monkeypatch, module, compile_name, kernel_cls, host, *args):
     monkeypatch.setattr(module, compile_name, lambda *settings: lambda *a: seen.append(a))
     host.launch(*args)
     (call,) = seen
-    names = list(inspect.signature(kernel_cls.__call__).parameters)[1:]
-    assert len(names) == len(call)
-    return {n: _value(v) for n, v in zip(names, call)}
+    return _named(kernel_cls, call)
 
 
 def test_eager_launches_pass_each_tensor_to_its_kernel_argument(monkeypatch):
@@ -248,13 +255,12 @@ def test_eager_launches_pass_each_tensor_to_its_kernel_argument(monkeypatch):
     monkeypatch.setattr(attn, "_compiled", lambda: lambda *args: seen.append(args))
     attn.launch(q, cache, slots, out)
     kernel_cls = staged.StagedAttentionKernel if attn.takes_strided_q else direct.DirectAttentionKernel
-    names = list(inspect.signature(kernel_cls.__call__).parameters)[1:]
-    got = {n: _value(v) for n, v in zip(names, seen[0])}
+    got = _named(kernel_cls, seen[0])
     expected = {"q": q.data_ptr(), "cache": cache.data_ptr(), "slots": slots.data_ptr(), "out": out.data_ptr(),
                 "m": 2, "s_len": 7, "num_slots": 5 * 16, "stream": "stream"}
     if attn.takes_strided_q:
         expected.update(q_stride=512, gate=0, gate_stride=0)
-    assert len(names) == len(seen[0]) and got == expected
+    assert got == expected
 
 
 def _cpu_operands(monkeypatch, module):
@@ -327,8 +333,7 @@ def test_eager_launches_of_bound_hosts_pass_their_tensors(monkeypatch):
     monkeypatch.setattr(epilogue_module, "current_stream", lambda: "stream")
     monkeypatch.setattr(epilogue_module, "compile_qkv_epilogue", lambda *settings: lambda *a: seen.append(a))
     q = epi.launch(qkv, positions, slots, cache)
-    names = list(inspect.signature(epilogue_module.QKVEpilogueKernel.__call__).parameters)[1:]
-    assert {n: _value(v) for n, v in zip(names, seen[0])} == {
+    assert _named(epilogue_module.QKVEpilogueKernel, seen[0]) == {
         "qkv": qkv.data_ptr(), "table": table.data_ptr(), "positions": positions.data_ptr(),
         "slots": slots.data_ptr(), "cache": cache.data_ptr(), "row_elems": qkv.shape[1], "num_slots": 6 * 16,
         "block_size": 16, "max_position": 100, "m": 3, "stream": "stream"}
@@ -343,8 +348,7 @@ def test_eager_launches_of_bound_hosts_pass_their_tensors(monkeypatch):
     monkeypatch.setattr(gemv_module, "current_stream", lambda: "stream")
     monkeypatch.setattr(gv, "_kernel", lambda: lambda *a: seen.append(a))
     gv.launch(xo, out)
-    names = list(inspect.signature(gemv_module.GemvKernel.__call__).parameters)[1:]
-    assert {n: _value(v) for n, v in zip(names, seen[0])} == {
+    assert _named(gemv_module.GemvKernel, seen[0]) == {
         "x": xo.data_ptr(), "weight": weight.data_ptr(), "out": out.data_ptr(), "stream": "stream"}
 
 
@@ -371,8 +375,7 @@ def test_eager_launches_of_the_front_and_the_context_store_pass_their_tensors(mo
     monkeypatch.setattr(front, "_kernel", lambda m, raw=False: lambda *a: seen.append((m, raw, a)))
     assert front.launch(x, positions, slots, cache, out) is out
     m, raw, call = seen[0]
-    names = list(inspect.signature(front_module.QKVFrontKernel.__call__).parameters)[1:]
-    assert (m, raw) == (3, False) and {n: _value(v) for n, v in zip(names, call)} == {
+    assert (m, raw) == (3, False) and _named(front_module.QKVFrontKernel, call) == {
         "x": ("ptr", x.data_ptr()), "weight": ("ptr", weight.data_ptr()), "table": ("ptr", table.data_ptr()),
         "positions": ("ptr", positions.data_ptr()), "slots": ("ptr", slots.data_ptr()),
         "cache": ("ptr", cache.data_ptr()), "out": ("ptr", out.data_ptr()), "m": 3, "num_slots": 6 * 16,
@@ -390,9 +393,8 @@ def test_eager_launches_of_the_front_and_the_context_store_pass_their_tensors(mo
     monkeypatch.setattr(store_module, "current_stream", lambda: "stream")
     monkeypatch.setattr(store_module, "compile_context_store", lambda *settings: lambda *a: seen.append(a))
     store.launch(kv, positions, caches, per_layer)
-    names = list(inspect.signature(store_module.ContextStoreKernel.__call__).parameters)[1:]
     (call,) = seen
-    got = {n: (tuple(_value(x) for x in v) if isinstance(v, tuple) else _value(v)) for n, v in zip(names, call)}
+    got = _named(store_module.ContextStoreKernel, call)
     pad = store_module.MAX_LAYERS_PER_LAUNCH - 2
     layer_bytes = t * 2 * 2 * store_module.HEAD_BYTES
     assert got == {
