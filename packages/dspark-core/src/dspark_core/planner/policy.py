@@ -26,6 +26,7 @@ from dspark_core.contracts.kernels import (  # noqa: F401
     WEIGHT_PREFETCH,
     installed_kernels,
 )
+from dspark_core.switches import flag
 
 # The architectures the kernels are compiled for.
 ARCHS = ("sm_90a", "sm_100a")
@@ -243,8 +244,10 @@ class Target:
 def asked_opt_ins(qkv_front: bool = False, gemv: bool = False, package_gemm: bool = False) -> frozenset[str]:
     """The opt-in kernels (``OPT_IN``) a caller's switches ask for: the fused
     QKV front, the one-token GEMV and the package GEMM (``Target.opt_in``
-    declines the rest)."""
-    return frozenset(k for k, yes in ((QKV_FRONT, qkv_front), (GEMV, gemv), (PACKAGE_GEMM, package_gemm)) if yes)
+    declines the rest). TypeError for a switch that is not a bool."""
+    switched = ((QKV_FRONT, flag(qkv_front, "qkv_front")), (GEMV, flag(gemv, "gemv")),
+                (PACKAGE_GEMM, flag(package_gemm, "package_gemm")))
+    return frozenset(k for k, yes in switched if yes)
 
 
 def device_target(device, tp: int = 1, kernels: frozenset[str] | None = None) -> Target:

@@ -32,12 +32,12 @@ the stock forward.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Protocol
 
 import torch
 
+from dspark_core import switches
 from dspark_core.contracts.kernels import kernel_class
 from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, Part, plan_draft
@@ -433,15 +433,6 @@ def draft_plan(draft: DraftDescription, tp: int = 1, exclude=frozenset(), attent
     return plan_draft(draft, target.replace(attention=attention))
 
 
-def _switch(value: bool | None, env: str) -> bool:
-    if value is not None:
-        return bool(value)
-    text = os.environ.get(env, "0")
-    if text not in ("", "0", "1"):
-        raise ValueError(f"{env} must be 0 or 1, not {text!r}")
-    return text == "1"
-
-
 def build_draft_decode(
     draft: DraftDescription,
     all_reduce: AllReduceBoundaries | None = None,
@@ -462,7 +453,7 @@ def build_draft_decode(
     the opt-in kernels (module docstring). ``attention_variant`` (default
     ``DSPARK_ATTENTION`` or "staged"): ``policy.ATTENTION_VARIANTS``.
     ``prefetch`` (default: on at TP1, off with ``all_reduce``;
-    ``DSPARK_PREFETCH=0``/``1`` overrides; a dict: bytes a row per weight
+    ``DSPARK_PREFETCH``, a ``dspark_core.switches`` word, overrides; a dict: bytes a row per weight
     role) turns on the L2 prefetch of each GEMM's weight during the kernels
     before it (it changes no value). ``kernels``: host classes by kernel name
     instead of the installed backends'.
@@ -475,21 +466,22 @@ def build_draft_decode(
         raise ValueError(f"a TP{draft.tp} shard of the draft needs its all-reduce boundaries (all_reduce=...)")
     if all_reduce is not None and draft.tp > 1 and all_reduce.tp != draft.tp:
         raise ValueError(f"TP{all_reduce.tp} all-reduce boundaries for a TP{draft.tp} shard")
-    variant = attention_variant or os.environ.get("DSPARK_ATTENTION", "staged")
+    variant = attention_variant
+    if variant is None:
+        variant = switches.env_choice("DSPARK_ATTENTION", policy.ATTENTION_VARIANTS, "staged")
     if variant not in policy.ATTENTION_VARIANTS:
         raise ValueError(f"an attention variant is one of {policy.ATTENTION_VARIANTS}, not {variant!r}")
+    if prefetch is not None and not isinstance(prefetch, (bool, dict)):
+        raise TypeError(f"prefetch must be None, True, False or a dict of bytes per role, not {prefetch!r}")
     names = frozenset(kernels) if kernels is not None else None
     plan = draft_plan(draft, all_reduce.tp if all_reduce is not None else 1, exclude, variant,
-                      _switch(qkv_front, "DSPARK_QKV_FRONT"), _switch(gemv, "DSPARK_GEMV"),
-                      _switch(package_gemm, "DSPARK_PACKAGE_GEMM"), names)
+                      switches.switch(qkv_front, "DSPARK_QKV_FRONT"), switches.switch(gemv, "DSPARK_GEMV"),
+                      switches.switch(package_gemm, "DSPARK_PACKAGE_GEMM"), names)
+    if prefetch is None:
+        prefetch = switches.env_flag("DSPARK_PREFETCH", all_reduce is None)
     if plan.draft_reason is not None:
         log.warning("the DSpark draft keeps its stock layers: %s", plan.draft_reason)
         return None
-    env = os.environ.get("DSPARK_PREFETCH", "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"DSPARK_PREFETCH must be 0 or 1, not {env!r}")
-    if prefetch is None:
-        prefetch = env == "1" if env else all_reduce is None
     if prefetch is True:
         prefetch = DEFAULT_PREFETCH
     decode = DraftDecode(draft, plan, all_reduce, prefetch=prefetch or None, kernels=kernels)

@@ -1,0 +1,102 @@
+"""DSpark's switches, parsed strictly: a switch means what it says or is refused.
+
+A Python switch (``build_draft_decode(gemv=...)``, ``qkv_front=...``) is a
+``bool``: any other value, the string ``"0"`` or ``"no"`` included, is a
+TypeError (a non-empty string is truthy, so ``gemv="0"`` would turn the GEMV
+on). An environment switch (``DSPARK_GEMV``, ``DSPARK_PREFETCH``, ...) is one
+of the words in ``ON`` or ``OFF`` (case and surrounding blanks ignored); unset
+or empty leaves the caller's default; anything else is a ValueError naming the
+accepted words. ``DSPARK_KERNEL_CACHE`` (``cache_setting``) also takes a
+directory, written as an absolute path or ``~/...``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+ON = ("1", "true", "on", "yes")
+OFF = ("0", "false", "off", "no")
+
+
+def flag(value: object, name: str) -> bool:
+    """``value`` if it is a bool; TypeError naming ``name`` otherwise."""
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r}")
+
+
+def _words() -> str:
+    return f"one of {', '.join(ON)} (on) or {', '.join(OFF)} (off)"
+
+
+def _text(name: str, environ: Mapping[str, str] | None) -> str | None:
+    """The variable's value stripped, or None where it is unset or empty."""
+    text = (os.environ if environ is None else environ).get(name)
+    if text is None or not text.strip():
+        return None
+    return text.strip()
+
+
+def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """The environment switch ``name``: True for ``ON``'s words, False for
+    ``OFF``'s, ``default`` where unset or empty; ValueError otherwise."""
+    text = _text(name, environ)
+    if text is None:
+        return default
+    if text.lower() in ON:
+        return True
+    if text.lower() in OFF:
+        return False
+    raise ValueError(f"{name} must be {_words()}, not {text!r}")
+
+
+def switch(value: object, env: str, default: bool = False, environ: Mapping[str, str] | None = None) -> bool:
+    """A caller's switch ``value`` (a bool; None: the environment's ``env``,
+    else ``default``)."""
+    if value is None:
+        return env_flag(env, default, environ)
+    return flag(value, env.removeprefix("DSPARK_").lower())
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str, environ: Mapping[str, str] | None = None) -> str:
+    """The environment setting ``name``: one of ``choices`` (exactly as
+    written, surrounding blanks ignored), ``default`` where unset or empty;
+    ValueError otherwise."""
+    text = _text(name, environ)
+    if text is None:
+        return default
+    if text not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {text!r}")
+    return text
+
+
+def cache_setting(name: str, default: Path, environ: Mapping[str, str] | None = None) -> Path | None:
+    """A cache switch that also takes a directory: None (off) where ``name``
+    is unset, empty or one of ``OFF``'s words; ``default`` for ``ON``'s words;
+    the directory for an absolute path or ``~/...``, normalized. ValueError
+    for a relative path or any other word (a word is not a directory name,
+    and a relative one would follow the working directory), and for the home
+    directory or any directory above it (``~``, ``~/.``, ``/``): a cache
+    writes its files into a directory of its own."""
+    text = _text(name, environ)
+    if text is None or text.lower() in OFF:
+        return None
+    if text.lower() in ON:
+        return default
+    home = Path(os.path.normpath(os.path.expanduser("~")))
+    path = None
+    if text.startswith("~/"):
+        path = Path(os.path.normpath(home / text[2:]))
+    elif os.path.isabs(text):
+        path = Path(os.path.normpath(text))
+    if path is None:
+        raise ValueError(f"{name} must be {_words()}, or an absolute directory (or ~/dir), not {text!r}")
+    if home.is_relative_to(path):
+        raise ValueError(f"{name} names {path}, the home directory or one above it; name a directory of its "
+                         "own (for instance ~/.cache/dspark/kernels)")
+    return path
+
+
+__all__ = ["OFF", "ON", "cache_setting", "env_choice", "env_flag", "flag", "switch"]
