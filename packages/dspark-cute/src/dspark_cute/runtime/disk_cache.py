@@ -1,12 +1,17 @@
 """The on-disk cache of compiled kernels behind ``host.jit_cache`` (opt-in).
 
-``DSPARK_KERNEL_CACHE=1`` (or a directory) turns it on; the default
-directory is ``$XDG_CACHE_HOME/dspark/kernels`` (``~/.cache/dspark/kernels``).
-A compile then looks for ``<dir>/<key>.o`` first and loads it
-(``cutlass.cute.runtime.load_module``) instead of tracing and compiling; a
-miss compiles and writes the object (``dump_to_object``: the host launcher
-and the cubin) for the next process, so TP ranks and restarts compile each
-variant once.
+``DSPARK_KERNEL_CACHE`` turns it on (``dspark_core.switches.cache_setting``):
+unset, empty, ``0``, ``false``, ``off`` or ``no`` leave it off; ``1``,
+``true``, ``on`` or ``yes`` use the default directory,
+``$XDG_CACHE_HOME/dspark/kernels`` where ``XDG_CACHE_HOME`` is an absolute
+path (the XDG rule: a relative one is ignored), else
+``~/.cache/dspark/kernels``; an absolute path or ``~/dir`` names the
+directory. Any other value (``~`` alone, a relative path, another word) is a
+ValueError at the first compile. A compile then looks for ``<dir>/<key>.o``
+first and loads it (``cutlass.cute.runtime.load_module``) instead of tracing
+and compiling; a miss compiles and writes the object (``dump_to_object``: the
+host launcher and the cubin) for the next process, so TP ranks and restarts
+compile each variant once.
 
 The key is the SHA-256 of: the compile function (module and name), its
 settings (constants by their stable ``key()``, dataclasses field by field,
@@ -16,10 +21,25 @@ installed DSpark kernel package (any edit misses), the CuTe DSL and Python
 versions, and the target (``CUTE_DSL_ARCH``, the current GPU's compute
 capability).
 
-An object file is code this process will run, so a directory or file that is
-not this user's or that group or others may write is refused (logged once;
-the variant compiles in memory). A file that fails to load is logged and
-compiled over. The cache never turns a compile into an error.
+An object file is code this process will run, so the cache trusts only
+what this user alone controls:
+
+- the directory and every file in it must be this user's, a real directory
+  or regular file (a link is not followed), and not writable by group or
+  others;
+- every directory above it (its real path, up to ``/``) must belong to this
+  user or root and not be writable by group or others, unless it has the
+  sticky bit (``/tmp``: others may create entries there but not rename or
+  remove this user's, so the private directory inside stays this user's);
+- each object's SHA-256 is written beside it (``<key>.sha256``, after the
+  object, both atomically) and checked against the object's bytes before it
+  is loaded: a truncated, torn or bit-flipped file is refused and compiled
+  over. (The digest is a check against damage, not against this user: who
+  may write the directory may write both files.)
+
+A refusal is logged once with its reason and the variant compiles in memory
+(or over the refused file). Apart from a malformed ``DSPARK_KERNEL_CACHE``,
+the cache never turns a compile into an error.
 """
 
 from __future__ import annotations
@@ -36,6 +56,8 @@ from pathlib import Path
 
 import torch
 
+from dspark_core import switches
+
 log = logging.getLogger("dspark.cute")
 _PACKAGES = ("dspark_core", "dspark_cute", "dspark_comm")
 _warned: set[str] = set()
@@ -45,16 +67,20 @@ class _Unstable(Exception):
     """A compile setting with no form that is the same in another process."""
 
 
-def directory() -> Path | None:
-    """The cache directory, or None where ``DSPARK_KERNEL_CACHE`` is unset,
-    empty or "0"."""
-    value = os.environ.get("DSPARK_KERNEL_CACHE", "").strip()
-    if value in ("", "0"):
-        return None
-    if value != "1":
-        return Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+def default_directory() -> Path:
+    """``$XDG_CACHE_HOME/dspark/kernels`` for an absolute ``XDG_CACHE_HOME``,
+    else ``~/.cache/dspark/kernels``."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "dspark" / "kernels"
+
+
+def directory() -> Path | None:
+    """The cache directory named by ``DSPARK_KERNEL_CACHE`` (module
+    docstring), or None where the cache is off; ValueError for a value that
+    is neither a switch word nor an absolute directory."""
+    return switches.cache_setting("DSPARK_KERNEL_CACHE", default_directory())
 
 
 def _warn_once(message: str) -> None:
@@ -138,6 +164,19 @@ def _private(path: Path, is_dir: bool) -> str | None:
     return None
 
 
+def _parents_unsafe(root: Path) -> str | None:
+    """Why a directory above ``root`` (its real path) lets another user
+    replace ``root`` (None: none does): owned by someone other than this
+    user or root, or writable by group or others without the sticky bit."""
+    for parent in (root.parent.resolve(), *root.parent.resolve().parents):
+        st = parent.stat()
+        if st.st_uid not in (0, os.geteuid()):
+            return f"{parent}, above the cache, belongs to another user"
+        if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return f"group or others may write {parent}, above the cache (and it is not sticky)"
+    return None
+
+
 def _root() -> Path | None:
     """The cache directory, created private, or None where the cache is off
     or the directory may not be trusted (logged once)."""
@@ -146,7 +185,7 @@ def _root() -> Path | None:
         return None
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        why = _private(root, True)
+        why = _private(root, True) or _parents_unsafe(root)
     except OSError as error:
         why = f"cannot create {root}: {error}"
     if why:
@@ -155,13 +194,9 @@ def _root() -> Path | None:
     return root
 
 
-def load(cache_key: str):
-    """The compiled kernel stored under ``cache_key``, or None (a miss, an
-    untrusted or unreadable file: logged)."""
-    root = _root()
-    if root is None:
-        return None
-    path = root / f"{cache_key}.o"
+def _read_trusted(path: Path) -> bytes | None:
+    """``path``'s bytes, or None where it is missing (a miss); a reason
+    (``_Refused``) where it may not be trusted or read."""
     try:
         why = _private(path, False)
     except FileNotFoundError:
@@ -169,38 +204,76 @@ def load(cache_key: str):
     except OSError as error:
         why = f"cannot read {path}: {error}"
     if why:
-        _warn_once(f"{why}; compiling in memory")
+        raise _Refused(why)
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:  # removed since the check: a miss
+        return None
+    except OSError as error:
+        raise _Refused(f"cannot read {path}: {error}") from None
+
+
+class _Refused(Exception):
+    """A cache file that may not be loaded, with the reason."""
+
+
+def load(cache_key: str):
+    """The compiled kernel stored under ``cache_key``, or None (a miss; an
+    untrusted, unreadable, damaged or unloadable file: logged once)."""
+    root = _root()
+    if root is None:
+        return None
+    path = root / f"{cache_key}.o"
+    try:
+        data = _read_trusted(path)
+        if data is None:
+            return None
+        digest = _read_trusted(root / f"{cache_key}.sha256")
+        if digest is None or digest.decode("ascii", "replace").strip() != hashlib.sha256(data).hexdigest():
+            raise _Refused(f"{path.name} does not match its SHA-256 (damaged or torn)")
+    except _Refused as refused:
+        _warn_once(f"{refused}; compiling it again")
         return None
     try:
         import cutlass.cute as cute
 
         module = cute.runtime.load_module(str(path))
         return getattr(module, _prefix(cache_key))
-    except Exception as error:  # a torn, foreign or stale object: compile over it
+    except Exception as error:  # a foreign or stale object: compile over it
         _warn_once(f"{path.name} did not load ({type(error).__name__}: {error}); compiling it again")
         return None
 
 
-def store(cache_key: str, compiled) -> None:
-    """Write ``compiled`` under ``cache_key`` (atomically; failures logged)."""
-    root = _root()
-    if root is None:
-        return
-    path = root / f"{cache_key}.o"
-    tmp = root / f".{cache_key}.{os.getpid()}.tmp"
+def _write(root: Path, name: str, data: bytes) -> None:
+    """``root/name`` holds ``data`` (written to a private temporary file, then renamed over it)."""
+    tmp = root / f".{name}.{os.getpid()}.tmp"
     try:
-        data = compiled.dump_to_object(_prefix(cache_key))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, path)
-    except Exception as error:
-        _warn_once(f"could not write {path.name} ({type(error).__name__}: {error})")
+        os.replace(tmp, root / name)
+    finally:
         tmp.unlink(missing_ok=True)
+
+
+def store(cache_key: str, compiled) -> None:
+    """Write ``compiled`` under ``cache_key`` with its SHA-256, each
+    atomically (failures logged). The digest is written after the object: a
+    reader between the two sees a mismatch and compiles, never a loaded
+    object that was not checked."""
+    root = _root()
+    if root is None:
+        return
+    try:
+        data = compiled.dump_to_object(_prefix(cache_key))
+        _write(root, f"{cache_key}.o", data)
+        _write(root, f"{cache_key}.sha256", hashlib.sha256(data).hexdigest().encode() + b"\n")
+    except Exception as error:
+        _warn_once(f"could not write {cache_key}.o ({type(error).__name__}: {error})")
 
 
 def _prefix(cache_key: str) -> str:
     return f"dspark_{cache_key[:24]}"
 
 
-__all__ = ["directory", "key", "load", "store"]
+__all__ = ["default_directory", "directory", "key", "load", "store"]
