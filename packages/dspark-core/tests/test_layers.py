@@ -188,16 +188,35 @@ def test_rmsnorm_around_an_injected_rsqrt(arch, variant, rng, approx):
                        "rsqrt's input")
 
 
+def _tree_telling_rows(h: int) -> torch.Tensor:
+    """BF16 rows built so the two archs' row trees round differently (no
+    luck involved): in every thread's 32 elements the first (even) one is
+    ``1 + k/128`` and every odd one is ``2^-12`` (square ``2^-24``, half an
+    ulp of 1). sm_90a's leaves ``fma(e0, e0, e1^2)`` absorb each small
+    square into the big one, sm_100a sums the odd squares apart first and
+    keeps them, so each thread's sum, and the row's, differ by an ulp;
+    the rsqrt and the scaling keep that difference in some of the 16 rows."""
+    col = torch.arange(h)
+    idx = 8 * (col // 2048) + col % 8  # the thread's element index (numerics.thread_elements)
+    rows = torch.zeros(16, h)
+    rows[:, idx % 2 == 1] = 2.0 ** -12
+    rows[:, idx == 0] = (1 + torch.arange(16) / 128)[:, None]
+    return rows.to(torch.bfloat16)
+
+
 def test_rmsnorm_arch_follows_the_device_and_changes_bits(rng):
-    """``arch=None`` follows the input's device (a CPU tensor: sm_90a); the
-    two archs' trees give different bits on some rows (normal data)."""
+    """``arch=None`` follows the input's device (a CPU tensor: sm_90a) on
+    random rows; the two archs' trees give different bits on rows built to
+    tell them apart (``_tree_telling_rows``)."""
     h = 8192
     x = I.to_torch(I.random_in(rng, (64, h), "bf16", "normal"), "bf16")
     auto, a90, a100 = (L.RMSNorm(h, has_weight=False, out_dtype=torch.float32, arch=a)
                        for a in (None, "sm_90a", "sm_100a"))
     assert L.stock_arch("cpu") == "sm_90a"
     assert torch.equal(auto(x).view(torch.int32), a90(x).view(torch.int32))
-    assert (a90(x).view(torch.int32) != a100(x).view(torch.int32)).any()
+    built = _tree_telling_rows(h)
+    assert torch.equal(auto(built).view(torch.int32), a90(built).view(torch.int32))
+    assert (a90(built).view(torch.int32) != a100(built).view(torch.int32)).any()
 
 
 def test_rmsnorm_forward_out_dtype_and_leading_shape(rng):

@@ -230,3 +230,23 @@ def test_the_plan_cli_prints_the_plan_and_the_deployment_check(built, capsys):
     assert "9 of 15 parts fused" in out and "a KV cache of fp8: the context store inserts BF16 K and V" in out
     assert "needs:\n  - a bfloat16 model and a bfloat16 KV cache" in out
     assert main(["/nonexistent"]) == 2 and "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("isa", ["none", "avx512"])
+def test_the_plan_of_an_fp8_cache_does_not_depend_on_the_host_cpu(built, capsys, monkeypatch, isa):
+    """vLLM's CPU attention backend refuses an fp8 KV cache on an x86 CPU
+    without AVX-512 or AMX; the plan of an H200 deployment is the same
+    whatever ISA the host that prints it reports."""
+    import torch
+
+    from dspark_vllm.plan import main
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: isa == "avx512")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    draft_dir = built.config.speculative_config.draft_model_config.model
+    assert main([draft_dir, "--kv-cache-dtype", "fp8", "--kernels", "all"]) == 0
+    out = capsys.readouterr().out
+    assert "a KV cache of fp8: the context store inserts BF16 K and V" in out
+    assert "a KV cache of fp8: the kernels insert BF16 K and V" in out
+    assert main([draft_dir, "--kv-cache-dtype", "fp9"]) == 2
+    assert "fp9" in capsys.readouterr().err

@@ -105,8 +105,11 @@ def _config(draft: Path, target: Path, kv_cache_dtype: str):
     parallel = ParallelConfig()
     spec = SpeculativeConfig(method="dspark", model=str(draft), target_model_config=model,
                              target_parallel_config=parallel)
+    CacheConfig(cache_dtype=kv_cache_dtype)  # vLLM's own check of the name
+    # The cache dtype is applied after the build (_as_gpu_cache_dtype): the CPU platform's attention backend
+    # would judge an fp8 cache by this host's ISA.
     return VllmConfig(model_config=model, speculative_config=spec, parallel_config=parallel,
-                      device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(cache_dtype=kv_cache_dtype),
+                      device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(cache_dtype="auto"),
                       compilation_config=CompilationConfig(mode=0),
                       additional_config={"decode_backend": "latency_specialized"})
 
@@ -157,6 +160,21 @@ def build_meta_draft(config):
     return model
 
 
+def _as_gpu_cache_dtype(model, config, kv_cache_dtype: str) -> None:
+    """Give the built draft the KV cache dtype a GPU deployment has. The draft
+    is built on vLLM's CPU platform with an ``auto`` cache (``_config``):
+    that platform's attention backend refuses an fp8 cache on an x86 CPU
+    without AVX-512 or AMX (``cpu_attn._get_attn_isa``), which says nothing
+    about an H200. Each attention layer then takes ``kv_cache_dtype`` as its
+    ``Attention.__init__`` keeps it, and the cache config too, so the plan
+    and the deployment check read the asked dtype on any host."""
+    config.cache_config.cache_dtype = kv_cache_dtype
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.attn.kv_cache_dtype = kv_cache_dtype
+        attn.fused_qk_norm_rope_kv_insert = _fused_insert_as_on_gpu(attn)
+
+
 def plan_checkpoint(args):
     """``(plan, missing)`` of the parsed arguments: the DraftPlan and the deployment check's list."""
     from vllm.config import CUDAGraphMode
@@ -172,6 +190,7 @@ def plan_checkpoint(args):
         target = Path(args.target) if args.target else _stand_in_target(draft_config, args.target_layers, Path(tmp))
         config = _config(draft_dir, target, args.kv_cache_dtype)
         model = build_meta_draft(config)
+        _as_gpu_cache_dtype(model, config, args.kv_cache_dtype)
     draft = describe_vllm(model.model, config.cache_config.block_size or 16, GPU_ATTENTION_BACKEND,
                           args.kv_cache_layout)
     kernels = _names(args.kernels, policy.installed_kernels)
