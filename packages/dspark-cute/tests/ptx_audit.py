@@ -71,3 +71,33 @@ def spill_bytes(report: str, what: str = "spill stores") -> int:
     if what not in REPORT_BYTES:
         raise ValueError(f"a ptxas report counts the bytes of {', '.join(REPORT_BYTES)}, not {what!r}")
     return max((int(b) for b in re.findall(rf"(\d+) bytes {what}", report)), default=0)
+
+
+def assert_strides_address(body: str, params: list[int], what: str) -> None:
+    """Each kernel parameter in ``params`` (by index: the cache's byte
+    strides) is loaded once and enters 64-bit address arithmetic (an operand
+    of ``mad.lo.s64``, ``mul.lo.s64``, ``add.s64`` or ``shl.b64``): the cache
+    is addressed through its strides, not a layout fixed at compile time."""
+    for index in params:
+        loads = re.findall(rf"ld\.param\.\w+\s+(%rd\d+),\s*\[\w+_param_{index}\]", body)
+        assert len(loads) == 1, f"{what}: parameter {index} loaded {len(loads)} times"
+        uses = re.findall(rf"\b(?:mad\.lo\.s64|mul\.lo\.s64|add\.s64|shl\.b64)\s+[^;]*{re.escape(loads[0])}\b",
+                          body)
+        assert uses, f"{what}: stride parameter {index} ({loads[0]}) enters no address"
+
+
+def nvcc_ptx(body: str, workdir: str | Path, arch: str = "sm_90a") -> str | None:
+    """The PTX nvcc (no fast math) writes for the kernel ``extern "C"
+    __global__ void k(float* o, const float* i) { body }``, or None where no
+    nvcc is installed (``PATH``, then ``/usr/local/cuda*``)."""
+    nvcc = shutil.which("nvcc") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/nvcc"))), None)
+    if nvcc is None:
+        return None
+    workdir = Path(workdir)
+    src, out = workdir / "k.cu", workdir / "k.ptx"
+    src.write_text('extern "C" __global__ void k(float* o, const float* i) { ' + body + " }\n")
+    r = subprocess.run([nvcc, f"-arch={arch}", "-ptx", str(src), "-o", str(out)], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"nvcc failed: {r.stderr}")
+    return out.read_text()
+

@@ -17,15 +17,18 @@ fp16x2 pair, an FP32 bit pattern), ``Int64`` for global byte addresses,
 - ``reduce``: the row tree and the other fixed-order folds;
 - ``math``: the exponentials, ``exp_rn`` (the reference attention's) and
   ``expf`` (CUDA's accurate ``expf``: the stock activation's);
+- ``markov``: the Markov step's ``tanhf``, argmax keys and grid-wide
+  reduction atomics;
 - ``stock``: the stock kernels' fused multiply-add and approximate
   instructions (``fma_rn``, ``rsqrt_approx_ftz``, ...) and ``pairwise``.
 
 Inline asm is emitted by ``inline.asm`` alone.
 """
 
-from . import arith, cta, math, memory, reduce, stock, sync
+from . import arith, cta, markov, math, memory, reduce, stock, sync
 from .arith import *  # noqa: F403
 from .cta import *  # noqa: F403
+from .markov import *  # noqa: F403
 from .math import *  # noqa: F403
 from .memory import *  # noqa: F403
 from .reduce import *  # noqa: F403
@@ -35,6 +38,7 @@ from .sync import *  # noqa: F403
 __all__ = [  # noqa: PLE0604
     *arith.__all__,
     *cta.__all__,
+    *markov.__all__,
     *math.__all__,
     *memory.__all__,
     *reduce.__all__,

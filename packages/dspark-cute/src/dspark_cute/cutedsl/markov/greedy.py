@@ -1,0 +1,299 @@
+"""The fused greedy Markov step: ``dspark_core.spec.markov`` steps 3-6 and
+the next step's step 1, one launch after the stock bias GEMM, bit for bit
+vLLM 0.33.0's greedy loop (``DSparkSpeculator._sample_sequential``).
+
+For R rows (requests) of BF16 base logits ``base [R, V]`` (step i's view of
+``compute_draft_logits``' output: rows strided) and the stock GEMM's BF16
+bias ``bias [R, V]`` (a view of ``[R, Vpad]``), per row ``r``:
+
+1. per column ``k``: ``l = cvt.rn.bf16(add.rn(base, bias))`` widened back;
+   ``x = mul.rn(l, M)``; with a soft cap ``y = mul.rn(tanhf(mul.rn(x, J)),
+   C)`` (``ptx.tanhf``: CUDA 13's instruction sequence), else ``y = x``;
+2. ``d``: the argmax of the row's ``y`` under ATen's rule (the first NaN,
+   else the first maximum, -0.0 tying +0.0): the maximum of the argmax keys
+   (``ptx.argmax_key``, a total order, so the reduction's order is free);
+3. ``t = d + d2t[d]`` (int64; ``t = d`` without a d2t), stored at
+   ``tokens + 8 r s`` (``s`` the tokens' row stride: ``draft_tokens[:R,
+   i]``);
+4. with ``gather``: the BF16 row ``w1[t]`` (``rank`` columns) copied to
+   ``embed [R, rank]`` row ``r``: the next step's ``markov_embed``.
+
+Grid ``(ctas, R)``: CTA ``j`` of row ``r`` takes columns ``2048 j ..
+2048 j + 2047`` (256 threads of one 16-byte vector each; a thread past the
+row's end redoes its last vector, which leaves the maximum unchanged). Each
+thread reduces its 8 keys, each warp its 32 (``ptx.warp_key_max``), and
+lane 0 of each warp folds the warp's key into the row's word ``keys[r]``
+(``red.max.u64``), then ``fence.acq_rel.gpu``; after a CTA barrier thread 0
+counts the CTA in ``counters[r]`` (``atom.acq_rel.gpu.add``); the CTA that
+counts last reads the row's key and resets it to 0 (``atom.exch``), resets
+the counter, and does steps 3-4. Both words are 0 between launches (the host
+allocates them zeroed; every launch that completes leaves them so), so one
+pair serves every launch on a stream; two launches must not run
+concurrently on the same host's words. Every key is above 0 (a -inf has high
+word 0x007FFFFF).
+
+No PDL: the kernel reads the GEMM's output at once and the next GEMM reads
+``embed``.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as cu_utils
+import torch
+from cutlass import Int32, Int64, Uint32
+
+from dspark_core.contracts.markov import (
+    MARKOV_MAX_ROWS,
+    MARKOV_THREADS,
+    MARKOV_VEC,
+    MarkovConstants,
+)
+from dspark_core.errors import Unsupported
+from dspark_core.spec.markov import transform_constants
+from dspark_cute import ptx
+from dspark_cute.runtime import ops
+from dspark_cute.runtime.host import current_stream, describe, fake_stream, jit_cache
+
+THREADS = MARKOV_THREADS
+VEC = MARKOV_VEC
+# One 16-byte vector of the embedding row per thread.
+MAX_RANK = THREADS * VEC
+
+
+def check_constants(c: MarkovConstants) -> None:
+    """Unsupported unless the kernel takes ``c`` (a MarkovConstants): the
+    rank at most ``MAX_RANK`` (one vector a thread)."""
+    if not isinstance(c, MarkovConstants):
+        raise ValueError(f"MarkovStep takes MarkovConstants, not {type(c).__name__}")
+    if c.rank > MAX_RANK:
+        raise Unsupported(f"the fused Markov step takes a Markov rank of at most {MAX_RANK}, not {c.rank}")
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+class MarkovGreedyKernel:
+    """The traced step of one ``MarkovConstants``. Call: ``(base,
+    base_stride, bias, bias_stride, d2t, w1, embed, tokens, tokens_stride,
+    keys, counters, gather, m, stream)``: byte addresses (Int64) and row
+    strides in elements (Int32), ``gather`` (Int32, 0 or 1), ``m`` the rows
+    (Int32, at least 1)."""
+
+    def __init__(self, constants: MarkovConstants) -> None:
+        check_constants(constants)
+        self.constants = constants
+
+    @cute.jit
+    def __call__(self, base: Int64, base_stride: Int32, bias: Int64, bias_stride: Int32, d2t: Int64, w1: Int64,
+                 embed: Int64, tokens: Int64, tokens_stride: Int32, keys: Int64, counters: Int64, gather: Int32,
+                 m: Int32, stream):
+        self.kernel(base, base_stride, bias, bias_stride, d2t, w1, embed, tokens, tokens_stride, keys, counters,
+                    gather).launch(grid=[self.constants.ctas, m, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, base: Int64, base_stride: Int32, bias: Int64, bias_stride: Int32, d2t: Int64, w1: Int64,
+               embed: Int64, tokens: Int64, tokens_stride: Int32, keys: Int64, counters: Int64, gather: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, row, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        # Shared: the last-CTA flag, then the token.
+        shared = Int32(cu_utils.SmemAllocator().allocate(16, 16).toint())
+        key = row_key(self.constants, tidx, cta, row, base, base_stride, bias, bias_stride)
+        finish(self.constants, key, tidx, lane, row, shared, d2t, w1, embed, tokens, tokens_stride, keys, counters,
+               gather)
+
+
+def step_values(c: MarkovConstants, b: list, s: list) -> list:
+    """Step 1 for one vector: base and bias values (FP32 widened from BF16)
+    to the transformed FP32 ``y``."""
+    pairs = [ptx.add_rn(b[j], s[j]) for j in range(VEC)]
+    mult = ptx.f32_const(c.multiplier)
+    y = [ptx.mul_rn(v, mult) for v in ptx.round_bf16(pairs)]
+    if c.soft_cap is not None:
+        cap = ptx.f32_const(c.soft_cap)
+        inv = ptx.f32_const(transform_constants(c.multiplier, c.soft_cap)[2])
+        y = [ptx.mul_rn(ptx.tanhf(ptx.mul_rn(v, inv)), cap) for v in y]
+    return y
+
+
+def row_key(c: MarkovConstants, tidx, cta, row, base, base_stride, bias, bias_stride) -> Int64:
+    """The largest key of this thread's vector (step 2's first fold)."""
+    v = Int32(cta) * THREADS + Int32(tidx)
+    vc = cutlass.min(v, Int32(c.vocab // VEC - 1))
+    col = vc * VEC
+    b = ptx.ld_bf16x8(Int64(base) + (Int64(row) * Int64(base_stride) + Int64(col)) * 2)
+    s = ptx.ld_bf16x8(Int64(bias) + (Int64(row) * Int64(bias_stride) + Int64(col)) * 2)
+    key = None
+    for j, y in enumerate(step_values(c, b, s)):
+        k = ptx.argmax_key(y, col + j)
+        key = k if key is None else ptx.max_u64(key, k)
+    return key
+
+
+@cute.jit
+def finish(c: MarkovConstants, key, tidx, lane, row, shared, d2t, w1, embed, tokens, tokens_stride, keys, counters,
+           gather) -> None:
+    """Step 2's grid-wide fold, then steps 3-4 in the row's last CTA (module docstring)."""
+    key_addr = Int64(keys) + Int64(row) * 8
+    count_addr = Int64(counters) + Int64(row) * 4
+    wkey = ptx.warp_key_max(key)
+    if lane == 0:
+        ptx.red_max_u64(key_addr, wkey)
+        ptx.fence_acq_rel_gpu()
+    cute.arch.barrier()
+    if tidx == 0:
+        old = ptx.atom_add_acq_rel_u32(count_addr, Uint32(1))
+        if old == Uint32(c.ctas - 1):
+            ptx.st_shared_b32(shared, Uint32(1))
+        else:
+            ptx.st_shared_b32(shared, Uint32(0))
+    cute.arch.barrier()
+    if ptx.ld_shared_b32(shared) != Uint32(0):
+        if tidx == 0:
+            best = ptx.atom_exch_u64(key_addr, Int64(0))
+            ptx.st_global_b32(count_addr, Uint32(0))
+            d = Int64(ptx.key_column(best))
+            t = d
+            if cutlass.const_expr(c.d2t):
+                t = d + ptx.ld_global_s64(Int64(d2t) + d * 8)
+            ptx.st_global_b64(Int64(tokens) + Int64(row) * Int64(tokens_stride) * 8, t)
+            ptx.st_shared_b32(shared + 4, Uint32(Int32(t)))
+        cute.arch.barrier()
+        if gather != 0:
+            t = Int64(ptx.ld_shared_s32(shared + 4))
+            if tidx < c.rank // VEC:
+                words = ptx.ld_global_v4(Int64(w1) + t * (c.rank * 2) + Int64(tidx) * 16)
+                ptx.st_global_v4(Int64(embed) + Int64(row) * (c.rank * 2) + Int64(tidx) * 16, words)
+
+
+def fake_args(constants: MarkovConstants) -> tuple:
+    """The compile signature of ``MarkovGreedyKernel`` (no GPU memory needed)."""
+    return (Int64(0), Int32(0), Int64(0), Int32(0), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0), Int64(0),
+            Int64(0), Int32(0), Int32(1), fake_stream())
+
+
+@jit_cache("MarkovStep")
+def compile_markov_step(constants: MarkovConstants):
+    """The compiled ``MarkovGreedyKernel`` of ``constants``."""
+    return MarkovGreedyKernel(constants), fake_args(constants)
+
+
+# ---------------------------------------------------------------- host API
+
+ops.define("markov_step", "(str handle, Tensor base, Tensor bias, Tensor(a!) tokens, Tensor(b!) embed, bool gather)"
+                          " -> ()")
+
+
+class MarkovStep:
+    """One greedy Markov step after the stock bias GEMM (module docstring):
+    ``run(base, bias, tokens, embed, gather)`` writes the drafted target ids
+    into ``tokens`` and, with ``gather``, ``w1`` of them into ``embed``,
+    the same bits as ``dspark_core.spec.markov`` (and vLLM's loop).
+
+    Built from ``MarkovConstants``, ``w1`` (BF16 ``[V_target, rank]``,
+    contiguous, 16-byte aligned; a launch needs it on CUDA), ``d2t`` (int64 ``[vocab]``,
+    contiguous, on ``w1``'s device; None where the constants have no d2t)
+    and ``max_rows`` (1 to 65535: its key and counter words). Operands:
+    ``base`` and ``bias`` BF16 ``[R, vocab]`` with unit column stride, row
+    strides multiples of 8 and 16-byte aligned starts; ``tokens`` int64
+    ``[R]`` (any stride: a column of ``draft_tokens``); ``embed`` BF16 ``[R,
+    rank]`` contiguous, 16-byte aligned; all on ``w1``'s device, R from 1 to
+    ``max_rows``. One compile serves every R: ``prepare()`` before CUDA
+    graph capture (a compile during capture raises RuntimeError). Traced by
+    torch.compile, a launch is the op ``torch.ops.dspark.markov_step``."""
+
+    OP = "markov_step"
+
+    def __init__(self, constants: MarkovConstants, w1: torch.Tensor, d2t: torch.Tensor | None,
+                 max_rows: int = 512) -> None:
+        check_constants(constants)
+        if not isinstance(w1, torch.Tensor) or w1.dtype != torch.bfloat16 or w1.dim() != 2 \
+                or w1.shape[1] != constants.rank:
+            raise ValueError(f"w1 must be a bfloat16 [target vocab, {constants.rank}] tensor, not {describe(w1)}")
+        if not w1.is_contiguous() or w1.data_ptr() % 16:
+            raise ValueError(f"w1 must be contiguous and aligned to 16 bytes, not {describe(w1)}")
+        if constants.d2t:
+            if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or tuple(d2t.shape) != (constants.vocab,) \
+                    or not d2t.is_contiguous() or d2t.device != w1.device:
+                raise ValueError(f"d2t must be a contiguous int64 [{constants.vocab}] tensor on {w1.device}, "
+                                 f"not {describe(d2t)}")
+        elif d2t is not None:
+            raise ValueError("these constants have no d2t map: pass d2t=None")
+        if not isinstance(max_rows, int) or not 1 <= max_rows <= MARKOV_MAX_ROWS:
+            raise ValueError(f"max_rows must be an int from 1 to {MARKOV_MAX_ROWS}, not {max_rows!r}")
+        self.constants = constants
+        self.w1, self.d2t, self.max_rows = w1, d2t, max_rows
+        self.device = w1.device
+        self.keys = torch.zeros(max_rows, dtype=torch.int64, device=w1.device)
+        self.counters = torch.zeros(max_rows, dtype=torch.int32, device=w1.device)
+        self.op_handle = ops.register(self)
+
+    def prepare(self) -> None:
+        """Compile the kernel (one variant: R and ``gather`` are runtime
+        arguments). Call before CUDA graph capture."""
+        compile_markov_step(self.constants)
+
+    def problem(self, base, bias, tokens, embed, gather: bool = True) -> str | None:
+        """Why the kernel does not take these operands (class docstring), a sentence, or None."""
+        try:
+            self._check_operands(base, bias, tokens, embed, gather)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def _check_operands(self, base, bias, tokens, embed, gather) -> None:
+        c = self.constants
+        for name, t in (("the base logits", base), ("the Markov bias", bias)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[1] != c.vocab:
+                raise ValueError(f"{name} must be bfloat16 [rows, {c.vocab}], not {describe(t)}")
+            if t.stride(1) != 1 or t.stride(0) % VEC or t.data_ptr() % 16:
+                raise ValueError(f"{name} must have unit column stride, a row stride that is a multiple of {VEC} "
+                                 f"and a 16-byte aligned start, not {describe(t)}")
+        rows = base.shape[0]
+        if not 1 <= rows <= self.max_rows or bias.shape[0] != rows:
+            raise ValueError(f"the base logits and the bias must have the same 1 to {self.max_rows} rows, not "
+                             f"{base.shape[0]} and {bias.shape[0]}")
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tuple(tokens.shape) != (rows,):
+            raise ValueError(f"the tokens must be int64 [{rows}], not {describe(tokens)}")
+        if not isinstance(embed, torch.Tensor) or embed.dtype != torch.bfloat16 \
+                or tuple(embed.shape) != (rows, c.rank) or not embed.is_contiguous() or embed.data_ptr() % 16:
+            raise ValueError(f"the embedding output must be a contiguous bfloat16 [{rows}, {c.rank}] aligned to 16 "
+                             f"bytes, not {describe(embed)}")
+        if not isinstance(gather, bool):
+            raise ValueError(f"gather must be a bool, not {gather!r}")
+        if not self.device.type == "cuda":
+            raise ValueError(f"the fused Markov step runs on CUDA: w1 is on {self.device}")
+        for name, t in (("the base logits", base), ("the Markov bias", bias), ("the tokens", tokens),
+                        ("the embedding output", embed)):
+            if t.device != self.device:
+                raise ValueError(f"{name} must be on {self.device}, not {t.device}")
+
+    def takes(self, base, bias, tokens, embed, gather: bool = True) -> bool:
+        """Whether the kernel takes these operands (``problem`` is None)."""
+        return self.problem(base, bias, tokens, embed, gather) is None
+
+    def run(self, base, bias, tokens, embed, gather: bool = True) -> None:
+        """Steps 1-4 (module docstring); ValueError with ``problem``'s sentence
+        for operands the kernel does not take."""
+        reason = self.problem(base, bias, tokens, embed, gather)
+        if reason is not None:
+            raise ValueError(reason)
+        self.launch(base, bias, tokens, embed, gather)
+
+    def launch(self, base, bias, tokens, embed, gather: bool = True) -> None:
+        """``run`` without its operand checks (for operands ``takes``)."""
+        ops.launch(self, base, bias, tokens, embed, gather)
+
+    def _launch_kernel(self, base, bias, tokens, embed, gather) -> None:
+        kernel = compile_markov_step(self.constants)
+        d2t = self.d2t.data_ptr() if self.d2t is not None else 0
+        kernel(Int64(base.data_ptr()), Int32(base.stride(0)), Int64(bias.data_ptr()), Int32(bias.stride(0)),
+               Int64(d2t), Int64(self.w1.data_ptr()), Int64(embed.data_ptr()), Int64(tokens.data_ptr()),
+               Int32(tokens.stride(0)), Int64(self.keys.data_ptr()), Int64(self.counters.data_ptr()),
+               Int32(1 if gather else 0), Int32(base.shape[0]), current_stream())
+
+
+__all__ = ["MAX_RANK", "MarkovGreedyKernel", "MarkovStep", "THREADS", "check_constants", "compile_markov_step",
+           "fake_args", "row_key", "step_values"]
