@@ -1,0 +1,527 @@
+"""Benchmark: the whole draft step as vLLM 0.33.0 runs it, from its own
+binaries, against the DSpark plugin's step, both in CUDA graphs, part by part
+and in total, with each part's outputs compared as bits.
+
+- STOCK: ``scripts/stock/stock_step.py`` (vLLM's Triton kernels compiled by
+  Triton 3.8.0 and CUDA kernels taken from its library, ``.device/stock``;
+  cuBLAS through torch; ATen where vLLM runs ATen).
+- DSPARK: dspark-core's ``DraftDecode`` over the reference draft with the
+  plugin's kernel set on sm_90a (``VLLM_EXACT_SM90``, the kernels
+  ``dspark_vllm.planning.exact_kernels("sm_90a")`` names) and no L2
+  prefetch, as the plugin builds it; every part it does not fuse (and any
+  call a kernel refuses) runs the same stock ops as the STOCK side. The
+  Markov loop is the stock one unless a fused Markov step is installed
+  (``fused_markov``; the table says which ran).
+
+Both sides use one attention, DSpark's paged decode attention kernel
+(``PagedAttention``, its default direct variant, without the o-gate; vLLM's
+FlashAttention 3 is not on the device machine), or with ``--attention spec``
+dspark-core's spec attention in torch ops (slow; for a run without the CuTe
+DSL).
+
+Rows: m = requests x N (N = ``--n``, 4), m = 1 being one request of one
+token. Shapes: the reference draft (``DraftConfig()``: hidden 8192, 2
+layers, 64 heads and 8 KV heads of 64, intermediate 16384); the head stated
+by ``--draft-vocab`` (32768), ``--target-vocab`` (202752), ``--rank`` (256);
+``combine_hidden_states`` over ``--aux-layers`` (3) target layers of
+``--target-hidden`` (8192); every request ``--context`` (256) cached tokens,
+LBHNC caches. The floor is the bytes of the weights one step reads (each
+once: the layers' GEMM weights, the stacked context K/V rows, fc, the LM head,
+markov_w2) at 4.3 TB/s.
+
+Writes ``draft_step.md``, ``draft_step.json`` and ``draft_step.png`` into
+``--out`` and prints one table. ``--dry`` runs the plumbing on the CPU (a
+small draft, the spec standing in for the stock kernels, no graphs, no
+DSpark kernels); ``--stock-only`` skips the DSpark side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dspark_core.contracts.kernels import kernel_class
+from dspark_core.planner import policy
+from dspark_core.planner.plan import plan_draft
+from dspark_core.reference.adapter import describe
+from dspark_core.reference.config import DraftConfig, small_config
+from dspark_core.reference.model import DraftModel, attend
+from dspark_core.runtime.decode import DraftDecode
+from dspark_core.tools.compare import mismatches
+from dspark_core.tools.timing import HBM_BYTES_PER_S, capture, times_us
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_step_report import plot, spread, table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+# dspark_vllm.planning.exact_kernels("sm_90a"): the device machine has no vLLM
+# to import it from (packages/dspark-vllm/tests/test_bench_kernel_set.py
+# holds the two equal).
+VLLM_EXACT_SM90 = frozenset({policy.ROW_NORM, policy.BOUNDARY, policy.CONTEXT_CHAIN, policy.QKV_EPILOGUE,
+                             policy.O_GATE, policy.MLP_ACTIVATION})
+ATTENTION_NAMES = {"dspark": "DSpark's PagedAttention kernel (direct variant), both sides",
+                   "spec": "dspark-core's spec attention in torch ops, both sides"}
+CALLS = 10  # launches of a part per captured graph
+BF16 = torch.bfloat16
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "stock" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def shape_of(m: int, n: int) -> tuple[int, int]:
+    """``(requests, N)`` of a step of ``m`` rows: one request of one token
+    for m = 1, else m / n requests of n tokens."""
+    if m == 1:
+        return 1, 1
+    if m < 1 or m % n:
+        raise ValueError(f"rows must be 1 or a multiple of N = {n}, not {m}")
+    return m // n, n
+
+
+def fused_markov(stock, mode: str = "auto"):
+    """``(loop, label)``: the DSpark side's Markov loop, or ``(None, why)``
+    for vLLM's stock loop. ``mode``: "stock", "fused" (ImportError or
+    Unsupported raised) or "auto" (the fused step where installed). The
+    fused loop keeps the stock first embedding gather and each step's bias
+    GEMM (cuBLAS, the stock's bits) and runs everything after the GEMM on
+    ``dspark_cute.cutedsl.markov.greedy.MarkovStep`` (the next step's
+    embedding gather included)."""
+    if mode == "stock":
+        return None, "vLLM's stock loop (asked for)"
+    try:
+        from dspark_core.contracts.markov import markov_constants
+        from dspark_core.errors import Unsupported
+        from dspark_cute.cutedsl.markov.greedy import MarkovStep
+    except ImportError as error:
+        if mode == "fused":
+            raise
+        return None, f"vLLM's stock loop (no fused Markov kernel: {error})"
+    head = stock.head
+    vocab, rank = head.markov_w2.shape
+    try:
+        constants = markov_constants(vocab, rank, float(head.output_multiplier), head.soft_cap, True)
+    except Unsupported as error:
+        if mode == "fused":
+            raise
+        return None, f"vLLM's stock loop ({error})"
+    kernel = MarkovStep(constants, head.markov_w1, head.d2t, max_rows=512)
+    kernel.prepare()
+
+    def loop(logits, input_ids, anchor_idx, n, draft_tokens):
+        base = logits.view(anchor_idx.shape[0], n, vocab)
+        embed = F.embedding(input_ids[anchor_idx], head.markov_w1)
+        for i in range(n):
+            bias = F.linear(embed, head.markov_w2)
+            nxt = torch.empty_like(embed)
+            kernel.launch(base[:, i], bias, draft_tokens[:, i], nxt, i + 1 < n)
+            embed = nxt
+        return (draft_tokens,)
+
+    return loop, "DSpark's fused greedy Markov step (MarkovStep after the stock bias GEMM)"
+
+
+class DSparkStep:
+    """The plugin's step (module docstring) beside ``stock`` (a
+    ``StockStep``): its ``DraftDecode``, its per-part calls and its whole
+    step."""
+
+    def __init__(self, model, stock, device, kernels: frozenset[str], target=None, markov: str = "auto") -> None:
+        self.model, self.stock = model, stock
+        draft = stock_description(model, stock)
+        target = target or policy.device_target(device, 1, kernels)
+        self.plan = plan_draft(draft, target.opt_in(frozenset()))
+        self.decode = DraftDecode(draft, self.plan, None, prefetch=None,
+                                  kernels={k: kernel_class(k) for k in kernels})
+        self.decode.prepare()
+        self.markov, self.markov_label = fused_markov(stock, markov)
+        self.last = 2 * len(model.layers) - 1
+
+    def part(self, kind: str):
+        """``(prep, fn)`` of the DSpark call of a stock part of ``kind`` (a
+        ``StockStep`` method's name), or None where both sides run the same
+        op: ``prep(args)`` adapts the stock operands once, outside timing."""
+        d, st = self.decode, self.stock
+        same = None
+        keep = lambda args: args  # noqa: E731
+        if kind == "context":
+            if d.context is None:
+                return same
+            return keep, lambda states, pos, slots, caches: (
+                _stored(d.store_context_kv(states, pos, caches, slots), st, states, pos, slots, caches))
+        if kind == "embed":
+            return keep, lambda ids: (F.embedding(ids.long(), self.model.embed),)
+        if kind == "input_norm":
+            return (lambda args: (args[0].to(BF16),)), lambda x: (d._first_norm(x),)
+        if kind == "qk_front":
+            def front(i, qkv, positions, slots, cache):
+                if d.epilogues[i] is None:
+                    return st.qk_front(i, qkv, positions, slots, cache)
+                d.epilogues[i].launch(qkv, positions, slots, cache)
+                return qkv, cache
+            return keep, front
+        if kind == "o_gate":
+            def gate(i, attn, qkv):
+                if d.o_gates[i] is None:
+                    return st.o_gate(i, attn, qkv)
+                out = d.o_gates[i].launch(attn, st.o_gate_view(qkv))
+                return (out.reshape(out.shape[0], -1),)
+            return keep, gate
+        if kind == "boundary":
+            def prep(args):
+                j, branch, stream = args
+                return (j, branch, stream.to(BF16) if j == 0 else stream)
+            return prep, lambda j, branch, stream: d._boundary(j, branch, stream, j != self.last)
+        if kind == "activation":
+            return keep, lambda i, gu: (d._activation(i, gu),)
+        if kind == "markov" and self.markov is not None:
+            return keep, self.markov
+        return same
+
+    def step(self, batch, caches, hidden_buf, draft_tokens) -> tuple:
+        """The whole step: the same combine, the context chain, the embedding
+        as the BF16 stream, the decode, the same LM head, the Markov loop."""
+        st = self.stock
+        (states,) = st.combine(batch.aux, hidden_buf)
+        tensors = [c.tensor for c in caches]
+        if not self.decode.store_context_kv(states, batch.ctx_positions, caches, batch.ctx_slots):
+            st.context(states, batch.ctx_positions, batch.ctx_slots, tensors)
+        x = F.embedding(batch.input_ids.long(), self.model.embed)
+        h = self.decode.run(x, batch.step, caches)
+        (logits,) = st.lm_head(h, batch.sample_indices)
+        (self.markov or st.markov)(logits, batch.input_ids, batch.anchor_idx, batch.n, draft_tokens)
+        return h, logits, draft_tokens
+
+
+def _stored(fused: bool, stock, states, positions, slots, caches) -> tuple:
+    if not fused:
+        stock.context(states, positions, slots, caches)
+    return tuple(caches)
+
+
+def stock_description(model, stock):
+    """``describe(model)`` with every stock call on vLLM's stock ops
+    (``stock``), so the executor's unfused parts and fallbacks run what the
+    STOCK side runs."""
+    draft = describe(model)
+    tensor = lambda c: getattr(c, "tensor", c)  # noqa: E731
+    norms = {id(n): n for n in [draft.final_norm, draft.context.hidden_norm]
+             + [x for layer in draft.layers for b in (layer.attention_boundary, layer.ffn_boundary)
+                for x in (b.post, b.pre)] + [layer.input_norm for layer in draft.layers]}
+    for norm in norms.values():
+        norm.stock = lambda x, out_dtype=None, norm=norm: stock.norm(x, norm)
+    for b in draft.boundaries():
+        b.connection.stock = lambda stream, branch, c=b.connection: stock.gated_residual(c, stream, branch)
+    for i, layer in enumerate(draft.layers):
+        a, mlp = layer.attention, layer.mlp
+        a.project_qkv = lambda x, i=i: stock.qkv_gemm(i, x)[0]
+
+        def front_from(qkv, step, caches, i=i, a=a):
+            stock.qk_front(i, qkv, step.positions, step.slots, tensor(caches[i]))
+            q, _, _, og = a.split_qkv(qkv)
+            return q, og
+        a.front_from = front_from
+        a.attend = lambda q, step, caches, i=i: stock.attend(q.contiguous(), tensor(caches[i]), step.attn_slots)
+        a.gate = lambda out, og, i=i: stock.S.stock_o_gate(out, og, stock.layers[i].self_attn.o_norm.eps)
+        a.project_out = lambda g, i=i: stock.o_proj(i, g)[0]
+        a.cache = lambda step, caches, i=i: (tensor(caches[i]), step.slots)
+        mlp.project_gate_up = lambda x, i=i: stock.gate_up(i, x)[0]
+        mlp.activation = lambda gu, i=i: stock.activation(i, gu)[0]
+        mlp.project_down = lambda h, i=i: stock.down(i, h)[0]
+    draft.context.stock = lambda states, positions, caches, slots: stock.context(
+        states, positions, slots, [tensor(c) for c in caches])
+    return draft
+
+
+# ---------------------------------------------------------------- measuring
+def _clone(args):
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else [x.clone() for x in a] if isinstance(a, list)
+                 else a for a in args)
+
+
+def differing(a, b) -> tuple[int, int]:
+    """``(differing elements, elements)`` of two outputs (tuples of tensors,
+    None entries skipped): bits for floats (NaN payloads aside; a narrower
+    float widened first, exactly), values for integers."""
+    bad = total = 0
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            continue
+        if x.is_floating_point() and x.dtype != y.dtype:
+            x, y = (x.to(y.dtype), y) if x.element_size() < y.element_size() else (x, y.to(x.dtype))
+        count = mismatches(x, y) if x.is_floating_point() else (x != y)
+        bad += int(count.sum())
+        total += x.numel()
+    return bad, total
+
+
+def time_fn(fn, replays: int, calls: int = CALLS, dry: bool = False) -> dict:
+    """Microseconds per call of ``fn()``: a CUDA graph of ``calls`` calls,
+    ``replays`` replays (wall time of eager calls with ``dry``)."""
+    if dry:
+        times = []
+        for _ in range(2):
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e6)
+        return spread(times)
+    replay = capture(fn, calls)
+    return spread(times_us(replay, replays, warmup=2, calls=calls))
+
+
+def record_parts(stock, batch, caches, hidden_buf, draft_tokens) -> list:
+    """Run the stock step once, recording each part's ``(name, kind, fn,
+    operands)`` (operands cloned before the call)."""
+    parts = []
+
+    def run(name, fn, *args):
+        parts.append((name, fn.__name__, fn, _clone(args)))
+        return fn(*args)
+
+    stock.step(batch, caches, hidden_buf, draft_tokens, run=run)
+    return parts
+
+
+def measure_parts(parts, dspark, replays: int, dry: bool) -> list[dict]:
+    rows = []
+    for name, kind, fn, args in parts:
+        row = {"part": name, "kind": kind}
+        want = fn(*_clone(args))
+        row["stock"] = time_fn(functools.partial(fn, *_clone(args)), replays, dry=dry)
+        other = dspark.part(kind) if dspark is not None else None
+        if other is None:
+            row["dspark"], row["same_op"], row["differing"] = row["stock"], True, None
+        else:
+            prep, dfn = other
+            got = dfn(*prep(_clone(args)))
+            row["differing"], row["elements"] = differing(got, want)
+            row["dspark"] = time_fn(functools.partial(dfn, *prep(_clone(args))), replays, dry=dry)
+            row["same_op"] = False
+        rows.append(row)
+    return rows
+
+
+def measure_step(m: int, args, model, stock, dspark, device, gen) -> dict:
+    """One row count: the parts recorded, compared and timed; the whole step
+    on both sides from the same caches, compared, then timed in alternating
+    rounds."""
+    requests, n = shape_of(m, args.n)
+    c = model.config
+    batch = STOCK.StepBatch.make(requests, n, args.context, c.kv_block_size, stock.fc.shape[1], c.vocab_size,
+                                 device, gen)
+    fresh = torch.randn(batch.num_blocks, c.num_kv_heads, c.kv_block_size, 2 * c.head_dim, generator=gen,
+                        device=device).to(BF16)
+
+    def caches():
+        out = model.make_caches(batch.num_blocks, device)
+        for cache in out:
+            cache.tensor.copy_(fresh)
+        return out
+
+    def buffers():
+        return (caches(), torch.zeros(batch.aux.shape[0], c.hidden_size, dtype=BF16, device=device),
+                torch.zeros(requests, n, dtype=torch.int64, device=device))
+
+    replays = args.replays if m <= 64 else max(5, args.replays // 2)
+    cs, hidden, tokens = buffers()
+    parts = record_parts(stock, batch, [x.tensor for x in cs], hidden, tokens)
+    result = {"m": m, "requests": requests, "n": n, "parts": measure_parts(parts, dspark, replays, args.dry)}
+    del parts, cs
+
+    s_caches, s_hidden, s_tokens = buffers()
+    s_tensors = [x.tensor for x in s_caches]
+    s_out = stock.step(batch, s_tensors, s_hidden, s_tokens)
+    sides = {"stock": lambda: stock.step(batch, s_tensors, s_hidden, s_tokens)}
+    if dspark is not None:
+        d_caches, d_hidden, d_tokens = buffers()
+        d_out = dspark.step(batch, d_caches, d_hidden, d_tokens)
+        result["whole_step_differing"] = {
+            "backbone output": differing(d_out[:1], s_out[:1]), "base logits": differing(d_out[1:2], s_out[1:2]),
+            "draft tokens": differing(d_out[2:], s_out[2:]),
+            "KV caches": differing([x.tensor for x in d_caches], s_tensors)}
+        sides["dspark"] = lambda: dspark.step(batch, d_caches, d_hidden, d_tokens)
+    reps = args.replays * 2 if m <= 64 else args.replays
+    replay = {k: (fn if args.dry else capture(fn)) for k, fn in sides.items()}
+    samples: dict[str, list] = {k: [] for k in sides}
+    for r in range(args.rounds):
+        for k in (list(sides) if r % 2 == 0 else list(reversed(sides))):
+            if args.dry:
+                samples[k].append(time_fn(replay[k], 1, dry=True)["median"])
+            else:
+                samples[k] += times_us(replay[k], reps, warmup=2)
+    result["total"] = {k: spread(v) for k, v in samples.items()}
+    result["total"].setdefault("dspark", result["total"]["stock"])
+    del replay, sides
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return result
+
+
+def weight_bytes(model, head, fc, stock) -> int:
+    ws = [w for layer in model.layers for w in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                 layer.mlp.gate_up, layer.mlp.down)]
+    ws += [stock.stacked_kv, fc, head.lm_head, head.markov_w2]
+    return sum(w.numel() * w.element_size() for w in ws)
+
+
+# ---------------------------------------------------------------- main
+class _CacheView:
+    """A cache tensor as the spec's attention reads it (the dry run)."""
+
+    from dspark_core.spec.layers import PagedKVCache as _P
+    gather = _P.gather
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.block_size, self.head_dim = tensor, tensor.shape[2], tensor.shape[3] // 2
+        self.num_slots = tensor.shape[0] * tensor.shape[2]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("DSPARK_BENCH_OUT", "bench-results"))
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts m = requests x N")
+    p.add_argument("--n", type=int, default=4, help="query tokens per request (num_speculative_tokens)")
+    p.add_argument("--context", type=int, default=256, help="cached tokens per request")
+    p.add_argument("--draft-vocab", type=int, default=32768)
+    p.add_argument("--target-vocab", type=int, default=202752)
+    p.add_argument("--rank", type=int, default=256, help="Markov rank")
+    p.add_argument("--aux-layers", type=int, default=3, help="target layers combine_hidden_states concatenates")
+    p.add_argument("--target-hidden", type=int, default=8192)
+    p.add_argument("--replays", type=int, default=20, help="replays per part graph (half above m = 64)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of whole-step replays")
+    p.add_argument("--no-stock-pdl", action="store_true", help="launch the stock norms and QK kernel without PDL")
+    p.add_argument("--stock-only", action="store_true", help="time the stock step alone")
+    p.add_argument("--attention", choices=("dspark", "spec"), default="dspark",
+                   help="the one attention of both sides: DSpark's kernel, or dspark-core's spec in torch ops")
+    p.add_argument("--markov", choices=("auto", "stock", "fused"), default="auto",
+                   help="the DSpark side's Markov loop: the fused step where installed (auto), or as named")
+    p.add_argument("--seed", type=int, default=int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31)))
+    p.add_argument("--dry", action="store_true", help="the plumbing on the CPU: small draft, spec kernels, no graphs")
+    return p
+
+
+def main(argv=None) -> int:
+    global STOCK
+    args = parser().parse_args(argv)
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+        for m in rows:
+            shape_of(m, args.n)
+    except ValueError as error:
+        print(f"error: --rows: {error}", file=sys.stderr)
+        return 2
+    if not args.dry and not torch.cuda.is_available():
+        print("bench_draft_step: no CUDA GPU, nothing to time (--dry runs the plumbing on the CPU)")
+        return 0
+    STOCK = _load("stock_step")
+    device = torch.device("cpu" if args.dry else "cuda")
+    if args.dry:
+        config = small_config()
+        args.draft_vocab, args.target_vocab, args.rank, args.target_hidden = 512, 1024, 64, 256
+    else:
+        config = DraftConfig()
+        kernels = _load("launch_stock")
+        if not (Path(kernels.DEFAULT_DIR) / "manifest.json").is_file():
+            print(f"no stock binaries in {kernels.DEFAULT_DIR}: run scripts/stock/compile_stock.py and carry "
+                  ".device/stock")
+            return 1
+    print(f"seed {args.seed}", flush=True)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    t0 = time.perf_counter()
+    model = DraftModel(config, device=device)
+    head = STOCK.Head.random(config.hidden_size, args.draft_vocab, args.target_vocab, args.rank, device, gen)
+    fc = (torch.randn(config.hidden_size, args.aux_layers * args.target_hidden, generator=gen, device=device)
+          / (args.aux_layers * args.target_hidden) ** 0.5).to(BF16)
+    if args.dry:
+        kernels = STOCK.SpecKernels(model.rotary)
+    if args.dry or args.attention == "spec":
+        attention = lambda q, cache, slots: attend(q, _CacheView(cache), slots, config.num_kv_heads)  # noqa: E731
+    else:
+        from dspark_core.contracts.constants import AttentionConstants
+        from dspark_cute.cutedsl.attention.paged import PagedAttention
+
+        kernel = PagedAttention(AttentionConstants(config.num_heads, config.num_kv_heads, config.head_dim,
+                                                   config.kv_block_size))
+        kernel.prepare()
+        attention = lambda q, cache, slots: kernel.launch(q, cache, slots)  # noqa: E731
+    stock = STOCK.StockStep(model, head, fc, kernels, attention, pdl=not (args.dry or args.no_stock_pdl))
+    if stock.pdl:
+        try:  # a stock launch with PDL, captured: where the driver refuses it, the stock runs without
+            probe = torch.zeros(1, config.hidden_size, dtype=BF16, device=device)
+            capture(lambda: stock.norm(probe, model.norm))()
+            torch.cuda.synchronize()
+        except RuntimeError as error:
+            print(f"the stock kernels run without PDL: {error}")
+            stock.pdl = False
+    fallbacks: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: fallbacks.append(record.getMessage())
+    logging.getLogger("dspark.decode").addHandler(handler)
+    dspark = None
+    if not args.stock_only:
+        # The dry run plans for an H200 with no kernel: every part on the stock ops.
+        target = policy.Target(kernels=frozenset()) if args.dry else None
+        dspark = DSparkStep(model, stock, device, frozenset() if args.dry else VLLM_EXACT_SM90, target,
+                            "stock" if args.dry else args.markov)
+        fused, total = dspark.plan.fused_count()
+        print(f"DSpark plan: {fused} of {total} parts fused; Markov: {dspark.markov_label}", flush=True)
+    print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+    attention_name = ATTENTION_NAMES["spec" if args.dry else args.attention]
+    meta = {
+        "device": "CPU (dry run)" if args.dry else torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"), "seed": args.seed,
+        "floor_us": weight_bytes(model, head, fc, stock) / HBM_BYTES_PER_S * 1e6,
+        "setup": (f"Reference draft (hidden {config.hidden_size}, {config.num_layers} layers, {config.num_heads}/"
+                  f"{config.num_kv_heads} heads of {config.head_dim}, intermediate {config.intermediate_size}); "
+                  f"V_draft {args.draft_vocab}, V_target {args.target_vocab}, Markov rank {args.rank}, greedy; "
+                  f"fc {args.aux_layers} x {args.target_hidden}; N = {args.n} (m = 1: one request of one "
+                  f"token); {args.context} cached tokens a request; attention: {attention_name}; stock PDL "
+                  f"{'on' if stock.pdl else 'off'}; Markov on the DSpark side: "
+                  f"{dspark.markov_label if dspark else '-'}."),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for m in rows:
+        t0 = time.perf_counter()
+        results.append(measure_step(m, args, model, stock, dspark, device, gen))
+        tot = results[-1]["total"]
+        print(f"m={m}: stock {tot['stock']['median']:.1f} us, DSpark {tot['dspark']['median']:.1f} us "
+              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        meta["notes"] = (
+            "Parts are timed alone (a graph of 10 launches each, the median per launch); the whole step is one "
+            "graph. 'a -> b (r)': stock us -> DSpark us (stock / DSpark); 'same op': both sides run it. "
+            "Differing elements are counted as bits for the parts DSpark runs its own kernels on (0 expected). "
+            "Fallbacks: " + ("; ".join(dict.fromkeys(fallbacks)) or "none") + ".")
+        text = table(results, meta)  # written after every row count: a time limit keeps the rows done
+        (out / "draft_step.md").write_text(text + "\n")
+        (out / "draft_step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(text)
+    plot(results, meta["floor_us"], out)
+    bad = [(r["m"], p["part"]) for r in results for p in r["parts"] if p["differing"]]
+    bad += [(r["m"], k) for r in results for k, v in r.get("whole_step_differing", {}).items() if v[0]]
+    if bad:
+        print(f"NOT bit for bit: {bad}")
+    return 1 if bad else 0
+
+
+STOCK = None
+
+if __name__ == "__main__":
+    sys.exit(main())

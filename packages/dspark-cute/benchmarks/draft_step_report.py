@@ -1,0 +1,104 @@
+"""The draft-step benchmark's report (``bench_draft_step.py``): the
+timing spread, the one table (parts summed over the layers, the whole step,
+its weight floor, the bits compared) and the plot."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+
+def spread(times: list[float]) -> dict:
+    s = sorted(times)
+    q = lambda p: s[min(len(s) - 1, int(p * len(s)))]  # noqa: E731
+    return {"median": statistics.median(s), "p10": q(0.1), "p90": q(0.9), "min": s[0], "max": s[-1], "n": len(s)}
+
+
+def group(name: str) -> str:
+    """A part's row in the table: per-layer parts summed over the layers."""
+    return name.split(" ", 1)[1] if name[:1] == "L" and name[1:2].isdigit() else name
+
+
+def summarize(result: dict) -> dict:
+    """Per table row: stock and DSpark µs (medians summed over the layers),
+    differing elements (None: the same op on both sides)."""
+    rows: dict[str, dict] = {}
+    for p in result["parts"]:
+        name = group(p["part"])
+        if name.endswith(" input norm") and name.startswith("FFN boundary"):
+            name = "FFN boundary + next input norm"
+        r = rows.setdefault(name, {"stock": 0.0, "dspark": 0.0, "differing": None, "same_op": True})
+        r["stock"] += p["stock"]["median"]
+        r["dspark"] += p["dspark"]["median"]
+        r["same_op"] &= p["same_op"]
+        if p["differing"] is not None:
+            r["differing"] = (r["differing"] or 0) + p["differing"]
+    return rows
+
+
+def table(results: list[dict], meta: dict) -> str:
+    ms = [r["m"] for r in results]
+    sums = [summarize(r) for r in results]
+    names = list(sums[0])
+    head = "| part | " + " | ".join(f"m={m}" for m in ms) + " |"
+    lines = [f"# Draft step, {meta['device']}, {meta['date']}: vLLM 0.33.0 stock -> DSpark, us (medians; "
+             "CUDA graphs)", "", meta["setup"], "", head, "|---|" + "---|" * len(ms)]
+    for name in names:
+        cells = []
+        for s in sums:
+            r = s[name]
+            if r["same_op"]:
+                cells.append(f"{r['stock']:.1f} (same op)")
+            else:
+                bits = "" if r["differing"] in (0, None) else f" **{r['differing']} differ**"
+                cells.append(f"{r['stock']:.1f} -> {r['dspark']:.1f} ({r['stock'] / r['dspark']:.2f}x){bits}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    tot = lambda r, k: r["total"][k]["median"]  # noqa: E731
+    lines.append("| sum of parts | " + " | ".join(
+        f"{sum(v['stock'] for v in s.values()):.0f} -> {sum(v['dspark'] for v in s.values()):.0f}" for s in sums)
+        + " |")
+    lines.append("| **whole step, one graph** | " + " | ".join(
+        f"**{tot(r, 'stock'):.0f} -> {tot(r, 'dspark'):.0f} ({tot(r, 'stock') / tot(r, 'dspark'):.2f}x)**"
+        for r in results) + " |")
+    lines.append("| spread p10-p90 | " + " | ".join(
+        f"{r['total']['stock']['p10']:.0f}-{r['total']['stock']['p90']:.0f} / "
+        f"{r['total']['dspark']['p10']:.0f}-{r['total']['dspark']['p90']:.0f}" for r in results) + " |")
+    floor = meta["floor_us"]
+    lines.append(f"| step / weight floor ({floor:.0f} us) | " + " | ".join(
+        f"{tot(r, 'stock') / floor:.2f} -> {tot(r, 'dspark') / floor:.2f}" for r in results) + " |")
+    exact = [[p for p in r["parts"] if p["differing"] is not None] for r in results]
+    if any(exact):
+        lines.append("| DSpark's own parts: differing elements | " + " | ".join(
+            f"{sum(p['differing'] for p in e)} of {sum(p['elements'] for p in e)}" for e in exact) + " |")
+    whole = [r.get("whole_step_differing") for r in results]
+    if any(whole):
+        lines.append("| whole step: differing elements (out, logits, tokens, caches) | " + " | ".join(
+            "-" if w is None else " / ".join(str(v[0]) for v in w.values()) for w in whole) + " |")
+    lines += ["", meta["notes"]]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], floor: float, out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    ms = [r["m"] for r in results]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for side, label in (("stock", "vLLM 0.33.0 stock"), ("dspark", "DSpark")):
+        ax.plot(ms, [r["total"][side]["median"] for r in results], marker="o", label=label)
+    ax.axhline(floor, color="gray", linestyle="--", label="weight floor")
+    ax.set(xscale="log", yscale="log", xlabel="rows m = requests x N", ylabel="us per draft step")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    bx.plot(ms, [r["total"]["stock"]["median"] / r["total"]["dspark"]["median"] for r in results], marker="o")
+    bx.set(xlabel="rows m", ylabel="stock / DSpark")
+    bx.set_xscale("log", base=2)
+    fig.tight_layout()
+    fig.savefig(out / "draft_step.png", dpi=120)
+
+
