@@ -122,6 +122,57 @@ def test_boundary_compiles(arch, tree, tp, order, stream_bf16, store, post, pre,
         assert spill_bytes(report) == 0, report
 
 
+def _zero_adds(body: str) -> list[int]:
+    """Where the PTX adds +0.0: ``add.rn.f32`` whose last operand is the
+    literal 0f00000000 or a register moved from 0 (``mov.b32 %r, 0``)."""
+    zero_regs = set(re.findall(r"mov\.b32\s+(%r\d+),\s*0;", body))
+    found = []
+    for m in re.finditer(r"add\.rn\.f32\s+%\w+,\s*%\w+,\s*(%\w+|0f00000000);", body):
+        if m.group(1) == "0f00000000" or m.group(1) in zero_regs:
+            found.append(m.start())
+    return found
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp,order", [(2, FP32_RANK_ORDER), (4, BF16_RANK_ORDER), (8, FP32_RANK_ORDER)])
+def test_positive_zero_compiles(arch, tp, order, tmp_path):
+    """``PositiveZero``: one more ``add.rn.f32`` per column, its operand
+    +0.0; the rest as the plain kernel's audit. Wrapped boundary epilogue: the
+    norms' audit unchanged."""
+    from dspark_comm.cutedsl.all_reduce_boundary import BoundaryEpilogue
+    from dspark_comm.cutedsl.allreduce import (
+        AllReduceKernel,
+        PositiveZero,
+        StoreEpilogue,
+        all_reduce_fake_args,
+        zero_sign_epilogue,
+    )
+    from dspark_cute.runtime.host import compile_ptx
+
+    layout = MailboxLayout(tp, H, 16)
+    ptx = compile_ptx(AllReduceKernel(layout, 1, order, PositiveZero(StoreEpilogue()), False, True),
+                      *all_reduce_fake_args(), arch=arch)
+    audit(ptx, tp, order, False, adds_per_column=tp)
+    body = code(ptx)
+    zeros = _zero_adds(body)
+    assert len(zeros) == H // 256, "one + 0.0 per column of the thread"
+    assert count(body, r"st\.global\.v4\.b32") == FRAGS
+    ptxas_report(ptx, arch, tmp_path)
+    assert zero_sign_epilogue(StoreEpilogue(), False).key() == StoreEpilogue().key()
+    assert PositiveZero(StoreEpilogue()).key() != StoreEpilogue().key(), "a kernel of its own in the jit cache"
+    c = BoundaryConstants(H, NormConstants(1e-6, "bf16", 0.0, False, arch), NormConstants(1e-5, "bf16", 0.0, False,
+                                                                                           arch))
+    wrapped, plain = (
+        compile_ptx(AllReduceKernel(layout, 0, order, e, False, True), *all_reduce_fake_args(), arch=arch)
+        for e in (PositiveZero(BoundaryEpilogue(c, False, True)), BoundaryEpilogue(c, False, True))
+    )
+    audit(wrapped, tp, order, False, norms=[c.post, c.pre])
+    assert len(_zero_adds(code(wrapped))) - len(_zero_adds(code(plain))) == H // 256
+    with pytest.raises(ValueError, match="wraps one plain Epilogue"):
+        PositiveZero(PositiveZero(StoreEpilogue()))
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 def test_publish_and_example_compile(arch, tmp_path):

@@ -197,6 +197,34 @@ def test_orders_differ_beyond_two_ranks():
     assert set(protocol.STOCK_EQUIVALENTS) == set(protocol.SUM_ORDERS)
 
 
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("order", [FP32_RANK_ORDER, BF16_RANK_ORDER])
+def test_positive_zero_changes_only_a_negative_zero_sum(tp, order, seed):
+    """``positive_zero``: the sum with every -0.0 partial first turned into
+    +0.0 (what a Lamport all-reduce whose marker is -0.0 sends), equal to
+    the plain sum with only its -0.0 results turned into +0.0. Rows where
+    every rank's partial is -0.0 are planted (the only -0.0 sums), and
+    zeros of both signs elsewhere."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 1 << 16
+    parts = [_random_bf16(gen, n) for _ in range(tp)]
+    neg, pos = torch.tensor(-0.0, dtype=torch.bfloat16), torch.tensor(0.0, dtype=torch.bfloat16)
+    all_neg = torch.rand(n, generator=gen) < 0.05
+    for r, p in enumerate(parts):
+        p[all_neg] = neg
+        some = torch.rand(n, generator=gen) < 0.1
+        p[some & ~all_neg] = neg if r % 2 else pos
+    plain = protocol.reference_sum(parts, order)
+    lamport = protocol.reference_sum([torch.where(p.view(torch.int16) == -32768, pos, p) for p in parts], order)
+    positive = protocol.reference_sum(parts, order, positive_zero=True)
+    assert int(mismatches(positive, lamport).sum()) == 0
+    plain_bits = plain.view(torch.int16)
+    negative_zero = plain_bits == -32768
+    assert int(negative_zero.sum()) >= int(all_neg.sum()) > 0  # the planted rows sum to -0.0 in the plain order
+    assert bool((positive.view(torch.int16)[negative_zero] == 0).all())
+    assert int(mismatches(positive[~negative_zero], plain[~negative_zero]).sum()) == 0
+
+
 def test_reference_sum_refuses():
     x = torch.zeros(4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="sum order"):

@@ -54,10 +54,12 @@ class DraftAllReduce:
     (default ``dspark_comm.package_gemm.PackageGemm``; CPU tests pass
     stand-ins); ``package_gemm=False`` keeps every branch GEMM stock;
     ``one_row_gemv=True`` (opt-in) runs the package GEMMs' one-row calls on
-    the one-token GEMV (``PackageGemm(one_row_gemv=True)``: its own order)."""
+    the one-token GEMV (``PackageGemm(one_row_gemv=True)``: its own order);
+    ``positive_zero=True`` sums -0.0 as +0.0 (``protocol``: the stock of a
+    Lamport all-reduce whose empty marker is -0.0)."""
 
     def __init__(self, mailbox, plan, draft, rank: int, *, boundary=None, gemm=None,
-                 package_gemm: bool = True, one_row_gemv: bool = False) -> None:
+                 package_gemm: bool = True, one_row_gemv: bool = False, positive_zero: bool = False) -> None:
         tp = plan.target.tp
         if plan.draft_reason is not None:
             raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason})")
@@ -83,12 +85,14 @@ class DraftAllReduce:
         self.mailbox, self.plan, self.draft = mailbox, plan, draft
         self.sum_order = part.constants.sum_order
         self.capacity = mailbox.layout.capacity
+        self.positive_zero = bool(positive_zero)
+        zero = {"positive_zero": True} if positive_zero else {}
         self.boundaries = []
         for p, b in zip(plan.boundaries, bounds):
             if not p.fused:  # the plan's all-reduce fuses only where every boundary does
                 raise ValueError(f"{p.name} keeps its stock modules: {p.reason}")
             self.boundaries.append(boundary(mailbox, p.constants, b.connection.alpha, b.connection.beta,
-                                            b.post.weight, b.pre.weight, self.sum_order))
+                                            b.post.weight, b.pre.weight, self.sum_order, **zero))
         # Per boundary: its package GEMM (bound to its projection's weight), or None.
         self.gemms: list = [None] * len(self.boundaries)
         self.weights = [w for layer in draft.layers for w in (layer.attention.o_proj_weight, layer.mlp.down_weight)]

@@ -54,6 +54,23 @@ in rank order). At TP2 both are one rounded add of two BF16 values,
 rank order does not matter, and the FP32 sum of two BF16 values rounds to
 BF16 without a double-rounding error), so at TP2 both orders equal NCCL's
 all-reduce bit for bit, NaN payloads excepted.
+
+**The sign of a zero sum.** Both orders start from rank 0's partial, so a sum
+is -0.0 exactly where every rank's partial is -0.0 (round to nearest: a sum is
+-0.0 only when both operands are; a nonzero sum of BF16 values is at least
+BF16's smallest subnormal in magnitude, so no add underflows to a zero).
+Lamport all-reduces that use -0.0 as their empty marker (FlashInfer's trtllm
+one-shot and mnnvl kernels) turn every -0.0 partial into +0.0 before they
+send it, so their sum is never -0.0. ``positive_zero=True`` reproduces that:
+``+ 0.0`` after the sum (an FP32 ``add.rn`` on the BF16-rounded sum, before
+the epilogue sees it), which changes -0.0 into +0.0 and no other value (NaN
+payloads excepted, as above); that equals turning every -0.0 partial into
++0.0, because a sum of partials none of which is -0.0 is never -0.0.
+
+**Capacity.** A call's rows are resident CTAs, so a mailbox holds at most
+``MAX_CAPACITY`` rows per call; a caller that needs more (vLLM captures up to
+512) sizes the mailbox for the rows its fused path runs and takes the stock
+all-reduce above them, decided on the row count alone (``takes``).
 """
 
 from __future__ import annotations
@@ -82,7 +99,8 @@ SUM_ORDERS = (FP32_RANK_ORDER, BF16_RANK_ORDER)
 # excepted); at TP2 both also equal NCCL's.
 STOCK_EQUIVALENTS = {
     FP32_RANK_ORDER: "vLLM's one-stage custom all-reduce (FP32 in rank order, one BF16 rounding)",
-    BF16_RANK_ORDER: "PyTorch symmetric-memory one_shot_all_reduce (BF16 adds in rank order)",
+    BF16_RANK_ORDER: "PyTorch symmetric-memory one_shot_all_reduce and FlashInfer's trtllm all-reduce without "
+                     "fp32_acc (BF16 adds in rank order)",
 }
 
 
@@ -201,14 +219,16 @@ def words_bf16(words: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- sum orders
 
 
-def reference_sum(partials: list[torch.Tensor], order: str) -> torch.Tensor:
+def reference_sum(partials: list[torch.Tensor], order: str, positive_zero: bool = False) -> torch.Tensor:
     """The all-reduce of ``order`` over the ranks' BF16 partials, listed in
     rank order, as torch operations (each ``+`` one rounded IEEE add):
 
     - ``FP32_RANK_ORDER``: ``s = p0.float(); s = s + p_r.float()`` for
       r = 1, 2, ...; then ``s.to(bfloat16)`` once;
     - ``BF16_RANK_ORDER``: ``s = (s + p_r.float()).to(bfloat16).float()``
-      after each add.
+      after each add;
+    - ``positive_zero``: then ``(s.float() + 0.0).to(bfloat16)`` (-0.0
+      becomes +0.0, module docstring).
 
     The unfused stock of the mailbox's sum order, any number of ranks."""
     check_sum_order(order)
@@ -221,7 +241,10 @@ def reference_sum(partials: list[torch.Tensor], order: str) -> torch.Tensor:
         acc = acc + p.float()
         if order == BF16_RANK_ORDER:
             acc = acc.to(torch.bfloat16).float()
-    return acc.to(torch.bfloat16)
+    out = acc.to(torch.bfloat16)
+    if positive_zero:
+        out = (out.float() + 0.0).to(torch.bfloat16)
+    return out
 
 
 # ---------------------------------------------------------------- a model of the protocol

@@ -35,7 +35,7 @@ import logging
 import torch
 from cutlass import Int32, Int64
 
-from dspark_comm.cutedsl.allreduce import Epilogue, FusedAllReduce, RowContext
+from dspark_comm.cutedsl.allreduce import Epilogue, FusedAllReduce, RowContext, zero_sign_epilogue
 from dspark_comm.protocol import fallback_reason
 from dspark_core.contracts.constants import FP32_RANK_ORDER, BoundaryConstants
 from dspark_cute import ptx
@@ -114,7 +114,8 @@ ops.define(
 
 class AllReduceBoundary:
     """One residual boundary whose branch arrives as per-rank partials: the
-    TP all-reduce (the mailbox, in ``sum_order``) and the boundary ``post ->
+    TP all-reduce (the mailbox, in ``sum_order``; a -0.0 sum as +0.0 where
+    ``positive_zero``, ``protocol``) and the boundary ``post ->
     GatedResidual -> pre`` of ``constants`` in one kernel, bound to its
     constant operands (as ``dspark_cute.DraftBoundary``: ``alpha``, ``beta``
     contiguous CUDA FP32 ``[H]``, the norm weights or None).
@@ -135,7 +136,8 @@ class AllReduceBoundary:
 
     def __init__(self, mailbox, constants: BoundaryConstants, alpha: torch.Tensor, beta: torch.Tensor,
                  post_weight: torch.Tensor | None, pre_weight: torch.Tensor | None,
-                 sum_order: str = FP32_RANK_ORDER, *, pdl: bool | None = None) -> None:
+                 sum_order: str = FP32_RANK_ORDER, *, positive_zero: bool = False,
+                 pdl: bool | None = None) -> None:
         if not isinstance(constants, BoundaryConstants):
             raise ValueError(f"AllReduceBoundary takes BoundaryConstants, not {type(constants).__name__}")
         if constants.hidden_size != mailbox.layout.hidden_size:
@@ -148,6 +150,7 @@ class AllReduceBoundary:
         if alpha.device != mailbox.device:
             raise ValueError(f"the gates are on {alpha.device}, the mailbox on {mailbox.device}")
         self.mailbox, self.constants, self.sum_order = mailbox, constants, sum_order
+        self.positive_zero = bool(positive_zero)
         self.alpha, self.beta = alpha, beta
         self.post_weight, self.pre_weight = post_weight, pre_weight
         self.pdl = self.unfused.pdl
@@ -160,7 +163,9 @@ class AllReduceBoundary:
         key = (bool(stream_bf16), bool(store_stream), bool(published))
         if key not in self._fused:
             self._fused[key] = FusedAllReduce(
-                self.mailbox, BoundaryEpilogue(self.constants, key[0], key[1]), self.sum_order,
+                self.mailbox,
+                zero_sign_epilogue(BoundaryEpilogue(self.constants, key[0], key[1]), self.positive_zero),
+                self.sum_order,
                 published=key[2], pdl=self.pdl,
             )
         return self._fused[key]

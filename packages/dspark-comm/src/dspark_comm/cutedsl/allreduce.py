@@ -145,6 +145,38 @@ class StoreEpilogue(Epilogue):
             ptx.st_row8("bf16", out_row, col, v)
 
 
+class PositiveZero(Epilogue):
+    """``inner`` on the summed row with every -0.0 turned into +0.0: each
+    value gets ``add.rn.f32(v, +0.0)`` before ``inner.finish`` sees it, which
+    changes -0.0 and no other value (NaN payloads excepted). The sum of a
+    Lamport all-reduce whose empty marker is -0.0 (``protocol``: the sign
+    of a zero sum). ``inner``'s operands, loads and key, the option added."""
+
+    def __init__(self, inner: Epilogue) -> None:
+        if not isinstance(inner, Epilogue) or isinstance(inner, PositiveZero):
+            raise ValueError(f"PositiveZero wraps one plain Epilogue, not {type(inner).__name__}")
+        self.inner = inner
+        self.operands = inner.operands
+
+    def key(self) -> tuple:
+        return ("positive_zero", self.inner.key())
+
+    def early(self, ctx: RowContext):
+        return self.inner.early(ctx)
+
+    def late(self, ctx: RowContext, state):
+        return self.inner.late(ctx, state)
+
+    def finish(self, ctx: RowContext, state, values: list) -> None:
+        zero = Float32(0.0)
+        self.inner.finish(ctx, state, [[ptx.add_rn(v, zero) for v in f] for f in values])
+
+
+def zero_sign_epilogue(epilogue: Epilogue, positive_zero: bool) -> Epilogue:
+    """``epilogue``, wrapped in ``PositiveZero`` where ``positive_zero``."""
+    return PositiveZero(epilogue) if positive_zero else epilogue
+
+
 class AllReduceKernel:
     """The traced all-reduce of one layout, rank, sum order, epilogue and
     variant. Call: ``(partial, table, timeout_ns, o0, ..., o7, m, stream)``:
@@ -356,7 +388,7 @@ ops.define("all_reduce", "(str handle, Tensor partial, Tensor(a!) out, Tensor(b!
 class MailboxAllReduce:
     """The plain all-reduce over a mailbox's TP group: ``run(partial)``
     returns the BF16 sum of every rank's ``[m, H]`` partial in ``sum_order``
-    (``protocol``): fused when ``1 <= m <= capacity``, else the group's stock
+    (``protocol``; -0.0 sums as +0.0 where ``positive_zero``): fused when ``1 <= m <= capacity``, else the group's stock
     all-reduce (NCCL), logged once per reason. Every rank must call it with
     the same row count. Traced by torch.compile, a fused call is the op
     ``torch.ops.dspark.all_reduce`` (this rank's mailbox among what it
@@ -364,8 +396,9 @@ class MailboxAllReduce:
 
     OP = "all_reduce"
 
-    def __init__(self, mailbox, sum_order: str = FP32_RANK_ORDER, *, pdl: bool | None = None) -> None:
-        self.fused = FusedAllReduce(mailbox, StoreEpilogue(), sum_order, pdl=pdl)
+    def __init__(self, mailbox, sum_order: str = FP32_RANK_ORDER, *, positive_zero: bool = False,
+                 pdl: bool | None = None) -> None:
+        self.fused = FusedAllReduce(mailbox, zero_sign_epilogue(StoreEpilogue(), positive_zero), sum_order, pdl=pdl)
         self.mailbox = mailbox
         self._logged: set[str] = set()
         self.op_handle = ops.register(self)
@@ -435,9 +468,11 @@ __all__ = [
     "FusedAllReduce",
     "MAX_OPERANDS",
     "MailboxAllReduce",
+    "PositiveZero",
     "RowContext",
     "SMEM_FLOATS",
     "StoreEpilogue",
     "all_reduce_fake_args",
     "compile_all_reduce",
+    "zero_sign_epilogue",
 ]
