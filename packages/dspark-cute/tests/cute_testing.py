@@ -256,3 +256,33 @@ def qkv_epilogue_stock(s, ops, qkv: torch.Tensor, pos, slots, cache: torch.Tenso
     rope = s.table is not None
     ops.stock_qknorm_rope_kv_insert(qkv, pos, s.nq, s.kv, HEAD_DIM, s.q_eps, s.table if rope else None,
                                     HEAD_DIM if rope else 0, slots, cache, block)
+
+
+# Physical orders the insert tests write through, by vLLM 0.33.0's
+# KVCacheLayout names: the two layer-outermost ones (LBNHC, vLLM's default on
+# sm_90; LBHNC) and a block-outermost one, BLNHC, where another layer's rows
+# lie between this layer's blocks (a block stride of two layers' pages).
+CACHE_LAYOUTS = ("LBHNC", "LBNHC", "BLNHC")
+
+
+def layout_cache(layout: str, num_blocks: int, kv_heads: int, block_size: int, device="cuda") -> torch.Tensor:
+    """The logical BF16 view ``[num_blocks, kv_heads, block_size, 128]`` of
+    one layer's cache in ``layout``'s physical order (with BLNHC the second
+    of two interleaved layers), uninitialized; ``whole(view)`` is the
+    allocation (to poison and compare every byte, the other layer's
+    included)."""
+    w = 2 * HEAD_DIM
+    if layout == "LBHNC":
+        return torch.empty((num_blocks, kv_heads, block_size, w), dtype=torch.bfloat16, device=device)
+    if layout == "LBNHC":
+        phys = torch.empty((num_blocks, block_size, kv_heads, w), dtype=torch.bfloat16, device=device)
+        return phys.permute(0, 2, 1, 3)
+    if layout == "BLNHC":
+        phys = torch.empty((num_blocks, 2, block_size, kv_heads, w), dtype=torch.bfloat16, device=device)
+        return phys[:, 1].permute(0, 2, 1, 3)
+    raise ValueError(f"no test layout {layout!r}")
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The allocation a view ``t`` lies in (``t`` where it is one)."""
+    return t if t._base is None else t._base

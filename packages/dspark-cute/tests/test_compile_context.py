@@ -24,7 +24,8 @@ per head one 4-byte load and store each of K and V, 10 butterfly shuffles
 ``.ftz``), 12 ``add.rn.f32``, 5 ``mul.rn.f32`` and with RoPE 2 more and 2
 ``fma.rn.f32`` (vLLM's rotary form); no other approximate instruction, no
 division or square root; the BF16 roundings; the slot (and position)
-loads; nothing loaded before the PDL wait.
+loads; the cache rows addressed through the block, token and head strides
+(runtime parameters); nothing loaded before the PDL wait.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 from cute_testing import WORDS, has_f32_constant
 from cute_testing import norm_constants as kind_constants
 from norm_testing import audit_norm_ptx
-from ptx_audit import code, count, ptxas_report, spill_bytes
+from ptx_audit import assert_strides_address, code, count, ptxas_report, spill_bytes
 
 from dspark_core.contracts.constants import ContextNormConstants, ContextStoreConstants, NormConstants
 
@@ -136,6 +137,10 @@ def test_context_store_compile(arch, kv, rope, table, pdl, tmp_path):
     cvts = kv * (2 if rope else 1) + (1 if rope and table == "fp32" else 0)
     assert count(body, r"\bcvt\.rn\.bf16x2\.f32") == cvts
     assert "satfinite" not in body and not re.search(r"\b(ld|st)\.local", body)
+    # The caches' block, token and head strides (the last three parameters;
+    # one KV head needs no head stride).
+    params = len(re.findall(r"\.param \.\w+ \w+_param_\d+", body))
+    assert_strides_address(body, [params - 3, params - 2] + ([params - 1] if kv > 1 else []), f"store kv={kv}")
     if pdl:
         head, sep, _ = body.partition("griddepcontrol.wait")
         assert sep, "no PDL wait"

@@ -16,8 +16,9 @@
   low, ``y'`` high); the q/k store writes those words back where they were
   loaded, the K insert the same words, the V insert the loaded words; no
   other FP32 arithmetic (no ``sqrt.rn``, ``div``, ``rcp``, ``.ftz``, local
-  memory); nothing loaded before the PDL wait; where ptxas is installed,
-  no spills;
+  memory); the cache's K and V rows addressed through its block, token and
+  head strides (runtime parameters); nothing loaded before the PDL wait;
+  where ptxas is installed, no spills;
 - the host-side refusals that need no GPU.
 """
 
@@ -28,7 +29,7 @@ import struct
 
 import pytest
 import torch
-from ptx_audit import code, count, ptxas_report, spill_bytes
+from ptx_audit import assert_strides_address, code, count, ptxas_report, spill_bytes
 from qkv_ptx import ONE_64TH, half, head_norms, normed_pairs, packed, rotation
 
 from dspark_core.contracts.constants import QKVFrontConstants
@@ -172,6 +173,8 @@ def test_qkv_epilogue_compiles(arch, variant, tmp_path):
                                                             "ld.global.s64"}
     assert set(re.findall(r"\bst\.global[.\w]*", body)) == {"st.global.v4.b32"}
     assert "bar.sync" not in body and ".shared" not in body
+    # The cache's block, token and head strides (the last three parameters).
+    assert_strides_address(body, [9, 10, 11], _name(variant))
     if pdl:
         head, sep, _ = body.partition("griddepcontrol.wait")
         assert sep and "ld.global" not in head, "a global load before the PDL wait"

@@ -22,7 +22,10 @@ table; the insert, a copy, is the spec's):
 
 Outputs and caches are poisoned before each launch (a NaN pattern, then a
 finite one) so unwritten elements show, and cache rows no slot names must
-keep the poison's exact bits. Data is fresh per run from the printed seed
+keep the poison's exact bits. The store and the chain write caches in both
+layer-outermost layouts (``PagedKVCache``'s LBHNC, contiguous, and LBNHC,
+vLLM's default on sm_90, through its strides), to the same logical places
+as the stock chain's insert. Data is fresh per run from the printed seed
 (``DSPARK_SEED`` repeats it)."""
 
 from __future__ import annotations
@@ -216,8 +219,11 @@ def make_slots(gen: torch.Generator, rows: int, num_slots: int) -> torch.Tensor:
     return torch.where(negative, big, slots).contiguous()
 
 
-def make_caches(layers: int, kv_heads: int, num_blocks: int) -> list:
-    return [PagedKVCache(num_blocks, kv_heads, BLOCK, D, "cuda") for _ in range(layers)]
+LAYOUTS = ("LBHNC", "LBNHC")
+
+
+def make_caches(layers: int, kv_heads: int, num_blocks: int, layout: str = "LBHNC") -> list:
+    return [PagedKVCache(num_blocks, kv_heads, BLOCK, D, "cuda", layout) for _ in range(layers)]
 
 
 def assert_untouched(cache: torch.Tensor, slots, pattern: int, what: str) -> None:
@@ -233,13 +239,16 @@ def assert_untouched(cache: torch.Tensor, slots, pattern: int, what: str) -> Non
     assert bad == 0, f"{what}: {bad} elements of unwritten cache rows lost their poison"
 
 
-def check_store(store, stock, kv, positions, slots, layers, kv_heads, num_blocks, what: str) -> None:
-    """Poison two sets of caches alike (twice: a NaN and a finite pattern),
-    store with the stock chain into one and the kernel into the other, and
-    compare every cache bit for bit; unwritten rows must keep the poison."""
+def check_store(store, stock, kv, positions, slots, layers, kv_heads, num_blocks, what: str,
+                layout: str = "LBHNC") -> None:
+    """Poison two sets of caches in ``layout`` alike (twice: a NaN and a
+    finite pattern), store with the stock chain into one and the kernel into
+    the other, and compare every cache bit for bit; unwritten rows must keep
+    the poison."""
     per_layer = slots if isinstance(slots, list) else [slots] * layers
     for which in (0, 1):
-        ours, ref = make_caches(layers, kv_heads, num_blocks), make_caches(layers, kv_heads, num_blocks)
+        ours = make_caches(layers, kv_heads, num_blocks, layout)
+        ref = make_caches(layers, kv_heads, num_blocks, layout)
         for cache in ours + ref:
             poison(cache.tensor, which)
         DraftModel.context_kv_store(stock, kv, positions, ref, slots)
@@ -279,8 +288,9 @@ def make_store(case, max_position: int = 4096, pdl=None):
     return store, stock_store_model(kv_heads, layers, eps, rotary)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", STORES, ids=_store_name)
-def test_store(case, seed):
+def test_store(case, layout, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     kv_heads, layers = case[0], case[1]
     store, stock = make_store(case)
@@ -289,8 +299,9 @@ def test_store(case, seed):
         positions = torch.randint(0, 4096, (t,), generator=gen, device="cuda")
         num_blocks = (t + 40) // BLOCK + 2
         slots = make_slots(gen, t, num_blocks * BLOCK)
-        assert store.takes(kv, positions, make_caches(layers, kv_heads, num_blocks), slots)
-        check_store(store, stock, kv, positions, slots, layers, kv_heads, num_blocks, f"{_store_name(case)} T={t}")
+        assert store.takes(kv, positions, make_caches(layers, kv_heads, num_blocks, layout), slots)
+        check_store(store, stock, kv, positions, slots, layers, kv_heads, num_blocks,
+                    f"{_store_name(case)} {layout} T={t}", layout)
         # The 5-D view of the same projection is taken too.
         view = kv.view(layers, t, 2, kv_heads, D)
         assert store.takes(view, positions, make_caches(layers, kv_heads, num_blocks), slots)
@@ -310,7 +321,9 @@ def test_store_per_layer_slots(case, seed):
     slots = [make_slots(gen, (t, 50, 1, 0, t)[i % 5], num_blocks * BLOCK) for i in range(layers)]
     slots[2] = None
     slots[4] = torch.full((t,), -1, dtype=torch.int64, device="cuda")
-    check_store(store, stock, kv, positions, slots, layers, kv_heads, num_blocks, f"{_store_name(case)} lists")
+    for layout in LAYOUTS:
+        check_store(store, stock, kv, positions, slots, layers, kv_heads, num_blocks,
+                    f"{_store_name(case)} lists {layout}", layout)
 
 
 def test_store_skips_out_of_range(seed):
@@ -357,12 +370,13 @@ def stock_context_store(stock, kv, positions, caches, slots, kv_heads: int, eps:
             caches[i].insert(k[i, :rows], kv[i, :rows, 1], per_layer[i])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", [STORES[2], STORES[3], STORES[1], STORES[4]], ids=_store_name)
-def test_store_against_the_stock(case, seed):
+def test_store_against_the_stock(case, layout, seed):
     """The kernel against the stock's own kernels on the same projection:
     ATen's K-norm, vLLM's ``rotary_embedding_kernel`` with the table cast to
     BF16, the insert; T in {1, 2, 7, 16, 133, 4096}, special heads, negative
-    slots; the caches poisoned."""
+    slots; the caches poisoned, in ``layout``."""
     stock = stock_or_skip()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     kv_heads, layers, table_dtype, eps = case
@@ -374,10 +388,11 @@ def test_store_against_the_stock(case, seed):
         positions = torch.randint(0, 4096, (t,), generator=gen, device="cuda")
         num_blocks = (t + 40) // BLOCK + 2
         slots = make_slots(gen, t, num_blocks * BLOCK)
-        what = f"{_store_name(case)} T={t}"
+        what = f"{_store_name(case)} {layout} T={t}"
         for which in (0, 1):
-            ours, ref = make_caches(layers, kv_heads, num_blocks), make_caches(layers, kv_heads, num_blocks)
-            spec = make_caches(layers, kv_heads, num_blocks)
+            ours = make_caches(layers, kv_heads, num_blocks, layout)
+            ref = make_caches(layers, kv_heads, num_blocks, layout)
+            spec = make_caches(layers, kv_heads, num_blocks, layout)
             for cache in ours + ref + spec:
                 poison(cache.tensor, which)
             stock_context_store(stock, kv, positions, ref, slots, kv_heads, eps, table)
@@ -429,9 +444,9 @@ def chain_inputs(model, gen, t: int):
     return states, positions, slots, num_blocks
 
 
-def compare_chain(model, run_fused, states, positions, slots, num_blocks, what: str) -> None:
+def compare_chain(model, run_fused, states, positions, slots, num_blocks, what: str, layout: str = "LBHNC") -> None:
     for which in (0, 1):
-        ours, ref = model.make_caches(num_blocks, "cuda"), model.make_caches(num_blocks, "cuda")
+        ours, ref = model.make_caches(num_blocks, "cuda", layout), model.make_caches(num_blocks, "cuda", layout)
         for cache in ours + ref:
             poison(cache.tensor, which)
         model.precompute_and_store_context_kv(states, positions, ref, slots)
@@ -455,7 +470,9 @@ def test_chain_matches_precompute(name, seed):
         states, positions, slots, num_blocks = chain_inputs(model, gen, t)
         compare_chain(model, lambda *a: ContextChain.of_draft(describe(model)).run(*a), states, positions, slots,
                       num_blocks, f"{name} a fresh ContextChain T={t}")
-        compare_chain(model, chain.run, states, positions, slots, num_blocks, f"{name} ContextChain T={t}")
+        for layout in LAYOUTS:
+            compare_chain(model, chain.run, states, positions, slots, num_blocks, f"{name} ContextChain {layout} T={t}",
+                          layout)
 
 
 def stock_chain(stock, model, states, positions, caches, slots) -> None:
@@ -481,17 +498,18 @@ def test_chain_against_the_stock(seed):
     model = chain_model("h8192-fp32w-before-fp32rope", seed)
     chain = ContextChain.of_draft(describe(model), arch="sm_90a")
     chain.prepare()
-    for t in STOCK_ROWS:
+    for t, layout in [(t, layout) for t in STOCK_ROWS for layout in LAYOUTS]:
         states, positions, slots, num_blocks = chain_inputs(model, gen, t)
         for which in (0, 1):
-            ours, ref = model.make_caches(num_blocks, "cuda"), model.make_caches(num_blocks, "cuda")
+            ours = model.make_caches(num_blocks, "cuda", layout)
+            ref = model.make_caches(num_blocks, "cuda", layout)
             for cache in ours + ref:
                 poison(cache.tensor, which)
             stock_chain(stock, model, states, positions, ref, slots)
             chain.run(states, positions, ours, slots)
             torch.cuda.synchronize()
             for i in range(len(ours)):
-                what = f"chain T={t} layer {i}"
+                what = f"chain {layout} T={t} layer {i}"
                 assert_bitwise(ours[i].tensor, ref[i].tensor, f"{what} against the stock (poison {which})")
                 assert_untouched(ours[i].tensor, slots, POISONS[BF16][which], what)
 
@@ -522,7 +540,7 @@ def test_chain_cuda_graph(seed):
     chain.prepare()
     t = 133
     states, positions, slots, num_blocks = chain_inputs(model, gen, t)
-    caches = model.make_caches(num_blocks, "cuda")
+    caches = model.make_caches(num_blocks, "cuda", "LBNHC")  # vLLM's default layout
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -536,7 +554,7 @@ def test_chain_cuda_graph(seed):
         states.copy_(new_states)
         positions.copy_(new_positions)
         slots.copy_(new_slots)
-        ref = model.make_caches(num_blocks, "cuda")
+        ref = model.make_caches(num_blocks, "cuda", "LBNHC")
         for which in (0, 1):
             for cache in caches + ref:
                 poison(cache.tensor, which)
@@ -559,6 +577,7 @@ def test_refuses_bad_operands(seed):
     caches = make_caches(2, 8, 4)
     slots = torch.arange(t, device="cuda")
     assert store.takes(kv, positions, caches, slots)
+    assert store.takes(kv, positions, make_caches(2, 8, 4, "LBNHC"), slots)
     bad = [
         (kv.float(), positions, caches, slots),  # the wrong dtype
         (projected_kv(gen, 2, t, 4), positions, caches, slots),  # other KV heads
@@ -568,6 +587,10 @@ def test_refuses_bad_operands(seed):
         (kv, positions, caches, torch.arange(t + 1, device="cuda")),  # more slots than rows
         (kv, positions, caches, [slots]),  # one slot list for two layers
         (kv.transpose(0, 1), positions, caches, slots),  # not contiguous
+        # caches of one shape but two layouts (the kernel takes one set of strides)
+        (kv, positions, [caches[0], make_caches(1, 8, 4, "LBNHC")[0]], slots),
+        # K|V not contiguous in the last dim
+        (kv, positions, [torch.empty((4, 8, 128, BLOCK), dtype=BF16, device="cuda").transpose(2, 3)] * 2, slots),
     ]
     for args in bad:
         assert not store.takes(*args)

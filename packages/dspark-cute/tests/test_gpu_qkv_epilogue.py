@@ -7,8 +7,12 @@ same operands, each in place on its own copy of ``qkv``.
 
 Compared bit for bit (NaN payloads aside): every row of ``qkv`` after the
 call (q and k rows normed and rotated; v and o-gate rows untouched) and the
-whole cache storage, poisoned first with a NaN pattern and then a finite
+whole cache allocation, poisoned first with a NaN pattern and then a finite
 one, with a scratch block past the cache tensor that no insert may touch;
+the cache in each physical order of ``cute_testing.CACHE_LAYOUTS`` (LBHNC
+contiguous; LBNHC, vLLM's default on sm_90, and BLNHC, another layer's rows
+between the blocks, through their strides), the same logical places
+written as the spec's and the stock's inserts write;
 the returned q is the view of ``qkv``'s q rows. For m in {1, 2, 7, 16, 133};
 RoPE with the FP32 table (every layer but the first), the BF16 table (layer
 0 in decode) and none; 1 to 32 KV heads (powers of two); eps 0 and a q eps
@@ -28,14 +32,17 @@ import pytest
 import stock as stock_binaries
 import torch
 from cute_testing import (
+    CACHE_LAYOUTS,
     assert_replays_repeat,
     capture_calls,
+    layout_cache,
     poison,
     qkv_epilogue_spec,
     qkv_epilogue_stock,
     random_rows,
     requires_cuda,
     special_rows,
+    whole,
 )
 
 from dspark_core.contracts.constants import HEAD_DIM, QKVFrontConstants
@@ -79,9 +86,10 @@ def rotary(table: str) -> Rotary:
 class Setup:
     """One case: its constants, table and epilogue; operands and the two references."""
 
-    def __init__(self, case: str, pdl=None):
+    def __init__(self, case: str, pdl=None, layout: str = "LBHNC"):
         from dspark_cute.cutedsl.qkv.epilogue import QKVEpilogue
 
+        self.layout = layout
         self.nq, self.kv, table, self.q_eps, self.k_eps, self.ogate = CASES[case]
         self.rotary = rotary(table) if table else None
         self.constants = QKVFrontConstants(hidden_size=8192, num_heads=self.nq, kv_heads=self.kv, q_weight=False,
@@ -135,9 +143,11 @@ class Setup:
 
     def storage(self, which: int) -> torch.Tensor:
         """A cache storage of ``NUM_BLOCKS + 1`` blocks (the last a scratch
-        block past the cache tensor ``storage[:NUM_BLOCKS]``), poisoned."""
-        t = torch.empty((NUM_BLOCKS + 1, self.kv, BLOCK, 2 * HEAD_DIM), dtype=BF16, device="cuda")
-        return poison(t, which)
+        block past the cache tensor ``storage[:NUM_BLOCKS]``) in the setup's
+        layout, its whole allocation poisoned (``whole(storage)``)."""
+        t = layout_cache(self.layout, NUM_BLOCKS + 1, self.kv, BLOCK)
+        poison(whole(t), which)
+        return t
 
     def spec(self, qkv: torch.Tensor, pos, slots, storage: torch.Tensor) -> None:
         """The spec on CUDA, in place on ``qkv`` and ``storage[:NUM_BLOCKS]``."""
@@ -167,32 +177,35 @@ def check(s: Setup, qkv0: torch.Tensor, pos, slots, what: str, ops=None) -> None
         rest = s.q_size + s.kv_size
         assert_bitwise(qkv[:, rest:], qkv0[:, rest:], f"{what}: v and o-gate rows untouched (poison {which})")
         assert_bitwise(qkv, exp_qkv, f"{what}: qkv vs the spec (poison {which})")
-        assert_bitwise(storage, exp_storage, f"{what}: cache vs the spec (poison {which})")
+        assert_bitwise(whole(storage), whole(exp_storage), f"{what}: cache vs the spec (poison {which})")
         if ops is not None:
             assert_bitwise(qkv, st_qkv, f"{what}: qkv vs the stock kernel (poison {which})")
-            assert_bitwise(storage, st_storage, f"{what}: cache vs the stock kernel (poison {which})")
+            assert_bitwise(whole(storage), whole(st_storage), f"{what}: cache vs the stock kernel (poison {which})")
             assert_bitwise(st_qkv, exp_qkv, f"{what}: the stock kernel vs the spec (poison {which})")
 
 
 STOCK_CASES = [case for case, c in CASES.items() if c[3] == c[4]]
 
 
+@pytest.mark.parametrize("layout", CACHE_LAYOUTS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("m", ROWS)
-def test_matches_spec(case, m, seed):
+def test_matches_spec(case, m, layout, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup(case)
+    s = Setup(case, layout=layout)
     pos, slots = s.step(m, gen)
     check(s, s.qkv(m, gen), pos, slots, f"{case} m={m} random")
     check(s, s.qkv(m, gen, special=True), pos, slots, f"{case} m={m} special")
 
 
+@pytest.mark.parametrize("layout", CACHE_LAYOUTS)
 @pytest.mark.parametrize("case", STOCK_CASES)
 @pytest.mark.parametrize("m", ROWS)
-def test_matches_stock(case, m, seed, stock):
-    """The same operands through vLLM's stock kernel too (and the spec)."""
+def test_matches_stock(case, m, layout, seed, stock):
+    """The same operands through vLLM's stock kernel too (and the spec), the
+    cache in each layout (the stock takes its block, token and head strides)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup(case)
+    s = Setup(case, layout=layout)
     pos, slots = s.step(m, gen)
     check(s, s.qkv(m, gen), pos, slots, f"{case} m={m} random", stock)
     check(s, s.qkv(m, gen, special=True), pos, slots, f"{case} m={m} special", stock)
@@ -201,7 +214,7 @@ def test_matches_stock(case, m, seed, stock):
 @pytest.mark.parametrize("case", ["ref-fp32", "ref-bf16", "eps0-fp32"])
 def test_pdl_off(case, seed, stock):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup(case, pdl=False)
+    s = Setup(case, pdl=False, layout="LBNHC")
     assert not s.epi.pdl
     for m in (1, 16, 133):
         pos, slots = s.step(m, gen)
@@ -214,7 +227,7 @@ def test_host_raises_out_of_range(seed):
     qkv0 = s.qkv(4, gen)
     pos, slots = s.step(4, gen)
     storage = s.storage(1)
-    before = storage.clone()
+    before = whole(storage).clone()
     bad = [
         (pos.clone().fill_(MAX_POSITION), slots, "RoPE positions"),
         (pos.clone().fill_(-1), slots, "RoPE positions"),
@@ -230,7 +243,7 @@ def test_host_raises_out_of_range(seed):
     with pytest.raises(ValueError, match="16-byte aligned"):
         s.epi.run(shifted, pos, slots, storage[:NUM_BLOCKS])
     torch.cuda.synchronize()
-    assert_bitwise(storage, before, "cache after refused calls")
+    assert_bitwise(whole(storage), before, "cache after refused calls")
     assert_bitwise(qkv, qkv0, "qkv after refused calls")
 
 
@@ -252,7 +265,7 @@ def graph_replays(s: Setup, gen, ops=None) -> None:
         src.copy_(s.qkv(m, gen, special))
         pos.copy_(s.step(m, gen)[0])
         for which in (0, 1):
-            poison(storage, which)
+            poison(whole(storage), which)
             graph.replay()
             exp_qkv, exp_storage = src.clone(), s.storage(which)
             s.spec(exp_qkv, pos, slots, exp_storage)
@@ -261,27 +274,30 @@ def graph_replays(s: Setup, gen, ops=None) -> None:
                 s.stock(ops, st_qkv, pos, slots, st_storage)
             torch.cuda.synchronize()
             assert_bitwise(qkv, exp_qkv, f"graph replay qkv vs the spec (poison {which})")
-            assert_bitwise(storage, exp_storage, f"graph replay cache vs the spec (poison {which})")
+            assert_bitwise(whole(storage), whole(exp_storage), f"graph replay cache vs the spec (poison {which})")
             if ops is not None:
                 assert_bitwise(qkv, st_qkv, f"graph replay qkv vs the stock (poison {which})")
-                assert_bitwise(storage, st_storage, f"graph replay cache vs the stock (poison {which})")
-        assert_replays_repeat(graph, [qkv, storage])
+                assert_bitwise(whole(storage), whole(st_storage), f"graph replay cache vs the stock (poison {which})")
+        assert_replays_repeat(graph, [qkv, whole(storage)])
 
 
-def test_cuda_graph(seed):
-    graph_replays(Setup("ref-fp32"), torch.Generator(device="cuda").manual_seed(seed))
+@pytest.mark.parametrize("layout", CACHE_LAYOUTS)
+def test_cuda_graph(layout, seed):
+    graph_replays(Setup("ref-fp32", layout=layout), torch.Generator(device="cuda").manual_seed(seed))
 
 
-def test_cuda_graph_stock(seed, stock):
-    graph_replays(Setup("ref-bf16"), torch.Generator(device="cuda").manual_seed(seed), stock)
+@pytest.mark.parametrize("layout", CACHE_LAYOUTS)
+def test_cuda_graph_stock(layout, seed, stock):
+    graph_replays(Setup("ref-bf16", layout=layout), torch.Generator(device="cuda").manual_seed(seed), stock)
 
 
 def test_capture_skips_out_of_range(seed):
     """Inside capture nothing is read on the host: the kernel skips a slot
     beyond the cache (token 1) and a token whose position lies outside the
-    table (token 2: neither its q and k rows nor its K/V written)."""
+    table (token 2: neither its q and k rows nor its K/V written); the cache
+    in vLLM's default layout (LBNHC)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup("ref-fp32")
+    s = Setup("ref-fp32", layout="LBNHC")
     qkv0 = s.qkv(3, gen)
     pos = torch.tensor([3, 4, MAX_POSITION + 5], device="cuda")
     slots = torch.tensor([10, NUM_BLOCKS * BLOCK + 3, 20], device="cuda")
@@ -295,14 +311,14 @@ def test_capture_skips_out_of_range(seed):
         s.epi.run(qkv, pos, slots, storage[:NUM_BLOCKS])  # no host reads inside capture
     torch.cuda.synchronize()
     qkv.copy_(qkv0)
-    poison(storage, 1)
+    poison(whole(storage), 1)
     graph.replay()
     torch.cuda.synchronize()
     exp_qkv, exp_storage = qkv0[:2].clone(), s.storage(1)
     s.spec(exp_qkv, pos[:2], torch.tensor([10, -1], device="cuda"), exp_storage)
     assert_bitwise(qkv[:2], exp_qkv, "in-range tokens")
     assert_bitwise(qkv[2], qkv0[2], "the skipped token's rows")
-    assert_bitwise(storage, exp_storage, "cache after skipped slots and positions")
+    assert_bitwise(whole(storage), whole(exp_storage), "cache after skipped slots and positions")
 
 
 def test_compile_refused_during_capture(seed):
@@ -332,7 +348,20 @@ def test_takes(seed):
     e = s.epi
     assert e.takes(qkv, pos, slots, cache)
     assert e.takes(qkv[:, : s.q_size + 2 * s.kv_size].contiguous(), pos, slots, cache)  # no o-gate rows
-    bad = [
+    for layout in CACHE_LAYOUTS:  # through the strides
+        assert e.takes(qkv, pos, slots, layout_cache(layout, NUM_BLOCKS, s.kv, BLOCK))
+    row = 2 * HEAD_DIM
+    flat = torch.empty(NUM_BLOCKS * s.kv * BLOCK * row * 2, dtype=BF16, device="cuda")
+    bad_caches = [
+        # K|V not contiguous in the last dim
+        torch.empty((NUM_BLOCKS, s.kv, row, BLOCK), dtype=BF16, device="cuda").transpose(2, 3),
+        # a token stride of 132 elements (264 bytes): rows not 16-byte aligned
+        flat.as_strided((NUM_BLOCKS, s.kv, BLOCK, row), (s.kv * BLOCK * 132, BLOCK * 132, 132, 1)),
+        # every head on one row (stride 0): rows overlap
+        flat.as_strided((NUM_BLOCKS, s.kv, BLOCK, row), (s.kv * BLOCK * row, 0, row, 1)),
+        flat[4 : 4 + NUM_BLOCKS * s.kv * BLOCK * row].view(NUM_BLOCKS, s.kv, BLOCK, row),  # 8-byte aligned
+    ]
+    bad = [*[(qkv, pos, slots, c) for c in bad_caches],
         (qkv.float(), pos, slots, cache),
         (qkv[:, :-64].contiguous(), pos, slots, cache),
         (qkv[:, :-64], pos, slots, cache),  # strided

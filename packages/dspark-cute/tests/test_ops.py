@@ -328,7 +328,7 @@ def test_eager_launches_of_bound_hosts_pass_their_tensors(monkeypatch):
                                       pdl=False)
     qkv = torch.randn(3, (2 * 4 + 2 * 2) * 64).bfloat16()
     positions, slots = torch.arange(3), torch.arange(3)
-    cache = torch.zeros(6, 2, 16, 128).bfloat16()
+    cache = torch.zeros(6, 16, 2, 128).bfloat16().permute(0, 2, 1, 3)  # LBNHC: [block][token][head] rows
     seen = []
     monkeypatch.setattr(epilogue_module, "current_stream", lambda: "stream")
     monkeypatch.setattr(epilogue_module, "compile_qkv_epilogue", lambda *settings: lambda *a: seen.append(a))
@@ -336,7 +336,8 @@ def test_eager_launches_of_bound_hosts_pass_their_tensors(monkeypatch):
     assert _named(epilogue_module.QKVEpilogueKernel, seen[0]) == {
         "qkv": qkv.data_ptr(), "table": table.data_ptr(), "positions": positions.data_ptr(),
         "slots": slots.data_ptr(), "cache": cache.data_ptr(), "row_elems": qkv.shape[1], "num_slots": 6 * 16,
-        "block_size": 16, "max_position": 100, "m": 3, "stream": "stream"}
+        "block_size": 16, "max_position": 100, "m": 3, "block_stride": 16 * 2 * 128 * 2, "token_stride": 2 * 128 * 2,
+        "head_stride": 128 * 2, "stream": "stream"}
     assert q.shape == (3, 4, 64) and q.data_ptr() == qkv.data_ptr()
 
     weight = torch.randn(1024, h).bfloat16()
@@ -386,7 +387,7 @@ def test_eager_launches_of_the_front_and_the_context_store_pass_their_tensors(mo
     store = store_module.ContextKvStore(ContextStoreConstants(2, 1e-6, True, "bf16"), table, pdl=False)
     layers, t = 3, 5
     kv = torch.randn(layers, t, 2 * 2 * 64).bfloat16()
-    caches = [torch.zeros(4, 2, 16, 128).bfloat16() for _ in range(layers)]
+    caches = [torch.zeros(4, 2, 16, 128).bfloat16() for _ in range(layers)]  # LBHNC: contiguous
     per_layer = [torch.arange(t), None, torch.arange(2)]
     positions = torch.arange(t)
     seen = []
@@ -403,4 +404,5 @@ def test_eager_launches_of_the_front_and_the_context_store_pass_their_tensors(mo
         "caches": (caches[0].data_ptr(), caches[2].data_ptr()) + (0,) * pad,
         "slots": (per_layer[0].data_ptr(), per_layer[2].data_ptr()) + (0,) * pad,
         "rows": (t, 2) + (0,) * pad, "num_slots": 4 * 16, "block_size": 16, "max_position": 50,
-        "groups": -(-t // store_module.WARPS_PER_CTA), "layers": 2, "stream": "stream"}
+        "groups": -(-t // store_module.WARPS_PER_CTA), "layers": 2, "block_stride": 2 * 16 * 128 * 2,
+        "token_stride": 128 * 2, "head_stride": 16 * 128 * 2, "stream": "stream"}

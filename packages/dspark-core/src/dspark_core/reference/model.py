@@ -321,10 +321,12 @@ class DraftModel(nn.Module):
             out.append((layer.post_ffn_norm, layer.add_ffn, nxt))
         return out
 
-    def make_caches(self, num_blocks: int, device=None) -> list[PagedKVCache]:
-        """One paged BF16 cache per layer."""
+    def make_caches(self, num_blocks: int, device=None, layout: str = "LBHNC") -> list[PagedKVCache]:
+        """One paged BF16 cache per layer, in the physical ``layout``
+        (``spec.layers.CACHE_LAYOUTS``)."""
         c = self.config
-        return [PagedKVCache(num_blocks, c.num_kv_heads, c.kv_block_size, c.head_dim, device) for _ in self.layers]
+        return [PagedKVCache(num_blocks, c.num_kv_heads, c.kv_block_size, c.head_dim, device, layout)
+                for _ in self.layers]
 
     # -- the stock forward ---------------------------------------------------
     def first_norm(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

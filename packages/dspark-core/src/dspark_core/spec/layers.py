@@ -318,20 +318,34 @@ class Rotary(nn.Module):
         return self.rotate(x, positions, table).to(torch.bfloat16)
 
 
+# Physical orders of a layer's logical [blocks, kv_heads, block_size, 2D]
+# cache, by vLLM's KVCacheLayout names of the layer-outermost ones: the
+# permutation that gives the logical view of the physical allocation.
+CACHE_LAYOUTS = {"LBHNC": (0, 1, 2, 3), "LBNHC": (0, 2, 1, 3)}
+
+
 class PagedKVCache:
     """A paged BF16 KV cache ``tensor`` ``[num_blocks, kv_heads, block_size,
     2 * D]``: K then V in the last dim. Slot ``s`` is row ``s % block_size``
-    of block ``s // block_size``.
+    of block ``s // block_size``. ``layout``: its physical order
+    (``CACHE_LAYOUTS``): LBHNC, ``tensor`` contiguous, or LBNHC
+    (``[block][token][head]`` rows, vLLM's default on sm_90), ``tensor`` a
+    strided view.
 
     One scratch block lies past ``tensor`` in the same allocation: ``insert``
     sends a negative slot's row there instead of skipping it with a
     data-dependent branch, so the insert is CUDA-graph capturable and
     ``tensor`` gets exactly the writes of ``kv_insert``."""
 
-    def __init__(self, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, device=None) -> None:
-        self._storage = torch.zeros(
-            (num_blocks + 1, kv_heads, block_size, 2 * head_dim), dtype=torch.bfloat16, device=device
-        )
+    def __init__(self, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, device=None,
+                 layout: str = "LBHNC") -> None:
+        if layout not in CACHE_LAYOUTS:
+            raise ValueError(f"the KV cache layout must be one of {', '.join(CACHE_LAYOUTS)}, not {layout!r}")
+        order = CACHE_LAYOUTS[layout]
+        logical = (num_blocks + 1, kv_heads, block_size, 2 * head_dim)
+        physical = torch.zeros([logical[i] for i in order], dtype=torch.bfloat16, device=device)
+        self._storage = physical.permute(*order)  # each order is its own inverse
+        self.layout = layout
         self.tensor = self._storage[:num_blocks]
         self.block_size = block_size
         self.head_dim = head_dim

@@ -1,6 +1,6 @@
 """Traced pieces of a 64-wide head shared by the head kernels: the stock fused
 QK-norm (``dspark_core.spec.layers.qk_norm_rope``) in two lane layouts, its
-RoPE, the RoPE table's cos and sin, and the paged cache's row address.
+RoPE, the RoPE table's cos and sin, and the paged cache's row addresses.
 
 The stock fused QK-norm of one head ``e_0 .. e_63`` (BF16 widened to FP32):
 stock lane ``l`` of 8 sums its elements ``8l .. 8l+7`` as the chain
@@ -168,6 +168,17 @@ def cache_row_address(cache, slot, kv_heads: int, kv_head, block_size):
     return Int64(cache) + row * (4 * HEAD_DIM)
 
 
+def strided_row_address(cache, block, page, kv_head, block_stride, token_stride, head_stride):
+    """The byte address (Int64) of the cache row of block ``block``, token
+    ``page`` of the block and KV head ``kv_head`` in a cache at byte address
+    ``cache`` with these byte strides (``dspark_cute.runtime.kv_cache``):
+    ``cache + block * block_stride + page * token_stride + kv_head *
+    head_stride``, in 64-bit arithmetic; its K half is the first 128 bytes,
+    its V half the next 128."""
+    return (Int64(cache) + Int64(block) * Int64(block_stride) + Int64(page) * Int64(token_stride)
+            + Int64(kv_head) * Int64(head_stride))
+
+
 __all__ = [
     "LANES",
     "LANE_ELEMS",
@@ -181,4 +192,5 @@ __all__ = [
     "qk_rsqrt",
     "rope_fma",
     "square_chain",
+    "strided_row_address",
 ]

@@ -18,7 +18,9 @@ layer ``l``) whose slot ``s = slots_l[t]`` is non-negative, for every KV head:
    c * y)`` (each product rounded) on the BF16 ``n``, rounded to BF16;
 3. the insert: K and V (V's bits as projected) written at
    ``cache_l[s // bs, head, s % bs]``, K in the first 64 columns of the last
-   dim, V in the next 64.
+   dim, V in the next 64, addressed through the caches' block, token and
+   head strides (``dspark_cute.runtime.kv_cache``: any physical order vLLM
+   lays the caches out in, LBNHC and LBHNC alike).
 
 Layout: one warp per (row, layer); lane ``j`` holds the GPT-J pair
 ``(2j, 2j + 1)`` of every head (one 32-bit word each of K and V), so every
@@ -53,8 +55,10 @@ from cutlass import Float32, Int32, Int64, Uint32
 from dspark_core.contracts.constants import HEAD_DIM, ContextStoreConstants
 from dspark_core.errors import Unsupported
 from dspark_cute import ptx
+from dspark_cute.cutedsl.heads import strided_row_address
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import LazyPdl, cache_tensor, current_stream, fake_stream, jit_cache
+from dspark_cute.runtime.kv_cache import MAX_SLOTS, byte_strides, cache_problem
 
 # Layers one launch takes (a fixed parameter list: a pointer tuple per operand).
 MAX_LAYERS_PER_LAUNCH = 8
@@ -159,8 +163,9 @@ class ContextStoreKernel:
     int64 slot mapping, and its row count (Int32; unused entries any value);
     the caches' slot count ``num_blocks * bs`` (Int64, below 2^31) and block
     size ``bs`` (Int32), the table's ``P`` (Int64); ``groups`` (Int32) CTAs
-    of ``WARPS_PER_CTA`` rows per layer and ``layers`` (Int32) the layers
-    of this launch."""
+    of ``WARPS_PER_CTA`` rows per layer, ``layers`` (Int32) the layers of
+    this launch and the caches' block, token and head strides in bytes
+    (Int64, even; every cache of the launch has these)."""
 
     def __init__(self, constants: ContextStoreConstants, pdl: bool) -> None:
         self.constants = constants
@@ -169,9 +174,11 @@ class ContextStoreKernel:
     @cute.jit
     def __call__(
         self, positions: Int64, table: Int64, kv: tuple, caches: tuple, slots: tuple, rows: tuple,
-        num_slots: Int64, block_size: Int32, max_position: Int64, groups: Int32, layers: Int32, stream,
+        num_slots: Int64, block_size: Int32, max_position: Int64, groups: Int32, layers: Int32,
+        block_stride: Int64, token_stride: Int64, head_stride: Int64, stream,
     ):
-        self.kernel(positions, table, kv, caches, slots, rows, num_slots, block_size, max_position).launch(
+        self.kernel(positions, table, kv, caches, slots, rows, num_slots, block_size, max_position, block_stride,
+                    token_stride, head_stride).launch(
             grid=[groups, layers, 1], block=[ptx.WARP * WARPS_PER_CTA, 1, 1], stream=stream,
             use_pdl=self.pdl,
         )
@@ -179,7 +186,8 @@ class ContextStoreKernel:
     @cute.kernel
     def kernel(
         self, positions: Int64, table: Int64, kv: tuple, caches: tuple, slots: tuple, rows: tuple,
-        num_slots: Int64, block_size: Int32, max_position: Int64,
+        num_slots: Int64, block_size: Int32, max_position: Int64, block_stride: Int64, token_stride: Int64,
+        head_stride: Int64,
     ):
         c = self.constants
         heads = c.kv_heads
@@ -209,10 +217,7 @@ class ContextStoreKernel:
                 s32 = Uint32(slot)
                 block = s32 // Uint32(block_size)
                 page = s32 - block * Uint32(block_size)
-                head_stride = Int64(block_size) * HEAD_BYTES * 2
-                cache_row = Int64(cache_l) + (Int64(block) * heads * Int64(block_size) + Int64(page)) * (
-                    2 * HEAD_BYTES
-                )
+                cache_row = strided_row_address(cache_l, block, page, 0, block_stride, token_stride, head_stride)
                 if cutlass.const_expr(c.rope):
                     if cutlass.Uint64(position) < cutlass.Uint64(max_position):
                         cos, sin = context_cos_sin(c.table_dtype, table, position, lane)
@@ -232,7 +237,7 @@ def fake_args(constants: ContextStoreConstants) -> tuple:
     zeros = tuple(Int64(0) for _ in range(n))
     return (
         Int64(0), Int64(0), zeros, zeros, zeros, tuple(Int32(0) for _ in range(n)),
-        Int64(1), Int32(1), Int64(1), Int32(1), Int32(1), fake_stream(),
+        Int64(1), Int32(1), Int64(1), Int32(1), Int32(1), Int64(0), Int64(0), Int64(0), fake_stream(),
     )
 
 
@@ -310,9 +315,11 @@ class ContextKvStore(LazyPdl):
 
         It covers: ``kv`` a contiguous CUDA BF16 ``[L, T, 2 * kv_heads *
         64]`` (or ``[L, T, 2, kv_heads, 64]``) tensor, 4-byte aligned;
-        ``caches`` ``L`` caches (tensors or ``PagedKVCache``), each a
-        contiguous CUDA BF16 ``[num_blocks, kv_heads, bs, 128]`` tensor of one
-        shape, 4-byte aligned, with fewer than 2^31 slots; ``slots`` one
+        ``caches`` ``L`` caches (tensors or ``PagedKVCache``), each a CUDA
+        BF16 view ``[num_blocks, kv_heads, bs, 128]`` in any physical order
+        whose rows are contiguous and 4-byte aligned
+        (``runtime.kv_cache.cache_problem``), all of one shape and strides,
+        with fewer than 2^31 slots; ``slots`` one
         int64 tensor for every layer or one per layer (None: the layer stores
         nothing), each contiguous, 1-D, of at most T rows; with RoPE
         ``positions`` a contiguous int64 ``[T]`` tensor; all on one device
@@ -338,14 +345,14 @@ class ContextKvStore(LazyPdl):
         tensors = [cache_tensor(x) for x in caches]
         first = tensors[0] if tensors else None
         for cache in tensors:
-            if not (_is_cuda_tensor(cache, torch.bfloat16, device) and cache.data_ptr() % 4 == 0
-                    and cache.dim() == 4 and tuple(cache.shape[1:2] + cache.shape[3:]) == (c.kv_heads, 2 * HEAD_DIM)
-                    and cache.shape == first.shape):
-                return (
-                    f"every cache must be a contiguous, 4-byte aligned CUDA bfloat16 tensor of one shape "
-                    f"[num_blocks, {c.kv_heads}, block_size, {2 * HEAD_DIM}] on the K/V's device"
-                )
-        if first is not None and first.shape[0] * first.shape[2] >= 2**31:
+            if not (isinstance(cache, torch.Tensor) and cache.is_cuda and cache.device == device):
+                return "every cache must be a CUDA tensor on the K/V's device"
+            reason = cache_problem(cache, c.kv_heads, 4)
+            if reason is not None:
+                return reason
+            if cache.shape != first.shape or cache.stride() != first.stride():
+                return "every cache must have one shape and one set of strides (the kernel takes them once)"
+        if first is not None and first.shape[0] * first.shape[2] >= MAX_SLOTS:
             return "a cache of 2^31 slots or more"
         try:
             per_layer = self.per_layer_slots(slots, layers)
@@ -383,6 +390,7 @@ class ContextKvStore(LazyPdl):
             return
         kernel = compile_context_store(c, self.pdl)
         num_blocks, _, block_size, _ = tensors[0].shape
+        strides = tuple(Int64(b) for b in byte_strides(tensors[0]))
         layer_bytes = t * 2 * c.kv_heads * HEAD_BYTES
         table = Int64(self.cos_sin.data_ptr() if c.rope else 0)
         max_position = Int64(self.cos_sin.shape[0] if c.rope else 1)
@@ -400,7 +408,8 @@ class ContextKvStore(LazyPdl):
             most = max(s.shape[0] for _, _, s in chunk)
             kernel(
                 pos, table, kv_ptrs, cache_ptrs, slot_ptrs, rows, Int64(num_blocks * block_size),
-                Int32(block_size), max_position, Int32(-(-most // WARPS_PER_CTA)), Int32(len(chunk)), stream,
+                Int32(block_size), max_position, Int32(-(-most // WARPS_PER_CTA)), Int32(len(chunk)), *strides,
+                stream,
             )
 
 

@@ -21,8 +21,10 @@ head's 8 lanes as the stock's: lane ``l`` holds the head's elements ``e_8l
    one rounding to BF16; written back over the head in ``qkv``;
 2. the insert: for ``s = slots[t] >= 0``, the k head's result and the v
    head's projected bits as they are, to the K and V halves of ``cache[s //
-   bs, head, s % bs]`` (``heads.cache_row_address``); the v rows of ``qkv``
-   stay as they are.
+   bs, head, s % bs]``, addressed through the cache's block, token and head
+   strides (``heads.strided_row_address``; ``runtime.kv_cache``: any
+   physical order vLLM lays the cache out in, LBNHC and LBHNC alike); the v
+   rows of ``qkv`` stay as they are.
 
 Every other FP32 operation is ``mul.rn`` / ``add.rn`` (``dspark_cute.ptx``),
 so the result is the stock kernel's on the same ``qkv``, bit for bit.
@@ -59,11 +61,11 @@ from dspark_cute.cutedsl.heads import (
     LANE_ELEMS,
     LANE_PAIRS,
     LANES,
-    cache_row_address,
     head_eps,
     load_cos_sin_quad,
     qk_norm_lane8,
     rope_fma,
+    strided_row_address,
 )
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
@@ -75,6 +77,7 @@ from dspark_cute.runtime.host import (
     is_operand,
     jit_cache,
 )
+from dspark_cute.runtime.kv_cache import byte_strides, cache_problem
 
 # Threads per CTA and heads per CTA (8 lanes a head, as the stock).
 THREADS = 128
@@ -106,14 +109,15 @@ class QKVEpilogueKernel:
     launched with programmatic dependent launch.
 
     Call: ``(qkv, table, positions, slots, cache, row_elems, num_slots,
-    block_size, max_position, m, stream)``: byte addresses (Int64) of
-    ``qkv`` (BF16 ``[m, row_elems]``, 16-byte aligned; read and written in
-    place), the ``[P, 64]`` table (16-byte aligned), the int64 ``[m]``
-    positions and slots and the cache (BF16 ``[num_blocks, kv, bs, 128]``,
-    16-byte aligned; an operand the constants do not read may be any
-    address); ``row_elems`` (Int32), ``num_slots = num_blocks * bs``
-    (Int64), ``bs`` (Int32), ``P`` (Int64) and ``m`` (Int32, the grid's
-    x)."""
+    block_size, max_position, m, block_stride, token_stride, head_stride,
+    stream)``: byte addresses (Int64) of ``qkv`` (BF16 ``[m, row_elems]``,
+    16-byte aligned; read and written in place), the ``[P, 64]`` table
+    (16-byte aligned), the int64 ``[m]`` positions and slots and the cache
+    (the BF16 view ``[num_blocks, kv, bs, 128]``, rows contiguous, 16-byte
+    aligned; an operand the constants do not read may be any address);
+    ``row_elems`` (Int32), ``num_slots = num_blocks * bs`` (Int64), ``bs``
+    (Int32), ``P`` (Int64), ``m`` (Int32, the grid's x) and the cache's
+    block, token and head strides in bytes (Int64, multiples of 16)."""
 
     def __init__(self, constants: QKVFrontConstants, pdl: bool) -> None:
         check_constants(constants)
@@ -124,13 +128,16 @@ class QKVEpilogueKernel:
 
     @cute.jit
     def __call__(self, qkv: Int64, table: Int64, positions: Int64, slots: Int64, cache: Int64, row_elems: Int32,
-                 num_slots: Int64, block_size: Int32, max_position: Int64, m: Int32, stream):
-        self.kernel(qkv, table, positions, slots, cache, row_elems, num_slots, block_size, max_position).launch(
+                 num_slots: Int64, block_size: Int32, max_position: Int64, m: Int32, block_stride: Int64,
+                 token_stride: Int64, head_stride: Int64, stream):
+        self.kernel(qkv, table, positions, slots, cache, row_elems, num_slots, block_size, max_position,
+                    block_stride, token_stride, head_stride).launch(
             grid=[m, self.groups, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, qkv: Int64, table: Int64, positions: Int64, slots: Int64, cache: Int64, row_elems: Int32,
-               num_slots: Int64, block_size: Int32, max_position: Int64):
+               num_slots: Int64, block_size: Int32, max_position: Int64, block_stride: Int64, token_stride: Int64,
+               head_stride: Int64):
         c = self.c
         nq, kv = c.num_heads, c.kv_heads
         tidx, _, _ = cute.arch.thread_idx()
@@ -168,18 +175,22 @@ class QKVEpilogueKernel:
                 if head >= nq:
                     # A negative slot is a huge unsigned one: skipped with the rest.
                     if cutlass.Uint64(slot) < cutlass.Uint64(num_slots):
+                        bs = Int64(block_size)
+                        block, page = slot // bs, slot % bs
                         if head < nq + kv:
-                            row = cache_row_address(cache, slot, kv, head - nq, block_size)
+                            row = strided_row_address(cache, block, page, head - nq, block_stride, token_stride,
+                                                      head_stride)
                             ptx.st_global_v4(row + Int64(lane) * 16, normed)
                         else:
-                            row = cache_row_address(cache, slot, kv, head - nq - kv, block_size)
+                            row = strided_row_address(cache, block, page, head - nq - kv, block_stride,
+                                                      token_stride, head_stride)
                             ptx.st_global_v4(row + HEAD_BYTES + Int64(lane) * 16, raw)
 
 
 def fake_args(constants: QKVFrontConstants) -> tuple:
     """The compile signature of ``QKVEpilogueKernel`` (no GPU memory needed)."""
     return tuple(Int64(0) for _ in range(5)) + (
-        Int32(1), Int64(1), Int32(1), Int64(1), Int32(1), fake_stream(),
+        Int32(1), Int64(1), Int32(1), Int64(1), Int32(1), Int64(0), Int64(0), Int64(0), fake_stream(),
     )
 
 
@@ -250,10 +261,12 @@ class QKVEpilogue(LazyPdl):
     def problem(self, qkv, positions, slots, cache) -> str | None:
         """Why the kernel does not take these operands (a sentence), or None:
         ``qkv`` BF16 ``[m, rows]`` (m >= 1; rows ``q + 2 kv`` or, with the
-        o-gate, ``2 q + 2 kv``), ``positions`` and ``slots`` int64 ``[m]``,
-        ``cache`` (a tensor or a ``PagedKVCache``) BF16 ``[num_blocks, kv,
-        bs, 128]``: contiguous CUDA tensors on one device (the table's),
-        ``qkv`` and ``cache`` 16-byte aligned."""
+        o-gate, ``2 q + 2 kv``) and ``positions`` and ``slots`` int64
+        ``[m]``, contiguous; ``cache`` (a tensor or a ``PagedKVCache``) the
+        BF16 view ``[num_blocks, kv, bs, 128]`` in any physical order whose
+        rows are contiguous and 16-byte aligned (``runtime.kv_cache.
+        cache_problem``); all CUDA tensors on one device (the table's),
+        ``qkv`` 16-byte aligned."""
         c = self.constants
         widths = (self.q_size + 2 * self.kv_size, 2 * self.q_size + 2 * self.kv_size)
         if not (isinstance(qkv, torch.Tensor) and qkv.dim() == 2 and 1 <= qkv.shape[0] < 2**31
@@ -268,14 +281,9 @@ class QKVEpilogue(LazyPdl):
             if not is_operand(t, torch.int64, (m,), 8, device):
                 return f"{name} must be a contiguous CUDA int64 tensor of [{m}] on {device}, not {describe(t)}"
         t = cache_tensor(cache)
-        shape = tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else None
-        if not (shape and shape[0] >= 1 and shape[2] >= 1 and shape[1:2] + shape[3:] == (c.kv_heads, HEAD_BYTES)
-                and is_operand(t, torch.bfloat16, shape, 16, device)):
-            return (f"the cache must be a contiguous, 16-byte aligned CUDA bfloat16 tensor of [num_blocks, "
-                    f"{c.kv_heads}, block_size, {HEAD_BYTES}] on {device}, not {describe(t)}")
-        if shape[2] >= 2**31:
-            return "a cache block of 2^31 slots or more"
-        return None
+        if not (isinstance(t, torch.Tensor) and t.is_cuda and t.device == device):
+            return f"the cache must be a CUDA tensor on {device}, not {describe(t)}"
+        return cache_problem(t, c.kv_heads, 16)
 
     def takes(self, qkv, positions, slots, cache) -> bool:
         """Whether the kernel covers these operands (``problem`` says why not)."""
@@ -322,9 +330,10 @@ class QKVEpilogue(LazyPdl):
         nb, _, bs, _ = t.shape
         table = Int64(self.cos_sin.data_ptr() if c.rope else 0)
         max_position = Int64(self.cos_sin.shape[0] if c.rope else 1)
+        strides = tuple(Int64(b) for b in byte_strides(t))
         compile_qkv_epilogue(c, self.pdl)(
             Int64(qkv.data_ptr()), table, Int64(positions.data_ptr()), Int64(slots.data_ptr()),
-            Int64(t.data_ptr()), Int32(qkv.shape[1]), Int64(nb * bs), Int32(bs), max_position, Int32(m),
+            Int64(t.data_ptr()), Int32(qkv.shape[1]), Int64(nb * bs), Int32(bs), max_position, Int32(m), *strides,
             current_stream(),
         )
 
