@@ -22,6 +22,10 @@ and the tensors it binds, and has the same verbs:
   (with its fake; dspark-cute's ``runtime.ops``), so a traced graph holds one
   opaque node per launch.
 
+The rows one call takes (a draft step's ``m``; the context chain's ``T``):
+``MAX_ROWS[name]`` by design, or a host class's own ``max_rows`` where its
+constants allow fewer (``rows_taken``). ``problem`` refuses a call beyond it.
+
 The constructors the executor calls, per kernel name (``KERNEL_SIGNATURES``).
 """
 
@@ -30,6 +34,8 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
+
+from dspark_core.contracts.constants import MAX_DECODE_ROWS
 
 # Every fused kernel the design has (the planner's names).
 ROW_NORM = "row_norm"
@@ -62,6 +68,45 @@ KERNEL_SIGNATURES = {
     PACKAGE_GEMM: "PackageGemm(constants: PackageGemmConstants, weight, mailbox, rank)",
 }
 ALL_KERNELS = frozenset(KERNEL_SIGNATURES)
+
+# A row count that is a runtime argument of the kernel (no row tile compiled
+# in): any count up to the CUDA grid's x limit, one CTA (or CTA row) a row.
+ANY_ROWS = 2**31 - 1
+# The most rows one call of each kernel takes, by design. The row norm, the
+# boundary, the context chain, the QKV epilogue, the o-gate and the MLP
+# activation take the row count at run time; the o-gate and the MLP
+# activation state a lower ``max_rows`` where their Int32 vector index over
+# a wide row runs out first. The QKV front's and the package GEMM's token
+# tile and the mailbox's default capacity are MAX_DECODE_ROWS; the
+# attention's grid y is the query row (65535 at most); the weight prefetch
+# takes no rows (None).
+MAX_ROWS: dict[str, int | None] = {
+    ROW_NORM: ANY_ROWS,
+    BOUNDARY: ANY_ROWS,
+    CONTEXT_CHAIN: ANY_ROWS,
+    QKV_FRONT: MAX_DECODE_ROWS,
+    QKV_EPILOGUE: ANY_ROWS,
+    ATTENTION: 65535,
+    O_GATE: ANY_ROWS,
+    MLP_ACTIVATION: ANY_ROWS,
+    GEMV: 1,
+    WEIGHT_PREFETCH: None,
+    ALL_REDUCE_BOUNDARY: MAX_DECODE_ROWS,
+    PACKAGE_GEMM: MAX_DECODE_ROWS,
+}
+
+
+def rows_taken(name: str, kernel: Any = None) -> int | None:
+    """The most rows one call of kernel ``name`` takes: ``kernel.max_rows``
+    where the bound host class ``kernel`` states one, else ``MAX_ROWS[name]``
+    (None: the kernel takes no rows). KeyError for an unknown name."""
+    stated = getattr(kernel, "max_rows", None) if kernel is not None else None
+    if stated is not None:
+        if isinstance(stated, bool) or not isinstance(stated, int) or stated < 1:
+            raise TypeError(f"the {name} kernel's max_rows must be a positive int, not {stated!r}")
+        return stated
+    return MAX_ROWS[name]
+
 
 KERNELS_ENTRY_POINTS = "dspark.kernels"
 
@@ -110,5 +155,5 @@ def kernel_class(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-__all__ = ["ALL_KERNELS", "FusedKernel", "KERNELS_ENTRY_POINTS", "KERNEL_SIGNATURES", "installed_kernels",
-           "kernel_class"]
+__all__ = ["ALL_KERNELS", "ANY_ROWS", "FusedKernel", "KERNELS_ENTRY_POINTS", "KERNEL_SIGNATURES", "MAX_DECODE_ROWS",
+           "MAX_ROWS", "installed_kernels", "kernel_class", "rows_taken"]

@@ -38,7 +38,7 @@ from typing import Protocol
 import torch
 
 from dspark_core import switches
-from dspark_core.contracts.kernels import kernel_class
+from dspark_core.contracts.kernels import kernel_class, rows_taken
 from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, Part, plan_draft
 from dspark_core.runtime.description import Attention, Boundary, DraftDescription
@@ -89,6 +89,11 @@ class DraftDecode:
             raise ValueError(f"TP{all_reduce.tp} all-reduce boundaries for a TP{draft.tp} shard")
         if len(plan.boundaries) != 2 * len(draft.layers):
             raise ValueError(f"a plan of {len(plan.boundaries)} boundaries for a draft of {len(draft.layers)} layers")
+        tp = all_reduce.tp if all_reduce is not None else draft.tp
+        if plan.target.tp != tp:
+            raise ValueError(f"a plan made for TP{plan.target.tp} for a draft run at TP{tp}")
+        if plan.hidden_size is not None and plan.hidden_size != draft.hidden_size:
+            raise ValueError(f"a plan made for a hidden size of {plan.hidden_size} for a draft of {draft.hidden_size}")
         self.draft, self.plan, self.all_reduce = draft, plan, all_reduce
         self.layers = draft.layers
         self.bounds = draft.boundaries()
@@ -208,6 +213,26 @@ class DraftDecode:
                     context.stacked_kv_weight, context.rope.table if context.rope is not None else None)
         chain.prepare()
         return chain
+
+    @property
+    def max_rows(self) -> int | None:
+        """The most rows a step takes on every kernel bound for the step
+        (``contracts.kernels.rows_taken`` of each): the first norm, the
+        boundaries, the QKV fronts and epilogues, the attentions, the o-gates
+        and the MLP activations. A step of more rows runs some part stock.
+        Read from the bound kernels' constants alone, so every TP rank of one
+        plan gets the same. Not counted: the one-token GEMVs (bound for
+        one-row steps; other steps take the stock projection by design), the
+        context chain (no step's rows) and the weight prefetch. None before
+        ``prepare`` or where no step kernel is bound."""
+        if not self.prepared:
+            return None
+        bound = [(policy.ROW_NORM, self.input_norm)]
+        for name, kernels in ((policy.BOUNDARY, self.boundaries), (policy.QKV_FRONT, self.fronts),
+                              (policy.QKV_EPILOGUE, self.epilogues), (policy.ATTENTION, self.attentions),
+                              (policy.O_GATE, self.o_gates), (policy.MLP_ACTIVATION, self.activations)):
+            bound.extend((name, kernel) for kernel in kernels)
+        return min((rows_taken(name, kernel) for name, kernel in bound if kernel is not None), default=None)
 
     # -- the forward ---------------------------------------------------------
     def _first_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -359,6 +384,9 @@ class DraftDecode:
         draft = self.draft
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"the draft takes hidden states as a tensor, not {type(hidden_states).__name__}")
+        if hidden_states.dtype not in (self.dtype, torch.float32):
+            raise TypeError(f"the draft takes hidden states of {self.dtype} or torch.float32, "
+                            f"not {hidden_states.dtype}")
         if hidden_states.dim() != 2 or hidden_states.shape[1] != draft.hidden_size:
             raise ValueError(f"the draft takes hidden states of [m, {draft.hidden_size}], "
                              f"not {list(hidden_states.shape)}")
