@@ -97,17 +97,17 @@ def shape_of(m: int, n: int) -> tuple[int, int]:
 def fused_markov(stock, mode: str = "auto"):
     """``(loop, label)``: the DSpark side's Markov loop, or ``(None, why)``
     for vLLM's stock loop. ``mode``: "stock", "fused" (ImportError or
-    Unsupported raised) or "auto" (the fused step where installed). The
-    fused loop keeps the stock first embedding gather and each step's bias
-    GEMM (cuBLAS, the stock's bits) and runs everything after the GEMM on
-    ``dspark_cute.cutedsl.markov.greedy.MarkovStep`` (the next step's
-    embedding gather included)."""
+    Unsupported raised) or "auto" (the fused step where installed): dspark-
+    cute's ``markov.loop.run_greedy_loop`` (the stock first embedding gather
+    and each step's cuBLAS bias GEMM, everything after the GEMM on one
+    ``MarkovStep`` launch, the next step's embedding gather included)."""
     if mode == "stock":
         return None, "vLLM's stock loop (asked for)"
     try:
         from dspark_core.contracts.markov import markov_constants
         from dspark_core.errors import Unsupported
         from dspark_cute.cutedsl.markov.greedy import MarkovStep
+        from dspark_cute.cutedsl.markov.loop import run_greedy_loop
     except ImportError as error:
         if mode == "fused":
             raise
@@ -122,18 +122,14 @@ def fused_markov(stock, mode: str = "auto"):
         return None, f"vLLM's stock loop ({error})"
     kernel = MarkovStep(constants, head.markov_w1, head.d2t, max_rows=512)
     kernel.prepare()
+    embed = torch.empty(512, rank, dtype=BF16, device=head.markov_w1.device)
 
     def loop(logits, input_ids, anchor_idx, n, draft_tokens):
         base = logits.view(anchor_idx.shape[0], n, vocab)
-        embed = F.embedding(input_ids[anchor_idx], head.markov_w1)
-        for i in range(n):
-            bias = F.linear(embed, head.markov_w2)
-            nxt = torch.empty_like(embed)
-            kernel.launch(base[:, i], bias, draft_tokens[:, i], nxt, i + 1 < n)
-            embed = nxt
+        run_greedy_loop(kernel, base, input_ids[anchor_idx], head.markov_w2, draft_tokens, embed)
         return (draft_tokens,)
 
-    return loop, "DSpark's fused greedy Markov step (MarkovStep after the stock bias GEMM)"
+    return loop, "DSpark's fused greedy Markov step (run_greedy_loop: 1 + 2N launches)"
 
 
 class DSparkStep:
