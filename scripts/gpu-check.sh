@@ -17,7 +17,8 @@
 #   decode         the executor over the reference draft (tests/test_gpu_decode.py)
 #   multigpu       the two-GPU suites (comm, package GEMM, TP2 draft); kind nvidia-h200-x2
 #   bench-boundary bench_boundary_stock (DSpark / vLLM's chain / vLLM's one-kernel boundary)
-#   bench-step     bench_draft_step: vLLM's whole draft step from its binaries against DSpark's (~3-4 min)
+#   bench-step     bench_draft_step: vLLM's whole draft step from its binaries against DSpark's, V_draft 32768
+#                  (~30 s on an H200), then V_draft 202752
 #   bench          bench_decode and profile_decode; bench-kernels: the other single-GPU benchmarks
 #   bench-tp2      the package GEMM and TP2 draft benchmarks; kind nvidia-h200-x2
 #   demo           the README's demo (front off, then on); demo-tp2 on two GPUs
@@ -29,7 +30,7 @@ export OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
 export DSPARK_BENCH_OUT=$OUT
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && { sed -n '2,25p' "$0"; exit 2; }
+[ ${#steps[@]} -eq 0 ] && { sed -n '2,26p' "$0"; exit 2; }
 wanted() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 summary=()
 failed=0
@@ -66,7 +67,11 @@ if wanted multigpu; then
   step draft-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_draft_multigpu.py -q -p no:cacheprovider
 fi
 wanted bench-boundary && step bench-boundary 150 python packages/dspark-cute/benchmarks/bench_boundary_stock.py --out "$OUT"
-wanted bench-step && step bench-step 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --out "$OUT"
+if wanted bench-step; then
+  step bench-step 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --out "$OUT"
+  step bench-step-v202752 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --draft-vocab 202752 \
+    --name draft_step_v202752 --rows 1,4,32,128,512 --out "$OUT"
+fi
 if wanted bench; then
   step profile-decode 120 python packages/dspark-cute/benchmarks/profile_decode.py --gemv --out "$OUT"
   step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --direct --front --prefetch --gemv --out "$OUT"

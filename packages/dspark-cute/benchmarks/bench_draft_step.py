@@ -29,8 +29,8 @@ LBHNC caches. The floor is the bytes of the weights one step reads (each
 once: the layers' GEMM weights, the stacked context K/V rows, fc, the LM head,
 markov_w2) at 4.3 TB/s.
 
-Writes ``draft_step.md``, ``draft_step.json`` and ``draft_step.png`` into
-``--out`` and prints one table. ``--dry`` runs the plumbing on the CPU (a
+Writes ``draft_step.md``, ``.json`` and ``.png`` (``--name``) into ``--out``
+and prints one table. ``--dry`` runs the plumbing on the CPU (a
 small draft, the spec standing in for the stock kernels, no graphs, no
 DSpark kernels); ``--stock-only`` skips the DSpark side.
 """
@@ -391,6 +391,7 @@ class _CacheView:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("DSPARK_BENCH_OUT", "bench-results"))
+    p.add_argument("--name", default="draft_step", help="the output files' stem")
     p.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts m = requests x N")
     p.add_argument("--n", type=int, default=4, help="query tokens per request (num_speculative_tokens)")
     p.add_argument("--context", type=int, default=256, help="cached tokens per request")
@@ -506,10 +507,10 @@ def main(argv=None) -> int:
             "Differing elements are counted as bits for the parts DSpark runs its own kernels on (0 expected). "
             "Fallbacks: " + ("; ".join(dict.fromkeys(fallbacks)) or "none") + ".")
         text = table(results, meta)  # written after every row count: a time limit keeps the rows done
-        (out / "draft_step.md").write_text(text + "\n")
-        (out / "draft_step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        (out / f"{args.name}.md").write_text(text + "\n")
+        (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(text)
-    plot(results, meta["floor_us"], out)
+    plot(results, meta["floor_us"], out / f"{args.name}.png")
     bad = [(r["m"], p["part"]) for r in results for p in r["parts"] if p["differing"]]
     bad += [(r["m"], k) for r in results for k, v in r.get("whole_step_differing", {}).items() if v[0]]
     if bad:

@@ -78,7 +78,7 @@ def table(results: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], floor: float, out: Path) -> None:
+def plot(results: list[dict], floor: float, path: Path) -> None:
     try:
         import matplotlib
 
@@ -99,6 +99,6 @@ def plot(results: list[dict], floor: float, out: Path) -> None:
     bx.set(xlabel="rows m", ylabel="stock / DSpark")
     bx.set_xscale("log", base=2)
     fig.tight_layout()
-    fig.savefig(out / "draft_step.png", dpi=120)
+    fig.savefig(path, dpi=120)
 
 
