@@ -4,7 +4,7 @@
 Run with the vLLM 0.33.0 environment (its pinned Triton 3.8.0), on a CPU-only
 machine:
 
-    /work/venvs/vllm/bin/python scripts/stock/compile_stock.py [--out DIR]
+    .nox/tests-vllm/bin/python scripts/stock/compile_stock.py [--out DIR]
 
 It writes, under DIR (default ``.device/stock`` at the repository root):
 
@@ -25,7 +25,7 @@ It writes, under DIR (default ``.device/stock`` at the repository root):
 Nothing of vLLM is copied: the Triton kernels are imported from the installed
 vLLM and compiled; the CUDA cubins are extracted from the installed library
 with ``cuobjdump``. See README.md next to this file, and
-/work/notes/stock-numerics.md for what the kernels compute.
+``dspark_core.spec`` for what the kernels compute.
 """
 
 from __future__ import annotations

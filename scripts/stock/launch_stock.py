@@ -1,7 +1,8 @@
 """Launch the carried stock vLLM 0.33.0 kernels on torch tensors (GPU side).
 
-UNTESTED: written on a CPU-only machine. Needs torch with CUDA and the NVIDIA
-driver (libcuda); no vLLM, Triton or cupy. The kernels come from
+Checked on an H200 (``check_spec.py``; ``bench_draft_step.py``, PDL launches
+inside CUDA graphs included). Needs torch with CUDA and the NVIDIA driver
+(libcuda); no vLLM, Triton or cupy. The kernels come from
 ``scripts/stock/compile_stock.py`` (default directory ``.device/stock``).
 
 Every launch goes on torch's current stream, so no synchronization is needed
@@ -20,8 +21,8 @@ around the calls. Each ``stock_*`` function mirrors the stock op it stands for:
     stock_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping)
                                             = ops.reshape_and_cache_flash ("auto" cache dtype)
 
-Launch configurations follow what the stock host code does (see
-/work/notes/stock-numerics.md); PDL is off unless ``pdl=True`` (it changes no value).
+Launch configurations follow what the stock host code does (README.md next to
+this file); PDL is off unless ``pdl=True`` (it changes no value).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Print the floating-point expression a straight-line PTX kernel computes.
 
-Audit helper for /work/notes/stock-numerics.md (the trees come from
+Audit helper for the spec's stock numerics (``dspark_core.spec``; the trees come from
 ``ptx_expr.trace``): prints, for each ``st.shared`` and for the first
 instruction whose opcode starts with ``--stop`` (default ``rsqrt.approx``),
 the expression tree of its input, e.g.
