@@ -353,19 +353,22 @@ def apply_cpu_patches() -> list[str]:
 
 
 # ----------------------------------------------------------------- steps
-def kv_caches(model, config, num_blocks: int = 4):
-    """Zeroed per-layer caches in vLLM's LBNHC layout (one int8 allocation, create_kv_cache_views), bound to the
-    draft's attention layers as vLLM's bind_kv_cache does."""
-    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+def kv_caches(model, config, num_blocks: int = 4, layout: str = "LBNHC", offset: int = 0):
+    """Zeroed per-layer caches in vLLM's ``layout`` (default LBNHC, its default on sm_90; one int8 allocation
+    viewed by create_kv_cache_views with the layer and block strides of that layout, the views ``offset`` bytes
+    in), bound to the draft's attention layers as vLLM's bind_kv_cache does."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor, compute_layout_strides, create_kv_cache_views
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     attns = [layer.self_attn.attn for layer in model.model.layers]
     names = model.get_draft_kv_cache_layer_names()
     spec = attns[0].get_kv_cache_spec(config)
-    page = spec.page_size_bytes
-    raw = torch.zeros(page * num_blocks * len(attns), dtype=torch.int8)
-    tensor = KVCacheTensor(size=raw.numel(), layers=names, layer_stride=page * num_blocks, block_stride=page)
-    caches = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout.LBNHC, tensor)
+    order = KVCacheLayout[layout]
+    layer_stride, block_stride = compute_layout_strides(spec, num_blocks, len(attns), order)[:2]
+    raw = torch.zeros(spec.page_size_bytes * num_blocks * len(attns) + offset, dtype=torch.int8)
+    tensor = KVCacheTensor(size=raw.numel(), layers=names, layer_stride=layer_stride, block_stride=block_stride,
+                           offset=offset)
+    caches = create_kv_cache_views(raw, spec, num_blocks, order, tensor)
     for attn, kv in zip(attns, caches):
         attn.bind_kv_cache(kv)
     return caches

@@ -142,7 +142,6 @@ def _specialized(dirs, monkeypatch, exact):
     monkeypatch.setattr(deployment, "check_deployment", lambda config: None)
     monkeypatch.setattr(planning, "vllm_target", lambda device, tp=1, kernels=None: GPU.replace(tp=tp))
     monkeypatch.setattr(planning, "VLLM_EXACT_KERNELS", {GPU.arch: exact})
-    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "LBHNC")  # the layout the DSpark inserts write
     monkeypatch.setattr(runtime, "kernel_classes", lambda names: {n: _stubs.KERNELS[n] for n in names})
     return _draft.build(*dirs, "latency_specialized")
 

@@ -112,22 +112,6 @@ def test_on_an_h200_the_gpu_checked_kernels_fuse_and_on_sm100_none(built):
     assert reasons["layer 0's feed-forward boundary"].endswith("on an sm_100a GPU (compile-checked only)")
 
 
-def test_the_inserts_stay_stock_unless_the_kv_cache_layout_is_lbhnc(built, monkeypatch):
-    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
-    plan = _plan(built, layout=None)
-    reasons = _reasons(plan)
-    assert plan.fused_count() == (9, 14)  # the opt-in fronts not asked for, whatever the layout
-    why = ("the KV cache layout is LBNHC, vLLM's default (VLLM_KV_CACHE_LAYOUT unset): each layer's [blocks, "
-           "kv_heads, block_size, 2D] view is not contiguous, and the DSpark inserts write the LBHNC order "
-           "(VLLM_KV_CACHE_LAYOUT=LBHNC fuses them)")
-    assert [reasons[n] for n in ("the context K/V chain", "layer 0's QKV epilogue", "layer 1's QKV epilogue")] \
-        == [why] * 3
-    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "HND")  # vLLM's legacy name of LBHNC
-    assert _plan(built, layout=None).fused_count() == (12, 14)
-    reasons = _reasons(_plan(built, layout="LHBNC"))
-    assert reasons["layer 0's QKV epilogue"].startswith("the KV cache layout is LHBNC, the cache config's:")
-
-
 def test_with_every_kernel_checked_the_reproduced_parts_fuse(built):
     plan = _plan(built)
     assert plan.fused_count() == (12, 14)

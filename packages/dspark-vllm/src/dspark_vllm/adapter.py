@@ -43,7 +43,7 @@ from vllm.models.muse_spark.common.layers import (
 )
 
 from dspark_core.runtime import description as D
-from dspark_vllm.deployment import insert_layout_unsupported
+from dspark_vllm.deployment import layout_unsupported
 
 STOCK_NORMS = (MuseSpark1xRMSNorm, MuseSpark1xRMSNormWithInputScale)
 # KV cache dtypes whose cache holds the model's BF16 K/V as they are.
@@ -338,10 +338,13 @@ def describe_vllm(model: MuseSparkDSparkModel, block_size: int = 16,
     (module docstring), read after its weights are loaded. ``block_size``:
     the KV cache's block size (the cache config's); ``attention_backend``:
     the backend's name in the attention's refusal (default: the layer's);
-    ``kv_cache_layout``: the cache config's recorded layout, if any (else
-    ``deployment.kv_cache_layout``'s: the environment's or vLLM's default).
-    The QKV epilogue, the front and the context chain insert into the KV
-    cache: they are refused with the reason unless the layout is LBHNC."""
+    ``kv_cache_layout``: a layout name the caller knows (the plan CLI's), or
+    None: not known yet (at build vLLM has not resolved or bound the cache;
+    the plugin reads the bound cache's layout at its first call,
+    ``deployment.bound_layout_unsupported``). The QKV epilogue, the front and
+    the context chain insert into the KV cache through its strides: a named
+    layout refuses them only where it is none of vLLM's
+    (``deployment.layout_unsupported``)."""
     if not isinstance(model, MuseSparkDSparkModel):
         raise TypeError(f"describe_vllm takes vLLM's MuseSparkDSparkModel, not {type(model).__name__}")
     config = model.config
@@ -349,7 +352,7 @@ def describe_vllm(model: MuseSparkDSparkModel, block_size: int = 16,
     dtype = model.default_dtype
     layers = list(model.layers)
     structure = _structure_unsupported(model, layers)
-    layout_why = insert_layout_unsupported(kv_cache_layout)
+    layout_why = layout_unsupported(kv_cache_layout)
     tp = layers[0].self_attn.o_proj.tp_size if layers else 1
     final = norm_description("the final norm", model.norm, h, dtype)
     inputs = [norm_description(f"layer {i}'s input norm", layer.self_attn.pre_qkv_proj_norm, h, dtype)

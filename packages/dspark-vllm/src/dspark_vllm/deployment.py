@@ -39,40 +39,75 @@ DECODE_BACKENDS = (AUTO, LATENCY_SPECIALIZED)
 SUPPORTED_TPS = (1, 2, 4, 8)
 # The compute capabilities (major) the kernels are compiled for.
 SUPPORTED_MAJORS = {9: "sm_90a", 10: "sm_100a"}
-# The legacy names vLLM takes for two KV cache layouts (VLLM_KV_CACHE_LAYOUT).
+# vLLM 0.33.0's KV cache layouts (vllm/v1/kv_cache_layout.py, KVCacheLayout):
+# the physical order of [L, B, H, N, C] (layers, blocks, KV heads, tokens of
+# a block, K|V). Every one keeps C innermost, so each layer's logical [B, H,
+# N, C] view has contiguous K|V rows and the DSpark inserts address any of
+# them through its block, token and head strides.
+VLLM_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+# The legacy names vLLM takes for two of them (VLLM_KV_CACHE_LAYOUT).
 LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
-# KV cache layouts whose per-layer view is [blocks, kv_heads, block_size, 2D]
-# with blocks outermost in each layer, by either name.
-LAYER_OUTERMOST_LAYOUTS = ("LBNHC", "LBHNC", *LAYOUT_ALIASES)
-# What vLLM 0.33.0 resolves when no backend declares its layouts (FlashAttention
-# declares none): the first of its default preference.
-DEFAULT_LAYOUT = "LBNHC"
-# The one layout whose per-layer view [blocks, kv_heads, block_size, 2D] is a
-# contiguous tensor: the DSpark inserts (QKV epilogue, context chain) take no other.
-INSERT_LAYOUT = "LBHNC"
+# The store width of the strictest insert (the QKV epilogue's 16-byte rows;
+# the context store writes 4 bytes): the alignment the bound cache needs.
+INSERT_ALIGN = 16
 
 
-def kv_cache_layout(recorded: str | None = None) -> tuple[str, str]:
-    """The KV cache layout the draft gets and where it comes from: the cache
-    config's ``recorded`` one, else ``VLLM_KV_CACHE_LAYOUT``, else vLLM's
-    default; legacy names resolved."""
-    if recorded:
-        name, source = recorded, "the cache config's"
-    elif os.environ.get("VLLM_KV_CACHE_LAYOUT"):
-        name, source = os.environ["VLLM_KV_CACHE_LAYOUT"], "VLLM_KV_CACHE_LAYOUT's"
-    else:
-        name, source = DEFAULT_LAYOUT, "vLLM's default (VLLM_KV_CACHE_LAYOUT unset)"
-    return LAYOUT_ALIASES.get(name, name), source
-
-
-def insert_layout_unsupported(recorded: str | None = None) -> str | None:
-    """Why the DSpark KV inserts do not take the draft's cache layout, or None."""
-    layout, source = kv_cache_layout(recorded)
-    if layout == INSERT_LAYOUT:
+def layout_unsupported(name: str | None) -> str | None:
+    """Why the DSpark KV inserts (the QKV epilogue, the context chain) do not
+    take a KV cache layout given by name (legacy names resolved), or None:
+    every layout of vLLM 0.33.0 is taken (their K|V rows are contiguous; the
+    inserts take the strides). None for ``None`` (not known yet: the plugin
+    reads the bound cache, ``bound_layout_unsupported``)."""
+    if name is None:
         return None
-    return (f"the KV cache layout is {layout}, {source}: each layer's [blocks, kv_heads, block_size, 2D] view is "
-            f"not contiguous, and the DSpark inserts write the {INSERT_LAYOUT} order "
-            f"(VLLM_KV_CACHE_LAYOUT={INSERT_LAYOUT} fuses them)")
+    layout = LAYOUT_ALIASES.get(name, name)
+    if layout in VLLM_LAYOUTS:
+        return None
+    return (f"the KV cache layout {name!r} is none of vLLM 0.33.0's ({', '.join(VLLM_LAYOUTS)}, or the legacy "
+            f"{', '.join(LAYOUT_ALIASES)})")
+
+
+def kv_cache_layout(caches) -> str:
+    """The layout name of the bound per-layer caches ``caches`` (logical
+    ``[B, H, N, C]`` views of one or more allocations), read from their
+    strides and addresses, never from the environment: the axes by
+    decreasing stride, L placed by the distance between the first two
+    layers' caches (outermost with one layer, or where two layers' caches do
+    not interleave). One of ``VLLM_LAYOUTS`` for vLLM's views; another order
+    is named the same way."""
+    first = caches[0]
+    size = first.element_size()
+    strides = {"B": first.stride(0), "H": first.stride(1), "N": first.stride(2)}
+    extent = sum((n - 1) * st for n, st in zip(first.shape, first.stride())) + 1
+    layer = None
+    if len(caches) > 1:
+        gap = abs(caches[1].data_ptr() - first.data_ptr()) // size
+        layer = gap if gap < extent else None
+    order = sorted(strides, key=lambda axis: -strides[axis])
+    if layer is None:
+        return "L" + "".join(order) + "C"
+    # Between the first axis whose stride is below the layer distance and the rest.
+    inner = [axis for axis in order if strides[axis] < layer]
+    return "".join([axis for axis in order if axis not in inner] + ["L"] + inner) + "C"
+
+
+def bound_layout_unsupported(caches, kv_heads: int) -> str | None:
+    """Why the DSpark inserts do not take the bound caches ``caches`` (the
+    draft's layers' ``attn.kv_cache``), naming the layout found
+    (``kv_cache_layout``), or None: each cache as the kernels address it
+    (``dspark_cute.runtime.kv_cache.cache_problem``), all of one shape and
+    strides."""
+    from dspark_cute.runtime.kv_cache import cache_problem
+
+    layout = kv_cache_layout(caches)
+    first = caches[0]
+    for cache in caches:
+        why = cache_problem(cache, kv_heads, INSERT_ALIGN)
+        if why is None and (cache.shape != first.shape or cache.stride() != first.stride()):
+            why = "the layers' caches differ in shape or strides"
+        if why is not None:
+            return f"the bound KV cache (layout {layout}) is not one the DSpark inserts address: {why}"
+    return None
 
 
 def decode_backend(vllm_config) -> str:
@@ -137,7 +172,6 @@ def unsupported(vllm_config, capability: tuple[int, int] | None | str = "probe")
     cache = vllm_config.cache_config
     versions = installed_versions()
     tp = parallel.tensor_parallel_size
-    layout = os.environ.get("VLLM_KV_CACHE_LAYOUT") or None
     requirements = {
         "an sm_90 or sm_100 GPU (CUDA compute capability 9.x or 10.x: the kernels are compiled for sm_90a "
         "and sm_100a)": arch_of(capability) is not None,
@@ -169,8 +203,6 @@ def unsupported(vllm_config, capability: tuple[int, int] | None | str = "probe")
             and cache.cache_dtype in ("auto", "bfloat16")
             and (spec is None or spec.kv_cache_dtype in (None, "auto", "bfloat16"))
         ),
-        f"a layer-outermost KV cache layout (VLLM_KV_CACHE_LAYOUT unset or one of "
-        f"{', '.join(LAYER_OUTERMOST_LAYOUTS)}, not {layout})": layout is None or layout in LAYER_OUTERMOST_LAYOUTS,
         "the draft's default attention backend (no speculative attention_backend)": (
             spec is not None and spec.attention_backend is None
         ),

@@ -145,6 +145,26 @@ def plan_vllm(draft: DraftDescription, target: Target, all_reduce: AllReduceOrde
     return plan
 
 
+# The plan's parts that write the KV cache (its layout is known only once
+# vLLM binds the cache, after the plan is made).
+INSERT_PARTS = ("context", "qkv_fronts", "qkv_epilogues")
+
+
+def restock_inserts(plan: DraftPlan, reason: str) -> list[str]:
+    """Make the plan's fused parts that insert into the KV cache
+    (``INSERT_PARTS``: the context chain, the QKV fronts and epilogues) stock
+    for ``reason`` (the bound cache's layout, ``deployment.
+    bound_layout_unsupported``); the names of the parts it changed."""
+    changed = []
+    for attr in INSERT_PARTS:
+        value = getattr(plan, attr)
+        parts = value if isinstance(value, list) else [value]
+        changed += [p.name for p in parts if p is not None and p.fused]
+        setattr(plan, attr, [_restock(p, reason) for p in value] if isinstance(value, list)
+                else _restock(value, reason))
+    return changed
+
+
 def plan_signature(plan: DraftPlan) -> int:
     """A 62-bit number that differs between plans fusing different parts
     (what the TP ranks compare before any of them runs fused)."""
@@ -156,5 +176,5 @@ def plan_signature(plan: DraftPlan) -> int:
     return value
 
 
-__all__ = ["NO_MAILBOX", "PART_KERNELS", "STOCK_OPS", "VLLM_EXACT_KERNELS", "exact_kernels", "plan_signature",
-           "plan_vllm", "unchecked_reason", "vllm_target"]
+__all__ = ["INSERT_PARTS", "NO_MAILBOX", "PART_KERNELS", "STOCK_OPS", "VLLM_EXACT_KERNELS", "exact_kernels",
+           "plan_signature", "plan_vllm", "restock_inserts", "unchecked_reason", "vllm_target"]

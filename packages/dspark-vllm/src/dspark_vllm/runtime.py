@@ -143,6 +143,7 @@ class SpecializedDecode:
         self.decode: DraftDecode | None = None
         self.max_rows = policy.MAX_DECODE_ROWS
         self._seen_rows: set[int] = set()
+        self._layout_read = False
 
     def build(self) -> None:
         """Describe, plan, agree and (where any part fuses) bind and compile."""
@@ -150,8 +151,8 @@ class SpecializedDecode:
         backbone = self.model.model
         pin_rope_tables(backbone)
         block_size = int(getattr(self.vllm_config.cache_config, "block_size", 16) or 16)
-        layout = getattr(self.vllm_config.cache_config, "kv_cache_layout", None)
-        self.draft = draft = describe_vllm(backbone, block_size, kv_cache_layout=layout)
+        # The KV cache layout is read from the bound cache (_read_bound_layout): vLLM resolves it after this.
+        self.draft = draft = describe_vllm(backbone, block_size)
         target = planning.vllm_target(draft.device, draft.tp)
         order = None
         if draft.tp > 1:
@@ -186,6 +187,32 @@ class SpecializedDecode:
         logger.info("The DSpark draft runs %d of %d planned parts fused (kernels %s), for steps of 1 to %d rows; "
                     "other steps run vLLM's stock forward.", fused, total, ", ".join(sorted(names)), self.max_rows)
 
+    def _read_bound_layout(self) -> None:
+        """Once, at the first call with every draft layer's KV cache bound
+        (vLLM resolves the layout and binds the cache after ``build``; the
+        memory-profiling cache has the real one's layout): where the DSpark
+        inserts do not take the bound caches
+        (``deployment.bound_layout_unsupported``, naming the layout found),
+        the plan's insert parts turn stock with that reason, logged once, and
+        the executor drops their kernels. Every TP rank binds the layout vLLM
+        resolved once for all, so the ranks keep one plan without a
+        collective (this may run inside a graph capture)."""
+        caches = [attn.kv_cache for attn in self.model.model._attn_layers]
+        if self._layout_read or not caches or any(c.numel() == 0 for c in caches):
+            return
+        self._layout_read = True
+        layout = deployment.kv_cache_layout(caches)
+        why = deployment.bound_layout_unsupported(caches, int(self.model.model._num_kv_heads))
+        if why is None:
+            logger.info("The DSpark KV inserts write the bound %s KV cache through its strides.", layout)
+            return
+        names = planning.restock_inserts(self.plan, why)
+        self.decode.context = None
+        self.decode.fronts = [None] * len(self.decode.fronts)
+        self.decode.epilogues = [None] * len(self.decode.epilogues)
+        if names:
+            logger.info("The DSpark draft keeps vLLM's stock code for %s: %s.", ", ".join(names), why)
+
     def _real_step(self) -> bool:
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
@@ -196,6 +223,7 @@ class SpecializedDecode:
         not take the call (module docstring)."""
         if self.decode is None or not self._real_step():
             return None
+        self._read_bound_layout()
         rows = positions.shape[0]
         if not 1 <= rows <= self.max_rows:
             if rows not in self._seen_rows:
@@ -214,6 +242,9 @@ class SpecializedDecode:
         if self.decode is None or self.decode.context is None or slots is None:
             return False
         if any(attn.kv_cache.numel() == 0 for attn in self.model.model._attn_layers):
+            return False
+        self._read_bound_layout()
+        if self.decode.context is None:
             return False
         return self.decode.store_context_kv(states, positions, slots)
 
