@@ -147,7 +147,8 @@ def cache_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class StockStep:
     """vLLM's draft step over ``model`` (a reference ``DraftModel``),
-    ``head`` (``Head``) and the fc weight ``fc`` ``[H, aux]``, on the stock
+    ``head`` (``Head``) and the fc weight ``fc`` ``[H, aux]`` (both may be
+    None for ``forward`` alone, the backbone: what a demo compares), on the stock
     kernels ``kernels`` (``launch_stock`` or ``SpecKernels``) and the
     caller's ``attention(q, cache, attn_slots)`` (q ``[m, heads, 64]``
     contiguous). ``pdl``: the stock norms and QK kernel launched with
@@ -284,17 +285,10 @@ class StockStep:
         to record the operands)."""
         return fn(*args)
 
-    def step(self, batch: StepBatch, caches: list, hidden_buf: torch.Tensor, draft_tokens: torch.Tensor,
-             run=None) -> tuple:
-        """The whole step (module docstring) into ``caches`` (the layers'
-        cache tensors) and ``draft_tokens`` (int64 ``[R, N]``):
-        ``(backbone output, base logits, draft_tokens)``. ``run(part_name,
-        fn, *args)`` (default ``StockStep.run``) makes every part's call."""
+    def backbone(self, stream: torch.Tensor, st: StepInputs, caches: list, run=None) -> torch.Tensor:
+        """The layers and the final norm over the residual ``stream`` (step 4
+        of the module docstring): BF16 ``[m, H]``."""
         run = run or self.run
-        st = batch.step
-        (states,) = run("combine (fc)", self.combine, batch.aux, hidden_buf)
-        run("context K/V store", self.context, states, batch.ctx_positions, batch.ctx_slots, caches)
-        (stream,) = run("embed", self.embed, batch.input_ids)
         (x,) = run("input norm (layer 0)", self.input_norm, stream)
         last = len(self.layers) - 1
         for i in range(len(self.layers)):
@@ -309,6 +303,27 @@ class StockStep:
             (ffn_out,) = run(f"L{i} down", self.down, i, h)
             into = "final norm" if i == last else f"L{i + 1} input norm"
             stream, x = run(f"L{i} FFN boundary + {into}", self.boundary, 2 * i + 1, ffn_out, stream)
+        return x
+
+    def forward(self, hidden_states: torch.Tensor, step: StepInputs, caches: list) -> torch.Tensor:
+        """``DraftModel.forward``'s call on the stock ops: the embeddings cast
+        to the residual dtype (``MuseSparkDSparkModel.forward``), then
+        ``backbone``; ``caches`` the layers' ``PagedKVCache`` or tensors."""
+        stream = hidden_states.to(self.model.residual_dtype)
+        return self.backbone(stream, step, [getattr(c, "tensor", c) for c in caches])
+
+    def step(self, batch: StepBatch, caches: list, hidden_buf: torch.Tensor, draft_tokens: torch.Tensor,
+             run=None) -> tuple:
+        """The whole step (module docstring) into ``caches`` (the layers'
+        cache tensors) and ``draft_tokens`` (int64 ``[R, N]``):
+        ``(backbone output, base logits, draft_tokens)``. ``run(part_name,
+        fn, *args)`` (default ``StockStep.run``) makes every part's call."""
+        run = run or self.run
+        st = batch.step
+        (states,) = run("combine (fc)", self.combine, batch.aux, hidden_buf)
+        run("context K/V store", self.context, states, batch.ctx_positions, batch.ctx_slots, caches)
+        (stream,) = run("embed", self.embed, batch.input_ids)
+        x = self.backbone(stream, st, caches, run)
         (logits,) = run("LM head", self.lm_head, x, batch.sample_indices)
         run("Markov loop (N steps)", self.markov, logits, batch.input_ids, batch.anchor_idx, batch.n, draft_tokens)
         return x, logits, draft_tokens

@@ -73,6 +73,9 @@ def test_the_stock_step_is_the_reference_forward_and_context_chain(model, seed):
     for mine, theirs in zip(caches, ref):
         assert torch.equal(mine.tensor.view(torch.int16), theirs.tensor.view(torch.int16))
     assert torch.equal(logits, F.linear(want, stock.head.lm_head))
+    # DraftModel.forward's call on the stock ops (the backbone alone, over the caches the step wrote).
+    again = stock.forward(model.embed_tokens(batch.input_ids.long()), batch.step, ref)
+    assert torch.equal(again.view(torch.int16), want.view(torch.int16))
     # The context rows changed the caches (the comparison above is not of untouched caches).
     assert not torch.equal(ref[0].tensor, past)
 
