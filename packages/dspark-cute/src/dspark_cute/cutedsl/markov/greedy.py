@@ -263,12 +263,15 @@ class MarkovStep:
                              f"bytes, not {describe(embed)}")
         if not isinstance(gather, bool):
             raise ValueError(f"gather must be a bool, not {gather!r}")
-        if not self.device.type == "cuda":
-            raise ValueError(f"the fused Markov step runs on CUDA: w1 is on {self.device}")
+        self._check_device()
         for name, t in (("the base logits", base), ("the Markov bias", bias), ("the tokens", tokens),
                         ("the embedding output", embed)):
             if t.device != self.device:
                 raise ValueError(f"{name} must be on {self.device}, not {t.device}")
+
+    def _check_device(self) -> None:
+        if self.device.type != "cuda":
+            raise ValueError(f"the fused Markov step runs on CUDA: w1 is on {self.device}")
 
     def takes(self, base, bias, tokens, embed, gather: bool = True) -> bool:
         """Whether the kernel takes these operands (``problem`` is None)."""

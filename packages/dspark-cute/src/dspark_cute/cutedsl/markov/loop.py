@@ -49,14 +49,17 @@ def check_loop_operands(step: MarkovStep, base, prev, w2, tokens, embed) -> None
 
 
 def run_greedy_loop(step: MarkovStep, base: torch.Tensor, prev: torch.Tensor, w2: torch.Tensor,
-                    tokens: torch.Tensor, embed: torch.Tensor) -> None:
+                    tokens: torch.Tensor, embed: torch.Tensor, bias_fn=None) -> None:
     """The module docstring's loop on operands ``check_loop_operands``
-    takes (not checked here: a graph replays it)."""
+    takes (not checked here: a graph replays it). ``bias_fn(e)``: step 2's
+    GEMM where the caller has the stock's own function (vLLM's
+    ``markov_bias``, which is ``F.linear(e, w2)[:, :V]`` on CUDA); it must
+    return the layout ``F.linear`` does."""
     r, n, v = base.shape
     e = embed[:r]
     torch.index_select(step.w1, 0, prev, out=e)
     for i in range(n):
-        bias = F.linear(e, w2)[:, :v]
+        bias = F.linear(e, w2)[:, :v] if bias_fn is None else bias_fn(e)
         step.launch(base[:, i], bias, tokens[:, i], e, i < n - 1)
 
 

@@ -1,0 +1,206 @@
+"""The draft's Markov stage on DSpark's fused step: the plugin's side of
+vLLM 0.33.0's ``sample_sequential`` hook.
+
+``DSparkSpeculator._sample_sequential`` asks the draft model first
+(``getattr(self.model, "sample_sequential", None)``); a True answer skips
+vLLM's loop, False (having done nothing) runs it. ``MarkovStage`` answers:
+
+- ``build()`` (from the model's ``process_weights_after_loading``, before
+  graph capture) decides once whether the stage can run fused at all and,
+  if so, builds and compiles dspark-cute's ``MarkovStep`` (the greedy step
+  after the stock bias GEMM, bit for bit vLLM's loop:
+  ``dspark_core.spec.markov``) and its embedding buffer. It logs one plan
+  line: the fused stage with its constants' key, or vLLM's loop with the
+  reason (no CUDA GPU; a GPU architecture the kernel is not checked on
+  against vLLM's loop, ``MARKOV_CHECKED``; a quantized or non-default Markov
+  GEMM; a head the kernel refuses: ``markov_constants``);
+- ``sample_sequential(spec, num_reqs, head_hidden)``: False, with its reason
+  logged once, for what the fused step does not cover: the top-k loop
+  (``dspark_draft_topk``), probabilistic drafting (vLLM's Gumbel sampler and
+  its logits cache, watermarked or not), the confidence head, adaptive
+  verification's acceptance estimator (each reads every step's logits or
+  embeddings), a request count above the step's rows, operands the kernel
+  refuses. Otherwise it runs vLLM's loop with the fused step
+  (``dspark_cute.cutedsl.markov.loop.run_greedy_loop``): the base logits from
+  the model's own ``compute_draft_logits``, the first embedding gather, then
+  per step vLLM's own ``markov_bias`` and one ``MarkovStep`` launch, which
+  writes ``spec.draft_tokens[:num_reqs, i]``; and returns True.
+
+Every decision reads host state only (no device sync), so the hook is
+capturable in vLLM's FULL CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark_core.contracts.markov import markov_constants
+from dspark_core.errors import Unsupported
+from dspark_vllm import deployment
+from dspark_vllm.runtime import logger
+
+# GPU architectures on which dspark-cute's test_gpu_markov.py passed against
+# vLLM's loop in its own torch ops (none yet: the kernel is compile-checked only).
+MARKOV_CHECKED: frozenset[str] = frozenset()
+UNCHECKED = ("the DSpark markov_step kernel is not yet checked bit for bit against vLLM 0.33.0's greedy Markov loop "
+             "on an {arch} GPU")
+
+
+def _step_class():
+    from dspark_cute.cutedsl.markov.greedy import MarkovStep
+
+    return MarkovStep
+
+
+def bias_gemm_reason(model) -> str | None:
+    """Why vLLM's ``markov_bias`` is not the one BF16 ``F.linear`` whose
+    output layout the fused step takes, or None."""
+    from vllm import envs
+    from vllm.model_executor.layers.utils import default_unquantized_gemm, dispatch_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    w2 = model.model.markov_head.markov_w2
+    if not isinstance(w2.quant_method, UnquantizedEmbeddingMethod):
+        return f"the Markov head's GEMM is quantized ({type(w2.quant_method).__name__})"
+    if envs.VLLM_BATCH_INVARIANT:
+        return "VLLM_BATCH_INVARIANT runs the Markov head's GEMM through vLLM's batch-invariant kernel"
+    if dispatch_unquantized_gemm() is not default_unquantized_gemm:
+        return "vLLM dispatches the Markov head's GEMM to another backend than F.linear"
+    return None
+
+
+class MarkovStage:
+    """The fused greedy Markov stage of ``model`` (vLLM's Muse Spark DSpark
+    draft) under ``vllm_config`` (module docstring). ``step_class`` and
+    ``arch`` replace dspark-cute's ``MarkovStep`` and the GPU's architecture
+    (tests)."""
+
+    def __init__(self, model, vllm_config, step_class=None, arch: str | None = "probe",
+                 checked: frozenset[str] | None = None) -> None:
+        self.model = model
+        self.vllm_config = vllm_config
+        self.step_class = step_class
+        self.arch = arch
+        self.checked = MARKOV_CHECKED if checked is None else checked
+        self.step = None
+        self.embed: torch.Tensor | None = None
+        self.reason: str | None = "not built"
+        self._logged: set[str] = set()
+
+    def _build_reason(self) -> str | None:
+        arch = deployment.arch_of(deployment.gpu_capability()) if self.arch == "probe" else self.arch
+        if arch is None:
+            return "no CUDA GPU of an architecture the kernels are compiled for"
+        if arch not in self.checked:
+            return UNCHECKED.format(arch=arch)
+        return bias_gemm_reason(self.model)
+
+    def build(self) -> None:
+        """Decide, build and compile (module docstring); logs the plan line."""
+        model = self.model
+        head = model.model.markov_head
+        w1 = head.markov_w1.weight
+        reason = self._build_reason()
+        step = None
+        if reason is None:
+            d2t = model.draft_id_to_target_id
+            try:
+                constants = markov_constants(model.config.draft_vocab_size, w1.shape[1],
+                                             float(model.output_multiplier), model.output_soft_cap_temp,
+                                             d2t is not None, model.lm_head.weight.dtype)
+                if w1.dtype != torch.bfloat16 or head.markov_w2.weight.dtype != torch.bfloat16:
+                    raise Unsupported(f"the fused Markov step takes bfloat16 Markov weights, not {w1.dtype} and "
+                                      f"{head.markov_w2.weight.dtype}")
+                rows = int(self.vllm_config.scheduler_config.max_num_seqs)
+                cls = self.step_class or _step_class()
+                step = cls(constants, w1.data, None if d2t is None else d2t.data, rows)
+                step.prepare()
+                self.embed = torch.zeros(step.max_rows, w1.shape[1], dtype=w1.dtype, device=w1.device)
+                self._check_layouts(step)
+            except Unsupported as refusal:
+                reason = str(refusal)
+        self.reason = reason
+        if reason is not None:
+            logger.info("The DSpark draft keeps vLLM's Markov loop: %s.", reason)
+            return
+        self.step = step
+        logger.info("The DSpark draft runs its greedy Markov stage fused (markov_step %s: one launch a step after "
+                    "vLLM's bias GEMM, bit for bit its loop) for 1 to %d requests; other calls run vLLM's loop.",
+                    step.constants.key(), step.max_rows)
+
+    def _check_layouts(self, step) -> None:
+        """Unsupported unless the step takes the layouts of vLLM's
+        ``markov_bias`` output (run here on 1 and 2 zero embeddings: its row
+        stride does not depend on the row count beyond that) and of
+        ``compute_draft_logits``' ``[R * N, Vpad]`` output viewed ``[R, N, V]``
+        (``base_layout_reason`` checks the real one per call)."""
+        model, n = self.model, int(self.vllm_config.speculative_config.num_speculative_tokens)
+        vocab, rows = step.constants.vocab, model.lm_head.weight.shape[0]
+        for r in (1, 2):
+            e = self.embed[:r]
+            with torch.no_grad():
+                bias = model.markov_bias(e)
+            base = torch.zeros(r * n, rows, dtype=torch.bfloat16, device=e.device)[:, :vocab].view(r, n, vocab)
+            tokens = torch.zeros(r, n, dtype=torch.int64, device=e.device)
+            reason = step.problem(base[:, 0], bias, tokens[:, 0], e, True)
+            if reason is not None:
+                raise Unsupported(reason)
+
+    @staticmethod
+    def base_layout_reason(base: torch.Tensor) -> str | None:
+        """Why the base logits ``[R, N, V]`` (a view of ``compute_draft_logits``' output) are not in a layout the
+        fused step reads, or None: BF16, unit column stride, row strides multiples of 8, 16-byte aligned."""
+        if base.dtype != torch.bfloat16 or base.stride(2) != 1 or base.stride(1) % 8 or base.stride(0) % 8 \
+                or base.data_ptr() % 16:
+            return (f"the base logits' layout ({base.dtype}, strides {tuple(base.stride())}) is not one the fused "
+                    "step reads")
+        return None
+
+    def call_reason(self, spec, num_reqs: int) -> str | None:
+        """Why this call runs vLLM's loop (module docstring), or None."""
+        if self.step is None:
+            return self.reason
+        if getattr(spec, "_draft_topk", None) is not None:
+            return "the top-k Markov loop (dspark_draft_topk) is not fused"
+        if spec.draft_logits is not None:
+            return ("probabilistic drafting (draft_sample_method='probabilistic'): vLLM's Gumbel sampler and its "
+                    "logits cache are not fused")
+        if spec.draft_watermarker is not None:
+            return "a draft watermarker samples the draft tokens"
+        if spec.use_confidence_head:
+            return "the confidence head reads every step's Markov embedding"
+        if getattr(spec, "acceptance_estimator", None) is not None:
+            return "adaptive verification's acceptance estimator reads every step's logits"
+        if not 1 <= num_reqs <= self.step.max_rows:
+            return f"{num_reqs} requests: the fused step takes 1 to {self.step.max_rows}"
+        return None
+
+    def _log_once(self, reason: str) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.info("A DSpark draft step runs vLLM's Markov loop: %s.", reason)
+
+    def sample_sequential(self, spec, num_reqs: int, head_hidden: torch.Tensor) -> bool:
+        """vLLM's hook (module docstring): True after the fused loop wrote
+        ``spec.draft_tokens[:num_reqs]``, False (nothing done) otherwise."""
+        from dspark_cute.cutedsl.markov.loop import run_greedy_loop
+
+        reason = self.call_reason(spec, num_reqs)
+        if reason is not None:
+            self._log_once(reason)
+            return False
+        model, n = self.model, spec.num_speculative_steps
+        base = model.compute_draft_logits(head_hidden[spec.sample_indices[:num_reqs * n]])
+        base = base.view(num_reqs, n, base.shape[-1])
+        reason = self.base_layout_reason(base)
+        if reason is not None:
+            # (vLLM's loop computes the base logits again: nothing else was done.)
+            self._log_once(reason)
+            return False
+        prev = spec.input_buffers.input_ids[spec._anchor_idx[:num_reqs]]
+        run_greedy_loop(self.step, base, prev, model.model.markov_head.markov_w2.weight, spec.draft_tokens[:num_reqs],
+                        self.embed, bias_fn=model.markov_bias)
+        return True
+
+
+__all__ = ["MARKOV_CHECKED", "MarkovStage", "bias_gemm_reason"]

@@ -1,0 +1,293 @@
+"""The draft's Markov stage against vLLM 0.33.0's own code on the CPU: the
+spec (``dspark_core.spec.markov``) against vLLM's functions, and the plugin's
+``sample_sequential`` hook (``dspark_vllm.markov.MarkovStage``) inside vLLM's
+real ``DSparkSpeculator._sample_sequential``.
+
+Real: vLLM's draft class built by its loader (``_draft``), its
+``markov_embed``, ``markov_bias``, ``compute_draft_logits``,
+``apply_output_logit_transform`` and ``map_draft_to_target``, and the
+speculator (``DSparkSpeculator`` constructed on the CPU) whose loop and hook
+lookup run unchanged. Stand-in: the CuTe kernel (``CpuStep``: dspark-cute's
+``MarkovStep`` host class with its launch computing the spec's greedy step
+on the CPU), since a CPU runs no CUDA kernel; the GPU suite
+(``test_gpu_markov.py``) checks the kernel's bits.
+
+On a CPU vLLM's soft cap divides (ATen's CUDA multiplies by the reciprocal)
+and its ``torch.tanh`` is not CUDA's ``tanhf``, so the exact comparisons use
+a draft without a soft cap (the metap multiplier stays); with the cap the
+transform is compared within 4 ulp. Base logits get NaN, -inf rows and ties
+planted (``compute_draft_logits`` wrapped on the instance)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import zlib
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import _draft  # noqa: E402
+import torch  # noqa: E402
+
+from dspark_core.spec import markov as spec  # noqa: E402
+from dspark_vllm import markov as hook  # noqa: E402
+
+R = 5
+SEED = int(os.environ.get("DSPARK_SEED", "") or time.time_ns() % (2**31 - 1))
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """The session seed (``DSPARK_SEED`` or the clock) mixed with the test's name, printed."""
+    value = (SEED + zlib.crc32(request.node.name.encode())) % 2**31
+    print(f"seed {value} (DSPARK_SEED={SEED})")
+    return value
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from dspark_vllm.plugin import register
+
+    register()
+    return _draft.build(*_draft.checkpoint_dir(tmp_path_factory, "markov", output_soft_cap_temp=None), "auto")
+
+
+def speculator(built):
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    with set_current_vllm_config(built.config):
+        s = DSparkSpeculator(built.config, torch.device("cpu"))
+    s.model = built.model
+    return s
+
+
+def planted(gen, n_rows: int, vocab: int) -> torch.Tensor:
+    """BF16 logits ``[n_rows, vocab]`` with NaN, an all -inf row, half -inf, repeated maxima."""
+    x = (torch.randn(max(n_rows, 5), vocab, generator=gen) * 3).to(torch.bfloat16)
+    x[1, [7, 100]] = float("nan")
+    x[2] = float("-inf")
+    x[3, ::2] = float("-inf")
+    x[4, [3, 50, vocab - 1]] = 60.0
+    return x[:n_rows]
+
+
+def prime(s, gen, num_reqs: int) -> torch.Tensor:
+    """Fill the speculator's inputs for ``num_reqs`` requests; the backbone's head hidden states."""
+    n = s.num_speculative_steps
+    s.sample_indices[: num_reqs * n] = torch.arange(num_reqs * n)
+    anchors = torch.randint(0, _draft.VOCAB, (num_reqs,), generator=gen, dtype=torch.int32)
+    s.input_buffers.input_ids[s._anchor_idx[:num_reqs]] = anchors
+    s.draft_tokens.fill_(-7)
+    return torch.randn(num_reqs * n + 3, _draft.HIDDEN, generator=gen).to(torch.bfloat16)
+
+
+def with_planted_base(model, gen, monkeypatch):
+    original = model.compute_draft_logits
+    plants = {}
+
+    def compute(hidden):
+        out = original(hidden).clone()
+        p = plants.setdefault(out.shape, planted(gen, out.shape[0], out.shape[1]))
+        out[: min(5, out.shape[0])] = p[: min(5, out.shape[0])]
+        return out
+
+    monkeypatch.setattr(model, "compute_draft_logits", compute)
+
+
+# ---------------------------------------------------------------- the spec against vLLM's functions
+
+
+def test_spec_steps_are_vllms_functions(built, seed):
+    gen = torch.Generator().manual_seed(seed)
+    model = built.model
+    v = model.config.draft_vocab_size
+    prev = torch.randint(0, _draft.VOCAB, (R,), generator=gen)
+    e = model.markov_embed(prev)
+    w1, w2 = model.model.markov_head.markov_w1.weight, model.model.markov_head.markov_w2.weight
+    assert torch.equal(e.view(torch.int16), torch.nn.functional.embedding(prev, w1).view(torch.int16))
+    bias = model.markov_bias(e)
+    assert bias.dtype == torch.bfloat16 and tuple(bias.shape) == (R, v)
+    base = planted(gen, R, v)
+    logits = base + bias
+    assert torch.equal(spec.add_bias(base, bias).view(torch.int16), logits.view(torch.int16))
+    y = model.apply_output_logit_transform(logits)
+    want = spec.output_transform(logits, model.output_multiplier, model.output_soft_cap_temp)
+    assert model.output_soft_cap_temp is None and model.output_multiplier != 1.0
+    assert torch.equal(y.view(torch.int32), want.view(torch.int32))
+    d = y.argmax(dim=-1)
+    assert torch.equal(d, spec.argmax(want)) and d[2] == 0 and d[1] == 7
+    d2t = model.draft_id_to_target_id
+    assert torch.equal(model.map_draft_to_target(d), spec.map_draft_to_target(d, d2t))
+    # The F.linear the spec states for CUDA: vLLM's CPU GEMM agrees within one BF16 step here.
+    ref = spec.markov_bias(e, w2, v).float()
+    assert (ref - bias.float()).abs().max() <= ref.abs().max() * 2**-7
+
+
+def test_soft_cap_transform_within_4_ulp(built, seed):
+    """vLLM's transform with its cap (CPU: true division, the CPU tanh) against the spec's CUDA arithmetic."""
+    gen = torch.Generator().manual_seed(seed)
+    model = built.model
+    x = (torch.randn(64, 384, generator=gen) * 40).to(torch.bfloat16)
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0])
+    old = model.output_soft_cap_temp
+    model.output_soft_cap_temp = 30.0
+    try:
+        got = model.apply_output_logit_transform(x)
+    finally:
+        model.output_soft_cap_temp = old
+    want = spec.output_transform(x, model.output_multiplier, 30.0)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    ulp = (want[ok].view(torch.int32).long() - got[ok].view(torch.int32).long()).abs()
+    assert ulp.max() <= 4 and torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok]))
+
+
+def test_vllms_loop_is_the_spec_loop(built, seed, monkeypatch):
+    """vLLM's own ``_sample_sequential`` (greedy, no hook) drafts the spec's tokens, planted specials included."""
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    gen = torch.Generator().manual_seed(seed)
+    model = built.model
+    s = speculator(built)
+    with_planted_base(model, gen, monkeypatch)
+    hidden = prime(s, gen, R)
+    with torch.inference_mode():
+        DSparkSpeculator._sample_sequential(s, R, hidden)
+        n = s.num_speculative_steps
+        base = model.compute_draft_logits(hidden[s.sample_indices[: R * n]]).view(R, n, -1)
+        prev = s.input_buffers.input_ids[s._anchor_idx[:R]]
+        want = spec.greedy_loop(base, prev, model.model.markov_head.markov_w1.weight, None,
+                                model.output_multiplier, None, model.draft_id_to_target_id,
+                                bias_fn=model.markov_bias)
+    assert torch.equal(s.draft_tokens[:R], want)
+    assert (s.draft_tokens[R:] == -7).all()
+
+
+# ---------------------------------------------------------------- the hook
+
+
+class CpuStep:
+    """dspark-cute's ``MarkovStep`` with the CUDA device check and compile skipped and its launch computing the
+    spec's greedy step on the CPU (the kernel's contract: tokens, then w1 of them into embed)."""
+
+    launches = 0
+
+    def __new__(cls, *args, **kwargs):
+        from dspark_cute.cutedsl.markov.greedy import MarkovStep
+
+        class Step(MarkovStep):
+            def prepare(self) -> None:
+                pass
+
+            def _check_device(self) -> None:
+                pass
+
+            def _launch_kernel(self, base, bias, tokens, embed, gather) -> None:
+                c = self.constants
+                CpuStep.launches += 1
+                t = spec.greedy_step(base, bias, c.multiplier, c.soft_cap, self.d2t)
+                tokens.copy_(t)
+                if gather:
+                    embed.copy_(self.w1[t])
+
+        return Step(*args, **kwargs)
+
+
+def fused_stage(built, monkeypatch) -> hook.MarkovStage:
+    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
+    stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
+                             checked=frozenset({"sm_90a"}))
+    stage.build()
+    assert stage.step is not None, stage.reason
+    return stage
+
+
+@pytest.mark.parametrize("num_reqs", [1, R, 8])
+def test_hook_drafts_vllms_tokens(built, seed, monkeypatch, num_reqs):
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    gen = torch.Generator().manual_seed(seed)
+    model = built.model
+    with_planted_base(model, gen, monkeypatch)
+    stock = speculator(built)
+    hidden = prime(stock, gen, num_reqs)
+    s = speculator(built)
+    s.input_buffers.input_ids.copy_(stock.input_buffers.input_ids)
+    s.sample_indices.copy_(stock.sample_indices)
+    s.draft_tokens.fill_(-7)
+    with torch.inference_mode():
+        DSparkSpeculator._sample_sequential(stock, num_reqs, hidden)
+        stage = fused_stage(built, monkeypatch)
+        monkeypatch.setattr(model, "sample_sequential", stage.sample_sequential, raising=False)
+        before = CpuStep.launches
+        DSparkSpeculator._sample_sequential(s, num_reqs, hidden)
+    assert CpuStep.launches - before == s.num_speculative_steps  # the hook ran the loop
+    assert torch.equal(s.draft_tokens, stock.draft_tokens)
+
+
+def test_hook_declines_what_it_does_not_cover(built, seed, monkeypatch, caplog):
+    gen = torch.Generator().manual_seed(seed)
+    stage = fused_stage(built, monkeypatch)
+    s = speculator(built)
+    hidden = prime(s, gen, 2)
+    cases = [
+        ("_draft_topk", 4, "top-k Markov loop"),
+        ("draft_logits", torch.zeros(8, 4, 512), "probabilistic drafting"),
+        ("draft_watermarker", object(), "watermarker"),
+        ("use_confidence_head", True, "confidence head"),
+        ("acceptance_estimator", object(), "acceptance estimator"),
+    ]
+    caplog.set_level(logging.INFO, logger="vllm.dspark")
+    for attr, value, words in cases:
+        old = getattr(s, attr)
+        setattr(s, attr, value)
+        try:
+            for _ in range(2):
+                assert stage.sample_sequential(s, 2, hidden) is False
+        finally:
+            setattr(s, attr, old)
+        assert (s.draft_tokens == -7).all()
+        assert sum(words in r.getMessage() for r in caplog.records) == 1, words  # logged once
+    assert stage.sample_sequential(s, 9, hidden) is False  # more requests than max_num_seqs (8)
+    assert any("9 requests: the fused step takes 1 to 8" in r.getMessage() for r in caplog.records)
+
+
+def test_build_reasons(built, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.dspark")
+    cases = [
+        ({"arch": None}, "no CUDA GPU"),
+        ({"arch": "sm_90a"}, "not yet checked bit for bit against vLLM 0.33.0's greedy Markov loop on an sm_90a"),
+        ({"arch": "sm_100a", "checked": frozenset({"sm_90a"})}, "on an sm_100a GPU"),
+        # The CPU platform dispatches vLLM's unquantized GEMMs to its own cpu_linear, not F.linear.
+        ({"arch": "sm_90a", "checked": frozenset({"sm_90a"})}, "another backend than F.linear"),
+    ]
+    for kwargs, words in cases:
+        stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, **kwargs)
+        stage.build()
+        assert stage.step is None and words in stage.reason
+        assert stage.sample_sequential(object(), 1, torch.zeros(1)) is False
+        assert any(words in r.getMessage() and "keeps vLLM's Markov loop" in r.getMessage() for r in caplog.records)
+
+
+def test_build_refuses_a_head_the_kernel_does_not_take(built, monkeypatch):
+    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)
+    monkeypatch.setattr(built.model.config, "draft_vocab_size", 383)
+    stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
+                             checked=frozenset({"sm_90a"}))
+    stage.build()
+    assert stage.step is None and "multiple of 8, not 383" in stage.reason
+
+
+def test_the_plugin_class_answers_the_hook():
+    from dspark_vllm.model import DSparkMuseSparkDSparkForCausalLM
+
+    class Fake:
+        def __init__(self):
+            self.markov = type("M", (), {"sample_sequential": lambda _, *a: ("called", a)})()
+
+    got = DSparkMuseSparkDSparkForCausalLM.sample_sequential(Fake(), "spec", 3, "hidden")
+    assert got == ("called", ("spec", 3, "hidden"))
