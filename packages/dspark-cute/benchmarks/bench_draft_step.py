@@ -268,14 +268,11 @@ def differing(a, b) -> tuple[int, int]:
 
 def time_fn(fn, replays: int, calls: int = CALLS, dry: bool = False) -> dict:
     """Microseconds per call of ``fn()``: a CUDA graph of ``calls`` calls,
-    ``replays`` replays (wall time of eager calls with ``dry``)."""
+    ``replays`` replays (the wall time of one eager call with ``dry``)."""
     if dry:
-        times = []
-        for _ in range(2):
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e6)
-        return spread(times)
+        begin = time.perf_counter()
+        fn()
+        return spread([(time.perf_counter() - begin) * 1e6])
     replay = capture(fn, calls)
     return spread(times_us(replay, replays, warmup=2, calls=calls))
 
@@ -354,7 +351,7 @@ def measure_step(m: int, args, model, stock, dspark, device, gen) -> dict:
     reps = args.replays * 2 if m <= 64 else args.replays
     replay = {k: (fn if args.dry else capture(fn)) for k, fn in sides.items()}
     samples: dict[str, list] = {k: [] for k in sides}
-    for r in range(args.rounds):
+    for r in range(1 if args.dry else args.rounds):
         for k in (list(sides) if r % 2 == 0 else list(reversed(sides))):
             if args.dry:
                 samples[k].append(time_fn(replay[k], 1, dry=True)["median"])
