@@ -155,6 +155,10 @@ class DSparkStep:
         d, st = self.decode, self.stock
         same = None
         keep = lambda args: args  # noqa: E731
+
+        def refused(kernel, name: str, *operands) -> None:
+            if kernel is not None:
+                d._log_once(logging.WARNING, f"{name} ran stock: {kernel.problem(*operands)}")
         if kind == "context":
             if d.context is None:
                 return same
@@ -164,18 +168,22 @@ class DSparkStep:
             return keep, lambda ids: (F.embedding(ids.long(), self.model.embed),)
         if kind == "input_norm":
             return (lambda args: (args[0].to(BF16),)), lambda x: (d._first_norm(x),)
-        if kind == "qk_front":
+        if kind == "qk_front":  # as DraftDecode runs the epilogue (its takes, else the stock op, logged)
             def front(i, qkv, positions, slots, cache):
-                if d.epilogues[i] is None:
+                kernel = d.epilogues[i]
+                if kernel is None or not kernel.takes(qkv, positions, slots, cache):
+                    refused(kernel, f"layer {i}'s QKV epilogue", qkv, positions, slots, cache)
                     return st.qk_front(i, qkv, positions, slots, cache)
-                d.epilogues[i].launch(qkv, positions, slots, cache)
+                kernel.launch(qkv, positions, slots, cache)
                 return qkv, cache
             return keep, front
         if kind == "o_gate":
             def gate(i, attn, qkv):
-                if d.o_gates[i] is None:
+                kernel, og = d.o_gates[i], st.o_gate_view(qkv)
+                if kernel is None or not kernel.takes(attn, og):
+                    refused(kernel, f"layer {i}'s o-gate", attn, og)
                     return st.o_gate(i, attn, qkv)
-                out = d.o_gates[i].launch(attn, st.o_gate_view(qkv))
+                out = kernel.launch(attn, og)
                 return (out.reshape(out.shape[0], -1),)
             return keep, gate
         if kind == "boundary":
