@@ -17,8 +17,8 @@
 #   decode         the executor over the reference draft (tests/test_gpu_decode.py)
 #   multigpu       the two-GPU suites (comm, package GEMM, TP2 draft); kind nvidia-h200-x2
 #   bench-boundary bench_boundary_stock (DSpark / vLLM's chain / vLLM's one-kernel boundary)
-#   bench-step     bench_draft_step: vLLM's whole draft step from its binaries against DSpark's, V_draft 32768
-#                  (~30 s on an H200), then V_draft 202752
+#   bench-step     the whole draft step against vLLM's from its binaries: test_gpu_draft_step (bits), then
+#                  bench_draft_step with V_draft 32768 (~30 s on an H200) and 202752
 #   bench          bench_decode and profile_decode; bench-kernels: the other single-GPU benchmarks
 #   bench-tp2      the package GEMM and TP2 draft benchmarks; kind nvidia-h200-x2
 #   demo           the README's demo (front off, then on); demo-tp2 on two GPUs
@@ -68,6 +68,7 @@ if wanted multigpu; then
 fi
 wanted bench-boundary && step bench-boundary 150 python packages/dspark-cute/benchmarks/bench_boundary_stock.py --out "$OUT"
 if wanted bench-step; then
+  gpu bench-step-bits 200 packages/dspark-cute/tests/test_gpu_draft_step.py
   step bench-step 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --out "$OUT"
   step bench-step-v202752 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --draft-vocab 202752 \
     --name draft_step_v202752 --rows 1,4,32,128,512 --out "$OUT"
