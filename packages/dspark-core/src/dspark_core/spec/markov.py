@@ -38,9 +38,10 @@ the anchor token of each request, step ``i`` (0..N-1) is, in vLLM's order:
    identity without a d2t);
 6. ``draft_tokens[:R, i] = t`` (int64) and ``prev = t``.
 
-Nothing else is written on the greedy path (the logits cache belongs to the
-probabilistic path, which draws with vLLM's Triton ``gumbel_sample``; that
-path is not specified here). The spec is bit for bit vLLM's loop on CUDA,
+Nothing else is written on the greedy path. The probabilistic path
+(``draft_logits`` set) casts ``y`` to the cache's dtype, scatters it to its
+target ids and draws with vLLM's Triton ``gumbel_sample``, which also writes
+the logits cache: ``spec.gumbel.probabilistic_step``. The spec is bit for bit vLLM's loop on CUDA,
 where ``ex2_approx_ftz`` and ``rcp_approx_ftz`` inside ``tanhf`` run the GPU
 instructions; on a CPU every step but those two instructions (soft-capped
 values of magnitude at least 0.6 before the cap) is exact.
