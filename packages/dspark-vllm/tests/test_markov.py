@@ -291,3 +291,33 @@ def test_the_plugin_class_answers_the_hook():
 
     got = DSparkMuseSparkDSparkForCausalLM.sample_sequential(Fake(), "spec", 3, "hidden")
     assert got == ("called", ("spec", 3, "hidden"))
+
+
+# ---------------------------------------------------------------- the plan line
+
+
+def test_plan_line(built, monkeypatch):
+    model = built.model
+    assert hook.plan_line(model, "sm_90a") == (
+        "Markov stage: vLLM's loop: the DSpark markov_step kernel is not yet checked bit for bit against vLLM "
+        "0.33.0's greedy Markov loop on an sm_90a GPU")
+    key = hook.head_constants(model).key()
+    assert hook.plan_line(model, "sm_90a", frozenset({"sm_90a"})) == (
+        f"Markov stage: fused (markov_step {key}) for greedy drafting; vLLM's loop for probabilistic drafting, the "
+        "top-k loop, the confidence head and adaptive verification")
+    monkeypatch.setattr(model, "output_soft_cap_temp", 30.0)
+    assert hook.head_constants(model).key() != key  # the cap is compiled in
+    monkeypatch.setattr(model.config, "draft_vocab_size", 100)
+    assert hook.plan_line(model, "sm_90a", frozenset({"sm_90a"})).endswith(
+        "a draft vocabulary that is a positive multiple of 8, not 100")
+
+
+def test_the_plan_cli_prints_the_markov_line(built, capsys):
+    from dspark_vllm.plan import main
+
+    draft_dir = built.config.speculative_config.draft_model_config.model
+    assert main([draft_dir, "--exact", "all"]) == 0
+    assert "\nMarkov stage: fused (markov_step " in capsys.readouterr().out
+    assert main([draft_dir, "--arch", "sm_100a"]) == 0
+    assert "\nMarkov stage: vLLM's loop: the DSpark markov_step kernel is not yet checked bit for bit against " \
+           "vLLM 0.33.0's greedy Markov loop on an sm_100a GPU\n" in capsys.readouterr().out

@@ -69,6 +69,45 @@ def bias_gemm_reason(model) -> str | None:
     return None
 
 
+def head_constants(model):
+    """dspark-core's ``MarkovConstants`` of vLLM's draft ``model``, or
+    Unsupported with the reason the fused step does not take its head."""
+    head = model.model.markov_head
+    w1, w2 = head.markov_w1.weight, head.markov_w2.weight
+    constants = markov_constants(model.config.draft_vocab_size, w1.shape[1], float(model.output_multiplier),
+                                 model.output_soft_cap_temp, model.draft_id_to_target_id is not None,
+                                 model.lm_head.weight.dtype)
+    if w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        raise Unsupported(f"the fused Markov step takes bfloat16 Markov weights, not {w1.dtype} and {w2.dtype}")
+    return constants
+
+
+def arch_reason(arch: str | None, checked: frozenset[str]) -> str | None:
+    """Why the stage keeps vLLM's loop on ``arch`` (None: no CUDA GPU), or None."""
+    if arch is None:
+        return "no CUDA GPU of an architecture the kernels are compiled for"
+    if arch not in checked:
+        return UNCHECKED.format(arch=arch)
+    return None
+
+
+def plan_line(model, arch: str, checked: frozenset[str] | None = None) -> str:
+    """The plan's line for the Markov stage of ``model`` on an ``arch`` GPU
+    (``python -m dspark_vllm.plan``): fused with its constants' key and the
+    calls it leaves to vLLM, or vLLM's loop with the reason. The Markov GEMM's
+    dispatch (``bias_gemm_reason``) is the serving process's and is checked
+    there."""
+    reason = arch_reason(arch, MARKOV_CHECKED if checked is None else checked)
+    if reason is None:
+        try:
+            return (f"Markov stage: fused (markov_step {head_constants(model).key()}) for greedy drafting; "
+                    "vLLM's loop for probabilistic drafting, the top-k loop, the confidence head and adaptive "
+                    "verification")
+        except Unsupported as refusal:
+            reason = str(refusal)
+    return f"Markov stage: vLLM's loop: {reason}"
+
+
 class MarkovStage:
     """The fused greedy Markov stage of ``model`` (vLLM's Muse Spark DSpark
     draft) under ``vllm_config`` (module docstring). ``step_class`` and
@@ -89,28 +128,18 @@ class MarkovStage:
 
     def _build_reason(self) -> str | None:
         arch = deployment.arch_of(deployment.gpu_capability()) if self.arch == "probe" else self.arch
-        if arch is None:
-            return "no CUDA GPU of an architecture the kernels are compiled for"
-        if arch not in self.checked:
-            return UNCHECKED.format(arch=arch)
-        return bias_gemm_reason(self.model)
+        return arch_reason(arch, self.checked) or bias_gemm_reason(self.model)
 
     def build(self) -> None:
         """Decide, build and compile (module docstring); logs the plan line."""
         model = self.model
-        head = model.model.markov_head
-        w1 = head.markov_w1.weight
+        w1 = model.model.markov_head.markov_w1.weight
         reason = self._build_reason()
         step = None
         if reason is None:
             d2t = model.draft_id_to_target_id
             try:
-                constants = markov_constants(model.config.draft_vocab_size, w1.shape[1],
-                                             float(model.output_multiplier), model.output_soft_cap_temp,
-                                             d2t is not None, model.lm_head.weight.dtype)
-                if w1.dtype != torch.bfloat16 or head.markov_w2.weight.dtype != torch.bfloat16:
-                    raise Unsupported(f"the fused Markov step takes bfloat16 Markov weights, not {w1.dtype} and "
-                                      f"{head.markov_w2.weight.dtype}")
+                constants = head_constants(model)
                 rows = int(self.vllm_config.scheduler_config.max_num_seqs)
                 cls = self.step_class or _step_class()
                 step = cls(constants, w1.data, None if d2t is None else d2t.data, rows)
@@ -203,4 +232,4 @@ class MarkovStage:
         return True
 
 
-__all__ = ["MARKOV_CHECKED", "MarkovStage", "bias_gemm_reason"]
+__all__ = ["MARKOV_CHECKED", "MarkovStage", "arch_reason", "bias_gemm_reason", "head_constants", "plan_line"]

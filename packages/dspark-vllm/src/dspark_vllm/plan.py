@@ -176,10 +176,11 @@ def _as_gpu_cache_dtype(model, config, kv_cache_dtype: str) -> None:
 
 
 def plan_checkpoint(args):
-    """``(plan, missing)`` of the parsed arguments: the DraftPlan and the deployment check's list."""
+    """``(plan, missing, markov)`` of the parsed arguments: the DraftPlan, the deployment check's list and
+    the Markov stage's line (``markov.plan_line``; ``--exact all`` counts its kernel as checked too)."""
     from vllm.config import CUDAGraphMode
 
-    from dspark_vllm import deployment, planning
+    from dspark_vllm import deployment, markov, planning
     from dspark_vllm.adapter import describe_vllm
 
     draft_dir = Path(args.draft)
@@ -202,7 +203,8 @@ def plan_checkpoint(args):
     config.parallel_config.tensor_parallel_size = args.tp
     config.speculative_config.draft_tensor_parallel_size = args.tp
     major = {"sm_90a": 9, "sm_100a": 10}[args.arch]
-    return plan, deployment.unsupported(config, (major, 0))
+    markov_line = markov.plan_line(model, args.arch, frozenset(policy.ARCHS) if args.exact == "all" else None)
+    return plan, deployment.unsupported(config, (major, 0)), markov_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     args = parser().parse_args(argv)
     try:
-        plan, missing = plan_checkpoint(args)
+        plan, missing, markov_line = plan_checkpoint(args)
     except (ValueError, TypeError, OSError, KeyError, json.JSONDecodeError) as error:
         print(f"python -m dspark_vllm.plan: error: {error}", file=sys.stderr)
         return 2
     print(plan.format())
+    print(markov_line)
     if missing:
         print(f"decode_backend=latency_specialized on this deployment ({args.arch}, TP{args.tp}) needs:")
         for need in missing:
