@@ -17,7 +17,9 @@ own modules and functions, configured from the constants alone:
   table, the backend's insert).
 
 So a decode over them is vLLM's forward exactly where the constants and the
-bound tensors carry everything the part needs. ``CALLS`` records launches.
+bound tensors carry everything the part needs. Each takes the rows the kernel
+contract states for its kernel (``contracts.kernels.MAX_ROWS``), or fewer
+where a test caps it (``capped``). ``CALLS`` records launches.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from vllm.models.muse_spark.common.layers import (
     MuseSpark1xRMSNormWithInputScale,
 )
 
+from dspark_core.contracts.kernels import MAX_ROWS
 from dspark_core.planner import policy
 
 CALLS: list[tuple] = []
@@ -54,16 +57,21 @@ def vllm_norm(c, hidden: int, weight) -> nn.Module:
 
 
 class Kernel:
-    """The contract's verbs; a call of more than ``rows`` rows is not taken."""
+    """The contract's verbs; a call of more rows than ``max_rows`` (the
+    contract's for ``NAME``) is not taken."""
 
-    rows = policy.MAX_DECODE_ROWS
+    NAME = ""
+
+    @property
+    def max_rows(self) -> int:
+        return MAX_ROWS[self.NAME]
 
     def prepare(self, **variants):
         self.prepared = variants
 
     def problem(self, *operands, **kw):
         m = operands[0].shape[0]
-        return f"{m} rows, more than {self.rows}" if m > self.rows else None
+        return f"{m} rows, more than {self.max_rows}" if m > self.max_rows else None
 
     def takes(self, *operands, **kw):
         return self.problem(*operands, **kw) is None
@@ -75,7 +83,14 @@ class Kernel:
         return self.launch(*operands, **kw)
 
 
+def capped(cls: type, rows: int) -> type:
+    """The stand-in ``cls`` taking at most ``rows`` rows a call (its ``max_rows``)."""
+    return type(f"Capped{cls.__name__}", (cls,), {"max_rows": rows})
+
+
 class RowNorm(Kernel):
+    NAME = policy.ROW_NORM
+
     def __init__(self, constants, weight):
         self.norm = vllm_norm(constants.norm, constants.hidden_size, weight)
 
@@ -85,6 +100,8 @@ class RowNorm(Kernel):
 
 
 class Boundary(Kernel):
+    NAME = policy.BOUNDARY
+
     def __init__(self, constants, alpha, beta, post_weight, pre_weight):
         h = constants.hidden_size
         self.post, self.pre = vllm_norm(constants.post, h, post_weight), vllm_norm(constants.pre, h, pre_weight)
@@ -98,6 +115,8 @@ class Boundary(Kernel):
 
 
 class QKVEpilogue(Kernel):
+    NAME = policy.QKV_EPILOGUE
+
     def __init__(self, constants, q_norm_weight, table):
         self.c, self.table = constants, table
 
@@ -116,6 +135,8 @@ class QKVEpilogue(Kernel):
 
 
 class OGate(Kernel):
+    NAME = policy.O_GATE
+
     def __init__(self, constants):
         self.c = constants
 
@@ -125,6 +146,8 @@ class OGate(Kernel):
 
 
 class MlpActivation(Kernel):
+    NAME = policy.MLP_ACTIVATION
+
     def __init__(self, constants):
         self.c = constants
 
@@ -134,6 +157,8 @@ class MlpActivation(Kernel):
 
 
 class ContextChain(Kernel):
+    NAME = policy.CONTEXT_CHAIN
+
     def __init__(self, constants, hidden_weight, pre_weights, kv_weight, table):
         c = constants
         h, n = c.norms.hidden_size, c.norms.num_layers

@@ -112,18 +112,21 @@ def test_the_fused_path_with_stub_kernels_is_vllms_forward(stock):
     assert ("boundary", M, False) == _stubs.CALLS[-1]  # the last boundary stores no stream
 
 
-def test_rows_the_kernels_do_not_take_run_stock_and_say_so_once(stock, caplog):
+def test_rows_a_kernel_does_not_take_run_that_part_stock_and_say_so_once(stock, caplog):
     built, _ = stock
     draft = describe_vllm(built.model.model, kv_cache_layout="LBHNC")
-    decode = DraftDecode(draft, planning.plan_vllm(draft, GPU, exact=policy.ALL_KERNELS), kernels=_stubs.KERNELS)
+    kernels = {**_stubs.KERNELS, policy.BOUNDARY: _stubs.capped(_stubs.Boundary, 16)}
+    decode = DraftDecode(draft, planning.plan_vllm(draft, GPU, exact=policy.ALL_KERNELS), kernels=kernels)
     decode.prepare()
-    m = policy.MAX_DECODE_ROWS + 1
+    assert decode.max_rows == 16
+    m = 17
     want = _draft.run_block(built.model, built.config, CTX, m)
     _stubs.CALLS.clear()
     with caplog.at_level(logging.WARNING, logger="dspark.decode"):
         _assert_same(_decode_block(built, decode, m), want)
         _decode_block(built, decode, m)
-    assert [c[0] for c in _stubs.CALLS] == ["context_chain", "context_chain"]  # (the chain takes any T)
+    kinds = [c[0] for c in _stubs.CALLS]
+    assert "boundary" not in kinds and kinds.count("context_chain") == 2 and kinds.count("mlp_activation") == 4
     assert caplog.text.count(f"layer 0's attention boundary ran stock: {m} rows, more than 16") == 1
 
 
@@ -134,15 +137,16 @@ def test_the_executors_log_reaches_vllms_logger(vllm_log):
     assert vllm_log.count("INFO layer 0's o-gate ran stock: a test record") == 1
 
 
-def _specialized(dirs, monkeypatch, exact):
+def _specialized(dirs, monkeypatch, exact, stubs=None):
     """The plugin's class with latency_specialized, as on a GPU deployment:
     the deployment check passed (it refuses this CPU), the plan's target an
     H200 with every kernel, the given kernels taken as checked against vLLM,
-    the kernels the stubs."""
+    the kernels the stubs (``stubs``: others by name)."""
+    stubs = {**_stubs.KERNELS, **(stubs or {})}
     monkeypatch.setattr(deployment, "check_deployment", lambda config: None)
     monkeypatch.setattr(planning, "vllm_target", lambda device, tp=1, kernels=None: GPU.replace(tp=tp))
     monkeypatch.setattr(planning, "VLLM_EXACT_KERNELS", {GPU.arch: exact})
-    monkeypatch.setattr(runtime, "kernel_classes", lambda names: {n: _stubs.KERNELS[n] for n in names})
+    monkeypatch.setattr(runtime, "kernel_classes", lambda names: {n: stubs[n] for n in names})
     return _draft.build(*dirs, "latency_specialized")
 
 
@@ -158,23 +162,43 @@ def test_the_plugin_class_runs_the_decode_where_it_takes_the_call(dirs, stock, m
     _stubs.CALLS.clear()
     _assert_same(_draft.run_block(model, built.config, CTX, M), stock[1])
     assert len(_stubs.CALLS) == 12  # the context chain and the 11 fused launches of the block
-    # The memory-profiling run (no attention metadata, no cache bound) and steps beyond 16 rows: vLLM's forward.
+    # The memory-profiling run (no attention metadata, no cache bound): vLLM's forward.
     _stubs.CALLS.clear()
     ids, positions = torch.full((8,), _draft.MASK_ID), torch.arange(8)
     with torch.inference_mode(), set_forward_context(None, built.config, num_tokens=8):
         model.precompute_and_store_context_kv(_draft.context_states(model, 8), positions)
         model(input_ids=ids, positions=positions, inputs_embeds=None)
     assert _stubs.CALLS == []
-    m = policy.MAX_DECODE_ROWS + 1
+    # A step above the QKV front's and the mailbox's 16 rows: fused too (the bound kernels take any count).
+    m = 17
     _assert_same(_draft.run_block(model, built.config, CTX, m), _draft.run_block(stock[0].model, stock[0].config,
                                                                                   CTX, m))
-    assert [c[0] for c in _stubs.CALLS] == ["context_chain"]
+    assert len(_stubs.CALLS) == 12 and model.dspark.max_rows == 2**31 - 1
     assert "INFO The DSpark draft keeps vLLM's stock code for layer 0's attention, layer 1's attention: vLLM's " \
            "CPU_ATTN attention backend runs it; no DSpark kernel reproduces that backend's arithmetic." in vllm_log
     assert any(line.startswith("INFO The DSpark draft runs 12 of 14 planned parts fused (kernels boundary, "
-                               "context_chain, mlp_activation, o_gate, qkv_epilogue, row_norm)") for line in vllm_log)
-    assert f"INFO A DSpark draft step of {m} rows runs vLLM's stock forward: the kernels take 1 to 16 rows a " \
-           "call." in vllm_log
+                               "context_chain, mlp_activation, o_gate, qkv_epilogue, row_norm), for steps of 1 to "
+                               "2147483647 rows") for line in vllm_log)
+    assert not any("runs vLLM's stock forward" in line for line in vllm_log)
+
+
+def test_steps_above_a_bound_kernels_rows_run_vllms_forward_said_once(dirs, stock, monkeypatch, vllm_log):
+    """A kernel that takes fewer rows (its max_rows) bounds the steps the
+    decode takes: up to it fused, above it vLLM's whole forward (one line
+    for the first refused count, none for the next)."""
+    built = _specialized(dirs, monkeypatch, policy.ALL_KERNELS,
+                         {policy.MLP_ACTIVATION: _stubs.capped(_stubs.MlpActivation, 6)})
+    model = built.model
+    assert model.dspark.max_rows == 6
+    assert any(line.endswith("for steps of 1 to 6 rows; other steps run vLLM's stock forward.") for line in vllm_log)
+    for m, fused in ((6, True), (7, False), (9, False)):
+        _stubs.CALLS.clear()
+        _assert_same(_draft.run_block(model, built.config, CTX, m),
+                     _draft.run_block(stock[0].model, stock[0].config, CTX, m))
+        assert len(_stubs.CALLS) == (12 if fused else 1), m  # (the context chain takes the call either way)
+    assert [line for line in vllm_log if "runs vLLM's stock forward:" in line] == [
+        "INFO A DSpark draft step of 7 rows runs vLLM's stock forward: the kernels take 1 to 6 rows a call (said "
+        "once; every larger step runs stock too)."]
 
 
 def test_with_no_kernel_checked_the_plugin_class_keeps_vllms_forward(dirs, stock, monkeypatch, vllm_log):

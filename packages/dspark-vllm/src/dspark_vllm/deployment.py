@@ -160,18 +160,18 @@ def unsupported(vllm_config, capability: tuple[int, int] | None | str = "probe")
     ...". ``capability``: the GPU's compute capability (default: this
     process's, ``gpu_capability``)."""
     import vllm.envs as envs
-    from vllm.config import CompilationMode, CUDAGraphMode
 
     if capability == "probe":
         capability = gpu_capability()
     parallel = vllm_config.parallel_config
     spec = vllm_config.speculative_config
-    compilation = vllm_config.compilation_config
-    graphs = compilation.cudagraph_mode
     model_config = vllm_config.model_config
     cache = vllm_config.cache_config
     versions = installed_versions()
-    tp = parallel.tensor_parallel_size
+    # vLLM builds the draft's layers over the process's TP group, which the
+    # target's parallel config sized (the draft's own config only copies it).
+    target_parallel = getattr(spec, "target_parallel_config", None) or parallel
+    tp = target_parallel.tensor_parallel_size
     requirements = {
         "an sm_90 or sm_100 GPU (CUDA compute capability 9.x or 10.x: the kernels are compiled for sm_90a "
         "and sm_100a)": arch_of(capability) is not None,
@@ -179,24 +179,20 @@ def unsupported(vllm_config, capability: tuple[int, int] | None | str = "probe")
         "DSpark speculative decoding with the Muse Spark draft (speculative method dspark, MuseSparkDSparkModel)": (
             spec is not None and spec.method == "dspark" and "MuseSparkDSparkModel" in _draft_architectures(spec)
         ),
-        f"the draft at the target's tensor-parallel size, one of {', '.join(map(str, SUPPORTED_TPS))}, "
-        "without pipeline, data, expert or context parallelism or micro-batching": (
+        # Only what the draft runs: it is dense, so the target's expert
+        # parallelism, EPLB and data parallelism leave it as it is (each DP
+        # rank runs its own draft on its own TP group).
+        f"the draft at the target's tensor-parallel size, one of {', '.join(map(str, SUPPORTED_TPS))} "
+        "(draft_tensor_parallel_size unset or equal to it), without pipeline or context parallelism or "
+        "micro-batching": (
             tp in SUPPORTED_TPS
             and spec is not None
-            and spec.draft_tensor_parallel_size == tp
-            and parallel.pipeline_parallel_size == 1
-            and parallel.data_parallel_size == 1
-            and not parallel.enable_expert_parallel
+            and spec.draft_tensor_parallel_size in (None, tp)
+            and target_parallel.pipeline_parallel_size == 1
             and parallel.decode_context_parallel_size == 1
             and parallel.prefill_context_parallel_size == 1
-            and not parallel.use_ubatching
+            and not target_parallel.use_ubatching
         ),
-        # MuseSparkDSparkModel is @support_torch_compile: compiled unless the mode is NONE.
-        "the draft uncompiled (compilation mode NONE, e.g. -cc.mode=0): the kernels reproduce its eager layers": (
-            compilation.mode == CompilationMode.NONE
-        ),
-        "FULL CUDA graphs for decode batches (cudagraph_mode FULL_DECODE_ONLY or FULL_AND_PIECEWISE; the draft "
-        "then captures FULL_DECODE_ONLY)": graphs is not None and graphs.decode_mode() == CUDAGraphMode.FULL,
         "a bfloat16 model and a bfloat16 KV cache for the draft (--kv-cache-dtype auto, no speculative "
         "kv_cache_dtype)": (
             model_config.dtype == torch.bfloat16
@@ -208,10 +204,9 @@ def unsupported(vllm_config, capability: tuple[int, int] | None | str = "probe")
         ),
         # The bound kernels keep the weights' addresses.
         "no sleep mode (the kernels bind the weights' addresses)": not model_config.enable_sleep_mode,
-        "no LoRA, KV transfer, EPLB, watermarking or batch invariance": (
+        "no LoRA, KV transfer, watermarking or batch invariance": (
             vllm_config.lora_config is None
             and vllm_config.kv_transfer_config is None
-            and not parallel.enable_eplb
             and getattr(vllm_config, "watermark_config", None) is None
             and not envs.VLLM_BATCH_INVARIANT
         ),
@@ -237,7 +232,9 @@ def collective_min(values: list[int]) -> list[int]:
     import torch.distributed as dist
     from vllm.distributed import get_tp_group
 
-    t = torch.tensor(values, dtype=torch.int64)
+    # On the CPU explicitly: vLLM loads models under a CUDA default device,
+    # and the gloo CPU group takes CPU tensors only.
+    t = torch.tensor(values, dtype=torch.int64, device="cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
     return t.tolist()
 

@@ -11,10 +11,15 @@ with every kernel bound and compiled (``prepare``).
 
 ``forward`` and ``store_context`` return None / False where the call is not
 taken (the model then runs vLLM's stock method): no decode, the memory
-profiling run (no attention metadata, no KV cache), or a row count outside
-what the kernels cover (``MAX_DECODE_ROWS``). These read host state every
-TP rank shares. Logs go through vLLM's logger (``vllm.dspark``); the
-executor's ``dspark.decode`` logger is forwarded there.
+profiling run (no attention metadata, no KV cache), or a step of more rows
+than every bound kernel takes (``max_rows``: ``DraftDecode.max_rows``, from
+the bound kernels' constants; any step vLLM captures, up to 512 rows, where
+the bound kernels are the row norm, boundary, QKV epilogue, o-gate and MLP
+activation). The warmup and capture runs of vLLM's CUDA graphs carry
+attention metadata (PAD slots) and run fused, as do eager steps. These
+decisions read the row count and host state every TP rank shares. Logs go
+through vLLM's logger (``vllm.dspark``); the executor's ``dspark.decode``
+logger is forwarded there.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import torch
 from vllm.logger import init_logger
 
 from dspark_core.contracts.kernels import kernel_class
-from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan
 from dspark_core.runtime.decode import DraftDecode
 from dspark_vllm import deployment, planning
@@ -141,8 +145,8 @@ class SpecializedDecode:
         self.draft = None
         self.plan: DraftPlan | None = None
         self.decode: DraftDecode | None = None
-        self.max_rows = policy.MAX_DECODE_ROWS
-        self._seen_rows: set[int] = set()
+        self.max_rows = 0  # the most rows a step takes fused (build)
+        self._refusal_logged = False
         self._layout_read = False
 
     def build(self) -> None:
@@ -184,8 +188,13 @@ class SpecializedDecode:
         if not ok:
             raise RuntimeError("another tensor-parallel rank failed to prepare the DSpark draft decode")
         self.decode = decode
-        logger.info("The DSpark draft runs %d of %d planned parts fused (kernels %s), for steps of 1 to %d rows; "
-                    "other steps run vLLM's stock forward.", fused, total, ", ".join(sorted(names)), self.max_rows)
+        self.max_rows = decode.max_rows or 0
+        if self.max_rows:
+            logger.info("The DSpark draft runs %d of %d planned parts fused (kernels %s), for steps of 1 to %d rows; "
+                        "other steps run vLLM's stock forward.", fused, total, ", ".join(sorted(names)), self.max_rows)
+        else:
+            logger.info("The DSpark draft runs %d of %d planned parts fused (kernels %s): the context K/V store; "
+                        "every step runs vLLM's stock forward.", fused, total, ", ".join(sorted(names)))
 
     def _read_bound_layout(self) -> None:
         """Once, at the first call with every draft layer's KV cache bound
@@ -226,10 +235,10 @@ class SpecializedDecode:
         self._read_bound_layout()
         rows = positions.shape[0]
         if not 1 <= rows <= self.max_rows:
-            if rows not in self._seen_rows:
-                self._seen_rows.add(rows)
-                logger.info("A DSpark draft step of %d rows runs vLLM's stock forward: the kernels take 1 to %d "
-                            "rows a call.", rows, self.max_rows)
+            if self.max_rows and not self._refusal_logged:
+                self._refusal_logged = True
+                logger.info("A DSpark draft step of %d rows runs vLLM's stock forward: the kernels take 1 to %d rows "
+                            "a call (said once; every larger step runs stock too).", rows, self.max_rows)
             return None
         backbone = self.model.model
         hidden = backbone.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
