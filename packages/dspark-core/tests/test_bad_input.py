@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -80,12 +81,23 @@ def _run(module: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("args, message", [
     (("--tp", "3"), "TP3 does not divide the draft's 64 heads"),
-    (("--tp", "0"), "expected a positive integer, not 0"),
-    (("--tp", "two"), "expected a positive integer, not 'two'"),
-    (("--num-sms", "-5"), "expected a positive integer, not -5"),
+    (("--tp", "0"), "expected an integer from 1 to 1024, not 0"),
+    (("--tp", "two"), "expected an integer from 1 to 1024, not 'two'"),
+    (("--num-sms", "-5"), "expected an integer from 1 to 1024, not -5"),
     (("--arch", "sm_75"), "invalid choice: 'sm_75'"),
     (("--kernels", "boundry"), "unknown kernels ['boundry']"),
     (("/nonexistent.json",), "No such file"),
+    (("--kernels", ""), "--kernels names no kernel; the kernels are"),
+    (("--kernels", " , "), "--kernels names no kernel"),
+    (("--kernels", "boundary,,row_norm"), "has an empty entry"),
+    (("--kernels", "boundary,"), "has an empty entry"),
+    (("--kernels", "boundary,boundary"), "--kernels names boundary more than once"),
+    (("--gemv", "--tp", "2"), "--gemv runs at TP1 only"),
+    (("--package-gemm",), "--package-gemm runs at TP > 1 only"),
+    (("--num-sms", "100000"), "expected an integer from 1 to 1024, not 100000"),
+    (("--tp", "99999999999999999999999"), "expected an integer from 1 to 1024"),
+    (("/dev/null",), "/dev/null is not a regular file"),
+    (("/tmp",), "/tmp is not a regular file"),
 ])
 def test_the_plan_cli_says_a_user_error_in_one_line_and_exits_2(args, message):
     out = _run("dspark_core.planner", *args)
@@ -101,6 +113,42 @@ def test_the_plan_cli_rejects_a_config_the_model_cannot_build(tmp_path):
         path.write_text(body if isinstance(body, str) else json.dumps(body))
         out = _run("dspark_core.planner", str(path))
         assert out.returncode == 2 and "Traceback" not in out.stderr and message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[" * 100000 + "]" * 100000, "nests its JSON too deeply"),
+    ('{"hidden_size": 99999999999999999999999}', "does not fit in 64 bits"),
+    ('{"hidden_size": 4294967296}', "hidden_size must be at most 2147483647"),
+    ('{"norm_gain_center": 1e300}', "norm_gain_center must be finite (in FP32)"),
+    ('{"rope_theta": NaN}', "NaN is not a JSON number"),
+])
+def test_the_plan_cli_refuses_pathological_configs_in_one_line(tmp_path, text, message):
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    out = _run("dspark_core.planner", str(path))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_the_plan_cli_refuses_a_fifo_without_waiting_on_it(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    out = _run("dspark_core.planner", str(tmp_path / "fifo"))  # _run's timeout fails a hang
+    assert out.returncode == 2 and "is not a regular file" in out.stderr, out.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("module, args", [("dspark_core.planner", ()),
+                                          ("dspark_core.demo", ("--steps", "1", "--context", "4"))])
+def test_a_full_stdout_is_one_line_not_a_traceback(tmp_path, module, args):
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps({"hidden_size": 2048, "num_heads": 8, "num_kv_heads": 2, "intermediate_size": 1024,
+                                "vocab_size": 512, "max_position": 1024, "num_layers": 1}))
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([sys.executable, "-m", module, *(("--config",) if module.endswith("demo") else ()),
+                              str(path), *args], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert out.returncode in (1, 2) and "Traceback" not in out.stderr and "Exception ignored" not in out.stderr
+    assert "No space left on device" in out.stderr.strip().splitlines()[-1], out.stderr
 
 
 def test_the_plan_cli_survives_a_closed_pipe():
@@ -119,6 +167,21 @@ def test_the_demo_says_a_user_error_in_one_line_and_exits_2(args, message):
     out = _run("dspark_core.demo", *args)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert message in out.stderr
+
+
+def test_the_demo_runs_a_draft_without_layers_and_refuses_a_compute_dtype_it_cannot_run(tmp_path):
+    small = {"hidden_size": 2048, "num_heads": 8, "num_kv_heads": 2, "intermediate_size": 1024,
+             "vocab_size": 512, "max_position": 1024}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**small, "num_layers": 0}))
+    out = _run("dspark_core.demo", "--config", str(path), "--steps", "2", "--context", "4")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "built the reference draft (0 layers" in out.stdout and "step 1:" in out.stdout
+    for dtype in ("fp16", "fp32"):
+        path.write_text(json.dumps({**small, "compute_dtype": dtype}))
+        out = _run("dspark_core.demo", "--config", str(path))
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert f"the demo runs drafts of bf16 compute, not '{dtype}'" in out.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU build")

@@ -431,9 +431,9 @@ def test_v2_constructor_refuses():
         PagedAttention(AttentionConstants(64, 8, 64, 16, staged_slots=896))
     with pytest.raises(ValueError, match="up to 768, not -128"):
         PagedAttention(AttentionConstants(64, 8, 64, 16, staged_slots=-128))
-    with pytest.raises(ValueError, match="non-negative float, not -1.0"):
+    with pytest.raises(ValueError, match="non-negative number finite in FP32.*not -1.0"):
         PagedAttention(AttentionConstants(64, 8, 64, 16, o_gate_eps=-1.0))
-    with pytest.raises(ValueError, match="non-negative float, not nan"):
+    with pytest.raises(ValueError, match="non-negative number finite in FP32.*not nan"):
         PagedAttention(AttentionConstants(64, 8, 64, 16, o_gate_eps=float("nan")))
     with pytest.raises(ValueError, match="StagedAttentionKernel"):
         DirectAttentionKernel(AttentionConstants(64, 8, 64, 16, staged_slots=384), True)

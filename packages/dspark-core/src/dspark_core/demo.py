@@ -23,7 +23,7 @@ from importlib.metadata import entry_points
 import torch
 
 from dspark_core.planner import policy
-from dspark_core.planner.cli import positive_int, print_plan
+from dspark_core.planner.cli import positive_int, print_plan, release_stdout
 from dspark_core.planner.plan import plan_draft
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
@@ -68,6 +68,8 @@ def _sync(device: torch.device) -> None:
 
 def _context(model, states, positions, decode, blocks, device):
     caches = model.make_caches(blocks, device)
+    if not caches:  # a draft without layers has no K/V to store
+        return caches
     if decode is None or not decode.store_context_kv(states, positions, caches, positions):
         model.precompute_and_store_context_kv(states, positions, caches, positions)
     return caches
@@ -198,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: this torch build sees no CUDA GPU")
         config = DraftConfig.from_json(args.config) if args.config else DraftConfig()
+        if config.compute_dtype != "bf16":
+            # The reference draft's context K/V chain takes BF16 target states into BF16 norms.
+            raise ValueError(f"the demo runs drafts of bf16 compute, not {config.compute_dtype!r} (the reference "
+                             "draft's context K/V chain is BF16); python -m dspark_core.planner plans any")
         check_tp(config, args.tp)
         if config.max_position < args.context + (args.steps + 1) * args.block:
             raise ValueError(f"the draft's max_position ({config.max_position}) cannot hold {args.context} context "
@@ -209,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(args.device if args.device != "auto" else
                               ("cuda" if torch.cuda.is_available() else "cpu"))
         run_demo(config, args.steps, args.block, args.context, device, args.front, args.gemv)
+    except BrokenPipeError:  # e.g. `python -m dspark_core.demo | head`: the reader has all it wanted
+        release_stdout()
+        return 0
     except (ValueError, TypeError, OSError) as error:
+        release_stdout()  # where the error was stdout's own (a full disk), nothing fails again at exit
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -65,10 +65,83 @@ def _memo(obj) -> tuple:
     return entry
 
 
+# The largest size a constants field holds: the kernels index rows, columns,
+# features and slots with 32-bit integers.
+MAX_SIZE = 2**31 - 1
+# The most query or KV heads a kernel takes (a CUDA grid's y extent).
+MAX_HEADS = 65535
+# The least magnitude that rounds to infinity in FP32 (2^128 - 2^103): a
+# float the kernels round to FP32 must lie below it.
+FP32_OVERFLOW = (2 - 2**-24) * 2**127
+_HEAD_FIELDS = ("num_heads", "kv_heads")
+_EPS_FIELDS = ("eps", "q_eps", "k_eps", "o_gate_eps")
+_CHECKS: dict[type, list] = {}
+
+
+def fp32_number(what: str, value, non_negative: bool = False) -> float:
+    """``value`` as a float if it is a number finite in FP32 (the kernels and
+    the stock round it to FP32; 1e300 is finite here and infinite there),
+    and with ``non_negative`` not below 0; TypeError for a non-number (a
+    bool included), Unsupported (a ValueError) for the rest, naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number, not {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (abs(value) < FP32_OVERFLOW) or (non_negative and value < 0.0):
+        need = "a non-negative number" if non_negative else "a number"
+        raise Unsupported(f"{what} must be {need} finite in FP32 (below {FP32_OVERFLOW:.7g} in magnitude), "
+                          f"not {value!r}")
+    return value
+
+
+def _field_checks(cls: type) -> list:
+    checks = _CHECKS.get(cls)
+    if checks is None:
+        checks = []
+        for f in dataclasses.fields(cls):
+            if f.type == "int":
+                checks.append((f.name, "int", MAX_HEADS if f.name in _HEAD_FIELDS else MAX_SIZE))
+            elif f.name in _EPS_FIELDS:
+                checks.append((f.name, "eps", None))
+            elif f.name == "gain_center":
+                checks.append((f.name, "number", None))
+            elif f.name in ("arch", "o_gate_arch"):
+                what = "stock norm tree" if cls.__name__ == "NormConstants" else "stock o-gate"
+                checks.append((f.name, "arch", what))
+        _CHECKS[cls] = checks
+    return checks
+
+
 class _Key:
     """Equality, hash and ``key()`` by the exact bits of every field (the
     dataclasses below are declared ``eq=False`` to use them), each computed
-    once per object (the dataclasses are frozen)."""
+    once per object (the dataclasses are frozen).
+
+    Construction checks what every kernel needs of its constants, whoever
+    builds them (the planner or a caller by hand): an ``int`` field is an int
+    (not a bool: TypeError) of at most ``MAX_SIZE`` (heads: ``MAX_HEADS``);
+    an eps is a non-negative number finite in FP32 (NaN refused); a gain
+    center a number finite in FP32; an architecture one of ``ARCHS``.
+    Values out of range raise ``Unsupported`` (the planner's refusal; a
+    ValueError to any other caller). Each kernel's host class checks the
+    rest (lower bounds, head widths, multiples, dtypes)."""
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        for field, kind, extra in _field_checks(type(self)):
+            value = getattr(self, field)
+            what = f"{name}.{field}"
+            if kind == "int":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"{what} must be an int, not {type(value).__name__} {value!r}")
+                if value > extra:
+                    raise Unsupported(f"{what} of {value}, more than the kernels take ({extra})")
+            elif kind == "eps":
+                if value is not None:
+                    fp32_number(what, value, non_negative=True)
+            elif kind == "number":
+                fp32_number(what, value)
+            elif value not in ARCHS:
+                raise Unsupported(f"no {extra} is known for {value!r} (only {', '.join(ARCHS)})")
 
     def _fields(self) -> tuple:
         return _identity(dataclasses.astuple(self))

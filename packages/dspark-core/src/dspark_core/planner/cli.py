@@ -7,37 +7,108 @@ draft run fused on a target, and why any part stays stock.
 
 Planning reads the config only: the reference draft is described on the
 meta device, with no weights, so any config plans at once. As the decode
-plans, the opt-in kernels are declined unless their flag asks for them. A
-user error prints one line on stderr and exits 2.
+plans, the opt-in kernels are declined unless their flag asks for them
+(``--gemv`` at TP1 only, ``--package-gemm`` at TP > 1 only). A user error
+prints one line on stderr and exits 2; an output that cannot be written (a
+full disk) one line and 1; a closed pipe ends it quietly.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 
 from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, plan_draft
 
 
-def positive_int(text: str) -> int:
-    """argparse's type for a positive integer (ArgumentTypeError otherwise)."""
+def int_in(low: int, high: int | None = None):
+    """argparse's type for an integer from ``low`` to ``high`` (None: no
+    upper bound); ArgumentTypeError naming the range otherwise."""
+    expected = "a positive integer" if low == 1 and high is None else (
+        f"an integer of at least {low}" if high is None else f"an integer from {low} to {high}")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, not {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+positive_int = int_in(1)
+
+
+def kernel_names(text: str, flag: str = "--kernels") -> frozenset[str]:
+    """The kernels of a comma-separated list: ValueError for an empty list,
+    an empty or repeated entry, or an unknown name (naming the kernels)."""
+    entries = [k.strip() for k in text.split(",")]
+    known = f"the kernels are {', '.join(sorted(policy.ALL_KERNELS))}"
+    if not any(entries):
+        raise ValueError(f"{flag} names no kernel; {known}")
+    if "" in entries:
+        raise ValueError(f"{flag} {text!r} has an empty entry; write names separated by single commas")
+    repeated = sorted({k for k in entries if entries.count(k) > 1})
+    if repeated:
+        raise ValueError(f"{flag} names {', '.join(repeated)} more than once")
+    unknown = set(entries) - policy.ALL_KERNELS
+    if unknown:
+        raise ValueError(f"{flag} names unknown kernels {sorted(unknown)}; {known}")
+    return frozenset(entries)
+
+
+def check_opt_in_tp(tp: int, gemv: bool, package_gemm: bool) -> None:
+    """ValueError for an opt-in flag the TP size leaves nothing to do:
+    ``--gemv`` runs at TP1 only (at TP the branch GEMMs feed the
+    all-reduce), ``--package-gemm`` at TP > 1 only (it publishes into the
+    all-reduce)."""
+    if gemv and tp > 1:
+        raise ValueError(f"--gemv runs at TP1 only (at TP{tp} the branch GEMMs feed the all-reduce)")
+    if package_gemm and tp == 1:
+        raise ValueError("--package-gemm runs at TP > 1 only (it publishes into the all-reduce; TP1 has none)")
+
+
+def release_stdout() -> None:
+    """Flush stdout; where it cannot take more (a closed pipe, a full disk),
+    point it at the null device so that nothing fails again at exit."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {value}")
-    return value
+        sys.stdout.flush()
+    except OSError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+
+
+def write_out(text: str, prog: str) -> int:
+    """Print ``text`` to stdout: 0, also where the reader closed the pipe
+    (``| head``: it has all it wanted); 1 after one line on stderr where
+    stdout fails otherwise (ENOSPC: a full disk)."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        release_stdout()
+        return 0
+    except OSError as error:
+        release_stdout()
+        print(f"{prog}: error: cannot write the output: {error.strerror or error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-plan", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="a DraftConfig JSON file (default: the reference draft)")
-    p.add_argument("--tp", type=positive_int, default=1, help="the tensor-parallel size (default 1)")
+    p.add_argument("--tp", type=int_in(1, policy.MAX_TP), default=1, help="the tensor-parallel size (default 1)")
     p.add_argument("--arch", default="sm_90a", choices=policy.ARCHS, help="the GPU architecture (default sm_90a)")
-    p.add_argument("--num-sms", type=positive_int, default=132, help="the GPU's SM count (default 132, an H200)")
+    p.add_argument("--num-sms", type=int_in(1, policy.MAX_SMS), default=132,
+                   help="the GPU's SM count (default 132, an H200)")
     p.add_argument("--kernels", default="installed",
                    help="'installed' (what the installed backends provide, the default), 'all' (every kernel "
                         "of the design) or a comma-separated list of kernel names")
@@ -55,12 +126,7 @@ def _kernels(text: str) -> frozenset[str]:
         return policy.installed_kernels()
     if text == "all":
         return policy.ALL_KERNELS
-    names = frozenset(k.strip() for k in text.split(",") if k.strip())
-    unknown = names - policy.ALL_KERNELS
-    if unknown:
-        raise ValueError(f"--kernels names unknown kernels {sorted(unknown)}; the kernels are "
-                         f"{', '.join(sorted(policy.ALL_KERNELS))}")
-    return names
+    return kernel_names(text)
 
 
 def plan_config(args) -> tuple[object, DraftPlan]:
@@ -73,6 +139,7 @@ def plan_config(args) -> tuple[object, DraftPlan]:
 
     config = DraftConfig.from_json(args.config) if args.config else DraftConfig()
     check_tp(config, args.tp)
+    check_opt_in_tp(args.tp, args.gemv, args.package_gemm)
     target = policy.Target("cuda", args.arch, args.num_sms, args.tp, _kernels(args.kernels), attention=args.attention)
     target = target.opt_in(policy.asked_opt_ins(args.front, args.gemv, args.package_gemm))
     return config, plan_draft(describe(DraftModel(config, device="meta")), target)
@@ -87,17 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         config, plan = plan_config(args)
-    except (ValueError, TypeError, OSError, json.JSONDecodeError) as error:
+    except (ValueError, TypeError, OSError) as error:
         print(f"dspark-plan: error: {error}", file=sys.stderr)
         return 2
-    try:
-        if args.print_config:
-            print(config.to_json())
-        print_plan(plan)
-        sys.stdout.flush()
-    except BrokenPipeError:  # e.g. `dspark-plan | head`: the reader has all it wanted
-        sys.stdout = None
-    return 0
+    text = plan.format()
+    if args.print_config:
+        text = f"{config.to_json()}\n{text}"
+    return write_out(text, "dspark-plan")
 
 
 if __name__ == "__main__":

@@ -61,10 +61,14 @@ class Part:
 @dataclass
 class DraftPlan:
     """The draft's fused forward as planned for ``target``. ``draft_reason``
-    is set where no part fuses (the draft keeps its stock layers)."""
+    is set where no part fuses (the draft keeps its stock layers);
+    ``hidden_size`` and ``num_layers`` are the planned draft's (the executor
+    refuses a plan of another draft)."""
 
     target: Target
     draft_reason: str | None = None
+    hidden_size: int | None = None
+    num_layers: int | None = None
     input_norm: Part | None = None
     boundaries: list[Part] = field(default_factory=list)
     context: Part | None = None
@@ -166,11 +170,36 @@ def _with_kernels(part: Part, target: Target, *kernels: str) -> Part:
     return stock if part.fused or stock.declined else part
 
 
+def sizes_unsupported(draft: DraftDescription) -> str | None:
+    """Why the draft's sizes are beyond every kernel, or None: the hidden and
+    intermediate sizes, a layer's query and QKV rows and its KV block at most
+    ``K.MAX_SIZE`` (32-bit indexing), its query and KV heads at most
+    ``K.MAX_HEADS``, as are its heads' widths."""
+    if draft.hidden_size > K.MAX_SIZE:
+        return f"a hidden size of {draft.hidden_size}, more than the kernels take ({K.MAX_SIZE})"
+    for layer in draft.layers:
+        a = layer.attention
+        sizes = (("intermediate size", layer.mlp.intermediate_size, K.MAX_SIZE),
+                 ("query heads", a.num_heads, K.MAX_HEADS), ("KV heads", a.num_kv_heads, K.MAX_HEADS),
+                 ("columns a head", a.head_dim, K.MAX_HEADS),
+                 ("query and o-gate rows", 2 * a.num_heads * a.head_dim, K.MAX_SIZE),
+                 ("KV rows", 2 * a.num_kv_heads * a.head_dim, K.MAX_SIZE),
+                 ("KV block size", a.kv_block_size, K.MAX_SIZE))
+        for what, n, limit in sizes:
+            if n > limit:
+                return f"layer {layer.index}: {n} {what}, more than the kernels take ({limit})"
+    return None
+
+
 def draft_unsupported(draft: DraftDescription, target: Target) -> str | None:
-    """Why no part of the draft runs fused, or None: it needs a CUDA target
-    of a supported architecture, BF16 compute and an FP32 residual stream."""
+    """Why no part of the draft runs fused, or None: it needs sizes the
+    kernels take (``sizes_unsupported``), a CUDA target of a supported
+    architecture, BF16 compute and an FP32 residual stream."""
     if draft.unsupported is not None:
         return draft.unsupported
+    sizes = sizes_unsupported(draft)
+    if sizes is not None:
+        return sizes
     if target.platform != "cuda":
         return "not CUDA"
     if target.arch not in policy.ARCHS:
@@ -227,7 +256,7 @@ def plan_draft(draft: DraftDescription, target: Target | None = None) -> DraftPl
     ValueError where ``target.tp`` cannot split the draft."""
     target = target or Target()
     check_tp(draft, target.tp)
-    plan = DraftPlan(target)
+    plan = DraftPlan(target, hidden_size=draft.hidden_size, num_layers=len(draft.layers))
     reason = draft_unsupported(draft, target)
     if reason is not None:
         plan.draft_reason = reason
@@ -301,8 +330,8 @@ def _attention_part(i: int, attn: Attention) -> Part:
         return Part(name, reason=f"{attn.head_dim}-wide heads, not {K.HEAD_DIM}")
     if attn.num_kv_heads < 1 or attn.num_heads % attn.num_kv_heads:
         return Part(name, reason=f"{attn.num_heads} query heads do not group over {attn.num_kv_heads} KV heads")
-    return Part(name, K.AttentionConstants(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                           attn.kv_block_size, "int64"))
+    return _try(name, K.AttentionConstants, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                attn.kv_block_size, "int64")
 
 
 def _o_gate_part(i: int, attn: Attention, arch: str) -> Part:
@@ -363,4 +392,5 @@ def _package_gemm_part(i: int, role: str, weight: torch.Tensor, draft: DraftDesc
     return Part(name, K.PackageGemmConstants(role, hidden, k_shard, shape.tile_n, shape.split_k, shape.max_rows))
 
 
-__all__ = ["DraftPlan", "Part", "check_tp", "context_constants", "draft_unsupported", "plan_draft"]
+__all__ = ["DraftPlan", "Part", "check_tp", "context_constants", "draft_unsupported", "plan_draft",
+           "sizes_unsupported"]

@@ -30,6 +30,10 @@ from dspark_core.switches import flag
 
 # The architectures the kernels are compiled for.
 ARCHS = ("sm_90a", "sm_100a")
+# The largest SM count and TP size a target may name (an H200 has 132 SMs, a
+# B200 148; a TP group of more GPUs than this is no deployment of a draft).
+MAX_SMS = 1024
+MAX_TP = 1024
 # TP sizes whose boundaries fuse their branch's all-reduce (a Lamport mailbox
 # over peer-to-peer stores): every power of two the mailbox is written for.
 FUSED_TPS = (2, 4, 8)
@@ -186,10 +190,10 @@ class Target:
             raise ValueError(f"an attention variant is one of {ATTENTION_VARIANTS}, not {self.attention!r}")
         if self.platform not in ("cuda", "cpu"):
             raise ValueError(f"a target platform is 'cuda' or 'cpu', not {self.platform!r}")
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"a TP size is an integer of at least 1, not {self.tp!r}")
-        if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or self.num_sms < 1:
-            raise ValueError(f"an SM count is a positive integer, not {self.num_sms!r}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or not 1 <= self.tp <= MAX_TP:
+            raise ValueError(f"a TP size is an integer from 1 to {MAX_TP}, not {self.tp!r}")
+        if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or not 1 <= self.num_sms <= MAX_SMS:
+            raise ValueError(f"an SM count is an integer from 1 to {MAX_SMS}, not {self.num_sms!r}")
         if self.platform == "cuda" and self.arch not in ARCHS and not self.arch.startswith("sm_"):
             raise ValueError(f"a GPU architecture is written like sm_90a, not {self.arch!r}")
         unknown = set(self.kernels) - ALL_KERNELS

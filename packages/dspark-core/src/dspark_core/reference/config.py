@@ -6,12 +6,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dspark_core.contracts.constants import FP32_OVERFLOW, MAX_SIZE
+
+INT64_MAX = 2**63 - 1
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # The norm variant keys a config may set, globally or per norm (norm_overrides).
@@ -20,6 +24,12 @@ _NORM_TYPES = {"has_weight": bool, "weight_dtype": str, "gain_center": float, "w
                "eps": float}
 # The norms of each layer, as norm_overrides names them.
 LAYER_NORMS = ("input_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm")
+
+
+def _fp32_finite(value: float) -> bool:
+    """Whether ``value`` is finite once rounded to FP32, as the stock rounds
+    eps, gain centers and the RoPE base (1e300 is finite here, inf there)."""
+    return abs(value) < FP32_OVERFLOW
 
 
 def _check_type(name: str, value: Any, kind: type) -> None:
@@ -84,20 +94,30 @@ class DraftConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+        for name in (*positive, "num_layers"):
+            if getattr(self, name) > MAX_SIZE:
+                raise ValueError(f"{name} must be at most {MAX_SIZE} (the kernels index with 32-bit integers), "
+                                 f"not {getattr(self, name)}")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be at least 0, not {self.num_layers}")
+        if self.q_size > MAX_SIZE:
+            raise ValueError(f"num_heads * head_dim must be at most {MAX_SIZE}, not {self.q_size}")
+        rows = max(2 * self.q_size + 2 * self.kv_size, 2 * self.intermediate_size, self.vocab_size)
+        if rows * self.hidden_size > INT64_MAX:
+            raise ValueError(f"a weight of {rows} x {self.hidden_size} elements: more than a tensor holds (2^63 - 1)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
-        if not (math.isfinite(self.rope_theta) and self.rope_theta > 1.0):
-            raise ValueError(f"rope_theta must be a finite number above 1, not {self.rope_theta}")
+        if not (_fp32_finite(self.rope_theta) and self.rope_theta > 1.0):
+            raise ValueError(f"rope_theta must be a finite number above 1 (finite in FP32), not {self.rope_theta}")
         for name in ("rms_norm_eps", "head_norm_eps"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0.0):
-                raise ValueError(f"{name} must be a finite non-negative number, not {getattr(self, name)}")
-        if not math.isfinite(self.norm_gain_center):
-            raise ValueError(f"norm_gain_center must be finite, not {self.norm_gain_center}")
+            if not (_fp32_finite(getattr(self, name)) and getattr(self, name) >= 0.0):
+                raise ValueError(f"{name} must be a finite non-negative number (finite in FP32), "
+                                 f"not {getattr(self, name)}")
+        if not _fp32_finite(self.norm_gain_center):
+            raise ValueError(f"norm_gain_center must be finite (in FP32), not {self.norm_gain_center}")
         norms = self.norm_names()
         for name, keys in self.norm_overrides.items():
             if name not in norms:
@@ -144,8 +164,9 @@ class DraftConfig:
             _check_type(f"{name}'s {key}", value, _NORM_TYPES[key])
         if variant["weight_dtype"] not in DTYPES:
             raise ValueError(f"{name}: weight_dtype must be one of {sorted(DTYPES)}, not {variant['weight_dtype']!r}")
-        if not math.isfinite(variant["gain_center"]) or not (math.isfinite(variant["eps"]) and variant["eps"] >= 0):
-            raise ValueError(f"{name}: gain_center and eps must be finite (eps non-negative)")
+        if not _fp32_finite(variant["gain_center"]) or not (_fp32_finite(variant["eps"]) and variant["eps"] >= 0):
+            raise ValueError(f"{name}: gain_center and eps must be finite (in FP32; eps non-negative), not "
+                             f"{variant['gain_center']} and {variant['eps']}")
         variant["weight_dtype"] = DTYPES[variant["weight_dtype"]]
         return variant
 
@@ -166,13 +187,57 @@ class DraftConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> DraftConfig:
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not JSON: {error}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a JSON object of DraftConfig fields, not {type(data).__name__}")
-        return cls.from_dict(data)
+        return cls.from_dict(read_json_object(path, "DraftConfig fields"))
+
+
+# A config file larger than this is refused unread (a config is a few KB).
+MAX_JSON_BYTES = 1 << 24
+
+
+def _json_int(text: str) -> int:
+    value = int(text)
+    if abs(value) > INT64_MAX:
+        raise ValueError(f"the integer {text[:24]}{'...' if len(text) > 24 else ''} does not fit in 64 bits")
+    return value
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is not finite in a float")
+    return value
+
+
+def _json_constant(text: str):
+    raise ValueError(f"{text} is not a JSON number")
+
+
+def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
+    """The JSON object in the file ``path`` (``what``: what it should hold,
+    for the error). ValueError, naming the path, for what is no regular
+    file (a directory, a device, a FIFO: never read), a file over
+    ``MAX_JSON_BYTES``, text that is not UTF-8 or not strict JSON (NaN and
+    Infinity, numbers that overflow a float, integers beyond int64, nesting
+    deeper than Python's recursion limit) and JSON that is no object; OSError
+    for a path that cannot be read."""
+    path = Path(path)
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    if st.st_size > MAX_JSON_BYTES:
+        raise ValueError(f"{path} holds {st.st_size} bytes, more than a config's {MAX_JSON_BYTES}")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"), parse_int=_json_int, parse_float=_json_float,
+                          parse_constant=_json_constant)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text: {error.reason} at byte {error.start}") from None
+    except RecursionError:
+        raise ValueError(f"{path} nests its JSON too deeply") from None
+    except ValueError as error:  # json.JSONDecodeError and the hooks' refusals
+        raise ValueError(f"{path} is not JSON {what} can hold: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object of {what}, not {type(data).__name__}")
+    return data
 
 
 # Each field's type, from its annotation: the config refuses any other.
