@@ -214,6 +214,8 @@ class MarkovStage:
         ``spec.draft_tokens[:num_reqs]``, False (nothing done) otherwise."""
         from dspark_cute.cutedsl.markov.loop import run_greedy_loop
 
+        if self.step is None:  # (build logged why)
+            return False
         reason = self.call_reason(spec, num_reqs)
         if reason is not None:
             self._log_once(reason)
