@@ -19,7 +19,7 @@ Environment: DSPARK_TORCH (the torch requirement of the CPU sessions, default
 torch==2.13.0, the CPU build on this project's machines), DSPARK_CUTE (the
 CuTe DSL of ``tests``, default nvidia-cutlass-dsl==4.8.0), DSPARK_SEED (fix
 the tests' random seed), DSPARK_BENCH_OUT (the benchmarks' output folder),
-DSPARK_ATTENTION / DSPARK_PREFETCH / DSPARK_QKV_FRONT / DSPARK_GEMV /
+DSPARK_ATTENTION / DSPARK_PREFETCH / DSPARK_GEMV /
 DSPARK_PACKAGE_GEMM (the specialized decode's switches; the GPU suites pass
 them explicitly where they depend on them), DSPARK_KERNEL_CACHE (1 or a
 directory: the opt-in on-disk cache of compiled kernels).

@@ -21,7 +21,7 @@
 #                  bench_draft_step with V_draft 32768 (~30 s on an H200) and 202752
 #   bench          bench_decode and profile_decode; bench-kernels: the other single-GPU benchmarks
 #   bench-tp2      the package GEMM and TP2 draft benchmarks; kind nvidia-h200-x2
-#   demo           the README's demo (front off, then on); demo-tp2 on two GPUs
+#   demo           the README's demo (then with the one-token GEMV); demo-tp2 on two GPUs
 # Logs, benchmark tables and plots go to $OUT (default bench-results/).
 set -u
 cd "$(dirname "$0")/.."
@@ -55,7 +55,7 @@ wanted check-spec && step check-spec 120 python scripts/stock/check_spec.py
 wanted spec && gpu spec 120 packages/dspark-core/tests
 wanted norms && gpu norms 240 packages/dspark-cute/tests/test_gpu_row_norm.py \
   packages/dspark-cute/tests/test_gpu_boundary.py packages/dspark-cute/tests/test_gpu_context.py
-wanted qkv && gpu qkv 200 packages/dspark-cute/tests/test_gpu_qkv_epilogue.py packages/dspark-cute/tests/test_gpu_qkv_front.py
+wanted qkv && gpu qkv 200 packages/dspark-cute/tests/test_gpu_qkv_epilogue.py
 wanted gating && gpu gating 200 packages/dspark-cute/tests/test_gpu_activations.py
 wanted attention && gpu attention 200 packages/dspark-cute/tests/test_gpu_attention.py
 wanted gemv && gpu gemv 150 packages/dspark-cute/tests/test_gpu_gemv.py
@@ -75,11 +75,10 @@ if wanted bench-step; then
 fi
 if wanted bench; then
   step profile-decode 120 python packages/dspark-cute/benchmarks/profile_decode.py --gemv --out "$OUT"
-  step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --direct --front --prefetch --gemv --out "$OUT"
+  step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --direct --prefetch --gemv --out "$OUT"
 fi
 if wanted bench-kernels; then
   step bench-boundary-kernels 120 python packages/dspark-cute/benchmarks/bench_boundary.py --out "$OUT"
-  step bench-qkv-front 60 python packages/dspark-cute/benchmarks/bench_qkv_front.py --out "$OUT"
   step bench-gemv 120 python packages/dspark-cute/benchmarks/bench_gemv.py --sweep --out "$OUT"
 fi
 if wanted bench-tp2; then
@@ -88,7 +87,7 @@ if wanted bench-tp2; then
 fi
 if wanted demo; then
   step demo 200 python -m dspark_core.demo
-  step demo-front 200 python -m dspark_core.demo --front
+  step demo-gemv 200 python -m dspark_core.demo --gemv
 fi
 wanted demo-tp2 && step demo-tp2 200 python -m dspark_core.demo --tp 2
 echo; echo "== summary =="; printf '%s\n' "${summary[@]}"

@@ -1,7 +1,8 @@
 """The specialized decode on one GPU: the whole draft forward of the
 reference config (hidden 8192) bit for bit the stock forward, eagerly and
 in whole-step CUDA graphs; refused parts still bit for bit; the fused context
-chain; with the QKV front, the same greedy tokens over a 64-step decode."""
+chain; the caches in vLLM's default layout (LBNHC, strided views); with the
+one-token GEMV, the same greedy tokens over a 64-step decode."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import time
 import pytest
 import torch
 
-from dspark_core.planner import policy
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
 from dspark_core.reference.model import DraftModel, StepInputs
@@ -46,11 +46,11 @@ def model():
     return _reference()
 
 
-def _with_context(model, decode=None):
+def _with_context(model, decode=None, layout: str = "LBHNC"):
     gen = torch.Generator().manual_seed(SEED + 7)
     states = torch.randn(CONTEXT, model.config.hidden_size, generator=gen).to(torch.bfloat16).cuda()
     positions = torch.arange(CONTEXT, device="cuda")
-    caches = model.make_caches(SPAN // model.config.kv_block_size + 1, "cuda")
+    caches = model.make_caches(SPAN // model.config.kv_block_size + 1, "cuda", layout)
     for cache in caches:
         cache.tensor.fill_(float("nan"))  # poisoned: a slot nobody wrote shows
     if decode is None or not decode.store_context_kv(states, positions, caches, positions):
@@ -68,15 +68,30 @@ def _hidden(model, m, dtype):
 
 @pytest.mark.parametrize("m", [1, 2, 7, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_whole_forward_front_off_is_the_stock_forward(model, m, dtype):
-    decode = build_draft_decode(model)  # the default: the fused front is opt-in
-    assert decode is not None and all(f is None for f in decode.fronts)
+def test_whole_forward_is_the_stock_forward(model, m, dtype):
+    decode = build_draft_decode(model)  # the default: the opt-in kernels declined
+    assert decode is not None and all(e is not None for e in decode.epilogues)
     fused, _ = decode.plan.fused_count()
     assert fused >= 1 + len(model.boundaries())
     ref_caches, got_caches = _with_context(model), _with_context(model, decode)
     for c_ref, c_got in zip(ref_caches, got_caches):
         assert_bitwise(c_got.tensor, c_ref.tensor, "context caches")
     _two_steps_bitwise(model, decode, _hidden(model, m, dtype), ref_caches, got_caches, f"draft forward m={m}")
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_whole_forward_on_vllms_default_kv_layout(model, m):
+    """The caches in LBNHC (vLLM's default on sm_90: each layer's [blocks,
+    kv_heads, block_size, 128] view strided): the context chain and the QKV
+    epilogues write them through their strides, bit for bit the stock
+    forward's caches and output (the fused paged attention takes contiguous
+    caches only: it runs stock there, logged)."""
+    decode = build_draft_decode(model)
+    ref_caches, got_caches = _with_context(model, layout="LBNHC"), _with_context(model, decode, "LBNHC")
+    assert not got_caches[0].tensor.is_contiguous()
+    for c_ref, c_got in zip(ref_caches, got_caches):
+        assert_bitwise(c_got.tensor, c_ref.tensor, "context caches (LBNHC)")
+    _two_steps_bitwise(model, decode, _hidden(model, m, torch.bfloat16), ref_caches, got_caches, f"LBNHC m={m}")
 
 
 def _two_steps_bitwise(model, decode, x, ref_caches, got_caches, what: str, graph=None) -> None:
@@ -98,11 +113,10 @@ def _two_steps_bitwise(model, decode, x, ref_caches, got_caches, what: str, grap
 def test_direct_attention_variant_is_the_stock_forward(model, m):
     """The "direct" attention variant (K/V read from global memory, a
     contiguous q, the o-gate a kernel of its own) keeps the whole forward bit
-    for bit, eagerly and in a graph replay, and equals the default ("staged")
-    variant with the QKV front on."""
-    decode = build_draft_decode(model, exclude={policy.QKV_FRONT}, attention_variant="direct")
+    for bit, eagerly and in a graph replay."""
+    decode = build_draft_decode(model, attention_variant="direct")
     assert all(k is not None and not k.gated for k in decode.attentions)
-    staged = build_draft_decode(model, exclude={policy.QKV_FRONT}, attention_variant="staged")
+    staged = build_draft_decode(model, attention_variant="staged")
     assert all(k is not None and k.gated for k in staged.attentions)
     ref_caches, got_caches = _with_context(model), _with_context(model, decode)
     x = _hidden(model, m, torch.bfloat16)
@@ -113,20 +127,15 @@ def test_direct_attention_variant_is_the_stock_forward(model, m):
     step1 = StepInputs.block(CONTEXT + m, m, "cuda", span=SPAN)
     graph = StepGraph(decode.run, x, step1, graph_caches)
     assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), "direct attention graph replay")
-    direct = build_draft_decode(model, attention_variant="direct", qkv_front=True)
-    default = build_draft_decode(model, attention_variant="staged", qkv_front=True)
-    a, b = _with_context(model, direct), _with_context(model, default)
-    assert_bitwise(direct.run(x, step, a), default.run(x, step, b), "direct vs staged with the QKV front")
 
 
 @pytest.mark.parametrize("m", [1, 16])
 def test_the_weight_prefetch_changes_no_bit(model, m):
     """With the L2 weight prefetch on (a PDL dependent of the small kernel
-    after each GEMM that completes only after it), the front-off forward is
-    still the stock forward bit for bit, eagerly and in a graph replay (the
-    capture ends with nothing pending), and with the front on it equals the
-    same decode without the prefetch."""
-    decode = build_draft_decode(model, exclude={policy.QKV_FRONT}, prefetch=True)
+    after each GEMM that completes only after it), the forward is still the
+    stock forward bit for bit, eagerly and in a graph replay (the capture ends
+    with nothing pending)."""
+    decode = build_draft_decode(model, prefetch=True)
     assert decode.prefetcher is not None
     ref_caches, got_caches = _with_context(model), _with_context(model, decode)
     x = _hidden(model, m, torch.bfloat16)
@@ -138,10 +147,6 @@ def test_the_weight_prefetch_changes_no_bit(model, m):
     step1 = StepInputs.block(CONTEXT + m, m, "cuda", span=SPAN)
     graph = StepGraph(decode.run, x, step1, graph_caches)
     assert_bitwise(graph.replay(x, step1), model(x, step1, ref_caches), "prefetch graph replay")
-    with_front = build_draft_decode(model, prefetch=True, qkv_front=True)
-    without = build_draft_decode(model, prefetch=False, qkv_front=True)
-    a, b = _with_context(model, with_front), _with_context(model, without)
-    assert_bitwise(with_front.run(x, step, a), without.run(x, step, b), "front on, prefetch vs none")
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -171,7 +176,7 @@ def test_the_weight_prefetch_kernel_stays_inside_odd_weights(pdl):
 
 @pytest.mark.parametrize("m", [1, 16])
 def test_whole_step_graph_replays_are_the_eager_step(model, m):
-    decode = build_draft_decode(model, exclude={policy.QKV_FRONT})
+    decode = build_draft_decode(model)
     eager_caches, graph_caches = _with_context(model), _with_context(model)
     x = _hidden(model, m, torch.bfloat16)
     step0 = StepInputs.block(CONTEXT, m, "cuda", span=SPAN)
@@ -194,8 +199,7 @@ def test_refused_parts_are_still_the_stock_bits():
         connection_overrides={"layers.0.add_ffn": {"dtype": "bf16"}},
         norm_overrides={"layers.1.pre_ffn_norm": {"weight_dtype": "fp16", "gain_center": 1.0}},
     )
-    # Front off: the QKV front's projection is not bitwise cuBLAS (its own test).
-    decode = build_draft_decode(model, exclude={policy.QKV_FRONT})
+    decode = build_draft_decode(model)
     assert decode.boundaries[1] is None and decode.boundaries[2] is not None
     caches_ref, caches_got = _with_context(model), _with_context(model, decode)
     x = _hidden(model, 5, torch.bfloat16)
@@ -205,20 +209,20 @@ def test_refused_parts_are_still_the_stock_bits():
 
 def test_a_non_power_of_two_kv_head_count_keeps_attention_stock():
     model = _reference(num_layers=1, num_heads=48, num_kv_heads=6)
-    decode = build_draft_decode(model, qkv_front=True)  # the front refuses 6 KV heads too
-    assert decode.fronts == [None] and decode.context is None
+    decode = build_draft_decode(model)  # the QKV epilogue refuses 6 KV heads too
+    assert decode.epilogues == [None] and decode.context is None
     caches_ref, caches_got = _with_context(model), _with_context(model, decode)
     x = _hidden(model, 3, torch.bfloat16)
     step = StepInputs.block(CONTEXT, 3, "cuda", span=SPAN)
     assert_bitwise(decode.run(x, step, caches_got), model(x, step, caches_ref), "6 KV heads")
 
 
-@pytest.mark.parametrize("options", [{"qkv_front": True}, {"gemv": True}], ids=["front", "gemv"])
+@pytest.mark.parametrize("options", [{"gemv": True}], ids=["gemv"])
 def test_greedy_tokens_with_every_fused_part_follow_stock(model, options):
-    """64 greedy steps with every fused part, the QKV front (or the one-token
-    GEMV projections) included, both
+    """64 greedy steps with every fused part, the one-token GEMV projections
+    included, both
     decodes fed the stock path's token (teacher forcing; each keeps its own
-    caches). The front's projection differs from cuBLAS in its summation
+    caches). The GEMV's projection differs from cuBLAS in its summation
     order (within its stated bound), so the logits are not bitwise: at every
     step where the stock top-two logits are at least ``MARGIN`` apart the
     fused decode must pick the stock token; a step inside the margin (a near
@@ -228,8 +232,6 @@ def test_greedy_tokens_with_every_fused_part_follow_stock(model, options):
     the test cannot pass vacuously."""
     margin = 0.1
     decode = build_draft_decode(model, **options)
-    if "qkv_front" in options and all(f is None for f in decode.fronts):
-        pytest.skip("this build has no QKV front kernel: the front-on decode is the front-off one tested above")
     if "gemv" in options:
         assert len(decode.gemvs) == 4 * len(model.layers)
     caches = {name: _with_context(model, decode if name == "fused" else None) for name in ("stock", "fused")}

@@ -26,7 +26,7 @@ H200s). The table shows the slower rank's median, in microseconds per step:
 - ``floor``: the rank's GEMM weight bytes read once at 4.3 TB/s.
 
 ``--exclude`` (comma-separated kernel names) leaves kernels out of both
-specialized paths (e.g. ``qkv_front``). A path that fails to build or to
+specialized paths (e.g. ``o_gate``). A path that fails to build or to
 capture on any rank is reported as failed on both and the others still run.
 Writes ``draft_tp2.md``, ``draft_tp2.png`` and ``draft_tp2_raw.json`` into
 ``--out`` and prints the table last.

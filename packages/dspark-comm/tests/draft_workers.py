@@ -7,12 +7,12 @@ Each rank builds ``dspark_comm.tp_draft.TPDraftRank``: the reference draft
 forward all-reduces with ``torch.distributed.all_reduce`` over NCCL) and a
 mailbox of 16 rows over the world group. Two specialized decodes share them:
 
-- the **bitwise** decode, every installed kernel but the QKV front and the
-  package GEMM (``BITWISE_EXCLUDE``: both sum their projection in their own
-  order, so they are exact only up to it): the fused all-reduce boundaries,
+- the **bitwise** decode, every installed kernel but the package GEMM
+  (``BITWISE_EXCLUDE``: it sums its projection in its own order, so it is
+  exact only up to it): the fused all-reduce boundaries,
   the fused first norm and context chain, and whatever else the installed
   backends advertise as bit for bit;
-- the **package** decode, everything but the QKV front (``PACKAGE_EXCLUDE``):
+- the **package** decode, everything (``PACKAGE_EXCLUDE`` empty):
   the same, with each layer's o_proj and down_proj on the package GEMM
   publishing its partial into the mailbox.
 
@@ -47,7 +47,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from dspark_core.planner.policy import PACKAGE_GEMM, QKV_FRONT
+from dspark_core.planner.policy import PACKAGE_GEMM
 
 H = 8192
 ROWS = (1, 2, 7, 16)
@@ -60,8 +60,8 @@ GREEDY_SPAN = CONTEXT + GREEDY_STEPS + 8
 # agree, and at least DECISIVE_MIN of the 64 must be decisive.
 MARGIN = 0.1
 DECISIVE_MIN = 32
-BITWISE_EXCLUDE = frozenset({QKV_FRONT, PACKAGE_GEMM})
-PACKAGE_EXCLUDE = frozenset({QKV_FRONT})
+BITWISE_EXCLUDE = frozenset({PACKAGE_GEMM})
+PACKAGE_EXCLUDE: frozenset[str] = frozenset()
 
 
 def _extra_exclude(c) -> frozenset:

@@ -14,7 +14,7 @@ leaves those kernels out to locate it.
 What it asserts, per rank:
 
 - the bitwise decode (``build_draft_decode`` with ``DraftAllReduce``: every
-  installed kernel but the QKV front and the package GEMM) equals the stock
+  installed kernel but the package GEMM) equals the stock
   TP2 forward (``TPDraftModel.forward`` over NCCL) bit for bit for m in
   {1, 2, 7, 16} on a BF16 input, m = 7 on an FP32 stream and m = 17 (above
   the mailbox: NCCL then the unfused boundary), outputs and every layer's
@@ -22,7 +22,7 @@ What it asserts, per rank:
   on one path, the stock chain on the other); both ranks hold the same
   output; a CUDA graph of a fused step replays to the eager bits; the mailbox
   ends healthy;
-- with the package GEMM on (the QKV front still off): the plan runs every
+- with the package GEMM on: the plan runs every
   layer's o_proj and down_proj on the package GEMM and the adapter binds one
   to every boundary; 64 greedy single-token steps of that decode beside the
   stock TP2 forward, both fed the stock token (teacher forcing), under the

@@ -127,19 +127,6 @@ class FakeEpilogue(Kernel):
         return _epilogue(self.c, self.q_norm, self.k_norm, self.rope, qkv, positions, slots, cache)
 
 
-class FakeFront(FakeEpilogue):
-    def __init__(self, constants, qkv_weight, q_norm_weight, table):
-        super().__init__(constants, q_norm_weight, table)
-        self.weight = qkv_weight
-
-    def launch(self, x, positions, slots, cache):
-        CALLS.append(("qkv_front", x.shape[0]))
-        qkv = torch.matmul(x, self.weight.t())
-        q = _epilogue(self.c, self.q_norm, self.k_norm, self.rope, qkv, positions, slots, cache)
-        qkv[:, : q.shape[1] * 64] = q.reshape(x.shape[0], -1)
-        return qkv
-
-
 class FakeAttention(Kernel):
     def __init__(self, constants):
         self.c = constants
@@ -236,7 +223,7 @@ class FakePrefetcher:
 
 
 KERNELS = {
-    policy.ROW_NORM: FakeRowNorm, policy.BOUNDARY: FakeBoundary, policy.QKV_FRONT: FakeFront,
+    policy.ROW_NORM: FakeRowNorm, policy.BOUNDARY: FakeBoundary,
     policy.QKV_EPILOGUE: FakeEpilogue, policy.ATTENTION: FakeAttention, policy.O_GATE: FakeOGate,
     policy.MLP_ACTIVATION: FakeActivation, policy.GEMV: FakeGemv, policy.CONTEXT_CHAIN: FakeContextChain,
     policy.WEIGHT_PREFETCH: FakePrefetcher,
@@ -297,15 +284,15 @@ def test_the_direct_attention_and_its_own_o_gate(gen):
     assert [c for c in CALLS if c[0] in ("attention", "o_gate")] == [("attention", 2, False), ("o_gate", 2)] * 2
 
 
-def test_the_opt_in_front_and_gemv_run_where_asked(gen):
+def test_the_opt_in_gemv_runs_where_asked(gen):
     model = DraftModel(small_config(num_layers=1))
-    decode = _decode(model, FULL.opt_in({policy.QKV_FRONT, policy.GEMV}))
-    _assert_same(_both(model, decode, 2, gen))  # the stand-in front sums in torch's order: the stock bits here
-    assert ("qkv_front", 2) in CALLS and not any(c[0] == "gemv" for c in CALLS)
+    decode = _decode(model, FULL.opt_in({policy.GEMV}))
+    _assert_same(_both(model, decode, 2, gen))  # two rows: no GEMV
+    assert ("qkv_epilogue", 2) in CALLS and not any(c[0] == "gemv" for c in CALLS)
     CALLS.clear()
     hidden = torch.randn(1, model.config.hidden_size, generator=gen).to(torch.bfloat16)
     decode.run(hidden, StepInputs.block(3, 1), model.make_caches(4))
-    assert [c[1] for c in CALLS if c[0] == "gemv"] == ["o_proj", "gate_up", "down"]  # the front takes the QKV
+    assert [c[1] for c in CALLS if c[0] == "gemv"] == ["qkv_proj", "o_proj", "gate_up", "down"]
 
 
 def test_parts_the_plan_refuses_run_their_stock_modules(gen):
@@ -395,7 +382,7 @@ def test_the_opt_in_kernels_are_declined_unless_asked_and_exclude_is_checked():
     plan = draft_plan(draft, kernels=policy.ALL_KERNELS)
     assert plan.draft_reason == "not CUDA"
     plan = plan_draft(draft, ALL)
-    assert all(p.declined for p in plan.qkv_fronts + plan.gemvs)
+    assert all(p.declined for p in plan.gemvs)
     assert plan.fused_count() == (14, 14)  # the declined opt-ins are not counted
     with pytest.raises(ValueError, match=r"unknown kernels \['boundry'\]"):
         draft_plan(draft, exclude={"boundry"})

@@ -44,7 +44,7 @@ def test_reference_plan_fuses_every_part_at_tp1():
     assert plan.draft_reason is None
     assert reasons(plan) == {}
     assert plan.all_reduce is None  # TP1 has no all-reduce: no part for it
-    assert len(plan.boundaries) == 4 and len(plan.qkv_fronts) == 2
+    assert len(plan.boundaries) == 4 and len(plan.qkv_epilogues) == 2
     assert all(isinstance(b.constants, K.BoundaryConstants) for b in plan.boundaries)
     assert plan.input_norm.constants.hidden_size == 8192
 
@@ -155,7 +155,7 @@ def test_first_norm_refuses_an_fp32_output():
         ({"row_norm"}, "layer 0's attention boundary", "boundary"),
         ({"boundary"}, "the draft's first norm", "row_norm"),
         ({"boundary"}, "the context K/V chain", "context_chain"),
-        (set(), "layer 0's QKV front", "qkv_front"),
+        (set(), "layer 0's QKV epilogue", "qkv_epilogue"),
         ({"o_gate"}, "layer 1's attention", "attention"),
         ({"attention"}, "layer 0's o-gate", "o_gate"),
         ({"attention"}, "layer 1's MLP activation", "mlp_activation"),
@@ -167,10 +167,10 @@ def test_parts_refuse_a_kernel_the_backends_lack(kernels, part, kernel):
 
 
 def test_an_excluded_kernel_is_said_to_be_excluded():
-    target = Target(kernels=policy.ALL_KERNELS - {"qkv_front"}, excluded=frozenset({"qkv_front"}))
+    target = Target(kernels=policy.ALL_KERNELS - {"qkv_epilogue"}, excluded=frozenset({"qkv_epilogue"}))
     r = reasons(plan_draft(meta(), target))
-    assert r["layer 0's QKV front"] == "the caller excluded the qkv_front kernel"
-    assert target.key() != Target(kernels=policy.ALL_KERNELS - {"qkv_front"}).key()
+    assert r["layer 0's QKV epilogue"] == "the caller excluded the qkv_epilogue kernel"
+    assert target.key() != Target(kernels=policy.ALL_KERNELS - {"qkv_epilogue"}).key()
 
 
 def test_context_refuses_input_norms_that_differ_beyond_weights():
@@ -179,16 +179,16 @@ def test_context_refuses_input_norms_that_differ_beyond_weights():
     assert r["the context K/V chain"] == "layer input norms that differ in more than their weights"
 
 
-def test_context_and_front_refuse_non_power_of_two_kv_heads():
+def test_context_and_epilogue_refuse_non_power_of_two_kv_heads():
     r = reasons(plan_draft(meta(num_heads=6, num_kv_heads=3), ALL))
     assert r["the context K/V chain"] == "3 KV heads, not a power of two up to 32"
-    assert r["layer 0's QKV front"] == "3 KV heads, not a power of two up to 32"
+    assert r["layer 0's QKV epilogue"] == "3 KV heads, not a power of two up to 32"
 
 
-def test_context_and_front_refuse_128_wide_heads():
+def test_context_and_epilogue_refuse_128_wide_heads():
     r = reasons(plan_draft(meta(head_dim=128, num_heads=4), ALL))
     assert r["the context K/V chain"] == "128-wide KV heads, not 64"
-    assert r["layer 1's QKV front"] == "128-wide heads, not 64"
+    assert r["layer 1's QKV epilogue"] == "128-wide heads, not 64"
 
 
 class WeightedHeadNorm(HeadNorm):
@@ -199,13 +199,13 @@ class WeightedHeadNorm(HeadNorm):
         self.weight = nn.Parameter(torch.ones(head_dim, dtype=torch.bfloat16), requires_grad=False)
 
 
-def test_context_and_front_refuse_a_weighted_qk_norm():
+def test_context_and_epilogue_refuse_a_weighted_qk_norm():
     model = meta()
     model.layers[0].self_attn.qk_norm = WeightedHeadNorm()
     r = reasons(plan_draft(model, ALL))
     assert r["the context K/V chain"] == "a K-norm other than the stock weightless head norm"
-    assert r["layer 0's QKV front"] == "a head norm other than the stock one (WeightedHeadNorm)"
-    assert "layer 1's QKV front" not in r
+    assert r["layer 0's QKV epilogue"] == "a head norm other than the stock one (WeightedHeadNorm)"
+    assert "layer 1's QKV epilogue" not in r
 
 
 def test_context_refuses_a_qk_norm_in_a_later_layer_that_differs():
@@ -221,7 +221,7 @@ def test_context_refuses_no_layers():
     assert r["the context K/V chain"] == "no layers"
 
 
-def test_context_and_front_refuse_a_non_stock_rope():
+def test_context_and_epilogue_refuse_a_non_stock_rope():
     class NeoX(Rotary):
         pass
 
@@ -231,12 +231,12 @@ def test_context_and_front_refuse_a_non_stock_rope():
         layer.self_attn._rotary[0] = rope
     r = reasons(plan_draft(model, ALL))
     assert r["the context K/V chain"] == "a RoPE other than the stock GPT-J rotation over the whole head"
-    assert r["layer 0's QKV front"] == "a RoPE other than the stock GPT-J rotation over the whole head"
+    assert r["layer 0's QKV epilogue"] == "a RoPE other than the stock GPT-J rotation over the whole head"
 
 
-def test_front_refuses_no_o_gate_and_a_non_bf16_weight_and_a_subclass():
+def test_epilogue_refuses_no_o_gate_and_a_non_bf16_weight_and_a_subclass():
     r = reasons(plan_draft(meta(use_o_gate=False), ALL))
-    assert r["layer 0's QKV front"] == "no o-gate rows in the QKV projection"
+    assert r["layer 0's QKV epilogue"] == "no o-gate rows in the QKV projection"
 
     class Other(DraftAttention):
         pass
@@ -248,8 +248,8 @@ def test_front_refuses_no_o_gate_and_a_non_bf16_weight_and_a_subclass():
     other = Other(model.config, model.rotary).to_empty(device="meta")
     model.layers[1].self_attn = other
     r = reasons(plan_draft(model, ALL))
-    assert r["layer 0's QKV front"] == "a QKV weight of torch.float16, not bfloat16"
-    assert r["layer 1's QKV front"] == "an attention other than the stock one (Other)"
+    assert r["layer 0's QKV epilogue"] == "a QKV weight of torch.float16, not bfloat16"
+    assert r["layer 1's QKV epilogue"] == "an attention other than the stock one (Other)"
 
 
 def test_layer_kernels_fuse_in_the_reference_plan():
@@ -291,17 +291,18 @@ def test_the_staged_attention_takes_the_o_gate_only_where_it_fuses():
 
 
 def test_a_declined_opt_in_kernel_says_it_is_opt_in():
-    target = ALL.decline({policy.QKV_FRONT})
+    target = ALL.decline({policy.GEMV})
     r = reasons(plan_draft(meta(), target))
-    assert r["layer 0's QKV front"] == policy.OPT_IN[policy.QKV_FRONT]
-    assert "layer 0's QKV epilogue" not in r  # the bit-for-bit front still fuses
-    assert target.key() != ALL.without({policy.QKV_FRONT}).key() != ALL.key()
+    assert r["layer 0's down GEMV"] == policy.OPT_IN[policy.GEMV]
+    assert "layer 0's QKV epilogue" not in r  # the bit-for-bit epilogue still fuses
+    assert target.key() != ALL.without({policy.GEMV}).key() != ALL.key()
     with pytest.raises(ValueError, match="opt-in kernels"):
         Target(declined=frozenset({policy.BOUNDARY}))
     # The switches name the opt-in kernels they ask for; opt_in declines the rest.
     assert policy.asked_opt_ins() == frozenset()
-    assert policy.asked_opt_ins(qkv_front=True, gemv=True, package_gemm=True) == frozenset(policy.OPT_IN)
-    assert ALL.opt_in(policy.asked_opt_ins(gemv=True)).declined == {policy.QKV_FRONT, policy.PACKAGE_GEMM}
+    assert policy.asked_opt_ins(gemv=True, package_gemm=True) == frozenset(policy.OPT_IN)
+    assert ALL.opt_in(policy.asked_opt_ins(gemv=True)).declined == {policy.PACKAGE_GEMM}
+    assert "qkv_front" not in policy.ALL_KERNELS and set(policy.OPT_IN) == {policy.GEMV, policy.PACKAGE_GEMM}
 
 
 def test_attention_refuses_wide_heads_and_a_subclass():
@@ -441,8 +442,8 @@ def test_random_configs_plan_consistently(
     assert all(b.fused for b in plan.boundaries)  # every variant of this space is covered
     for boundary, b in zip(describe(model).boundaries(), plan.boundaries):
         assert b.constants == K.boundary_constants(boundary, hidden)
-    front_ok = head_dim == 64 and kv & (kv - 1) == 0
-    assert all(p.fused == front_ok for p in plan.qkv_fronts)
+    epilogue_ok = head_dim == 64 and kv & (kv - 1) == 0
+    assert all(p.fused == epilogue_ok for p in plan.qkv_epilogues)
     assert (plan.all_reduce is None) == (tp == 1)
     assert tp == 1 or plan.all_reduce.fused
 
@@ -463,10 +464,11 @@ def test_cli_prints_the_reference_plan():
 def test_cli_declines_the_opt_in_kernels_unless_asked():
     out = _cli("--kernels", "all")
     # Each opt-in said once, with how many parts it would take.
-    assert out.stdout.count(policy.OPT_IN[policy.QKV_FRONT]) == 1
-    assert "not asked for (2 parts): " + policy.OPT_IN[policy.QKV_FRONT] in out.stdout
+    assert out.stdout.count(policy.OPT_IN[policy.GEMV]) == 1
     assert "not asked for (8 parts): " + policy.OPT_IN[policy.GEMV] in out.stdout
-    out = _cli("--kernels", "all", "--front", "--gemv")
+    assert "QKV front" not in out.stdout
+    assert _cli("--kernels", "all", "--front").returncode == 2  # the fused QKV front is gone
+    out = _cli("--kernels", "all", "--gemv")
     assert out.returncode == 0, out.stderr
     assert "opt-in" not in out.stdout
     assert "layer 1's down GEMV" in out.stdout and "fused (GemvConstants" in out.stdout
@@ -502,9 +504,9 @@ def test_a_target_without_kernels_calls_them_excluded():
     """``Target.without``: the kernels leave the target and join its
     excluded ones (so a refusal says "excluded", not "not installed")."""
     t = policy.Target(kernels=policy.ALL_KERNELS, excluded=frozenset({policy.PACKAGE_GEMM}))
-    u = t.without({policy.QKV_FRONT})
-    assert u.kernels == policy.ALL_KERNELS - {policy.QKV_FRONT}
-    assert u.excluded == {policy.PACKAGE_GEMM, policy.QKV_FRONT}
+    u = t.without({policy.GEMV})
+    assert u.kernels == policy.ALL_KERNELS - {policy.GEMV}
+    assert u.excluded == {policy.PACKAGE_GEMM, policy.GEMV}
     assert t.kernels == policy.ALL_KERNELS  # frozen: t itself is unchanged
     assert t.without(()) == t
 

@@ -21,7 +21,7 @@ def test_every_kernel_states_its_rows():
     assert set(K.MAX_ROWS) == K.ALL_KERNELS
     # The tiled kernels take one decode step's tile; the rest take the row count at run time.
     assert {n for n, rows in K.MAX_ROWS.items() if rows == K.MAX_DECODE_ROWS} == {
-        K.QKV_FRONT, K.ALL_REDUCE_BOUNDARY, K.PACKAGE_GEMM}
+        K.ALL_REDUCE_BOUNDARY, K.PACKAGE_GEMM}
     for name in (K.ROW_NORM, K.BOUNDARY, K.CONTEXT_CHAIN, K.QKV_EPILOGUE, K.O_GATE, K.MLP_ACTIVATION):
         assert K.MAX_ROWS[name] == K.ANY_ROWS == 2**31 - 1
     assert K.MAX_ROWS[K.GEMV] == 1 and K.MAX_ROWS[K.ATTENTION] == 65535 and K.MAX_ROWS[K.WEIGHT_PREFETCH] is None
@@ -65,8 +65,7 @@ def test_the_decode_takes_the_least_of_its_step_kernels_rows(gen):
     assert _prepared(KERNELS, ALL.without({policy.ATTENTION})).max_rows == K.ANY_ROWS
     capped = _prepared({**KERNELS, policy.MLP_ACTIVATION: _CappedActivation})
     assert capped.max_rows == 5
-    # The opt-in front (16-row tile) counts where it is bound; the one-row GEMV does not.
-    assert _prepared(KERNELS, FULL.opt_in({policy.QKV_FRONT, policy.GEMV})).max_rows == K.MAX_DECODE_ROWS
+    # The one-row GEMV does not count.
     assert _prepared(KERNELS, FULL.opt_in({policy.GEMV})).max_rows == 65535
     # Only the context chain bound: no step kernel.
     only_context = ALL.without(policy.ALL_KERNELS - {policy.CONTEXT_CHAIN})

@@ -35,8 +35,8 @@ def test_a_python_switch_that_is_not_a_bool_is_a_type_error(value):
     assert switches.flag(True, "gemv") is True and switches.flag(False, "gemv") is False
 
 
-@pytest.mark.parametrize("name, value", [("gemv", "0"), ("qkv_front", "no"), ("package_gemm", 1),
-                                         ("qkv_front", "False")])
+@pytest.mark.parametrize("name, value", [("gemv", "0"), ("gemv", "no"), ("package_gemm", 1),
+                                         ("package_gemm", "False")])
 def test_build_draft_decode_refuses_a_truthy_string_for_a_switch(name, value):
     draft = describe(DraftModel(small_config(num_layers=1), device="meta"))
     with pytest.raises(TypeError, match=f"{name} must be True or False"):
@@ -81,7 +81,7 @@ def test_an_environment_choice_is_one_of_its_values():
 
 def test_build_draft_decode_reads_the_environment_strictly(monkeypatch):
     draft = describe(DraftModel(small_config(num_layers=1), device="meta"))
-    for name in ("DSPARK_QKV_FRONT", "DSPARK_GEMV", "DSPARK_PACKAGE_GEMM", "DSPARK_PREFETCH"):
+    for name in ("DSPARK_GEMV", "DSPARK_PACKAGE_GEMM", "DSPARK_PREFETCH"):
         monkeypatch.setenv(name, "maybe")
         with pytest.raises(ValueError, match=f"{name} must be one of"):
             build_draft_decode(draft)

@@ -201,8 +201,8 @@ def test_the_shard_plans_as_the_draft_does():
     assert {p.name: p.reason for p in plan.parts() if not p.fused} == {}
     assert [b.constants.key() for b in plan.boundaries] == [b.constants.key() for b in whole.boundaries]
     assert plan.all_reduce.constants == K.AllReduceConstants(2)
-    assert [f.constants.num_heads for f in plan.qkv_fronts] == [32, 32]
-    assert [f.constants.kv_heads for f in plan.qkv_fronts] == [4, 4]
+    assert [f.constants.num_heads for f in plan.qkv_epilogues] == [32, 32]
+    assert [f.constants.kv_heads for f in plan.qkv_epilogues] == [4, 4]
     assert plan.context.fused
     assert [p.constants.role for p in plan.package_gemms] == ["o_proj", "down_proj"] * 2
     # The whole draft planned at TP2 already has the ranks' shards (K / tp).

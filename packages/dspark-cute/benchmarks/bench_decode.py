@@ -7,8 +7,7 @@ and writes it with a PNG plot into --out.
 The "specialized" column is ``build_draft_decode``'s default (bit for bit:
 cuBLAS + the QKV epilogue, the staged attention, the inline L2 prefetch).
 Extra columns of variants, side by side in the same run: ``--direct`` (the
-direct attention variant), ``--front`` (the fused QKV front on),
-``--prefetch`` (the prefetch off), ``--gemv``
+direct attention variant), ``--prefetch`` (the prefetch off), ``--gemv``
 (the one-token GEMV for the projections at m = 1: not cuBLAS's bits; its
 steps of more tokens are the default's). ``--m``
 picks the token counts, ``--no-compile`` skips the Inductor column."""
@@ -49,8 +48,6 @@ def main(argv=None) -> int:
     parser.add_argument("--m", default="1,4,16", help="comma-separated tokens per step")
     parser.add_argument("--direct", action="store_true",
                         help="also time the decode with the direct attention variant")
-    parser.add_argument("--front", action="store_true",
-                        help="also time the decode with the fused QKV front (not bit for bit)")
     parser.add_argument("--prefetch", action="store_true",
                         help="also time the decode without the L2 weight prefetch")
     parser.add_argument("--gemv", action="store_true",
@@ -78,7 +75,6 @@ def main(argv=None) -> int:
         # Variants of the specialized decode, for side-by-side ratios.
         variants = {
             "direct": args.direct and {"attention_variant": "direct"},
-            "front": args.front and {"qkv_front": True},
             "no-prefetch": args.prefetch and {"prefetch": False},
             "gemv": args.gemv and {"gemv": True},
         }
@@ -105,7 +101,7 @@ def main(argv=None) -> int:
     return 0
 
 
-NAMES = ("stock", "inductor", "specialized", "direct", "front", "no-prefetch", "gemv")
+NAMES = ("stock", "inductor", "specialized", "direct", "no-prefetch", "gemv")
 FUSED = NAMES[2:]
 
 

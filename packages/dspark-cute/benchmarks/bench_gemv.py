@@ -32,6 +32,15 @@ SETTINGS = [(2, 4)]
 SWEEP = [(2, 8), (4, 4), (4, 2), (8, 2)]
 
 
+def time_graph(calls: list, launches: int, replays: int = 10, trials: int = 7) -> float:
+    """Median microseconds per call of ``calls`` (cycled, ``launches`` in one
+    CUDA graph) over ``trials`` timings of ``replays`` replays each."""
+    from dspark_core.tools.timing import capture_on_side_stream, median_us
+
+    replay = capture_on_side_stream(calls, launches, wait=False)
+    return median_us(lambda: [replay() for _ in range(replays)], trials, calls=replays * launches)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("DSPARK_BENCH_OUT", "bench-results"))
@@ -40,8 +49,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gemv: no CUDA GPU, nothing to time")
         return 0
-    from bench_qkv_front import time_graph
-
     from dspark_core.contracts.constants import GemvConstants
     from dspark_cute.cutedsl.gemm.gemv import Gemv
 

@@ -30,9 +30,9 @@ STEPS = 5
 
 
 # Name fragments of the GEMM kernels: cuBLAS's (with its split-K reduction),
-# the package GEMM, the QKV front (its projection) and the one-token GEMV. Not "cutlass": every
+# the package GEMM and the one-token GEMV. Not "cutlass": every
 # CuTe DSL kernel's name has it, the norms and attention too.
-GEMM_NAMES = ("gemm", "sm90_xmma", "nvjet", "splitkreduce", "skinny", "qkvfront", "gemvkernel")
+GEMM_NAMES = ("gemm", "sm90_xmma", "nvjet", "splitkreduce", "skinny", "gemvkernel")
 
 
 def _gemm(name: str) -> bool:

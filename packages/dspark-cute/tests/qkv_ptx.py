@@ -1,5 +1,5 @@
-"""A PTX dataflow reader for the audits of the QKV kernels' fused QK-norm
-(``test_compile_qkv_epilogue``, ``test_compile_qkv_front``): it follows each
+"""A PTX dataflow reader for the audit of the QKV epilogue's fused QK-norm
+(``test_compile_qkv_epilogue``): it follows each
 register to the instruction that wrote it and reads back, from the PTX alone,
 what the norm computes and in what order.
 

@@ -30,7 +30,6 @@ OPS = {
     "boundary": (["branch", "stream", "store_stream", "out", "new_stream"], {"out", "new_stream"}),
     "context_store": (["kv", "positions", "caches", "slots"], {"caches"}),
     "qkv_epilogue": (["qkv", "positions", "slots", "cache"], {"qkv", "cache"}),
-    "qkv_front": (["x", "positions", "slots", "cache", "out"], {"cache", "out"}),
     "attention": (["q", "cache", "attn_slots", "out", "gate"], {"out"}),
     "o_gate": (["attn", "gate", "out"], {"out"}),
     "mlp_activation": (["gu", "out"], {"out"}),
@@ -353,34 +352,11 @@ def test_eager_launches_of_bound_hosts_pass_their_tensors(monkeypatch):
         "x": xo.data_ptr(), "weight": weight.data_ptr(), "out": out.data_ptr(), "stream": "stream"}
 
 
-def test_eager_launches_of_the_front_and_the_context_store_pass_their_tensors(monkeypatch):
-    """The same for the QKV front (its skinny GEMM's operands and the
-    epilogue's) and the context store (its per-layer address tuples, padded
+def test_eager_launches_of_the_context_store_pass_their_tensors(monkeypatch):
+    """The same for the context store (its per-layer address tuples, padded
     to ``MAX_LAYERS_PER_LAUNCH``, a layer without slots left out)."""
-    from dspark_core.contracts.constants import ContextStoreConstants, QKVFrontConstants
+    from dspark_core.contracts.constants import ContextStoreConstants
     from dspark_cute.cutedsl.context import store as store_module
-    from dspark_cute.cutedsl.qkv import front as front_module
-
-    h = 2048
-    _cpu_operands(monkeypatch, front_module)
-    c = QKVFrontConstants(h, 4, 2, False, 1e-6, 1e-6, True, "fp32")
-    rows = (2 * 4 + 2 * 2) * 64
-    weight, table = torch.randn(rows, h).bfloat16(), torch.randn(100, 64)
-    front = front_module.QKVFront(c, weight, None, table, pdl=False)
-    x, positions, slots = torch.randn(3, h).bfloat16(), torch.arange(3), torch.arange(3)
-    cache, out = torch.zeros(6, 2, 16, 128).bfloat16(), torch.empty(3, rows, dtype=torch.bfloat16)
-    seen = []
-    monkeypatch.setattr(front_module, "ptr", lambda t, align=16: ("ptr", t.data_ptr()))
-    monkeypatch.setattr(front_module, "_i64_ptr", lambda t: ("ptr", t.data_ptr()))
-    monkeypatch.setattr(front_module, "current_stream", lambda: "stream")
-    monkeypatch.setattr(front, "_kernel", lambda m, raw=False: lambda *a: seen.append((m, raw, a)))
-    assert front.launch(x, positions, slots, cache, out) is out
-    m, raw, call = seen[0]
-    assert (m, raw) == (3, False) and _named(front_module.QKVFrontKernel, call) == {
-        "x": ("ptr", x.data_ptr()), "weight": ("ptr", weight.data_ptr()), "table": ("ptr", table.data_ptr()),
-        "positions": ("ptr", positions.data_ptr()), "slots": ("ptr", slots.data_ptr()),
-        "cache": ("ptr", cache.data_ptr()), "out": ("ptr", out.data_ptr()), "m": 3, "num_slots": 6 * 16,
-        "block_size": 16, "max_pos": 100, "stream": "stream"}
 
     monkeypatch.setattr(store_module, "_is_cuda_tensor", lambda t, dtype, device: isinstance(t, torch.Tensor))
     table = torch.randn(50, 64).bfloat16()

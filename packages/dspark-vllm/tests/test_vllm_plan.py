@@ -99,7 +99,7 @@ def test_with_no_kernel_checked_against_vllm_every_part_stays_stock(built):
 
 def test_on_an_h200_the_gpu_checked_kernels_fuse_and_on_sm100_none(built):
     checked = planning.exact_kernels("sm_90a")
-    assert policy.ATTENTION not in checked and policy.QKV_FRONT not in checked and policy.GEMV not in checked
+    assert policy.ATTENTION not in checked and policy.GEMV not in checked
     plan = _plan(built, exact=None)
     assert plan.fused_count() == (12, 14)
     assert set(_reasons(plan)) == {"layer 0's attention", "layer 1's attention"}
@@ -116,7 +116,7 @@ def test_with_every_kernel_checked_the_reproduced_parts_fuse(built):
     plan = _plan(built)
     assert plan.fused_count() == (12, 14)
     assert set(_reasons(plan)) == {"layer 0's attention", "layer 1's attention"}
-    assert all(p.declined for p in plan.qkv_fronts + plan.gemvs)
+    assert all(p.declined for p in plan.gemvs)
     first = plan.qkv_epilogues[0].constants
     assert (first.table_dtype, plan.qkv_epilogues[1].constants.table_dtype) == ("bf16", "fp32")
     assert plan.context.constants.store.table_dtype == "bf16" and plan.o_gates[0].via is None

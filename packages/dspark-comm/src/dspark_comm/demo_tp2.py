@@ -8,8 +8,8 @@ decode steps (``tp_draft.greedy``: the stock TP2 forward's tokens fed to both
 paths, teacher forcing) of two specialized decodes beside the stock TP2 forward
 (``TPDraftModel.forward``, NCCL all-reduce):
 
-- **package GEMM off** (the branch GEMMs on cuBLAS; the QKV front off too
-  unless ``front``): every fused part is bit for bit the stock layers, so the
+- **package GEMM off** (the branch GEMMs on cuBLAS): every fused part is
+  bit for bit the stock layers, so the
   demo says whether the hidden states of every step are bit for bit equal
   and whether the tokens are;
 - **package GEMM on**: o_proj and down_proj on the package GEMM, which sums
@@ -36,8 +36,8 @@ WORLD = 2
 MARGIN = 0.1  # the stock top-two logit gap below which a flipped token is a near tie (the tests' rule)
 
 
-def _worker(rank: int, world: int, init_file: str, config_json: str, steps: int, block: int, context: int,
-            front: bool) -> None:
+def _worker(rank: int, world: int, init_file: str, config_json: str, steps: int, block: int,
+            context: int) -> None:
     from dspark_comm.runtime.ranks import finish_rank, init_rank
 
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR,
@@ -45,13 +45,13 @@ def _worker(rank: int, world: int, init_file: str, config_json: str, steps: int,
     init_rank(rank, world, init_file)
     torch.set_grad_enabled(False)  # inference only (the stock forward's graphs too)
     try:
-        _demo(rank, world, config_json, steps, block, context, front)
+        _demo(rank, world, config_json, steps, block, context)
     finally:
         finish_rank()
 
 
-def _demo(rank: int, world: int, config_json: str, steps: int, block: int, context: int, front: bool) -> None:
-    from dspark_comm.tp_draft import PACKAGE_GEMM, QKV_FRONT, TPDraftRank, greedy
+def _demo(rank: int, world: int, config_json: str, steps: int, block: int, context: int) -> None:
+    from dspark_comm.tp_draft import PACKAGE_GEMM, TPDraftRank, greedy
     from dspark_core.planner.cli import print_plan
     from dspark_core.reference.config import DraftConfig
 
@@ -63,7 +63,7 @@ def _demo(rank: int, world: int, config_json: str, steps: int, block: int, conte
     tp = TPDraftRank(rank, world, config)
     say(f"built the reference draft ({config.num_layers} layers, hidden {config.hidden_size}) and rank 0's "
         f"TP{world} shard on {tp.device} in {tp.build_s:.1f} s")
-    off = {PACKAGE_GEMM} | (set() if front else {QKV_FRONT})
+    off = {PACKAGE_GEMM}
     paths = {"package GEMM off": tp.decode(off)[0], "package GEMM on": tp.decode(off - {PACKAGE_GEMM})[0]}
     if rank == 0:
         print_plan(paths["package GEMM on"].plan)
@@ -95,8 +95,6 @@ def _demo(rank: int, world: int, config_json: str, steps: int, block: int, conte
         why = ""
         if name == "package GEMM on" and res["hidden_mismatches"]:
             why = " (expected: the package GEMM sums in its own order)"
-        elif front and res["hidden_mismatches"]:
-            why = " (expected with --front: the QKV front sums its projection in its own order)"
         same = all(t == ranks_tokens[0] for t in ranks_tokens)
         say(f"  vs stock TP2: {hidden}{why}; {tokens}; both ranks' tokens {'equal' if same else 'DIFFER'}")
         say(f"  eager wall time per step (median, rank 0, synced): stock TP2 {res['step_ms']['stock']:.2f} ms, "
@@ -123,7 +121,7 @@ def _step_time(tp, fn, ctx, span: int, block: int, start: int) -> float:
     return time_replays(graph.replay, 50)
 
 
-def run_tp2_demo(config, steps: int, block: int, context: int, front: bool = False, timeout_s: float = 600.0) -> int:
+def run_tp2_demo(config, steps: int, block: int, context: int, timeout_s: float = 600.0) -> int:
     """Spawn the two ranks of the demo (module docstring); 0 where both ended
     cleanly, else 1 with the reason printed. ValueError for bad arguments."""
     from dspark_comm.runtime.ranks import spawn_ranks
@@ -136,7 +134,7 @@ def run_tp2_demo(config, steps: int, block: int, context: int, front: bool = Fal
         raise ValueError(f"the TP{WORLD} demo needs {WORLD} CUDA GPUs; this machine has {torch.cuda.device_count()}")
     print(f"spawning {WORLD} ranks (one process per GPU, NCCL)", flush=True)
     config_json = config.to_json()
-    error = spawn_ranks(_worker, WORLD, config_json, steps, block, context, front, timeout_s=timeout_s)
+    error = spawn_ranks(_worker, WORLD, config_json, steps, block, context, timeout_s=timeout_s)
     if error is not None:
         print(f"the TP{WORLD} demo did not finish: {error}", file=sys.stderr)
         return 1

@@ -15,8 +15,8 @@ its stock forward all-reduces the row-parallel partials with
   description) with ``DraftAllReduce`` over
   the mailbox, both planned for this GPU at TP ``world`` with the installed
   kernels minus ``exclude``; ``(decode, adapter)``. With ``"package_gemm"``
-  excluded the o_proj / down_proj GEMMs stay cuBLAS; with ``"qkv_front"``
-  too, every fused part is bit for bit the stock TP forward.
+  excluded the o_proj / down_proj GEMMs stay cuBLAS and every fused part is
+  bit for bit the stock TP forward.
 - ``context(n, seed)``: ``n`` BF16 hidden states (a CUDA generator seeded
   ``seed``: the same on every rank) and their positions ``0 .. n-1``;
   ``caches(states, span, decode)``: fresh caches of at least ``span`` slots
@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from dspark_core.planner.policy import PACKAGE_GEMM, QKV_FRONT  # the kernel names callers exclude (re-exported)
+from dspark_core.planner.policy import PACKAGE_GEMM  # the kernel name callers exclude (re-exported)
 
 log = logging.getLogger("dspark.tp_draft")
 
@@ -76,14 +76,13 @@ class TPDraftRank:
         from dspark_core.runtime.decode import build_draft_decode, draft_plan
 
         exclude = frozenset(exclude)
-        # The opt-in kernels (not bit for bit the stock) run unless exclude names them.
-        front, package = QKV_FRONT not in exclude, PACKAGE_GEMM not in exclude
+        # The opt-in package GEMM (not bit for bit the stock) runs unless exclude names it.
+        package = PACKAGE_GEMM not in exclude
         draft = describe(self.shard)
         # The plan build_draft_decode makes too (one function: the two cannot drift).
-        plan = draft_plan(draft, self.world, exclude, qkv_front=front, package_gemm=package)
+        plan = draft_plan(draft, self.world, exclude, package_gemm=package)
         adapter = DraftAllReduce(self.mailbox, plan, draft, self.rank, one_row_gemv=one_row_gemv)
-        decode = build_draft_decode(draft, all_reduce=adapter, exclude=exclude, qkv_front=front,
-                                    package_gemm=package)
+        decode = build_draft_decode(draft, all_reduce=adapter, exclude=exclude, package_gemm=package)
         if decode is None:
             raise RuntimeError(f"build_draft_decode kept the TP{self.world} draft stock on {self.device} "
                                "(the reason is in the log)")
@@ -218,4 +217,4 @@ def time_replays(replay, reps: int, warmup: int = 3, calls: int = 1) -> float:
     return median_us(replay, reps, calls=calls, before=release)
 
 
-__all__ = ["PACKAGE_GEMM", "QKV_FRONT", "TPDraftRank", "greedy", "time_replays"]
+__all__ = ["PACKAGE_GEMM", "TPDraftRank", "greedy", "time_replays"]

@@ -109,7 +109,7 @@ def _spread(times: list[float]) -> str:
 
 @torch.no_grad()
 def run_demo(config: DraftConfig, steps: int, block: int, context: int, device: torch.device,
-             front: bool = False, gemv: bool = False) -> dict:
+             gemv: bool = False) -> dict:
     """Build, plan and decode on the stock path and, where a backend provides
     kernels on this device, the specialized decode; compare and time them.
     Returns each path's tokens."""
@@ -118,12 +118,12 @@ def run_demo(config: DraftConfig, steps: int, block: int, context: int, device: 
     print(f"built the reference draft ({config.num_layers} layers, hidden {config.hidden_size}) on {device} "
           f"in {time.perf_counter() - t0:.1f} s")
     draft = describe(model)
-    asked = policy.asked_opt_ins(front, gemv)
+    asked = policy.asked_opt_ins(gemv)
     decode = None
     if device.type == "cuda":
         print("planning and compiling the specialized decode's kernels ...", flush=True)
         t0 = time.perf_counter()
-        decode = build_draft_decode(draft, qkv_front=front, gemv=gemv)
+        decode = build_draft_decode(draft, gemv=gemv)
         if decode is not None:
             print(f"compiled in {time.perf_counter() - t0:.1f} s")
             print_plan(decode.plan)
@@ -154,7 +154,7 @@ def run_demo(config: DraftConfig, steps: int, block: int, context: int, device: 
         print(f"{name} path: {steps} greedy steps of {block} token(s); a step takes {_spread(times)} ({how})")
         for i, t in enumerate(toks):
             print(f"  step {i}: {t}")
-    print(_summary(results, steps, front or gemv, device))
+    print(_summary(results, steps, gemv, device))
     return {name: r[0] for name, r in results.items()}
 
 
@@ -170,7 +170,7 @@ def _summary(results: dict, steps: int, opt_in: bool, device: torch.device) -> s
     total = sum(a.numel() for a in sh)
     same = "bit for bit equal" if bad == 0 else f"NOT bit for bit: {bad} of {total} elements differ"
     if bad and opt_in:
-        same += " (expected with --front/--gemv: they sum projections in their own order)"
+        same += " (expected with --gemv: it sums the projections in its own order)"
     speed = statistics.median(stimes) / statistics.median(ftimes)
     return (f"summary: over {steps} steps the specialized decode's hidden states are {same} with the stock "
             f"path's; tokens {'equal' if ft == st else 'differ'}; a step is {speed:.2f}x faster (medians).")
@@ -183,8 +183,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=positive_int, default=1, help=f"tokens per step, 1 to {policy.MAX_DECODE_ROWS}")
     p.add_argument("--context", type=positive_int, default=64, help="context tokens stored first (default 64)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run (default auto)")
-    p.add_argument("--front", action="store_true",
-                   help="run the opt-in fused QKV front (exact up to its projection's summation order)")
     p.add_argument("--gemv", action="store_true",
                    help="run one-token steps' projections on the opt-in GEMV (its own stated order)")
     p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor-parallel size (2: two GPUs)")
@@ -214,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 return code
         device = torch.device(args.device if args.device != "auto" else
                               ("cuda" if torch.cuda.is_available() else "cpu"))
-        run_demo(config, args.steps, args.block, args.context, device, args.front, args.gemv)
+        run_demo(config, args.steps, args.block, args.context, device, args.gemv)
     except BrokenPipeError:  # e.g. `python -m dspark_core.demo | head`: the reader has all it wanted
         release_stdout()
         return 0
@@ -232,7 +230,7 @@ def _run_tp(config: DraftConfig, args) -> int | None:
     if gpus < args.tp:
         print(f"--tp {args.tp} needs {args.tp} CUDA GPUs and this machine has {gpus}: running the TP1 demo instead")
         shard = shard_draft(DraftModel(config, device="meta"), 0, args.tp)
-        target = policy.Target(tp=args.tp, kernels=policy.installed_kernels()).opt_in(policy.asked_opt_ins(args.front))
+        target = policy.Target(tp=args.tp, kernels=policy.installed_kernels()).opt_in(frozenset())
         print(f"What a rank of TP{args.tp} would run with the installed backends:")
         print_plan(plan_draft(describe(shard), target))
         return None
@@ -241,7 +239,7 @@ def _run_tp(config: DraftConfig, args) -> int | None:
         raise ValueError(f"--tp {args.tp} needs a backend with a TP demo: pip install ./packages/dspark-comm")
     if args.gemv:
         print("--gemv: the one-token GEMV runs at TP1 only (at TP the branch GEMMs feed the all-reduce)")
-    return demos[0].load()(config, args.steps, args.block, args.context, args.front)
+    return demos[0].load()(config, args.steps, args.block, args.context)
 
 
 if __name__ == "__main__":

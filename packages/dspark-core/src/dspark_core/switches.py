@@ -1,6 +1,6 @@
 """DSpark's switches, parsed strictly: a switch means what it says or is refused.
 
-A Python switch (``build_draft_decode(gemv=...)``, ``qkv_front=...``) is a
+A Python switch (``build_draft_decode(gemv=...)``, ``package_gemm=...``) is a
 ``bool``: any other value, the string ``"0"`` or ``"no"`` included, is a
 TypeError (a non-empty string is truthy, so ``gemv="0"`` would turn the GEMV
 on). An environment switch (``DSPARK_GEMV``, ``DSPARK_PREFETCH``, ...) is one

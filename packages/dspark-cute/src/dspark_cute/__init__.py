@@ -22,7 +22,6 @@ _LAZY = {
     "ContextNorms": "dspark_cute.cutedsl.norms.context_norms",
     "ContextKvStore": "dspark_cute.cutedsl.context.store",
     "ContextChain": "dspark_cute.cutedsl.context.chain",
-    "QKVFront": "dspark_cute.cutedsl.qkv.front",
     "QKVEpilogue": "dspark_cute.cutedsl.qkv.epilogue",
     "PagedAttention": "dspark_cute.cutedsl.attention.paged",
     "OGate": "dspark_cute.cutedsl.gating.o_gate",

@@ -7,7 +7,6 @@ KERNELS: dict[str, str] = {
     "row_norm": "dspark_cute.cutedsl.norms.row_norm:RowNorm",
     "boundary": "dspark_cute.cutedsl.norms.boundary:DraftBoundary",
     "context_chain": "dspark_cute.cutedsl.context.chain:ContextChain",
-    "qkv_front": "dspark_cute.cutedsl.qkv.front:QKVFront",
     "qkv_epilogue": "dspark_cute.cutedsl.qkv.epilogue:QKVEpilogue",
     "attention": "dspark_cute.cutedsl.attention.paged:PagedAttention",
     "o_gate": "dspark_cute.cutedsl.gating.o_gate:OGate",

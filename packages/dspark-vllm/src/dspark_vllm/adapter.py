@@ -197,7 +197,7 @@ def _structure_unsupported(model, layers) -> str | None:
 
 
 def _attention_unsupported(attn, layout_why: str | None) -> str | None:
-    """Why the QKV epilogue (and front) do not take this layer, or None."""
+    """Why the QKV epilogue does not take this layer, or None."""
     if attn.attn.kv_cache_dtype not in BF16_CACHE_DTYPES:
         return f"a KV cache of {attn.attn.kv_cache_dtype}: the kernels insert BF16 K and V"
     if layout_why is not None:
@@ -341,8 +341,8 @@ def describe_vllm(model: MuseSparkDSparkModel, block_size: int = 16,
     ``kv_cache_layout``: a layout name the caller knows (the plan CLI's), or
     None: not known yet (at build vLLM has not resolved or bound the cache;
     the plugin reads the bound cache's layout at its first call,
-    ``deployment.bound_layout_unsupported``). The QKV epilogue, the front and
-    the context chain insert into the KV cache through its strides: a named
+    ``deployment.bound_layout_unsupported``). The QKV epilogue and the
+    context chain insert into the KV cache through its strides: a named
     layout refuses them only where it is none of vLLM's
     (``deployment.layout_unsupported``)."""
     if not isinstance(model, MuseSparkDSparkModel):

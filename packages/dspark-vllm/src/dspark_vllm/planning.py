@@ -31,8 +31,8 @@ from dspark_vllm.deployment import AllReduceOrder, stock_all_reduce
 # Per architecture, the kernels (dspark_core.contracts.kernels) run on a GPU
 # of it against vLLM 0.33.0's stock binaries on the same operands, every bit
 # equal (scripts/gpu-check.sh: the norms, qkv and gating suites, H200). The
-# attention keeps vLLM's backend (no DSpark kernel reproduces it); the front,
-# the GEMV and the package GEMM sum their projections in their own order;
+# attention keeps vLLM's backend (no DSpark kernel reproduces it); the GEMV
+# and the package GEMM sum their projections in their own order;
 # the mailbox is not bound to vLLM's TP group. sm_100a has no GPU run yet:
 # every part stays stock there.
 VLLM_EXACT_KERNELS: dict[str, frozenset[str]] = {
@@ -52,7 +52,6 @@ STOCK_OPS = {
     policy.BOUNDARY: "post-norm, norm-preserving residual and next pre-norm (Triton fused_rmsnorm_fwd and ATen)",
     policy.CONTEXT_CHAIN: "precompute_and_store_context_kv (Triton norms, torch.bmm, ATen K-norm, rotary_embedding, "
                           "the backend's KV insert)",
-    policy.QKV_FRONT: "QKV projection (cuBLAS) and fused_muse_spark_qknorm_rope_kv_insert",
     policy.QKV_EPILOGUE: "fused_muse_spark_qknorm_rope_kv_insert",
     policy.ATTENTION: "attention backend (FlashAttention)",
     policy.O_GATE: "o-norm and sigmoid o-gate (FLA layer_norm_gated on sm_90, FlashInfer rmsnorm_sigmoid_gate on "
@@ -67,7 +66,6 @@ PART_KERNELS = (
     ("input_norm", policy.ROW_NORM),
     ("context", policy.CONTEXT_CHAIN),
     ("boundaries", policy.BOUNDARY),
-    ("qkv_fronts", policy.QKV_FRONT),
     ("qkv_epilogues", policy.QKV_EPILOGUE),
     ("attentions", policy.ATTENTION),
     ("o_gates", policy.O_GATE),
@@ -147,12 +145,12 @@ def plan_vllm(draft: DraftDescription, target: Target, all_reduce: AllReduceOrde
 
 # The plan's parts that write the KV cache (its layout is known only once
 # vLLM binds the cache, after the plan is made).
-INSERT_PARTS = ("context", "qkv_fronts", "qkv_epilogues")
+INSERT_PARTS = ("context", "qkv_epilogues")
 
 
 def restock_inserts(plan: DraftPlan, reason: str) -> list[str]:
     """Make the plan's fused parts that insert into the KV cache
-    (``INSERT_PARTS``: the context chain, the QKV fronts and epilogues) stock
+    (``INSERT_PARTS``: the context chain, the QKV epilogues) stock
     for ``reason`` (the bound cache's layout, ``deployment.
     bound_layout_unsupported``); the names of the parts it changed."""
     changed = []

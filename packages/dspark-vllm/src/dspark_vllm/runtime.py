@@ -217,7 +217,6 @@ class SpecializedDecode:
             return
         names = planning.restock_inserts(self.plan, why)
         self.decode.context = None
-        self.decode.fronts = [None] * len(self.decode.fronts)
         self.decode.epilogues = [None] * len(self.decode.epilogues)
         if names:
             logger.info("The DSpark draft keeps vLLM's stock code for %s: %s.", ", ".join(names), why)

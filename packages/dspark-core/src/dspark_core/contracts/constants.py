@@ -29,7 +29,7 @@ from dspark_core.spec.numerics import ARCHS, CHUNK
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # The KV head width of every fused attention kernel (one warp, lane j the GPT-J pair j).
 HEAD_DIM = 64
-# The fused QKV front and the mailbox take at most this many rows per call.
+# The mailbox and the package GEMM take at most this many rows per call.
 MAX_DECODE_ROWS = 16
 
 
@@ -322,8 +322,11 @@ def context_store_constants(k_norm: HeadNorm, kv_heads: int, rope: Rope | None) 
 
 @dataclass(frozen=True, eq=False)
 class QKVFrontConstants(_Key):
-    """The QKV front kernel: projection (q, k, v, o-gate rows), QK-norm,
-    GPT-J RoPE and the K/V insert for 1 to ``MAX_DECODE_ROWS`` tokens."""
+    """The QKV epilogue kernel: vLLM's fused QK-norm, GPT-J RoPE and K/V
+    insert on the stock QKV projection's output (q, k, v, o-gate rows;
+    ``hidden_size`` the projection's input width). Named after the fused QKV
+    front (the projection and this epilogue in one kernel), removed: slower
+    than the stock projection and not its bits."""
 
     hidden_size: int
     num_heads: int
@@ -336,7 +339,7 @@ class QKVFrontConstants(_Key):
 
 
 def qkv_front_constants(attn: Attention) -> QKVFrontConstants:
-    """The constants of the QKV front (and the QKV epilogue) for a layer's
+    """The constants of the QKV epilogue for a layer's
     attention, or Unsupported where they do not reproduce its stock
     projection's epilogue."""
     _refuse(attn.unsupported)

@@ -41,7 +41,6 @@ from dspark_core.contracts.constants import MAX_DECODE_ROWS
 ROW_NORM = "row_norm"
 BOUNDARY = "boundary"
 CONTEXT_CHAIN = "context_chain"
-QKV_FRONT = "qkv_front"
 QKV_EPILOGUE = "qkv_epilogue"
 ATTENTION = "attention"
 O_GATE = "o_gate"
@@ -57,7 +56,6 @@ KERNEL_SIGNATURES = {
     ROW_NORM: "RowNorm(constants: RowNormConstants, weight: Tensor | None)",
     BOUNDARY: "DraftBoundary(constants: BoundaryConstants, alpha, beta, post_weight, pre_weight)",
     CONTEXT_CHAIN: "ContextChain(constants: ContextConstants, hidden_weight, pre_weights, kv_weight, table)",
-    QKV_FRONT: "QKVFront(constants: QKVFrontConstants, qkv_weight, q_norm_weight, table)",
     QKV_EPILOGUE: "QKVEpilogue(constants: QKVFrontConstants, q_norm_weight, table)",
     ATTENTION: "PagedAttention(constants: AttentionConstants)",
     O_GATE: "OGate(constants: OGateConstants)",
@@ -76,15 +74,14 @@ ANY_ROWS = 2**31 - 1
 # boundary, the context chain, the QKV epilogue, the o-gate and the MLP
 # activation take the row count at run time; the o-gate and the MLP
 # activation state a lower ``max_rows`` where their Int32 vector index over
-# a wide row runs out first. The QKV front's and the package GEMM's token
-# tile and the mailbox's default capacity are MAX_DECODE_ROWS; the
+# a wide row runs out first. The package GEMM's token tile and the
+# mailbox's default capacity are MAX_DECODE_ROWS; the
 # attention's grid y is the query row (65535 at most); the weight prefetch
 # takes no rows (None).
 MAX_ROWS: dict[str, int | None] = {
     ROW_NORM: ANY_ROWS,
     BOUNDARY: ANY_ROWS,
     CONTEXT_CHAIN: ANY_ROWS,
-    QKV_FRONT: MAX_DECODE_ROWS,
     QKV_EPILOGUE: ANY_ROWS,
     ATTENTION: 65535,
     O_GATE: ANY_ROWS,

@@ -3,7 +3,7 @@ draft run fused on a target, and why any part stays stock.
 
     dspark-plan [CONFIG.json] [--tp N] [--arch sm_90a|sm_100a] [--num-sms N]
                 [--kernels installed|all|a,b] [--attention staged|direct]
-                [--front] [--gemv] [--package-gemm] [--print-config]
+                [--gemv] [--package-gemm] [--print-config]
 
 Planning reads the config only: the reference draft is described on the
 meta device, with no weights, so any config plans at once. As the decode
@@ -114,7 +114,6 @@ def parser() -> argparse.ArgumentParser:
                         "of the design) or a comma-separated list of kernel names")
     p.add_argument("--attention", default="staged", choices=policy.ATTENTION_VARIANTS,
                    help="the attention kernel's variant (default staged)")
-    p.add_argument("--front", action="store_true", help="plan with the opt-in fused QKV front")
     p.add_argument("--gemv", action="store_true", help="plan with the opt-in one-token GEMV projections")
     p.add_argument("--package-gemm", action="store_true", help="plan with the opt-in package GEMM (TP > 1)")
     p.add_argument("--print-config", action="store_true", help="print the config's JSON first")
@@ -141,7 +140,7 @@ def plan_config(args) -> tuple[object, DraftPlan]:
     check_tp(config, args.tp)
     check_opt_in_tp(args.tp, args.gemv, args.package_gemm)
     target = policy.Target("cuda", args.arch, args.num_sms, args.tp, _kernels(args.kernels), attention=args.attention)
-    target = target.opt_in(policy.asked_opt_ins(args.front, args.gemv, args.package_gemm))
+    target = target.opt_in(policy.asked_opt_ins(args.gemv, args.package_gemm))
     return config, plan_draft(describe(DraftModel(config, device="meta")), target)
 
 

@@ -6,7 +6,7 @@ keeps its stock modules.
 asks, per part, the questions a fused kernel must answer yes to before it may
 replace the stock modules bit for bit: the whole draft (platform, dtypes),
 the first norm, each residual boundary, the context K/V chain, each layer's
-QKV front or QKV epilogue, attention, o-gate and MLP activation, at TP1 the
+QKV epilogue, attention, o-gate and MLP activation, at TP1 the
 opt-in one-token GEMV projections, at TP the fused all-reduce and the opt-in
 package GEMMs. A refused part keeps its stock modules and the plan says why,
 in words: a constants builder's ``Unsupported`` is a refusal, any other
@@ -72,7 +72,6 @@ class DraftPlan:
     input_norm: Part | None = None
     boundaries: list[Part] = field(default_factory=list)
     context: Part | None = None
-    qkv_fronts: list[Part] = field(default_factory=list)
     qkv_epilogues: list[Part] = field(default_factory=list)
     attentions: list[Part] = field(default_factory=list)
     o_gates: list[Part] = field(default_factory=list)
@@ -84,7 +83,7 @@ class DraftPlan:
 
     def parts(self) -> list[Part]:
         single = [p for p in (self.input_norm, self.context, self.all_reduce) if p is not None]
-        return [*single, *self.boundaries, *self.qkv_fronts, *self.qkv_epilogues, *self.attentions, *self.o_gates,
+        return [*single, *self.boundaries, *self.qkv_epilogues, *self.attentions, *self.o_gates,
                 *self.mlp_activations, *self.package_gemms, *self.gemvs]
 
     def refused(self) -> list[str]:
@@ -296,10 +295,8 @@ def plan_draft(draft: DraftDescription, target: Target | None = None) -> DraftPl
 
 def _plan_layer(plan: DraftPlan, layer: Layer, target: Target) -> None:
     i, attn = layer.index, layer.attention
-    part = _try(f"layer {i}'s QKV front", K.qkv_front_constants, attn)
-    plan.qkv_fronts.append(_with_kernels(part, target, policy.QKV_FRONT))
-    # The same constants: QK-norm, RoPE and the insert on the stock
-    # projection's output (bit for bit the stock front).
+    # QK-norm, RoPE and the insert on the stock projection's output (bit for
+    # bit the stock front).
     part = _try(f"layer {i}'s QKV epilogue", K.qkv_front_constants, attn)
     plan.qkv_epilogues.append(_with_kernels(part, target, policy.QKV_EPILOGUE))
     gate = _with_kernels(_o_gate_part(i, attn, target.arch), target, policy.O_GATE)

@@ -21,7 +21,6 @@ from dspark_core.contracts.kernels import (  # noqa: F401
     O_GATE,
     PACKAGE_GEMM,
     QKV_EPILOGUE,
-    QKV_FRONT,
     ROW_NORM,
     WEIGHT_PREFETCH,
     installed_kernels,
@@ -51,8 +50,6 @@ DEFAULT_STAGED_SLOTS = 384
 # where it does not (Target.declined): each sums a projection in its own order,
 # so the default decode stays bit for bit the stock forward.
 OPT_IN = {
-    QKV_FRONT: "the fused QKV front is opt-in (qkv_front=True): it sums its projection in its own order, "
-               "and the stock projection with the QKV epilogue kernel is bit for bit",
     GEMV: "the one-token GEMV is opt-in (gemv=True): it sums the projection in the order dspark_core.spec.gemv "
           "states, not the stock cuBLAS order",
     PACKAGE_GEMM: "the package GEMM is opt-in (package_gemm=True): it sums the branch projection in its own "
@@ -245,12 +242,11 @@ class Target:
         return self.replace(kernels=self.kernels - kernels, excluded=self.excluded | kernels)
 
 
-def asked_opt_ins(qkv_front: bool = False, gemv: bool = False, package_gemm: bool = False) -> frozenset[str]:
-    """The opt-in kernels (``OPT_IN``) a caller's switches ask for: the fused
-    QKV front, the one-token GEMV and the package GEMM (``Target.opt_in``
-    declines the rest). TypeError for a switch that is not a bool."""
-    switched = ((QKV_FRONT, flag(qkv_front, "qkv_front")), (GEMV, flag(gemv, "gemv")),
-                (PACKAGE_GEMM, flag(package_gemm, "package_gemm")))
+def asked_opt_ins(gemv: bool = False, package_gemm: bool = False) -> frozenset[str]:
+    """The opt-in kernels (``OPT_IN``) a caller's switches ask for: the
+    one-token GEMV and the package GEMM (``Target.opt_in`` declines the
+    rest). TypeError for a switch that is not a bool."""
+    switched = ((GEMV, flag(gemv, "gemv")), (PACKAGE_GEMM, flag(package_gemm, "package_gemm")))
     return frozenset(k for k, yes in switched if yes)
 
 

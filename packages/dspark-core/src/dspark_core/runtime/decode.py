@@ -9,8 +9,8 @@ the model's forward takes after its hidden states):
 
 1. the stream (FP32, or BF16 embeddings as they are) and the first layer's
    input norm of its BF16 copy;
-2. per layer: the attention branch (the fused QKV front, else the stock QKV
-   projection with the QKV epilogue kernel, else the stock front; attention;
+2. per layer: the attention branch (the stock QKV projection with the QKV
+   epilogue kernel, else the stock front; attention;
    the o-norm and gate; the output projection), its residual boundary, the MLP
    branch (gate-up projection, activation, down projection) and its boundary
    into the next layer's input norm or the final norm;
@@ -24,7 +24,7 @@ compiles every variant ``run`` may launch before any CUDA graph is captured.
 A call a bound kernel does not take at run time (rows beyond what it covers, a
 strided operand) runs that part's stock modules and logs why, once per decode
 at WARNING (``dspark.decode``). Opt-in kernels that sum a projection in their
-own order (the QKV front, the one-token GEMV, the package GEMM) make the
+own order (the one-token GEMV, the package GEMM) make the
 decode follow the stock tokens, not its bits; without them it is bit for bit
 the stock forward.
 """
@@ -104,7 +104,6 @@ class DraftDecode:
         # Bound kernels per part (prepare); None keeps the stock modules.
         self.input_norm = None
         self.boundaries: list = []
-        self.fronts: list = []
         self.epilogues: list = []
         self.attentions: list = []
         self.o_gates: list = []
@@ -135,7 +134,7 @@ class DraftDecode:
         ``run`` launches: the first norm; every boundary with the stream it
         gets (the first on an FP32 and a BF16 stream: BF16 embeddings are the
         stream as they are), storing the new stream except the last; each
-        layer's QKV front or epilogue, attention, o-gate, MLP activation and
+        layer's QKV epilogue, attention, o-gate, MLP activation and
         GEMVs; the context chain; the weight prefetch."""
         plan, draft = self.plan, self.draft
         cls = self._class(plan.input_norm, policy.ROW_NORM)
@@ -154,8 +153,8 @@ class DraftDecode:
             fused.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
             self.boundaries.append(fused)
         bound = [self._bind_layer(i) for i in range(len(self.layers))]
-        self.fronts, self.epilogues, self.attentions, self.o_gates, self.activations = (
-            [b[k] for b in bound] for k in range(5)
+        self.epilogues, self.attentions, self.o_gates, self.activations = (
+            [b[k] for b in bound] for k in range(4)
         )
         self.gemvs = self._bind_gemvs()
         self._gemv_weights = {g.weight.data_ptr() for g in self.gemvs.values()}
@@ -168,17 +167,14 @@ class DraftDecode:
 
     def _bind_layer(self, index: int) -> tuple:
         """Layer ``index``'s kernels, compiled (None where a part stays stock):
-        the QKV front, the QKV epilogue, the attention (whose staged variant
+        the QKV epilogue, the attention (whose staged variant
         takes the o-gate into its epilogue where the plan says so), the o-gate
         and the MLP activation."""
         plan, attn = self.plan, self.layers[index].attention
-        front, epilogue, attention, gate, activation = (
-            parts[index] for parts in (plan.qkv_fronts, plan.qkv_epilogues, plan.attentions, plan.o_gates,
-                                       plan.mlp_activations))
+        epilogue, attention, gate, activation = (
+            parts[index] for parts in (plan.qkv_epilogues, plan.attentions, plan.o_gates, plan.mlp_activations))
         table = attn.rope.table if attn.rope is not None else None
         kernels = []
-        cls = self._class(front, policy.QKV_FRONT)
-        kernels.append(cls and cls(front.constants, attn.qkv_weight, attn.q_norm.weight, table))
         cls = self._class(epilogue, policy.QKV_EPILOGUE)
         kernels.append(cls and cls(epilogue.constants, attn.q_norm.weight, table))
         cls = self._class(attention, policy.ATTENTION)
@@ -218,7 +214,7 @@ class DraftDecode:
     def max_rows(self) -> int | None:
         """The most rows a step takes on every kernel bound for the step
         (``contracts.kernels.rows_taken`` of each): the first norm, the
-        boundaries, the QKV fronts and epilogues, the attentions, the o-gates
+        boundaries, the QKV epilogues, the attentions, the o-gates
         and the MLP activations. A step of more rows runs some part stock.
         Read from the bound kernels' constants alone, so every TP rank of one
         plan gets the same. Not counted: the one-token GEMVs (bound for
@@ -228,7 +224,7 @@ class DraftDecode:
         if not self.prepared:
             return None
         bound = [(policy.ROW_NORM, self.input_norm)]
-        for name, kernels in ((policy.BOUNDARY, self.boundaries), (policy.QKV_FRONT, self.fronts),
+        for name, kernels in ((policy.BOUNDARY, self.boundaries),
                               (policy.QKV_EPILOGUE, self.epilogues), (policy.ATTENTION, self.attentions),
                               (policy.O_GATE, self.o_gates), (policy.MLP_ACTIVATION, self.activations)):
             bound.extend((name, kernel) for kernel in kernels)
@@ -286,20 +282,10 @@ class DraftDecode:
     def _attention(self, index: int, x: torch.Tensor, step: tuple):
         """Layer ``index``'s attention branch, ``(partial, published)``."""
         attn = self.layers[index].attention
-        front = self.fronts[index] if self.fronts else None
-        kv_cache, slots = attn.cache(*step) if front is not None or self.epilogues[index] is not None else (None,) * 2
+        kv_cache, slots = attn.cache(*step) if self.epilogues[index] is not None else (None,) * 2
         positions = self.draft.positions(*step)
         self._join()
-        if front is not None and front.takes(x, positions, slots, kv_cache):
-            qkv = front.launch(x, positions, slots, kv_cache)
-            self._fork(attn.o_proj_weight, "o_proj")
-            self._kick()
-            q, _, _, og = attn.split_qkv(qkv)
-        else:
-            if front is not None:
-                self._log_once(logging.WARNING, f"layer {index}'s QKV front ran stock: "
-                               f"{front.problem(x, positions, slots, kv_cache)}")
-            q, og = self._stock_projection_front(index, attn, x, positions, slots, kv_cache, step)
+        q, og = self._stock_projection_front(index, attn, x, positions, slots, kv_cache, step)
         gated = self._gated(index, attn, q, og, step)
         self._join()
         return self._project(2 * index, gated, attn.o_proj_weight, "o_proj", attn.project_out)
@@ -330,7 +316,7 @@ class DraftDecode:
         if kernel is not None:
             cache, attn_slots = attn.attention_operands(*step)
             if not getattr(kernel, "takes_strided_q", False):
-                q = q.contiguous()  # the fused front's q is a strided view of its output
+                q = q.contiguous()  # the QKV epilogue's q is a strided view of the projection
             gate = og if getattr(kernel, "gated", False) and og is not None else None
             problem = kernel.problem(q, cache, attn_slots, gate=gate)
             if problem is None:
@@ -393,7 +379,7 @@ class DraftDecode:
         if draft.check_step is not None and not capturing():
             # Where kernels that would skip bad rows are bound, the stock
             # front's and attention's range errors are checked first.
-            draft.check_step(*step, any(k is not None for k in [*self.fronts, *self.epilogues, *self.attentions]))
+            draft.check_step(*step, any(k is not None for k in [*self.epilogues, *self.attentions]))
         # A BF16 row round-trips through the FP32 stream unchanged: the first
         # boundary reads it as is.
         stream = hidden_states if hidden_states.dtype == self.dtype else hidden_states.to(torch.float32)
@@ -446,7 +432,7 @@ class DraftDecode:
 
 
 def draft_plan(draft: DraftDescription, tp: int = 1, exclude=frozenset(), attention: str = "staged",
-               qkv_front: bool = False, gemv: bool = False, package_gemm: bool = False,
+               gemv: bool = False, package_gemm: bool = False,
                kernels: frozenset[str] | None = None) -> DraftPlan:
     """The plan ``build_draft_decode`` runs: ``draft`` at TP size ``tp`` for
     the device it lives on, the installed kernels (or ``kernels``) less
@@ -457,7 +443,7 @@ def draft_plan(draft: DraftDescription, tp: int = 1, exclude=frozenset(), attent
         raise ValueError(f"exclude names unknown kernels {sorted(unknown)}; the kernels are "
                          f"{', '.join(sorted(policy.ALL_KERNELS))}")
     target = policy.device_target(draft.device, tp, kernels)
-    target = target.without(exclude).opt_in(policy.asked_opt_ins(qkv_front, gemv, package_gemm))
+    target = target.without(exclude).opt_in(policy.asked_opt_ins(gemv, package_gemm))
     return plan_draft(draft, target.replace(attention=attention))
 
 
@@ -467,7 +453,6 @@ def build_draft_decode(
     exclude: frozenset[str] | set[str] = frozenset(),
     attention_variant: str | None = None,
     prefetch: dict[str, int] | bool | None = None,
-    qkv_front: bool | None = None,
     gemv: bool | None = None,
     package_gemm: bool | None = None,
     kernels: Mapping[str, type] | None = None,
@@ -476,8 +461,8 @@ def build_draft_decode(
     stock layers; every stock part is logged with its reason.
 
     ``exclude``: kernel names not to use (ValueError for an unknown name).
-    ``qkv_front`` (default ``DSPARK_QKV_FRONT``), ``gemv`` (default
-    ``DSPARK_GEMV``) and ``package_gemm`` (default ``DSPARK_PACKAGE_GEMM``):
+    ``gemv`` (default ``DSPARK_GEMV``) and ``package_gemm`` (default
+    ``DSPARK_PACKAGE_GEMM``):
     the opt-in kernels (module docstring). ``attention_variant`` (default
     ``DSPARK_ATTENTION`` or "staged"): ``policy.ATTENTION_VARIANTS``.
     ``prefetch`` (default: on at TP1, off with ``all_reduce``;
@@ -503,7 +488,7 @@ def build_draft_decode(
         raise TypeError(f"prefetch must be None, True, False or a dict of bytes per role, not {prefetch!r}")
     names = frozenset(kernels) if kernels is not None else None
     plan = draft_plan(draft, all_reduce.tp if all_reduce is not None else 1, exclude, variant,
-                      switches.switch(qkv_front, "DSPARK_QKV_FRONT"), switches.switch(gemv, "DSPARK_GEMV"),
+                      switches.switch(gemv, "DSPARK_GEMV"),
                       switches.switch(package_gemm, "DSPARK_PACKAGE_GEMM"), names)
     if prefetch is None:
         prefetch = switches.env_flag("DSPARK_PREFETCH", all_reduce is None)

@@ -116,7 +116,7 @@ class Attention:
     this rank's partial, before the all-reduce).
     ``cache(*step) -> (kv_cache, slots)``: the layer's cache tensor
     ``[blocks, kv_heads, block_size, 2 * D]`` and this step's slots, where a
-    fused front or epilogue inserts; ``attention_operands(*step) ->
+    fused QKV epilogue inserts; ``attention_operands(*step) ->
     (kv_cache, attn_slots)`` for the fused paged attention, or None where the
     model's attention is not the one that kernel reproduces
     (``attention_unsupported`` then says why)."""

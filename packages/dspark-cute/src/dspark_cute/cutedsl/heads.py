@@ -1,6 +1,7 @@
-"""Traced pieces of a 64-wide head shared by the head kernels: the stock fused
-QK-norm (``dspark_core.spec.layers.qk_norm_rope``) in two lane layouts, its
-RoPE, the RoPE table's cos and sin, and the paged cache's row addresses.
+"""Traced pieces of a 64-wide head for the head kernels: the stock fused
+QK-norm (``dspark_core.spec.layers.qk_norm_rope``) in the stock's lane
+layout, its RoPE, the RoPE table's cos and sin, and the paged cache's row
+address.
 
 The stock fused QK-norm of one head ``e_0 .. e_63`` (BF16 widened to FP32):
 stock lane ``l`` of 8 sums its elements ``8l .. 8l+7`` as the chain
@@ -8,16 +9,9 @@ stock lane ``l`` of 8 sums its elements ``8l .. 8l+7`` as the chain
 ``L_l`` fold by halves (``(L_0 + L_4) + (L_2 + L_6)`` plus ``(L_1 + L_5) +
 (L_3 + L_7)``, each ``add.rn``); ``r = rsqrt.approx.f32(fma(S, 1/64,
 eps))`` (CUDA's ``rsqrtf``, subnormals kept); ``n_i = e_i * r``
-(``mul.rn``). Two layouts compute it:
-
-- ``qk_norm_lane8``: the stock's own, lane ``l`` of an 8-lane group (lanes
-  ``8g .. 8g+7`` of a warp) holding ``e_8l .. e_8l+7``; the fold is the
-  butterfly xor 4, 2, 1 inside the group;
-- ``qk_norm_pair``: a warp per head, lane ``j`` holding the GPT-J pair
-  ``(e_2j, e_2j+1)`` as a packed BF16 word: stock lane ``l`` is lanes ``4l
-  .. 4l+3``; each of them gathers those four words (``shfl.sync.idx``) and
-  runs stock lane ``l``'s chain itself, and the butterfly xor 16, 8, 4 folds
-  the eight chains in the stock's order.
+(``mul.rn``). ``qk_norm_lane8`` computes it in the stock's own layout, lane
+``l`` of an 8-lane group (lanes ``8g .. 8g+7`` of a warp) holding ``e_8l ..
+e_8l+7``; the fold is the butterfly xor 4, 2, 1 inside the group.
 
 RoPE (``rope_fma``): the pair ``(x, y)`` of the FP32 ``n`` with ``c, s``
 turns into ``x' = fma(c, x, -(s * y))``, ``y' = fma(s, x, c * y)``, each
@@ -28,7 +22,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -97,24 +91,6 @@ def qk_norm_lane8(values: list, eps) -> list:
     return [ptx.mul_rn(v, r) for v in values]
 
 
-def qk_norm_pair(word, lane, eps) -> tuple:
-    """The stock QK-norm (module docstring) of the head this warp holds, lane
-    ``lane`` holding the BF16 pair ``(e_2j, e_2j+1)`` packed in ``word``
-    (``j = lane``): the normalized FP32 pair ``(n_2j, n_2j+1)``. Each lane
-    gathers the words of lanes ``4l .. 4l+3`` (``l = lane // 4``), runs the
-    chain of ``e_8l .. e_8l+7`` and folds by the butterfly xor 16, 8, 4 (lane
-    ``lane ^ 4k`` holds stock lane ``l ^ k``). Every lane of the warp must
-    call it. ``eps``: as ``qk_rsqrt``."""
-    first = Int32(lane) & Int32(ptx.WARP - LANE_PAIRS)
-    group = [cute.arch.shuffle_sync(Uint32(word), offset=first | Int32(i)) for i in range(LANE_PAIRS)]
-    total = square_chain([v for w in group for v in ptx.bf16x2_to_f32(w)])
-    for offset in (16, 8, 4):
-        total = ptx.add_rn(total, cute.arch.shuffle_sync_bfly(total, offset=offset))
-    r = qk_rsqrt(total, eps)
-    a, b = ptx.bf16x2_to_f32(word)
-    return ptx.mul_rn(a, r), ptx.mul_rn(b, r)
-
-
 def rope_fma(x, y, c, s) -> tuple:
     """GPT-J RoPE of the FP32 pair ``(x, y)`` by ``c``, ``s`` as the stock
     rotary kernels compute it: ``(fma(c, x, -(s * y)), fma(s, x, c * y))``,
@@ -140,34 +116,6 @@ def load_cos_sin_quad(table_dtype: str, table, position, lane) -> tuple:
             [v for w in ld_global_v2(at + HEAD_DIM) for v in ptx.bf16x2_to_f32(w)])
 
 
-# ---------------------------------------------------------------- shared by every head kernel
-
-
-def load_cos_sin(table_dtype: str, table, position, lane) -> tuple:
-    """``(cos, sin)`` of pair ``lane`` at ``position`` (Int64, inside the
-    table) of the ``[P, 64]`` table at byte address ``table`` (columns
-    ``lane`` and ``32 + lane``), widened to FP32 exactly."""
-    if table_dtype == "fp32":
-        at = Int64(table) + Int64(position) * (4 * HEAD_DIM) + Int64(lane) * 4
-        return ptx.as_f32(ptx.ld_global_b32(at)), ptx.as_f32(ptx.ld_global_b32(at + 2 * HEAD_DIM))
-    at = Int64(table) + Int64(position) * (2 * HEAD_DIM) + Int64(lane) * 2
-    # A BF16 is the high half of the FP32 of the same value.
-    c = ptx.as_f32(ptx.ld_global_u16(at) << Uint32(16))
-    s = ptx.as_f32(ptx.ld_global_u16(at + HEAD_DIM) << Uint32(16))
-    return c, s
-
-
-def cache_row_address(cache, slot, kv_heads: int, kv_head, block_size):
-    """The byte address (Int64) of the cache row of ``slot`` (Int64, not
-    negative) and KV head ``kv_head`` in the BF16 cache ``[num_blocks,
-    kv_heads, block_size, 128]`` at byte address ``cache``: block ``slot //
-    block_size``, row ``slot % block_size``; its K half is the first 128
-    bytes, its V half the next 128."""
-    bs = Int64(block_size)
-    row = (slot // bs * kv_heads + Int64(kv_head)) * bs + slot % bs
-    return Int64(cache) + row * (4 * HEAD_DIM)
-
-
 def strided_row_address(cache, block, page, kv_head, block_stride, token_stride, head_stride):
     """The byte address (Int64) of the cache row of block ``block``, token
     ``page`` of the block and KV head ``kv_head`` in a cache at byte address
@@ -183,12 +131,9 @@ __all__ = [
     "LANES",
     "LANE_ELEMS",
     "LANE_PAIRS",
-    "cache_row_address",
     "ld_global_v2",
-    "load_cos_sin",
     "load_cos_sin_quad",
     "qk_norm_lane8",
-    "qk_norm_pair",
     "qk_rsqrt",
     "rope_fma",
     "square_chain",

@@ -3,9 +3,8 @@
 shared-memory ring (thread-private with lane copies, warp-private with row
 copies), on BF16 tensor cores with FP32 accumulation. A kernel built on it
 owns whole 64-row tiles of ``W`` (one CTA each), so its epilogue sees
-finished rows (the QKV front norms 64-wide heads; a package GEMM stores
-them): the epilogue is the caller's code, run after ``store_partials`` on
-the values ``reduced_pair`` returns.
+finished rows (a package GEMM stores them): the epilogue is the caller's
+code, run after ``store_partials`` on the values ``reduced_pair`` returns.
 
 Layout of one CTA (``SkinnyConfig``; ``k_warps`` = W_K warps, 32 * W_K
 threads). Warp ``w`` owns the K-slice ``[w * K / W_K, (w + 1) * K / W_K)`` of
