@@ -211,3 +211,115 @@ def test_markov_step_op_schema():
     assert [a.name for a in schema.arguments] == ["handle", "base", "bias", "tokens", "embed", "gather"]
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert written == {"tokens", "embed"} and len(schema.returns) == 0
+
+
+# ---------------------------------------------------------------- the probabilistic step
+
+SAMPLE_VARIANTS = [(384, 512, 32, 30.0), (32000, 202752, 256, 30.0), (32000, 32000, 256, None), (8, 2056, 8, None)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("vocab,target,rank,cap", SAMPLE_VARIANTS)
+def test_markov_sample_compiles(arch, vocab, target, rank, cap, tmp_path):
+    """Per thread: 8 target columns, each with one uniform (10 mul.lo.u32, 8 shf.l.wrap), two logf (12 .ftz fma
+    each: libdevice's, as Triton inlines it), one div.full; tanhf only with a cap; the BF16 rounding of the add,
+    of y (the scatter buffer's dtype) and the cache words; one predicated cache store and the embedding copy."""
+    from dspark_core.contracts.markov import markov_sample_constants
+    from dspark_cute.cutedsl.markov.sample import MarkovSampleKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
+
+    c = markov_sample_constants(vocab, target, rank, 0.0625, cap)
+    ptx = compile_ptx(MarkovSampleKernel(c), *fake_args(c), arch=arch)
+    body = code(ptx)
+    assert f".target {arch}" in body
+    tanh = 8 if cap is not None else 0
+    assert count(body, r"div\.full\.f32") == 8
+    assert count(body, r"fma\.rn\.ftz\.f32") == 8 * 2 * 12
+    assert count(body, r"ex2\.approx\.ftz\.f32") == tanh and count(body, r"rcp\.approx\.ftz\.f32") == tanh
+    assert count(body, r"\.approx") == 2 * tanh
+    assert count(body, r"mul\.lo\.u32") == 80 and count(body, r"shf\.l\.wrap\.b32") == 64
+    assert count(body, r"cvt\.rn\.bf16x2\.f32") == 12
+    assert count(body, r"ld\.global\.u16|ld\.global\.b16") == 16
+    assert count(body, r"ld\.global\.v4\.b32") == 3 and count(body, r"st\.global\.v4\.b32") == 2
+    for op in re.findall(r"\b(?:add|sub|mul|div)(?:\.\w+)*\.f32\b", body):
+        assert ".rn." in op or op.startswith("div.full"), f"an FP32 operation without an explicit rounding: {op}"
+    assert re.search(rf"setp\.ne\.(?:b32|s32|u32)\s+%p\d+, %r\d+, {c.ctas - 1};", body)
+    assert not re.search(r"\b(ld|st)\.local", body)
+    report = ptxas_report(ptx, arch, tmp_path)
+    if report:
+        assert spill_bytes(report) == spill_bytes(report, "spill loads") == 0, report
+
+
+def test_markov_sample_refusals():
+    from dspark_core.contracts.markov import markov_sample_constants
+    from dspark_cute.cutedsl.markov.sample import MarkovSampleStep
+
+    with pytest.raises(Unsupported, match="target vocabulary"):
+        markov_sample_constants(64, 100, 16, 1.0, None)
+    c = markov_sample_constants(64, 128, 16, 1.0, None)
+    w1 = torch.zeros(128, 16, dtype=torch.bfloat16)
+    d2t = torch.arange(64)  # targets 0, 2, 4, ..., 126
+    with pytest.raises(ValueError, match="distinct target ids"):
+        MarkovSampleStep(c, w1, torch.zeros(64, dtype=torch.int64) + 100)
+    with pytest.raises(ValueError, match="w1 must be"):
+        MarkovSampleStep(c, w1[:100], d2t)
+    step = MarkovSampleStep(c, w1, d2t, max_rows=8)
+    assert step.t2d[:6].tolist() == [0, -1, 1, -1, 2, -1] and int((step.t2d >= 0).sum()) == 64
+    base = torch.zeros(3, 64, dtype=torch.bfloat16)
+    tokens = torch.zeros(3, dtype=torch.int64)
+    embed = torch.zeros(3, 16, dtype=torch.bfloat16)
+    idx, pos = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    temp, seeds = torch.ones(8), torch.zeros(8, dtype=torch.int64)
+    cache = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
+    ok = (base, base, tokens, embed, True, idx, temp, seeds, pos, cache, 1)
+    cases = [
+        ({5: idx.int()}, "idx_map must be int64"),
+        ({6: temp.double()}, "temperature must be"),
+        ({9: cache[..., :120]}, "logits cache must be"),
+        ({9: cache.float()}, "logits cache must be"),
+        ({10: 4}, "col must be a step"),
+        ({2: tokens[:2]}, "tokens must be int64"),
+        ({}, "runs on CUDA"),
+    ]
+    for changes, match in cases:
+        args = [changes.get(k, a) for k, a in enumerate(ok)]
+        with pytest.raises(ValueError, match=match):
+            step.run(*args)
+        assert re.search(match, step.problem(*args))
+
+
+# ---------------------------------------------------------------- the asm texts, run on the CPU
+
+
+def test_asm_texts_compute_the_spec(seed):
+    """``ptx.markov``'s asm blocks, run by ``ptx_eval`` on many inputs (the approximate instructions as the
+    spec's CPU stand-ins), give the spec's bits: the Gumbel uniform and noise, tanhf, the argmax keys."""
+    from ptx_eval import evaluate
+
+    from dspark_core.spec import gumbel
+    from dspark_cute.ptx import markov as asm
+
+    rng = np.random.default_rng(seed)
+    n = 3000
+    seeds = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+    seeds[:3] = [0, -1, 2**63 - 1]
+    pos = rng.integers(0, 2**40, n, dtype=np.int64) + (1 << 30)
+    cols = rng.integers(0, 2**31 - 1, n, dtype=np.int64)
+    got_u = evaluate(asm._UNIFORM, [seeds.view(np.uint64), pos.view(np.uint64), cols.astype(np.uint64)], n)
+    want_u = gumbel.uniform32(torch.from_numpy(seeds), torch.from_numpy(pos), torch.from_numpy(cols))
+    assert np.array_equal(got_u.astype(np.uint32), want_u.numpy().view(np.uint32))
+    u = want_u.numpy()
+    u[:6] = [2.0**-33, 0.25, np.nextafter(np.float32(0.25), np.float32(0)), 1 - 2.0**-24, 0.5, 2.0**-20]
+    got_g = evaluate(asm._NOISE, [u.view(np.uint32).astype(np.uint64)], n)
+    want_g = gumbel.gumbel_noise(torch.from_numpy(u)).numpy()
+    assert np.array_equal(got_g.astype(np.uint32), want_g.view(np.uint32))
+    x = (rng.standard_normal(n) * rng.choice([1e-3, 0.5, 3.0, 20.0], n)).astype(np.float32)
+    x[:6] = [0.0, -0.0, np.inf, -np.inf, 0.6, -9.0109]
+    got_t = evaluate(asm._TANHF, [x.view(np.uint32).astype(np.uint64)], n)
+    want_t = spec.tanhf(torch.from_numpy(x)).numpy()
+    assert np.array_equal(got_t.astype(np.uint32), want_t.view(np.uint32))
+    y = x.copy()
+    y[6:9] = [np.nan, -0.0, 0.0]
+    got_k = evaluate(asm._ARGMAX_KEY, [y.view(np.uint32).astype(np.uint64), np.arange(n, dtype=np.uint64)], n)
+    assert np.array_equal(got_k, _keys(y[None, :])[0])

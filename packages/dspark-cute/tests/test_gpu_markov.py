@@ -16,6 +16,12 @@ device machine).
   vocabularies of 384, 32000 and 202048 (with a padded Markov head),
   soft cap 30 or none, with and without d2t, planted NaN, -inf rows and
   saturation ties in the base logits;
+- the probabilistic step (``MarkovSampleStep``) over whole loops against the
+  spec's (``spec.gumbel.probabilistic_step``, its ``div.full`` the GPU's):
+  tokens and the whole logits cache bit for bit, rows at temperature 0,
+  invalid rows (``idx_map`` -1: nothing cached), -inf rows and saturation
+  ties planted (no NaN: vLLM's Triton argmax then depends on its reduction
+  tree, the stated exception), target vocabularies of 512, 32768 and 202752;
 - the op path (``torch.ops.dspark.markov_step``) gives the direct launch's
   tokens; a CUDA graph of the loop replayed on new data gives the eager
   tokens and leaves the key and counter words at 0; a compile during
@@ -31,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from cute_testing import capture_calls, requires_cuda
 
-from dspark_core.contracts.markov import MARKOV_TILE, markov_constants
+from dspark_core.contracts.markov import MARKOV_TILE, markov_constants, markov_sample_constants
+from dspark_core.spec import gumbel
 from dspark_core.spec import markov as spec
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -186,6 +193,57 @@ def test_loop_matches_spec_and_stock(seed, r, n, vocab, vpad, cap, d2t):
     want = stock_loop(base, prev, w1, w2, MULT, cap, m)
     assert torch.equal(tokens, want)
     assert torch.equal(want, spec.greedy_loop(base, prev, w1, w2, MULT, cap, m))
+    assert not step.keys.any() and not step.counters.any()
+
+
+def spec_probabilistic_loop(base, prev, w1, w2, cap, d2t, idx_map, temperature, seeds, sample_pos, cache, vt):
+    """The spec's probabilistic loop: ``_sample_sequential`` with ``draft_logits`` set (module docstring)."""
+    r, n, v = base.shape
+    out = torch.empty(r, n, dtype=torch.int64, device=base.device)
+    buf = torch.full((r, vt), float("-inf"), dtype=BF16, device=base.device)
+    scatter = torch.arange(v, device=base.device) + d2t
+    for i in range(n):
+        y = spec.markov_logits(base[:, i], F.linear(F.embedding(prev, w1), w2)[:, :v], MULT, cap)
+        out[:, i] = gumbel.probabilistic_step(y, scatter, buf, idx_map[:, i], temperature, seeds, sample_pos[:, i],
+                                              cache, i)
+        prev = out[:, i]
+    return out
+
+
+SAMPLES = [(1, 4, 384, 512, 30.0), (7, 4, 32000, 202752, 30.0), (64, 3, 32000, 32768, None), (3, 8, 2048, 4096, 30.0)]
+
+
+@pytest.mark.parametrize("r,n,vocab,vt,cap", SAMPLES)
+def test_probabilistic_loop_matches_spec(seed, r, n, vocab, vt, cap):
+    from dspark_cute.cutedsl.markov.loop import run_probabilistic_loop
+    from dspark_cute.cutedsl.markov.sample import MarkovSampleStep
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rank, reqs = 256, 2 * r + 1
+    w1, w2, m = make_head(gen, vt, vocab, vocab, rank, True)
+    step = MarkovSampleStep(markov_sample_constants(vocab, vt, rank, MULT, cap), w1, m, max_rows=512)
+    step.prepare()
+    base = planted_base(gen, r, n, vocab, vocab)
+    base = torch.where(torch.isnan(base), torch.full_like(base, 1.0), base)  # (NaN: the stated exception)
+    prev = torch.randint(0, vt, (r,), generator=gen, device="cuda")
+    # Each row is one request (its slot for every step), one row inert (-1) where there are several.
+    idx_map = torch.randperm(reqs, generator=gen, device="cuda")[:r, None].expand(r, n).contiguous()
+    if r > 1:
+        idx_map[r // 2] = -1
+    temperature = torch.rand(reqs, generator=gen, device="cuda") + 0.2
+    temperature[: reqs // 3] = 0.0
+    seeds = torch.randint(-(2**62), 2**62, (reqs,), generator=gen, device="cuda")
+    sample_pos = torch.randint(1, 10**6, (r, n), generator=gen, device="cuda")
+    cache = torch.full((reqs, n, vt), 7.0, dtype=BF16, device="cuda")
+    want_cache = cache.clone()
+    want = spec_probabilistic_loop(base, prev, w1, w2, cap, m, idx_map, temperature, seeds, sample_pos, want_cache,
+                                   vt)
+    tokens = torch.full((r, n), POISON, dtype=torch.int64, device="cuda")
+    embed = torch.full((r, rank), float("nan"), dtype=BF16, device="cuda")
+    run_probabilistic_loop(step, base, prev, w2, tokens, embed, idx_map, temperature, seeds, sample_pos, cache)
+    torch.cuda.synchronize()
+    assert torch.equal(tokens, want)
+    assert torch.equal(cache.view(torch.int16), want_cache.view(torch.int16))
     assert not step.keys.any() and not step.counters.any()
 
 

@@ -65,5 +65,40 @@ def markov_constants(vocab: int, rank: int, multiplier: float, soft_cap: float |
     return MarkovConstants(vocab=vocab, rank=rank, multiplier=m, soft_cap=c, d2t=bool(d2t))
 
 
+@dataclass(frozen=True, eq=False)
+class MarkovSampleConstants(_Key):
+    """One probabilistic Markov step's kernel (``spec.gumbel.
+    probabilistic_step`` after steps 1-4 of ``spec.markov``): the greedy
+    step's head facts plus the target vocabulary ``target_vocab`` it samples
+    over (the logits cache's columns). A d2t map always applies."""
+
+    vocab: int
+    target_vocab: int
+    rank: int
+    multiplier: float
+    soft_cap: float | None
+
+    # The greedy step's finish reads these: no map after the sample (its columns are target ids).
+    d2t = False
+
+    @property
+    def ctas(self) -> int:
+        """CTAs per row: one per ``MARKOV_TILE`` target columns."""
+        return -(-self.target_vocab // MARKOV_TILE)
+
+
+def markov_sample_constants(vocab: int, target_vocab: int, rank: int, multiplier: float, soft_cap: float | None,
+                            head_dtype: torch.dtype = torch.bfloat16) -> MarkovSampleConstants:
+    """The probabilistic step's constants, or Unsupported (``markov_constants``'
+    refusals, and a target vocabulary that is a multiple of 8 below 2^31)."""
+    c = markov_constants(vocab, rank, multiplier, soft_cap, True, head_dtype)
+    if not isinstance(target_vocab, int) or target_vocab < MARKOV_VEC or target_vocab % MARKOV_VEC \
+            or target_vocab >= 2**31:
+        raise Unsupported(f"the fused Markov step takes a target vocabulary that is a positive multiple of "
+                          f"{MARKOV_VEC} below 2^31, not {target_vocab}")
+    return MarkovSampleConstants(vocab=vocab, target_vocab=target_vocab, rank=rank, multiplier=c.multiplier,
+                                 soft_cap=c.soft_cap)
+
+
 __all__ = ["MARKOV_MAX_ROWS", "MARKOV_THREADS", "MARKOV_TILE", "MARKOV_VEC", "MarkovConstants",
-           "markov_constants"]
+           "MarkovSampleConstants", "markov_constants", "markov_sample_constants"]

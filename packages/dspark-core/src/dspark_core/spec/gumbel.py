@@ -27,11 +27,13 @@ idx_map[t]`` (a row is valid where ``req >= 0``):
    second operand), which this spec does not describe: ``sample`` raises
    ValueError for NaN logits (the stated exception).
 
-``logf`` is libdevice's ``__nv_logf`` as Triton inlines it (the ``.ftz``
-variant: no subnormal rescaling; ``fma.rn``; every argument the sampler
-passes is a normal number, where ``.ftz`` changes nothing):
-``i = bits(x) - 0x3F2AAAAB``, ``e = i & 0xFF800000``, ``m = float(bits(x) -
-e) - 1``, ``n = float(e as int32) * 2^-23``, a degree-9 Horner polynomial in
+``logf`` is libdevice's ``__nv_logf`` as Triton inlines it (``fma.rn.ftz``:
+every argument the sampler passes is a normal number, where ``.ftz``
+changes nothing): an argument below 2^-126 is scaled by 2^23 (the outer
+call's code; the inner call's argument is at least 2^-24 and Triton drops
+that branch there, which changes no result); ``i = bits(x) - 0x3F2AAAAB``,
+``e = i & 0xFF800000``, ``m = float(bits(x) - e) - 1``, ``n = float(e as
+int32) * 2^-23`` (minus 23 after a scaling), a degree-9 Horner polynomial in
 ``m`` (``LOGF_POLY``), ``r = fma(n, ln2, fma(m * P, m, m))``; an infinite,
 NaN or negative ``x`` gives ``fma(x, inf, inf)``. ``log1p_neg_stable(u)``:
 below 0.25 the series ``-(u * fma(u, ... fma(u, 1/8, 1/7) ..., 1))`` (Triton
@@ -117,12 +119,16 @@ def logf(x: torch.Tensor) -> torch.Tensor:
     """libdevice's ``logf`` as Triton inlines it (module docstring), on FP32
     ``x`` (normal positive arguments; others as stated there)."""
     x = x.to(F32)
+    # A subnormal (or zero) argument is scaled by 2^23 first, the exponent by -23 after.
+    tiny = x < 2.0**-126
+    x = torch.where(tiny, x * 2.0**23, x)
+    offset = torch.where(tiny, torch.full_like(x, -23.0), torch.zeros_like(x))
     bits = x.view(torch.int32).to(torch.int64) & MASK32
     e = ((bits - 0x3F2AAAAB) & MASK32) & 0xFF800000
     m_bits = (bits - e) & MASK32
     m = torch.where(m_bits >= 2**31, m_bits - 2**32, m_bits).to(torch.int32).view(F32) - 1.0
     e_signed = torch.where(e >= 2**31, e - 2**32, e)
-    n = fma_rn(e_signed.to(F32), torch.full_like(x, 2.0**-23), torch.zeros_like(x))
+    n = fma_rn(e_signed.to(F32), torch.full_like(x, 2.0**-23), offset)
     p = torch.full_like(x, _f(LOGF_POLY[0]))
     for c in LOGF_POLY[1:]:
         p = fma_rn(p, m, torch.full_like(x, _f(c)))

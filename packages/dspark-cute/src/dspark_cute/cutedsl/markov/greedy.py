@@ -245,29 +245,39 @@ class MarkovStep:
 
     def _check_operands(self, base, bias, tokens, embed, gather) -> None:
         c = self.constants
-        for name, t in (("the base logits", base), ("the Markov bias", bias)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[1] != c.vocab:
-                raise ValueError(f"{name} must be bfloat16 [rows, {c.vocab}], not {describe(t)}")
-            if t.stride(1) != 1 or t.stride(0) % VEC or t.data_ptr() % 16:
-                raise ValueError(f"{name} must have unit column stride, a row stride that is a multiple of {VEC} "
-                                 f"and a 16-byte aligned start, not {describe(t)}")
-        rows = base.shape[0]
-        if not 1 <= rows <= self.max_rows or bias.shape[0] != rows:
-            raise ValueError(f"the base logits and the bias must have the same 1 to {self.max_rows} rows, not "
-                             f"{base.shape[0]} and {bias.shape[0]}")
-        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tuple(tokens.shape) != (rows,):
-            raise ValueError(f"the tokens must be int64 [{rows}], not {describe(tokens)}")
-        if not isinstance(embed, torch.Tensor) or embed.dtype != torch.bfloat16 \
-                or tuple(embed.shape) != (rows, c.rank) or not embed.is_contiguous() or embed.data_ptr() % 16:
-            raise ValueError(f"the embedding output must be a contiguous bfloat16 [{rows}, {c.rank}] aligned to 16 "
-                             f"bytes, not {describe(embed)}")
-        if not isinstance(gather, bool):
-            raise ValueError(f"gather must be a bool, not {gather!r}")
-        self._check_device()
+        self._check_logits(c.vocab, self.max_rows, base, bias)
+        self._check_outputs(c.rank, base.shape[0], tokens, embed, gather)
         for name, t in (("the base logits", base), ("the Markov bias", bias), ("the tokens", tokens),
                         ("the embedding output", embed)):
             if t.device != self.device:
                 raise ValueError(f"{name} must be on {self.device}, not {t.device}")
+        self._check_device()
+
+    @staticmethod
+    def _check_logits(vocab: int, max_rows: int, base, bias) -> None:
+        """ValueError unless ``base`` and ``bias`` are BF16 ``[R, vocab]`` (1 <= R <= max_rows) the kernel reads."""
+        for name, t in (("the base logits", base), ("the Markov bias", bias)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[1] != vocab:
+                raise ValueError(f"{name} must be bfloat16 [rows, {vocab}], not {describe(t)}")
+            if t.stride(1) != 1 or t.stride(0) % VEC or t.data_ptr() % 16:
+                raise ValueError(f"{name} must have unit column stride, a row stride that is a multiple of {VEC} "
+                                 f"and a 16-byte aligned start, not {describe(t)}")
+        rows = base.shape[0]
+        if not 1 <= rows <= max_rows or bias.shape[0] != rows:
+            raise ValueError(f"the base logits and the bias must have the same 1 to {max_rows} rows, not "
+                             f"{base.shape[0]} and {bias.shape[0]}")
+
+    @staticmethod
+    def _check_outputs(rank: int, rows: int, tokens, embed, gather) -> None:
+        """ValueError unless ``tokens`` (int64 ``[rows]``), ``embed`` and ``gather`` are the kernel's."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tuple(tokens.shape) != (rows,):
+            raise ValueError(f"the tokens must be int64 [{rows}], not {describe(tokens)}")
+        if not isinstance(embed, torch.Tensor) or embed.dtype != torch.bfloat16 \
+                or tuple(embed.shape) != (rows, rank) or not embed.is_contiguous() or embed.data_ptr() % 16:
+            raise ValueError(f"the embedding output must be a contiguous bfloat16 [{rows}, {rank}] aligned to 16 "
+                             f"bytes, not {describe(embed)}")
+        if not isinstance(gather, bool):
+            raise ValueError(f"gather must be a bool, not {gather!r}")
 
     def _check_device(self) -> None:
         if self.device.type != "cuda":

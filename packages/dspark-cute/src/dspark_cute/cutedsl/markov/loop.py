@@ -63,4 +63,21 @@ def run_greedy_loop(step: MarkovStep, base: torch.Tensor, prev: torch.Tensor, w2
         step.launch(base[:, i], bias, tokens[:, i], e, i < n - 1)
 
 
-__all__ = ["check_loop_operands", "run_greedy_loop"]
+def run_probabilistic_loop(step, base: torch.Tensor, prev: torch.Tensor, w2: torch.Tensor, tokens: torch.Tensor,
+                           embed: torch.Tensor, idx_map: torch.Tensor, temperature: torch.Tensor,
+                           seeds: torch.Tensor, sample_pos: torch.Tensor, cache: torch.Tensor, bias_fn=None) -> None:
+    """The probabilistic stage with ``sample.MarkovSampleStep`` (``step``):
+    the loop of ``run_greedy_loop`` with one ``MarkovSampleStep`` launch a
+    step, which samples over the target vocabulary and writes the logits
+    cache's column ``i``; ``idx_map`` and ``sample_pos`` are vLLM's ``[R, N]``
+    views (the kernel reads ``sample_pos - 1``)."""
+    r, n, v = base.shape
+    e = embed[:r]
+    torch.index_select(step.w1, 0, prev, out=e)
+    for i in range(n):
+        bias = F.linear(e, w2)[:, :v] if bias_fn is None else bias_fn(e)
+        step.launch(base[:, i], bias, tokens[:, i], e, i < n - 1, idx_map[:, i], temperature, seeds,
+                    sample_pos[:, i], cache, i)
+
+
+__all__ = ["check_loop_operands", "run_greedy_loop", "run_probabilistic_loop"]
