@@ -16,6 +16,7 @@ stock.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 from dataclasses import dataclass
 
@@ -110,15 +111,37 @@ def bound_layout_unsupported(caches, kv_heads: int) -> str | None:
     return None
 
 
+_near_misses_logged: set[str] = set()
+
+
+def _near_miss(key: object) -> bool:
+    """Whether ``key`` is ``decode_backend`` in another case, with dashes,
+    spaces or blanks around it, but not ``decode_backend`` itself."""
+    if not isinstance(key, str) or key == "decode_backend":
+        return False
+    return "".join(key.split()).lower().replace("-", "_") == "decode_backend"
+
+
 def decode_backend(vllm_config) -> str:
     """The decode backend the config asks for (``DECODE_BACKENDS``):
     ``additional_config["decode_backend"]``, ``"auto"`` when absent.
-    ValueError for any other value."""
+    ValueError for any other value (naming the backend meant where only the
+    case differs). A key that misses ``decode_backend`` by case, a dash or
+    blanks (``Decode-Backend``, ``"decode_backend "``) is no switch: the
+    plugin stays off, and says so once in vLLM's log (``vllm.dspark``)."""
     extra = getattr(vllm_config, "additional_config", None)
     backend = extra.get("decode_backend", AUTO) if isinstance(extra, dict) else AUTO
+    for key in (extra if isinstance(extra, dict) else ()):
+        if _near_miss(key) and key not in _near_misses_logged:
+            _near_misses_logged.add(key)
+            logging.getLogger("vllm.dspark").warning(
+                "additional_config has the key %r, not 'decode_backend': the DSpark plugin does not read it "
+                "(decode_backend stays %r); write 'decode_backend' exactly", key, backend)
     if backend not in DECODE_BACKENDS:
+        meant = [b for b in DECODE_BACKENDS if isinstance(backend, str) and backend.strip().lower() == b]
+        hint = f" (did you mean {meant[0]!r}? the value is case-sensitive)" if meant else ""
         raise ValueError(f"decode_backend must be one of {', '.join(DECODE_BACKENDS)} (the DSpark vLLM plugin), "
-                         f"not {backend!r}")
+                         f"not {backend!r}{hint}")
     return backend
 
 

@@ -33,7 +33,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dspark_core.contracts.constants import FP32_OVERFLOW, MAX_SIZE
 from dspark_core.planner import policy
+from dspark_core.planner.cli import int_in, kernel_names, write_out
+from dspark_core.reference.config import read_json_object
 
 # Backend and fused-insert facts of the GPU the plan is made for.
 GPU_ATTENTION_BACKEND = "FLASH_ATTN"
@@ -43,11 +46,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dspark_vllm.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("draft", help="the draft checkpoint folder (its config.json)")
     p.add_argument("--target", help="the target checkpoint folder (its config.json; no weights needed)")
-    p.add_argument("--target-layers", type=int, default=None,
+    p.add_argument("--target-layers", type=int_in(1, MAX_SIZE), default=None,
                    help="the stand-in target's layer count (default: one past the draft's last target_layer_ids)")
-    p.add_argument("--tp", type=int, default=1, help="the tensor-parallel size (default 1)")
+    p.add_argument("--tp", type=int_in(1, policy.MAX_TP), default=1, help="the tensor-parallel size (default 1)")
     p.add_argument("--arch", default="sm_90a", choices=policy.ARCHS, help="the GPU architecture (default sm_90a)")
-    p.add_argument("--num-sms", type=int, default=132, help="the GPU's SM count (default 132, an H200)")
+    p.add_argument("--num-sms", type=int_in(1, policy.MAX_SMS), default=132,
+                   help="the GPU's SM count (default 132, an H200)")
     p.add_argument("--kernels", default="installed", help="'installed' (default), 'all' or kernel names, a,b")
     p.add_argument("--exact", default="checked",
                    help="kernels taken as checked against vLLM: 'checked' (on a GPU of --arch, default), 'all' or a,b")
@@ -57,16 +61,73 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _names(text: str, default) -> frozenset[str]:
+def _names(text: str, default, flag: str) -> frozenset[str]:
     if text == "all":
         return policy.ALL_KERNELS
     if text in ("installed", "checked"):
         return default()
-    names = frozenset(k.strip() for k in text.split(",") if k.strip())
-    unknown = names - policy.ALL_KERNELS
-    if unknown:
-        raise ValueError(f"unknown kernels {sorted(unknown)}; the kernels are {', '.join(sorted(policy.ALL_KERNELS))}")
-    return names
+    return kernel_names(text, flag)
+
+
+# The draft config's sizes: required (vLLM cannot build the draft without
+# them) and optional, each a positive integer of at most MAX_SIZE.
+REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "draft_vocab_size", "max_position_embeddings",
+                  "target_hidden_size")
+
+
+def _size(config: dict, key: str, where: str) -> int | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+        raise ValueError(f"{where}: {key} must be an integer from 1 to {MAX_SIZE}, not {value!r}")
+    return value
+
+
+def check_draft_config(config: dict, where: str, target_layers: int | None) -> None:
+    """ValueError, naming ``where`` (the config file) and the key, for a
+    draft config vLLM would build into nonsense or fail on with a traceback:
+    a missing or non-positive size (``REQUIRED_SIZES``, ``OPTIONAL_SIZES``),
+    KV heads that do not divide the heads, a RoPE base or eps that is not a
+    number finite in FP32 (the base also positive, eps non-negative), and
+    ``target_layer_ids`` that are not a list of integers from 0 to below the
+    target's layer count ``target_layers`` (where known)."""
+    for key in REQUIRED_SIZES:
+        if key not in config:
+            raise ValueError(f"{where}: the draft config has no {key}")
+    sizes = {key: _size(config, key, where) for key in (*REQUIRED_SIZES, *OPTIONAL_SIZES)}
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"] or sizes["num_attention_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"{where}: num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
+    for key, low in (("rope_theta", "positive"), ("rms_norm_eps", "non-negative"),
+                     ("rms_post_norm_eps", "non-negative"), ("ffn_dim_multiplier", "positive")):
+        if key in config:
+            value = config[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < FP32_OVERFLOW or (
+                    value <= 0 if low == "positive" else value < 0):
+                raise ValueError(f"{where}: {key} must be a {low} number finite in FP32, not {value!r}")
+    ids = config.get("target_layer_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise ValueError(f"{where}: target_layer_ids must be a non-empty list of integer layer ids, not {ids!r}")
+        bad = [i for i in ids if i < 0 or (target_layers is not None and i >= target_layers)]
+        if bad:
+            span = f"0 to {target_layers - 1}" if target_layers is not None else "0 or more"
+            raise ValueError(f"{where}: target_layer_ids {bad} are not layers of the target ({span})")
+
+
+def _checkpoint(path: str, what: str) -> tuple[Path, dict]:
+    """``(folder, config)`` of a checkpoint folder on disk: ValueError naming
+    the path where it is no folder with a config.json (never a hub name:
+    the plan reads local folders only)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"the {what} {path!r} is not a folder on this machine (the plan reads a local "
+                         "checkpoint's config.json; it never downloads one)")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"the {what} folder {path!r} has no config.json")
+    return folder, read_json_object(folder / "config.json", f"the {what}'s config")
 
 
 def _stand_in_target(draft_config: dict, layers: int | None, root: Path) -> Path:
@@ -183,10 +244,19 @@ def plan_checkpoint(args):
     from dspark_vllm import deployment, markov, planning
     from dspark_vllm.adapter import describe_vllm
 
-    draft_dir = Path(args.draft)
-    draft_config = json.loads((draft_dir / "config.json").read_text())
-    if args.tp < 1:
-        raise ValueError(f"--tp must be a positive integer, not {args.tp}")
+    draft_dir, draft_config = _checkpoint(args.draft, "draft")
+    target_layers = args.target_layers
+    if args.target:
+        target_dir, target_config = _checkpoint(args.target, "target")
+        if target_dir.resolve() == draft_dir.resolve():
+            raise ValueError(f"--target names the draft's own folder {args.target!r}: give the target model's")
+        target_layers = _size(target_config, "num_hidden_layers", str(target_dir / "config.json"))
+    check_draft_config(draft_config, str(draft_dir / "config.json"), target_layers)
+    layout = deployment.layout_unsupported(args.kv_cache_layout)
+    if layout:
+        raise ValueError(f"--kv-cache-layout: {layout}")
+    kernels = _names(args.kernels, policy.installed_kernels, "--kernels")
+    exact = _names(args.exact, lambda: planning.exact_kernels(args.arch), "--exact")
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(args.target) if args.target else _stand_in_target(draft_config, args.target_layers, Path(tmp))
         config = _config(draft_dir, target, args.kv_cache_dtype)
@@ -194,8 +264,6 @@ def plan_checkpoint(args):
         _as_gpu_cache_dtype(model, config, args.kv_cache_dtype)
     draft = describe_vllm(model.model, config.cache_config.block_size or 16, GPU_ATTENTION_BACKEND,
                           args.kv_cache_layout)
-    kernels = _names(args.kernels, policy.installed_kernels)
-    exact = _names(args.exact, lambda: planning.exact_kernels(args.arch))
     target_ = policy.Target("cuda", args.arch, args.num_sms, args.tp, kernels).opt_in(frozenset())
     plan = planning.plan_vllm(draft, target_, deployment.stock_all_reduce(args.tp, args.arch), exact)
     # The deployment check as the GPU sees the config: eager layers, FULL decode graphs, TP as asked.
@@ -211,21 +279,23 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # Checkpoints are local folders: no hub lookups (these machines may be offline, and a hub
+    # client retries for minutes before it fails).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     args = parser().parse_args(argv)
     try:
         plan, missing, markov_line = plan_checkpoint(args)
-    except (ValueError, TypeError, OSError, KeyError, json.JSONDecodeError) as error:
+    except (ValueError, TypeError, OSError, KeyError) as error:
         print(f"python -m dspark_vllm.plan: error: {error}", file=sys.stderr)
         return 2
-    print(plan.format())
-    print(markov_line)
+    lines = [plan.format(), markov_line]
     if missing:
-        print(f"decode_backend=latency_specialized on this deployment ({args.arch}, TP{args.tp}) needs:")
-        for need in missing:
-            print(f"  - {need}")
+        lines.append(f"decode_backend=latency_specialized on this deployment ({args.arch}, TP{args.tp}) needs:")
+        lines += [f"  - {need}" for need in missing]
     else:
-        print(f"the deployment check passes ({args.arch}, TP{args.tp}, eager layers, FULL decode graphs)")
-    return 0
+        lines.append(f"the deployment check passes ({args.arch}, TP{args.tp}, eager layers, FULL decode graphs)")
+    return write_out("\n".join(lines), "python -m dspark_vllm.plan")
 
 
 if __name__ == "__main__":
