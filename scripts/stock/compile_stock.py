@@ -314,7 +314,7 @@ SO_KERNELS = {
     "reshape_and_cache_flash_bf16": "_ZN4vllm30reshape_and_cache_flash_kernelI13__nv_bfloat16S1_"
         "LNS_18Fp8KVCacheDataTypeE0EEEvPKT_S5_PT0_S7_PKlllllliiiPKfSB_i",
 }
-# Parameter names in order (read from the mangled signatures and the SASS; see the notes).
+# Parameter names in order (read from the mangled signatures and the SASS; docs/stock-numerics.md).
 SO_PARAMS = {
     "qknorm": ["qkv", "cos_sin_cache", "positions", "slot_mapping", "kv_cache", "k_scale",
                "v_scale", "q_fp8_out", "q_scale", "eps", "rotary_dim", "num_tokens",

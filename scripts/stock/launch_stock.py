@@ -180,7 +180,7 @@ def _aligned(*ts: torch.Tensor) -> None:
 
 def stock_rmsnorm(x, w, eps, gain_center=0.0, input_scale=False, out_dtype=None, *,
                   root: Path = DEFAULT_DIR, pdl: bool = False):
-    """fused_rmsnorm_fwd without a residual stream: y = rmsnorm(x) (see the notes, 1a)."""
+    """fused_rmsnorm_fwd without a residual stream: y = rmsnorm(x) (docs/stock-numerics.md, the norms)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     assert x2.is_contiguous()

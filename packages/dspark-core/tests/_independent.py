@@ -3,7 +3,7 @@ arithmetic of vLLM 0.33.0's stock kernels), and the bit-level helpers the
 tests compare with.
 
 Nothing here imports ``dspark_core``: it is written from
-/work/notes/stock-numerics.md and the docstrings of ``spec/numerics.py`` and
+``docs/stock-numerics.md`` and the docstrings of ``spec/numerics.py`` and
 ``spec/layers.py``, in a different style:
 
 - every FP32 ``+ - * /`` and the square root is done in float64 and rounded

@@ -4,8 +4,10 @@ upgrade must not silently break exactness).
 
 CPU only. The compile checks run where vLLM (>= 0.33.0) and Triton (>= 3.8.0,
 the pin of vLLM 0.33.0's torch) are installed: the ``tests-vllm`` session,
-whose venv is vLLM's (``/work/venvs/vllm`` here, dspark-core installed there
-with ``pip install --no-deps -e``); elsewhere they skip. The builder checks
+``.nox/tests-vllm`` (``nox -s tests-vllm``: vLLM 0.33.0 with its pins, the
+DSpark packages installed editable; run this file there with
+``.nox/tests-vllm/bin/python -m pytest -q packages/dspark-core/tests/test_stock_recompile.py``);
+elsewhere they skip. What the trees mean is ``docs/stock-numerics.md``. The builder checks
 (the first section) run everywhere.
 
 1. The Triton kernels, compiled from vLLM's installed source with the
