@@ -20,26 +20,12 @@ import test_executor  # noqa: E402
 from test_executor import CTX, GPU, M, _assert_same, _specialized  # noqa: E402
 
 from dspark_core.planner import policy  # noqa: E402
-from dspark_vllm import deployment, planning, runtime  # noqa: E402
+from dspark_vllm import deployment, planning  # noqa: E402
 from dspark_vllm.adapter import describe_vllm  # noqa: E402
 
-vllm_log = test_executor.vllm_log  # the plugin's log lines (a fixture)
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    from dspark_vllm.plugin import register
-
-    register()
-    return _draft.checkpoint_dir(tmp_path_factory, "kv-layout")
-
-
-@pytest.fixture(scope="module")
-def stock(dirs):
-    """vLLM's stock draft (``decode_backend`` auto) and its block over vLLM's default layout."""
-    built = _draft.build(*dirs, "auto")
-    runtime.pin_rope_tables(built.model.model)
-    return built, _draft.run_block(built.model, built.config, CTX, M)
+# test_executor's fixtures (module-scoped: built again for this module): the
+# checkpoint, vLLM's stock draft with its block, and the plugin's log lines.
+dirs, stock, vllm_log = test_executor.dirs, test_executor.stock, test_executor.vllm_log
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 INSERTS = ["the context K/V chain", "layer 0's QKV epilogue", "layer 1's QKV epilogue"]
