@@ -32,6 +32,7 @@ pytest.importorskip("vllm")
 import _draft  # noqa: E402
 import torch  # noqa: E402
 
+from dspark_core.spec import gumbel  # noqa: E402
 from dspark_core.spec import markov as spec  # noqa: E402
 from dspark_vllm import markov as hook  # noqa: E402
 
@@ -85,13 +86,15 @@ def prime(s, gen, num_reqs: int) -> torch.Tensor:
     return torch.randn(num_reqs * n + 3, _draft.HIDDEN, generator=gen).to(torch.bfloat16)
 
 
-def with_planted_base(model, gen, monkeypatch):
+def with_planted_base(model, gen, monkeypatch, nan: bool = True):
     original = model.compute_draft_logits
     plants = {}
 
     def compute(hidden):
         out = original(hidden).clone()
         p = plants.setdefault(out.shape, planted(gen, out.shape[0], out.shape[1]))
+        if not nan:  # (vLLM's Gumbel argmax of NaN depends on Triton's reduction tree: the stated exception)
+            p = torch.where(torch.isnan(p), torch.full_like(p, 1.5), p)
         out[: min(5, out.shape[0])] = p[: min(5, out.shape[0])]
         return out
 
@@ -197,10 +200,37 @@ class CpuStep:
         return Step(*args, **kwargs)
 
 
+class CpuSampleStep:
+    """dspark-cute's ``MarkovSampleStep`` with its launch computing the spec's probabilistic step on the CPU."""
+
+    launches = 0
+
+    def __new__(cls, *args, **kwargs):
+        from dspark_cute.cutedsl.markov.sample import MarkovSampleStep
+
+        class Step(MarkovSampleStep):
+            def prepare(self) -> None:
+                pass
+
+            def _launch_kernel(self, base, bias, tokens, embed, gather, idx_map, temperature, seeds, pos, cache,
+                               col) -> None:
+                c = self.constants
+                CpuSampleStep.launches += 1
+                y = spec.markov_logits(base, bias, c.multiplier, c.soft_cap)
+                buf = torch.full((base.shape[0], c.target_vocab), float("-inf"), dtype=torch.bfloat16)
+                scatter = torch.arange(c.vocab) + self.d2t
+                t = gumbel.probabilistic_step(y, scatter, buf, idx_map, temperature, seeds, pos, cache, col)
+                tokens.copy_(t)
+                if gather:
+                    embed.copy_(self.w1[t])
+
+        return Step(*args, **kwargs)
+
+
 def fused_stage(built, monkeypatch) -> hook.MarkovStage:
     monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
     stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
-                             checked=frozenset({"sm_90a"}))
+                             checked=frozenset({"sm_90a"}), sample_class=CpuSampleStep)
     stage.build()
     assert stage.step is not None, stage.reason
     return stage
@@ -229,14 +259,61 @@ def test_hook_drafts_vllms_tokens(built, seed, monkeypatch, num_reqs):
     assert torch.equal(s.draft_tokens, stock.draft_tokens)
 
 
+def test_hook_drafts_probabilistically_as_vllms_loop_with_the_spec_sampler(built, seed, monkeypatch):
+    """With ``draft_logits`` set: the hook's tokens and logits cache are vLLM's loop's (its own embed, bias,
+    transform, scatter and ``_sample_logits`` arguments) with the spec's ``gumbel.sample`` standing in for the
+    Triton ``gumbel_sample`` (test_gumbel.py compares those two)."""
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    gen = torch.Generator().manual_seed(seed)
+    model = built.model
+    with_planted_base(model, gen, monkeypatch, nan=False)
+    num_reqs, s = 3, speculator(built)
+    hidden = prime(s, gen, num_reqs)
+    n = s.num_speculative_steps
+    slots = torch.randperm(8, generator=gen)[:num_reqs]
+    s.sample_idx_mapping[: num_reqs * n] = slots.repeat_interleave(n)
+    s.sample_pos[: num_reqs * n] = torch.randint(1, 10**5, (num_reqs * n,), generator=gen)
+    s.temperature.copy_(torch.rand(8, generator=gen) + 0.5)
+    s.temperature[slots[0]] = 0.0
+    s.seeds.copy_(torch.randint(-(2**62), 2**62, (8,), generator=gen))
+    s.draft_logits = torch.full((8, n, s.vocab_size), 7.0, dtype=torch.bfloat16)
+    s._d2t_scatter_index = torch.arange(model.config.draft_vocab_size) + model.draft_id_to_target_id
+    want_cache = s.draft_logits.clone()
+    with torch.inference_mode():
+        n_samples = num_reqs * n
+        base = model.compute_draft_logits(hidden[s.sample_indices[:n_samples]]).view(num_reqs, n, -1)
+        prev = s.input_buffers.input_ids[s._anchor_idx[:num_reqs]]
+        idx = s.sample_idx_mapping[:n_samples].view(num_reqs, n)
+        pos = s.sample_pos[:n_samples].view(num_reqs, n)
+        want = torch.empty(num_reqs, n, dtype=torch.int64)
+        buf = torch.full((8, s.vocab_size), float("-inf"), dtype=torch.bfloat16)
+        for i in range(n):
+            logits = model.apply_output_logit_transform(base[:, i] + model.markov_bias(model.markov_embed(prev)))
+            rows = buf[:num_reqs]
+            rows.index_copy_(1, s._d2t_scatter_index, logits.to(buf.dtype))
+            want[:, i] = gumbel.sample(rows, idx[:, i], s.temperature, s.seeds, pos[:, i] - 1, True, want_cache, i)
+            prev = want[:, i]
+        stage = fused_stage(built, monkeypatch)
+        assert stage.sample is not None, stage.sample_reason
+        monkeypatch.setattr(model, "sample_sequential", stage.sample_sequential, raising=False)
+        before = CpuSampleStep.launches
+        DSparkSpeculator._sample_sequential(s, num_reqs, hidden)
+    assert CpuSampleStep.launches - before == n
+    assert torch.equal(s.draft_tokens[:num_reqs], want)
+    assert torch.equal(s.draft_logits.view(torch.int16), want_cache.view(torch.int16))
+
+
 def test_hook_declines_what_it_does_not_cover(built, seed, monkeypatch, caplog):
     gen = torch.Generator().manual_seed(seed)
     stage = fused_stage(built, monkeypatch)
     s = speculator(built)
     hidden = prime(s, gen, 2)
+    s._d2t_scatter_index = torch.arange(built.model.config.draft_vocab_size) + built.model.draft_id_to_target_id
     cases = [
         ("_draft_topk", 4, "top-k Markov loop"),
-        ("draft_logits", torch.zeros(8, 4, 512), "probabilistic drafting"),
+        ("draft_logits", torch.zeros(8, 4, 512), "a logits cache of torch.float32"),
+        ("use_fp64_gumbel", True, "FP64 Gumbel noise"),
         ("draft_watermarker", object(), "watermarker"),
         ("use_confidence_head", True, "confidence head"),
         ("acceptance_estimator", object(), "acceptance estimator"),
@@ -245,15 +322,18 @@ def test_hook_declines_what_it_does_not_cover(built, seed, monkeypatch, caplog):
     for attr, value, words in cases:
         old = getattr(s, attr)
         setattr(s, attr, value)
+        if attr == "use_fp64_gumbel":
+            s.draft_logits = torch.zeros(8, 4, 512, dtype=torch.bfloat16)
         try:
             for _ in range(2):
                 assert stage.sample_sequential(s, 2, hidden) is False
         finally:
             setattr(s, attr, old)
+            s.draft_logits = None
         assert (s.draft_tokens == -7).all()
         assert sum(words in r.getMessage() for r in caplog.records) == 1, words  # logged once
     assert stage.sample_sequential(s, 9, hidden) is False  # more requests than max_num_seqs (8)
-    assert any("9 requests: the fused step takes 1 to 8" in r.getMessage() for r in caplog.records)
+    assert any("9 requests: the fused steps take 1 to 8" in r.getMessage() for r in caplog.records)
 
 
 def test_build_reasons(built, caplog):
@@ -302,9 +382,11 @@ def test_plan_line(built, monkeypatch):
         "Markov stage: vLLM's loop: the DSpark markov_step kernel is not yet checked bit for bit against vLLM "
         "0.33.0's greedy Markov loop on an sm_90a GPU")
     key = hook.head_constants(model).key()
-    assert hook.plan_line(model, "sm_90a", frozenset({"sm_90a"})) == (
-        f"Markov stage: fused (markov_step {key}) for greedy drafting; vLLM's loop for probabilistic drafting, the "
-        "top-k loop, the confidence head and adaptive verification")
+    line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}))
+    assert line.startswith(f"Markov stage: greedy drafting fused (markov_step {key}); probabilistic drafting fused "
+                           "(markov_sample ") and line.endswith("; vLLM's loop for the top-k loop, a watermarker, "
+                                                              "FP64 Gumbel noise, the confidence head and adaptive "
+                                                              "verification")
     monkeypatch.setattr(model, "output_soft_cap_temp", 30.0)
     assert hook.head_constants(model).key() != key  # the cap is compiled in
     monkeypatch.setattr(model.config, "draft_vocab_size", 100)
@@ -317,7 +399,7 @@ def test_the_plan_cli_prints_the_markov_line(built, capsys):
 
     draft_dir = built.config.speculative_config.draft_model_config.model
     assert main([draft_dir, "--exact", "all"]) == 0
-    assert "\nMarkov stage: fused (markov_step " in capsys.readouterr().out
+    assert "\nMarkov stage: greedy drafting fused (markov_step " in capsys.readouterr().out
     assert main([draft_dir, "--arch", "sm_100a"]) == 0
     assert "\nMarkov stage: vLLM's loop: the DSpark markov_step kernel is not yet checked bit for bit against " \
            "vLLM 0.33.0's greedy Markov loop on an sm_100a GPU\n" in capsys.readouterr().out

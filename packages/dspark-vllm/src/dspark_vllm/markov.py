@@ -9,22 +9,27 @@ vLLM's loop, False (having done nothing) runs it. ``MarkovStage`` answers:
   graph capture) decides once whether the stage can run fused at all and,
   if so, builds and compiles dspark-cute's ``MarkovStep`` (the greedy step
   after the stock bias GEMM, bit for bit vLLM's loop:
-  ``dspark_core.spec.markov``) and its embedding buffer. It logs one plan
+  ``dspark_core.spec.markov``), its ``MarkovSampleStep`` (the probabilistic
+  step: vLLM's Gumbel sampler and logits cache, ``dspark_core.spec.gumbel``;
+  where the head has a d2t map and the kernel takes it) and their embedding
+  buffer. It logs one plan
   line: the fused stage with its constants' key, or vLLM's loop with the
   reason (no CUDA GPU; a GPU architecture the kernel is not checked on
   against vLLM's loop, ``MARKOV_CHECKED``; a quantized or non-default Markov
   GEMM; a head the kernel refuses: ``markov_constants``);
 - ``sample_sequential(spec, num_reqs, head_hidden)``: False, with its reason
-  logged once, for what the fused step does not cover: the top-k loop
-  (``dspark_draft_topk``), probabilistic drafting (vLLM's Gumbel sampler and
-  its logits cache, watermarked or not), the confidence head, adaptive
+  logged once, for what the fused steps do not cover: the top-k loop
+  (``dspark_draft_topk``), a draft watermarker, FP64 Gumbel noise, a logits
+  cache the sample step does not take, the confidence head, adaptive
   verification's acceptance estimator (each reads every step's logits or
-  embeddings), a request count above the step's rows, operands the kernel
-  refuses. Otherwise it runs vLLM's loop with the fused step
-  (``dspark_cute.cutedsl.markov.loop.run_greedy_loop``): the base logits from
-  the model's own ``compute_draft_logits``, the first embedding gather, then
-  per step vLLM's own ``markov_bias`` and one ``MarkovStep`` launch, which
-  writes ``spec.draft_tokens[:num_reqs, i]``; and returns True.
+  embeddings), a request count above the steps' rows, a base-logit layout
+  the kernels do not read. Otherwise it runs vLLM's loop with the fused step
+  (``dspark_cute.cutedsl.markov.loop.run_greedy_loop`` or, with
+  ``draft_logits`` set, ``run_probabilistic_loop``): the base logits from the
+  model's own ``compute_draft_logits``, the first embedding gather, then per
+  step vLLM's own ``markov_bias`` and one launch, which writes
+  ``spec.draft_tokens[:num_reqs, i]`` (and the logits cache's column ``i``);
+  and returns True.
 
 Every decision reads host state only (no device sync), so the hook is
 capturable in vLLM's FULL CUDA graph.
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark_core.contracts.markov import markov_constants
+from dspark_core.contracts.markov import markov_constants, markov_sample_constants
 from dspark_core.errors import Unsupported
 from dspark_vllm import deployment
 from dspark_vllm.runtime import logger
@@ -50,6 +55,12 @@ def _step_class():
     from dspark_cute.cutedsl.markov.greedy import MarkovStep
 
     return MarkovStep
+
+
+def _sample_class():
+    from dspark_cute.cutedsl.markov.sample import MarkovSampleStep
+
+    return MarkovSampleStep
 
 
 def bias_gemm_reason(model) -> str | None:
@@ -100,12 +111,21 @@ def plan_line(model, arch: str, checked: frozenset[str] | None = None) -> str:
     reason = arch_reason(arch, MARKOV_CHECKED if checked is None else checked)
     if reason is None:
         try:
-            return (f"Markov stage: fused (markov_step {head_constants(model).key()}) for greedy drafting; "
-                    "vLLM's loop for probabilistic drafting, the top-k loop, the confidence head and adaptive "
-                    "verification")
+            c = head_constants(model)
         except Unsupported as refusal:
             reason = str(refusal)
-    return f"Markov stage: vLLM's loop: {reason}"
+    if reason is not None:
+        return f"Markov stage: vLLM's loop: {reason}"
+    try:
+        if model.draft_id_to_target_id is None:
+            raise Unsupported("the probabilistic step scatters through a d2t map and this head has none")
+        s = markov_sample_constants(c.vocab, int(model.config.vocab_size), c.rank, c.multiplier, c.soft_cap,
+                                    model.lm_head.weight.dtype)
+        sampled = f"probabilistic drafting fused (markov_sample {s.key()})"
+    except Unsupported as refusal:
+        sampled = f"probabilistic drafting in vLLM's loop ({refusal})"
+    return (f"Markov stage: greedy drafting fused (markov_step {c.key()}); {sampled}; vLLM's loop for the top-k "
+            "loop, a watermarker, FP64 Gumbel noise, the confidence head and adaptive verification")
 
 
 class MarkovStage:
@@ -115,13 +135,16 @@ class MarkovStage:
     (tests)."""
 
     def __init__(self, model, vllm_config, step_class=None, arch: str | None = "probe",
-                 checked: frozenset[str] | None = None) -> None:
+                 checked: frozenset[str] | None = None, sample_class=None) -> None:
         self.model = model
         self.vllm_config = vllm_config
         self.step_class = step_class
+        self.sample_class = sample_class
         self.arch = arch
         self.checked = MARKOV_CHECKED if checked is None else checked
         self.step = None
+        self.sample = None
+        self.sample_reason: str | None = "not built"
         self.embed: torch.Tensor | None = None
         self.reason: str | None = "not built"
         self._logged: set[str] = set()
@@ -156,6 +179,29 @@ class MarkovStage:
         logger.info("The DSpark draft runs its greedy Markov stage fused (markov_step %s: one launch a step after "
                     "vLLM's bias GEMM, bit for bit its loop) for 1 to %d requests; other calls run vLLM's loop.",
                     step.constants.key(), step.max_rows)
+        self._build_sample(step)
+
+    def _build_sample(self, step) -> None:
+        """The probabilistic step beside the greedy one, or its reason (logged once)."""
+        model = self.model
+        d2t = model.draft_id_to_target_id
+        try:
+            if d2t is None:
+                raise Unsupported("the probabilistic step scatters through a d2t map and this head has none")
+            c = step.constants
+            constants = markov_sample_constants(c.vocab, int(model.config.vocab_size), c.rank, c.multiplier,
+                                                c.soft_cap, model.lm_head.weight.dtype)
+            cls = self.sample_class or _sample_class()
+            sample = cls(constants, step.w1, d2t.data, step.max_rows)
+            sample.prepare()
+        except (Unsupported, ValueError) as refusal:
+            self.sample_reason = str(refusal)
+            logger.info("The DSpark draft keeps vLLM's Markov loop for probabilistic drafting: %s.", refusal)
+            return
+        self.sample, self.sample_reason = sample, None
+        logger.info("The DSpark draft runs its probabilistic Markov stage fused (markov_sample %s: vLLM's Gumbel "
+                    "sample and logits cache in the same launch, bit for bit but for NaN logits).",
+                    sample.constants.key())
 
     def _check_layouts(self, step) -> None:
         """Unsupported unless the step takes the layouts of vLLM's
@@ -191,17 +237,33 @@ class MarkovStage:
             return self.reason
         if getattr(spec, "_draft_topk", None) is not None:
             return "the top-k Markov loop (dspark_draft_topk) is not fused"
-        if spec.draft_logits is not None:
-            return ("probabilistic drafting (draft_sample_method='probabilistic'): vLLM's Gumbel sampler and its "
-                    "logits cache are not fused")
         if spec.draft_watermarker is not None:
             return "a draft watermarker samples the draft tokens"
+        if spec.draft_logits is not None:
+            reason = self._sample_reason(spec)
+            if reason is not None:
+                return f"probabilistic drafting (draft_sample_method='probabilistic'): {reason}"
         if spec.use_confidence_head:
             return "the confidence head reads every step's Markov embedding"
         if getattr(spec, "acceptance_estimator", None) is not None:
             return "adaptive verification's acceptance estimator reads every step's logits"
         if not 1 <= num_reqs <= self.step.max_rows:
-            return f"{num_reqs} requests: the fused step takes 1 to {self.step.max_rows}"
+            return f"{num_reqs} requests: the fused steps take 1 to {self.step.max_rows}"
+        return None
+
+    def _sample_reason(self, spec) -> str | None:
+        """Why the probabilistic step does not take this speculator's sampling, or None."""
+        if self.sample is None:
+            return self.sample_reason
+        if getattr(spec, "use_fp64_gumbel", False):
+            return "FP64 Gumbel noise (use_fp64_gumbel) is not fused"
+        if getattr(spec, "_d2t_scatter_index", None) is None:
+            return "vLLM samples without the d2t scatter"
+        cache, vt = spec.draft_logits, self.sample.constants.target_vocab
+        if spec.vocab_size != vt or cache.dtype != torch.bfloat16 or cache.dim() != 3 or cache.shape[2] != vt \
+                or not cache.is_contiguous() or cache.data_ptr() % 16:
+            return (f"a logits cache of {cache.dtype} {list(cache.shape)} (the fused step writes a contiguous "
+                    f"bfloat16 [requests, steps, {vt}])")
         return None
 
     def _log_once(self, reason: str) -> None:
@@ -212,7 +274,7 @@ class MarkovStage:
     def sample_sequential(self, spec, num_reqs: int, head_hidden: torch.Tensor) -> bool:
         """vLLM's hook (module docstring): True after the fused loop wrote
         ``spec.draft_tokens[:num_reqs]``, False (nothing done) otherwise."""
-        from dspark_cute.cutedsl.markov.loop import run_greedy_loop
+        from dspark_cute.cutedsl.markov.loop import run_greedy_loop, run_probabilistic_loop
 
         if self.step is None:  # (build logged why)
             return False
@@ -229,8 +291,14 @@ class MarkovStage:
             self._log_once(reason)
             return False
         prev = spec.input_buffers.input_ids[spec._anchor_idx[:num_reqs]]
-        run_greedy_loop(self.step, base, prev, model.model.markov_head.markov_w2.weight, spec.draft_tokens[:num_reqs],
-                        self.embed, bias_fn=model.markov_bias)
+        w2, tokens = model.model.markov_head.markov_w2.weight, spec.draft_tokens[:num_reqs]
+        if spec.draft_logits is None:
+            run_greedy_loop(self.step, base, prev, w2, tokens, self.embed, bias_fn=model.markov_bias)
+        else:
+            run_probabilistic_loop(self.sample, base, prev, w2, tokens, self.embed,
+                                   spec.sample_idx_mapping[:num_reqs * n].view(num_reqs, n), spec.temperature,
+                                   spec.seeds, spec.sample_pos[:num_reqs * n].view(num_reqs, n), spec.draft_logits,
+                                   bias_fn=model.markov_bias)
         return True
 
 
