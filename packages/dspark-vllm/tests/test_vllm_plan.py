@@ -178,22 +178,30 @@ def test_lora_wrapped_modules_keep_every_part_stock(built):
         mlp.down_proj = down
 
 
-def test_at_tp4_an_all_reduce_without_a_fixed_order_stays_stock(built):
+def test_at_tp_gt1_the_all_reduce_fuses_where_the_mailbox_reproduces_vllms(built):
     """The description as a TP4 rank's (its tp fact set to 4; the test
-    draft's shapes split over 4), planned with vLLM's all-reduce facts
-    as deployment.stock_all_reduce reads them from the environment."""
+    draft's shapes split over 4), planned with vLLM's all-reduce as
+    allreduce.stock_all_reduce resolves it (dspark-vllm's test_allreduce
+    holds the decision table): stock where it is not known, fused with the
+    stock it reproduces named where it is, stock while unchecked on a GPU."""
+    from dspark_core.contracts.constants import FP32_RANK_ORDER
+    from dspark_vllm.allreduce import Topology
+
     draft = dataclasses.replace(describe_vllm(built.model.model, kv_cache_layout="LBHNC"), tp=4)
     tp4 = GPU.replace(tp=4)
-    plan = planning.plan_vllm(draft, tp4, deployment.stock_all_reduce(4, "sm_90a", env={}), policy.ALL_KERNELS)
-    assert plan.all_reduce.reason.startswith("vLLM's all-reduce at TP4 is FlashInfer's allreduce_fusion")
+    unknown = deployment.stock_all_reduce(4, "sm_90a", env={}, topology=Topology())
+    plan = planning.plan_vllm(draft, tp4, unknown, policy.ALL_KERNELS)
+    assert plan.all_reduce.reason.startswith("vLLM's all-reduce at TP4 is not known here: it depends on the GPUs'")
     assert all(b.fused for b in plan.boundaries)  # the boundaries still fuse after vLLM's own all-reduce
-    custom = deployment.stock_all_reduce(4, "sm_90a", env={"VLLM_ALLREDUCE_USE_FLASHINFER": "0"})
+    hgx = Topology(multicast=True, fully_connected=True)
+    custom = deployment.stock_all_reduce(4, "sm_90a", env={"VLLM_ALLREDUCE_USE_FLASHINFER": "0"}, topology=hgx)
     plan = planning.plan_vllm(draft, tp4, custom, policy.ALL_KERNELS)
-    assert "chooses its one- or two-stage kernel" in plan.all_reduce.reason
-    two = deployment.stock_all_reduce(2, "sm_90a", env={"VLLM_ALLREDUCE_USE_FLASHINFER": "0"})
+    assert plan.all_reduce.fused and plan.all_reduce.constants.sum_order == FP32_RANK_ORDER
+    assert "vLLM's custom one-stage all-reduce" in plan.all_reduce.name
+    two = deployment.stock_all_reduce(2, "sm_90a", env={}, topology=Topology())
     plan = planning.plan_vllm(dataclasses.replace(draft, tp=2), GPU.replace(tp=2), two, policy.ALL_KERNELS)
-    assert plan.all_reduce.reason == planning.NO_MAILBOX  # a fixed order, but no mailbox bound yet
-    plan = planning.plan_vllm(draft, tp4, deployment.stock_all_reduce(4, "sm_90a", env={}))
+    assert plan.all_reduce.fused and "-0.0 sum as +0.0" in plan.all_reduce.name
+    plan = planning.plan_vllm(draft, tp4, custom)
     assert plan.all_reduce.reason == planning.unchecked_reason(policy.ALL_REDUCE_BOUNDARY)
 
 

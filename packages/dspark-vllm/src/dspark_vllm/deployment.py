@@ -1,6 +1,7 @@
 """The deployment check of ``decode_backend=latency_specialized`` and the
 facts it reads: which decode backend a config asks for, what this deployment
-misses, and which all-reduce vLLM's row-parallel layers run at TP > 1.
+misses (which all-reduce vLLM's row-parallel layers run at TP > 1 is
+``dspark_vllm.allreduce``'s, re-exported here).
 
 ``decode_backend(vllm_config)`` reads ``additional_config["decode_backend"]``:
 ``"auto"`` (the default) or ``"latency_specialized"``; anything else is a
@@ -17,12 +18,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import os
-from dataclasses import dataclass
 
 import torch
 
-from dspark_core.contracts.constants import FP32_RANK_ORDER
+from dspark_vllm.allreduce import AllReduceOrder, stock_all_reduce  # noqa: F401 (moved there; re-exported)
 
 # The versions the adapter was written against (read from their source).
 VLLM_VERSION = "0.33.0"
@@ -270,55 +269,6 @@ def check_deployment(vllm_config) -> None:
     if not supported:
         reason = "; ".join(missing) or "every other tensor-parallel rank to support it, which one does not"
         raise ValueError(f"decode_backend=latency_specialized needs {reason}.")
-
-
-@dataclass(frozen=True)
-class AllReduceOrder:
-    """The all-reduce vLLM's ``RowParallelLinear`` runs on the draft's rows at
-    TP > 1 (``CudaCommunicator.all_reduce``'s first match, read from its
-    source): ``backend`` by name, ``sum_order`` the order its sum follows
-    (``FP32_RANK_ORDER``, the one the mailbox reproduces) or None where it has
-    no fixed order, and ``why`` that in words."""
-
-    backend: str
-    sum_order: str | None
-    why: str
-
-
-def stock_all_reduce(tp: int, arch: str | None, disable_custom_all_reduce: bool = False,
-                     env: dict[str, str] | None = None) -> AllReduceOrder:
-    """The draft's all-reduce at TP ``tp`` on ``arch`` (sm_90a / sm_100a),
-    from the environment switches vLLM 0.33.0 reads (``env``, default
-    ``os.environ``), in its dispatch order: NCCL symmetric memory
-    (``VLLM_USE_NCCL_SYMM_MEM``), FlashInfer's all-reduce (on by default for
-    TP 2, 4 and 8 on both architectures; no fixed reduction order, as vLLM's
-    own comment says), then vLLM's custom all-reduce, whose TP2 kernel is
-    one-stage (each rank's BF16 partial widened and summed in FP32 in rank
-    order 0, 1) and whose TP4/TP8 kernels choose one or two stages inside
-    the C++ op by message size (not read from the wheel, so not taken as a
-    fixed order), then torch symmetric memory and NCCL (no fixed order)."""
-    env = os.environ if env is None else env
-
-    def on(name: str, default: str) -> bool:
-        return env.get(name, default) not in ("0", "", "false", "False")
-
-    if tp <= 1:
-        return AllReduceOrder("none", FP32_RANK_ORDER, "TP1 has no all-reduce")
-    if on("VLLM_USE_NCCL_SYMM_MEM", "0"):
-        return AllReduceOrder("nccl_symm_mem", None, f"vLLM's all-reduce at TP{tp} is NCCL's symmetric-memory "
-                              "all-reduce (VLLM_USE_NCCL_SYMM_MEM=1), whose reduction order is not fixed")
-    batch_invariant = on("VLLM_BATCH_INVARIANT", "0")
-    if on("VLLM_ALLREDUCE_USE_FLASHINFER", "1") and not batch_invariant and arch in ("sm_90a", "sm_100a"):
-        return AllReduceOrder("flashinfer", None, f"vLLM's all-reduce at TP{tp} is FlashInfer's allreduce_fusion "
-                              "(VLLM_ALLREDUCE_USE_FLASHINFER=1, the default), which has no fixed reduction order")
-    if not disable_custom_all_reduce:
-        if tp == 2:
-            return AllReduceOrder("custom", FP32_RANK_ORDER, "vLLM's custom all-reduce at TP2 (one stage: FP32 "
-                                  "sums in rank order)")
-        return AllReduceOrder("custom", None, f"vLLM's custom all-reduce at TP{tp} chooses its one- or two-stage "
-                              "kernel inside its C++ op by message size; that order is not checked")
-    return AllReduceOrder("nccl", None, f"vLLM's all-reduce at TP{tp} is torch symmetric memory or NCCL, whose "
-                          "reduction order is not fixed")
 
 
 __all__ = ["AUTO", "AllReduceOrder", "DECODE_BACKENDS", "LATENCY_SPECIALIZED", "PINNED_VERSIONS", "SUPPORTED_TPS",

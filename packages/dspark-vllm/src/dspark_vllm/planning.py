@@ -8,10 +8,12 @@ plan_draft`` followed by, in order:
    (kernels proven bit for bit equal to vLLM 0.33.0's stock op on a GPU of
    that architecture) made stock, with the sentence ``unchecked_reason``
    gives;
-2. at TP > 1, the fused all-reduce made stock where vLLM's own all-reduce has
-   no fixed reduction order (``deployment.stock_all_reduce``), where a
-   boundary stays stock, or because the plugin does not bind dspark-comm's
-   mailbox to vLLM's TP group yet; the package GEMMs then follow it.
+2. at TP > 1, the fused all-reduce made stock where the mailbox does not
+   reproduce the all-reduce vLLM runs on the draft's steps
+   (``allreduce.decode_order`` for the draft's hidden size) or where a
+   boundary stays stock; where it does, the part is named after the stock
+   it reproduces (backend, order, zero sign, rows) and its constants carry
+   that sum order; the package GEMMs follow a stock all-reduce.
 
 ``vllm_target`` is the planner's target as the plugin asks for it: the
 device's architecture, the opt-in kernels declined (each sums a projection in
@@ -26,14 +28,15 @@ from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, Part, plan_draft
 from dspark_core.planner.policy import Target
 from dspark_core.runtime.description import DraftDescription
-from dspark_vllm.deployment import AllReduceOrder, stock_all_reduce
+from dspark_vllm.allreduce import AllReduceOrder, stock_all_reduce
 
 # Per architecture, the kernels (dspark_core.contracts.kernels) run on a GPU
 # of it against vLLM 0.33.0's stock binaries on the same operands, every bit
 # equal (scripts/gpu-check.sh: the norms, qkv and gating suites, H200). The
 # attention keeps vLLM's backend (no DSpark kernel reproduces it); the GEMV
 # and the package GEMM sum their projections in their own order;
-# the mailbox is not bound to vLLM's TP group. sm_100a has no GPU run yet:
+# the mailbox all-reduce boundary has not run against vLLM's all-reduce on
+# GPUs (allreduce.MailboxBoundaries). sm_100a has no GPU run yet:
 # every part stays stock there.
 VLLM_EXACT_KERNELS: dict[str, frozenset[str]] = {
     "sm_90a": frozenset({policy.ROW_NORM, policy.BOUNDARY, policy.CONTEXT_CHAIN, policy.QKV_EPILOGUE,
@@ -74,9 +77,6 @@ PART_KERNELS = (
     ("all_reduce", policy.ALL_REDUCE_BOUNDARY),
     ("package_gemms", policy.PACKAGE_GEMM),
 )
-# Why the fused all-reduce stays stock even where vLLM's order is fixed.
-NO_MAILBOX = ("dspark-vllm does not bind dspark-comm's mailbox to vLLM's TP group yet: the branches all-reduce "
-              "through vLLM's tensor_model_parallel_all_reduce")
 
 
 def unchecked_reason(kernel: str, arch: str = "sm_90a") -> str:
@@ -86,10 +86,11 @@ def unchecked_reason(kernel: str, arch: str = "sm_90a") -> str:
             f"{STOCK_OPS[kernel]}{where}")
 
 
-def vllm_target(device, tp: int = 1, kernels: frozenset[str] | None = None) -> Target:
+def vllm_target(device, tp: int = 1, kernels: frozenset[str] | None = None, package_gemm: bool = False) -> Target:
     """The planner's target for ``device`` at TP ``tp``: the installed
-    kernels (or ``kernels``), the opt-in ones declined."""
-    return policy.device_target(device, tp, kernels).opt_in(frozenset())
+    kernels (or ``kernels``), the opt-in ones declined but the package GEMM
+    where ``package_gemm`` (``allreduce.package_gemm_asked``)."""
+    return policy.device_target(device, tp, kernels).opt_in(frozenset({policy.PACKAGE_GEMM} if package_gemm else ()))
 
 
 def _restock(part: Part | None, reason: str) -> Part | None:
@@ -113,15 +114,15 @@ def _mark_unchecked(plan: DraftPlan, exact: frozenset[str], arch: str) -> None:
                     for p in plan.o_gates]
 
 
-def _all_reduce_reason(plan: DraftPlan, order: AllReduceOrder) -> str | None:
-    if order.sum_order is None:
-        return order.why
+def _all_reduce_part(plan: DraftPlan, order: AllReduceOrder) -> Part:
+    part = plan.all_reduce
+    if order.sum_order is None or order.rows < 1:
+        return Part(part.name, reason=order.why)
     stock = next((b for b in plan.boundaries if not b.fused), None)
     if stock is not None:
-        return f"{stock.name} keeps its stock modules (every rank must fuse every boundary)"
-    if plan.all_reduce.constants.sum_order != order.sum_order:
-        return f"the mailbox sums in {plan.all_reduce.constants.sum_order}, vLLM's all-reduce in {order.sum_order}"
-    return NO_MAILBOX
+        return Part(part.name, reason=f"{stock.name} keeps its stock modules (every rank must fuse every boundary)")
+    constants = dataclasses.replace(part.constants, sum_order=order.sum_order)
+    return Part(f"{part.name} ({order.describe()})", constants)
 
 
 def plan_vllm(draft: DraftDescription, target: Target, all_reduce: AllReduceOrder | None = None,
@@ -135,8 +136,8 @@ def plan_vllm(draft: DraftDescription, target: Target, all_reduce: AllReduceOrde
         return plan
     _mark_unchecked(plan, exact_kernels(target.arch) if exact is None else frozenset(exact), target.arch)
     if plan.all_reduce is not None and plan.all_reduce.fused:
-        order = all_reduce or stock_all_reduce(target.tp, target.arch)
-        plan.all_reduce = Part(plan.all_reduce.name, reason=_all_reduce_reason(plan, order))
+        order = all_reduce or stock_all_reduce(target.tp, target.arch, hidden_size=draft.hidden_size)
+        plan.all_reduce = _all_reduce_part(plan, order.for_hidden(draft.hidden_size))
     if plan.all_reduce is not None and not plan.all_reduce.fused:
         plan.package_gemms = [_restock(p, "the all-reduce is not fused (nothing to publish into)")
                               for p in plan.package_gemms]
@@ -174,5 +175,5 @@ def plan_signature(plan: DraftPlan) -> int:
     return value
 
 
-__all__ = ["INSERT_PARTS", "NO_MAILBOX", "PART_KERNELS", "STOCK_OPS", "VLLM_EXACT_KERNELS", "exact_kernels",
+__all__ = ["INSERT_PARTS", "PART_KERNELS", "STOCK_OPS", "VLLM_EXACT_KERNELS", "exact_kernels",
            "plan_signature", "plan_vllm", "restock_inserts", "unchecked_reason", "vllm_target"]

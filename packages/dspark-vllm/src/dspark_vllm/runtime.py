@@ -33,7 +33,7 @@ from vllm.logger import init_logger
 from dspark_core.contracts.kernels import kernel_class
 from dspark_core.planner.plan import DraftPlan
 from dspark_core.runtime.decode import DraftDecode
-from dspark_vllm import deployment, planning
+from dspark_vllm import allreduce, deployment, planning
 from dspark_vllm.adapter import describe_vllm, partial
 
 logger = init_logger("vllm.dspark")
@@ -175,7 +175,7 @@ class SpecializedDecode:
             return
         names = fused_kernels(plan)
         kernels = dict(self.kernels) if self.kernels is not None else kernel_classes(names)
-        all_reduce = StockAllReduce(backbone, draft.tp) if draft.tp > 1 else None
+        all_reduce = allreduce.boundaries(backbone, draft, plan, order, self.vllm_config) if draft.tp > 1 else None
         error = None
         try:
             decode = DraftDecode(draft, plan, all_reduce, prefetch=None, kernels=kernels)
