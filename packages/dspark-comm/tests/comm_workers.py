@@ -247,6 +247,50 @@ def check_boundary(c):
     return {"mismatches": res, "ranks_differ": same}
 
 
+def check_positive_zero(c):
+    """``positive_zero=True`` (the stock of a Lamport all-reduce whose empty
+    marker is -0.0): the plain all-reduce in both orders against
+    ``reference_sum(..., positive_zero=True)`` of the gathered partials,
+    with rows of -0.0 on both ranks planted (the plain kernel must give
+    -0.0 there, this one +0.0), and the boundary on that sum against the
+    spec. Both kernels compiled on both ranks before the first call."""
+    from dspark_comm.cutedsl.all_reduce_boundary import AllReduceBoundary
+    from dspark_comm.cutedsl.allreduce import MailboxAllReduce
+    from dspark_comm.protocol import reference_sum
+    from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
+    from dspark_core.spec.layers import residual_boundary
+
+    post, conn, pre = c.modules
+    fp32_bd = c.bds[FP32_RANK_ORDER]
+    ars = {o: MailboxAllReduce(c.mb, o, positive_zero=True) for o in (FP32_RANK_ORDER, BF16_RANK_ORDER)}
+    bd = AllReduceBoundary(c.mb, fp32_bd.constants, conn.alpha, conn.beta, post.weight, pre.weight,
+                           FP32_RANK_ORDER, positive_zero=True)
+    for ar in ars.values():
+        ar.prepare()
+    bd.prepare(stream_dtypes=(FP32,), store_stream=(True,))
+    c.group.barrier()
+    gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 3000 + c.rank)
+    shared = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 3001)
+    neg = torch.full((4, H), -0.0, dtype=BF16, device="cuda")
+    res, negative_plain, negative_fused = {}, 0, 0
+    for m in (1, 5, 16):
+        x = torch.cat([neg, special_rows(gen, c.rank), random_rows(gen, m)])[:m]
+        x[:, 1::7] = -0.0  # columns of -0.0 on both ranks in every row
+        parts = [torch.empty_like(x) for _ in range(c.world)]
+        dist.all_gather(parts, x)
+        for order, ar in ars.items():
+            out = ar.run(x)
+            res[f"{order}/m{m}"] = bad(out, reference_sum(parts, order, positive_zero=True))
+            negative_fused += int((out.view(torch.int16) == -32768).sum())
+            negative_plain += int((c.ars[order].run(x).view(torch.int16) == -32768).sum())
+        stream = random_rows(shared, m, FP32)
+        new, out = bd.run(x, stream, True)
+        exp_new, exp_out = residual_boundary(post, conn, pre, reference_sum(parts, FP32_RANK_ORDER, True), stream)
+        res[f"boundary/m{m}"] = bad(out, exp_out) + bad(new, exp_new)
+    c.mb.check()
+    return {"mismatches": res, "negative_plain": negative_plain, "negative_fused": negative_fused}
+
+
 def check_published(c):
     from publisher import Publisher
 
@@ -512,6 +556,7 @@ CHECKS = [
     ("allreduce_bf16", check_allreduce_bf16),
     ("special", check_special),
     ("boundary", check_boundary),
+    ("positive_zero", check_positive_zero),
     ("published", check_published),
     ("bias_epilogue", check_bias_epilogue),
     ("fallback", check_fallback),

@@ -73,6 +73,15 @@ def test_boundary_matches_nccl_then_spec(suite):
     assert len(results[0]["mismatches"]) == 16 * 2 + 2 + 1
 
 
+def test_positive_zero(suite):
+    """The zero-sign option: -0.0 sums (planted) come out +0.0, every other
+    bit as the reference; the plain kernel keeps those -0.0."""
+    results = ranks(suite, "positive_zero")
+    zero_mismatches(results)
+    for r in results:
+        assert r["negative_plain"] > 0 and r["negative_fused"] == 0, r
+
+
 def test_published_partials(suite):
     zero_mismatches(ranks(suite, "published"))
 
