@@ -108,12 +108,15 @@ def test_the_plugin_keeps_its_draft_uncompiled_on_its_platform_kernels_and_the_t
         dirs, monkeypatch):
     from vllm.config import CompilationMode
 
+    from dspark_vllm.adapter import activation_unsupported
+
     stock, _ = _build(dirs, "auto", 3, monkeypatch)
     backbone = stock.model
     # vLLM's own draft under VLLM_COMPILE: compiled, its custom ops native (SiluAndMul's torch.compiled).
     assert backbone.do_not_compile is False
     act_fn = backbone.layers[0].feed_forward.act_fn
     assert not _on_platform_kernel(act_fn) and not hasattr(act_fn._forward_method, "__func__")
+    assert activation_unsupported(act_fn).startswith("vLLM dispatches this SiluAndMul to its PyTorch-native")
     assert backbone._rotary_emb._forward_method.__func__ is type(backbone._rotary_emb).forward_native
 
     ours, config = _build(dirs, "latency_specialized", 3, monkeypatch)
@@ -121,6 +124,7 @@ def test_the_plugin_keeps_its_draft_uncompiled_on_its_platform_kernels_and_the_t
     assert backbone.do_not_compile is True
     for layer in backbone.layers:
         assert _on_platform_kernel(layer.feed_forward.act_fn) and _on_platform_kernel(layer.self_attn.rotary_emb)
+        assert activation_unsupported(layer.feed_forward.act_fn) is None
     assert backbone.vllm_config.compilation_config.mode == CompilationMode.NONE
     # The config vLLM's runner and the target read keeps its mode and custom ops, and the
     # draft's attention layers registered in its static forward context.

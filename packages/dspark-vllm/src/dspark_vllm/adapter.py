@@ -296,10 +296,22 @@ def _attention(attn, block_size: int, backend: str | None, layout_why: str | Non
     )
 
 
+def activation_unsupported(act_fn) -> str | None:
+    """Why the MLP activation kernel is not ``act_fn`` as vLLM dispatches it,
+    or None: vLLM's ``SiluAndMul`` on its platform op (``forward_cuda`` on
+    CUDA), not ``forward_native`` or its torch.compile (the custom op
+    disabled: custom ops 'none' under Inductor, or '-silu_and_mul')."""
+    if type(act_fn) is not SiluAndMul:
+        return f"an activation other than SiluAndMul ({type(act_fn).__name__})"
+    forward = getattr(act_fn._forward_method, "__func__", None)
+    if forward is None or forward is SiluAndMul.forward_native:
+        return "vLLM dispatches this SiluAndMul to its PyTorch-native forward (custom op disabled), not its CUDA op"
+    return None
+
+
 def _mlp(mlp, tp: int, hidden: int) -> D.MLP:
     why = (_plain_linear(mlp.gate_up_proj) or plain_row_parallel(mlp.down_proj, tp, hidden)
-           or (None if type(mlp.act_fn) is SiluAndMul else f"an activation other than SiluAndMul "
-               f"({type(mlp.act_fn).__name__})"))
+           or activation_unsupported(mlp.act_fn))
     return D.MLP(
         gate_up_weight=mlp.gate_up_proj.weight,
         down_weight=mlp.down_proj.weight,
