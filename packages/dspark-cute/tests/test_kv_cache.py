@@ -91,8 +91,14 @@ def test_refusals_name_what_is_expected():
     assert "multiples of 4 bytes" in cache_problem(flat[1 : 1 + 4 * 2 * 16 * ROW].view(shape), 2, 4)
 
 
-def test_huge_blocks_are_refused_without_memory():
-    """A block of 2^31 slots (a stride-0 expand would overlap, so one head
-    and one block over a meta tensor)."""
+def test_huge_blocks_and_offsets_are_refused_without_memory():
+    """A block of 2^31 slots (the kernels' 32-bit block size), and a block
+    stride whose last block lies 2^63 bytes in (the kernels' 64-bit offsets),
+    over meta tensors; one element less of each is taken."""
     big = torch.empty((1, 1, 2**31, ROW), dtype=torch.bfloat16, device="meta")
     assert "2^31" in cache_problem(big, 1, 16)
+    assert cache_problem(torch.empty((1, 1, 2**31 - 1, ROW), dtype=torch.bfloat16, device="meta"), 1, 16) is None
+    far = torch.empty_strided((2, 1, 1, ROW), (2**62, ROW, ROW, 1), dtype=torch.bfloat16, device="meta")
+    assert "2^63" in cache_problem(far, 1, 16)
+    near = torch.empty_strided((2, 1, 1, ROW), (2**62 - 2 * ROW, ROW, ROW, 1), dtype=torch.bfloat16, device="meta")
+    assert cache_problem(near, 1, 16) is None
