@@ -4,7 +4,8 @@ on the same CUDA device (``dspark_core.reference.model.DraftModel``'s own
 ``precompute_and_store_context_kv``, the spec) and against vLLM 0.33.0's
 own kernels on the same operands (``stock.py``: the stock Triton norm's
 binaries, the device's ATen K-norm, vLLM's rotary kernel with the BF16
-table; the insert, a copy, is the spec's):
+table, vLLM's ``reshape_and_cache_flash`` on the cache's key and value
+views as its attention backends hand them over):
 
 - ``ContextNorms``: every norm kind on each side (no weight, BF16/FP16/FP32
   weights before or after the norm, gain centers 0 and 1, several eps), T in
@@ -357,7 +358,11 @@ def stock_context_store(stock, kv, positions, caches, slots, kv_heads: int, eps:
     64]``: the K-norm of every layer's K at once (ATen on this device:
     ``pow(2).mean(-1)``, ``+ eps``, ``rsqrt``, ``* k``, BF16), vLLM's rotary
     kernel in place on all of them (``positions.repeat(L)``, the BF16
-    ``table``), then each layer's insert of its first ``len(slots_l)`` rows."""
+    ``table``), then each layer's insert of its first ``len(slots_l)`` rows
+    by vLLM's ``reshape_and_cache_flash`` binary on the ``[blocks,
+    block_size, kv_heads, 64]`` key and value views of the cache (as vLLM's
+    FlashAttention backend splits it; the kernel takes their strides, so any
+    layout)."""
     layers, t = kv.shape[:2]
     kv = kv.view(layers, t, 2, kv_heads, D)
     k = stock_k_norm(kv[:, :, 0].contiguous(), eps)
@@ -367,7 +372,8 @@ def stock_context_store(stock, kv, positions, caches, slots, kv_heads: int, eps:
     for i in range(layers):
         if per_layer[i] is not None:
             rows = per_layer[i].shape[0]
-            caches[i].insert(k[i, :rows], kv[i, :rows, 1], per_layer[i])
+            key_cache, value_cache = (t.permute(0, 2, 1, 3) for t in caches[i].tensor.split(D, dim=-1))
+            stock.stock_reshape_and_cache_flash(k[i, :rows], kv[i, :rows, 1], key_cache, value_cache, per_layer[i])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
