@@ -57,7 +57,8 @@ def parser() -> argparse.ArgumentParser:
                    help="kernels taken as checked against vLLM: 'checked' (on a GPU of --arch, default), 'all' or a,b")
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (default auto)")
     p.add_argument("--kv-cache-layout", default=None,
-                   help="vLLM's KV cache layout (default: VLLM_KV_CACHE_LAYOUT, else vLLM's default LBNHC)")
+                   help="a KV cache layout of vLLM's to check by name (default: none; the DSpark inserts take "
+                        "every vLLM layout through the cache's strides, and the plugin reads the bound cache's)")
     return p
 
 
