@@ -456,3 +456,42 @@ def test_package_gemm_offered_as_in_the_standalone_decode():
     out, published = binding.project(0, big, weight)
     assert published is False and tuple(out.shape) == (order.rows + 1, 2048)
     assert binding.inner.gemms[0].published == [(4, True)]  # nothing published for the stock call
+
+
+def test_live_topology_reads_vllms_communicator(monkeypatch):
+    """Multicast where vLLM's torch symmetric memory came up, full
+    connectivity as its custom all-reduce found it; unknown where either is
+    off, and outside a TP group of that size."""
+    import vllm.distributed as distributed
+    from vllm.distributed import parallel_state
+
+    def comm(symm, ca):
+        return types.SimpleNamespace(world_size=4, device_communicator=types.SimpleNamespace(
+            symm_mem_comm=symm, ca_comm=ca))
+
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    up = types.SimpleNamespace(disabled=False, fully_connected=True)
+    cases = [(comm(types.SimpleNamespace(disabled=False), up), Topology(True, True)),
+             (comm(types.SimpleNamespace(disabled=True), types.SimpleNamespace(disabled=True)), Topology(False, None)),
+             (comm(None, None), Topology())]
+    for group, expected in cases:
+        monkeypatch.setattr(distributed, "get_tp_group", lambda group=group: group)
+        assert ar.live_topology(4) == expected
+    assert ar.live_topology(8) == Topology()  # a group of another size
+
+
+def test_check_refuses_a_flashinfer_workspace_of_another_backend(monkeypatch):
+    from vllm.distributed.device_communicators import flashinfer_all_reduce as fi
+
+    order = ar.stock_all_reduce(4, "sm_90a", env={}, topology=HGX, hidden_size=2048)  # mnnvl
+    checked = []
+    binding = object.__new__(ar.MailboxBoundaries)
+    binding.order, binding.mailbox = order, types.SimpleNamespace(check=lambda: checked.append(1))
+    monkeypatch.setattr(fi, "_fi_ar_workspace", None)
+    binding.check()  # no workspace yet: nothing to compare
+    monkeypatch.setattr(fi, "_fi_ar_workspace", types.SimpleNamespace(backend="mnnvl"))
+    binding.check()
+    monkeypatch.setattr(fi, "_fi_ar_workspace", types.SimpleNamespace(backend="trtllm"))
+    with pytest.raises(RuntimeError, match="VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm"):
+        binding.check()
+    assert checked == [1, 1, 1]
