@@ -157,7 +157,7 @@ def test_demo_tp2_without_two_gpus_runs_the_tp1_demo(tmp_path, capsys):
     assert demo.main(["--tp", "2", "--config", str(cfg), "--steps", "1", "--context", "4", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert f"--tp 2 needs 2 CUDA GPUs and this machine has {torch.cuda.device_count()}: running the TP1 demo" in out
-    assert "stock path: 1 greedy steps of 1 token(s)" in out
+    assert "spec path, dspark-core's spec of vLLM's arithmetic (eager PyTorch): 1 greedy steps of 1 token(s)" in out
     assert "What a rank of TP2 would run with the installed backends:" in out
 
 

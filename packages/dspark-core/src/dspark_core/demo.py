@@ -1,9 +1,18 @@
 """The DSpark demo: build the reference draft, print its plan with every
-reason, store a context's K/V and run greedy decode steps on the stock path
+reason, store a context's K/V and run greedy decode steps on a reference path
 and, on a GPU with a kernel backend installed, on the specialized decode;
 then say what was compared, what matched and how long a step takes.
 
-    python -m dspark_core.demo [--config CONFIG.json] [--steps 4] [--block 1] [--context 64] [--tp 2]
+    python -m dspark_core.demo [--config CONFIG.json] [--steps 4] [--block 1] [--context 64] [--stock DIR] [--tp 2]
+
+The reference path on a GPU is vLLM 0.33.0's draft step from its own
+binaries (``dspark_core.demo_stock``: ``scripts/stock`` of a checkout, the
+binaries in ``--stock DIR``, default ``DSPARK_STOCK_DIR``, else the
+checkout's ``.device/stock``): both paths run in CUDA graphs, their hidden
+states and tokens are compared bit for bit and the summary gives the ratio of
+their median step times. Where those binaries are not there (or on a CPU),
+the reference path is dspark-core's spec in eager PyTorch: its bits are
+compared, its time is no baseline, and the demo prints no ratio, saying why.
 
 The kernels come from the installed backends (the ``dspark.kernels`` entry
 points), so this package needs no GPU stack. ``--tp 2`` runs the TP2 demo of
@@ -19,9 +28,11 @@ import statistics
 import sys
 import time
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import torch
 
+from dspark_core import demo_stock
 from dspark_core.planner import policy
 from dspark_core.planner.cli import positive_int, print_plan, release_stdout
 from dspark_core.planner.plan import plan_draft
@@ -66,11 +77,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _context(model, states, positions, decode, blocks, device):
+def _context(model, stock, states, positions, decode, blocks, device, on_stock: bool):
+    """The layers' caches with the context's K/V stored (slots = positions):
+    by ``decode``'s context chain where given and taken, by vLLM's step
+    (``stock.context``) for its path, else by the spec."""
     caches = model.make_caches(blocks, device)
     if not caches:  # a draft without layers has no K/V to store
         return caches
-    if decode is None or not decode.store_context_kv(states, positions, caches, positions):
+    if on_stock:
+        stock.context(states, positions, positions, [c.tensor for c in caches])
+    elif decode is None or not decode.store_context_kv(states, positions, caches, positions):
         model.precompute_and_store_context_kv(states, positions, caches, positions)
     return caches
 
@@ -107,33 +123,68 @@ def _spread(times: list[float]) -> str:
     return f"{statistics.median(times):.1f} us (min {min(times):.1f}, max {max(times):.1f}, {len(times)} samples)"
 
 
+def _build_decode(draft, device: torch.device, gemv: bool):
+    """The specialized decode where a backend provides kernels on ``device``
+    (None elsewhere), its plan printed with every reason."""
+    asked = policy.asked_opt_ins(gemv)
+    if device.type != "cuda":
+        target = policy.Target(kernels=policy.installed_kernels()).opt_in(asked)
+        print(f"no GPU here; the plan for {target.describe()} (an H200) with the installed backends would be:")
+        print_plan(plan_draft(draft, target))
+        return None
+    print("planning and compiling the specialized decode's kernels ...", flush=True)
+    t0 = time.perf_counter()
+    decode = build_draft_decode(draft, gemv=gemv)
+    if decode is not None:
+        print(f"compiled in {time.perf_counter() - t0:.1f} s")
+        print_plan(decode.plan)
+    else:
+        print_plan(plan_draft(draft, policy.device_target(device).opt_in(asked)))
+        print("no specialized decode on this device (the reasons are above): the spec path runs alone")
+    return decode
+
+
+def _stock_path(model, device: torch.device, stock_dir, kernels, attention):
+    """``(StockStep, label, None)`` of vLLM's step from its binaries in
+    ``stock_dir`` (or on ``kernels``, a stand-in: module ``demo_stock``),
+    else ``(None, None, why)``."""
+    if kernels is None:
+        why = demo_stock.missing_reason(stock_dir)
+        if why is None and device.type != "cuda":
+            why = "vLLM's binaries run on a CUDA GPU"
+        if why is not None:
+            return None, None, why
+    try:
+        stock, attention_name = demo_stock.stock_step(model, stock_dir, kernels, attention,
+                                                      pdl=device.type == "cuda")
+    except LookupError as error:
+        return None, None, f"no paged decode attention installed for vLLM's step ({error}): pip install dspark-cute"
+    except Exception as error:  # noqa: BLE001 - any failure to load or launch the binaries: said, then the spec
+        return None, None, f"vLLM's binaries in {stock_dir} did not run here ({type(error).__name__}: {error})"
+    return stock, f"vLLM 0.33.0's draft step from its binaries (attention: {attention_name}, both paths)", None
+
+
 @torch.no_grad()
 def run_demo(config: DraftConfig, steps: int, block: int, context: int, device: torch.device,
-             gemv: bool = False) -> dict:
-    """Build, plan and decode on the stock path and, where a backend provides
-    kernels on this device, the specialized decode; compare and time them.
+             gemv: bool = False, stock_dir=None, stock_kernels=None, stock_attention=None) -> dict:
+    """Build, plan and decode on the reference path and, where a backend
+    provides kernels on this device, the specialized decode; compare and
+    time them. The reference path is vLLM's step from its binaries in
+    ``stock_dir`` where they run (``demo_stock``; ``stock_kernels`` and
+    ``stock_attention`` stand in for the binaries and the attention kernel
+    in a CPU dry run), both paths timed; else dspark-core's spec in eager
+    PyTorch, timed only where it runs alone (no speed ratio against it).
     Returns each path's tokens."""
     t0 = time.perf_counter()
     model = DraftModel(config, device=device, progress=progress_bar("drawing the draft's weights"))
     print(f"built the reference draft ({config.num_layers} layers, hidden {config.hidden_size}) on {device} "
           f"in {time.perf_counter() - t0:.1f} s")
     draft = describe(model)
-    asked = policy.asked_opt_ins(gemv)
-    decode = None
-    if device.type == "cuda":
-        print("planning and compiling the specialized decode's kernels ...", flush=True)
-        t0 = time.perf_counter()
-        decode = build_draft_decode(draft, gemv=gemv)
-        if decode is not None:
-            print(f"compiled in {time.perf_counter() - t0:.1f} s")
-            print_plan(decode.plan)
-        else:
-            print_plan(plan_draft(draft, policy.device_target(device).opt_in(asked)))
-            print("no specialized decode on this device (the reasons are above): the stock path runs alone")
-    else:
-        target = policy.Target(kernels=policy.installed_kernels()).opt_in(asked)
-        print(f"no GPU here; the plan for {target.describe()} (an H200) with the installed backends would be:")
-        print_plan(plan_draft(draft, target))
+    decode = _build_decode(draft, device, gemv)
+    stock, stock_label, why = _stock_path(model, device, stock_dir, stock_kernels, stock_attention) \
+        if decode is not None or stock_kernels is not None else (None, None, None)
+    if why is not None:
+        print(f"no speed ratio: {why}")
 
     gen = torch.Generator().manual_seed(config.seed + 1)
     span = context + (steps + 1) * block
@@ -141,17 +192,22 @@ def run_demo(config: DraftConfig, steps: int, block: int, context: int, device: 
     states = torch.randn(context, config.hidden_size, generator=gen).to(torch.bfloat16).to(device)
     positions = torch.arange(context, device=device)
     first = torch.randint(0, config.vocab_size, (block,), generator=gen).to(device)
-    paths = {"stock": model.forward}
+    paths = {"stock": stock.forward} if stock is not None else {"spec": model.forward}
     if decode is not None:
         paths["specialized"] = decode.run
+    labels = {"stock": stock_label, "spec": "dspark-core's spec of vLLM's arithmetic (eager PyTorch)",
+              "specialized": "DSpark's specialized decode"}
     results = {}
     for name, fn in paths.items():
-        caches = _context(model, states, positions, decode if name != "stock" else None, blocks, device)
+        caches = _context(model, stock, states, positions, decode if name == "specialized" else None,
+                          blocks, device, name == "stock")
         toks, hiddens = _decode(model, fn, caches, first, context, steps, block, span, device)
-        times = _step_times_us(fn, model, caches, block, context + steps * block, span, device)
+        timed = name != "spec" or len(paths) == 1
+        times = _step_times_us(fn, model, caches, block, context + steps * block, span, device) if timed else None
         results[name] = (toks, hiddens, times)
         how = "CUDA graph replays" if device.type == "cuda" else "eager steps"
-        print(f"{name} path: {steps} greedy steps of {block} token(s); a step takes {_spread(times)} ({how})")
+        took = f"; a step takes {_spread(times)} ({how})" if timed else " (not timed)"
+        print(f"{name} path, {labels[name]}: {steps} greedy steps of {block} token(s){took}")
         for i, t in enumerate(toks):
             print(f"  step {i}: {t}")
     print(_summary(results, steps, gemv, device))
@@ -161,19 +217,27 @@ def run_demo(config: DraftConfig, steps: int, block: int, context: int, device: 
 def _summary(results: dict, steps: int, opt_in: bool, device: torch.device) -> str:
     if "specialized" not in results:
         if device.type != "cuda":
-            return ("summary: the stock path ran on the CPU. On a GPU with dspark-cute installed the demo also runs "
-                    "the specialized decode, compares its hidden states with the stock path's bit for bit and "
-                    "times both in CUDA graphs.")
-        return "summary: the stock path ran alone (no part of the draft fuses on this device)."
-    (st, sh, stimes), (ft, fh, ftimes) = results["stock"], results["specialized"]
+            ran = "vLLM's step (on stand-in kernels)" if "stock" in results else "dspark-core's spec"
+            return (f"summary: {ran} ran on the CPU. On a GPU with dspark-cute installed the demo also "
+                    "runs the specialized decode and, where vLLM's stock binaries are staged (--stock DIR), vLLM's "
+                    "draft step from them: it compares their hidden states and tokens bit for bit and times both "
+                    "in CUDA graphs.")
+        return "summary: the spec path ran alone (no part of the draft fuses on this device)."
+    ref = "stock" if "stock" in results else "spec"
+    (st, sh, stimes), (ft, fh, ftimes) = results[ref], results["specialized"]
     bad = sum(int(mismatches(a, b).sum()) for a, b in zip(fh, sh))
     total = sum(a.numel() for a in sh)
     same = "bit for bit equal" if bad == 0 else f"NOT bit for bit: {bad} of {total} elements differ"
     if bad and opt_in:
         same += " (expected with --gemv: it sums the projections in its own order)"
+    whose = "vLLM's step from its binaries'" if ref == "stock" else "dspark-core's spec's"
+    line = (f"summary: over {steps} steps the specialized decode's hidden states are {same} with {whose}; "
+            f"tokens {'equal' if ft == st else 'differ'}")
+    if ref == "spec":
+        return line + "; no speed ratio (vLLM's binaries did not run: the line above says why)."
+    how = "CUDA graph replays" if device.type == "cuda" else "eager steps"
     speed = statistics.median(stimes) / statistics.median(ftimes)
-    return (f"summary: over {steps} steps the specialized decode's hidden states are {same} with the stock "
-            f"path's; tokens {'equal' if ft == st else 'differ'}; a step is {speed:.2f}x faster (medians).")
+    return line + f"; a step is {speed:.2f}x as fast as vLLM's (medians of {how})."
 
 
 def parser() -> argparse.ArgumentParser:
@@ -185,6 +249,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run (default auto)")
     p.add_argument("--gemv", action="store_true",
                    help="run one-token steps' projections on the opt-in GEMV (its own stated order)")
+    p.add_argument("--stock", metavar="DIR", type=Path, default=None,
+                   help="the folder of vLLM's compiled stock binaries (scripts/stock/compile_stock.py --out DIR; "
+                        "default DSPARK_STOCK_DIR, else the checkout's .device/stock)")
     p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor-parallel size (2: two GPUs)")
     return p
 
@@ -212,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
                 return code
         device = torch.device(args.device if args.device != "auto" else
                               ("cuda" if torch.cuda.is_available() else "cpu"))
-        run_demo(config, args.steps, args.block, args.context, device, args.gemv)
+        stock_dir = args.stock if args.stock is not None else demo_stock.default_stock_dir()
+        if args.stock is not None and not args.stock.is_dir():
+            raise ValueError(f"--stock {args.stock}: no such folder (the compiled stock binaries' folder)")
+        run_demo(config, args.steps, args.block, args.context, device, args.gemv, stock_dir)
     except BrokenPipeError:  # e.g. `python -m dspark_core.demo | head`: the reader has all it wanted
         release_stdout()
         return 0
