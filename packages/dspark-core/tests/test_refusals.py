@@ -11,7 +11,8 @@ sentence naming what was expected (issue 28's classes):
   integers beyond int64, NaN, special files), never read or parsed past the
   refusal;
 - the executor: a plan of another draft or TP size, hidden states of a
-  dtype the draft does not take.
+  dtype the draft does not take;
+- attention over a row whose slots are all masked (0 / 0: a NaN).
 
 Property tests draw each class; every refusal is checked for its words.
 """
@@ -285,3 +286,36 @@ def test_bad_targets_are_refused():
                              ({"tp": 2.0}, "a TP size"), ({"num_sms": True}, "an SM count")):
         with pytest.raises(ValueError, match=message):
             policy.Target(**changes)
+
+
+# -- attention over no slot ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_layer():
+    return DraftModel(small_config(num_layers=1))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(m=st.integers(1, 4), s=st.integers(1, 40), row=st.integers(0, 3), data=st.data())
+def test_attention_over_a_row_with_no_valid_slot_is_refused(one_layer, m, s, row, data):
+    from dspark_core.reference.model import StepInputs, attend, check_inputs
+    from dspark_core.spec.attention import paged_attention
+
+    model, row = one_layer, row % m
+    caches = model.make_caches(4)  # 64 slots
+    slots = torch.tensor(data.draw(st.lists(st.lists(st.integers(-3, 63), min_size=s, max_size=s),
+                                            min_size=m, max_size=m)), dtype=torch.int64)
+    slots[row] = -1 - torch.arange(s) % 3  # every slot of this row masked
+    step = StepInputs(torch.arange(m), torch.arange(m) + 32, slots)
+    q = torch.zeros(m, 8, 64, dtype=torch.bfloat16)
+    assert paged_attention(q, caches[0], slots, 2)[row].isnan().all()  # the spec states the 0 / 0 ...
+    with pytest.raises(ValueError, match="no valid"):  # ... which the reference draft's edges refuse
+        attend(q, caches[0], slots, 2)
+    with pytest.raises(ValueError, match="no valid"):
+        check_inputs(model, step.positions, caches, step.slots, step.attn_slots)
+    with pytest.raises(ValueError, match="no valid"):
+        model.forward(torch.zeros(m, 2048, dtype=torch.bfloat16), step, caches)
+    for r in range(m):  # one valid slot a row: attended, no NaN
+        slots[r, data.draw(st.integers(0, s - 1))] = 5
+    assert not paged_attention(q, caches[0], slots, 2).isnan().any()

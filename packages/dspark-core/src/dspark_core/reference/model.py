@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dspark_core.reference.config import DTYPES, DraftConfig
-from dspark_core.spec.attention import paged_attention
+from dspark_core.spec.attention import NO_VALID_SLOT, check_some_valid, paged_attention
 from dspark_core.spec.layers import (
     GatedMLP,
     GatedResidual,
@@ -90,7 +90,11 @@ class StepInputs:
 def attend(q: torch.Tensor, cache: PagedKVCache, attn_slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """The draft's attention: ``dspark_core.spec.attention.paged_attention`` (its
     exact order: head-tree scores, ``exp_rn``, 128 lane sums folded by
-    halves), BF16 ``[m, heads, D]``."""
+    halves), BF16 ``[m, heads, D]``. ValueError for a row of ``attn_slots``
+    with no valid slot (checked outside CUDA-graph capture): its answer would
+    be 0 / 0."""
+    if not capturing():
+        check_some_valid(attn_slots)
     return paged_attention(q, cache, attn_slots, num_kv_heads)
 
 
@@ -209,8 +213,9 @@ def check_inputs(model, positions: torch.Tensor, caches, slots, attn_slots: torc
     the RoPE table (``Rotary``); each layer's ``slots`` (one tensor for every
     cache, or one per layer) below its cache's slot count (the KV insert);
     with ``distinct``, no non-negative slot of ``slots`` twice (the KV
-    insert); ``attn_slots`` below the smallest cache's slot count
-    (``paged_attention``). A negative slot is a skip, as in the stock."""
+    insert); ``attn_slots`` below the smallest cache's slot count, and
+    every row of them with a valid slot (``paged_attention``). A negative
+    slot is a skip, as in the stock."""
     rotary = model.rotary
     per_layer = slots if isinstance(slots, (list, tuple)) else [slots] * len(caches)
     probes: list[torch.Tensor] = []  # int64 scalars on the inputs' device, read once
@@ -229,6 +234,7 @@ def check_inputs(model, positions: torch.Tensor, caches, slots, attn_slots: torc
     if attn_slots is not None and attn_slots.numel() and caches:
         attn_max = len(probes)
         probes.append(attn_slots.max().long())
+        probes.append((attn_slots < 0).all(dim=1).any().long())
     if not probes:
         return
     values = torch.stack([p.to(probes[0].device) for p in probes]).tolist()  # the one host read
@@ -246,6 +252,8 @@ def check_inputs(model, positions: torch.Tensor, caches, slots, attn_slots: torc
         smallest = min(cache.num_slots for cache in caches)
         if values[attn_max] >= smallest:
             raise ValueError(f"an attention slot beyond the cache's {smallest} slots")
+        if values[attn_max + 1]:
+            raise ValueError(NO_VALID_SLOT)
 
 
 class DraftModel(nn.Module):

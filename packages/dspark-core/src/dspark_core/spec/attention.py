@@ -22,7 +22,9 @@ cache slot, widened to FP32 exactly:
 5. the 128 lane sums fold by halves (``numerics.fold_halves``: lane ``t`` plus
    lane ``t + 64``, then ``+ 32``, ... ``+ 1``) into ``l`` and ``a[d]``;
 6. ``out[d] = round_bf16(a[d] / l)`` (IEEE division). With no valid slot this
-   is ``0 / 0``, a NaN.
+   is ``0 / 0``, a NaN (what the kernel computes too); the reference draft
+   refuses such a row before attending (``check_some_valid``, in
+   ``reference.model.attend`` and ``check_inputs``).
 
 This is softmax(q . k / sqrt(D)) @ V in FP32 with every rounding and every sum
 order fixed, so the same bits come out on CPU and CUDA, and a kernel whose
@@ -72,9 +74,20 @@ def check_attention(q: torch.Tensor, cache, attn_slots: torch.Tensor, num_kv_hea
                          f"{tuple(attn_slots.shape)}")
 
 
+NO_VALID_SLOT = "a row of attn_slots with no valid (non-negative) slot: attention over no slot is 0 / 0"
+
+
 def _check_slots(cache, attn_slots: torch.Tensor) -> None:
     if attn_slots.numel() and int(attn_slots.max()) >= cache.num_slots:
         raise ValueError(f"an attention slot beyond the cache's {cache.num_slots} slots")
+
+
+def check_some_valid(attn_slots: torch.Tensor) -> None:
+    """ValueError (``NO_VALID_SLOT``) where a row of ``attn_slots`` ``[m, S]``
+    has no valid slot (one host read): the refusal a caller makes before
+    attending, so that no NaN comes of it."""
+    if attn_slots.shape[0] and (attn_slots.shape[1] == 0 or bool((attn_slots < 0).all(dim=1).any())):
+        raise ValueError(NO_VALID_SLOT)
 
 
 def lane_sums(terms: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -123,4 +136,5 @@ def paged_attention(q: torch.Tensor, cache, attn_slots: torch.Tensor, num_kv_hea
     return out.reshape(m, heads, d).to(torch.bfloat16)
 
 
-__all__ = ["LANES", "check_attention", "lane_sums", "paged_attention", "scale"]
+__all__ = ["LANES", "NO_VALID_SLOT", "check_attention", "check_some_valid", "lane_sums", "paged_attention",
+           "scale"]
