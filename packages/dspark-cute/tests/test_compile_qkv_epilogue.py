@@ -2,7 +2,8 @@
 
 - compiles for sm_90a and sm_100a of every variant (RoPE with an FP32 or a
   BF16 table or none; 1 to 32 KV heads, powers of two, and an odd count; one
-  eps or a q and a k eps; PDL or not), with a PTX audit of vLLM's fused
+  eps or a q and a k eps; PDL or not), each in both grids (per-token, flat),
+  with a PTX audit of vLLM's fused
   QK-norm read back from the PTX's dataflow (``qkv_ptx``): one head norm,
   its chain of 8 ``fma.rn.f32`` squares from +0.0 over the 16-byte load's
   words in element order (``lo`` then ``hi`` half of words 0 .. 3), the
@@ -140,15 +141,17 @@ def assert_no_spills(ptx: str, arch: str, tmp_path, what: str) -> None:
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("flat", [False, True], ids=["per-token", "flat"])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=_name)
-def test_qkv_epilogue_compiles(arch, variant, tmp_path):
-    from dspark_cute.cutedsl.qkv.epilogue import QKVEpilogueKernel, fake_args
+def test_qkv_epilogue_compiles(arch, variant, flat, tmp_path):
+    from dspark_cute.cutedsl.qkv.epilogue import FLAT_THREADS, THREADS, QKVEpilogueKernel, fake_args
     from dspark_cute.runtime.host import compile_ptx
 
     c, pdl = variant
-    ptx = compile_ptx(QKVEpilogueKernel(c, pdl), *fake_args(c), arch=arch)
+    ptx = compile_ptx(QKVEpilogueKernel(c, pdl, flat), *fake_args(c), arch=arch)
     assert f".target {arch}" in ptx
+    assert f".reqntid {FLAT_THREADS if flat else THREADS}, 1, 1" in ptx
     body = code(ptx)
     audit_head_norm(body, c)
     # Every FP32 operation: the chain, the fold, the scale, the rsqrt, the
@@ -172,6 +175,8 @@ def test_qkv_epilogue_compiles(arch, variant, tmp_path):
     assert set(re.findall(r"\bld\.global[.\w]*", body)) <= {"ld.global.v4.b32", "ld.global.v2.b32",
                                                             "ld.global.s64"}
     assert set(re.findall(r"\bst\.global[.\w]*", body)) == {"st.global.v4.b32"}
+    # The slot's block and page: one unsigned 32-bit division, no 64-bit one.
+    assert count(body, r"\bdiv\.u32") == 1 and not re.search(r"\b(div|rem)\.[su]64", body)
     assert "bar.sync" not in body and ".shared" not in body
     # The cache's block, token and head strides (the last three parameters).
     assert_strides_address(body, [9, 10, 11], _name(variant))
@@ -196,8 +201,10 @@ def test_one_compile_per_constants(monkeypatch):
     a = qe.compile_qkv_epilogue(c, False)
     b = qe.compile_qkv_epilogue(QKVFrontConstants(**c.__dict__), False)
     d = qe.compile_qkv_epilogue(c, True)
-    assert a is b and d is not a and len(built) == 2
-    assert isinstance(built[0], qe.QKVEpilogueKernel) and built[1].pdl
+    f = qe.compile_qkv_epilogue(c, False, True)
+    assert a is b and d is not a and f not in (a, d) and len(built) == 3
+    assert isinstance(built[0], qe.QKVEpilogueKernel) and built[1].pdl and built[2].flat and not built[0].flat
+    assert qe.compile_qkv_epilogue(c, False, False) is a
 
 
 # ---------------------------------------------------------------- host checks (no GPU needed)

@@ -19,7 +19,10 @@ RoPE with the FP32 table (every layer but the first), the BF16 table (layer
 other than the k eps (spec only: the stock takes one eps); qkv without the
 o-gate rows; random rows and rows of special values (-0.0, subnormals, +-inf,
 NaN, near-overflow, squares that overflow and underflow, a zero head with
-eps 0); negative slots skipped; PDL on and off; CUDA graph replays; the
+eps 0); negative slots skipped; each of the kernel's two grids forced (per-token,
+flat) and the host's choice by row count (m = 256, 257, 512 of the
+reference draft, with the grid it launched); PDL on and off; CUDA graph
+replays; the host's refusal of 2^31 heads or slots; the
 host's ValueErrors for out-of-range positions and slots outside capture and
 the kernel's skips inside it. Fresh seeded random data: the seed is printed
 (repeat with DSPARK_SEED)."""
@@ -60,6 +63,9 @@ def stock():
 BF16 = torch.bfloat16
 ROWS = [1, 2, 7, 16, 133]
 NUM_BLOCKS, BLOCK = 72, 16
+# The kernel's grids, forced through the host's threshold of (token, head)
+# pairs above which it launches the flat one ("auto": the host's choice).
+GRIDS = {"per-token": 2**31, "flat": -1}
 MAX_POSITION = 4096
 # name: (q heads, KV heads, table "fp32"/"bf16"/None, q_eps, k_eps, o-gate rows)
 CASES = {
@@ -86,7 +92,7 @@ def rotary(table: str) -> Rotary:
 class Setup:
     """One case: its constants, table and epilogue; operands and the two references."""
 
-    def __init__(self, case: str, pdl=None, layout: str = "LBHNC"):
+    def __init__(self, case: str, pdl=None, layout: str = "LBHNC", grid: str = "auto"):
         from dspark_cute.cutedsl.qkv.epilogue import QKVEpilogue
 
         self.layout = layout
@@ -97,6 +103,7 @@ class Setup:
                                            table_dtype=table or "bf16")
         self.table = self.rotary.cos_sin if self.rotary is not None else None
         self.epi = QKVEpilogue(self.constants, None, self.table, pdl=pdl)
+        self.epi.flat_above = GRIDS[grid] if grid in GRIDS else self.epi.flat_above
         self.epi.prepare()
         self.q_size, self.kv_size = self.nq * HEAD_DIM, self.kv * HEAD_DIM
         self.rows = 2 * self.q_size + 2 * self.kv_size if self.ogate else self.q_size + 2 * self.kv_size
@@ -187,25 +194,27 @@ def check(s: Setup, qkv0: torch.Tensor, pos, slots, what: str, ops=None) -> None
 STOCK_CASES = [case for case, c in CASES.items() if c[3] == c[4]]
 
 
+@pytest.mark.parametrize("grid", list(GRIDS))
 @pytest.mark.parametrize("layout", CACHE_LAYOUTS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("m", ROWS)
-def test_matches_spec(case, m, layout, seed):
+def test_matches_spec(case, m, layout, grid, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup(case, layout=layout)
+    s = Setup(case, layout=layout, grid=grid)
     pos, slots = s.step(m, gen)
     check(s, s.qkv(m, gen), pos, slots, f"{case} m={m} random")
     check(s, s.qkv(m, gen, special=True), pos, slots, f"{case} m={m} special")
 
 
+@pytest.mark.parametrize("grid", list(GRIDS))
 @pytest.mark.parametrize("layout", CACHE_LAYOUTS)
 @pytest.mark.parametrize("case", STOCK_CASES)
 @pytest.mark.parametrize("m", ROWS)
-def test_matches_stock(case, m, layout, seed, stock):
+def test_matches_stock(case, m, layout, grid, seed, stock):
     """The same operands through vLLM's stock kernel too (and the spec), the
     cache in each layout (the stock takes its block, token and head strides)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup(case, layout=layout)
+    s = Setup(case, layout=layout, grid=grid)
     pos, slots = s.step(m, gen)
     check(s, s.qkv(m, gen), pos, slots, f"{case} m={m} random", stock)
     check(s, s.qkv(m, gen, special=True), pos, slots, f"{case} m={m} special", stock)
@@ -219,6 +228,49 @@ def test_pdl_off(case, seed, stock):
     for m in (1, 16, 133):
         pos, slots = s.step(m, gen)
         check(s, s.qkv(m, gen, special=True), pos, slots, f"{case} pdl off m={m}", stock)
+
+
+@pytest.mark.parametrize("m", [256, 257, 512])
+def test_host_grid_by_rows(m, seed, monkeypatch):
+    """The host launches the per-token grid up to ``FLAT_ABOVE`` (token,
+    head) pairs and the flat one above (the reference draft's 80 heads:
+    flat above 256 tokens), either bit for bit the spec's (each grid
+    against the stock: ``test_matches_stock``); the cache in vLLM's default
+    layout, a negative slot."""
+    from dspark_cute.cutedsl.qkv import epilogue as qe
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    s = Setup("ref-fp32", layout="LBNHC")
+    assert s.epi.flat_above == qe.FLAT_ABOVE == 256 * 80
+    launched = []
+    real = qe.compile_qkv_epilogue
+    monkeypatch.setattr(qe, "compile_qkv_epilogue",
+                        lambda c, pdl, flat=False: launched.append(flat) or real(c, pdl, flat))
+    pos = torch.randint(0, MAX_POSITION, (m,), generator=gen, device="cuda")
+    slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=gen, device="cuda")[:m].clone()
+    slots[m // 2] = -1
+    check(s, s.qkv(m, gen, special=True), pos, slots, f"host grid m={m}")
+    assert launched and set(launched) == {m > 256}, launched
+
+
+def test_refuses_2_31_heads_or_slots(seed):
+    """``m * heads`` of 2^31 or more (the flat grid's 32-bit index) and a
+    cache of 2^31 slots or more (the 32-bit slot division): refused with
+    the reason (views over small allocations, no kernel launched)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    s = Setup("ref-fp32")
+    qkv = s.qkv(2, gen)
+    pos, slots = s.step(2, gen)
+    cache = s.storage(0)[:NUM_BLOCKS]
+    assert s.epi.takes(qkv, pos, slots, cache)
+    big = cache[:1].expand(2**31 // BLOCK, -1, -1, -1)
+    assert "2^31 slots" in s.epi.problem(qkv, pos, slots, big)
+    m = -(-(2**31) // (s.nq + 2 * s.kv))
+    wide = torch.empty(1, s.rows, dtype=BF16, device="cuda").expand(m, -1)
+    many = torch.zeros(1, dtype=torch.int64, device="cuda").expand(m)
+    assert "2^31 heads" in s.epi.problem(wide, many, many, cache)
+    with pytest.raises(ValueError, match="2\\^31 heads"):
+        s.epi.run(wide, many, many, cache)
 
 
 def test_host_raises_out_of_range(seed):
@@ -281,9 +333,10 @@ def graph_replays(s: Setup, gen, ops=None) -> None:
         assert_replays_repeat(graph, [qkv, whole(storage)])
 
 
+@pytest.mark.parametrize("grid", list(GRIDS))
 @pytest.mark.parametrize("layout", CACHE_LAYOUTS)
-def test_cuda_graph(layout, seed):
-    graph_replays(Setup("ref-fp32", layout=layout), torch.Generator(device="cuda").manual_seed(seed))
+def test_cuda_graph(layout, grid, seed):
+    graph_replays(Setup("ref-fp32", layout=layout, grid=grid), torch.Generator(device="cuda").manual_seed(seed))
 
 
 @pytest.mark.parametrize("layout", CACHE_LAYOUTS)
@@ -291,13 +344,14 @@ def test_cuda_graph_stock(layout, seed, stock):
     graph_replays(Setup("ref-bf16", layout=layout), torch.Generator(device="cuda").manual_seed(seed), stock)
 
 
-def test_capture_skips_out_of_range(seed):
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_capture_skips_out_of_range(grid, seed):
     """Inside capture nothing is read on the host: the kernel skips a slot
     beyond the cache (token 1) and a token whose position lies outside the
     table (token 2: neither its q and k rows nor its K/V written); the cache
     in vLLM's default layout (LBNHC)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    s = Setup("ref-fp32", layout="LBNHC")
+    s = Setup("ref-fp32", layout="LBNHC", grid=grid)
     qkv0 = s.qkv(3, gen)
     pos = torch.tensor([3, 4, MAX_POSITION + 5], device="cuda")
     slots = torch.tensor([10, NUM_BLOCKS * BLOCK + 3, 20], device="cuda")

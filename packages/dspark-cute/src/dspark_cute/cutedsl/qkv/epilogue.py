@@ -77,11 +77,20 @@ from dspark_cute.runtime.host import (
     is_operand,
     jit_cache,
 )
-from dspark_cute.runtime.kv_cache import byte_strides, cache_problem
+from dspark_cute.runtime.kv_cache import MAX_SLOTS, byte_strides, cache_problem
 
-# Threads per CTA and heads per CTA (8 lanes a head, as the stock).
+# The two grids (8 lanes a head, as the stock). Per-token: a CTA of THREADS
+# threads per (token, group of GROUP_HEADS heads). Flat: CTAs of
+# FLAT_THREADS threads over the (token, head) list, as the stock's grid.
 THREADS = 128
 GROUP_HEADS = THREADS // LANES
+FLAT_THREADS = 256
+FLAT_HEADS = FLAT_THREADS // LANES
+# The host launches the flat grid above this many (token, head) pairs, the
+# per-token grid up to it: on an H200 the per-token grid was the faster up to
+# 256 tokens of the reference draft's 80 heads, the flat one at 512
+# (benchmarks/results/qkv_epilogue.md).
+FLAT_ABOVE = 256 * 80
 HEAD_BYTES = 2 * HEAD_DIM
 TABLE_DTYPES = ("bf16", "fp32")
 
@@ -115,14 +124,18 @@ class QKVEpilogueKernel:
     (16-byte aligned), the int64 ``[m]`` positions and slots and the cache
     (the BF16 view ``[num_blocks, kv, bs, 128]``, rows contiguous, 16-byte
     aligned; an operand the constants do not read may be any address);
-    ``row_elems`` (Int32), ``num_slots = num_blocks * bs`` (Int64), ``bs``
-    (Int32), ``P`` (Int64), ``m`` (Int32, the grid's x) and the cache's
-    block, token and head strides in bytes (Int64, multiples of 16)."""
+    ``row_elems`` (Int32), ``num_slots = num_blocks * bs`` (Int64, below
+    2^31), ``bs`` (Int32), ``P`` (Int64), ``m`` (Int32) and the cache's
+    block, token and head strides in bytes (Int64, multiples of 16).
+    ``flat``: the flat grid (``m * heads`` below 2^31), else the per-token
+    one (module constants); the same arithmetic per head either way."""
 
-    def __init__(self, constants: QKVFrontConstants, pdl: bool) -> None:
+    def __init__(self, constants: QKVFrontConstants, pdl: bool, flat: bool = False) -> None:
         check_constants(constants)
         self.c = constants
         self.pdl = pdl
+        self.flat = flat
+        self.threads = FLAT_THREADS if flat else THREADS
         self.heads = constants.num_heads + 2 * constants.kv_heads
         self.groups = -(-self.heads // GROUP_HEADS)
 
@@ -130,26 +143,42 @@ class QKVEpilogueKernel:
     def __call__(self, qkv: Int64, table: Int64, positions: Int64, slots: Int64, cache: Int64, row_elems: Int32,
                  num_slots: Int64, block_size: Int32, max_position: Int64, m: Int32, block_stride: Int64,
                  token_stride: Int64, head_stride: Int64, stream):
+        if cutlass.const_expr(self.flat):
+            grid = [(Int32(m) * self.heads + (FLAT_HEADS - 1)) // FLAT_HEADS, 1, 1]
+        else:
+            grid = [m, self.groups, 1]
         self.kernel(qkv, table, positions, slots, cache, row_elems, num_slots, block_size, max_position,
-                    block_stride, token_stride, head_stride).launch(
-            grid=[m, self.groups, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+                    block_stride, token_stride, head_stride, m).launch(
+            grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, qkv: Int64, table: Int64, positions: Int64, slots: Int64, cache: Int64, row_elems: Int32,
                num_slots: Int64, block_size: Int32, max_position: Int64, block_stride: Int64, token_stride: Int64,
-               head_stride: Int64):
+               head_stride: Int64, m: Int32):
         c = self.c
         nq, kv = c.num_heads, c.kv_heads
         tidx, _, _ = cute.arch.thread_idx()
-        tok, group, _ = cute.arch.block_idx()
+        bx, group, _ = cute.arch.block_idx()
         if cutlass.const_expr(self.pdl):
             ptx.pdl_wait()
             ptx.pdl_launch_dependents()
-        head = Int32(group) * GROUP_HEADS + Int32(tidx) // LANES
         lane = Int32(tidx) % LANES
-        # Past the row's last head: the same work on a clamped copy (the
-        # group's butterfly needs all 8 lanes), nothing written.
-        h = cutlass.min(head, Int32(self.heads - 1))
+        if cutlass.const_expr(self.flat):
+            # The (token, head) list flattened; past its end: the last
+            # token's work on a clamped copy, nothing written.
+            index = cutlass.Uint32(Int32(bx) * FLAT_HEADS + Int32(tidx) // LANES)
+            t32 = index // cutlass.Uint32(self.heads)
+            head = Int32(index - t32 * cutlass.Uint32(self.heads))
+            writes = Int32(t32) < Int32(m)
+            tok = cutlass.min(Int32(t32), Int32(m) - 1)
+            h = head
+        else:
+            tok = Int32(bx)
+            head = Int32(group) * GROUP_HEADS + Int32(tidx) // LANES
+            writes = head < self.heads
+            # Past the row's last head: the same work on a clamped copy (the
+            # group's butterfly needs all 8 lanes), nothing written.
+            h = cutlass.min(head, Int32(self.heads - 1))
         at = Int64(qkv) + (Int64(tok) * Int64(row_elems) + Int64(h) * HEAD_DIM + Int64(lane) * LANE_ELEMS) * 2
         raw = ptx.ld_global_v4(at)
         slot = ptx.ld_global_s64(Int64(slots) + Int64(tok) * 8)
@@ -168,15 +197,17 @@ class QKVEpilogueKernel:
         if cutlass.const_expr(c.rope):
             pairs = [rope_fma(x, y, cos[i], sin[i]) for i, (x, y) in enumerate(pairs)]
         normed = [ptx.pack_bf16x2_rn(x, y) for x, y in pairs]
-        if head < self.heads:
+        if writes:
             if live != Int32(0):
                 if head < nq + kv:
                     ptx.st_global_v4(at, normed)  # q and k heads, in place
                 if head >= nq:
                     # A negative slot is a huge unsigned one: skipped with the rest.
                     if cutlass.Uint64(slot) < cutlass.Uint64(num_slots):
-                        bs = Int64(block_size)
-                        block, page = slot // bs, slot % bs
+                        # Slots fit 31 bits (the host refuses larger caches).
+                        s32 = cutlass.Uint32(slot)
+                        b32 = s32 // cutlass.Uint32(block_size)
+                        block, page = Int64(b32), Int64(s32 - b32 * cutlass.Uint32(block_size))
                         if head < nq + kv:
                             row = strided_row_address(cache, block, page, head - nq, block_stride, token_stride,
                                                       head_stride)
@@ -195,9 +226,9 @@ def fake_args(constants: QKVFrontConstants) -> tuple:
 
 
 @jit_cache("QKVEpilogue")
-def compile_qkv_epilogue(constants: QKVFrontConstants, pdl: bool):
-    """The compiled ``QKVEpilogueKernel`` of ``constants`` and ``pdl``."""
-    return QKVEpilogueKernel(constants, pdl), fake_args(constants)
+def compile_qkv_epilogue(constants: QKVFrontConstants, pdl: bool, flat: bool = False):
+    """The compiled ``QKVEpilogueKernel`` of ``constants``, ``pdl`` and ``flat``."""
+    return QKVEpilogueKernel(constants, pdl, flat), fake_args(constants)
 
 
 # ---------------------------------------------------------------- host API
@@ -251,22 +282,28 @@ class QKVEpilogue(LazyPdl):
         self._pdl = pdl
         self.q_size = c.num_heads * HEAD_DIM
         self.kv_size = c.kv_heads * HEAD_DIM
+        self.heads = c.num_heads + 2 * c.kv_heads
+        # Above this many (token, head) pairs a call launches the flat grid
+        # (the benchmark sets it to time either grid alone).
+        self.flat_above = FLAT_ABOVE
         self.op_handle = ops.register(self)
 
     def prepare(self) -> None:
-        """Compile the kernel this object launches (one per constants and PDL
-        setting). Call before CUDA graph capture."""
-        compile_qkv_epilogue(self.constants, self.pdl)
+        """Compile the kernels this object launches (the two grids, one pair
+        per constants and PDL setting). Call before CUDA graph capture."""
+        for flat in (False, True):
+            compile_qkv_epilogue(self.constants, self.pdl, flat)
 
     def problem(self, qkv, positions, slots, cache) -> str | None:
         """Why the kernel does not take these operands (a sentence), or None:
-        ``qkv`` BF16 ``[m, rows]`` (m >= 1; rows ``q + 2 kv`` or, with the
-        o-gate, ``2 q + 2 kv``) and ``positions`` and ``slots`` int64
-        ``[m]``, contiguous; ``cache`` (a tensor or a ``PagedKVCache``) the
-        BF16 view ``[num_blocks, kv, bs, 128]`` in any physical order whose
-        rows are contiguous and 16-byte aligned (``runtime.kv_cache.
-        cache_problem``); all CUDA tensors on one device (the table's),
-        ``qkv`` 16-byte aligned."""
+        ``qkv`` BF16 ``[m, rows]`` (m >= 1, ``m * (q + 2 kv)`` heads below
+        2^31; rows ``q + 2 kv`` or, with the o-gate, ``2 q + 2 kv``) and
+        ``positions`` and ``slots`` int64 ``[m]``, contiguous; ``cache`` (a
+        tensor or a ``PagedKVCache``) the BF16 view ``[num_blocks, kv, bs,
+        128]`` of fewer than 2^31 slots in any physical order whose rows are
+        contiguous and 16-byte aligned (``runtime.kv_cache.cache_problem``);
+        all CUDA tensors on one device (the table's), ``qkv`` 16-byte
+        aligned."""
         c = self.constants
         widths = (self.q_size + 2 * self.kv_size, 2 * self.q_size + 2 * self.kv_size)
         if not (isinstance(qkv, torch.Tensor) and qkv.dim() == 2 and 1 <= qkv.shape[0] < 2**31
@@ -275,6 +312,8 @@ class QKVEpilogue(LazyPdl):
                     f"not {describe(qkv)}")
         m = qkv.shape[0]
         device = self.device or qkv.device
+        if m * self.heads >= 2**31:
+            return f"qkv of 2^31 heads or more ({m} tokens of {self.heads})"
         if not is_operand(qkv, torch.bfloat16, qkv.shape, 16, device):
             return f"qkv must be a contiguous, 16-byte aligned CUDA bfloat16 tensor on {device}, not {describe(qkv)}"
         for name, t in (("positions", positions), ("slots", slots)):
@@ -283,6 +322,8 @@ class QKVEpilogue(LazyPdl):
         t = cache_tensor(cache)
         if not (isinstance(t, torch.Tensor) and t.is_cuda and t.device == device):
             return f"the cache must be a CUDA tensor on {device}, not {describe(t)}"
+        if t.dim() == 4 and t.shape[0] * t.shape[2] >= MAX_SLOTS:
+            return f"a KV cache of 2^31 slots or more ({t.shape[0]} blocks of {t.shape[2]})"
         return cache_problem(t, c.kv_heads, 16)
 
     def takes(self, qkv, positions, slots, cache) -> bool:
@@ -331,7 +372,8 @@ class QKVEpilogue(LazyPdl):
         table = Int64(self.cos_sin.data_ptr() if c.rope else 0)
         max_position = Int64(self.cos_sin.shape[0] if c.rope else 1)
         strides = tuple(Int64(b) for b in byte_strides(t))
-        compile_qkv_epilogue(c, self.pdl)(
+        flat = m * self.heads > self.flat_above  # from the row count alone
+        compile_qkv_epilogue(c, self.pdl, flat)(
             Int64(qkv.data_ptr()), table, Int64(positions.data_ptr()), Int64(slots.data_ptr()),
             Int64(t.data_ptr()), Int32(qkv.shape[1]), Int64(nb * bs), Int32(bs), max_position, Int32(m), *strides,
             current_stream(),
@@ -339,6 +381,8 @@ class QKVEpilogue(LazyPdl):
 
 
 __all__ = [
+    "FLAT_ABOVE",
+    "FLAT_THREADS",
     "GROUP_HEADS",
     "THREADS",
     "QKVEpilogue",
