@@ -21,8 +21,8 @@
 #                  bench_draft_step with V_draft 32768 (~30 s on an H200) and 202752
 #   bench          bench_decode and profile_decode; bench-kernels: the other single-GPU benchmarks
 #   bench-tp2      the package GEMM and TP2 draft benchmarks; kind nvidia-h200-x2
-#   demo           the README's demo against vLLM's step from .device/stock (carry it), then with the
-#                  one-token GEMV; demo-tp2 on two GPUs
+#   demo           the README's demo against vLLM's step from .device/stock (carry it): tests/test_gpu_demo.py
+#                  (bits), the demo, then with the one-token GEMV; demo-tp2 on two GPUs
 # Logs, benchmark tables and plots go to $OUT (default bench-results/).
 set -u
 cd "$(dirname "$0")/.."
@@ -87,6 +87,7 @@ if wanted bench-tp2; then
   step bench-draft-tp2 240 python packages/dspark-comm/benchmarks/bench_draft_tp2.py --out "$OUT"
 fi
 if wanted demo; then
+  gpu demo-bits 200 tests/test_gpu_demo.py
   step demo 200 python -m dspark_core.demo --stock .device/stock
   step demo-gemv 200 python -m dspark_core.demo --gemv --stock .device/stock
 fi

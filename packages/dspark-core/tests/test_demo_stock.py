@@ -9,6 +9,7 @@ difference reported)."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +158,33 @@ def test_the_dry_stock_path_runs_vllms_step_beside_the_specialized_decode(config
     else:
         assert "hidden states are bit for bit equal" in summary and "tokens equal" in summary
         assert tokens["stock"] == tokens["specialized"]
+
+
+def test_the_binaries_folder_is_bound_to_every_stock_function_the_step_calls(tmp_path):
+    launch = demo_stock._load("launch_stock")
+    rooted = demo_stock._Rooted(launch, tmp_path)
+    called = {"stock_rmsnorm", "stock_o_gate", "stock_silu_and_mul", "stock_rotary", "stock_qknorm_rope_kv_insert",
+              "stock_reshape_and_cache_flash"}
+    source = (ROOT / "scripts" / "stock" / "stock_step.py").read_text()
+    assert {name for name in called if f"self.S.{name}(" in source} == called
+    for name in called:
+        bound = getattr(rooted, name)
+        assert bound.func is getattr(launch, name) and bound.keywords == {"root": tmp_path}
+        assert "root" in inspect.signature(bound.func).parameters
+    assert rooted.DEFAULT_DIR is launch.DEFAULT_DIR  # other names pass through unbound
+
+
+@pytest.mark.parametrize("error, said", [
+    (RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU"), "did not run here (RuntimeError: CUDA_ERROR_NO_BINARY_FOR_GPU)"),
+    (FileNotFoundError("rmsnorm.cubin"), "did not run here (FileNotFoundError: rmsnorm.cubin)"),
+    (LookupError("no installed backend provides the attention kernel"), "no paged decode attention installed"),
+])
+def test_binaries_that_do_not_run_leave_the_spec_path_with_the_reason(tmp_path, monkeypatch, error, said):
+    (tmp_path / "manifest.json").write_text("{}")
+
+    def fails(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(demo_stock, "stock_step", fails)
+    stock, label, why = demo._stock_path(None, torch.device("cuda"), tmp_path, None, None)
+    assert stock is None and label is None and said in why and "\n" not in why
