@@ -237,6 +237,24 @@ def test_constructor_refuses():
         QKVEpilogue(constants(2, None), None, table)
 
 
+def test_max_rows_refused_above():
+    """``max_rows``: ``m * heads`` below 2^31 (the flat grid's Int32 index),
+    stated for the contract's ``rows_taken``; one row more is refused with
+    the reason before any other check (meta tensors: no memory)."""
+    from dspark_core.contracts.kernels import QKV_EPILOGUE, rows_taken
+    from dspark_cute.cutedsl.qkv.epilogue import QKVEpilogue
+
+    c = constants(8, None)
+    epi = QKVEpilogue(c, pdl=False)
+    heads = c.num_heads + 2 * c.kv_heads
+    assert epi.max_rows == (2**31 - 1) // heads and rows_taken(QKV_EPILOGUE, epi) == epi.max_rows
+    rows = (2 * c.num_heads + 2 * c.kv_heads) * 64
+    for m, refused in ((epi.max_rows, False), (epi.max_rows + 1, True)):
+        qkv = torch.empty(m, rows, dtype=torch.bfloat16, device="meta")
+        reason = epi.problem(qkv, None, None, None)
+        assert ("2^31 heads" in reason) is refused, reason
+
+
 def test_call_refuses_cpu_operands():
     from dspark_cute.cutedsl.qkv.epilogue import QKVEpilogue
 

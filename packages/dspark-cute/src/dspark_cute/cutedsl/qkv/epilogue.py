@@ -288,6 +288,12 @@ class QKVEpilogue(LazyPdl):
         self.flat_above = FLAT_ABOVE
         self.op_handle = ops.register(self)
 
+    @property
+    def max_rows(self) -> int:
+        """The most rows one call takes (the flat grid's Int32 index over the
+        (token, head) list: ``m * heads`` below 2^31)."""
+        return (2**31 - 1) // self.heads
+
     def prepare(self) -> None:
         """Compile the kernels this object launches (the two grids, one pair
         per constants and PDL setting). Call before CUDA graph capture."""
@@ -312,8 +318,8 @@ class QKVEpilogue(LazyPdl):
                     f"not {describe(qkv)}")
         m = qkv.shape[0]
         device = self.device or qkv.device
-        if m * self.heads >= 2**31:
-            return f"qkv of 2^31 heads or more ({m} tokens of {self.heads})"
+        if m > self.max_rows:
+            return f"qkv of 2^31 heads or more ({m} tokens of {self.heads}; max_rows {self.max_rows})"
         if not is_operand(qkv, torch.bfloat16, qkv.shape, 16, device):
             return f"qkv must be a contiguous, 16-byte aligned CUDA bfloat16 tensor on {device}, not {describe(qkv)}"
         for name, t in (("positions", positions), ("slots", slots)):
