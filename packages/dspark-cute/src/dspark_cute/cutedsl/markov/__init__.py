@@ -1,2 +1,4 @@
-"""The draft's Markov stage on DSpark kernels: ``greedy.MarkovStep``, the
-fused greedy step after the stock bias GEMM (``dspark_core.spec.markov``)."""
+"""The draft's Markov stage on DSpark kernels, one launch a step after the
+stock bias GEMM: ``greedy.MarkovStep`` (``dspark_core.spec.markov``),
+``sample.MarkovSampleStep`` (vLLM's Gumbel sample and logits cache,
+``dspark_core.spec.gumbel``) and the loops around them (``loop``)."""
