@@ -12,7 +12,7 @@
 #   unpack         unpack what .device/ carries (env.sh does it; this step reports what is there)
 #   check-spec     the spec on CUDA against the stock binaries (scripts/stock/check_spec.py, ~20 s)
 #   spec           dspark-core's GPU tests (the spec on CUDA; no CuTe DSL needed)
-#   norms qkv gating gemv attention   the kernel families' GPU suites (against the spec and the stock binaries)
+#   norms qkv markov gating gemv attention   the kernel families' GPU suites (against the spec and the stock binaries)
 #   ops            the custom ops (opcheck, torch.compile against eager) and the on-disk kernel cache
 #   decode         the executor over the reference draft (tests/test_gpu_decode.py)
 #   multigpu       the two-GPU suites (comm, package GEMM, TP2 draft); kind nvidia-h200-x2
@@ -56,7 +56,8 @@ wanted check-spec && step check-spec 120 python scripts/stock/check_spec.py
 wanted spec && gpu spec 120 packages/dspark-core/tests
 wanted norms && gpu norms 240 packages/dspark-cute/tests/test_gpu_row_norm.py \
   packages/dspark-cute/tests/test_gpu_boundary.py packages/dspark-cute/tests/test_gpu_context.py
-wanted qkv && gpu qkv 200 packages/dspark-cute/tests/test_gpu_qkv_epilogue.py
+wanted qkv && gpu qkv 300 packages/dspark-cute/tests/test_gpu_qkv_epilogue.py
+wanted markov && gpu markov 240 packages/dspark-cute/tests/test_gpu_markov.py
 wanted gating && gpu gating 200 packages/dspark-cute/tests/test_gpu_activations.py
 wanted attention && gpu attention 200 packages/dspark-cute/tests/test_gpu_attention.py
 wanted gemv && gpu gemv 150 packages/dspark-cute/tests/test_gpu_gemv.py
