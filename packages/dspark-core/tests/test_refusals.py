@@ -319,3 +319,26 @@ def test_attention_over_a_row_with_no_valid_slot_is_refused(one_layer, m, s, row
     for r in range(m):  # one valid slot a row: attended, no NaN
         slots[r, data.draw(st.integers(0, s - 1))] = 5
     assert not paged_attention(q, caches[0], slots, 2).isnan().any()
+
+
+# -- the planner's cost --------------------------------------------------------
+
+def _planning_calls(layers: int) -> int:
+    """Python calls to describe, plan and print a draft of ``layers`` layers
+    (a count, not a time: the same on any machine and load)."""
+    import cProfile
+    import pstats
+
+    config = small_config(num_layers=layers)
+    profile = cProfile.Profile()
+    profile.enable()
+    plan_draft(describe(DraftModel(config, device="meta")), policy.Target()).format()
+    profile.disable()
+    return pstats.Stats(profile).total_calls
+
+
+def test_the_planner_is_linear_in_the_layer_count():
+    _planning_calls(2)  # imports and per-class caches first
+    small, large = _planning_calls(40), _planning_calls(160)
+    print(f"calls: 40 layers {small}, 160 layers {large}")
+    assert large <= 4.05 * small, (small, large)

@@ -76,6 +76,7 @@ FP32_OVERFLOW = (2 - 2**-24) * 2**127
 _HEAD_FIELDS = ("num_heads", "kv_heads")
 _EPS_FIELDS = ("eps", "q_eps", "k_eps", "o_gate_eps")
 _CHECKS: dict[type, list] = {}
+_NAMES: dict[type, tuple] = {}
 
 
 def fp32_number(what: str, value, non_negative: bool = False) -> float:
@@ -144,7 +145,12 @@ class _Key:
                 raise Unsupported(f"no {extra} is known for {value!r} (only {', '.join(ARCHS)})")
 
     def _fields(self) -> tuple:
-        return _identity(dataclasses.astuple(self))
+        # dataclasses.astuple's value (nested constants as the tuple of their
+        # fields), without its deep copy: a plan builds thousands of these.
+        names = _NAMES.get(type(self))
+        if names is None:
+            names = _NAMES[type(self)] = tuple(f.name for f in dataclasses.fields(self))
+        return tuple(_memo(v)[1] if isinstance(v, _Key) else _identity(v) for v in map(self.__getattribute__, names))
 
     def __eq__(self, other) -> bool:
         return type(other) is type(self) and _memo(self)[1] == _memo(other)[1]

@@ -16,6 +16,7 @@ full disk) one line and 1; a closed pipe ends it quietly.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -151,11 +152,14 @@ def print_plan(plan: DraftPlan, out=None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    gc.disable()  # the draft's modules are long-lived: collecting while building them is wasted time
     try:
         config, plan = plan_config(args)
     except (ValueError, TypeError, OSError) as error:
         print(f"dspark-plan: error: {error}", file=sys.stderr)
         return 2
+    finally:
+        gc.enable()
     text = plan.format()
     if args.print_config:
         text = f"{config.to_json()}\n{text}"
