@@ -147,7 +147,7 @@ def test_the_dry_stock_path_runs_vllms_step_beside_the_specialized_decode(config
     out = capsys.readouterr().out
     assert seen == {"pdl": False}  # no PDL on a CPU
     assert set(tokens) == {"stock", "specialized"}
-    assert "stock path, vLLM 0.33.0's draft step from its binaries (attention: the spec attention, both paths): " \
+    assert "stock path, vLLM 0.33.0's draft step on stand-in kernels (attention: the spec attention, both paths): " \
            "3 greedy steps of 2 token(s); a step takes" in out
     assert "no speed ratio" not in out
     summary = out.strip().splitlines()[-1]

@@ -161,7 +161,8 @@ def _stock_path(model, device: torch.device, stock_dir, kernels, attention):
         return None, None, f"no paged decode attention installed for vLLM's step ({error}): pip install dspark-cute"
     except Exception as error:  # noqa: BLE001 - any failure to load or launch the binaries: said, then the spec
         return None, None, f"vLLM's binaries in {stock_dir} did not run here ({type(error).__name__}: {error})"
-    return stock, f"vLLM 0.33.0's draft step from its binaries (attention: {attention_name}, both paths)", None
+    source = "from its binaries" if kernels is None else "on stand-in kernels"
+    return stock, f"vLLM 0.33.0's draft step {source} (attention: {attention_name}, both paths)", None
 
 
 @torch.no_grad()
@@ -307,6 +308,8 @@ def _run_tp(config: DraftConfig, args) -> int | None:
     demos = list(entry_points(group=TP_DEMOS_ENTRY_POINTS))
     if not demos:
         raise ValueError(f"--tp {args.tp} needs a backend with a TP demo: pip install ./packages/dspark-comm")
+    if args.stock is not None:
+        print(f"--stock: the TP{args.tp} demo compares with its own stock path; vLLM's binaries are the TP1 demo's")
     if args.gemv:
         print("--gemv: the one-token GEMV runs at TP1 only (at TP the branch GEMMs feed the all-reduce)")
     return demos[0].load()(config, args.steps, args.block, args.context)
