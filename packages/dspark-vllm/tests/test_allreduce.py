@@ -324,6 +324,7 @@ def _rank(rank: int, tp: int, port: int, env: dict, queue) -> None:
         except ValueError as e:
             queue.put((rank, "refused", str(e)))
             return
+        binding.check_backend = lambda: True  # FlashInfer's workspace check (its own test) would import vLLM here
         takes = [binding.takes(torch.empty(m, 2048, dtype=torch.bfloat16)) for m in range(1, 21)]
         x = torch.randn(3, draft.layers[0].attention.o_proj_weight.shape[1]).to(torch.bfloat16)
         projected, published = binding.project(0, x, draft.layers[0].attention.o_proj_weight)
@@ -343,7 +344,7 @@ def _run(tp: int, env: dict) -> dict:
     procs = [ctx.Process(target=_rank, args=(r, tp, port, env, queue)) for r in range(tp)]
     for p in procs:
         p.start()
-    results = dict((r, (kind, value)) for r, kind, value in (queue.get(timeout=240) for _ in range(tp)))
+    results = dict((r, (kind, value)) for r, kind, value in (queue.get(timeout=400) for _ in range(tp)))
     for p in procs:
         p.join(timeout=120)
     codes = [p.exitcode for p in procs]
@@ -487,11 +488,18 @@ def test_check_refuses_a_flashinfer_workspace_of_another_backend(monkeypatch):
     checked = []
     binding = object.__new__(ar.MailboxBoundaries)
     binding.order, binding.mailbox = order, types.SimpleNamespace(check=lambda: checked.append(1))
+    binding.inner = types.SimpleNamespace(takes=lambda partial: True)
+    binding._backend_known = False
     monkeypatch.setattr(fi, "_fi_ar_workspace", None)
     binding.check()  # no workspace yet: nothing to compare
+    assert binding.takes(torch.empty(1, 2048)) and binding._backend_known is False
     monkeypatch.setattr(fi, "_fi_ar_workspace", types.SimpleNamespace(backend="mnnvl"))
     binding.check()
     monkeypatch.setattr(fi, "_fi_ar_workspace", types.SimpleNamespace(backend="trtllm"))
     with pytest.raises(RuntimeError, match="VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm"):
         binding.check()
+    with pytest.raises(RuntimeError, match="but vLLM created its trtllm workspace"):
+        binding.takes(torch.empty(1, 2048))  # the first call after the workspace exists
+    monkeypatch.setattr(fi, "_fi_ar_workspace", types.SimpleNamespace(backend="mnnvl"))
+    assert binding.takes(torch.empty(1, 2048)) and binding._backend_known is True
     assert checked == [1, 1, 1]

@@ -415,7 +415,9 @@ class MailboxBoundaries:
     order.rows``; ``all_reduce`` (the calls it does not take) is vLLM's
     ``tensor_model_parallel_all_reduce``; ``project`` is the layer's
     RowParallelLinear GEMM, or the package GEMM where the plan runs one
-    (``package_gemm_asked``); the stand-ins of the tests replace
+    (``package_gemm_asked``); ``takes`` also compares, on host state
+    alone, FlashInfer's workspace (once vLLM's first all-reduces created it)
+    with the order's backend (``check_backend``); the stand-ins of the tests replace
     ``group``, ``mailbox``, ``reduce``, ``branch_gemm`` (the linear's GEMM,
     default ``adapter.partial``), ``boundary`` and ``gemm``. ``check()`` (outside CUDA graphs: it
     synchronizes) raises ``MailboxTimeoutError`` where a kernel gave up on a
@@ -456,6 +458,7 @@ class MailboxBoundaries:
         self.tp, self.order, self.group, self.mailbox = draft.tp, order, group, mailbox
         self._reduce, self._branch_gemm = reduce, branch_gemm
         self._logged: set[int] = set()
+        self._backend_known = False
         self._linears = [linear for layer in model.layers
                          for linear in (layer.self_attn.o_proj, layer.feed_forward.down_proj)]
         extra = {k: v for k, v in (("boundary", boundary), ("gemm", gemm)) if v is not None}
@@ -463,6 +466,8 @@ class MailboxBoundaries:
                                     positive_zero=order.positive_zero, **extra)
 
     def takes(self, partial) -> bool:
+        if not self._backend_known:  # the first calls after vLLM's own all-reduces created FlashInfer's workspace
+            self._backend_known = self.check_backend()
         if self.inner.takes(partial):
             return True
         rows = int(partial.shape[0])
@@ -490,16 +495,25 @@ class MailboxBoundaries:
 
     def check(self) -> None:
         self.mailbox.check()
+        self.check_backend()
+
+    def check_backend(self) -> bool:
+        """Host state only: RuntimeError where vLLM created FlashInfer's
+        workspace for another backend than the order's; True once it is
+        known to be the order's (or the order is not FlashInfer's)."""
         if self.order.backend != "flashinfer":
-            return
+            return True
         from vllm.distributed.device_communicators import flashinfer_all_reduce as fi
 
         workspace = fi._fi_ar_workspace
+        if workspace is None:
+            return False
         built = getattr(workspace, "backend", None)
         kernel = self.order.kernel.split(" ")[0]  # mnnvl, trtllm
-        if workspace is not None and built != kernel:
+        if built != kernel:
             raise RuntimeError(f"the DSpark mailbox reproduces FlashInfer's {kernel} all-reduce, but vLLM created "
                                f"its {built} workspace: set VLLM_FLASHINFER_ALLREDUCE_BACKEND={built} and restart")
+        return True
 
     def close(self) -> None:
         self.mailbox.close()
