@@ -83,9 +83,16 @@ def test_a_norm_override_infinite_in_fp32_is_refused():
         small_config(norm_overrides={"hidden_norm": {"eps": 1e39}})
 
 
+def test_a_config_of_more_layers_than_any_draft_is_refused():
+    with pytest.raises(ValueError, match="num_layers must be from 0 to 65536, not 1000000"):
+        small_config(num_layers=10**6)
+    with pytest.raises(ValueError, match="num_layers must be from 0 to 65536, not -1"):
+        small_config(num_layers=-1)
+
+
 @FAST
 @given(field=st.sampled_from(["hidden_size", "intermediate_size", "num_heads", "head_dim", "kv_block_size",
-                              "vocab_size", "max_position", "num_layers"]),
+                              "vocab_size", "max_position"]),
        exponent=st.integers(31, 80))
 def test_a_config_size_beyond_32_bits_is_refused(field, exponent):
     with pytest.raises(ValueError, match=f"{field} must be at most 2147483647"):

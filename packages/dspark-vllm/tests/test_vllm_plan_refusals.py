@@ -58,6 +58,7 @@ def _with_draft(dirs, tmp_path, **changes):
 @pytest.mark.parametrize("changes, message", [
     ({"num_hidden_layers": 0}, "num_hidden_layers must be an integer from 1 to 2147483647, not 0"),
     ({"num_hidden_layers": -2}, "num_hidden_layers must be an integer from 1"),
+    ({"num_hidden_layers": 10**6}, "num_hidden_layers must be at most 65536, not 1000000"),
     ({"num_attention_heads": 0}, "num_attention_heads must be an integer from 1"),
     ({"vocab_size": 0}, "vocab_size must be an integer from 1"),
     ({"hidden_size": 2.5}, "hidden_size must be an integer"),

@@ -36,7 +36,7 @@ from pathlib import Path
 from dspark_core.contracts.constants import FP32_OVERFLOW, MAX_SIZE
 from dspark_core.planner import policy
 from dspark_core.planner.cli import int_in, kernel_names, write_out
-from dspark_core.reference.config import read_json_object
+from dspark_core.reference.config import MAX_LAYERS, read_json_object
 
 # Backend and fused-insert facts of the GPU the plan is made for.
 GPU_ATTENTION_BACKEND = "FLASH_ATTN"
@@ -98,6 +98,8 @@ def check_draft_config(config: dict, where: str, target_layers: int | None) -> N
         if key not in config:
             raise ValueError(f"{where}: the draft config has no {key}")
     sizes = {key: _size(config, key, where) for key in (*REQUIRED_SIZES, *OPTIONAL_SIZES)}
+    if sizes["num_hidden_layers"] > MAX_LAYERS:
+        raise ValueError(f"{where}: num_hidden_layers must be at most {MAX_LAYERS}, not {sizes['num_hidden_layers']}")
     heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"] or sizes["num_attention_heads"]
     if heads % kv_heads:
         raise ValueError(f"{where}: num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")

@@ -16,6 +16,10 @@ import torch
 from dspark_core.contracts.constants import FP32_OVERFLOW, MAX_SIZE
 
 INT64_MAX = 2**63 - 1
+# The most layers a draft config may have: drafts have a few; planning builds
+# every layer's modules (linear in the count), so a config of millions of
+# layers is refused rather than planned for minutes.
+MAX_LAYERS = 1 << 16
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # The norm variant keys a config may set, globally or per norm (norm_overrides).
@@ -94,12 +98,12 @@ class DraftConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
-        for name in (*positive, "num_layers"):
+        for name in positive:
             if getattr(self, name) > MAX_SIZE:
                 raise ValueError(f"{name} must be at most {MAX_SIZE} (the kernels index with 32-bit integers), "
                                  f"not {getattr(self, name)}")
-        if self.num_layers < 0:
-            raise ValueError(f"num_layers must be at least 0, not {self.num_layers}")
+        if not 0 <= self.num_layers <= MAX_LAYERS:
+            raise ValueError(f"num_layers must be from 0 to {MAX_LAYERS}, not {self.num_layers}")
         if self.q_size > MAX_SIZE:
             raise ValueError(f"num_heads * head_dim must be at most {MAX_SIZE}, not {self.q_size}")
         rows = max(2 * self.q_size + 2 * self.kv_size, 2 * self.intermediate_size, self.vocab_size)
