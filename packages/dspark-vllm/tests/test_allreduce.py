@@ -503,3 +503,7 @@ def test_check_refuses_a_flashinfer_workspace_of_another_backend(monkeypatch):
     monkeypatch.setattr(fi, "_fi_ar_workspace", types.SimpleNamespace(backend="mnnvl"))
     assert binding.takes(torch.empty(1, 2048)) and binding._backend_known is True
     assert checked == [1, 1, 1]
+    monkeypatch.setattr(fi, "_fi_ar_workspace", None)
+    monkeypatch.setattr(fi, "_fi_ar_workspace_failed", True)
+    with pytest.raises(RuntimeError, match="could not create FlashInfer's workspace"):
+        binding.check_backend()

@@ -506,10 +506,14 @@ class MailboxBoundaries:
         from vllm.distributed.device_communicators import flashinfer_all_reduce as fi
 
         workspace = fi._fi_ar_workspace
+        kernel = self.order.kernel.split(" ")[0]  # mnnvl, trtllm
+        if workspace is None and fi._fi_ar_workspace_failed:
+            raise RuntimeError(f"the DSpark mailbox reproduces FlashInfer's {kernel} all-reduce, but vLLM could not "
+                               "create FlashInfer's workspace and runs its next all-reduce backend: restart with "
+                               "VLLM_ALLREDUCE_USE_FLASHINFER=0 (or without decode_backend=latency_specialized)")
         if workspace is None:
             return False
         built = getattr(workspace, "backend", None)
-        kernel = self.order.kernel.split(" ")[0]  # mnnvl, trtllm
         if built != kernel:
             raise RuntimeError(f"the DSpark mailbox reproduces FlashInfer's {kernel} all-reduce, but vLLM created "
                                f"its {built} workspace: set VLLM_FLASHINFER_ALLREDUCE_BACKEND={built} and restart")
