@@ -503,6 +503,10 @@ def test_check_refuses_a_flashinfer_workspace_of_another_backend(monkeypatch):
     monkeypatch.setattr(fi, "_fi_ar_workspace", types.SimpleNamespace(backend="mnnvl"))
     assert binding.takes(torch.empty(1, 2048)) and binding._backend_known is True
     assert checked == [1, 1, 1]
+    # At TP2 the trtllm one-shot kernel sums as mnnvl does: no refusal.
+    binding.order = ar.stock_all_reduce(2, "sm_90a", env={}, topology=Topology(), hidden_size=2048)
+    monkeypatch.setattr(fi, "_fi_ar_workspace", types.SimpleNamespace(backend="trtllm"))
+    assert binding.order.kernel == "mnnvl" and binding.check_backend()
     monkeypatch.setattr(fi, "_fi_ar_workspace", None)
     monkeypatch.setattr(fi, "_fi_ar_workspace_failed", True)
     with pytest.raises(RuntimeError, match="could not create FlashInfer's workspace"):

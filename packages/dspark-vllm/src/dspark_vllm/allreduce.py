@@ -64,6 +64,7 @@ decode is built, before vLLM profiles memory; vLLM's
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -514,10 +515,21 @@ class MailboxBoundaries:
         if workspace is None:
             return False
         built = getattr(workspace, "backend", None)
-        if built != kernel:
+        if built != kernel and not self._same_sums(built):
             raise RuntimeError(f"the DSpark mailbox reproduces FlashInfer's {kernel} all-reduce, but vLLM created "
                                f"its {built} workspace: set VLLM_FLASHINFER_ALLREDUCE_BACKEND={built} and restart")
         return True
+
+    def _same_sums(self, backend) -> bool:
+        """Whether FlashInfer's ``backend`` sums the order's rows as the
+        order's kernel does (at TP2 mnnvl and the trtllm one-shot kernel do)."""
+        if backend not in FI_BACKENDS or self.order.inputs is None:
+            return False
+        tp, arch, max_rows, sw, disable, topology = self.order.inputs
+        alt = decode_order(tp, arch, self.order.hidden_size, max_rows, dataclasses.replace(sw, fi_backend=backend),
+                           disable, Topology(backend == "mnnvl", topology.fully_connected))
+        o = self.order
+        return (alt.sum_order, alt.positive_zero, alt.rows) == (o.sum_order, o.positive_zero, o.rows)
 
     def close(self) -> None:
         self.mailbox.close()
