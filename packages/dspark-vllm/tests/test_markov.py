@@ -340,7 +340,7 @@ def test_build_reasons(built, caplog):
     caplog.set_level(logging.INFO, logger="vllm.dspark")
     cases = [
         ({"arch": None}, "no CUDA GPU"),
-        ({"arch": "sm_90a"}, "not yet checked bit for bit against vLLM 0.33.0's greedy Markov loop on an sm_90a"),
+        ({"arch": "sm_100a"}, "not yet checked bit for bit against vLLM 0.33.0's greedy Markov loop on an sm_100a"),
         ({"arch": "sm_100a", "checked": frozenset({"sm_90a"})}, "on an sm_100a GPU"),
         # The CPU platform dispatches vLLM's unquantized GEMMs to its own cpu_linear, not F.linear.
         ({"arch": "sm_90a", "checked": frozenset({"sm_90a"})}, "another backend than F.linear"),
@@ -351,6 +351,25 @@ def test_build_reasons(built, caplog):
         assert stage.step is None and words in stage.reason
         assert stage.sample_sequential(object(), 1, torch.zeros(1)) is False
         assert any(words in r.getMessage() and "keeps vLLM's Markov loop" in r.getMessage() for r in caplog.records)
+
+
+def test_the_default_checks_fuse_greedy_drafting_on_sm_90a_only(built, monkeypatch, caplog):
+    """By default (MARKOV_CHECKED, SAMPLE_CHECKED) an sm_90a GPU fuses the
+    greedy step (checked against vLLM's loop on an H200) and keeps vLLM's loop
+    for probabilistic drafting, saying why once; sm_100a fuses neither."""
+    caplog.set_level(logging.INFO, logger="vllm.dspark")
+    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
+    stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
+                             sample_class=CpuSampleStep)
+    stage.build()
+    assert stage.step is not None and stage.reason is None
+    assert stage.sample is None and "not yet against vLLM 0.33.0's Triton gumbel_sample on an sm_90a" in \
+        stage.sample_reason
+    assert sum("keeps vLLM's Markov loop for probabilistic drafting" in r.getMessage() for r in caplog.records) == 1
+    stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_100a",
+                             sample_class=CpuSampleStep)
+    stage.build()
+    assert stage.step is None and stage.sample is None and "on an sm_100a GPU" in stage.reason
 
 
 def test_build_refuses_a_head_the_kernel_does_not_take(built, monkeypatch):
@@ -378,10 +397,15 @@ def test_the_plugin_class_answers_the_hook():
 
 def test_plan_line(built, monkeypatch):
     model = built.model
-    assert hook.plan_line(model, "sm_90a") == (
-        "Markov stage: vLLM's loop: the DSpark markov_step kernel is not yet checked bit for bit against vLLM "
-        "0.33.0's greedy Markov loop on an sm_90a GPU")
     key = hook.head_constants(model).key()
+    assert hook.plan_line(model, "sm_100a") == (
+        "Markov stage: vLLM's loop: the DSpark markov_step kernel is not yet checked bit for bit against vLLM "
+        "0.33.0's greedy Markov loop on an sm_100a GPU")
+    # The defaults: the greedy step checked on sm_90a, the probabilistic one not yet against vLLM's binary.
+    assert hook.plan_line(model, "sm_90a").startswith(
+        f"Markov stage: greedy drafting fused (markov_step {key}); probabilistic drafting in vLLM's loop (the DSpark "
+        "markov_sample kernel is checked against dspark-core's spec of vLLM's Gumbel sampler, not yet against vLLM "
+        "0.33.0's Triton gumbel_sample on an sm_90a GPU)")
     line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}))
     assert line.startswith(f"Markov stage: greedy drafting fused (markov_step {key}); probabilistic drafting fused "
                            "(markov_sample ") and line.endswith("; vLLM's loop for the top-k loop, a watermarker, "

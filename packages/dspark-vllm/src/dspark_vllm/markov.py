@@ -44,11 +44,20 @@ from dspark_core.errors import Unsupported
 from dspark_vllm import deployment
 from dspark_vllm.runtime import logger
 
-# GPU architectures on which dspark-cute's test_gpu_markov.py passed against
-# vLLM's loop in its own torch ops (none yet: the kernel is compile-checked only).
-MARKOV_CHECKED: frozenset[str] = frozenset()
+# GPU architectures on which the greedy step was checked bit for bit against
+# vLLM's greedy loop: dspark-cute's test_gpu_markov.py (against the loop in its
+# own torch ops) and bench_draft_step (inside the draft step from vLLM's
+# binaries), both on an H200 on 2026-12-03.
+MARKOV_CHECKED: frozenset[str] = frozenset({"sm_90a"})
 UNCHECKED = ("the DSpark markov_step kernel is not yet checked bit for bit against vLLM 0.33.0's greedy Markov loop "
              "on an {arch} GPU")
+# GPU architectures on which the probabilistic step was checked against vLLM's
+# Triton gumbel_sample binary (none: on the H200 it passed against dspark-core's
+# spec of that kernel only, since the binary is not among the stock kernels the
+# device carries).
+SAMPLE_CHECKED: frozenset[str] = frozenset()
+SAMPLE_UNCHECKED = ("the DSpark markov_sample kernel is checked against dspark-core's spec of vLLM's Gumbel sampler, "
+                    "not yet against vLLM 0.33.0's Triton gumbel_sample on an {arch} GPU")
 
 
 def _step_class():
@@ -105,9 +114,12 @@ def arch_reason(arch: str | None, checked: frozenset[str]) -> str | None:
 def plan_line(model, arch: str, checked: frozenset[str] | None = None) -> str:
     """The plan's line for the Markov stage of ``model`` on an ``arch`` GPU
     (``python -m dspark_vllm.plan``): fused with its constants' key and the
-    calls it leaves to vLLM, or vLLM's loop with the reason. The Markov GEMM's
+    calls it leaves to vLLM, or vLLM's loop with the reason. ``checked``
+    (default ``MARKOV_CHECKED`` for the greedy step, ``SAMPLE_CHECKED`` for
+    the probabilistic one) stands for both where given. The Markov GEMM's
     dispatch (``bias_gemm_reason``) is the serving process's and is checked
     there."""
+    sample_checked = SAMPLE_CHECKED if checked is None else checked
     reason = arch_reason(arch, MARKOV_CHECKED if checked is None else checked)
     if reason is None:
         try:
@@ -117,6 +129,8 @@ def plan_line(model, arch: str, checked: frozenset[str] | None = None) -> str:
     if reason is not None:
         return f"Markov stage: vLLM's loop: {reason}"
     try:
+        if arch not in sample_checked:
+            raise Unsupported(SAMPLE_UNCHECKED.format(arch=arch))
         if model.draft_id_to_target_id is None:
             raise Unsupported("the probabilistic step scatters through a d2t map and this head has none")
         s = markov_sample_constants(c.vocab, int(model.config.vocab_size), c.rank, c.multiplier, c.soft_cap,
@@ -132,7 +146,9 @@ class MarkovStage:
     """The fused greedy Markov stage of ``model`` (vLLM's Muse Spark DSpark
     draft) under ``vllm_config`` (module docstring). ``step_class`` and
     ``arch`` replace dspark-cute's ``MarkovStep`` and the GPU's architecture
-    (tests)."""
+    (tests); ``checked`` (default ``MARKOV_CHECKED``) the architectures the
+    greedy step fuses on, and the probabilistic step's too where given (else
+    ``SAMPLE_CHECKED``)."""
 
     def __init__(self, model, vllm_config, step_class=None, arch: str | None = "probe",
                  checked: frozenset[str] | None = None, sample_class=None) -> None:
@@ -142,6 +158,8 @@ class MarkovStage:
         self.sample_class = sample_class
         self.arch = arch
         self.checked = MARKOV_CHECKED if checked is None else checked
+        self.sample_checked = SAMPLE_CHECKED if checked is None else checked
+        self.resolved_arch: str | None = None
         self.step = None
         self.sample = None
         self.sample_reason: str | None = "not built"
@@ -151,6 +169,7 @@ class MarkovStage:
 
     def _build_reason(self) -> str | None:
         arch = deployment.arch_of(deployment.gpu_capability()) if self.arch == "probe" else self.arch
+        self.resolved_arch = arch
         return arch_reason(arch, self.checked) or bias_gemm_reason(self.model)
 
     def build(self) -> None:
@@ -186,6 +205,8 @@ class MarkovStage:
         model = self.model
         d2t = model.draft_id_to_target_id
         try:
+            if self.resolved_arch not in self.sample_checked:
+                raise Unsupported(SAMPLE_UNCHECKED.format(arch=self.resolved_arch))
             if d2t is None:
                 raise Unsupported("the probabilistic step scatters through a d2t map and this head has none")
             c = step.constants
@@ -302,4 +323,4 @@ class MarkovStage:
         return True
 
 
-__all__ = ["MARKOV_CHECKED", "MarkovStage", "arch_reason", "bias_gemm_reason", "head_constants", "plan_line"]
+__all__ = ["MARKOV_CHECKED", "SAMPLE_CHECKED", "MarkovStage", "arch_reason", "bias_gemm_reason", "head_constants", "plan_line"]
