@@ -323,4 +323,5 @@ class MarkovStage:
         return True
 
 
-__all__ = ["MARKOV_CHECKED", "SAMPLE_CHECKED", "MarkovStage", "arch_reason", "bias_gemm_reason", "head_constants", "plan_line"]
+__all__ = ["MARKOV_CHECKED", "SAMPLE_CHECKED", "MarkovStage", "arch_reason", "bias_gemm_reason", "head_constants",
+           "plan_line"]
