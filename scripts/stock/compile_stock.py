@@ -10,7 +10,8 @@ It writes, under DIR (default ``.device/stock`` at the repository root):
 
 * ``triton/<variant>.cubin`` + ``triton/<variant>.json``: the Triton kernels
   ``_rmsnorm_fwd_kernel`` (every variant the draft's norms can take) and the FLA
-  ``layer_norm_gated_fwd_kernel`` (o-norm + sigmoid o-gate, sm_90 path),
+  ``layer_norm_gated_fwd_kernel`` (o-norm + sigmoid o-gate, sm_90 path) and
+  the Gumbel sampler ``_gumbel_sample_kernel`` (the draft's probabilistic path),
   compiled for each requested arch with the same specialization Triton's JIT
   would derive from the stock launch (pointer alignment, ``T == 1`` /
   ``T % 16 == 0``), plus the launch metadata (grid rule, block, shared memory,
@@ -20,7 +21,8 @@ It writes, under DIR (default ``.device/stock`` at the repository root):
   kernel, the RoPE kernel and the KV-cache copy kernel, xz-compressed (the
   11 MB QK cubin packs to about 0.25 MB), with each needed kernel's mangled name
   and its parameter layout read from ``.nv.info`` (EIATTR_KPARAM_INFO).
-* ``manifest.json``: an index of all of the above.
+* ``manifest.json``: an index of all of the above (a run of some ``--parts``
+  keeps the other parts' entries of an existing manifest of the same archs).
 
 Nothing of vLLM is copied: the Triton kernels are imported from the installed
 vLLM and compiled; the CUDA cubins are extracted from the installed library
@@ -224,6 +226,81 @@ def boundary_variants(d: int = 8192):
         yield name, sig, const, aligned, grid, warps, _t_matches(ts)
 
 
+# The int arguments of _gumbel_sample_kernel in order, and the two pointers whose
+# 16-byte alignment varies between launches (the rest are fresh allocations or
+# whole buffers: always aligned).
+GUMBEL_INTS = ("local_argmax_stride", "local_max_stride", "logits_cache_stride_0", "logits_cache_stride_1",
+               "logits_cache_source_stride", "logits_stride", "vocab_size")
+GUMBEL_PTRS = ("logits_cache_col_ptr", "expanded_idx_mapping_ptr")
+
+
+def _int_spec(v: int) -> str:
+    """Triton's JIT specialization of an int argument: 1 (a constexpr), D (a multiple of 16), x (neither)."""
+    return "1" if v == 1 else ("D" if v % 16 == 0 else "x")
+
+
+def gumbel_ints(vocab: int, steps: int) -> dict:
+    """The int arguments of ``gumbel_sample``'s launch on the draft's
+    probabilistic path: logits = the BF16 scatter buffer ``[R, vocab]``
+    (row stride ``vocab``), the cache ``draft_logits [reqs, steps, vocab]``,
+    its source the logits themselves, ``cdiv(vocab, 1024)`` blocks."""
+    nb = -(-vocab // 1024)
+    return dict(local_argmax_stride=nb, local_max_stride=nb, logits_cache_stride_0=steps * vocab,
+                logits_cache_stride_1=vocab, logits_cache_source_stride=vocab, logits_stride=vocab,
+                vocab_size=vocab)
+
+
+def gumbel_variant_name(ints: dict, col_aligned: bool, idx_aligned: bool) -> str:
+    """``gumbel_<int specs>_col<a|u>_idx<a|u>``; launch_stock derives the same name from a launch."""
+    return (f"gumbel_{''.join(_int_spec(ints[k]) for k in GUMBEL_INTS)}"
+            f"_col{'a' if col_aligned else 'u'}_idx{'a' if idx_aligned else 'u'}")
+
+
+def gumbel_variants(vocabs, steps):
+    """``_gumbel_sample_kernel`` as ``DSparkSpeculator._sample_logits`` launches
+    it through ``gumbel_sample`` with ``draft_logits`` set: BF16 logits (the
+    scatter buffer; the cache's dtype, the head dtype), the logits cache and
+    its source (the logits), int32 scalar column ``_step_cols[step]`` (a 0-dim
+    view: PER_TOKEN_COL False), int64 ``idx_map`` / ``pos`` / ``seeds``, FP32
+    temperature and block maxima, int64 block argmax; BLOCK_SIZE 1024,
+    IS_DRAFTING and APPLY_TEMPERATURE True, USE_FP64 False (the default
+    ``use_fp64_gumbel``), 4 warps (Triton's default: the host passes none),
+    grid ``(T, cdiv(V, 1024))``. One variant per distinct specialization of
+    the int arguments over ``vocabs`` x ``steps`` and per alignment of the
+    column pointer (``_step_cols`` + 4 * step: 16-aligned at steps 0, 4) and
+    of ``idx_map`` (a copy by ``.contiguous()``, but ``idx_map[:, i]`` itself
+    where R == 1: aligned at even steps)."""
+    seen = set()
+    for vocab in vocabs:
+        for n in steps:
+            ints = gumbel_ints(vocab, n)
+            for col_a in (True, False):
+                for idx_a in (True, False):
+                    name = gumbel_variant_name(ints, col_a, idx_a)
+                    if name in seen:
+                        continue
+                    seen.add(name)
+                    sig = {"local_argmax_ptr": "*i64", "local_max_ptr": "*fp32", "logits_cache_ptr": "*bf16",
+                           "logits_cache_col_ptr": "*i32", "logits_cache_source_ptr": "*bf16",
+                           "logits_ptr": "*bf16", "expanded_idx_mapping_ptr": "*i64", "seeds_ptr": "*i64",
+                           "pos_ptr": "*i64", "temp_ptr": "*fp32"}
+                    const = dict(BLOCK_SIZE=1024, IS_DRAFTING=True, APPLY_TEMPERATURE=True, USE_FP64=False,
+                                 PER_TOKEN_COL=False)
+                    aligned = ["local_argmax_ptr", "local_max_ptr", "logits_cache_ptr", "logits_cache_source_ptr",
+                               "logits_ptr", "seeds_ptr", "pos_ptr", "temp_ptr"]
+                    aligned += ["logits_cache_col_ptr"] if col_a else []
+                    aligned += ["expanded_idx_mapping_ptr"] if idx_a else []
+                    for k in GUMBEL_INTS:
+                        spec = _int_spec(ints[k])
+                        if spec == "1":
+                            const[k] = 1
+                        else:
+                            sig[k] = "i32"
+                            aligned += [k] if spec == "D" else []
+                    grid = {"rule": "(T, cdiv(vocab_size, 1024), 1)", "block": 1024}
+                    yield name, sig, const, aligned, grid, 4, f"e.g. vocab {vocab}, {n} steps"
+
+
 def compile_kernel(fn, sig: dict, const: dict, aligned, warps: int, arch: int):
     """One Triton kernel compiled in memory for ``arch`` (90, 100) with the
     specialization the JIT derives from the stock launch: ``sig`` the
@@ -392,10 +469,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / ".device" / "stock")
     ap.add_argument("--arch", default="90,100", help="comma list of 90, 100")
-    ap.add_argument("--parts", default="rmsnorm,fla,boundary,so", help="comma list of rmsnorm, fla, boundary, so")
+    ap.add_argument("--parts", default="rmsnorm,fla,boundary,gumbel,so",
+                    help="comma list of rmsnorm, fla, boundary, gumbel, so")
     ap.add_argument("--x-dtypes", default="bf16", help="rmsnorm input dtypes (bf16[,fp32])")
     ap.add_argument("--hidden", type=int, default=8192, help="rmsnorm D")
     ap.add_argument("--heads", default="64,32,16,8", help="o-gate heads per rank (constexpr H)")
+    ap.add_argument("--gumbel-vocabs", default="202752,32768,4096,512",
+                    help="target vocabularies of the Gumbel sampler's launches")
+    ap.add_argument("--gumbel-steps", default="1,2,3,4,5,6,7,8", help="speculative steps (the cache's stride 0)")
     ap.add_argument("--so", type=Path, default=None, help="vLLM _C_stable_libtorch.abi3.so")
     ap.add_argument("--keep-ptx", action="store_true", help="also write each Triton kernel's PTX")
     args = ap.parse_args()
@@ -404,6 +485,9 @@ def main() -> int:
     parts = set(args.parts.split(","))
     out = args.out.resolve()
     manifest: dict = {"archs": [ARCH_NAMES[a] for a in archs]}
+    old = out / "manifest.json"
+    if old.is_file() and json.loads(old.read_text()).get("archs") == manifest["archs"]:
+        manifest = json.loads(old.read_text())  # a run of some parts keeps the others' entries
 
     import triton
     import vllm
@@ -412,7 +496,7 @@ def main() -> int:
     manifest["triton"] = triton.__version__
     cuobjdump = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
 
-    if parts & {"rmsnorm", "fla", "boundary"}:
+    if parts & {"rmsnorm", "fla", "boundary", "gumbel"}:
         (out / "triton").mkdir(parents=True, exist_ok=True)
     if "rmsnorm" in parts:
         from vllm.models.muse_spark.common.ops import fused_rmsnorm
@@ -434,6 +518,14 @@ def main() -> int:
         manifest["boundary"] = compile_triton(
             "boundary", _jit(fused_rmsnorm._norm_residual_norm_fwd_kernel), boundary_variants(args.hidden),
             archs, out / "triton", args.keep_ptx)
+    if "gumbel" in parts:
+        from vllm.v1.worker.gpu.sample import gumbel
+        print("Gumbel sampler (_gumbel_sample_kernel, the draft's probabilistic path) variants:", flush=True)
+        vocabs = [int(v) for v in args.gumbel_vocabs.split(",")]
+        steps = [int(n) for n in args.gumbel_steps.split(",")]
+        manifest["gumbel"] = compile_triton(
+            "gumbel", _jit(gumbel._gumbel_sample_kernel), gumbel_variants(vocabs, steps), archs,
+            out / "triton", args.keep_ptx)
     if "so" in parts:
         so_path = args.so or (vdir / "_C_stable_libtorch.abi3.so")
         (out / "so").mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,10 @@ around the calls. Each ``stock_*`` function mirrors the stock op it stands for:
                                             = ops.fused_muse_spark_qknorm_rope_kv_insert (in place)
     stock_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping)
                                             = ops.reshape_and_cache_flash ("auto" cache dtype)
+    stock_gumbel_sample(logits, expanded_idx_mapping, temperature, seed, pos, apply_temperature,
+                        is_drafting, logits_cache, logits_cache_col)
+                                            = vllm.v1.worker.gpu.sample.gumbel.gumbel_sample
+                                              (the draft's probabilistic launch only)
 
 Launch configurations follow what the stock host code does (README.md next to
 this file); PDL is off unless ``pdl=True`` (it changes no value).
@@ -365,3 +369,75 @@ def stock_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mappi
               "head_size": hd, "block_size": key_cache.shape[1], "k_scale": 0, "v_scale": 0,
               "kv_scale_stride": 0}
     _launch_so(k, root, values, (tokens, 1, 1), (min(nh * hd, 512), 1, 1))
+
+
+# --------------------------------------------------------------------------
+# vLLM's Gumbel sampler (Triton, compiled by compile_stock.py --parts gumbel)
+# --------------------------------------------------------------------------
+# compile_stock.GUMBEL_INTS: the kernel's int arguments in order (the variant name's letters).
+_GUMBEL_INTS = ("local_argmax_stride", "local_max_stride", "logits_cache_stride_0", "logits_cache_stride_1",
+                "logits_cache_source_stride", "logits_stride", "vocab_size")
+
+
+def gumbel_variant(ints: dict, col_ptr: int, idx_ptr: int) -> str:
+    """The compiled variant Triton's JIT would pick for a launch with the int
+    arguments ``ints`` (1: a constexpr, D: a multiple of 16, x: neither) and
+    these column and ``idx_map`` addresses (16-byte aligned or not); the name
+    ``compile_stock.gumbel_variant_name`` gives it."""
+    spec = "".join("1" if ints[k] == 1 else ("D" if ints[k] % 16 == 0 else "x") for k in _GUMBEL_INTS)
+    return f"gumbel_{spec}_col{'a' if col_ptr % 16 == 0 else 'u'}_idx{'a' if idx_ptr % 16 == 0 else 'u'}"
+
+
+def stock_gumbel_sample(logits, expanded_idx_mapping, temperature, seed, pos, apply_temperature, is_drafting,
+                        logits_cache=None, logits_cache_col=None, use_fp64=False, logits_cache_source=None, *,
+                        root: Path = DEFAULT_DIR):
+    """``gumbel_sample`` as ``DSparkSpeculator._sample_logits`` calls it with
+    ``draft_logits`` set: ``_gumbel_sample_kernel`` on grid ``(T, cdiv(V,
+    1024))`` (4 warps) writes each 1024-column block's Gumbel-noised maximum
+    and its column (and the cache row ``logits_cache[idx, col, :V] =
+    source``), then ATen's ``local_max.argmax(-1)`` and the gather of that
+    block's column: the sampled ids, int64 ``[T]``. The variant is the one
+    Triton's JIT would pick for these arguments (ints equal to 1, multiples of
+    16, the 16-byte alignment of ``idx_map`` and of the column pointer)."""
+    if not (apply_temperature and is_drafting) or use_fp64 or logits_cache is None:
+        raise ValueError("stock_gumbel_sample: only the draft's probabilistic launch is compiled (apply_temperature "
+                         "and is_drafting True, use_fp64 False, a logits cache)")
+    if logits_cache_col is None or logits_cache_col.dim() != 0 or logits_cache_col.dtype != torch.int32:
+        raise ValueError("stock_gumbel_sample: logits_cache_col must be a 0-dim int32 tensor (_step_cols[step])")
+    idx = expanded_idx_mapping.contiguous()
+    pos = pos.contiguous()
+    source = logits if logits_cache_source is None else logits_cache_source
+    if source.stride(-1) != 1:
+        source = source.contiguous()
+    want = ((logits, torch.bfloat16, "logits"), (logits_cache, torch.bfloat16, "logits_cache"),
+            (source, torch.bfloat16, "logits_cache_source"), (idx, torch.int64, "expanded_idx_mapping"),
+            (pos, torch.int64, "pos"), (seed, torch.int64, "seed"), (temperature, torch.float32, "temperature"))
+    for t, dtype, name in want:
+        if t.dtype != dtype:
+            raise TypeError(f"stock_gumbel_sample: {name} must be {dtype} (the compiled variant), got {t.dtype}")
+    if logits.dim() != 2 or logits.stride(-1) != 1 or logits_cache.dim() != 3 or logits_cache.stride(-1) != 1:
+        raise ValueError("stock_gumbel_sample: logits [T, V] and logits_cache [reqs, cols, >= V] with unit last "
+                         "strides")
+    t, v = logits.shape
+    if source.shape != logits.shape or logits_cache.shape[-1] < v:
+        raise ValueError("stock_gumbel_sample: the source must match the logits and the cache be at least V wide")
+    nb = -(-v // 1024)
+    local_argmax = logits.new_empty(t, nb, dtype=torch.int64)
+    local_max = logits.new_empty(t, nb, dtype=torch.float32)
+    ints = {"local_argmax_stride": nb, "local_max_stride": nb, "logits_cache_stride_0": logits_cache.stride(0),
+            "logits_cache_stride_1": logits_cache.stride(1), "logits_cache_source_stride": source.stride(0),
+            "logits_stride": logits.stride(0), "vocab_size": v}
+    if max(ints.values()) >= 2**31:
+        raise ValueError("stock_gumbel_sample: the compiled variants take int32 strides and sizes")
+    variant = gumbel_variant(ints, logits_cache_col.data_ptr(), idx.data_ptr())
+    metas = [m for m in _triton_meta("gumbel_", _arch(logits.device), root) if m["variant"] == variant]
+    if not metas:
+        raise KeyError(f"{variant} was not compiled (compile_stock.py --parts gumbel --gumbel-vocabs/--gumbel-steps)")
+    _aligned(local_argmax, local_max, logits_cache, source, logits, seed, pos, temperature)
+    values = {"local_argmax_ptr": local_argmax, "local_max_ptr": local_max, "logits_cache_ptr": logits_cache,
+              "logits_cache_col_ptr": logits_cache_col, "logits_cache_source_ptr": source, "logits_ptr": logits,
+              "expanded_idx_mapping_ptr": idx, "seeds_ptr": seed, "pos_ptr": pos, "temp_ptr": temperature, **ints}
+    if t:
+        _launch_triton(metas[0], root, values, (t, nb, 1), False)
+    # The host's reduction over the blocks (first block of the maximum), int64 for later indexing.
+    return local_argmax.gather(dim=-1, index=local_max.argmax(dim=-1, keepdim=True)).view(-1)
