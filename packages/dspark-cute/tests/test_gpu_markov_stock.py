@@ -38,12 +38,11 @@ import torch
 import torch.nn.functional as F
 from cute_testing import requires_cuda
 from stock import ROOT, stock_dir, stock_or_skip
+from test_gpu_markov import MULT, POISON, make_head
 
 from dspark_core.contracts.markov import markov_sample_constants
 
 BF16 = torch.bfloat16
-MULT = 0.0625  # the metap multiplier of a width-16x draft (mup), as test_gpu_markov
-POISON = -7777
 VOCABS = (202752, 32768, 4096, 512)  # compile_stock's default --gumbel-vocabs
 
 
@@ -82,13 +81,6 @@ def stock_probabilistic_loop(ops, base, prev, w1, w2, cap, d2t, idx_map, tempera
     return out
 
 
-def make_head(gen, v_target, vocab, rank):
-    w1 = (torch.randn(v_target, rank, generator=gen, device="cuda") * 0.5).to(BF16)
-    w2 = (torch.randn(vocab, rank, generator=gen, device="cuda") * 0.5).to(BF16)
-    ids = torch.randperm(v_target, generator=gen, device="cuda")[:vocab].sort().values
-    return w1, w2, ids - torch.arange(vocab, device="cuda")
-
-
 def planted_base(gen, r, n, vocab, scale=8.0):
     """BF16 ``[r, n, vocab]``: random rows, one all -inf, one half -inf, one with
     four saturating values (soft-cap ties, in different blocks at large V);
@@ -116,7 +108,7 @@ def test_probabilistic_loop_matches_vllm_gumbel_binary(seed, r, n, vocab, vt, ca
     ops = stock_gumbel_or_skip()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rank, reqs = 256, 2 * r + 1
-    w1, w2, m = make_head(gen, vt, vocab, rank)
+    w1, w2, m = make_head(gen, vt, vocab, vocab, rank, True)
     step = MarkovSampleStep(markov_sample_constants(vocab, vt, rank, MULT, cap), w1, m, max_rows=512)
     step.prepare()
     base, tie = planted_base(gen, r, n, vocab)
