@@ -10,9 +10,12 @@ captured: ``CudaGraphManager._init_candidates``
 (``DSparkSpeculator.num_query_per_req``) over the capture sizes
 ``VllmConfig._set_cudagraph_sizes`` (``vllm/config/vllm.py``) gives a GPU
 deployment of ``max_num_seqs`` 256 and ``max_num_batched_tokens`` 8192
-(``FULL_DECODE_ONLY``: the FULL descriptors). Each capture size ``s`` is
-rounded up to a multiple of N and kept where it is at most the capture
-ceiling (512 off sm_100) and ``max_num_seqs * N``. The device machine has
+(``FULL_DECODE_ONLY``: the FULL descriptors). The capture sizes are 1, 2,
+4, the multiples of 8 below 256 and of 16 from 256 up to the ceiling (512
+off sm_100), and the target's uniform decode sizes (N + 1 tokens times a
+request count, where they fit); each is rounded up to a multiple of N and
+kept where that is at most the ceiling and ``max_num_seqs * N`` (so 12 and
+20 at N = 4 come from the target's 10 and 20). The device machine has
 no vLLM, so the lists are written out here;
 ``packages/dspark-vllm/tests/test_gpu_rows_sizes.py`` checks them against
 vLLM's own computation (``test_lifecycle.captured_rows``), and the kernel
