@@ -386,23 +386,24 @@ def test_binding_refuses_an_order_it_does_not_reproduce():
     draft = _tp_draft(4)
     order = ar.stock_all_reduce(4, "sm_90a", env={}, topology=Topology(), hidden_size=2048)
     with pytest.raises(ValueError, match="no mailbox for an all-reduce it does not reproduce"):
-        ar.MailboxBoundaries(types.SimpleNamespace(layers=[]), draft, _plan(draft, order), order)
+        ar.MailboxBoundaries(types.SimpleNamespace(layers=[]), draft, _plan(draft, order), order, branch_gemm=None)
     fused = ar.stock_all_reduce(4, "sm_90a", env=TRTLLM, topology=HGX, hidden_size=2048)
     other = ar.stock_all_reduce(4, "sm_90a", env=FI_OFF, topology=HGX, hidden_size=2048)
     with pytest.raises(ValueError, match="is not the fused fp32_rank_order of the order"):
-        ar.MailboxBoundaries(types.SimpleNamespace(layers=[]), draft, _plan(draft, fused), other)
+        ar.MailboxBoundaries(types.SimpleNamespace(layers=[]), draft, _plan(draft, fused), other, branch_gemm=None)
 
 
 def test_boundaries_are_stock_where_the_plan_is():
-    """``boundaries``: vLLM's all-reduce and the unfused boundary
-    (``runtime.StockAllReduce``) where the plan keeps the all-reduce stock."""
-    from dspark_vllm.runtime import StockAllReduce
+    """``runtime.all_reduce_boundaries``: vLLM's all-reduce and the unfused
+    boundary (``runtime.StockAllReduce``) where the plan keeps the all-reduce
+    stock."""
+    from dspark_vllm.runtime import StockAllReduce, all_reduce_boundaries
 
     draft = _tp_draft(4)
     order = ar.stock_all_reduce(4, "sm_90a", env={}, topology=Topology(), hidden_size=2048)
     layers = [types.SimpleNamespace(self_attn=types.SimpleNamespace(o_proj=None),
                                     feed_forward=types.SimpleNamespace(down_proj=None))]
-    got = ar.boundaries(types.SimpleNamespace(layers=layers), draft, _plan(draft, order), order)
+    got = all_reduce_boundaries(types.SimpleNamespace(layers=layers), draft, _plan(draft, order), order)
     assert isinstance(got, StockAllReduce) and not got.takes(torch.empty(1, 2048))
 
 

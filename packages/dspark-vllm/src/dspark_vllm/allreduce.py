@@ -54,12 +54,15 @@ rank), ``stock_all_reduce`` from the environment. Facts a CPU cannot settle
 (NVLink multicast, full connectivity) are ``Topology`` inputs; unknown,
 both answers are tried and only an agreement fuses.
 
-``boundaries(...)`` is the executor's ``AllReduceBoundaries`` in vLLM:
-``MailboxBoundaries`` where the plan fuses the all-reduce (the mailbox over
+``MailboxBoundaries`` is the executor's ``AllReduceBoundaries`` in vLLM
+where the plan fuses the all-reduce (the mailbox over
 ``get_tp_group().cpu_group`` for the CUDA IPC handles, allocated when the
 decode is built, before vLLM profiles memory; vLLM's
-``tensor_model_parallel_all_reduce`` for the calls it does not take),
-``runtime.StockAllReduce`` otherwise.
+``tensor_model_parallel_all_reduce`` for the calls it does not take);
+``runtime.all_reduce_boundaries`` picks it or ``runtime.StockAllReduce``.
+This module imports nothing of the plugin's above ``dspark_vllm``'s
+foundations (``deployment`` re-exports ``stock_all_reduce`` from it), so the
+branch GEMM (``adapter.partial``) comes from the caller.
 """
 
 from __future__ import annotations
@@ -419,15 +422,16 @@ class MailboxBoundaries:
     (``package_gemm_asked``); ``takes`` also compares, on host state
     alone, FlashInfer's workspace (once vLLM's first all-reduces created it)
     with the order's backend (``check_backend``); the stand-ins of the tests replace
-    ``group``, ``mailbox``, ``reduce``, ``branch_gemm`` (the linear's GEMM,
-    default ``adapter.partial``), ``boundary`` and ``gemm``. ``check()`` (outside CUDA graphs: it
+    ``group``, ``mailbox``, ``reduce``, ``boundary`` and ``gemm``;
+    ``branch_gemm(linear, x)`` is the layer's GEMM without its all-reduce
+    (the plugin passes ``adapter.partial``). ``check()`` (outside CUDA graphs: it
     synchronizes) raises ``MailboxTimeoutError`` where a kernel gave up on a
     peer, and RuntimeError where FlashInfer's workspace, once vLLM created
     it, is not the backend the order was resolved for. ``close()`` is
     collective."""
 
-    def __init__(self, model, draft, plan, order: AllReduceOrder, *, package_gemm: bool = False,
-                 group=None, mailbox=None, reduce=None, branch_gemm=None, boundary=None, gemm=None) -> None:
+    def __init__(self, model, draft, plan, order: AllReduceOrder, *, branch_gemm, package_gemm: bool = False,
+                 group=None, mailbox=None, reduce=None, boundary=None, gemm=None) -> None:
         from dspark_comm.draft import DraftAllReduce
 
         if order.sum_order is None or order.rows < 1:
@@ -454,8 +458,6 @@ class MailboxBoundaries:
             mailbox = Mailbox(group, draft.hidden_size, order.rows)
         if reduce is None:
             from vllm.distributed import tensor_model_parallel_all_reduce as reduce
-        if branch_gemm is None:
-            from dspark_vllm.adapter import partial as branch_gemm
         self.tp, self.order, self.group, self.mailbox = draft.tp, order, group, mailbox
         self._reduce, self._branch_gemm = reduce, branch_gemm
         self._logged: set[int] = set()
@@ -535,18 +537,5 @@ class MailboxBoundaries:
         self.mailbox.close()
 
 
-def boundaries(model, draft, plan, order: AllReduceOrder, vllm_config=None):
-    """The executor's all-reduce boundaries of a TP > 1 draft: a
-    ``MailboxBoundaries`` where ``plan`` fuses the all-reduce, else
-    ``runtime.StockAllReduce`` (vLLM's all-reduce, then the boundary)."""
-    part = plan.all_reduce
-    if part is not None and part.fused:
-        order = order.for_hidden(draft.hidden_size)
-        return MailboxBoundaries(model, draft, plan, order, package_gemm=package_gemm_asked(vllm_config))
-    from dspark_vllm.runtime import StockAllReduce
-
-    return StockAllReduce(model, draft.tp)
-
-
-__all__ = ["AllReduceOrder", "CAPABILITY", "MailboxBoundaries", "Resolved", "Switches", "Topology", "boundaries",
+__all__ = ["AllReduceOrder", "CAPABILITY", "MailboxBoundaries", "Resolved", "Switches", "Topology",
            "decode_order", "live_topology", "package_gemm_asked", "resolve", "stock_all_reduce", "switches"]

@@ -120,6 +120,19 @@ class StockAllReduce:
         pass
 
 
+def all_reduce_boundaries(model, draft, plan, order: allreduce.AllReduceOrder, vllm_config=None):
+    """The executor's all-reduce boundaries of a TP > 1 draft: an
+    ``allreduce.MailboxBoundaries`` where ``plan`` fuses the all-reduce (the
+    branch GEMM the RowParallelLinear's own, ``adapter.partial``), else
+    ``StockAllReduce`` (vLLM's all-reduce, then the boundary)."""
+    part = plan.all_reduce
+    if part is not None and part.fused:
+        return allreduce.MailboxBoundaries(model, draft, plan, order.for_hidden(draft.hidden_size),
+                                           branch_gemm=partial,
+                                           package_gemm=allreduce.package_gemm_asked(vllm_config))
+    return StockAllReduce(model, draft.tp)
+
+
 def _log_plan(plan: DraftPlan) -> None:
     """Each stock part's reason once, with the parts it keeps stock."""
     if plan.draft_reason is not None:
@@ -175,7 +188,7 @@ class SpecializedDecode:
             return
         names = fused_kernels(plan)
         kernels = dict(self.kernels) if self.kernels is not None else kernel_classes(names)
-        all_reduce = allreduce.boundaries(backbone, draft, plan, order, self.vllm_config) if draft.tp > 1 else None
+        all_reduce = all_reduce_boundaries(backbone, draft, plan, order, self.vllm_config) if draft.tp > 1 else None
         error = None
         try:
             decode = DraftDecode(draft, plan, all_reduce, prefetch=None, kernels=kernels)
@@ -257,5 +270,5 @@ class SpecializedDecode:
         return self.decode.store_context_kv(states, positions, slots)
 
 
-__all__ = ["SpecializedDecode", "StockAllReduce", "forward_core_logs", "fused_kernels", "kernel_classes",
-           "pin_rope_tables"]
+__all__ = ["SpecializedDecode", "StockAllReduce", "all_reduce_boundaries", "forward_core_logs", "fused_kernels",
+           "kernel_classes", "pin_rope_tables"]
