@@ -15,6 +15,7 @@
 #   norms qkv markov gating gemv attention   the kernel families' GPU suites (against the spec and the stock binaries)
 #   ops            the custom ops (opcheck, torch.compile against eager) and the on-disk kernel cache
 #   decode         the executor over the reference draft (tests/test_gpu_decode.py)
+#   rows           its steps captured in CUDA graphs with PDL at every size vLLM captures (tests/test_gpu_rows.py)
 #   multigpu       the two-GPU suites (comm, package GEMM, TP2 draft); kind nvidia-h200-x2
 #   bench-boundary bench_boundary_stock (DSpark / vLLM's chain / vLLM's one-kernel boundary)
 #   bench-step     the whole draft step against vLLM's from its binaries: test_gpu_draft_step (bits), then
@@ -57,12 +58,13 @@ wanted spec && gpu spec 120 packages/dspark-core/tests
 wanted norms && gpu norms 240 packages/dspark-cute/tests/test_gpu_row_norm.py \
   packages/dspark-cute/tests/test_gpu_boundary.py packages/dspark-cute/tests/test_gpu_context.py
 wanted qkv && gpu qkv 300 packages/dspark-cute/tests/test_gpu_qkv_epilogue.py
-wanted markov && gpu markov 240 packages/dspark-cute/tests/test_gpu_markov.py
+wanted markov && gpu markov 300 packages/dspark-cute/tests/test_gpu_markov.py packages/dspark-cute/tests/test_gpu_markov_stock.py
 wanted gating && gpu gating 200 packages/dspark-cute/tests/test_gpu_activations.py
 wanted attention && gpu attention 200 packages/dspark-cute/tests/test_gpu_attention.py
 wanted gemv && gpu gemv 150 packages/dspark-cute/tests/test_gpu_gemv.py
 wanted ops && gpu ops 240 packages/dspark-cute/tests/test_gpu_ops.py packages/dspark-cute/tests/test_gpu_disk_cache.py
 wanted decode && gpu decode 300 tests/test_gpu_decode.py
+wanted rows && gpu rows 240 tests/test_gpu_rows.py
 if wanted multigpu; then
   step comm-multigpu 150 python -m pytest -m multigpu packages/dspark-comm/tests/test_comm_multigpu.py -q -p no:cacheprovider
   step gemm-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -p no:cacheprovider
