@@ -89,7 +89,7 @@ FLAT_HEADS = FLAT_THREADS // LANES
 # The host launches the flat grid above this many (token, head) pairs, the
 # per-token grid up to it: on an H200 the per-token grid was the faster up to
 # 256 tokens of the reference draft's 80 heads, the flat one at 512
-# (benchmarks/results/qkv_epilogue.md).
+# (benchmarks/results/qkv_epilogue_design.md; the kernel as it runs: qkv_epilogue.md).
 FLAT_ABOVE = 256 * 80
 HEAD_BYTES = 2 * HEAD_DIM
 TABLE_DTYPES = ("bf16", "fp32")
