@@ -353,23 +353,29 @@ def test_build_reasons(built, caplog):
         assert any(words in r.getMessage() and "keeps vLLM's Markov loop" in r.getMessage() for r in caplog.records)
 
 
-def test_the_default_checks_fuse_greedy_drafting_on_sm_90a_only(built, monkeypatch, caplog):
-    """By default (MARKOV_CHECKED, SAMPLE_CHECKED) an sm_90a GPU fuses the
-    greedy step (checked against vLLM's loop on an H200) and keeps vLLM's loop
-    for probabilistic drafting, saying why once; sm_100a fuses neither."""
+def test_the_default_checks_fuse_on_sm_90a_only(built, monkeypatch, caplog):
+    """By default (MARKOV_CHECKED, SAMPLE_CHECKED: both checked against
+    vLLM's loop on an H200) an sm_90a GPU fuses the greedy and the
+    probabilistic steps; sm_100a fuses neither; a probabilistic step whose
+    arch is not in its own set keeps vLLM's loop, saying why once."""
     caplog.set_level(logging.INFO, logger="vllm.dspark")
     monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
     stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
                              sample_class=CpuSampleStep)
     stage.build()
     assert stage.step is not None and stage.reason is None
-    assert stage.sample is None and "not yet against vLLM 0.33.0's Triton gumbel_sample on an sm_90a" in \
-        stage.sample_reason
-    assert sum("keeps vLLM's Markov loop for probabilistic drafting" in r.getMessage() for r in caplog.records) == 1
+    assert stage.sample is not None and stage.sample_reason is None
     stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_100a",
                              sample_class=CpuSampleStep)
     stage.build()
     assert stage.step is None and stage.sample is None and "on an sm_100a GPU" in stage.reason
+    monkeypatch.setattr(hook, "SAMPLE_CHECKED", frozenset())
+    stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
+                             sample_class=CpuSampleStep)
+    stage.build()
+    assert stage.step is not None and stage.sample is None
+    assert "not yet against vLLM 0.33.0's Triton gumbel_sample on an sm_90a" in stage.sample_reason
+    assert sum("keeps vLLM's Markov loop for probabilistic drafting" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_build_refuses_a_head_the_kernel_does_not_take(built, monkeypatch):
@@ -401,11 +407,15 @@ def test_plan_line(built, monkeypatch):
     assert hook.plan_line(model, "sm_100a") == (
         "Markov stage: vLLM's loop: the DSpark markov_step kernel is not yet checked bit for bit against vLLM "
         "0.33.0's greedy Markov loop on an sm_100a GPU")
-    # The defaults: the greedy step checked on sm_90a, the probabilistic one not yet against vLLM's binary.
+    # The defaults: both steps checked on sm_90a.
+    assert hook.plan_line(model, "sm_90a").startswith(
+        f"Markov stage: greedy drafting fused (markov_step {key}); probabilistic drafting fused (markov_sample ")
+    monkeypatch.setattr(hook, "SAMPLE_CHECKED", frozenset())
     assert hook.plan_line(model, "sm_90a").startswith(
         f"Markov stage: greedy drafting fused (markov_step {key}); probabilistic drafting in vLLM's loop (the DSpark "
         "markov_sample kernel is checked against dspark-core's spec of vLLM's Gumbel sampler, not yet against vLLM "
         "0.33.0's Triton gumbel_sample on an sm_90a GPU)")
+    monkeypatch.undo()
     line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}))
     assert line.startswith(f"Markov stage: greedy drafting fused (markov_step {key}); probabilistic drafting fused "
                            "(markov_sample ") and line.endswith("; vLLM's loop for the top-k loop, a watermarker, "

@@ -51,11 +51,12 @@ from dspark_vllm.runtime import logger
 MARKOV_CHECKED: frozenset[str] = frozenset({"sm_90a"})
 UNCHECKED = ("the DSpark markov_step kernel is not yet checked bit for bit against vLLM 0.33.0's greedy Markov loop "
              "on an {arch} GPU")
-# GPU architectures on which the probabilistic step was checked against vLLM's
-# Triton gumbel_sample binary (none: on the H200 it passed against dspark-core's
-# spec of that kernel only, since the binary is not among the stock kernels the
-# device carries).
-SAMPLE_CHECKED: frozenset[str] = frozenset()
+# GPU architectures on which the probabilistic step was checked bit for bit
+# against vLLM's loop with its own Triton gumbel_sample binary (compiled with
+# Triton 3.8.0 by scripts/stock/compile_stock.py): dspark-cute's
+# test_gpu_markov_stock.py, tokens and the whole logits cache, on an H200 on
+# 2026-12-03 (NaN logits excepted, the spec's stated exception).
+SAMPLE_CHECKED: frozenset[str] = frozenset({"sm_90a"})
 SAMPLE_UNCHECKED = ("the DSpark markov_sample kernel is checked against dspark-core's spec of vLLM's Gumbel sampler, "
                     "not yet against vLLM 0.33.0's Triton gumbel_sample on an {arch} GPU")
 
