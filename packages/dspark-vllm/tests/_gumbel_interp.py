@@ -1,7 +1,7 @@
 """Runs vLLM 0.33.0's Gumbel sampler functions under Triton's interpreter on
 the CPU (``TRITON_INTERPRET=1``, set before Triton is imported, and
 ``CUDA_VISIBLE_DEVICES=""`` so vLLM keeps the real Triton functions) for
-``test_gumbel.py``, in a process of its own: the pytest process has imported
+``test_vllm_gumbel.py``, in a process of its own: the pytest process has imported
 vLLM with its placeholder ``triton.jit``.
 
 ``python _gumbel_interp.py IN OUT``: ``IN`` a ``torch.save`` of the inputs,

@@ -16,9 +16,11 @@ import types
 import pytest
 import torch
 
-from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
-from dspark_vllm import allreduce as ar
-from dspark_vllm.allreduce import Switches, Topology
+pytest.importorskip("vllm")
+
+from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER  # noqa: E402
+from dspark_vllm import allreduce as ar  # noqa: E402
+from dspark_vllm.allreduce import Switches, Topology  # noqa: E402
 
 H = 8192
 HGX = Topology(multicast=True, fully_connected=True)  # an NVSwitch node

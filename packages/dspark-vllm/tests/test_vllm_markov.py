@@ -262,7 +262,7 @@ def test_hook_drafts_vllms_tokens(built, seed, monkeypatch, num_reqs):
 def test_hook_drafts_probabilistically_as_vllms_loop_with_the_spec_sampler(built, seed, monkeypatch):
     """With ``draft_logits`` set: the hook's tokens and logits cache are vLLM's loop's (its own embed, bias,
     transform, scatter and ``_sample_logits`` arguments) with the spec's ``gumbel.sample`` standing in for the
-    Triton ``gumbel_sample`` (test_gumbel.py compares those two)."""
+    Triton ``gumbel_sample`` (test_vllm_gumbel.py compares those two)."""
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
     gen = torch.Generator().manual_seed(seed)
