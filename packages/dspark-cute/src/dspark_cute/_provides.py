@@ -12,5 +12,6 @@ KERNELS: dict[str, str] = {
     "o_gate": "dspark_cute.cutedsl.gating.o_gate:OGate",
     "mlp_activation": "dspark_cute.cutedsl.gating.mlp_activation:MlpActivation",
     "gemv": "dspark_cute.cutedsl.gemm.gemv:Gemv",
+    "ordered_gemm": "dspark_cute.cutedsl.gemm.ordered:OrderedGemm",
     "weight_prefetch": "dspark_cute.cutedsl.prefetch:WeightPrefetcher",
 }

@@ -431,6 +431,48 @@ def gemv_constants(role: str, weight: torch.Tensor) -> GemvConstants:
 
 
 @dataclass(frozen=True, eq=False)
+class OrderedGemmConstants(_Key):
+    """A projection on the ordered GEMM (``dspark_core.spec.split_order``):
+    BF16 ``x [m, k] @ W[n, k]^T`` in the split order the build-time check
+    finds for each row count; ``role`` names the projection."""
+
+    role: str
+    n: int
+    k: int
+
+
+# The ordered GEMM's shapes: K in 64-column chunks, N in 16-row MMA tiles.
+ORDERED_GEMM_K_UNIT = 64
+ORDERED_GEMM_N_UNIT = 16
+ORDERED_GEMM_MAX_ROWS = 64
+
+
+def ordered_gemm_unsupported(weight) -> str | None:
+    """Why the ordered GEMM does not take ``weight`` (a sentence), or None:
+    it takes a 2-D BF16 weight ``[n, k]`` with contiguous rows, ``k`` a
+    multiple of 64 and ``n`` of 16, both below 2^31."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return f"the ordered GEMM takes a 2-D weight, not {getattr(weight, 'shape', type(weight).__name__)}"
+    if weight.dtype != torch.bfloat16:
+        return f"the ordered GEMM takes a bfloat16 weight, not {weight.dtype}"
+    n, k = (int(v) for v in weight.shape)
+    if not (0 < k < 2**31 and k % ORDERED_GEMM_K_UNIT == 0):
+        return f"the ordered GEMM takes K a positive multiple of {ORDERED_GEMM_K_UNIT} below 2^31, not {k}"
+    if not (0 < n < 2**31 and n % ORDERED_GEMM_N_UNIT == 0):
+        return f"the ordered GEMM takes N a positive multiple of {ORDERED_GEMM_N_UNIT} below 2^31, not {n}"
+    if n * k >= 2**62:
+        return f"the ordered GEMM takes weights of fewer than 2^62 elements, not {n} x {k}"
+    return None
+
+
+def ordered_gemm_constants(role: str, weight) -> OrderedGemmConstants:
+    """The ordered GEMM's constants for ``weight``, or Unsupported with the
+    reason (``ordered_gemm_unsupported``)."""
+    _refuse(ordered_gemm_unsupported(weight))
+    return OrderedGemmConstants(role, int(weight.shape[0]), int(weight.shape[1]))
+
+
+@dataclass(frozen=True, eq=False)
 class MlpActivationConstants(_Key):
     """The gated SiLU activation kernel (``GatedMLP.activation``): BF16
     ``gu [m, 2I]`` to BF16 ``h [m, I]``, I = ``intermediate_size``."""

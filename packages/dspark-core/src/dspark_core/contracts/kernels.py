@@ -35,7 +35,7 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
-from dspark_core.contracts.constants import MAX_DECODE_ROWS
+from dspark_core.contracts.constants import MAX_DECODE_ROWS, ORDERED_GEMM_MAX_ROWS
 
 # Every fused kernel the design has (the planner's names).
 ROW_NORM = "row_norm"
@@ -49,6 +49,7 @@ GEMV = "gemv"
 WEIGHT_PREFETCH = "weight_prefetch"
 ALL_REDUCE_BOUNDARY = "all_reduce_boundary"
 PACKAGE_GEMM = "package_gemm"
+ORDERED_GEMM = "ordered_gemm"
 
 # The constructor each host class takes (documentation the tests check
 # against the installed backends).
@@ -64,6 +65,7 @@ KERNEL_SIGNATURES = {
     WEIGHT_PREFETCH: "WeightPrefetcher(bytes_per_row: dict[str, int], device)",
     ALL_REDUCE_BOUNDARY: "AllReduceBoundary(mailbox, constants, alpha, beta, post_weight, pre_weight, sum_order)",
     PACKAGE_GEMM: "PackageGemm(constants: PackageGemmConstants, weight, mailbox, rank)",
+    ORDERED_GEMM: "OrderedGemm(constants: OrderedGemmConstants, weight)",
 }
 ALL_KERNELS = frozenset(KERNEL_SIGNATURES)
 
@@ -74,7 +76,8 @@ ANY_ROWS = 2**31 - 1
 # boundary, the context chain, the QKV epilogue, the o-gate and the MLP
 # activation take the row count at run time; the o-gate and the MLP
 # activation state a lower ``max_rows`` where their Int32 vector index over
-# a wide row runs out first. The package GEMM's token tile and the
+# a wide row runs out first; the ordered GEMM takes up to 8 token tiles of 8
+# (and, within them, the row counts its build-time check found an order for). The package GEMM's token tile and the
 # mailbox's default capacity are MAX_DECODE_ROWS; the
 # attention's grid y is the query row (65535 at most); the weight prefetch
 # takes no rows (None).
@@ -90,6 +93,7 @@ MAX_ROWS: dict[str, int | None] = {
     WEIGHT_PREFETCH: None,
     ALL_REDUCE_BOUNDARY: MAX_DECODE_ROWS,
     PACKAGE_GEMM: MAX_DECODE_ROWS,
+    ORDERED_GEMM: ORDERED_GEMM_MAX_ROWS,
 }
 
 

@@ -342,6 +342,55 @@ def cp_async_wait_all(*, loc=None, ip=None) -> None:
     asm(None, [], "cp.async.wait_all;", "", True, loc, ip)
 
 
+@dsl_user_op
+def cp_async_16_pred(smem_addr, gmem_addr, a, b, prefetch: int = 256, *, loc=None, ip=None) -> None:
+    """``cp_async_16`` where ``a < b`` (Int32; a skipped copy reads nothing)."""
+    hint = f".L2::{int(prefetch)}B" if prefetch else ""
+    asm(None, [i32(smem_addr, loc, ip), i64(gmem_addr, loc, ip), i32(a, loc, ip), i32(b, loc, ip)],
+        f"{{ .reg .pred p; setp.lt.s32 p, $2, $3; @p cp.async.cg.shared.global{hint} [$0], [$1], 16; }}",
+        "r,l,r,r", True, loc, ip)
+
+
+# ---------------------------------------------------------------- ldmatrix
+
+
+@dsl_user_op
+def ldmatrix_x4(addr, *, loc=None, ip=None) -> list:
+    """``ldmatrix.sync.aligned.m8n8.x4.shared.b16``: lanes 8 i .. 8 i + 7 give
+    the 16-byte row addresses of 8x8 matrix ``i``; word ``i`` of lane ``l``
+    is row ``l >> 2``, elements ``2 (l & 3)`` and ``+ 1`` of matrix ``i``."""
+    result = asm(llvm.StructType.get_literal([T.i32()] * 4), [i32(addr, loc, ip)],
+                 "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", True, loc, ip)
+    return words(result, 4, loc, ip)
+
+
+@dsl_user_op
+def ldmatrix_x2(addr, *, loc=None, ip=None) -> list:
+    """``ldmatrix_x4`` of two matrices (lanes 0-15 give the addresses)."""
+    result = asm(llvm.StructType.get_literal([T.i32()] * 2), [i32(addr, loc, ip)],
+                 "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {$0, $1}, [$2];", "=r,=r,r", True, loc, ip)
+    return words(result, 2, loc, ip)
+
+
+# ---------------------------------------------------------------- FP32 pairs in global memory
+
+
+@dsl_user_op
+def st_global_v2_f32_if(addr, a, b, token, m, *, loc=None, ip=None) -> None:
+    """Store FP32 ``a, b`` at the 8-byte aligned global ``addr`` if ``token < m`` (Int32)."""
+    asm(None, [i64(addr, loc, ip), f32(a, loc, ip), f32(b, loc, ip), i32(token, loc, ip), i32(m, loc, ip)],
+        "{ .reg .pred p; setp.lt.s32 p, $3, $4; @p st.global.v2.f32 [$0], {$1, $2}; }", "l,f,f,r,r", True, loc, ip)
+
+
+@dsl_user_op
+def ld_global_cg_v2_f32(addr, *, loc=None, ip=None) -> tuple:
+    """Two FP32 at the 8-byte aligned global ``addr``, read at L2
+    (``ld.global.cg``: never a stale L1 line of data other CTAs wrote)."""
+    pair = asm(llvm.StructType.get_literal([T.f32()] * 2), [i64(addr, loc, ip)], "ld.global.cg.v2.f32 {$0, $1}, [$2];",
+               "=f,=f,l", True, loc, ip)
+    return tuple(floats(pair, 2, loc, ip))
+
+
 # ---------------------------------------------------------------- L2 prefetch
 
 
@@ -350,6 +399,13 @@ def prefetch_l2(addr, *, loc=None, ip=None) -> None:
     """``prefetch.global.L2``: start bringing the line of global ``addr``
     into L2 (no register written, nothing waits for it)."""
     asm(None, [i64(addr, loc, ip)], "prefetch.global.L2 [$0];", "l", True, loc, ip)
+
+
+@dsl_user_op
+def prefetch_l2_if(addr, a, b, *, loc=None, ip=None) -> None:
+    """``prefetch_l2`` where ``a < b`` (Int32)."""
+    asm(None, [i64(addr, loc, ip), i32(a, loc, ip), i32(b, loc, ip)],
+        "{ .reg .pred p; setp.lt.s32 p, $1, $2; @p prefetch.global.L2 [$0]; }", "l,r,r", True, loc, ip)
 
 
 @dsl_user_op
@@ -362,6 +418,7 @@ def prefetch_l2_evict_last(addr, *, loc=None, ip=None) -> None:
 __all__ = [
     "cp_async_16",
     "cp_async_16_if",
+    "cp_async_16_pred",
     "cp_async_commit",
     "cp_async_wait",
     "cp_async_wait_all",
@@ -369,6 +426,7 @@ __all__ = [
     "ld_f16x8",
     "ld_f32x8",
     "ld_global_b32",
+    "ld_global_cg_v2_f32",
     "ld_global_clamped_s64",
     "ld_global_nc_v4",
     "ld_global_s64",
@@ -382,14 +440,18 @@ __all__ = [
     "ld_shared_s32",
     "ld_shared_v2_f32",
     "ld_shared_v4",
+    "ldmatrix_x2",
+    "ldmatrix_x4",
     "prefetch_l2",
     "prefetch_l2_evict_last",
+    "prefetch_l2_if",
     "st_bf16x8",
     "st_f16x8",
     "st_f32x8",
     "st_global_b32",
     "st_global_b32_if",
     "st_global_b32_if_slot",
+    "st_global_v2_f32_if",
     "st_global_v4",
     "st_global_v4_if",
     "st_row8",

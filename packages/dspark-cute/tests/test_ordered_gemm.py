@@ -1,0 +1,171 @@
+"""The ordered GEMM on the CPU: its index maps emulated (the copies into the
+swizzled ring, ldmatrix, the m16n8k16 fragments) against x @ W^T on small
+integers, its split chunks against ``SplitOrder.bounds``, its launch
+settings and refusals; the compile checks and PTX audits are in
+``test_compile_ordered_gemm.py``."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_core.contracts.constants import OrderedGemmConstants, ordered_gemm_unsupported
+from dspark_core.errors import Unsupported
+from dspark_core.spec.split_order import SplitOrder, candidate_orders
+from dspark_cute.cutedsl.gemm import ordered as og
+
+
+def _ldmatrix(smem: np.ndarray, addresses: list[int], count: int) -> list[list[tuple[int, int]]]:
+    """ldmatrix .x``count`` of b16: word ``i`` of lane ``l`` is the pair of
+    elements ``2 (l & 3)`` and ``+ 1`` of row ``l >> 2`` of matrix ``i``,
+    whose row ``r`` starts at the byte address lane ``8 i + r`` gives."""
+    out = []
+    for lane in range(32):
+        words = []
+        for i in range(count):
+            addr = addresses[8 * i + (lane >> 2)] + 4 * (lane & 3)
+            words.append((int(smem[addr // 2]), int(smem[addr // 2 + 1])))
+        out.append(words)
+    return out
+
+
+def _emulate_chunk(lay: og.OrderedLayout, w_tile: np.ndarray, x_rows: np.ndarray) -> np.ndarray:
+    """One chunk through the kernel's maps: ``w_tile`` [16 warps, chunk] and
+    ``x_rows`` [8 n_tiles, chunk] (small integers) copied by every thread's
+    copies into a ring slot, read back by every lane's ldmatrix and summed
+    per the m16n8k16 fragment layout; returns [rows, tokens] (int64)."""
+    smem = np.full((lay.total // 2,), -(2**20), dtype=np.int64)  # poison: any unwritten read shows
+    for tid, j in itertools.product(range(lay.threads), range(lay.w_copies)):
+        r, p = og.w_copy(lay, tid, j)
+        off = og.swizzle(lay, r, p) // 2
+        smem[off:off + 8] = w_tile[r, 8 * p:8 * p + 8]
+    for tid, j in itertools.product(range(lay.threads), range(lay.x_copies)):
+        idx, tok, p = og.x_copy(lay, tid, j)
+        if idx < lay.x_pieces:
+            off = (lay.x_ring + og.swizzle(lay, tok, p)) // 2
+            smem[off:off + 8] = x_rows[tok, 8 * p:8 * p + 8]
+    out = np.zeros((lay.rows, 8 * lay.n_tiles), dtype=np.int64)
+    for warp in range(lay.warps):
+        for kk in range(lay.steps):
+            a = _ldmatrix(smem, [og.a_address(lay, warp, lane, kk) for lane in range(32)], 4)
+            if lay.n_tiles == 1:
+                b = [[w] for w in _ldmatrix(smem, [lay.x_ring + og.b_address(lay, lane, kk, 0) for lane in range(32)],
+                                            2)]
+                bs = [[lane_words[0] for lane_words in b]]
+            else:
+                bs = []
+                for pr in range(lay.n_tiles // 2):
+                    words = _ldmatrix(smem, [lay.x_ring + og.b_address(lay, lane, kk, pr) for lane in range(32)], 4)
+                    bs += [[w[0:2] for w in words], [w[2:4] for w in words]]
+            # The m16n8k16 fragments (PTX ISA): A rows g, g + 8 and columns
+            # 2t.., 2t + 8..; B columns (k) 2t.., 2t + 8.. of token g; C rows
+            # g, g + 8 and tokens 2t, 2t + 1.
+            for nt in range(lay.n_tiles):
+                a_mat = np.zeros((16, 16), dtype=np.int64)
+                b_mat = np.zeros((16, 8), dtype=np.int64)
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    (a0, a1), (a2, a3), (a4, a5), (a6, a7) = a[lane]
+                    a_mat[g, 2 * t:2 * t + 2] = a0, a1
+                    a_mat[g + 8, 2 * t:2 * t + 2] = a2, a3
+                    a_mat[g, 2 * t + 8:2 * t + 10] = a4, a5
+                    a_mat[g + 8, 2 * t + 8:2 * t + 10] = a6, a7
+                    (b0, b1), (b2, b3) = bs[nt][lane]
+                    b_mat[2 * t:2 * t + 2, g] = b0, b1
+                    b_mat[2 * t + 8:2 * t + 10, g] = b2, b3
+                d = a_mat @ b_mat
+                for lane in range(32):
+                    for reg in range(4):
+                        row, tok = og.acc_coords(warp, lane, nt, reg)
+                        g, t = lane >> 2, lane & 3
+                        out[row, tok] += d[g + 8 * (reg >> 1), 2 * t + (reg & 1)]
+                # Each MMA must take the 16 contiguous columns of its step,
+                # in the weight's own order (no permutation of K).
+                assert np.array_equal(a_mat, w_tile[16 * warp:16 * warp + 16, 16 * kk:16 * kk + 16])
+                assert np.array_equal(b_mat.T, x_rows[8 * nt:8 * nt + 8, 16 * kk:16 * kk + 16])
+    return out
+
+
+@pytest.mark.parametrize("warps,n_tiles,chunk", [(1, 1, 64), (2, 2, 64), (4, 1, 64), (4, 4, 64), (8, 8, 64),
+                                                 (4, 8, 64), (1, 1, 128), (2, 4, 128), (4, 2, 256), (1, 8, 256)])
+def test_chunk_maps_give_the_product(warps, n_tiles, chunk, seed):
+    lay = og.check_settings(n_tiles, warps, 3, chunk)
+    rng = np.random.default_rng(seed)
+    w = rng.integers(-8, 9, size=(lay.rows, chunk))
+    x = rng.integers(-8, 9, size=(8 * n_tiles, chunk))
+    got = _emulate_chunk(lay, w, x)
+    np.testing.assert_array_equal(got, w @ x.T)
+
+
+@pytest.mark.parametrize("chunk", og.CHUNKS)
+def test_swizzle_is_conflict_free_and_a_permutation(chunk):
+    lay = og.check_settings(1, 4, 2, chunk)
+    for row in range(64):
+        pieces = sorted(og.swizzle(lay, row, p) - row * lay.row_bytes for p in range(chunk // 8))
+        assert pieces == [16 * p for p in range(chunk // 8)]
+    # The 8 rows one ldmatrix phase reads for a piece land in 8 bank groups.
+    for piece in range(chunk // 8):
+        groups = {(og.swizzle(lay, r, piece) % 128) // 16 for r in range(8)}
+        assert len(groups) == 8
+
+
+@pytest.mark.parametrize("k", [256, 512, 1152, 2048, 4096, 8192, 16384, 24576])
+def test_split_chunks_are_the_order_bounds(k):
+    for order in candidate_orders(k):
+        for chunk in og.CHUNKS:
+            width, tc = og.fit_chunk(order, k, chunk)
+            assert width <= chunk and k % width == 0
+            spans = [og.split_chunks(k, tc, order.splits, s, chunk=width) for s in range(order.splits)]
+            got = tuple((c * width, (c + n) * width) for c, n in spans)
+            assert got == order.bounds(k), (order, chunk)
+    assert og.fit_chunk(SplitOrder(64, 2), 8192, 256) == (256, 16)  # even splits: K / S in 256-column chunks
+    assert og.fit_chunk(SplitOrder(64, 3), 8192, 256) == (64, 1)  # uneven 64-column tiles: 64-column chunks
+
+
+def test_launch_settings_fit_and_cover():
+    for n, splits, m in itertools.product([256, 1152, 4096, 8192, 9216, 32768], [1, 2, 3, 5, 8], [1, 5, 16, 33, 64]):
+        n_tiles, warps, stages, chunk, l2 = og.launch_settings(n, splits, m, 132)
+        lay = og.check_settings(n_tiles, warps, stages, chunk)
+        assert 8 * n_tiles >= m and n % lay.rows == 0
+        assert 2 <= stages <= 8 and lay.total <= og.SMEM_LIMIT
+        ctas = n // lay.rows * splits
+        assert 0 <= l2 <= 16 and ctas * l2 * lay.w_stage <= og.L2_PREFETCH_BYTES
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="token tiles"):
+        og.check_settings(3, 4, 4)
+    with pytest.raises(ValueError, match="warps"):
+        og.check_settings(1, 3, 4)
+    with pytest.raises(ValueError, match="stages"):
+        og.check_settings(1, 4, 1)
+    with pytest.raises(ValueError, match="shared memory"):
+        og.check_settings(8, 8, 16)
+    with pytest.raises(ValueError, match="columns wide"):
+        og.check_settings(1, 4, 4, 96)
+    with pytest.raises(ValueError, match="do not divide"):
+        og.OrderedGemmKernel(192, 1, 4, 4, True, 128)
+    with pytest.raises(Unsupported, match="multiple of 64"):
+        og.OrderedGemmKernel(100, 1, 4, 4, True)
+    assert "64-column" in og.order_problem(SplitOrder(32, 1), 8192)
+    assert "fewer than" in og.order_problem(SplitOrder(256, 64), 8192)
+    assert og.order_problem("2x128", 8192).startswith("an order is a SplitOrder")
+    assert og.order_problem(SplitOrder(128, 5), 1152) is None
+    w = torch.zeros(64, 100, dtype=torch.bfloat16)
+    assert "multiple of 64" in ordered_gemm_unsupported(w)
+    assert "bfloat16" in ordered_gemm_unsupported(torch.zeros(64, 64))
+    assert ordered_gemm_unsupported(torch.zeros(48, 128, dtype=torch.bfloat16)) is None
+    with pytest.raises(ValueError, match="takes OrderedGemmConstants"):
+        og.OrderedGemm(object(), torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="CUDA weight"):
+        og.OrderedGemm(OrderedGemmConstants("o_proj", 64, 64), torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="CUDA weight"):
+        og.ordered_gemm(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16),
+                        SplitOrder(64, 1))
+
+
+def test_n_tiles_for():
+    assert [og.n_tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
