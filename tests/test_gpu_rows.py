@@ -61,7 +61,7 @@ print(f"DSPARK_SEED={SEED}")
 
 # dspark_vllm.planning.exact_kernels("sm_90a") (checked on the CPU where vLLM is installed).
 VLLM_EXACT_SM90 = frozenset({policy.ROW_NORM, policy.BOUNDARY, policy.CONTEXT_CHAIN, policy.QKV_EPILOGUE,
-                             policy.O_GATE, policy.MLP_ACTIVATION})
+                             policy.O_GATE, policy.MLP_ACTIVATION, policy.ORDERED_GEMM})
 
 # The draft step sizes vLLM 0.33.0 captures at N speculative tokens (module docstring).
 CAPTURED_ROWS = {

@@ -21,6 +21,7 @@ from dspark_core.reference.model import DraftModel, StepInputs
 from dspark_core.runtime import decode as decode_module
 from dspark_core.runtime.decode import DraftDecode, build_draft_decode, draft_plan
 from dspark_core.spec import gemv as gemv_spec
+from dspark_core.spec import split_order
 from dspark_core.spec.attention import paged_attention
 from dspark_core.spec.layers import (
     GatedResidual,
@@ -174,6 +175,37 @@ class FakeGemv(Kernel):
         return gemv_spec.gemv(x, self.weight)
 
 
+def coarse_mma(acc, xs, ws):
+    """A stand-in MMA with a BF16 accumulator: every split order gives other bits."""
+    return (acc.double() + xs.double() @ ws.double().t()).to(torch.bfloat16).float()
+
+
+class FakeOrderedGemm(Kernel):
+    """The ordered GEMM's stand-in: ``run_order`` is the split model with
+    ``coarse_mma``; no check runs off CUDA unless a
+    subclass says ``CHECK_OFF_CUDA``."""
+
+    max_rows = 4
+
+    def __init__(self, constants, weight):
+        self.role, self.weight, self.orders, self.reasons = constants.role, weight, {}, {}
+
+    @staticmethod
+    def run_order(x, weight, order):
+        return split_order.model_sum(x, weight, order, coarse_mma)
+
+    def bind_orders(self, orders, reasons=None):
+        self.orders, self.reasons = dict(orders), dict(reasons or {})
+
+    def problem(self, x, out=None):
+        m = x.shape[0]
+        return None if m in self.orders else self.reasons.get(m, f"no order for m = {m}")
+
+    def launch(self, x, out=None):
+        CALLS.append(("ordered_gemm", self.role, x.shape[0]))
+        return split_order.model_sum(x, self.weight, self.orders[x.shape[0]], coarse_mma)
+
+
 class FakeContextChain(Kernel):
     def __init__(self, constants, hidden_weight, pre_weights, kv_weight, table):
         c = constants
@@ -226,7 +258,7 @@ KERNELS = {
     policy.ROW_NORM: FakeRowNorm, policy.BOUNDARY: FakeBoundary,
     policy.QKV_EPILOGUE: FakeEpilogue, policy.ATTENTION: FakeAttention, policy.O_GATE: FakeOGate,
     policy.MLP_ACTIVATION: FakeActivation, policy.GEMV: FakeGemv, policy.CONTEXT_CHAIN: FakeContextChain,
-    policy.WEIGHT_PREFETCH: FakePrefetcher,
+    policy.WEIGHT_PREFETCH: FakePrefetcher, policy.ORDERED_GEMM: FakeOrderedGemm,
 }
 
 
@@ -440,3 +472,50 @@ def test_a_bug_in_a_constants_builder_is_not_a_refusal(monkeypatch):
     monkeypatch.setattr(K, "mlp_activation_constants", broken)
     with pytest.raises(KeyError, match="a bug"):
         plan_draft(describe(DraftModel(small_config(), device="meta")), ALL)
+
+
+class CheckedOrderedGemm(FakeOrderedGemm):
+    CHECK_OFF_CUDA = True
+    ORDER_CHECK = {"min_compared": 1}  # one round of probes: the stand-in's orders differ in most outputs
+    max_rows = 2
+
+
+def test_the_ordered_gemm_takes_the_rows_its_check_found_an_order_for(caplog, gen):
+    """The executor checks each bound ordered GEMM against the model's own
+    stock projection and runs it where an order was found: here the stock
+    QKV, gate-up and down projections sum in split orders (a CPU stand-in
+    for cuBLAS), o_proj in the CPU's own order, which no split order
+    reproduces (its rows stay stock, with the check's reason)."""
+    model = DraftModel(small_config())
+    draft = describe(model)
+    orders = {"qkv_proj": split_order.SplitOrder(64, 2), "gate_up": split_order.SplitOrder(128, 3),
+              "down": split_order.SplitOrder(64, 1)}
+    for layer in draft.layers:
+        a, mlp = layer.attention, layer.mlp
+        a.project_qkv = lambda x, w=a.qkv_weight: split_order.model_sum(x, w, orders["qkv_proj"], coarse_mma)
+        mlp.project_gate_up = lambda x, w=mlp.gate_up_weight: split_order.model_sum(x, w, orders["gate_up"],
+                                                                                     coarse_mma)
+        mlp.project_down = lambda x, w=mlp.down_weight: split_order.model_sum(x, w, orders["down"], coarse_mma)
+    kernels = dict(KERNELS, **{policy.ORDERED_GEMM: CheckedOrderedGemm})
+    decode = DraftDecode(draft, plan_draft(draft, FULL.opt_in({policy.ORDERED_GEMM})), kernels=kernels)
+    with caplog.at_level(logging.INFO, logger="dspark.decode"):
+        decode.prepare()
+    for (_layer, role), gemm in decode.ordered.items():
+        k = gemm.weight.shape[1]
+        if role == "o_proj":
+            assert not gemm.orders and "none of" in gemm.reasons[1], gemm.reasons
+        else:
+            assert {m: o.bounds(k) for m, o in gemm.orders.items()} == {m: orders[role].bounds(k) for m in (1, 2)}
+    assert "layer 0's qkv_proj projection on the ordered GEMM where the check against cuBLAS found its order: " \
+           "m = 1-2: 2 K-splits of 64-column tiles" in caplog.text
+    CALLS.clear()
+    hidden = torch.randn(2, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+    got = decode.run(hidden, StepInputs.block(3, 2), model.make_caches(4))
+    assert [c[1] for c in CALLS if c[0] == "ordered_gemm"] == ["qkv_proj", "gate_up", "down"] * 2
+    # The stock forward with the same projections: the same bits.
+    ref = DraftDecode(draft, plan_draft(draft, policy.Target(kernels=frozenset())), kernels=KERNELS)
+    ref.prepare()
+    assert_bitwise(got, ref.run(hidden, StepInputs.block(3, 2), model.make_caches(4)), "decode output")
+    CALLS.clear()
+    decode.run(hidden.repeat(2, 1)[:3], StepInputs.block(3, 3), model.make_caches(4))  # 3 rows: no order bound
+    assert not [c for c in CALLS if c[0] == "ordered_gemm"]

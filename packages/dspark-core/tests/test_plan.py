@@ -300,9 +300,12 @@ def test_a_declined_opt_in_kernel_says_it_is_opt_in():
         Target(declined=frozenset({policy.BOUNDARY}))
     # The switches name the opt-in kernels they ask for; opt_in declines the rest.
     assert policy.asked_opt_ins() == frozenset()
-    assert policy.asked_opt_ins(gemv=True, package_gemm=True) == frozenset(policy.OPT_IN)
-    assert ALL.opt_in(policy.asked_opt_ins(gemv=True)).declined == {policy.PACKAGE_GEMM}
-    assert "qkv_front" not in policy.ALL_KERNELS and set(policy.OPT_IN) == {policy.GEMV, policy.PACKAGE_GEMM}
+    assert policy.asked_opt_ins(gemv=True, package_gemm=True, ordered_gemm=True) == frozenset(policy.OPT_IN)
+    assert ALL.opt_in(policy.asked_opt_ins(gemv=True)).declined == {policy.PACKAGE_GEMM, policy.ORDERED_GEMM}
+    assert "qkv_front" not in policy.ALL_KERNELS
+    assert set(policy.OPT_IN) == {policy.GEMV, policy.PACKAGE_GEMM, policy.ORDERED_GEMM}
+    with pytest.raises(TypeError, match="ordered_gemm"):
+        policy.asked_opt_ins(ordered_gemm=1)
 
 
 def test_attention_refuses_wide_heads_and_a_subclass():
@@ -468,10 +471,13 @@ def test_cli_declines_the_opt_in_kernels_unless_asked():
     assert "not asked for (8 parts): " + policy.OPT_IN[policy.GEMV] in out.stdout
     assert "QKV front" not in out.stdout
     assert _cli("--kernels", "all", "--front").returncode == 2  # the fused QKV front is gone
-    out = _cli("--kernels", "all", "--gemv")
+    assert "not asked for (8 parts): " + policy.OPT_IN[policy.ORDERED_GEMM] in out.stdout
+    out = _cli("--kernels", "all", "--gemv", "--ordered-gemm")
     assert out.returncode == 0, out.stderr
     assert "opt-in" not in out.stdout
     assert "layer 1's down GEMV" in out.stdout and "fused (GemvConstants" in out.stdout
+    assert "layer 1's down projection" in out.stdout and "fused (OrderedGemmConstants" in out.stdout
+    assert "30 of 30 parts fused" in out.stdout
 
 
 def test_cli_prints_reasons_of_a_refusing_config(tmp_path):

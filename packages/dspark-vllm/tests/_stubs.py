@@ -14,7 +14,9 @@ own modules and functions, configured from the constants alone:
 - MLP activation: ``SiluAndMul.forward_native``;
 - context chain: the stock chain's steps (norms, ``torch.bmm`` against the
   bound stacked K/V weight, the ATen K-norm, the rotary op over the bound
-  table, the backend's insert).
+  table, the backend's insert);
+- ordered GEMM: bound to no row count (its check needs the live cuBLAS),
+  so vLLM's projections run.
 
 So a decode over them is vLLM's forward exactly where the constants and the
 bound tensors carry everything the part needs. Each takes the rows the kernel
@@ -189,5 +191,30 @@ class ContextChain(Kernel):
                 insert_rows(cache, k[i], v[i], per_layer[i])
 
 
+class OrderedGemm(Kernel):
+    """The ordered GEMM's stand-in: on a CPU weight the executor runs no
+    build-time check (that needs the live cuBLAS), so no row count is bound
+    and every projection stays vLLM's; ``bind_orders`` still records what a
+    test gives it."""
+
+    def __init__(self, constants, weight):
+        self.role, self.weight, self.orders, self.reasons = constants.role, weight, {}, {}
+
+    @staticmethod
+    def run_order(x, weight, order):
+        raise AssertionError("no build-time check runs on a CPU weight")
+
+    def bind_orders(self, orders, reasons=None):
+        self.orders, self.reasons = dict(orders), dict(reasons or {})
+
+    def problem(self, x, out=None):
+        m = x.shape[0]
+        return None if m in self.orders else self.reasons.get(m, f"no order for m = {m}")
+
+    def launch(self, x, out=None):
+        raise AssertionError("the stand-in binds no row count")
+
+
 KERNELS = {policy.ROW_NORM: RowNorm, policy.BOUNDARY: Boundary, policy.QKV_EPILOGUE: QKVEpilogue,
-           policy.O_GATE: OGate, policy.MLP_ACTIVATION: MlpActivation, policy.CONTEXT_CHAIN: ContextChain}
+           policy.O_GATE: OGate, policy.MLP_ACTIVATION: MlpActivation, policy.CONTEXT_CHAIN: ContextChain,
+           policy.ORDERED_GEMM: OrderedGemm}

@@ -147,7 +147,7 @@ def _specialized(dirs, monkeypatch, exact, stubs=None):
     the kernels the stubs (``stubs``: others by name)."""
     stubs = {**_stubs.KERNELS, **(stubs or {})}
     monkeypatch.setattr(deployment, "check_deployment", lambda config: None)
-    monkeypatch.setattr(planning, "vllm_target", lambda device, tp=1, kernels=None: GPU.replace(tp=tp))
+    monkeypatch.setattr(planning, "vllm_target", lambda device, tp=1, kernels=None, **asked: GPU.replace(tp=tp))
     monkeypatch.setattr(planning, "VLLM_EXACT_KERNELS", {GPU.arch: exact})
     monkeypatch.setattr(runtime, "kernel_classes", lambda names: {n: stubs[n] for n in names})
     return _draft.build(*dirs, "latency_specialized")

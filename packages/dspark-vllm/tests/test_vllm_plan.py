@@ -242,3 +242,25 @@ def test_the_plan_of_an_fp8_cache_does_not_depend_on_the_host_cpu(built, capsys,
     assert "a KV cache of fp8: the kernels insert BF16 K and V" in out
     assert main([draft_dir, "--kv-cache-dtype", "fp9"]) == 2
     assert "fp9" in capsys.readouterr().err
+
+
+def test_the_ordered_gemm_is_planned_where_additional_config_asks_for_it():
+    """``additional_config["ordered_gemm"]`` opts in to the ordered GEMM
+    (vLLM's bits where its build-time check finds cuBLAS's order); absent or
+    false it is declined as opt-in; anything but a bool is refused."""
+    import types
+
+    import torch
+
+    def config(extra):
+        return types.SimpleNamespace(additional_config=extra)
+
+    assert planning.ordered_gemm_asked(config({"ordered_gemm": True})) is True
+    assert planning.ordered_gemm_asked(config({})) is False
+    assert planning.ordered_gemm_asked(config(None)) is False
+    with pytest.raises(TypeError, match="ordered_gemm"):
+        planning.ordered_gemm_asked(config({"ordered_gemm": "yes"}))
+    cpu = torch.device("cpu")
+    asked = planning.vllm_target(cpu, 1, policy.ALL_KERNELS, ordered_gemm=True)
+    assert policy.ORDERED_GEMM not in asked.declined
+    assert policy.ORDERED_GEMM in planning.vllm_target(cpu, 1, policy.ALL_KERNELS).declined

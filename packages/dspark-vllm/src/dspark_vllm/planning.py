@@ -34,13 +34,16 @@ from dspark_vllm.allreduce import AllReduceOrder, stock_all_reduce
 # of it against vLLM 0.33.0's stock binaries on the same operands, every bit
 # equal (scripts/gpu-check.sh: the norms, qkv and gating suites, H200). The
 # attention keeps vLLM's backend (no DSpark kernel reproduces it); the GEMV
-# and the package GEMM sum their projections in their own order;
+# and the package GEMM sum their projections in their own order; the ordered
+# GEMM ran against cuBLAS on an H200 (the ordered suite, 2026-12-04) and,
+# in every deployment, takes only the row counts its build-time check finds
+# cuBLAS's order for (dspark_core.runtime.gemm_check);
 # the mailbox all-reduce boundary has not run against vLLM's all-reduce on
 # GPUs (allreduce.MailboxBoundaries). sm_100a has no GPU run yet:
 # every part stays stock there.
 VLLM_EXACT_KERNELS: dict[str, frozenset[str]] = {
     "sm_90a": frozenset({policy.ROW_NORM, policy.BOUNDARY, policy.CONTEXT_CHAIN, policy.QKV_EPILOGUE,
-                         policy.O_GATE, policy.MLP_ACTIVATION}),
+                         policy.O_GATE, policy.MLP_ACTIVATION, policy.ORDERED_GEMM}),
 }
 
 
@@ -63,6 +66,7 @@ STOCK_OPS = {
     policy.GEMV: "cuBLAS projection",
     policy.ALL_REDUCE_BOUNDARY: "tensor_model_parallel_all_reduce and the boundary after it",
     policy.PACKAGE_GEMM: "row-parallel cuBLAS projection",
+    policy.ORDERED_GEMM: "cuBLAS projection (F.linear), its order checked at build",
 }
 # The plan's part lists and the kernel each runs on.
 PART_KERNELS = (
@@ -76,6 +80,7 @@ PART_KERNELS = (
     ("gemvs", policy.GEMV),
     ("all_reduce", policy.ALL_REDUCE_BOUNDARY),
     ("package_gemms", policy.PACKAGE_GEMM),
+    ("ordered_gemms", policy.ORDERED_GEMM),
 )
 
 
@@ -86,11 +91,24 @@ def unchecked_reason(kernel: str, arch: str = "sm_90a") -> str:
             f"{STOCK_OPS[kernel]}{where}")
 
 
-def vllm_target(device, tp: int = 1, kernels: frozenset[str] | None = None, package_gemm: bool = False) -> Target:
+def vllm_target(device, tp: int = 1, kernels: frozenset[str] | None = None, package_gemm: bool = False,
+                ordered_gemm: bool = False) -> Target:
     """The planner's target for ``device`` at TP ``tp``: the installed
     kernels (or ``kernels``), the opt-in ones declined but the package GEMM
-    where ``package_gemm`` (``allreduce.package_gemm_asked``)."""
-    return policy.device_target(device, tp, kernels).opt_in(frozenset({policy.PACKAGE_GEMM} if package_gemm else ()))
+    where ``package_gemm`` (``allreduce.package_gemm_asked``) and the
+    ordered GEMM where ``ordered_gemm`` (``ordered_gemm_asked``)."""
+    return policy.device_target(device, tp, kernels).opt_in(policy.asked_opt_ins(False, package_gemm, ordered_gemm))
+
+
+def ordered_gemm_asked(vllm_config) -> bool:
+    """Whether ``additional_config["ordered_gemm"]`` opts in to the ordered
+    GEMM (the layers' projections in cuBLAS's own order where the build-time
+    check finds it: vLLM's bits). TypeError for anything but a bool."""
+    extra = getattr(vllm_config, "additional_config", None)
+    value = extra.get("ordered_gemm", False) if isinstance(extra, dict) else False
+    if not isinstance(value, bool):
+        raise TypeError(f"additional_config['ordered_gemm'] must be true or false, not {value!r}")
+    return value
 
 
 def _restock(part: Part | None, reason: str) -> Part | None:

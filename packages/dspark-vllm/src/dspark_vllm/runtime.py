@@ -170,7 +170,8 @@ class SpecializedDecode:
         block_size = int(getattr(self.vllm_config.cache_config, "block_size", 16) or 16)
         # The KV cache layout is read from the bound cache (_read_bound_layout): vLLM resolves it after this.
         self.draft = draft = describe_vllm(backbone, block_size)
-        target = planning.vllm_target(draft.device, draft.tp)
+        target = planning.vllm_target(draft.device, draft.tp,
+                                      ordered_gemm=planning.ordered_gemm_asked(self.vllm_config))
         order = None
         if draft.tp > 1:
             order = deployment.stock_all_reduce(draft.tp, target.arch,

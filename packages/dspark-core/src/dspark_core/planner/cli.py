@@ -3,7 +3,7 @@ draft run fused on a target, and why any part stays stock.
 
     dspark-plan [CONFIG.json] [--tp N] [--arch sm_90a|sm_100a] [--num-sms N]
                 [--kernels installed|all|a,b] [--attention staged|direct]
-                [--gemv] [--package-gemm] [--print-config]
+                [--gemv] [--package-gemm] [--ordered-gemm] [--print-config]
 
 Planning reads the config only: the reference draft is described on the
 meta device, with no weights, so any config plans at once. As the decode
@@ -117,6 +117,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the attention kernel's variant (default staged)")
     p.add_argument("--gemv", action="store_true", help="plan with the opt-in one-token GEMV projections")
     p.add_argument("--package-gemm", action="store_true", help="plan with the opt-in package GEMM (TP > 1)")
+    p.add_argument("--ordered-gemm", action="store_true",
+                   help="plan with the opt-in ordered GEMM (cuBLAS's order, checked at build: the stock bits)")
     p.add_argument("--print-config", action="store_true", help="print the config's JSON first")
     return p
 
@@ -141,7 +143,7 @@ def plan_config(args) -> tuple[object, DraftPlan]:
     check_tp(config, args.tp)
     check_opt_in_tp(args.tp, args.gemv, args.package_gemm)
     target = policy.Target("cuda", args.arch, args.num_sms, args.tp, _kernels(args.kernels), attention=args.attention)
-    target = target.opt_in(policy.asked_opt_ins(args.gemv, args.package_gemm))
+    target = target.opt_in(policy.asked_opt_ins(args.gemv, args.package_gemm, args.ordered_gemm))
     return config, plan_draft(describe(DraftModel(config, device="meta")), target)
 
 

@@ -80,11 +80,13 @@ class DraftPlan:
     package_gemms: list[Part] = field(default_factory=list)
     # At TP1, per layer, one per policy.GEMV_ROLES role in that order.
     gemvs: list[Part] = field(default_factory=list)
+    # Per layer, one per policy.ordered_gemm_roles(tp) role in that order.
+    ordered_gemms: list[Part] = field(default_factory=list)
 
     def parts(self) -> list[Part]:
         single = [p for p in (self.input_norm, self.context, self.all_reduce) if p is not None]
         return [*single, *self.boundaries, *self.qkv_epilogues, *self.attentions, *self.o_gates,
-                *self.mlp_activations, *self.package_gemms, *self.gemvs]
+                *self.mlp_activations, *self.package_gemms, *self.gemvs, *self.ordered_gemms]
 
     def refused(self) -> list[str]:
         """Every stock part the caller did not merely decline, with its reason."""
@@ -276,6 +278,8 @@ def plan_draft(draft: DraftDescription, target: Target | None = None) -> DraftPl
 
     for layer in draft.layers:
         _plan_layer(plan, layer, target)
+        for role in policy.ordered_gemm_roles(target.tp):
+            plan.ordered_gemms.append(_ordered_gemm_part(layer, role, target))
 
     if target.tp == 1:
         for layer in draft.layers:
@@ -314,6 +318,18 @@ def _plan_layer(plan: DraftPlan, layer: Layer, target: Target) -> None:
     plan.o_gates.append(gate)
     part = _try(f"layer {i}'s MLP activation", K.mlp_activation_constants, layer.mlp)
     plan.mlp_activations.append(_with_kernels(part, target, policy.MLP_ACTIVATION))
+
+
+def _ordered_gemm_part(layer: Layer, role: str, target: Target) -> Part:
+    """Layer ``layer``'s projection ``role`` on the ordered GEMM: cuBLAS's
+    own summation order, found for each row count by the build-time check
+    (``dspark_core.runtime.gemm_check``) against the live cuBLAS; a row count
+    without an order runs the stock projection."""
+    name = f"layer {layer.index}'s {role} projection"
+    weight = policy.gemv_weight(layer, role)
+    if weight is None:
+        return Part(name, reason="the layer has no such projection")
+    return _with_kernels(_try(name, K.ordered_gemm_constants, role, weight), target, policy.ORDERED_GEMM)
 
 
 def _attention_part(i: int, attn: Attention) -> Part:

@@ -19,6 +19,7 @@ from dspark_core.contracts.kernels import (  # noqa: F401
     GEMV,
     MLP_ACTIVATION,
     O_GATE,
+    ORDERED_GEMM,
     PACKAGE_GEMM,
     QKV_EPILOGUE,
     ROW_NORM,
@@ -54,6 +55,8 @@ OPT_IN = {
           "states, not the stock cuBLAS order",
     PACKAGE_GEMM: "the package GEMM is opt-in (package_gemm=True): it sums the branch projection in its own "
                   "order, so the draft follows the stock tokens but not its bits",
+    ORDERED_GEMM: "the ordered GEMM is opt-in (ordered_gemm=True): it gives cuBLAS's bits wherever its build-time "
+                  "check finds cuBLAS's order, but it is not yet faster than cuBLAS (bench_ordered_gemm)",
 }
 # The projections the one-token GEMV may take over, per layer (it runs at TP1
 # only: at TP the branch GEMMs feed the all-reduce).
@@ -72,6 +75,18 @@ def gemv_weight(layer, role: str):
     if role not in weights:
         raise ValueError(f"a GEMV role is one of {GEMV_ROLES}, not {role!r}")
     return weights[role]
+
+
+# The projections the ordered GEMM may take over, per layer: every one at
+# TP1; at TP > 1 the column-parallel ones (the row-parallel o_proj and down
+# feed the all-reduce, whose binding runs their GEMM).
+ORDERED_GEMM_ROLES = GEMV_ROLES
+ORDERED_GEMM_TP_ROLES = ("qkv_proj", "gate_up")
+
+
+def ordered_gemm_roles(tp: int) -> tuple[str, ...]:
+    """The projections a layer plans on the ordered GEMM at TP size ``tp``, in order."""
+    return ORDERED_GEMM_ROLES if tp == 1 else ORDERED_GEMM_TP_ROLES
 
 
 # Where the fused path has run end to end and been checked bit for bit: the
@@ -242,11 +257,12 @@ class Target:
         return self.replace(kernels=self.kernels - kernels, excluded=self.excluded | kernels)
 
 
-def asked_opt_ins(gemv: bool = False, package_gemm: bool = False) -> frozenset[str]:
+def asked_opt_ins(gemv: bool = False, package_gemm: bool = False, ordered_gemm: bool = False) -> frozenset[str]:
     """The opt-in kernels (``OPT_IN``) a caller's switches ask for: the
-    one-token GEMV and the package GEMM (``Target.opt_in`` declines the
-    rest). TypeError for a switch that is not a bool."""
-    switched = ((GEMV, flag(gemv, "gemv")), (PACKAGE_GEMM, flag(package_gemm, "package_gemm")))
+    one-token GEMV, the package GEMM and the ordered GEMM (``Target.opt_in``
+    declines the rest). TypeError for a switch that is not a bool."""
+    switched = ((GEMV, flag(gemv, "gemv")), (PACKAGE_GEMM, flag(package_gemm, "package_gemm")),
+                (ORDERED_GEMM, flag(ordered_gemm, "ordered_gemm")))
     return frozenset(k for k, yes in switched if yes)
 
 

@@ -26,7 +26,9 @@ strided operand) runs that part's stock modules and logs why, once per decode
 at WARNING (``dspark.decode``). Opt-in kernels that sum a projection in their
 own order (the one-token GEMV, the package GEMM) make the
 decode follow the stock tokens, not its bits; without them it is bit for bit
-the stock forward.
+the stock forward. The opt-in ordered GEMM sums each projection in cuBLAS's
+own order where its build-time check (``gemm_check``) finds that order, so
+it keeps the stock bits.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dspark_core import switches
 from dspark_core.contracts.kernels import kernel_class, rows_taken
 from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, Part, plan_draft
+from dspark_core.runtime import gemm_check
 from dspark_core.runtime.description import Attention, Boundary, DraftDescription
 from dspark_core.spec.layers import capturing
 
@@ -49,6 +52,9 @@ log = logging.getLogger("dspark.decode")
 # Bytes a row of each GEMM weight the L2 prefetch brings in while the small
 # kernels before that GEMM run (the benchmarks' results give the measurement).
 DEFAULT_PREFETCH = {"qkv_proj": 256, "o_proj": 256, "gate_up": 256, "down": 512}
+# The seed of the ordered GEMMs' build-time check (its probes; fixed, so a
+# refusal replays).
+ORDER_CHECK_SEED = 20261204
 
 
 class AllReduceBoundaries(Protocol):
@@ -109,8 +115,11 @@ class DraftDecode:
         self.o_gates: list = []
         self.activations: list = []
         self.gemvs: dict = {}  # (layer, role) -> bound one-token GEMV
+        self.ordered: dict = {}  # (layer, role) -> bound ordered GEMM (its orders checked against cuBLAS)
+        self.order_checks: dict = {}  # (layer, role) -> gemm_check.CheckResult
         self._gemv_weights: set = set()  # their weights' addresses: the prefetch skips them at m = 1
         self._one_row = False
+        self._rows = 0  # the running step's rows
         self.context = None
         self.prepared = False
         self._logged: set[str] = set()  # what this decode has logged (once each)
@@ -158,6 +167,7 @@ class DraftDecode:
         )
         self.gemvs = self._bind_gemvs()
         self._gemv_weights = {g.weight.data_ptr() for g in self.gemvs.values()}
+        self.ordered = self._bind_ordered()
         self.context = self._bind_context()
         if self._prefetch_bytes:
             self.prefetcher = self._class(Part("the weight prefetch", object()), policy.WEIGHT_PREFETCH)(
@@ -198,6 +208,44 @@ class DraftDecode:
                 gemvs[(layer, role)] = cls(part.constants, policy.gemv_weight(self.layers[layer], role))
                 gemvs[(layer, role)].prepare()
         return gemvs
+
+    def _stock_projection(self, layer: int, role: str):
+        """The model's stock call of ``layer``'s projection ``role``."""
+        lay = self.layers[layer]
+        return {"qkv_proj": lay.attention.project_qkv, "o_proj": lay.attention.project_out,
+                "gate_up": lay.mlp.project_gate_up, "down": lay.mlp.project_down}[role]
+
+    def _bind_ordered(self) -> dict:
+        """The ordered GEMMs of the plan, each bound to the row counts the
+        build-time check (``gemm_check.check_projection``: the model's own
+        stock projection, i.e. the live cuBLAS, against the kernel) found
+        cuBLAS's order for, compiled; the findings are logged once per
+        projection. Weights off CUDA are not checked (no row count bound),
+        unless the host class says it checks there (``CHECK_OFF_CUDA``: a
+        CPU stand-in whose ``run_order`` runs on the CPU); a host class's
+        ``ORDER_CHECK`` holds its search settings (``check_projection``'s
+        keywords), if any."""
+        bound = {}
+        roles = policy.ordered_gemm_roles(self.plan.target.tp)
+        for n, part in enumerate(self.plan.ordered_gemms):
+            layer, role = n // len(roles), roles[n % len(roles)]
+            cls = self._class(part, policy.ORDERED_GEMM)
+            if cls is None:
+                continue
+            weight = policy.gemv_weight(self.layers[layer], role)
+            gemm = cls(part.constants, weight)
+            if getattr(weight, "is_cuda", False) or getattr(cls, "CHECK_OFF_CUDA", False):
+                stock = self._stock_projection(layer, role)
+                result = gemm_check.check_projection(
+                    weight, range(1, gemm.max_rows + 1), gemm.run_order, ORDER_CHECK_SEED,
+                    reference=lambda x, _w, stock=stock: stock(x), **getattr(cls, "ORDER_CHECK", {}))
+                gemm.bind_orders(result.orders, result.refused)
+                self.order_checks[(layer, role)] = result
+                self._log_once(logging.INFO, f"layer {layer}'s {role} projection on the ordered GEMM where the "
+                               f"check against cuBLAS found its order: {result.summary()}")
+            gemm.prepare()
+            bound[(layer, role)] = gemm
+        return bound
 
     def _bind_context(self):
         part, context = self.plan.context, self.draft.context
@@ -271,12 +319,20 @@ class DraftDecode:
 
     def _linear(self, layer: int, role: str, x: torch.Tensor, stock) -> torch.Tensor:
         """A projection on the one-token GEMV where bound and where it takes
-        ``x`` (one row), else the model's stock projection ``stock``."""
+        ``x`` (one row), else on the ordered GEMM where bound and where it
+        takes ``x`` (a row count its check found cuBLAS's order for), else
+        the model's stock projection ``stock``."""
         gemv = self.gemvs.get((layer, role))
         if gemv is not None:
             if gemv.takes(x):
                 return gemv.launch(x)
             self._log_once(logging.INFO, f"layer {layer}'s {role} GEMV ran stock: {gemv.problem(x)}")
+        gemm = self.ordered.get((layer, role))
+        if gemm is not None:
+            if gemm.takes(x):
+                return gemm.launch(x)
+            self._log_once(logging.INFO, f"layer {layer}'s {role} projection keeps cuBLAS for some row counts "
+                           f"(the first: {gemm.problem(x)})")
         return stock(x)
 
     def _attention(self, index: int, x: torch.Tensor, step: tuple):
@@ -347,9 +403,14 @@ class DraftDecode:
 
     def _fork(self, weight: torch.Tensor, role: str) -> None:
         """Name the next GEMM's ``weight`` to the prefetch, where it is on."""
-        if self.prefetcher is not None and not (self._one_row and weight.data_ptr() in self._gemv_weights):
-            # (A one-token GEMV streams its own weight before its PDL wait.)
+        if self.prefetcher is not None and not (self._one_row and weight.data_ptr() in self._gemv_weights) \
+                and not self._ordered_streams(weight):
+            # (A one-token GEMV or an ordered GEMM streams its own weight before its PDL wait.)
             self.prefetcher.fork(weight, role)
+
+    def _ordered_streams(self, weight: torch.Tensor) -> bool:
+        """Whether an ordered GEMM bound to ``weight`` takes this step's rows."""
+        return any(g.weight is weight and self._rows in g.orders for g in self.ordered.values())
 
     def _kick(self) -> None:
         """Right after the first small kernel past a GEMM: the forked prefetch starts."""
@@ -384,6 +445,7 @@ class DraftDecode:
         # boundary reads it as is.
         stream = hidden_states if hidden_states.dtype == self.dtype else hidden_states.to(torch.float32)
         self._one_row = hidden_states.shape[0] == 1
+        self._rows = hidden_states.shape[0]
         last = len(self.layers) - 1
         try:
             if self.layers:  # the first QKV weight, while the first norm runs
@@ -433,7 +495,7 @@ class DraftDecode:
 
 def draft_plan(draft: DraftDescription, tp: int = 1, exclude=frozenset(), attention: str = "staged",
                gemv: bool = False, package_gemm: bool = False,
-               kernels: frozenset[str] | None = None) -> DraftPlan:
+               kernels: frozenset[str] | None = None, ordered_gemm: bool = False) -> DraftPlan:
     """The plan ``build_draft_decode`` runs: ``draft`` at TP size ``tp`` for
     the device it lives on, the installed kernels (or ``kernels``) less
     ``exclude`` (which the plan's reasons call excluded), the opt-in kernels
@@ -443,7 +505,7 @@ def draft_plan(draft: DraftDescription, tp: int = 1, exclude=frozenset(), attent
         raise ValueError(f"exclude names unknown kernels {sorted(unknown)}; the kernels are "
                          f"{', '.join(sorted(policy.ALL_KERNELS))}")
     target = policy.device_target(draft.device, tp, kernels)
-    target = target.without(exclude).opt_in(policy.asked_opt_ins(gemv, package_gemm))
+    target = target.without(exclude).opt_in(policy.asked_opt_ins(gemv, package_gemm, ordered_gemm))
     return plan_draft(draft, target.replace(attention=attention))
 
 
@@ -456,14 +518,16 @@ def build_draft_decode(
     gemv: bool | None = None,
     package_gemm: bool | None = None,
     kernels: Mapping[str, type] | None = None,
+    ordered_gemm: bool | None = None,
 ) -> DraftDecode | None:
     """The draft's specialized decode, prepared, or None where it keeps its
     stock layers; every stock part is logged with its reason.
 
     ``exclude``: kernel names not to use (ValueError for an unknown name).
-    ``gemv`` (default ``DSPARK_GEMV``) and ``package_gemm`` (default
-    ``DSPARK_PACKAGE_GEMM``):
-    the opt-in kernels (module docstring). ``attention_variant`` (default
+    ``gemv`` (default ``DSPARK_GEMV``), ``package_gemm`` (default
+    ``DSPARK_PACKAGE_GEMM``) and ``ordered_gemm`` (default
+    ``DSPARK_ORDERED_GEMM``): the opt-in kernels (module docstring; the
+    ordered GEMM keeps the stock bits). ``attention_variant`` (default
     ``DSPARK_ATTENTION`` or "staged"): ``policy.ATTENTION_VARIANTS``.
     ``prefetch`` (default: on at TP1, off with ``all_reduce``;
     ``DSPARK_PREFETCH``, a ``dspark_core.switches`` word, overrides; a dict: bytes a row per weight
@@ -489,7 +553,8 @@ def build_draft_decode(
     names = frozenset(kernels) if kernels is not None else None
     plan = draft_plan(draft, all_reduce.tp if all_reduce is not None else 1, exclude, variant,
                       switches.switch(gemv, "DSPARK_GEMV"),
-                      switches.switch(package_gemm, "DSPARK_PACKAGE_GEMM"), names)
+                      switches.switch(package_gemm, "DSPARK_PACKAGE_GEMM"), names,
+                      switches.switch(ordered_gemm, "DSPARK_ORDERED_GEMM"))
     if prefetch is None:
         prefetch = switches.env_flag("DSPARK_PREFETCH", all_reduce is None)
     if plan.draft_reason is not None:
