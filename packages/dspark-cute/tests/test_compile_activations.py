@@ -295,12 +295,16 @@ def audit_common(body: str) -> None:
     assert not re.search(r"\b(?:min|max)\.f32\b", body)
 
 
-def audit_pdl(body: str, pdl: bool) -> None:
+def audit_pdl(body: str, pdl: bool, early_release: bool = False) -> None:
+    """No global load before the PDL wait; the dependents released after it,
+    or (``early_release``: the MLP activation, whose dependent is the down
+    GEMM) before it."""
     if pdl:
         head, sep, tail = body.partition("griddepcontrol.wait")
         assert sep, "no PDL wait"
         assert not re.search(r"\bld\.global", head), "a load before the PDL wait"
-        assert "griddepcontrol.launch_dependents" in tail
+        assert "griddepcontrol.launch_dependents" in (head if early_release else tail)
+        assert body.count("griddepcontrol.launch_dependents") == 1
     else:
         assert "griddepcontrol" not in body
 
@@ -325,7 +329,7 @@ def test_mlp_activation_compiles(arch, i, pdl, tmp_path):
     ptx, body = compile_for(MlpActivationKernel(c, pdl), fake_args(c), arch)
     stores = trace(body)
     assert len(stores) == 1 and stores[0] == expected_activation(), "the stored expression is not the spec's"
-    audit_pdl(body, pdl)
+    audit_pdl(body, pdl, early_release=True)
     # expf: one block per element, its approximate ex2 and fused multiply-adds.
     block = r"%\w+".join(re.escape(piece) for piece in re.split(r"\$\d", _EXPF_ASM))
     rest = without(body, block, 8)

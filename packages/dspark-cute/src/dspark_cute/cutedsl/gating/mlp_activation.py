@@ -120,9 +120,11 @@ def _activation_body(i: int, pdl: bool, tidx, cta, m, gu, out) -> None:
     # Past the end: redo the last vector (in bounds), the store is skipped.
     v, vc, row, col, total = vector_index(tidx, cta, m, i // VEC, THREADS)
     if pdl:
-        ptx.pdl_wait()
-        # Dependents still wait for this grid's end before they read `out`.
+        # Released before the wait: the down projection launches during the
+        # gate-up GEMM's tail and streams its weight meanwhile (it still
+        # waits for this grid's end before it reads `out`).
         ptx.pdl_launch_dependents()
+        ptx.pdl_wait()
     g_addr = Int64(gu) + Int64(row) * (4 * i) + Int64(col) * (2 * VEC)
     g = ptx.ld_bf16x8(g_addr)
     u = ptx.ld_bf16x8(g_addr + 2 * i)

@@ -116,8 +116,11 @@ def _boundary_body(k: BoundaryKernel, tidx, warp, lane, sums, addrs) -> None:
     if not k.late_gates:
         gates = [gate_words(c, alpha, beta, post_w, pre_w, col) for col in columns]
     if k.pdl:
-        ptx.pdl_wait()
+        # Released before the wait: the GEMM after a boundary launches during
+        # the tail of the branch GEMM before it and streams its weight
+        # meanwhile (it still waits for this grid's end before reading).
         ptx.pdl_launch_dependents()
+        ptx.pdl_wait()
     x = [ptx.ld_row8("bf16", Int64(branch) + Int64(row) * (2 * h), col) for col in columns]
     s_dtype = "bf16" if k.stream_bf16 else "fp32"
     s_row = Int64(stream) + Int64(row) * (h * (2 if k.stream_bf16 else 4))

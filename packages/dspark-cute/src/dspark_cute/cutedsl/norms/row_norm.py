@@ -87,9 +87,11 @@ def _row_norm_body(c: RowNormConstants, pdl: bool, tidx, row, warp, lane, sums, 
         # Constant operands: read before the wait, overlapping the previous kernel.
         words = [load_weight_words(c.norm.weight_dtype, w, col) for col in columns]
     if pdl:
-        ptx.pdl_wait()
-        # Dependents still wait for this grid's end before they read `out`.
+        # Released before the wait: the GEMM after this norm launches during
+        # the tail of the grid before it and streams its weight meanwhile
+        # (it still waits for this grid's end before it reads `out`).
         ptx.pdl_launch_dependents()
+        ptx.pdl_wait()
     x_row = Int64(x) + Int64(row) * (h * ELEMENT_BYTES[c.in_dtype])
     frags = [ptx.ld_row8(c.in_dtype, x_row, col) for col in columns]
     y = rms_norm_fragments(c.norm, h, frags, words, sums, warp, lane)
