@@ -13,6 +13,9 @@
 #   check-spec     the spec on CUDA against the stock binaries (scripts/stock/check_spec.py, ~20 s)
 #   spec           dspark-core's GPU tests (the spec on CUDA; no CuTe DSL needed)
 #   norms qkv markov gating gemv attention   the kernel families' GPU suites (against the spec and the stock binaries)
+#   ordered        the ordered GEMM against the live cuBLAS (orders found at every row count, bits, graphs, TP shards)
+#   bench-gemm     bench_ordered_gemm: each projection and the 14-GEMM chain, cuBLAS against the ordered GEMM
+#   cublas-kernels cuBLAS's kernel names and grids per projection and row count (needs no CuTe DSL)
 #   ops            the custom ops (opcheck, torch.compile against eager) and the on-disk kernel cache
 #   decode         the executor over the reference draft (tests/test_gpu_decode.py)
 #   rows           its steps captured in CUDA graphs with PDL at every size vLLM captures (tests/test_gpu_rows.py)
@@ -62,6 +65,10 @@ wanted markov && gpu markov 300 packages/dspark-cute/tests/test_gpu_markov.py pa
 wanted gating && gpu gating 200 packages/dspark-cute/tests/test_gpu_activations.py
 wanted attention && gpu attention 200 packages/dspark-cute/tests/test_gpu_attention.py
 wanted gemv && gpu gemv 150 packages/dspark-cute/tests/test_gpu_gemv.py
+wanted ordered && gpu ordered 360 packages/dspark-cute/tests/test_gpu_ordered_gemm.py
+wanted bench-gemm && step bench-gemm 300 python packages/dspark-cute/benchmarks/bench_ordered_gemm.py --out "$OUT"
+wanted cublas-kernels && step cublas-kernels 200 python packages/dspark-cute/benchmarks/bench_ordered_gemm.py --roles "" \
+  --rows "" --chain-rows "" --kernels 1,2,4,8,16,24,32,48,64,128,256,512 --name cublas_kernels --out "$OUT"
 wanted ops && gpu ops 240 packages/dspark-cute/tests/test_gpu_ops.py packages/dspark-cute/tests/test_gpu_disk_cache.py
 wanted decode && gpu decode 300 tests/test_gpu_decode.py
 wanted rows && gpu rows 240 tests/test_gpu_rows.py

@@ -69,7 +69,10 @@ ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 # to import it from (packages/dspark-vllm/tests/test_bench_kernel_set.py
 # holds the two equal).
 VLLM_EXACT_SM90 = frozenset({policy.ROW_NORM, policy.BOUNDARY, policy.CONTEXT_CHAIN, policy.QKV_EPILOGUE,
-                             policy.O_GATE, policy.MLP_ACTIVATION})
+                             policy.O_GATE, policy.MLP_ACTIVATION, policy.ORDERED_GEMM})
+# The plugin's opt-in kernels that keep the stock bits (--ordered asks for them).
+EXACT_OPT_INS = frozenset({policy.ORDERED_GEMM})
+ORDERED_LABEL = "the opt-in ordered GEMM where its build-time check found cuBLAS's order"
 ATTENTION_NAMES = {"dspark": "DSpark's PagedAttention kernel (direct variant), both sides",
                    "spec": "dspark-core's spec attention in torch ops, both sides"}
 CALLS = 10  # launches of a part per captured graph
@@ -94,7 +97,33 @@ def shape_of(m: int, n: int) -> tuple[int, int]:
     return m // n, n
 
 
-def fused_markov(stock, mode: str = "auto"):
+def ordered_projection(role: str, weight: torch.Tensor):
+    """DSpark's ordered GEMM for a projection outside the decode (fc, the LM
+    head, the Markov bias), bound where the build-time check found cuBLAS's
+    order (``gemm_check.check_projection`` against ``F.linear``, as the
+    executor binds the layers'); None where the kernel is not installed."""
+    try:
+        from dspark_core.contracts.constants import ordered_gemm_constants
+        from dspark_core.runtime import gemm_check
+        from dspark_cute.cutedsl.gemm.ordered import OrderedGemm
+    except ImportError:
+        return None
+    gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight)
+    result = gemm_check.check_projection(weight, range(1, gemm.max_rows + 1), gemm.run_order, 20261204)
+    gemm.bind_orders(result.orders, result.refused)
+    gemm.prepare()
+    print(f"{role}: {result.summary()}", flush=True)
+    return gemm
+
+
+def _project(gemm, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` on ``gemm`` where it takes ``x``, else ``F.linear``."""
+    if gemm is not None and gemm.takes(x):
+        return gemm.launch(x)
+    return F.linear(x, weight)
+
+
+def fused_markov(stock, mode: str = "auto", bias_gemm=None):
     """``(loop, label)``: the DSpark side's Markov loop, or ``(None, why)``
     for vLLM's stock loop. ``mode``: "stock", "fused" (ImportError or
     Unsupported raised) or "auto" (the fused step where installed): dspark-
@@ -124,12 +153,17 @@ def fused_markov(stock, mode: str = "auto"):
     kernel.prepare()
     embed = torch.empty(512, rank, dtype=BF16, device=head.markov_w1.device)
 
+    bias_fn = None
+    if bias_gemm is not None:
+        bias_fn = lambda e: _project(bias_gemm, e, head.markov_w2)[:, :vocab]  # noqa: E731
+
     def loop(logits, input_ids, anchor_idx, n, draft_tokens):
         base = logits.view(anchor_idx.shape[0], n, vocab)
-        run_greedy_loop(kernel, base, input_ids[anchor_idx], head.markov_w2, draft_tokens, embed)
+        run_greedy_loop(kernel, base, input_ids[anchor_idx], head.markov_w2, draft_tokens, embed, bias_fn)
         return (draft_tokens,)
 
-    return loop, "DSpark's fused greedy Markov step (run_greedy_loop: 1 + 2N launches)"
+    gemm = ", the bias GEMM on the ordered GEMM" if bias_gemm is not None else ""
+    return loop, f"DSpark's fused greedy Markov step (run_greedy_loop: 1 + 2N launches{gemm})"
 
 
 class DSparkStep:
@@ -137,15 +171,22 @@ class DSparkStep:
     ``StockStep``): its ``DraftDecode``, its per-part calls and its whole
     step."""
 
-    def __init__(self, model, stock, device, kernels: frozenset[str], target=None, markov: str = "auto") -> None:
+    def __init__(self, model, stock, device, kernels: frozenset[str], target=None, markov: str = "auto",
+                 asked: frozenset[str] = frozenset()) -> None:
         self.model, self.stock = model, stock
         draft = stock_description(model, stock)
         target = target or policy.device_target(device, 1, kernels)
-        self.plan = plan_draft(draft, target.opt_in(frozenset()))
+        self.plan = plan_draft(draft, target.opt_in(asked))
         self.decode = DraftDecode(draft, self.plan, None, prefetch=None,
                                   kernels={k: kernel_class(k) for k in kernels})
         self.decode.prepare()
-        self.markov, self.markov_label = fused_markov(stock, markov)
+        ordered = policy.ORDERED_GEMM in kernels and policy.ORDERED_GEMM in asked and device.type == "cuda"
+        # fc, the LM head and the Markov bias as the plugin runs them: on the
+        # ordered GEMM where its check found cuBLAS's order.
+        self.fc = ordered_projection("fc", stock.fc) if ordered else None
+        self.lm = ordered_projection("lm_head", stock.head.lm_head) if ordered else None
+        bias = ordered_projection("markov_bias", stock.head.markov_w2) if ordered else None
+        self.markov, self.markov_label = fused_markov(stock, markov, bias)
         self.last = 2 * len(model.layers) - 1
 
     def part(self, kind: str):
@@ -193,6 +234,15 @@ class DSparkStep:
             return prep, lambda j, branch, stream: d._boundary(j, branch, stream, j != self.last)
         if kind == "activation":
             return keep, lambda i, gu: (d._activation(i, gu),)
+        gemms = {"qkv_gemm": ("qkv_proj", st.qkv_gemm), "o_proj": ("o_proj", st.o_proj),
+                 "gate_up": ("gate_up", st.gate_up), "down": ("down", st.down)}
+        if kind in gemms and d.ordered:
+            role, stock_fn = gemms[kind]
+            return keep, lambda i, x: (d._linear(i, role, x, lambda v: stock_fn(i, v)[0]),)
+        if kind == "combine" and self.fc is not None:
+            return keep, lambda aux, buf: (self.combine(aux, buf),)
+        if kind == "lm_head" and self.lm is not None:
+            return keep, lambda h, idx: (_project(self.lm, h[idx], st.head.lm_head),)
         if kind == "markov" and self.markov is not None:
             return keep, self.markov
         return same
@@ -201,15 +251,31 @@ class DSparkStep:
         """The whole step: the same combine, the context chain, the embedding
         as the BF16 stream, the decode, the same LM head, the Markov loop."""
         st = self.stock
-        (states,) = st.combine(batch.aux, hidden_buf)
+        states = self.combine(batch.aux, hidden_buf) if self.fc is not None else st.combine(batch.aux, hidden_buf)[0]
         tensors = [c.tensor for c in caches]
         if not self.decode.store_context_kv(states, batch.ctx_positions, caches, batch.ctx_slots):
             st.context(states, batch.ctx_positions, batch.ctx_slots, tensors)
         x = F.embedding(batch.input_ids.long(), self.model.embed)
         h = self.decode.run(x, batch.step, caches)
-        (logits,) = st.lm_head(h, batch.sample_indices)
+        if self.lm is not None:
+            logits = _project(self.lm, h[batch.sample_indices], st.head.lm_head)
+        else:
+            (logits,) = st.lm_head(h, batch.sample_indices)
         (self.markov or st.markov)(logits, batch.input_ids, batch.anchor_idx, batch.n, draft_tokens)
         return h, logits, draft_tokens
+
+
+def _combine(self, aux, hidden_buf):
+    """``StockStep.combine`` with fc on the ordered GEMM where it takes the rows."""
+    rows = aux.shape[0]
+    out = hidden_buf[:rows]
+    if self.fc.takes(aux, out):
+        return self.fc.launch(aux, out)  # straight into the buffer (the stock copies F.linear's output in)
+    out.copy_(F.linear(aux, self.stock.fc))
+    return out
+
+
+DSparkStep.combine = _combine
 
 
 def _stored(fused: bool, stock, states, positions, slots, caches) -> tuple:
@@ -381,6 +447,18 @@ def weight_bytes(model, head, fc, stock) -> int:
     return sum(w.numel() * w.element_size() for w in ws)
 
 
+def gemm_bytes(model, head, fc) -> dict:
+    """Weight bytes per table row of the step's projections (summed over the layers)."""
+    size = lambda w: w.numel() * w.element_size()  # noqa: E731
+    layers = model.layers
+    return {"combine (fc)": size(fc),
+            "QKV GEMM": sum(size(layer.self_attn.qkv_proj) for layer in layers),
+            "o_proj": sum(size(layer.self_attn.o_proj) for layer in layers),
+            "gate_up": sum(size(layer.mlp.gate_up) for layer in layers),
+            "down": sum(size(layer.mlp.down) for layer in layers),
+            "LM head": size(head.lm_head)}
+
+
 # ---------------------------------------------------------------- main
 class _CacheView:
     """A cache tensor as the spec's attention reads it (the dry run)."""
@@ -415,6 +493,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the DSpark side's Markov loop: the fused step where installed (auto), or as named")
     p.add_argument("--seed", type=int, default=int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31)))
     p.add_argument("--dry", action="store_true", help="the plumbing on the CPU: small draft, spec kernels, no graphs")
+    p.add_argument("--ordered", action="store_true",
+                   help="the DSpark side with the opt-in ordered GEMM (cuBLAS's order, checked at build) on every "
+                        "projection: the layers', fc, the LM head and the Markov bias")
     return p
 
 
@@ -480,7 +561,7 @@ def main(argv=None) -> int:
         # The dry run plans for an H200 with no kernel: every part on the stock ops.
         target = policy.Target(kernels=frozenset()) if args.dry else None
         dspark = DSparkStep(model, stock, device, frozenset() if args.dry else VLLM_EXACT_SM90, target,
-                            "stock" if args.dry else args.markov)
+                            "stock" if args.dry else args.markov, EXACT_OPT_INS if args.ordered else frozenset())
         fused, total = dspark.plan.fused_count()
         print(f"DSpark plan: {fused} of {total} parts fused; Markov: {dspark.markov_label}", flush=True)
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -489,13 +570,16 @@ def main(argv=None) -> int:
         "device": "CPU (dry run)" if args.dry else torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d"), "seed": args.seed,
         "floor_us": weight_bytes(model, head, fc, stock) / HBM_BYTES_PER_S * 1e6,
+        "weight_bytes": weight_bytes(model, head, fc, stock),
+        "part_bytes": gemm_bytes(model, head, fc),
         "setup": (f"Reference draft (hidden {config.hidden_size}, {config.num_layers} layers, {config.num_heads}/"
                   f"{config.num_kv_heads} heads of {config.head_dim}, intermediate {config.intermediate_size}); "
                   f"V_draft {args.draft_vocab}, V_target {args.target_vocab}, Markov rank {args.rank}, greedy; "
                   f"fc {args.aux_layers} x {args.target_hidden}; N = {args.n} (m = 1: one request of one "
                   f"token); {args.context} cached tokens a request; attention: {attention_name}; stock PDL "
                   f"{'on' if stock.pdl else 'off'}; Markov on the DSpark side: "
-                  f"{dspark.markov_label if dspark else '-'}."),
+                  f"{dspark.markov_label if dspark else '-'}; projections on the DSpark side: "
+                  f"{ORDERED_LABEL if args.ordered else 'cuBLAS, as vLLM'}."),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+PEAK_BYTES_PER_S = 4.8e12  # an H200's HBM peak (the fraction the table states)
+
 
 def spread(times: list[float]) -> dict:
     s = sorted(times)
@@ -66,6 +68,18 @@ def table(results: list[dict], meta: dict) -> str:
     floor = meta["floor_us"]
     lines.append(f"| step / weight floor ({floor:.0f} us) | " + " | ".join(
         f"{tot(r, 'stock') / floor:.2f} -> {tot(r, 'dspark') / floor:.2f}" for r in results) + " |")
+    if meta.get("weight_bytes"):
+        # The weight bytes one step streams over the step's time, against the H200's 4.8 TB/s peak.
+        frac = lambda r, k: meta["weight_bytes"] / (tot(r, k) * 1e-6) / PEAK_BYTES_PER_S  # noqa: E731
+        lines.append("| whole step: weight bytes / time, of HBM peak (4.8 TB/s) | " + " | ".join(
+            f"{100 * frac(r, 'stock'):.1f}% -> {100 * frac(r, 'dspark'):.1f}%" for r in results) + " |")
+    for name, nbytes in meta.get("part_bytes", {}).items():
+        cells = []
+        for s_ in sums:
+            r = s_.get(name)
+            cells.append("-" if r is None else
+                         f"{nbytes / r['stock'] / 1e6:.2f} -> {nbytes / r['dspark'] / 1e6:.2f}")
+        lines.append(f"| {name}: weight TB/s | " + " | ".join(cells) + " |")
     exact = [[p for p in r["parts"] if p["differing"] is not None] for r in results]
     if any(exact):
         lines.append("| DSpark's own parts: differing elements | " + " | ".join(
