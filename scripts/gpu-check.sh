@@ -20,6 +20,7 @@
 #   decode         the executor over the reference draft (tests/test_gpu_decode.py)
 #   rows           its steps captured in CUDA graphs with PDL at every size vLLM captures (tests/test_gpu_rows.py)
 #   multigpu       the two-GPU suites (comm, package GEMM, TP2 draft); kind nvidia-h200-x2
+#   multigpu-one   the mailbox all-reduce and fused boundary as 2, 4 and 8 processes on one GPU (test_comm_one_gpu)
 #   bench-boundary bench_boundary_stock (DSpark / vLLM's chain / vLLM's one-kernel boundary)
 #   bench-step     the whole draft step against vLLM's from its binaries: test_gpu_draft_step (bits), then
 #                  bench_draft_step with V_draft 32768 (~30 s on an H200) and 202752
@@ -72,6 +73,7 @@ wanted cublas-kernels && step cublas-kernels 200 python packages/dspark-cute/ben
 wanted ops && gpu ops 240 packages/dspark-cute/tests/test_gpu_ops.py packages/dspark-cute/tests/test_gpu_disk_cache.py
 wanted decode && gpu decode 300 tests/test_gpu_decode.py
 wanted rows && gpu rows 240 tests/test_gpu_rows.py
+wanted multigpu-one && gpu multigpu-one 560 packages/dspark-comm/tests/test_comm_one_gpu.py
 if wanted multigpu; then
   step comm-multigpu 150 python -m pytest -m multigpu packages/dspark-comm/tests/test_comm_multigpu.py -q -p no:cacheprovider
   step gemm-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -p no:cacheprovider

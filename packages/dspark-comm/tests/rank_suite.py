@@ -55,7 +55,7 @@ def _barrier() -> None:
 
 
 def run_checks(rank: int, world: int, init_file: str, out_dir: str, cfg: dict, checks, *,
-               needed=(), skip=(), cleanup=None, timeout_s: float = 120.0) -> None:
+               needed=(), skip=(), cleanup=None, timeout_s: float = 120.0, one_gpu: bool = False) -> None:
     """One rank: join the NCCL group (``dspark_comm.runtime.ranks.init_rank``), run
     ``checks`` (``(name, fn)`` pairs) in order except those in ``skip``, stop
     after a failed check named in ``needed`` (the later ones need what it
@@ -63,7 +63,7 @@ def run_checks(rank: int, world: int, init_file: str, out_dir: str, cfg: dict, c
     left open; its error is printed, not raised) and leave the group."""
     from dspark_comm.runtime.ranks import finish_rank, init_rank
 
-    init_rank(rank, world, init_file, timeout_s)
+    init_rank(rank, world, init_file, timeout_s, one_gpu)
     c = Ctx()
     c.rank, c.world, c.cfg = rank, world, cfg
     results = Results(out_dir, rank)
@@ -113,7 +113,8 @@ def replay_stress(body, calls_per_graph: int, eager: int, target: int, t0: float
     return replays
 
 
-def run_suite(tmp_path_factory, worker, name: str, cfg: dict, timeout_s: float, keep_as: str | None = None) -> dict:
+def run_suite(tmp_path_factory, worker, name: str, cfg: dict, timeout_s: float, keep_as: str | None = None,
+              world: int = WORLD, one_gpu: bool = False) -> dict:
     """Spawn ``worker(rank, WORLD, init_file, out_dir, cfg)`` on ``WORLD``
     ranks (skip the module with fewer GPUs), ``cfg`` with ``"seed"`` added
     (``DSPARK_SEED``, else fresh; printed; the checks add it to every
@@ -122,8 +123,9 @@ def run_suite(tmp_path_factory, worker, name: str, cfg: dict, timeout_s: float, 
     "error": why the ranks did not all end cleanly, or None}``; with
     ``DSPARK_COMM_OUT`` set, the results are also written there as
     ``keep_as``."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
-        pytest.skip(f"needs {WORLD} CUDA GPUs (this machine has {torch.cuda.device_count()}); "
+    need = 1 if one_gpu else world
+    if not torch.cuda.is_available() or torch.cuda.device_count() < need:
+        pytest.skip(f"needs {need} CUDA GPU(s) (this machine has {torch.cuda.device_count()}); "
                     "run nox -s tests-multigpu on a two-GPU device machine")
     from dspark_comm.runtime.ranks import spawn_ranks
 
@@ -133,11 +135,11 @@ def run_suite(tmp_path_factory, worker, name: str, cfg: dict, timeout_s: float, 
     print(f"{name} suite: seed {seed} (set DSPARK_SEED={seed} to repeat)")
     cfg = {**cfg, "seed": seed}
     out = tmp_path_factory.mktemp(name)
-    error = spawn_ranks(worker, WORLD, str(out), cfg, timeout_s=timeout_s)
+    error = spawn_ranks(worker, world, str(out), cfg, timeout_s=timeout_s)
     if error is not None:
         print(error)
     results = []
-    for r in range(WORLD):
+    for r in range(world):
         path = out / f"rank{r}.json"
         results.append(json.loads(path.read_text()) if path.exists() else {})
     print(json.dumps(results, indent=1)[:20000])

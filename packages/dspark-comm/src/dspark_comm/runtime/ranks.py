@@ -6,10 +6,14 @@ demo), written once.
   NVLink multicast (NVLS) off for NCCL, PyTorch symmetric memory and
   NVSHMEM (the device machines this project runs on lend GPUs without it;
   the mailbox never uses multicast either).
-- ``init_rank(rank, world, init_file, timeout_s)``: sets ``MULTICAST_OFF``,
-  makes GPU ``rank`` the current device and joins the world process group
-  (NCCL, rendezvous through the file ``init_file``, collectives timing out
-  after ``timeout_s``); returns the rank's device.
+- ``init_rank(rank, world, init_file, timeout_s, one_gpu=False)``: sets
+  ``MULTICAST_OFF``, makes GPU ``rank`` the current device and joins the
+  world process group (NCCL, rendezvous through the file ``init_file``,
+  collectives timing out after ``timeout_s``); returns the rank's device.
+  With ``one_gpu`` every rank runs on GPU 0 and the group is gloo (NCCL
+  refuses two ranks on one GPU): the rank group of a machine with one GPU,
+  whose processes time-slice it while the mailbox's CUDA IPC buffers (one
+  device, other processes) and kernels are the real ones.
 - ``finish_rank()``: leaves the process group where one was joined.
 - ``spawn_ranks(fn, world, *args, timeout_s)``: runs ``fn(rank, world,
   init_file, *args)`` in ``world`` spawned processes (``init_file`` a fresh
@@ -48,21 +52,27 @@ MULTICAST_OFF = {
 }
 
 
-def init_rank(rank: int, world: int, init_file: str, timeout_s: float = 120.0) -> torch.device:
+def init_rank(rank: int, world: int, init_file: str, timeout_s: float = 120.0, one_gpu: bool = False) -> torch.device:
     """Join the NCCL world group as rank ``rank`` of ``world`` on GPU
-    ``rank`` (module docstring). ValueError for a rank outside ``[0, world)``
-    or a machine with fewer than ``world`` GPUs."""
+    ``rank``, or with ``one_gpu`` the gloo group on GPU 0 (module
+    docstring). ValueError for a rank outside ``[0, world)`` or a machine
+    with fewer GPUs than that needs."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} of a group of {world}")
-    if torch.cuda.device_count() < world:
-        raise ValueError(f"{world} ranks need {world} CUDA GPUs; this machine has {torch.cuda.device_count()}")
+    need = 1 if one_gpu else world
+    if torch.cuda.device_count() < need:
+        raise ValueError(f"{world} ranks need {need} CUDA GPU(s); this machine has {torch.cuda.device_count()}")
     os.environ.update(MULTICAST_OFF)
     import torch.distributed as dist
 
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", 0 if one_gpu else rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=device, timeout=timedelta(seconds=timeout_s))
+    if one_gpu:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                device_id=device, timeout=timedelta(seconds=timeout_s))
     return device
 
 
