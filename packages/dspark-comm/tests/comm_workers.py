@@ -503,22 +503,27 @@ def check_stress(c):
     }
 
 
-def check_timeout(c):
-    """Rank 1 never arrives: rank 0's call gives up after the timeout, flags
-    the mailbox, and its next call returns at once; a collective reset makes
-    the mailbox whole again."""
+def timeout_probe(c, reference, timeout_s: float = 0.25) -> dict:
+    """The last rank never arrives: every other rank's call gives up after
+    ``timeout_s``, flags the mailbox (``check`` raises) and its next call
+    returns at once; a collective reset makes the mailbox whole again.
+    ``reference(x)``: the all-reduce the calls before and after must give
+    (NCCL at TP2, the gathered partials' reference sum on one GPU)."""
     from dspark_comm.cutedsl.allreduce import MailboxAllReduce
     from dspark_comm.runtime.mailbox import Mailbox, MailboxTimeoutError
 
-    mb = Mailbox(c.group, H, 4, timeout_s=0.25, backend=c.mb.backend)
-    res = {}
+    mb = Mailbox(c.group, H, 4, timeout_s=timeout_s, backend=c.mb.backend)
+    res = {"timeout_s": timeout_s}
     try:
         ar = MailboxAllReduce(mb)
+        ar.prepare()
+        c.group.barrier()
         gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 9000 + c.rank)
         x = random_rows(gen, 2)
-        res["before"] = bad(ar.run(x), nccl(x))
+        res["before"] = bad(ar.run(x), reference(x))
         torch.cuda.synchronize()
-        if c.rank == 0:
+        c.group.barrier()
+        if c.rank != c.world - 1:
             t0 = time.monotonic()
             ar.run(x)
             torch.cuda.synchronize()
@@ -532,15 +537,20 @@ def check_timeout(c):
                 res["raised"] = None
             except MailboxTimeoutError as e:
                 res["raised"] = str(e)
-        dist.barrier()
+        c.group.barrier()
         mb.reset()
         res["status_after_reset"] = mb.status()
         y = random_rows(gen, 3)
-        res["after_reset"] = bad(ar.run(y), nccl(y))
+        res["after_reset"] = bad(ar.run(y), reference(y))
         mb.check()
     finally:
         mb.close()
     return res
+
+
+def check_timeout(c):
+    """Rank 1 never arrives (``timeout_probe`` against NCCL)."""
+    return timeout_probe(c, nccl)
 
 
 def check_close(c):

@@ -254,50 +254,15 @@ def check_stress(c):
 
 
 def check_timeout(c):
-    """The last rank never arrives: every other rank's call gives up after
-    the poll timeout (within it plus a margin), flags the mailbox (``check``
-    raises), and its next call returns at once; a collective reset makes the
-    mailbox whole again."""
-    from dspark_comm.cutedsl.allreduce import MailboxAllReduce
+    """The last rank never arrives (``comm_workers.timeout_probe``: the others
+    give up after the poll timeout, a reset recovers), against the reference
+    sum of the gathered partials."""
+    from comm_workers import timeout_probe
+
     from dspark_comm.protocol import reference_sum
-    from dspark_comm.runtime.mailbox import Mailbox, MailboxTimeoutError
     from dspark_core.contracts.constants import FP32_RANK_ORDER
 
-    timeout = c.cfg.get("timeout_probe_s", 0.5)
-    mb = Mailbox(c.group, H, 4, timeout_s=timeout, backend=c.mb.backend)
-    res = {"timeout_s": timeout}
-    try:
-        ar = MailboxAllReduce(mb, FP32_RANK_ORDER)
-        ar.prepare()
-        c.group.barrier()
-        gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 9000 + c.rank)
-        x = random_rows(gen, 2)
-        res["before"] = bad(ar.run(x), reference_sum(gather(x), FP32_RANK_ORDER))
-        torch.cuda.synchronize()
-        c.group.barrier()
-        if c.rank != c.world - 1:
-            t0 = time.monotonic()
-            ar.run(x)
-            torch.cuda.synchronize()
-            res["first_call_s"] = round(time.monotonic() - t0, 3)
-            t0 = time.monotonic()
-            ar.run(x)
-            torch.cuda.synchronize()
-            res["second_call_s"] = round(time.monotonic() - t0, 3)
-            try:
-                mb.check()
-                res["raised"] = None
-            except MailboxTimeoutError as e:
-                res["raised"] = str(e)
-        c.group.barrier()
-        mb.reset()
-        res["status_after_reset"] = mb.status()
-        y = random_rows(gen, 3)
-        res["after_reset"] = bad(ar.run(y), reference_sum(gather(y), FP32_RANK_ORDER))
-        mb.check()
-    finally:
-        mb.close()
-    return res
+    return timeout_probe(c, lambda x: reference_sum(gather(x), FP32_RANK_ORDER), c.cfg.get("timeout_probe_s", 0.5))
 
 
 def check_close(c):
