@@ -24,7 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from comm_workers import BF16, FP32, H, _boundary_modules, all_patterns, bad, random_rows, special_rows
+from comm_workers import BF16, FP32, H, _boundary_modules, all_patterns, bad, check_close, random_rows, special_rows
 
 CAPACITY = 16
 
@@ -263,12 +263,6 @@ def check_timeout(c):
     from dspark_core.contracts.constants import FP32_RANK_ORDER
 
     return timeout_probe(c, lambda x: reference_sum(gather(x), FP32_RANK_ORDER), c.cfg.get("timeout_probe_s", 0.5))
-
-
-def check_close(c):
-    c.mb.close()
-    c.mb.close()
-    return {"closed": c.mb.closed}
 
 
 CHECKS = [

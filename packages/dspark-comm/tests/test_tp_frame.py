@@ -79,6 +79,11 @@ def test_init_rank_refusals():
     if torch.cuda.device_count() < 64:
         with pytest.raises(ValueError, match="64 ranks need 64 CUDA GPUs"):
             ranks.init_rank(0, 64, "/nonexistent")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="8 ranks on one GPU need a CUDA GPU; this machine has none"):
+            ranks.init_rank(0, 8, "/nonexistent", one_gpu=True)
+    with pytest.raises(ValueError, match="rank 8 of a group of 8"):
+        ranks.init_rank(8, 8, "/nonexistent", one_gpu=True)
     with pytest.raises(ValueError):
         ranks.spawn_ranks(_write, 0)
     with pytest.raises(ValueError):

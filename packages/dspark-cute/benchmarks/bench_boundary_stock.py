@@ -24,7 +24,6 @@ of ``out`` and of the new stream). Writes ``bench_boundary_stock.md`` and
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -32,16 +31,17 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stock_scripts  # noqa: E402
+
 H = 8192
 ROWS = [1, 4, 16, 64, 1024, 4096]
 ROOT = Path(__file__).resolve().parents[3]
 
 
 def _stock():
-    spec = importlib.util.spec_from_file_location("launch_stock", ROOT / "scripts" / "stock" / "launch_stock.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``scripts/stock/launch_stock.py`` (``stock_scripts``)."""
+    return stock_scripts.load("launch_stock")
 
 
 def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -62,8 +62,9 @@ def main(argv=None) -> int:
         print("this benchmark times GPU kernels; no GPU here")
         return 0
     stock = _stock()
-    if not (Path(stock.DEFAULT_DIR) / "manifest.json").is_file():
-        print(f"no stock binaries in {stock.DEFAULT_DIR}: run scripts/stock/compile_stock.py and carry .device/stock")
+    missing = stock_scripts.binaries_missing()
+    if missing:
+        print(missing)
         return 0
     from dspark_core.contracts.constants import BoundaryConstants, NormConstants
     from dspark_core.spec.layers import stock_arch

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import logging
 import os
@@ -61,6 +60,7 @@ from dspark_core.tools.compare import mismatches
 from dspark_core.tools.timing import HBM_BYTES_PER_S, capture, times_us
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stock_scripts  # noqa: E402
 from draft_step_report import plot, spread, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -79,12 +79,7 @@ CALLS = 10  # launches of a part per captured graph
 BF16 = torch.bfloat16
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "stock" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+_load = stock_scripts.load
 
 
 def shape_of(m: int, n: int) -> tuple[int, int]:
@@ -520,9 +515,9 @@ def main(argv=None) -> int:
     else:
         config = DraftConfig()
         kernels = _load("launch_stock")
-        if not (Path(kernels.DEFAULT_DIR) / "manifest.json").is_file():
-            print(f"no stock binaries in {kernels.DEFAULT_DIR}: run scripts/stock/compile_stock.py and carry "
-                  ".device/stock")
+        missing = stock_scripts.binaries_missing()
+        if missing:
+            print(missing)
             return 1
     print(f"seed {args.seed}", flush=True)
     gen = torch.Generator(device=device).manual_seed(args.seed)

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stock_scripts  # noqa: E402
 from bench_boundary_stock import _stock  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -77,8 +78,9 @@ def main(argv=None) -> int:
         print("this benchmark times GPU kernels; no GPU here")
         return 0
     stock = _stock()
-    if not (Path(stock.DEFAULT_DIR) / "manifest.json").is_file():
-        print(f"no stock binaries in {stock.DEFAULT_DIR}: run scripts/stock/compile_stock.py and carry .device/stock")
+    missing = stock_scripts.binaries_missing()
+    if missing:
+        print(missing)
         return 0
     from dspark_core.contracts.constants import QKVFrontConstants
     from dspark_core.spec.layers import Rotary

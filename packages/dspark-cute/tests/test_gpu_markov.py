@@ -83,6 +83,22 @@ def make_head(gen, v_target, vocab, vpad, rank, d2t: bool):
     return w1, w2, m
 
 
+def sample_requests(gen, r: int, n: int, reqs: int) -> tuple:
+    """vLLM's per-request buffers of a probabilistic loop over ``r`` rows of
+    ``n`` steps and ``reqs`` requests: ``(idx_map, temperature, seeds,
+    sample_pos)``: int64 ``idx_map [r, n]`` (one request a row, one row
+    inert (-1) where there are several), FP32 temperatures (a third greedy,
+    0.0), int64 seeds and positions."""
+    idx_map = torch.randperm(reqs, generator=gen, device="cuda")[:r, None].expand(r, n).contiguous()
+    if r > 1:
+        idx_map[r // 2] = -1
+    temperature = torch.rand(reqs, generator=gen, device="cuda") + 0.2
+    temperature[: reqs // 3] = 0.0
+    seeds = torch.randint(-(2**62), 2**62, (reqs,), generator=gen, device="cuda")
+    sample_pos = torch.randint(1, 10**6, (r, n), generator=gen, device="cuda")
+    return idx_map, temperature, seeds, sample_pos
+
+
 def make_step(vocab, rank, cap, w1, d2t, max_rows=512):
     from dspark_cute.cutedsl.markov.greedy import MarkovStep
 
@@ -226,14 +242,7 @@ def test_probabilistic_loop_matches_spec(seed, r, n, vocab, vt, cap):
     base = planted_base(gen, r, n, vocab, vocab)
     base = torch.where(torch.isnan(base), torch.full_like(base, 1.0), base)  # (NaN: the stated exception)
     prev = torch.randint(0, vt, (r,), generator=gen, device="cuda")
-    # Each row is one request (its slot for every step), one row inert (-1) where there are several.
-    idx_map = torch.randperm(reqs, generator=gen, device="cuda")[:r, None].expand(r, n).contiguous()
-    if r > 1:
-        idx_map[r // 2] = -1
-    temperature = torch.rand(reqs, generator=gen, device="cuda") + 0.2
-    temperature[: reqs // 3] = 0.0
-    seeds = torch.randint(-(2**62), 2**62, (reqs,), generator=gen, device="cuda")
-    sample_pos = torch.randint(1, 10**6, (r, n), generator=gen, device="cuda")
+    idx_map, temperature, seeds, sample_pos = sample_requests(gen, r, n, reqs)
     cache = torch.full((reqs, n, vt), 7.0, dtype=BF16, device="cuda")
     want_cache = cache.clone()
     want = spec_probabilistic_loop(base, prev, w1, w2, cap, m, idx_map, temperature, seeds, sample_pos, want_cache,

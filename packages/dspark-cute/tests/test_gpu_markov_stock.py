@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from cute_testing import requires_cuda
 from stock import ROOT, stock_dir, stock_or_skip
-from test_gpu_markov import MULT, POISON, make_head
+from test_gpu_markov import MULT, POISON, make_head, sample_requests
 
 from dspark_core.contracts.markov import markov_sample_constants
 
@@ -113,18 +113,11 @@ def test_probabilistic_loop_matches_vllm_gumbel_binary(seed, r, n, vocab, vt, ca
     step.prepare()
     base, tie = planted_base(gen, r, n, vocab)
     prev = torch.randint(0, vt, (r,), generator=gen, device="cuda")
-    # vLLM's buffers: int64 idx_map [R, N] (one request a row, one row inert where there are several), FP32
-    # temperatures, int64 seeds and positions, int32 step columns, the BF16 cache [reqs, N, V_target].
-    idx_map = torch.randperm(reqs, generator=gen, device="cuda")[:r, None].expand(r, n).contiguous()
-    if r > 1:
-        idx_map[r // 2] = -1
-    temperature = torch.rand(reqs, generator=gen, device="cuda") + 0.2
-    temperature[: reqs // 3] = 0.0
+    # vLLM's buffers (sample_requests), int32 step columns, the BF16 cache [reqs, N, V_target].
+    idx_map, temperature, seeds, sample_pos = sample_requests(gen, r, n, reqs)
     tie_req = int(idx_map[tie // n, 0])
     if tie_req >= 0:
         temperature[tie_req] = 0.0  # plain argmax: the planted ties decide it (first index)
-    seeds = torch.randint(-(2**62), 2**62, (reqs,), generator=gen, device="cuda")
-    sample_pos = torch.randint(1, 10**6, (r, n), generator=gen, device="cuda")
     cols = torch.arange(n, dtype=torch.int32, device="cuda")
     cache = torch.full((reqs, n, vt), 7.0, dtype=BF16, device="cuda")
     want_cache = cache.clone()

@@ -59,9 +59,11 @@ def init_rank(rank: int, world: int, init_file: str, timeout_s: float = 120.0, o
     with fewer GPUs than that needs."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} of a group of {world}")
-    need = 1 if one_gpu else world
-    if torch.cuda.device_count() < need:
-        raise ValueError(f"{world} ranks need {need} CUDA GPU(s); this machine has {torch.cuda.device_count()}")
+    have = torch.cuda.device_count()
+    if one_gpu and have < 1:
+        raise ValueError(f"{world} ranks on one GPU need a CUDA GPU; this machine has none")
+    if not one_gpu and have < world:
+        raise ValueError(f"{world} ranks need {world} CUDA GPUs; this machine has {have}")
     os.environ.update(MULTICAST_OFF)
     import torch.distributed as dist
 
