@@ -211,3 +211,24 @@ def test_with_no_kernel_checked_the_plugin_class_keeps_vllms_forward(dirs, stock
     assert "WARNING The DSpark draft runs vLLM's stock forward: 0 of 14 planned parts fused." in vllm_log
     assert any("the DSpark boundary kernel is not yet checked bit for bit against vLLM 0.33.0's" in line
                for line in vllm_log)
+
+
+def test_the_build_passes_the_opt_ins_additional_config_asks_for(dirs, monkeypatch):
+    """``SpecializedDecode.build`` plans with the package GEMM and the ordered
+    GEMM where ``additional_config`` asks for them (read by
+    ``allreduce.package_gemm_asked`` and ``planning.ordered_gemm_asked``)."""
+    from dspark_vllm import allreduce
+
+    seen = []
+
+    def target(device, tp=1, kernels=None, **asked):
+        seen.append(asked)
+        return GPU.replace(tp=tp)
+
+    monkeypatch.setattr(deployment, "check_deployment", lambda config: None)
+    monkeypatch.setattr(planning, "vllm_target", target)
+    monkeypatch.setattr(planning, "VLLM_EXACT_KERNELS", {GPU.arch: frozenset()})
+    monkeypatch.setattr(allreduce, "package_gemm_asked", lambda config: True)
+    monkeypatch.setattr(planning, "ordered_gemm_asked", lambda config: True)
+    _draft.build(*dirs, "latency_specialized")
+    assert seen == [{"package_gemm": True, "ordered_gemm": True}]

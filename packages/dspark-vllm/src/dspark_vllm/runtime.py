@@ -170,7 +170,9 @@ class SpecializedDecode:
         block_size = int(getattr(self.vllm_config.cache_config, "block_size", 16) or 16)
         # The KV cache layout is read from the bound cache (_read_bound_layout): vLLM resolves it after this.
         self.draft = draft = describe_vllm(backbone, block_size)
+        # The opt-ins additional_config asks for (each declined otherwise).
         target = planning.vllm_target(draft.device, draft.tp,
+                                      package_gemm=allreduce.package_gemm_asked(self.vllm_config),
                                       ordered_gemm=planning.ordered_gemm_asked(self.vllm_config))
         order = None
         if draft.tp > 1:
