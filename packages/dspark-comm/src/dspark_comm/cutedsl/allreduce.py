@@ -42,7 +42,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import cutlass.cute as cute
-import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
 
@@ -69,6 +68,7 @@ from dspark_cute.runtime.host import (
     fake_stream,
     jit_cache,
     pdl_supported,
+    smem_allocator,
 )
 
 log = logging.getLogger("dspark.comm")
@@ -209,7 +209,7 @@ class AllReduceKernel:
         row, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        smem = cu_utils.SmemAllocator().allocate_array(Float32, SMEM_FLOATS)
+        smem = smem_allocator().allocate_array(Float32, SMEM_FLOATS)
         ctx = RowContext(
             tidx, row, warp, lane, fragment_columns(tidx, self.layout.hidden_size),
             self.layout.hidden_size, smem.toint(), (o0, o1, o2, o3, o4, o5, o6, o7),

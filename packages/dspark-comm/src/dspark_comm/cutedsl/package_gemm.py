@@ -93,7 +93,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as cu_utils
 import torch
 from cutlass import Int32, Int64
 
@@ -132,6 +131,7 @@ from dspark_cute.runtime.host import (
     is_operand,
     jit_cache,
     pdl_supported,
+    smem_allocator,
 )
 
 # The bound of the module docstring (``dspark_cute.cutedsl.gemm.skinny.config``).
@@ -191,7 +191,7 @@ class PackageGemmKernel:
         tile, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        ring = cu_utils.SmemAllocator().allocate(smem_bytes(self.cfg, self.tile_rows), 128).toint()
+        ring = smem_allocator().allocate(smem_bytes(self.cfg, self.tile_rows), 128).toint()
         if cutlass.const_expr(self.tile_rows == sd.TILE_ROWS):
             _direct_body(self, x, weight, out, table, m, tidx, tile, warp, lane, ring)
         else:

@@ -29,7 +29,8 @@
 - ``compile_kernel(obj, *args)``: ``cute.compile`` after the capture guard.
 - ``compile_ptx(obj, *fake_args, arch)``: the PTX of ``obj`` for ``arch``
   ("sm_90a", "sm_100a"), compiled without loading it (works without a GPU).
-- ``pdl_supported(device)``, ``sm_count(device)``.
+- ``pdl_supported(device)``, ``sm_count(device)``;
+- ``smem_allocator()``: the DSL's shared-memory allocator (inside a kernel).
 """
 
 from __future__ import annotations
@@ -217,6 +218,19 @@ def sm_count(device=None) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def smem_allocator():
+    """A new shared-memory allocator of the CuTe DSL in use (call it inside a
+    kernel): ``cutlass.memory.SmemAllocator`` where the DSL has it (4.8,
+    which deprecates ``cutlass.utils.SmemAllocator``), else
+    ``cutlass.utils.SmemAllocator`` (4.3.5, the supported range's low end).
+    The one place the kernels name it."""
+    try:
+        from cutlass.memory import SmemAllocator
+    except ImportError:
+        from cutlass.utils import SmemAllocator
+    return SmemAllocator()
+
+
 def compile_kernel(obj: Any, *args, what: str | None = None, options: str | None = None):
     """``cute.compile(obj, *args)`` once it is checked that no CUDA graph is
     being captured (RuntimeError otherwise)."""
@@ -337,6 +351,7 @@ __all__ = [
     "pdl_supported",
     "ptr",
     "sm_count",
+    "smem_allocator",
     "stream_capturing",
     "to_cute",
     "to_cute_dynamic",

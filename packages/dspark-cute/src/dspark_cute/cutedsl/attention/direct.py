@@ -62,7 +62,6 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as cu_utils
 from cutlass import Float32, Int32, Int64, Uint32
 
 from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
@@ -87,6 +86,7 @@ from dspark_cute.cutedsl.attention.common import (
 from dspark_cute.runtime.host import (
     fake_stream,
     jit_cache,
+    smem_allocator,
 )
 
 # Slots whose scores pass 1 keeps in shared memory (per thread: one FP32 per
@@ -131,7 +131,7 @@ class DirectAttentionKernel:
 
         # Shared memory: the scores (pass 1-2), then the lane sums [128][68];
         # the 4 warp maxima, the 4 warp sums of l, the warp sums [4][64].
-        red = Int32(cu_utils.SmemAllocator().allocate(SMEM_BYTES, 16).toint())
+        red = Int32(smem_allocator().allocate(SMEM_BYTES, 16).toint())
         maxes = red + LANES * ROW_WORDS * 4
         lsums = maxes + 4 * WARPS
         wsums = lsums + 4 * WARPS

@@ -59,7 +59,6 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as cu_utils
 from cutlass import Float32, Int32, Int64, Uint32
 
 from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
@@ -85,7 +84,7 @@ from dspark_cute.cutedsl.attention.common import (
     score,
 )
 from dspark_cute.cutedsl.gating.o_gate import check_arch
-from dspark_cute.runtime.host import fake_stream, jit_cache
+from dspark_cute.runtime.host import fake_stream, jit_cache, smem_allocator
 
 # Chunks of 128 slots past the staged ones whose scores pass 1 keeps in
 # shared memory (later ones are recomputed in pass 2, as the default does
@@ -194,7 +193,7 @@ class StagedAttentionKernel:
 
         # Shared memory: the staged rows, scores and slot table (passes 0-2),
         # then the lane sums [128][68]; the maxima and warp sums after them.
-        base = Int32(cu_utils.SmemAllocator().allocate(lay.total, 128).toint())
+        base = Int32(smem_allocator().allocate(lay.total, 128).toint())
         own = base + lay.scores + Int32(tidx) * 4  # this thread's score of chunk 0
         table = base + lay.table
         maxes = base + lay.tail

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as cu_utils
 import torch
 from cutlass import Int32, Int64, Uint32
 
@@ -73,7 +72,7 @@ from dspark_cute.cutedsl.gemm.ordered_layout import (  # noqa: F401 (re-exported
     x_copy,
 )
 from dspark_cute.runtime import ops
-from dspark_cute.runtime.host import LazyPdl, current_stream, describe, fake_stream, jit_cache, sm_count
+from dspark_cute.runtime.host import LazyPdl, current_stream, describe, fake_stream, jit_cache, sm_count, smem_allocator
 
 # ---------------------------------------------------------------- the kernel
 
@@ -120,7 +119,7 @@ class OrderedGemmKernel:
         bx, s, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        base = Int32(cu_utils.SmemAllocator().allocate(lay.total, 128).toint())
+        base = Int32(smem_allocator().allocate(lay.total, 128).toint())
         chunk0, nchunks = split_chunks(k, Int32(tile_chunks), Int32(splits), Int32(s), _min, lay.chunk)
         row0 = Int64(bx) * lay.rows
         rb = lay.row_bytes

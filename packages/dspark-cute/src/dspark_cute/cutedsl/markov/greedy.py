@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as cu_utils
 import torch
 from cutlass import Int32, Int64, Uint32
 
@@ -54,7 +53,7 @@ from dspark_core.errors import Unsupported
 from dspark_core.spec.markov import transform_constants
 from dspark_cute import ptx
 from dspark_cute.runtime import ops
-from dspark_cute.runtime.host import current_stream, describe, fake_stream, jit_cache
+from dspark_cute.runtime.host import current_stream, describe, fake_stream, jit_cache, smem_allocator
 
 THREADS = MARKOV_THREADS
 VEC = MARKOV_VEC
@@ -99,7 +98,7 @@ class MarkovGreedyKernel:
         cta, row, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         # Shared: the last-CTA flag, then the token.
-        shared = Int32(cu_utils.SmemAllocator().allocate(16, 16).toint())
+        shared = Int32(smem_allocator().allocate(16, 16).toint())
         key = row_key(self.constants, tidx, cta, row, base, base_stride, bias, bias_stride)
         finish(self.constants, key, tidx, lane, row, shared, d2t, w1, embed, tokens, tokens_stride, keys, counters,
                gather)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
 
@@ -40,7 +39,7 @@ from dspark_core.errors import Unsupported
 from dspark_cute import ptx
 from dspark_cute.cutedsl.markov.greedy import MAX_RANK, THREADS, VEC, finish, step_values
 from dspark_cute.runtime import ops
-from dspark_cute.runtime.host import current_stream, describe, fake_stream, jit_cache
+from dspark_cute.runtime.host import current_stream, describe, fake_stream, jit_cache, smem_allocator
 
 NEG_INF_BF16 = 0xFF80
 
@@ -82,7 +81,7 @@ class MarkovSampleKernel:
         tidx, _, _ = cute.arch.thread_idx()
         cta, row, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
-        shared = Int32(cu_utils.SmemAllocator().allocate(16, 16).toint())
+        shared = Int32(smem_allocator().allocate(16, 16).toint())
         key = sample_key(c, tidx, cta, row, base, base_stride, bias, bias_stride, t2d, idx_map, idx_stride,
                          temperature, seeds, pos, pos_stride, cache, cache_s0, cache_s1, col)
         finish(c, key, tidx, lane, row, shared, Int64(0), w1, embed, tokens, tokens_stride, keys, counters, gather)

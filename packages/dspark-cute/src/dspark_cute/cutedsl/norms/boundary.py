@@ -25,7 +25,6 @@ before it reads the outputs.
 from __future__ import annotations
 
 import cutlass.cute as cute
-import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64
 
@@ -55,6 +54,7 @@ from dspark_cute.runtime.host import (
     pdl_supported,
     ptr,
     sm_count,
+    smem_allocator,
 )
 
 
@@ -97,7 +97,7 @@ class BoundaryKernel:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         # Two folds (post, pre), each with its own 8 slots: no barrier between.
-        smem = cu_utils.SmemAllocator()
+        smem = smem_allocator()
         sums = smem.allocate_array(Float32, 2 * ptx.WARPS)
         _boundary_body(
             self, tidx, warp, lane, sums.toint(),

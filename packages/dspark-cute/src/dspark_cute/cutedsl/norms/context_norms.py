@@ -29,7 +29,6 @@ programmatic-dependent-launch wait, the rows after it.
 from __future__ import annotations
 
 import cutlass.cute as cute
-import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64
 
@@ -56,6 +55,7 @@ from dspark_cute.runtime.host import (
     is_operand,
     jit_cache,
     ptr,
+    smem_allocator,
 )
 
 # The grid is 1-D: T * L CTAs must fit a signed 32-bit count.
@@ -109,7 +109,7 @@ class ContextNormsKernel:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         # Two folds (hidden, input norm), each its own 8 slots: no barrier between.
-        sums = cu_utils.SmemAllocator().allocate_array(Float32, 2 * ptx.WARPS)
+        sums = smem_allocator().allocate_array(Float32, 2 * ptx.WARPS)
         _context_norms_body(
             self.constants, self.pdl, tidx, cta, m, warp, lane, sums.toint(),
             x.toint(), hidden_w.toint(), pre_w.toint(), out.toint(),

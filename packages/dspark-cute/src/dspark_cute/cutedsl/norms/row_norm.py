@@ -17,7 +17,6 @@ serves every ``m``.
 from __future__ import annotations
 
 import cutlass.cute as cute
-import cutlass.utils as cu_utils
 import torch
 from cutlass import Float32, Int32, Int64
 
@@ -44,6 +43,7 @@ from dspark_cute.runtime.host import (
     is_operand,
     jit_cache,
     ptr,
+    smem_allocator,
 )
 
 # ---------------------------------------------------------------- the kernel
@@ -72,7 +72,7 @@ class RowNormKernel:
         row, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        sums = cu_utils.SmemAllocator().allocate_array(Float32, ptx.WARPS)
+        sums = smem_allocator().allocate_array(Float32, ptx.WARPS)
         _row_norm_body(
             self.constants, self.pdl, tidx, row, warp, lane, sums.toint(),
             x.toint(), weight.toint(), out.toint(),
