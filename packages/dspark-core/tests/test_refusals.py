@@ -116,7 +116,7 @@ def test_an_eps_must_be_a_non_negative_number_finite_in_fp32(eps, ctor):
         "norm": lambda e: K.NormConstants(e, None, 0.0, False),
         "o_gate": lambda e: K.OGateConstants(8, e),
         "store": lambda e: K.ContextStoreConstants(8, e, True, "fp32"),
-        "front": lambda e: K.QKVFrontConstants(8192, 64, 8, False, 1e-6, e, True, "fp32"),
+        "front": lambda e: K.QKVEpilogueConstants(8192, 64, 8, False, 1e-6, e, True, "fp32"),
         "attention": lambda e: K.AttentionConstants(64, 8, 64, 16, o_gate_eps=e),
     }[ctor]
     if _fp32_finite(eps) and eps >= 0:
@@ -140,7 +140,7 @@ def test_a_gain_center_must_be_finite_in_fp32(center, sign):
 @given(heads=st.one_of(st.floats(allow_nan=False), st.booleans(), st.text(max_size=3), st.none()))
 def test_a_count_that_is_not_an_int_is_a_type_error(heads):
     for build in (lambda h: K.OGateConstants(h, 1e-6), lambda h: K.AttentionConstants(h, 8, 64, 16),
-                  lambda h: K.QKVFrontConstants(8192, h, 8, False, 1e-6, 1e-6, True, "fp32"),
+                  lambda h: K.QKVEpilogueConstants(8192, h, 8, False, 1e-6, 1e-6, True, "fp32"),
                   lambda h: K.MlpActivationConstants(h)):
         with pytest.raises(TypeError, match="must be an int, not"):
             build(heads)

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     if missing:
         print(missing)
         return 0
-    from dspark_core.contracts.constants import QKVFrontConstants
+    from dspark_core.contracts.constants import QKVEpilogueConstants
     from dspark_core.spec.layers import Rotary
     from dspark_core.tools.timing import capture_on_side_stream, times_us
 
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     table, epis = {}, {}
     for t in TABLES:
         table[t] = Rotary(D, MAX_POSITION, table_dtype=torch.float32 if t == "fp32" else torch.bfloat16).cuda().cos_sin
-        c = QKVFrontConstants(hidden_size=8192, num_heads=HEADS, kv_heads=KV, q_weight=False, q_eps=EPS, k_eps=EPS,
+        c = QKVEpilogueConstants(hidden_size=8192, num_heads=HEADS, kv_heads=KV, q_weight=False, q_eps=EPS, k_eps=EPS,
                               rope=True, table_dtype=t)
         for name, above in grids.items():
             e = qe.QKVEpilogue(c, None, table[t], pdl=True)

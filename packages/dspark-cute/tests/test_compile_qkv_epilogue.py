@@ -33,19 +33,19 @@ import torch
 from ptx_audit import assert_strides_address, code, count, ptxas_report, skip_audit_off_pin, spill_bytes
 from qkv_ptx import ONE_64TH, half, head_norms, normed_pairs, packed, rotation
 
-from dspark_core.contracts.constants import QKVFrontConstants
+from dspark_core.contracts.constants import QKVEpilogueConstants
 from dspark_core.errors import Unsupported
 
 ARCHS = ["sm_90a", "sm_100a"]
 
 
 def constants(kv: int, table: str | None, heads: int | None = None, q_eps: float = 1e-6, k_eps: float = 1e-6,
-              hidden: int = 8192) -> QKVFrontConstants:
+              hidden: int = 8192) -> QKVEpilogueConstants:
     """Constants of ``kv`` KV heads (``heads`` q heads, default 8 per KV
     head up to 64), RoPE with a ``table`` ("fp32", "bf16") or none."""
     if heads is None:
         heads = min(64, 8 * kv)
-    return QKVFrontConstants(hidden_size=hidden, num_heads=heads, kv_heads=kv, q_weight=False, q_eps=q_eps,
+    return QKVEpilogueConstants(hidden_size=hidden, num_heads=heads, kv_heads=kv, q_weight=False, q_eps=q_eps,
                              k_eps=k_eps, rope=table is not None, table_dtype=table or "bf16")
 
 
@@ -68,7 +68,7 @@ def f32_hex(x: float) -> str:
     return f"0f{struct.unpack('<I', struct.pack('<f', x))[0]:08X}"
 
 
-def audit_head_norm(body: str, c: QKVFrontConstants) -> None:
+def audit_head_norm(body: str, c: QKVEpilogueConstants) -> None:
     """The stock QK-norm's dataflow in the epilogue's PTX (module docstring)."""
     norms = head_norms(body)
     assert len(norms) == 1, f"{len(norms)} head norms"
@@ -200,7 +200,7 @@ def test_one_compile_per_constants(monkeypatch):
     monkeypatch.setattr(qe.compile_qkv_epilogue, "cache", {})
     monkeypatch.setattr(host, "compile_kernel", lambda obj, *args, what=None: built.append(obj) or object())
     a = qe.compile_qkv_epilogue(c, False)
-    b = qe.compile_qkv_epilogue(QKVFrontConstants(**c.__dict__), False)
+    b = qe.compile_qkv_epilogue(QKVEpilogueConstants(**c.__dict__), False)
     d = qe.compile_qkv_epilogue(c, True)
     f = qe.compile_qkv_epilogue(c, False, True)
     assert a is b and d is not a and f not in (a, d) and len(built) == 3
@@ -215,13 +215,13 @@ def test_constructor_refuses():
     from dspark_cute.cutedsl.qkv.epilogue import QKVEpilogue, QKVEpilogueKernel
 
     ref = constants(8, "fp32")
-    with pytest.raises(ValueError, match="QKVFrontConstants"):
+    with pytest.raises(ValueError, match="QKVEpilogueConstants"):
         QKVEpilogue(ref.hidden_size)
     with pytest.raises(Unsupported, match="at least one q head"):
-        QKVEpilogue(QKVFrontConstants(8192, 0, 8, False, 1e-6, 1e-6, False, "bf16"))
+        QKVEpilogue(QKVEpilogueConstants(8192, 0, 8, False, 1e-6, 1e-6, False, "bf16"))
     with pytest.raises(Unsupported, match="bf16 or fp32 RoPE table"):
-        QKVEpilogue(QKVFrontConstants(8192, 64, 8, False, 1e-6, 1e-6, True, "fp16"))
-    weighted = QKVFrontConstants(8192, 64, 8, True, 1e-6, 1e-6, True, "fp32")
+        QKVEpilogue(QKVEpilogueConstants(8192, 64, 8, False, 1e-6, 1e-6, True, "fp16"))
+    weighted = QKVEpilogueConstants(8192, 64, 8, True, 1e-6, 1e-6, True, "fp32")
     with pytest.raises(Unsupported, match="weightless"):
         QKVEpilogue(weighted)
     with pytest.raises(Unsupported, match="weightless"):

@@ -48,7 +48,7 @@ from cute_testing import (
     whole,
 )
 
-from dspark_core.contracts.constants import HEAD_DIM, QKVFrontConstants
+from dspark_core.contracts.constants import HEAD_DIM, QKVEpilogueConstants
 from dspark_core.spec.layers import Rotary
 from dspark_core.tools.compare import assert_bitwise
 
@@ -98,7 +98,7 @@ class Setup:
         self.layout = layout
         self.nq, self.kv, table, self.q_eps, self.k_eps, self.ogate = CASES[case]
         self.rotary = rotary(table) if table else None
-        self.constants = QKVFrontConstants(hidden_size=8192, num_heads=self.nq, kv_heads=self.kv, q_weight=False,
+        self.constants = QKVEpilogueConstants(hidden_size=8192, num_heads=self.nq, kv_heads=self.kv, q_weight=False,
                                            q_eps=self.q_eps, k_eps=self.k_eps, rope=table is not None,
                                            table_dtype=table or "bf16")
         self.table = self.rotary.cos_sin if self.rotary is not None else None

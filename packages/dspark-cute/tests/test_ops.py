@@ -34,7 +34,15 @@ OPS = {
     "o_gate": (["attn", "gate", "out"], {"out"}),
     "mlp_activation": (["gu", "out"], {"out"}),
     "gemv": (["x", "out"], {"out"}),
+    "ordered_gemm": (["x", "out"], {"out"}),
 }
+# The ops are defined when their kernel modules import: every one imported
+# here, so no test depends on what another test (or xdist worker) imported.
+for _target in _provides.KERNELS.values():
+    importlib.import_module(_target.split(":")[0])
+for _module in ("dspark_cute.cutedsl.context.store", "dspark_cute.cutedsl.norms.context_norms"):
+    importlib.import_module(_module)
+
 # Host classes without an op of their own: the chain is two ops around a
 # torch.bmm; the prefetch writes nothing a graph could keep.
 COMPOSITE = {"context_chain", "weight_prefetch"}
@@ -89,10 +97,6 @@ def test_define_refuses_a_changed_schema_and_a_bad_one():
 
 
 def test_fakes_write_nothing_on_fake_cuda_tensors():
-    # The ops are defined when their kernel modules import (any test order).
-    import dspark_cute.cutedsl.context.store  # noqa: F401
-    import dspark_cute.cutedsl.gating.mlp_activation  # noqa: F401
-
     with FakeTensorMode():
         gu = torch.empty(3, 2 * 256, dtype=torch.bfloat16, device="cuda")
         out = torch.empty(3, 256, dtype=torch.bfloat16, device="cuda")
@@ -283,7 +287,7 @@ def test_eager_launches_of_bound_hosts_pass_their_tensors(monkeypatch):
         ContextNormConstants,
         GemvConstants,
         NormConstants,
-        QKVFrontConstants,
+        QKVEpilogueConstants,
         RowNormConstants,
     )
     from dspark_cute.cutedsl.gemm import gemv as gemv_module
@@ -327,7 +331,7 @@ def test_eager_launches_of_bound_hosts_pass_their_tensors(monkeypatch):
 
     monkeypatch.setattr(epilogue_module, "is_operand", lambda *args, **kwargs: True)
     table = torch.randn(100, 64).bfloat16()
-    epi = epilogue_module.QKVEpilogue(QKVFrontConstants(h, 4, 2, False, 1e-6, 1e-6, True, "bf16"), None, table,
+    epi = epilogue_module.QKVEpilogue(QKVEpilogueConstants(h, 4, 2, False, 1e-6, 1e-6, True, "bf16"), None, table,
                                       pdl=False)
     qkv = torch.randn(3, (2 * 4 + 2 * 2) * 64).bfloat16()
     positions, slots = torch.arange(3), torch.arange(3)

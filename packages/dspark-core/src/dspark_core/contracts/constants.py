@@ -327,12 +327,10 @@ def context_store_constants(k_norm: HeadNorm, kv_heads: int, rope: Rope | None) 
 
 
 @dataclass(frozen=True, eq=False)
-class QKVFrontConstants(_Key):
+class QKVEpilogueConstants(_Key):
     """The QKV epilogue kernel: vLLM's fused QK-norm, GPT-J RoPE and K/V
     insert on the stock QKV projection's output (q, k, v, o-gate rows;
-    ``hidden_size`` the projection's input width). Named after the fused QKV
-    front (the projection and this epilogue in one kernel), removed: slower
-    than the stock projection and not its bits."""
+    ``hidden_size`` the projection's input width)."""
 
     hidden_size: int
     num_heads: int
@@ -344,7 +342,7 @@ class QKVFrontConstants(_Key):
     table_dtype: str
 
 
-def qkv_front_constants(attn: Attention) -> QKVFrontConstants:
+def qkv_epilogue_constants(attn: Attention) -> QKVEpilogueConstants:
     """The constants of the QKV epilogue for a layer's
     attention, or Unsupported where they do not reproduce its stock
     projection's epilogue."""
@@ -363,7 +361,7 @@ def qkv_front_constants(attn: Attention) -> QKVFrontConstants:
     if attn.q_norm.weight is not None or attn.k_norm.weight is not None:
         raise Unsupported("a QK-norm with a weight (the stock fused QK-norm is weightless)")
     rotates, table_dtype = _rope_facts(attn.rope)
-    return QKVFrontConstants(
+    return QKVEpilogueConstants(
         hidden_size=attn.qkv_weight.shape[1],
         num_heads=attn.num_heads,
         kv_heads=kv,

@@ -57,7 +57,7 @@ KERNEL_SIGNATURES = {
     ROW_NORM: "RowNorm(constants: RowNormConstants, weight: Tensor | None)",
     BOUNDARY: "DraftBoundary(constants: BoundaryConstants, alpha, beta, post_weight, pre_weight)",
     CONTEXT_CHAIN: "ContextChain(constants: ContextConstants, hidden_weight, pre_weights, kv_weight, table)",
-    QKV_EPILOGUE: "QKVEpilogue(constants: QKVFrontConstants, q_norm_weight, table)",
+    QKV_EPILOGUE: "QKVEpilogue(constants: QKVEpilogueConstants, q_norm_weight, table)",
     ATTENTION: "PagedAttention(constants: AttentionConstants)",
     O_GATE: "OGate(constants: OGateConstants)",
     MLP_ACTIVATION: "MlpActivation(constants: MlpActivationConstants)",

@@ -301,7 +301,7 @@ def _plan_layer(plan: DraftPlan, layer: Layer, target: Target) -> None:
     i, attn = layer.index, layer.attention
     # QK-norm, RoPE and the insert on the stock projection's output (bit for
     # bit the stock front).
-    part = _try(f"layer {i}'s QKV epilogue", K.qkv_front_constants, attn)
+    part = _try(f"layer {i}'s QKV epilogue", K.qkv_epilogue_constants, attn)
     plan.qkv_epilogues.append(_with_kernels(part, target, policy.QKV_EPILOGUE))
     gate = _with_kernels(_o_gate_part(i, attn, target.arch), target, policy.O_GATE)
     attention = _with_kernels(_attention_part(i, attn), target, policy.ATTENTION)

@@ -53,7 +53,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
 
-from dspark_core.contracts.constants import HEAD_DIM, QKVFrontConstants
+from dspark_core.contracts.constants import HEAD_DIM, QKVEpilogueConstants
 from dspark_core.errors import Unsupported
 from dspark_core.spec.layers import capturing
 from dspark_cute import ptx
@@ -95,12 +95,12 @@ HEAD_BYTES = 2 * HEAD_DIM
 TABLE_DTYPES = ("bf16", "fp32")
 
 
-def check_constants(c: QKVFrontConstants) -> None:
-    """Unsupported unless the kernel takes ``c`` (a QKVFrontConstants): at
+def check_constants(c: QKVEpilogueConstants) -> None:
+    """Unsupported unless the kernel takes ``c`` (a QKVEpilogueConstants): at
     least one q head and one KV head, no q-norm weight (the stock fused
     QK-norm is weightless), a BF16 or FP32 RoPE table."""
-    if not isinstance(c, QKVFrontConstants):
-        raise ValueError(f"QKVEpilogue takes QKVFrontConstants, not {type(c).__name__}")
+    if not isinstance(c, QKVEpilogueConstants):
+        raise ValueError(f"QKVEpilogue takes QKVEpilogueConstants, not {type(c).__name__}")
     if c.num_heads < 1 or c.kv_heads < 1:
         raise Unsupported(f"the QKV epilogue takes at least one q head and one KV head, not {c.num_heads} "
                          f"and {c.kv_heads}")
@@ -114,7 +114,7 @@ def check_constants(c: QKVFrontConstants) -> None:
 
 
 class QKVEpilogueKernel:
-    """The traced QKV epilogue of one ``QKVFrontConstants``; ``pdl``:
+    """The traced QKV epilogue of one ``QKVEpilogueConstants``; ``pdl``:
     launched with programmatic dependent launch.
 
     Call: ``(qkv, table, positions, slots, cache, row_elems, num_slots,
@@ -130,7 +130,7 @@ class QKVEpilogueKernel:
     ``flat``: the flat grid (``m * heads`` below 2^31), else the per-token
     one (module constants); the same arithmetic per head either way."""
 
-    def __init__(self, constants: QKVFrontConstants, pdl: bool, flat: bool = False) -> None:
+    def __init__(self, constants: QKVEpilogueConstants, pdl: bool, flat: bool = False) -> None:
         check_constants(constants)
         self.c = constants
         self.pdl = pdl
@@ -218,7 +218,7 @@ class QKVEpilogueKernel:
                             ptx.st_global_v4(row + HEAD_BYTES + Int64(lane) * 16, raw)
 
 
-def fake_args(constants: QKVFrontConstants) -> tuple:
+def fake_args(constants: QKVEpilogueConstants) -> tuple:
     """The compile signature of ``QKVEpilogueKernel`` (no GPU memory needed)."""
     return tuple(Int64(0) for _ in range(5)) + (
         Int32(1), Int64(1), Int32(1), Int64(1), Int32(1), Int64(0), Int64(0), Int64(0), fake_stream(),
@@ -226,7 +226,7 @@ def fake_args(constants: QKVFrontConstants) -> tuple:
 
 
 @jit_cache("QKVEpilogue")
-def compile_qkv_epilogue(constants: QKVFrontConstants, pdl: bool, flat: bool = False):
+def compile_qkv_epilogue(constants: QKVEpilogueConstants, pdl: bool, flat: bool = False):
     """The compiled ``QKVEpilogueKernel`` of ``constants``, ``pdl`` and ``flat``."""
     return QKVEpilogueKernel(constants, pdl, flat), fake_args(constants)
 
@@ -258,7 +258,7 @@ class QKVEpilogue(LazyPdl):
 
     OP = "qkv_epilogue"
 
-    def __init__(self, constants: QKVFrontConstants, q_norm_weight: torch.Tensor | None = None,
+    def __init__(self, constants: QKVEpilogueConstants, q_norm_weight: torch.Tensor | None = None,
                  cos_sin: torch.Tensor | None = None, pdl: bool | None = None) -> None:
         check_constants(constants)
         c = constants
