@@ -242,6 +242,17 @@ class DSparkStep:
             return keep, self.markov
         return same
 
+    def combine(self, aux, hidden_buf):
+        """``StockStep.combine`` with fc on the ordered GEMM where it takes
+        the rows, written straight into the buffer (the stock copies
+        ``F.linear``'s output in)."""
+        rows = aux.shape[0]
+        out = hidden_buf[:rows]
+        if self.fc.takes(aux, out):
+            return self.fc.launch(aux, out)
+        out.copy_(F.linear(aux, self.stock.fc))
+        return out
+
     def step(self, batch, caches, hidden_buf, draft_tokens) -> tuple:
         """The whole step: the same combine, the context chain, the embedding
         as the BF16 stream, the decode, the same LM head, the Markov loop."""
@@ -260,17 +271,6 @@ class DSparkStep:
         return h, logits, draft_tokens
 
 
-def _combine(self, aux, hidden_buf):
-    """``StockStep.combine`` with fc on the ordered GEMM where it takes the rows."""
-    rows = aux.shape[0]
-    out = hidden_buf[:rows]
-    if self.fc.takes(aux, out):
-        return self.fc.launch(aux, out)  # straight into the buffer (the stock copies F.linear's output in)
-    out.copy_(F.linear(aux, self.stock.fc))
-    return out
-
-
-DSparkStep.combine = _combine
 
 
 def _stored(fused: bool, stock, states, positions, slots, caches) -> tuple:
