@@ -95,18 +95,15 @@ def shape_of(m: int, n: int) -> tuple[int, int]:
 def ordered_projection(role: str, weight: torch.Tensor):
     """DSpark's ordered GEMM for a projection outside the decode (fc, the LM
     head, the Markov bias), bound where the build-time check found cuBLAS's
-    order (``gemm_check.check_projection`` against ``F.linear``, as the
-    executor binds the layers'); None where the kernel is not installed."""
+    order (``OrderedGemm.check`` against ``F.linear``, as the executor binds
+    the layers'); None where the kernel is not installed."""
     try:
         from dspark_core.contracts.constants import ordered_gemm_constants
-        from dspark_core.runtime import gemm_check
         from dspark_cute.cutedsl.gemm.ordered import OrderedGemm
     except ImportError:
         return None
     gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight)
-    result = gemm_check.check_projection(weight, range(1, gemm.max_rows + 1), gemm.run_order, 20261204)
-    gemm.bind_orders(result.orders, result.refused)
-    gemm.prepare()
+    result = gemm.check()
     print(f"{role}: {result.summary()}", flush=True)
     return gemm
 

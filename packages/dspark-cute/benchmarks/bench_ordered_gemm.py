@@ -71,21 +71,23 @@ def time_calls(fns: list, trials: int = 7, replays: int = 5) -> float:
     return statistics.median(median_us(replay, replays, warmup=1, calls=len(fns)) for _ in range(trials))
 
 
-def check(weight, rows, seed):
-    from dspark_core.runtime import gemm_check
-    from dspark_cute.cutedsl.gemm.ordered import candidate_run
-
-    return gemm_check.check_projection(weight, rows, candidate_run, seed)
-
-
-def bound(role, weight, result, settings=None):
+def _gemm(role, weight, settings=None):
     from dspark_core.contracts.constants import ordered_gemm_constants
     from dspark_cute.cutedsl.gemm.ordered import OrderedGemm
 
-    gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight)
+    return OrderedGemm(ordered_gemm_constants(role, weight), weight, settings=settings)
+
+
+def check(role, weight, rows, seed):
+    """The build-time check of ``role``'s ``weight`` at ``rows`` (``OrderedGemm.check``)."""
+    return _gemm(role, weight).check(rows, seed=seed)
+
+
+def bound(role, weight, result, settings=None):
+    """An ordered GEMM on ``weight`` bound to ``result``'s orders (each weight
+    copy has the one check's orders: its shape's), compiled."""
+    gemm = _gemm(role, weight, settings)
     gemm.bind_orders(result.orders, result.refused)
-    if settings is not None:
-        gemm._settings = {m: settings(m, o) for m, o in gemm.orders.items()}
     gemm.prepare()
     return gemm
 
@@ -93,7 +95,7 @@ def bound(role, weight, result, settings=None):
 def measure_shape(role, n, k, rows, seed, gen, sweep=False) -> list[dict]:
     copies = max(1, -(-MIN_BYTES // (n * k * 2)))
     weights = _weights(n, k, copies, gen)
-    result = check(weights[0], rows, seed)
+    result = check(role, weights[0], rows, seed)
     out = []
     for m in rows:
         row = {"role": role, "n": n, "k": k, "m": m, "copies": copies}
@@ -139,7 +141,7 @@ def measure_chain(rows, seed, gen, tp: int = 1) -> list[dict]:
     results = {}
     for role, w in zip(CHAIN, weights):
         if role not in results:
-            results[role] = check(w, rows, seed)
+            results[role] = check(role, w, rows, seed)
     total = sum(w.numel() * 2 for w in weights)
     out = []
     for m in rows:

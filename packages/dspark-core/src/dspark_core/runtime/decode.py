@@ -52,9 +52,6 @@ log = logging.getLogger("dspark.decode")
 # Bytes a row of each GEMM weight the L2 prefetch brings in while the small
 # kernels before that GEMM run (the benchmarks' results give the measurement).
 DEFAULT_PREFETCH = {"qkv_proj": 256, "o_proj": 256, "gate_up": 256, "down": 512}
-# The seed of the ordered GEMMs' build-time check (its probes; fixed, so a
-# refusal replays).
-ORDER_CHECK_SEED = 20261204
 
 
 class AllReduceBoundaries(Protocol):
@@ -237,7 +234,7 @@ class DraftDecode:
             if getattr(weight, "is_cuda", False) or getattr(cls, "CHECK_OFF_CUDA", False):
                 stock = self._stock_projection(layer, role)
                 result = gemm_check.check_projection(
-                    weight, range(1, gemm.max_rows + 1), gemm.run_order, ORDER_CHECK_SEED,
+                    weight, range(1, gemm.max_rows + 1), gemm.run_order, gemm_check.SEED,
                     reference=lambda x, _w, stock=stock: stock(x), **getattr(cls, "ORDER_CHECK", {}))
                 gemm.bind_orders(result.orders, result.refused)
                 self.order_checks[(layer, role)] = result

@@ -36,6 +36,8 @@ import torch
 from dspark_core.spec.split_order import MAX_SPLITS, TILES, SplitOrder, candidate_orders
 from dspark_core.tools.compare import mismatches
 
+# The check's default seed (its probes; fixed, so a refusal replays).
+SEED = 20261204
 # Finite magnitudes the "spread" probe covers (powers of two).
 SPREAD = 12
 # The special values' probe: the share of -0.0 and of subnormals.
@@ -219,5 +221,5 @@ def check_projection(weight: torch.Tensor, rows: Iterable[int], run_order, seed:
                       weight.device, seed, confirm=whole, **search)
 
 
-__all__ = ["CheckResult", "Finding", "SEARCH_ROWS", "SPECIAL_SHARE", "SPREAD", "check_projection", "check_rows",
+__all__ = ["CheckResult", "Finding", "SEARCH_ROWS", "SEED", "SPECIAL_SHARE", "SPREAD", "check_projection", "check_rows",
            "find_order", "probes", "same_bits"]

@@ -45,6 +45,7 @@ from cutlass import Int32, Int64, Uint32
 
 from dspark_core.contracts.constants import OrderedGemmConstants, ordered_gemm_unsupported
 from dspark_core.errors import Unsupported
+from dspark_core.runtime import gemm_check
 from dspark_core.spec.split_order import SplitOrder
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gemm.ordered_layout import (  # noqa: F401 (re-exported)
@@ -292,7 +293,7 @@ class OrderedWorkspace:
 
     def __init__(self, n: int, rows: int, splits: int, device) -> None:
         self.n, self.rows, self.splits = n, rows, splits
-        self.part = torch.empty(max(1, splits * rows * n if splits > 1 else 1), dtype=torch.float32, device=device)
+        self.part = torch.empty(splits * rows * n if splits > 1 else 1, dtype=torch.float32, device=device)
         self.counters = torch.zeros(max(1, n // TILE_ROWS), dtype=torch.int32, device=device)
 
     def takes(self, n: int, m: int, splits: int) -> bool:
@@ -368,7 +369,9 @@ class OrderedGemm(LazyPdl):
     ``constants``, contiguous, 16-byte aligned, on CUDA), taking the row
     counts ``bind_orders`` gave an order (the build-time check's findings;
     none before it). ``pdl``: programmatic dependent launch (default:
-    sm_90+); ``sms``: the SM count the launch settings are chosen for.
+    sm_90+); ``sms``: the SM count the launch settings are chosen for;
+    ``settings(m, order)``: a row count's launch settings (default
+    ``launch_settings``; speed only: the same bits).
 
     ``run(x, out=None)``: BF16 ``x [m, k]`` -> ``[m, n]``, summed in the
     order bound for ``m`` (bit for bit cuBLAS's where the check found it);
@@ -380,7 +383,7 @@ class OrderedGemm(LazyPdl):
     OP = "ordered_gemm"
 
     def __init__(self, constants: OrderedGemmConstants, weight: torch.Tensor, *, pdl: bool | None = None,
-                 sms: int | None = None) -> None:
+                 sms: int | None = None, settings=None) -> None:
         if not isinstance(constants, OrderedGemmConstants):
             raise ValueError(f"the ordered GEMM takes OrderedGemmConstants, not {type(constants).__name__}")
         why = ordered_gemm_unsupported(weight)
@@ -395,6 +398,8 @@ class OrderedGemm(LazyPdl):
         self.constants, self.weight, self.device = constants, weight, weight.device
         self._pdl = None if pdl is None else bool(pdl)
         self.sms = sms or sm_count(weight.device)
+        # (m, order) -> the launch settings (default launch_settings; no bit depends on them).
+        self._choose = settings or (lambda m, o: launch_settings(constants.n, o.splits, m, self.sms))
         self.orders: dict[int, SplitOrder] = {}
         self.reasons: dict[int, str] = {}
         self.workspace = OrderedWorkspace(constants.n, 1, 1, weight.device)
@@ -428,7 +433,18 @@ class OrderedGemm(LazyPdl):
         self.workspace = OrderedWorkspace(self.constants.n, rows, splits, self.device)
         self.orders = dict(orders)
         self.reasons = dict(reasons or {})
-        self._settings = {m: launch_settings(self.constants.n, o.splits, m, self.sms) for m, o in self.orders.items()}
+        self._settings = {m: self._choose(m, o) for m, o in self.orders.items()}
+
+    def check(self, rows=None, reference=None, seed: int = gemm_check.SEED) -> gemm_check.CheckResult:
+        """The build-time check (``gemm_check.check_projection``) of this
+        weight at ``rows`` (default 1 .. 64) against ``reference(x, weight)``
+        (default ``F.linear``: the live cuBLAS), its orders bound
+        (``bind_orders``) and compiled (``prepare``); returns the findings."""
+        rows = range(1, MAX_ROWS + 1) if rows is None else rows
+        result = gemm_check.check_projection(self.weight, rows, self.run_order, seed, reference)
+        self.bind_orders(result.orders, result.refused)
+        self.prepare()
+        return result
 
     def prepare(self) -> None:
         """Compile every variant the bound orders launch."""
