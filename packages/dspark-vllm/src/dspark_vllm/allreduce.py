@@ -392,16 +392,22 @@ def live_topology(tp: int) -> Topology:
     return Topology(multicast, fully)
 
 
+def additional_switch(vllm_config, key: str) -> bool:
+    """``additional_config[key]`` of ``vllm_config`` as an opt-in switch:
+    False where absent (or no mapping), TypeError for anything but a bool."""
+    extra = getattr(vllm_config, "additional_config", None)
+    value = extra.get(key, False) if isinstance(extra, dict) else False
+    if not isinstance(value, bool):
+        raise TypeError(f"additional_config['{key}'] must be true or false, not {value!r}")
+    return value
+
+
 def package_gemm_asked(vllm_config) -> bool:
     """Whether ``additional_config["package_gemm"]`` opts in to the package
     GEMM (the branch GEMM publishing each rank's partial into the mailbox:
     its own summation order, so the draft follows the stock tokens but not
     its bits). TypeError for anything but a bool."""
-    extra = getattr(vllm_config, "additional_config", None)
-    value = extra.get("package_gemm", False) if isinstance(extra, dict) else False
-    if not isinstance(value, bool):
-        raise TypeError(f"additional_config['package_gemm'] must be true or false, not {value!r}")
-    return value
+    return additional_switch(vllm_config, "package_gemm")
 
 
 class MailboxBoundaries:
@@ -538,4 +544,5 @@ class MailboxBoundaries:
 
 
 __all__ = ["AllReduceOrder", "CAPABILITY", "MailboxBoundaries", "Resolved", "Switches", "Topology",
-           "decode_order", "live_topology", "package_gemm_asked", "resolve", "stock_all_reduce", "switches"]
+           "additional_switch", "decode_order", "live_topology", "package_gemm_asked", "resolve", "stock_all_reduce",
+           "switches"]

@@ -28,7 +28,7 @@ from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, Part, plan_draft
 from dspark_core.planner.policy import Target
 from dspark_core.runtime.description import DraftDescription
-from dspark_vllm.allreduce import AllReduceOrder, stock_all_reduce
+from dspark_vllm.allreduce import AllReduceOrder, additional_switch, stock_all_reduce
 
 # Per architecture, the kernels (dspark_core.contracts.kernels) run on a GPU
 # of it against vLLM 0.33.0's stock binaries on the same operands, every bit
@@ -104,11 +104,7 @@ def ordered_gemm_asked(vllm_config) -> bool:
     """Whether ``additional_config["ordered_gemm"]`` opts in to the ordered
     GEMM (the layers' projections in cuBLAS's own order where the build-time
     check finds it: vLLM's bits). TypeError for anything but a bool."""
-    extra = getattr(vllm_config, "additional_config", None)
-    value = extra.get("ordered_gemm", False) if isinstance(extra, dict) else False
-    if not isinstance(value, bool):
-        raise TypeError(f"additional_config['ordered_gemm'] must be true or false, not {value!r}")
-    return value
+    return additional_switch(vllm_config, "ordered_gemm")
 
 
 def _restock(part: Part | None, reason: str) -> Part | None:
