@@ -24,6 +24,7 @@
 #   bench-boundary bench_boundary_stock (DSpark / vLLM's chain / vLLM's one-kernel boundary)
 #   bench-step     the whole draft step against vLLM's from its binaries: test_gpu_draft_step (bits), then
 #                  bench_draft_step with V_draft 32768 (~30 s on an H200) and 202752
+#   bench-step-ordered  bench_draft_step with the opt-in ordered GEMM (m = 1 to 64)
 #   bench          bench_decode and profile_decode; bench-kernels: the other single-GPU benchmarks
 #   bench-tp2      the package GEMM and TP2 draft benchmarks; kind nvidia-h200-x2
 #   demo           the README's demo against vLLM's step from .device/stock (carry it): tests/test_gpu_demo.py
@@ -36,7 +37,7 @@ export OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
 export DSPARK_BENCH_OUT=$OUT
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && { sed -n '2,26p' "$0"; exit 2; }
+[ ${#steps[@]} -eq 0 ] && { sed -n '2,27p' "$0"; exit 2; }
 wanted() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 summary=()
 failed=0
@@ -86,6 +87,8 @@ if wanted bench-step; then
   step bench-step-v202752 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --draft-vocab 202752 \
     --name draft_step_v202752 --rows 1,4,32,128,512 --out "$OUT"
 fi
+wanted bench-step-ordered && step bench-step-ordered 290 python packages/dspark-cute/benchmarks/bench_draft_step.py \
+  --ordered --rows 1,4,8,16,32,64 --name draft_step_ordered --out "$OUT"
 if wanted bench; then
   step profile-decode 120 python packages/dspark-cute/benchmarks/profile_decode.py --gemv --out "$OUT"
   step bench-decode 300 python packages/dspark-cute/benchmarks/bench_decode.py --direct --prefetch --gemv --out "$OUT"

@@ -14,8 +14,8 @@ weight its own, so nothing stays in L2) is timed as one graph per side at
 m = 1, 4 and 16, with its fraction of the H200's HBM peak (4.8 TB/s).
 ``--kernels`` adds cuBLAS's kernel names and grids per shape and row count
 (``torch.profiler``) for ``docs/gemm-order.md``; ``--sweep`` times the
-ordered GEMM's launch settings (warps, stages; no bit changes) beside the
-default.
+streamed GEMM's launch settings (warps, weight tiles, chunk, stages; no bit
+changes) beside its default at m = 1 and 16.
 
 Writes ``ordered_gemm.md``, ``.json`` and ``.png`` into ``--out`` and prints
 the tables.
@@ -42,10 +42,8 @@ ROW_PARALLEL = ("fc", "o_proj", "down")
 CHAIN = ["fc"] + ["qkv_proj", "o_proj", "gate_up", "down"] * 2 + ["lm_head"] + ["markov_bias"] * 4
 PEAK = 4.8e12
 MIN_BYTES = 256 << 20
-# --sweep: launch settings (warps, chunk columns, stages) timed at these row counts.
-SWEEP = [(4, 64, 6), (4, 128, 4), (4, 128, 6), (4, 256, 3), (4, 256, 4), (2, 64, 8), (2, 128, 6), (2, 256, 4),
-         (8, 64, 4), (8, 128, 3), (1, 128, 8), (1, 256, 6)]
-SWEEP_ROWS = (1, 16)
+# --sweep: the row counts the streamed kernel's settings (STREAMED_SWEEP) are timed at.
+SWEEP_ROWS = (1,)
 
 
 def shard(role: str, tp: int) -> tuple[int, int]:
@@ -83,13 +81,55 @@ def check(role, weight, rows, seed):
     return _gemm(role, weight).check(rows, seed=seed)
 
 
-def bound(role, weight, result, settings=None):
+def bound(role, weight, result, settings=None, only=None):
     """An ordered GEMM on ``weight`` bound to ``result``'s orders (each weight
-    copy has the one check's orders: its shape's), compiled."""
+    copy has the one check's orders: its shape's; ``only``: that row count's
+    alone), compiled."""
     gemm = _gemm(role, weight, settings)
-    gemm.bind_orders(result.orders, result.refused)
+    orders = result.orders if only is None else {only: result.orders[only]}
+    gemm.bind_orders(orders, result.refused)
     gemm.prepare()
     return gemm
+
+
+# --sweep: the streamed kernel's settings (warps, weight tiles, chunk columns, stages).
+STREAMED_SWEEP = [(8, 1, 128, 3), (4, 1, 256, 3), (1, 1, 1024, 3), (1, 1, 512, 6), (2, 1, 512, 3), (2, 1, 1024, 2),
+                  (4, 1, 512, 2), (1, 1, 1024, 2), (2, 1, 512, 2), (1, 1, 512, 3), (8, 1, 512, 1 + 1), (1, 2, 1024, 2)]
+
+
+def streamed_choice(n: int, early: bool | None = None):
+    """The streamed kernel's default settings per (row count, order) for
+    ``n`` outputs (``early``: force the PDL release at the start or end)."""
+    from dspark_cute.cutedsl.gemm.streamed import streamed_settings
+    from dspark_cute.runtime.host import sm_count
+
+    sms = sm_count()
+
+    def choose(m, o):
+        settings = streamed_settings(n, o.splits, m, sms)
+        return settings if early is None else settings[:-1] + (early,)
+
+    return choose
+
+
+def x_rows_for(m: int) -> int:
+    from dspark_cute.cutedsl.gemm.streamed import x_rows_for as rows_for
+
+    return rows_for(m)
+
+
+def streamed_total(settings: tuple) -> int:
+    from dspark_cute.cutedsl.gemm.streamed import StreamedLayout
+
+    return StreamedLayout(*settings[1:6]).total
+
+
+def bitwise(gemm, x, reference) -> bool:
+    """Whether ``gemm``'s output on ``x`` equals ``reference`` (cuBLAS's) bit for bit."""
+    y = torch.full_like(reference, float("nan"))
+    gemm.launch(x, y)
+    torch.cuda.synchronize()
+    return bool(torch.equal(y.view(torch.int16), reference.view(torch.int16)))
 
 
 def measure_shape(role, n, k, rows, seed, gen, sweep=False) -> list[dict]:
@@ -106,30 +146,38 @@ def measure_shape(role, n, k, rows, seed, gen, sweep=False) -> list[dict]:
         ys = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in weights]
         row["cublas_us"] = time_calls([lambda w=w, x=x: F.linear(x, w) for w in weights])
         if order is not None:
+            reference = F.linear(x, weights[0])
             gemms = [bound(role, w, result) for w in weights]
             row["dspark_us"] = time_calls([lambda g=g, y=y, x=x: g.launch(x, y) for g, y in zip(gemms, ys)])
             row["settings"] = list(gemms[0]._settings[m])
+            row["dspark_bitwise"] = bitwise(gemms[0], x, reference)
+            gemms = [bound(role, w, result, streamed_choice(n)) for w in weights]
+            row["streamed_us"] = time_calls([lambda g=g, y=y, x=x: g.launch(x, y) for g, y in zip(gemms, ys)])
+            row["streamed_settings"] = list(gemms[0]._settings[m])
+            row["streamed_bitwise"] = bitwise(gemms[0], x, reference)
             if sweep and m in SWEEP_ROWS:
-                from dspark_cute.cutedsl.gemm.ordered import OrderedLayout, n_tiles_for
-
-                row["sweep"] = {}
-                for warps, chunk, stages in SWEEP:
-                    if n % (16 * warps) or OrderedLayout(warps, n_tiles_for(m), stages, chunk).total > 227 * 1024:
+                row["streamed_sweep"] = {}
+                for warps, a_tiles, chunk, stages in STREAMED_SWEEP:
+                    fixed = ("streamed", warps, a_tiles, x_rows_for(m), stages, chunk, False)
+                    if n % (16 * a_tiles * warps) or k % chunk or streamed_total(fixed) > 227 * 1024:
                         continue
-                    fixed = lambda mm, o, w_=warps, s_=stages, c_=chunk: (n_tiles_for(mm), w_, s_, c_, 0)  # noqa: E731
-                    gs = [bound(role, w, result, fixed) for w in weights]
-                    row["sweep"][f"{warps}w {chunk}c {stages}s"] = time_calls(
+                    gs = [bound(role, w, result, lambda mm, o, f_=fixed: f_, only=m) for w in weights]
+                    row["streamed_sweep"][f"{warps}w {a_tiles}a {chunk}c {stages}s"] = time_calls(
                         [lambda g=g, y=y, x=x: g.launch(x, y) for g, y in zip(gs, ys)], trials=3)
+                    if not bitwise(gs[0], x, reference):
+                        row["streamed_sweep_mismatch"] = f"{warps}w {a_tiles}a {chunk}c {stages}s"
         byte = n * k * 2
         row["cublas_tbs"] = byte / row["cublas_us"] / 1e6
-        if "dspark_us" in row:
-            row["dspark_tbs"] = byte / row["dspark_us"] / 1e6
+        for side in ("dspark", "streamed"):
+            if f"{side}_us" in row:
+                row[f"{side}_tbs"] = byte / row[f"{side}_us"] / 1e6
         out.append(row)
         print(json.dumps({k_: v for k_, v in row.items() if k_ != "sweep"}), flush=True)
-        if "sweep" in row:
-            ranked = sorted(row["sweep"].items(), key=lambda kv: kv[1])
-            print(f"   sweep {role} m={m} (default {row.get('settings')} {row.get('dspark_us', 0):.2f}): "
-                  + ", ".join(f"{name} {us:.2f}" for name, us in ranked), flush=True)
+        if "streamed_sweep" in row:
+            ranked = sorted(row["streamed_sweep"].items(), key=lambda kv: kv[1])
+            print(f"   streamed sweep {role} m={m} (default {row.get('streamed_settings')} "
+                  f"{row.get('streamed_us', 0):.2f}): " + ", ".join(f"{name} {us:.2f}" for name, us in ranked),
+                  flush=True)
     del weights
     torch.cuda.empty_cache()
     return out
@@ -153,10 +201,21 @@ def measure_chain(rows, seed, gen, tp: int = 1) -> list[dict]:
         for g, x, y, f in zip(gemms, xs, ys, stock):
             ours.append((lambda g=g, x=x, y=y: g.launch(x, y)) if g.takes(x, y) else f)
         owned = sum(g.takes(x, y) for g, x, y in zip(gemms, xs, ys))
+        streamed = [bound(role, w, results[role], streamed_choice(w.shape[0])) for role, w in zip(CHAIN, weights)]
+        ours_s = [(lambda g=g, x=x, y=y: g.launch(x, y)) if g.takes(x, y) else f
+                  for g, x, y, f in zip(streamed, xs, ys, stock)]
+        exact = all(bitwise(g, x, f()) for g, x, y, f in zip(streamed, xs, ys, stock) if g.takes(x, y))
+        late = [bound(role, w, results[role], streamed_choice(w.shape[0], False)) for role, w in zip(CHAIN, weights)]
+        ours_l = [(lambda g=g, x=x, y=y: g.launch(x, y)) if g.takes(x, y) else f
+                  for g, x, y, f in zip(late, xs, ys, stock)]
         t_stock = time_calls(stock) * len(stock)
         t_ours = time_calls(ours) * len(ours)
+        t_streamed = time_calls(ours_s) * len(ours_s)
+        t_late = time_calls(ours_l) * len(ours_l)
         row = {"m": m, "tp": tp, "bytes": total, "cublas_us": t_stock, "dspark_us": t_ours, "owned": owned,
-               "cublas_peak": total / (t_stock * 1e-6) / PEAK, "dspark_peak": total / (t_ours * 1e-6) / PEAK}
+               "cublas_peak": total / (t_stock * 1e-6) / PEAK, "dspark_peak": total / (t_ours * 1e-6) / PEAK,
+               "streamed_us": t_streamed, "streamed_peak": total / (t_streamed * 1e-6) / PEAK,
+               "streamed_bitwise": exact, "streamed_late_us": t_late}
         print(json.dumps(row), flush=True)
         out.append(row)
     del weights
@@ -189,25 +248,37 @@ def cublas_kernels(rows, tp: int = 1) -> list[dict]:
     return out
 
 
+def _side(r: dict, side: str) -> str:
+    if f"{side}_us" not in r:
+        return "- | - | cuBLAS kept"
+    exact = "" if r.get(f"{side}_bitwise", True) else " (bits differ)"
+    return f"{r[f'{side}_us']:.2f} | {r[f'{side}_tbs']:.2f} | {r['cublas_us'] / r[f'{side}_us']:.3f}x{exact}"
+
+
 def table(shape_rows, chain_rows, meta) -> str:
-    lines = [f"# The ordered GEMM against cuBLAS ({meta['device']}, {meta['date']}, seed {meta['seed']})", "",
+    lines = [f"# The ordered GEMMs against cuBLAS ({meta['device']}, {meta['date']}, seed {meta['seed']})", "",
              meta["setup"], "",
-             "| projection | N x K | m | cuBLAS's order (tile, splits) | cuBLAS µs | TB/s | DSpark µs | TB/s | "
-             "cuBLAS / DSpark |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "cp.async: the ordered GEMM (threads copy the weight); streamed: the streamed GEMM (bulk copies, "
+             "a pipeline per warp). Each side's output is compared with cuBLAS's bit for bit on the timed "
+             "operands (\"bits differ\" where it is not).", "",
+             "| projection | N x K | m | cuBLAS's order (tile, splits) | cuBLAS µs | TB/s | cp.async µs | TB/s | "
+             "cuBLAS / cp.async | streamed µs | TB/s | cuBLAS / streamed |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in shape_rows:
         order = "not found" if r["order"] is None else f"{r['order'][0]}, {r['order'][1]}"
-        ours = (f"{r['dspark_us']:.2f} | {r['dspark_tbs']:.2f} | {r['cublas_us'] / r['dspark_us']:.3f}x"
-                if "dspark_us" in r else "- | - | cuBLAS kept")
         lines.append(f"| {r['role']} | {r['n']} x {r['k']} | {r['m']} | {order} | {r['cublas_us']:.2f} | "
-                     f"{r['cublas_tbs']:.2f} | {ours} |")
+                     f"{r['cublas_tbs']:.2f} | {_side(r, 'dspark')} | {_side(r, 'streamed')} |")
     if chain_rows:
         lines += ["", "The step's 14 projections chained in one graph (each weight its own):", "",
-                  "| TP | m | bytes | cuBLAS µs | of HBM peak | DSpark µs | of HBM peak | owned | cuBLAS / DSpark |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| TP | m | bytes | cuBLAS µs | of HBM peak | cp.async µs | of HBM peak | streamed µs | of HBM peak "
+                  "| owned | cuBLAS / streamed |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in chain_rows:
+            exact = "" if r.get("streamed_bitwise", True) else " (bits differ)"
             lines.append(f"| {r['tp']} | {r['m']} | {r['bytes'] / 1e9:.3f} GB | {r['cublas_us']:.1f} | "
                          f"{100 * r['cublas_peak']:.1f}% | {r['dspark_us']:.1f} | {100 * r['dspark_peak']:.1f}% | "
-                         f"{r['owned']} of 14 | {r['cublas_us'] / r['dspark_us']:.3f}x |")
+                         f"{r['streamed_us']:.1f} | {100 * r['streamed_peak']:.1f}% | {r['owned']} of 14 | "
+                         f"{r['cublas_us'] / r['streamed_us']:.3f}x{exact} |")
     return "\n".join(lines)
 
 
@@ -249,7 +320,8 @@ def main(argv=None) -> int:
     p.add_argument("--roles", default=",".join(SHAPES))
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--kernels", default="", help="row counts to list cuBLAS's kernels for (empty: none)")
-    p.add_argument("--sweep", action="store_true", help="time the launch settings of SWEEP at m = 1 and 16")
+    p.add_argument("--sweep", action="store_true",
+                   help="time the streamed GEMM's settings of STREAMED_SWEEP at m = 1 and 16")
     p.add_argument("--seed", type=int, default=int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31)))
     args = p.parse_args(argv)
     try:

@@ -2,7 +2,8 @@
 vLLM calls): the build-time check finds each projection's order at every row
 count the kernel takes, the bound kernel then gives cuBLAS's bits on fresh
 probes (special values, poisoned outputs), in CUDA graphs with PDL, and on
-the TP shards of the draft's projections."""
+the TP shards of the draft's projections; in both kernel designs (the
+``cp.async`` one and the streamed, TMA one)."""
 
 from __future__ import annotations
 
@@ -40,24 +41,42 @@ def _run(x, weight, order):
     return candidate_run(x, weight, order)
 
 
-def _bound(role, weight, result):
+# The kernel designs (launch settings: the same sums): the default choice
+# (``choose_settings``), the cp.async kernel and the streamed (TMA) one at
+# every row count.
+DESIGNS = ("default", "cp.async", "streamed")
+
+
+def _settings(design: str, n: int):
+    from dspark_cute.cutedsl.gemm.ordered import launch_settings
+    from dspark_cute.cutedsl.gemm.streamed import streamed_settings
+
+    if design == "cp.async":
+        return lambda m, o: launch_settings(n, o.splits, m)
+    if design == "streamed":
+        return lambda m, o: streamed_settings(n, o.splits, m)
+    return None
+
+
+def _bound(role, weight, result, design="default"):
     from dspark_cute.cutedsl.gemm.ordered import OrderedGemm
 
-    gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight)
+    gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight, settings=_settings(design, weight.shape[0]))
     gemm.bind_orders(result.orders, result.refused)
     gemm.prepare()
     return gemm
 
 
+@pytest.mark.parametrize("design", ["cp.async", "streamed"])
 @pytest.mark.parametrize("role", list(SHAPES))
-def test_orders_found_and_bitwise(role, seed):
+def test_orders_found_and_bitwise(role, design, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     n, k = SHAPES[role]
     weight = _weight(n, k, gen)
     result = gemm_check.check_projection(weight, ROWS, _run, seed)
     print(f"{role} [{n}, {k}]: {result.summary()}")
     assert not result.refused, result.refused
-    gemm = _bound(role, weight, result)
+    gemm = _bound(role, weight, result, design)
     for m in ROWS:
         for name, x in gemm_check.probes(m, k, "cuda", seed + 7 * m):
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
@@ -79,23 +98,28 @@ def test_tp_shards(role, tp, seed):
     assert not result.refused, result.refused
 
 
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("m", [1, 4, 16, 64])
-def test_graph_replays_with_pdl(m, seed):
-    """A chain x -> qkv -> (an elementwise op) -> o_proj-like GEMM captured
-    with PDL launches: every replay gives cuBLAS's bits."""
+def test_graph_replays_with_pdl(m, design, seed):
+    """A chain x -> qkv -> o_proj-like GEMM -> (an elementwise op) -> qkv
+    captured with PDL launches (the second GEMM reads the first's output
+    behind its PDL wait; the streamed kernel may release its dependents at
+    its start): every replay gives cuBLAS's bits."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     w1, w2 = _weight(2048, 4096, gen), _weight(4096, 2048, gen)
     r1 = gemm_check.check_projection(w1, (m,), _run, seed)
     r2 = gemm_check.check_projection(w2, (m,), _run, seed)
-    g1, g2 = _bound("qkv_proj", w1, r1), _bound("o_proj", w2, r2)
+    g1, g2 = _bound("qkv_proj", w1, r1, design), _bound("o_proj", w2, r2, design)
     x = gemm_check.probes(m, 4096, "cuda", seed)[0][1]
     h = torch.empty(m, 2048, dtype=torch.bfloat16, device="cuda")
     y = torch.empty(m, 4096, dtype=torch.bfloat16, device="cuda")
+    z = torch.empty(m, 2048, dtype=torch.bfloat16, device="cuda")
 
     def step():
         g1.launch(x, h)
-        h.mul_(2)
         g2.launch(h, y)
+        y.mul_(2)
+        g1.launch(y, z)
 
     graph = capture_calls(step)
     for _ in range(3):
@@ -104,22 +128,27 @@ def test_graph_replays_with_pdl(m, seed):
         x.copy_(gemm_check.probes(m, 4096, "cuda", fresh)[0][1])
         graph.replay()
         torch.cuda.synchronize()
-        assert_bitwise(y, F.linear(F.linear(x, w1) * 2, w2), f"replayed chain m={m}")
+        assert_bitwise(z, F.linear(F.linear(F.linear(x, w1), w2) * 2, w1), f"replayed chain m={m} {design}")
 
 
-def test_split_reduce_counters_reset(seed):
+@pytest.mark.parametrize("design", ["cp.async", "streamed"])
+def test_split_reduce_counters_reset(design, seed):
     """Launches of many splits back to back (the counters reset by each
-    launch's last CTA) give the same bits every time, on every row count."""
+    launch's last CTA or warp) give the same bits every time, on every row
+    count, equal across the two kernels."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     weight = _weight(512, 8192, gen)
     from dspark_cute.cutedsl.gemm.ordered import OrderedWorkspace, ordered_gemm
 
     ws = OrderedWorkspace(512, 64, 16, "cuda")
+    order = SplitOrder(128, 7)
     for m in (1, 9, 64):
         x = gemm_check.probes(m, 8192, "cuda", seed + m)[1][1]
-        first = ordered_gemm(x, weight, SplitOrder(128, 7), workspace=ws)
+        settings = _settings(design, 512)(m, order)
+        first = ordered_gemm(x, weight, order, workspace=ws, settings=settings)
+        assert_bitwise(first, _run(x, weight, order), f"{design} against the check's kernel m={m}")
         for _ in range(5):
-            again = ordered_gemm(x, weight, SplitOrder(128, 7), workspace=ws)
+            again = ordered_gemm(x, weight, order, workspace=ws, settings=settings)
             assert_bitwise(again, first, f"split-K relaunch m={m}")
     assert int(ws.counters.abs().sum()) == 0
 

@@ -12,6 +12,8 @@ fp16x2 pair, an FP32 bit pattern), ``Int64`` for global byte addresses,
 - ``arith``: rounded FP32 operations (``add_rn`` .. ``sqrt_rn``, ``neg_f32``,
   ``max_nan``), bit casts, BF16/FP16 conversions, the BF16 tensor-core MMA;
 - ``memory``: global and shared loads and stores, ``cp.async``, L2 prefetch;
+- ``bulk``: ``cp.async.bulk`` copies, the ``mbarrier`` they complete on, the
+  streamed GEMM's epilogue scalars;
 - ``sync``: PDL, the warp barrier, the mailbox's system-scope
   loads, stores and polls;
 - ``reduce``: the row tree and the other fixed-order folds;
@@ -25,8 +27,9 @@ fp16x2 pair, an FP32 bit pattern), ``Int64`` for global byte addresses,
 Inline asm is emitted by ``inline.asm`` alone.
 """
 
-from . import arith, cta, markov, math, memory, reduce, stock, sync
+from . import arith, bulk, cta, markov, math, memory, reduce, stock, sync
 from .arith import *  # noqa: F403
+from .bulk import *  # noqa: F403
 from .cta import *  # noqa: F403
 from .markov import *  # noqa: F403
 from .math import *  # noqa: F403
@@ -37,6 +40,7 @@ from .sync import *  # noqa: F403
 
 __all__ = [  # noqa: PLE0604
     *arith.__all__,
+    *bulk.__all__,
     *cta.__all__,
     *markov.__all__,
     *math.__all__,

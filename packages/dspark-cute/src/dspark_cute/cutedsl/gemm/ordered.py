@@ -33,7 +33,9 @@ launch writes its output, partials and counters only after the wait.
 Host side: ``OrderedGemm`` (bound to one weight; its order per row count
 set by ``bind_orders``, which the check calls) and ``ordered_gemm`` (one
 launch of an explicit order on any weight: the check's candidates). The
-layout, the index maps and the launch settings are ``ordered_layout``.
+layout, the index maps and the launch settings are ``ordered_layout``. Both
+launch either this kernel or the streamed one (``streamed``: the same sums,
+the weight moved by TMA), by their launch settings (``choose_settings``).
 """
 
 from __future__ import annotations
@@ -72,8 +74,10 @@ from dspark_cute.cutedsl.gemm.ordered_layout import (  # noqa: F401 (re-exported
     w_copy,
     x_copy,
 )
+from dspark_cute.cutedsl.gemm.streamed import compile_streamed_gemm, streamed_settings
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import LazyPdl, current_stream, describe, fake_stream, jit_cache, sm_count, smem_allocator
+from dspark_cute.runtime.tensormap import weight_tensormap
 
 # ---------------------------------------------------------------- the kernel
 
@@ -315,13 +319,56 @@ def _operand_problem(x, weight, out, device) -> str | None:
             f"bf16 [m, {n}] (contiguous, 4-byte aligned) on {device}, not x {describe(x)} and out {describe(out)}")
 
 
+def _variant(settings: tuple, order: SplitOrder, n: int, k: int, m: int, pdl: bool) -> tuple:
+    """``(compiled kernel, tile_chunks)`` of a launch of ``order`` with
+    ``settings``: ``(n_tiles, warps, stages, chunk, l2_chunks)`` for the
+    ``cp.async`` kernel, ``("streamed", warps, a_tiles, x_rows, stages,
+    chunk, early)`` for the streamed one (``streamed``). ValueError for settings
+    that cannot run ``m`` rows over ``n`` outputs."""
+    if settings[0] == "streamed":
+        _, warps, a_tiles, x_rows, stages, chunk, early = settings
+        if m > x_rows or n % (TILE_ROWS * a_tiles * warps):
+            raise ValueError(f"the streamed settings {settings} do not run {m} rows over {n} outputs")
+        chunk, tile_chunks = fit_chunk(order, k, chunk)
+        return compile_streamed_gemm(k, warps, a_tiles, x_rows, stages, pdl, chunk, early), tile_chunks
+    n_tiles, warps, stages, chunk, l2_chunks = settings
+    chunk, tile_chunks = fit_chunk(order, k, chunk)
+    return compile_ordered_gemm(k, n_tiles, warps, stages, pdl, chunk, l2_chunks), tile_chunks
+
+
+def _tensormap(weight: torch.Tensor, settings: tuple) -> torch.Tensor:
+    """The weight's tensor map for the streamed kernel of ``settings`` (boxes of its CTA's rows)."""
+    _, warps, a_tiles = settings[:3]
+    return weight_tensormap(weight, TILE_ROWS * a_tiles * warps)
+
+
+# Where the streamed kernel is the default (measured on an H200, 2026-12-04:
+# faster than the cp.async one and cuBLAS for the o_proj and Markov-bias
+# weights at m <= 4; equal or slower for the larger weights and rows).
+STREAMED_MAX_ROWS = 4
+STREAMED_MAX_BYTES = 64 << 20
+
+
+def choose_settings(n: int, k: int, splits: int, m: int, sms: int) -> tuple:
+    """The default launch settings of ``m`` rows over a ``[n, k]`` weight in
+    ``splits`` splits on ``sms`` SMs: the streamed kernel's
+    (``streamed_settings``) for at most ``STREAMED_MAX_ROWS`` rows over at
+    most ``STREAMED_MAX_BYTES`` of weight, else the ``cp.async`` kernel's
+    (``launch_settings``). Speed only: both give the same bits."""
+    if m <= STREAMED_MAX_ROWS and 2 * n * k <= STREAMED_MAX_BYTES:
+        settings = streamed_settings(n, splits, m, sms)
+        if settings is not None:
+            return settings
+    return launch_settings(n, splits, m, sms)
+
+
 def _launch(x, weight, out, order: SplitOrder, workspace: OrderedWorkspace, pdl: bool, settings=None) -> None:
     n, k = weight.shape
     m = x.shape[0]
-    n_tiles, warps, stages, chunk, l2_chunks = settings or launch_settings(n, order.splits, m, sm_count(x.device))
-    chunk, tile_chunks = fit_chunk(order, k, chunk)
-    kernel = compile_ordered_gemm(k, n_tiles, warps, stages, pdl, chunk, l2_chunks)
-    kernel(Int64(x.data_ptr()), Int64(weight.data_ptr()), Int64(out.data_ptr()), Int64(workspace.part.data_ptr()),
+    settings = settings or choose_settings(n, k, order.splits, m, sm_count(x.device))
+    kernel, tile_chunks = _variant(settings, order, n, k, m, pdl)
+    w = weight.data_ptr() if settings[0] != "streamed" else _tensormap(weight, settings).data_ptr()
+    kernel(Int64(x.data_ptr()), Int64(w), Int64(out.data_ptr()), Int64(workspace.part.data_ptr()),
            Int64(workspace.counters.data_ptr()), Int32(m), Int32(n), Int32(tile_chunks),
            Int32(order.splits), current_stream())
 
@@ -371,7 +418,8 @@ class OrderedGemm(LazyPdl):
     none before it). ``pdl``: programmatic dependent launch (default:
     sm_90+); ``sms``: the SM count the launch settings are chosen for;
     ``settings(m, order)``: a row count's launch settings (default
-    ``launch_settings``; speed only: the same bits).
+    ``choose_settings``: the ``cp.async`` or the streamed kernel; speed
+    only: the same bits).
 
     ``run(x, out=None)``: BF16 ``x [m, k]`` -> ``[m, n]``, summed in the
     order bound for ``m`` (bit for bit cuBLAS's where the check found it);
@@ -399,7 +447,7 @@ class OrderedGemm(LazyPdl):
         self._pdl = None if pdl is None else bool(pdl)
         self.sms = sms or sm_count(weight.device)
         # (m, order) -> the launch settings (default launch_settings; no bit depends on them).
-        self._choose = settings or (lambda m, o: launch_settings(constants.n, o.splits, m, self.sms))
+        self._choose = settings or (lambda m, o: choose_settings(constants.n, constants.k, o.splits, m, self.sms))
         self.orders: dict[int, SplitOrder] = {}
         self.reasons: dict[int, str] = {}
         self.workspace = OrderedWorkspace(constants.n, 1, 1, weight.device)
@@ -447,11 +495,12 @@ class OrderedGemm(LazyPdl):
         return result
 
     def prepare(self) -> None:
-        """Compile every variant the bound orders launch."""
-        k = self.constants.k
-        for m, (n_tiles, warps, stages, chunk, l2_chunks) in self._settings.items():
-            chunk, _ = fit_chunk(self.orders[m], k, chunk)
-            compile_ordered_gemm(k, n_tiles, warps, stages, self.pdl, chunk, l2_chunks)
+        """Compile every variant the bound orders launch (and encode the
+        weight's tensor maps the streamed ones read)."""
+        for m, settings in self._settings.items():
+            _variant(settings, self.orders[m], self.constants.n, self.constants.k, m, self.pdl)
+            if settings[0] == "streamed":
+                _tensormap(self.weight, settings)
 
     def problem(self, x, out=None) -> str | None:
         why = _operand_problem(x, self.weight, out, self.device)
@@ -482,6 +531,7 @@ class OrderedGemm(LazyPdl):
         _launch(x, self.weight, out, self.orders[m], self.workspace, self.pdl, self._settings[m])
 
 
-__all__ = ["CHUNK", "CHUNKS", "L2_PREFETCH_BYTES", "MAX_ROWS", "OrderedGemm", "OrderedGemmKernel", "OrderedLayout",
-           "OrderedWorkspace", "candidate_run", "check_settings", "chunk_tiles", "compile_ordered_gemm", "fake_args",
-           "fit_chunk", "launch_settings", "n_tiles_for", "order_problem", "ordered_gemm"]
+__all__ = ["CHUNK", "CHUNKS", "L2_PREFETCH_BYTES", "MAX_ROWS", "STREAMED_MAX_BYTES", "STREAMED_MAX_ROWS",
+           "OrderedGemm", "OrderedGemmKernel", "OrderedLayout", "OrderedWorkspace", "candidate_run", "check_settings",
+           "choose_settings", "chunk_tiles", "compile_ordered_gemm", "fake_args", "fit_chunk", "launch_settings",
+           "n_tiles_for", "order_problem", "ordered_gemm"]
