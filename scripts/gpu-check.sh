@@ -25,6 +25,7 @@
 #   bench-step     the whole draft step against vLLM's from its binaries: test_gpu_draft_step (bits), then
 #                  bench_draft_step with V_draft 32768 (~30 s on an H200) and 202752
 #   bench-step-ordered  bench_draft_step with the opt-in ordered GEMM (m = 1 to 64)
+#   bench-step-tp  one rank's work of the TP2/4/8 step (bench_draft_step --tp; no all-reduce on either side)
 #   bench          bench_decode and profile_decode; bench-kernels: the other single-GPU benchmarks
 #   bench-tp2      the package GEMM and TP2 draft benchmarks; kind nvidia-h200-x2
 #   demo           the README's demo against vLLM's step from .device/stock (carry it): tests/test_gpu_demo.py
@@ -37,7 +38,7 @@ export OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
 export DSPARK_BENCH_OUT=$OUT
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && { sed -n '2,27p' "$0"; exit 2; }
+[ ${#steps[@]} -eq 0 ] && { sed -n '2,28p' "$0"; exit 2; }
 wanted() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 summary=()
 failed=0
@@ -86,6 +87,12 @@ if wanted bench-step; then
   step bench-step 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --out "$OUT"
   step bench-step-v202752 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --draft-vocab 202752 \
     --name draft_step_v202752 --rows 1,4,32,128,512 --out "$OUT"
+fi
+if wanted bench-step-tp; then
+  for tp in 2 4 8; do
+    step bench-step-tp$tp 200 python packages/dspark-cute/benchmarks/bench_draft_step.py --tp $tp \
+      --rows 1,4,16,64,512 --name draft_step_tp$tp --out "$OUT"
+  done
 fi
 wanted bench-step-ordered && step bench-step-ordered 290 python packages/dspark-cute/benchmarks/bench_draft_step.py \
   --ordered --rows 1,4,8,16,32,64 --name draft_step_ordered --out "$OUT"

@@ -29,6 +29,10 @@ LBHNC caches. The floor is the bytes of the weights one step reads (each
 once: the layers' GEMM weights, the stacked context K/V rows, fc, the LM head,
 markov_w2) at 4.3 TB/s.
 
+``--tp N`` times one rank's work of the TP-N step instead
+(``tp_rank_setup``: the layers', fc's and the LM head's shards, the Markov
+stage whole), with no all-reduce on either side.
+
 Writes ``draft_step.md``, ``.json`` and ``.png`` (``--name``) into ``--out``
 and prints one table. ``--dry`` runs the plumbing on the CPU (a
 small draft, the spec standing in for the stock kernels, no graphs, no
@@ -488,7 +492,36 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ordered", action="store_true",
                    help="the DSpark side with the opt-in ordered GEMM (cuBLAS's order, checked at build) on every "
                         "projection: the layers', fc, the LM head and the Markov bias")
+    p.add_argument("--tp", type=int, choices=TP_SIZES, default=1,
+                   help="time one rank's work of a TP step (tp_rank_setup): the shards, no all-reduce on either side")
     return p
+
+
+TP_SIZES = (1, 2, 4, 8)
+
+
+def tp_rank_setup(config: DraftConfig, tp: int, fc_width: int, draft_vocab: int) -> tuple:
+    """One rank's shapes of vLLM's TP-``tp`` draft step: ``(config, fc
+    columns, LM-head rows)``. The layers as ``dspark_core.reference.tp``
+    shards them (QKV and gate_up by rows, o_proj and down by columns: the
+    shard config's heads, KV heads and intermediate size over ``tp``); fc
+    (row-parallel) ``fc_width / tp`` columns; the LM head (vocab-parallel)
+    ``draft_vocab / tp`` rows; the Markov stage whole (every rank runs it on
+    the gathered logits). ValueError where ``tp`` does not divide them."""
+    from dspark_core.reference.tp import shard_config
+
+    if fc_width % tp or draft_vocab % tp:
+        raise ValueError(f"TP{tp} divides neither fc's {fc_width} columns nor the {draft_vocab} draft ids")
+    return shard_config(config, tp), fc_width // tp, draft_vocab // tp
+
+
+def gathered_lm_head(stock, tp: int):
+    """The stock LM head over its shard, its logits repeated ``tp`` times
+    (one local ``torch.cat``) where vLLM all-gathers the ranks' logits: the
+    Markov stage's full-width operand on both sides, the gather's own time
+    excluded."""
+    shard = stock.lm_head
+    return lambda hidden, sample_indices: (torch.cat(shard(hidden, sample_indices) * tp, dim=1),)
 
 
 def main(argv=None) -> int:
@@ -516,13 +549,21 @@ def main(argv=None) -> int:
         if missing:
             print(missing)
             return 1
+    fc_width = args.aux_layers * args.target_hidden
+    lm_rows = args.draft_vocab
+    if args.tp > 1:
+        try:
+            config, fc_width, lm_rows = tp_rank_setup(config, args.tp, fc_width, args.draft_vocab)
+        except ValueError as error:
+            print(f"error: --tp: {error}", file=sys.stderr)
+            return 2
     print(f"seed {args.seed}", flush=True)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     t0 = time.perf_counter()
     model = DraftModel(config, device=device)
     head = STOCK.Head.random(config.hidden_size, args.draft_vocab, args.target_vocab, args.rank, device, gen)
-    fc = (torch.randn(config.hidden_size, args.aux_layers * args.target_hidden, generator=gen, device=device)
-          / (args.aux_layers * args.target_hidden) ** 0.5).to(BF16)
+    head.lm_head = head.lm_head[:lm_rows].contiguous()
+    fc = (torch.randn(config.hidden_size, fc_width, generator=gen, device=device) / fc_width ** 0.5).to(BF16)
     if args.dry:
         kernels = STOCK.SpecKernels(model.rotary)
     if args.dry or args.attention == "spec":
@@ -536,6 +577,8 @@ def main(argv=None) -> int:
         kernel.prepare()
         attention = lambda q, cache, slots: kernel.launch(q, cache, slots)  # noqa: E731
     stock = STOCK.StockStep(model, head, fc, kernels, attention, pdl=not (args.dry or args.no_stock_pdl))
+    if args.tp > 1:
+        stock.lm_head = gathered_lm_head(stock, args.tp)
     if stock.pdl:
         try:  # a stock launch with PDL, captured: where the driver refuses it, the stock runs without
             probe = torch.zeros(1, config.hidden_size, dtype=BF16, device=device)
@@ -571,7 +614,11 @@ def main(argv=None) -> int:
                   f"token); {args.context} cached tokens a request; attention: {attention_name}; stock PDL "
                   f"{'on' if stock.pdl else 'off'}; Markov on the DSpark side: "
                   f"{dspark.markov_label if dspark else '-'}; projections on the DSpark side: "
-                  f"{ORDERED_LABEL if args.ordered else 'cuBLAS, as vLLM'}."),
+                  f"{ORDERED_LABEL if args.ordered else 'cuBLAS, as vLLM'}."
+                  + (f" One rank of TP{args.tp} (tp_rank_setup): {config.num_heads}/{config.num_kv_heads} heads, "
+                     f"intermediate {config.intermediate_size}, fc {fc_width} columns, LM head {lm_rows} rows; "
+                     f"the all-reduces and the logits' all-gather excluded on both sides (a local concatenation "
+                     f"stands in for the gather)." if args.tp > 1 else "")),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -153,3 +153,26 @@ def test_a_dry_run_compares_every_part_and_fails_where_one_differs(tmp_path, mon
 def test_bad_rows_are_refused(capsys):
     assert BENCH.main(["--dry", "--rows", "3"]) == 2
     assert "multiple of N = 4" in capsys.readouterr().err
+
+
+def test_a_tp_rank_run_times_one_ranks_shards(tmp_path, seed):
+    """``--tp 2``: the layers' shards (half the heads, KV heads and
+    intermediate size), half of fc's columns and of the LM head's rows, the
+    logits gathered back to the full draft vocabulary for the Markov loop;
+    bit for bit as at TP1, the setup line saying what is excluded."""
+    out = tmp_path / "tp2"
+    assert BENCH.main(["--dry", "--tp", "2", "--rows", "4", "--context", "6", "--seed", str(seed),
+                       "--out", str(out)]) == 0
+    data = json.loads((out / "draft_step.json").read_text())
+    assert "One rank of TP2" in data["meta"]["setup"] and "excluded on both sides" in data["meta"]["setup"]
+    full = BENCH.small_config()
+    config, fc_width, lm_rows = BENCH.tp_rank_setup(full, 2, 3 * 256, 512)
+    assert (config.num_heads, config.num_kv_heads, config.intermediate_size) == (
+        full.num_heads // 2, full.num_kv_heads // 2, full.intermediate_size // 2)
+    assert (fc_width, lm_rows) == (384, 256)
+    assert all(v[0] == 0 for r in data["results"] for v in r["whole_step_differing"].values())
+
+
+def test_a_tp_size_that_does_not_divide_is_refused(capsys):
+    assert BENCH.main(["--dry", "--tp", "8", "--rows", "4"]) == 2
+    assert "TP8 does not divide" in capsys.readouterr().err
