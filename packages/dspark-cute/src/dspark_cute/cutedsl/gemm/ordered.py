@@ -63,6 +63,7 @@ from dspark_cute.cutedsl.gemm.ordered_layout import (  # noqa: F401 (re-exported
     a_address,
     acc_coords,
     b_address,
+    check_k,
     check_settings,
     chunk_tiles,
     fit_chunk,
@@ -104,10 +105,7 @@ class OrderedGemmKernel:
         if isinstance(l2_chunks, bool) or not isinstance(l2_chunks, int) or not 0 <= l2_chunks <= 64:
             raise ValueError(f"the ordered GEMM prefetches 0 to 64 chunks into L2, not {l2_chunks!r}")
         self.l2_chunks = l2_chunks
-        if k <= 0 or k % CHUNK:
-            raise Unsupported(f"the ordered GEMM takes K a positive multiple of {CHUNK}, not {k}")
-        if k % chunk:
-            raise ValueError(f"{chunk}-column stages do not divide K = {k}")
+        check_k(k, chunk, "the ordered GEMM")
         self.k, self.pdl = k, bool(pdl)
 
     @cute.jit

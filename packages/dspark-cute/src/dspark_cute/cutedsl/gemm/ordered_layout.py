@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dspark_core.errors import Unsupported
 from dspark_core.spec.split_order import SplitOrder
 
 CHUNK = 64  # K columns of the narrowest ring stage (every order's bounds are multiples)
@@ -229,6 +230,16 @@ def fit_chunk(order: SplitOrder, k: int, chunk: int) -> tuple[int, int]:
     return chunk, chunk_tiles(order, k, chunk)
 
 
+def check_k(k: int, chunk: int, what: str) -> None:
+    """``Unsupported`` unless ``k`` is a positive multiple of ``CHUNK``,
+    ValueError unless ``chunk``-column stages divide it (``what``: the
+    kernel's name in the messages)."""
+    if k <= 0 or k % CHUNK:
+        raise Unsupported(f"{what} takes K a positive multiple of {CHUNK}, not {k}")
+    if k % chunk:
+        raise ValueError(f"{chunk}-column stages do not divide K = {k}")
+
+
 def order_problem(order, k: int) -> str | None:
     """Why the kernel cannot run ``order`` over ``k`` columns (a sentence), or None."""
     if not isinstance(order, SplitOrder):
@@ -239,5 +250,5 @@ def order_problem(order, k: int) -> str | None:
 
 
 __all__ = ["CHUNK", "CHUNKS", "L2_PREFETCH_BYTES", "MAX_ROWS", "N_TILES", "OrderedLayout", "SMEM_LIMIT", "TILE_ROWS",
-           "WARPS", "a_address", "acc_coords", "b_address", "check_settings", "chunk_tiles", "fit_chunk",
+           "WARPS", "a_address", "acc_coords", "b_address", "check_k", "check_settings", "chunk_tiles", "fit_chunk",
            "launch_settings", "n_tiles_for", "order_problem", "split_chunks", "swizzle", "w_copy", "x_copy"]

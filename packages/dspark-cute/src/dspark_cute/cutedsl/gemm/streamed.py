@@ -49,9 +49,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from dspark_core.errors import Unsupported
 from dspark_cute import ptx
-from dspark_cute.cutedsl.gemm.ordered_layout import CHUNK, MAX_ROWS, SMEM_LIMIT, TILE_ROWS, split_chunks
+from dspark_cute.cutedsl.gemm.ordered_layout import CHUNK, MAX_ROWS, SMEM_LIMIT, TILE_ROWS, check_k, split_chunks
 from dspark_cute.runtime.host import fake_stream, jit_cache, smem_allocator
 from dspark_cute.runtime.tensormap import BOX_COLUMNS
 
@@ -172,10 +171,7 @@ class StreamedGemmKernel:
                  chunk: int = CHUNK, early: bool = False) -> None:
         self.lay = streamed_layout(warps, a_tiles, x_rows, stages, chunk)
         self.early = bool(early)
-        if k <= 0 or k % CHUNK:
-            raise Unsupported(f"the streamed GEMM takes K a positive multiple of {CHUNK}, not {k}")
-        if k % chunk:
-            raise ValueError(f"{chunk}-column stages do not divide K = {k}")
+        check_k(k, chunk, "the streamed GEMM")
         self.k, self.pdl = k, bool(pdl)
 
     @cute.jit
