@@ -265,9 +265,50 @@ def check_timeout(c):
     return timeout_probe(c, lambda x: reference_sum(gather(x), FP32_RANK_ORDER), c.cfg.get("timeout_probe_s", 0.5))
 
 
+def check_exact_package(c):
+    """The exact package GEMM (``ordered_package``): each rank's shard of
+    down (``[H, 16384 / tp]``) on the ordered GEMM, its order checked against
+    ``F.linear`` (cuBLAS) at 1, 2, 4, 8 and 16 rows, published into the
+    mailbox and consumed by the published all-reduce (FP32 in rank order):
+    against ``reference_sum`` of every rank's cuBLAS partial, i.e. vLLM's
+    TP branch. Each rank's partials: the check's special probes' kind
+    (values spread over 2^-12 .. 2^12) and one row of -0.0, inf, NaN."""
+    import torch.nn.functional as F
+
+    from dspark_comm.cutedsl.allreduce import FusedAllReduce, StoreEpilogue
+    from dspark_comm.cutedsl.ordered_package import OrderedPackageGemm
+    from dspark_comm.protocol import reference_sum
+    from dspark_core.contracts.constants import FP32_RANK_ORDER
+    from dspark_core.runtime import gemm_check
+
+    k = 16384 // c.world
+    gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 3000 + c.rank)
+    weight = (torch.randn(H, k, generator=gen, device="cuda") / k**0.5).to(BF16)
+    gemm = OrderedPackageGemm("down", weight, c.mb)
+    result = gemm.check((1, 2, 4, 8, 16), seed=c.cfg["seed"])
+    consume = FusedAllReduce(c.mb, StoreEpilogue(), FP32_RANK_ORDER, published=True)
+    consume.prepare()
+    bound = sorted(gemm.orders)
+    everyone = [None] * c.world
+    dist.all_gather_object(everyone, bound)
+    common = sorted(set.intersection(*(set(b) for b in everyone)))
+    mismatches = {}
+    for m in common:
+        for name, x in gemm_check.probes(m, k, "cuda", c.cfg["seed"] + 31 * m + c.rank):
+            out = torch.empty(m, H, dtype=BF16, device="cuda")
+            out.view(torch.int16).fill_(0x4B4B)
+            gemm.run(x, publish=True)
+            consume.launch(m, None, (out,))
+            mismatches[f"m{m}/{name}"] = bad(out, reference_sum(gather(F.linear(x, weight)), FP32_RANK_ORDER))
+    c.mb.check()
+    return {"bound": bound, "common": common, "refused": {str(m): r for m, r in result.refused.items()},
+            "mismatches": mismatches}
+
+
 CHECKS = [
     ("env", check_env),
     ("mailbox", check_mailbox),
+    ("exact_package", check_exact_package),
     ("allreduce_fp32", check_allreduce_fp32),
     ("allreduce_bf16", check_allreduce_bf16),
     ("special", check_special),

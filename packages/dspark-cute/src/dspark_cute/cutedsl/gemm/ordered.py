@@ -203,8 +203,8 @@ class OrderedGemmKernel:
                 tok, pr = w // pairs, w % pairs
                 tc = _min(tok, 8 * lay.n_tiles - 1)
                 v = ptx.ld_shared_v2_f32(base + (tc * lay.e_stride + 2 * pr) * 4)
-                dst = Int64(out) + (Int64(tc) * Int64(n) + row0 + Int64(2 * pr)) * 2
-                ptx.st_global_b32_if(dst, ptx.pack_bf16x2_rn(v[0], v[1]), tok, m)
+                self.store_word(out, ptx.pack_bf16x2_rn(v[0], v[1]), tok, _min(tok, Int32(m) - 1),
+                                row0 + Int64(2 * pr), m, n)
         else:
             for j in cutlass.range_constexpr(rounds):
                 w = Int32(tidx) + lay.threads * j
@@ -239,7 +239,16 @@ class OrderedGemmKernel:
                         ps = ptx.ld_global_cg_v2_f32(Int64(part) + col * 4 + Int64(sp) * step)
                         red[0] = ptx.add_rn(red[0], ps[0])
                         red[1] = ptx.add_rn(red[1], ps[1])
-                    ptx.st_global_b32_if(Int64(out) + col * 2, ptx.pack_bf16x2_rn(red[0], red[1]), tok, m)
+                    self.store_word(out, ptx.pack_bf16x2_rn(red[0], red[1]), tok, tc, row0 + Int64(2 * pr), m, n)
+
+
+    def store_word(self, out, word, tok, tok_c, column, m, n) -> None:
+        """Store the BF16 pair ``word`` (outputs ``column``, ``column + 1``
+        of token ``tok``; ``tok_c`` = ``min(tok, m - 1)``) if ``tok < m``: at
+        ``y[tok_c, column]`` of the ``[m, n]`` output at ``out``. A subclass
+        may store it elsewhere (``dspark_comm``'s publishing one: into every
+        rank's mailbox), the sums unchanged."""
+        ptx.st_global_b32_if(Int64(out) + (Int64(tok_c) * Int64(n) + column) * 2, word, tok, m)
 
 
 def fragment_offsets(lay: OrderedLayout, base, warp, lane) -> tuple:
