@@ -7,6 +7,7 @@ candidates), or per output tile (a slice agrees, the whole weight does not)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,13 +46,21 @@ def test_problems_and_refusals():
     assert "positive int" in SplitOrder(64, 1).problem(True)
     with pytest.raises(ValueError, match="fewer than"):
         SplitOrder(256, 5).bounds(1024)
-    for bad in (0, -64, 1.5, True, "64"):
-        with pytest.raises(ValueError, match="positive int"):
+    for bad in (0, -64):
+        with pytest.raises(ValueError, match="tile must be an int that is positive"):
+            SplitOrder(bad, 1)
+    for bad in (1.5, True, "64", None):
+        with pytest.raises(TypeError, match="tile must be an int"):
             SplitOrder(bad, 1)
     with pytest.raises(ValueError, match="multiple of 16"):
         SplitOrder(24, 1)
-    with pytest.raises(ValueError, match="positive int"):
+    with pytest.raises(ValueError, match=r"K \(k\) must be an int that is positive"):
         candidate_orders(0)
+    # numpy integers are ints, kept as Python ints
+    order = SplitOrder(np.int64(64), np.int32(2))
+    assert order == SplitOrder(64, 2) and type(order.tile) is int and type(order.splits) is int
+    assert order.problem(np.int64(8192)) is None
+    assert candidate_orders(np.int64(1024), max_splits=np.int16(4)) == candidate_orders(1024, max_splits=4)
 
 
 def test_candidates_are_distinct_and_lead_with_the_hint():

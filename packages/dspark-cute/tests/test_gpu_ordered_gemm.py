@@ -61,7 +61,8 @@ def _settings(design: str, n: int):
 def _bound(role, weight, result, design="default"):
     from dspark_cute.cutedsl.gemm.ordered import OrderedGemm
 
-    gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight, settings=_settings(design, weight.shape[0]))
+    gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight, settings=_settings(design, weight.shape[0]),
+                       only_faster=False)
     gemm.bind_orders(result.orders, result.refused)
     gemm.prepare()
     return gemm

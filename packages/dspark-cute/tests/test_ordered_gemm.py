@@ -169,3 +169,37 @@ def test_refusals():
 
 def test_n_tiles_for():
     assert [og.n_tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
+
+
+def test_only_the_rows_where_it_is_faster_are_bound():
+    """With the default settings the ordered GEMM binds only the row counts
+    where its kernel was measured faster than cuBLAS (the streamed one: m
+    <= 4 over weights up to 64 MiB); the others stay cuBLAS with a reason
+    naming the rule; ``only_faster=False`` binds every row count checked."""
+    from dspark_core.spec.split_order import SplitOrder
+
+    assert og.faster_than_cublas(8192, 4096, 1) and og.faster_than_cublas(32768, 256, 4)
+    assert not og.faster_than_cublas(8192, 4096, 5) and not og.faster_than_cublas(32768, 8192, 1)
+    assert not og.faster_than_cublas(8192, 4096, 0) and not og.faster_than_cublas(8192, 4096, True)
+
+    def stand_in(n, k, only_faster):
+        gemm = og.OrderedGemm.__new__(og.OrderedGemm)
+        gemm.constants, gemm.device, gemm.only_faster = OrderedGemmConstants("o_proj", n, k), "cpu", only_faster
+        gemm._choose = lambda m, o: og.launch_settings(n, o.splits, m)
+        return gemm
+
+    orders = {m: SplitOrder(64, 1) for m in (1, 3, 4, 5, 16)}
+    fast = stand_in(8192, 4096, True)
+    assert fast.candidate_rows == (1, 2, 3, 4)
+    fast.bind_orders(orders, {2: "no order"})
+    assert sorted(fast.orders) == [1, 3, 4]
+    assert fast.reasons[2] == "no order" and "faster only at m <= 4" in fast.reasons[16]
+    assert "cuBLAS kept at m = 5" in fast.reasons[5]
+    big = stand_in(32768, 8192, True)
+    assert big.candidate_rows == ()
+    big.bind_orders(orders)
+    assert big.orders == {} and sorted(big.reasons) == [1, 3, 4, 5, 16]
+    every = stand_in(32768, 8192, False)
+    assert every.candidate_rows == tuple(range(1, 65))
+    every.bind_orders(orders)
+    assert sorted(every.orders) == [1, 3, 4, 5, 16] and every.reasons == {}

@@ -221,7 +221,8 @@ class DraftDecode:
         unless the host class says it checks there (``CHECK_OFF_CUDA``: a
         CPU stand-in whose ``run_order`` runs on the CPU); a host class's
         ``ORDER_CHECK`` holds its search settings (``check_projection``'s
-        keywords), if any."""
+        keywords), if any; its ``candidate_rows`` (default 1 .. ``max_rows``)
+        the row counts checked."""
         bound = {}
         roles = policy.ordered_gemm_roles(self.plan.target.tp)
         for n, part in enumerate(self.plan.ordered_gemms):
@@ -233,8 +234,9 @@ class DraftDecode:
             gemm = cls(part.constants, weight)
             if getattr(weight, "is_cuda", False) or getattr(cls, "CHECK_OFF_CUDA", False):
                 stock = self._stock_projection(layer, role)
+                rows = getattr(gemm, "candidate_rows", range(1, gemm.max_rows + 1))
                 result = gemm_check.check_projection(
-                    weight, range(1, gemm.max_rows + 1), gemm.run_order, gemm_check.SEED,
+                    weight, rows, gemm.run_order, gemm_check.SEED,
                     reference=lambda x, _w, stock=stock: stock(x), **getattr(cls, "ORDER_CHECK", {}))
                 gemm.bind_orders(result.orders, result.refused)
                 self.order_checks[(layer, role)] = result

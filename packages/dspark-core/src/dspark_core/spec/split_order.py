@@ -30,7 +30,10 @@ tests the bits.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+
+from dspark_core.checks import integer
 
 # The MMA's K: the columns one tensor-core step sums.
 MMA_K = 16
@@ -41,9 +44,8 @@ MAX_SPLITS = 64
 
 
 def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, not {value!r}")
-    return value
+    """``checks.integer`` of a positive count (a numpy integer is taken as its int)."""
+    return integer(name, value, 1)
 
 
 @dataclass(frozen=True, order=True)
@@ -55,15 +57,16 @@ class SplitOrder:
     splits: int
 
     def __post_init__(self) -> None:
-        _positive_int(self.tile, "a split order's tile")
-        _positive_int(self.splits, "a split order's split count")
+        object.__setattr__(self, "tile", _positive_int(self.tile, "a split order's tile"))
+        object.__setattr__(self, "splits", _positive_int(self.splits, "a split order's splits (its split count)"))
         if self.tile % MMA_K:
             raise ValueError(f"a split order's tile is a multiple of {MMA_K} columns, not {self.tile}")
 
     def problem(self, k) -> str | None:
         """Why this order does not apply to ``K = k`` columns (a sentence), or None."""
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            return f"K must be a positive int, not {k!r}"
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            return f"K (k) must be a positive int, not {k!r}"
+        k = int(k)
         if k % self.tile:
             return f"K = {k} is no multiple of the {self.tile}-column tile"
         if k // self.tile < self.splits:
@@ -96,8 +99,8 @@ def candidate_orders(k: int, tiles: tuple[int, ...] = TILES, max_splits: int = M
     """Every ``SplitOrder`` of ``tiles`` and 1 to ``max_splits`` splits that
     applies to ``k``, one per distinct ``bounds`` (the smallest tile kept),
     ``first`` (where it applies) leading, then by split count, then tile."""
-    _positive_int(k, "K")
-    _positive_int(max_splits, "the most splits")
+    k = _positive_int(k, "K (k)")
+    max_splits = _positive_int(max_splits, "the most splits (max_splits)")
     seen: dict[tuple, SplitOrder] = {}
     for splits in range(1, max_splits + 1):
         for tile in sorted(tiles):

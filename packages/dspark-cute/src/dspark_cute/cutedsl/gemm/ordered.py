@@ -369,6 +369,16 @@ def choose_settings(n: int, k: int, splits: int, m: int, sms: int) -> tuple:
     return launch_settings(n, splits, m, sms)
 
 
+def faster_than_cublas(n: int, k: int, m: int) -> bool:
+    """Whether the ordered GEMM's default kernel at ``m`` rows over a ``[n,
+    k]`` weight was measured faster than cuBLAS (H200, 2026-12-04,
+    ``docs/gemm-order.md``): where ``choose_settings`` takes the streamed
+    kernel (o_proj 1.07-1.10x, the Markov bias 1.22-1.31x at m <= 4); the
+    cp.async kernel was 0.56-1.00x of cuBLAS everywhere."""
+    return (isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= STREAMED_MAX_ROWS
+            and 2 * n * k <= STREAMED_MAX_BYTES)
+
+
 def _launch(x, weight, out, order: SplitOrder, workspace: OrderedWorkspace, pdl: bool, settings=None) -> None:
     n, k = weight.shape
     m = x.shape[0]
@@ -426,7 +436,10 @@ class OrderedGemm(LazyPdl):
     sm_90+); ``sms``: the SM count the launch settings are chosen for;
     ``settings(m, order)``: a row count's launch settings (default
     ``choose_settings``: the ``cp.async`` or the streamed kernel; speed
-    only: the same bits).
+    only: the same bits); ``only_faster`` (default: with the default
+    settings): ``bind_orders`` keeps only the row counts where the kernel is
+    faster than cuBLAS (``faster_than_cublas``; ``candidate_rows``), the
+    others stay cuBLAS with that reason.
 
     ``run(x, out=None)``: BF16 ``x [m, k]`` -> ``[m, n]``, summed in the
     order bound for ``m`` (bit for bit cuBLAS's where the check found it);
@@ -438,7 +451,7 @@ class OrderedGemm(LazyPdl):
     OP = "ordered_gemm"
 
     def __init__(self, constants: OrderedGemmConstants, weight: torch.Tensor, *, pdl: bool | None = None,
-                 sms: int | None = None, settings=None) -> None:
+                 sms: int | None = None, settings=None, only_faster: bool | None = None) -> None:
         if not isinstance(constants, OrderedGemmConstants):
             raise ValueError(f"the ordered GEMM takes OrderedGemmConstants, not {type(constants).__name__}")
         why = ordered_gemm_unsupported(weight)
@@ -451,6 +464,8 @@ class OrderedGemm(LazyPdl):
             raise ValueError(f"the ordered GEMM takes a contiguous, 16-byte aligned CUDA weight, not "
                              f"{describe(weight)}")
         self.constants, self.weight, self.device = constants, weight, weight.device
+        # Default: with the default settings, only the row counts where it is faster than cuBLAS.
+        self.only_faster = settings is None if only_faster is None else bool(only_faster)
         self._pdl = None if pdl is None else bool(pdl)
         self.sms = sms or sm_count(weight.device)
         # (m, order) -> the launch settings (default launch_settings; no bit depends on them).
@@ -464,6 +479,18 @@ class OrderedGemm(LazyPdl):
     @property
     def max_rows(self) -> int:
         return MAX_ROWS
+
+    @property
+    def candidate_rows(self) -> tuple[int, ...]:
+        """The row counts the build-time check need try: those it binds
+        (``faster_than_cublas`` where ``only_faster``, else 1 .. 64)."""
+        c = self.constants
+        return tuple(m for m in range(1, MAX_ROWS + 1) if not self.only_faster or faster_than_cublas(c.n, c.k, m))
+
+    def slower_reason(self, m: int) -> str:
+        c = self.constants
+        return (f"cuBLAS kept at m = {m} over the [{c.n}, {c.k}] {c.role} weight: the ordered GEMM is faster only "
+                f"at m <= {STREAMED_MAX_ROWS} over weights up to {STREAMED_MAX_BYTES >> 20} MiB (docs/gemm-order.md)")
 
     @staticmethod
     def run_order(x: torch.Tensor, weight: torch.Tensor, order: SplitOrder) -> torch.Tensor:
@@ -483,11 +510,16 @@ class OrderedGemm(LazyPdl):
             why = order_problem(order, k)
             if why is not None:
                 raise ValueError(why)
+        reasons = dict(reasons or {})
+        if self.only_faster:
+            slower = [m for m in orders if m not in self.candidate_rows]
+            reasons.update({m: self.slower_reason(m) for m in slower})
+            orders = {m: o for m, o in orders.items() if m not in slower}
         splits = max((o.splits for o in orders.values()), default=1)
         rows = max((m for m, o in orders.items() if o.splits > 1), default=1)
         self.workspace = OrderedWorkspace(self.constants.n, rows, splits, self.device)
         self.orders = dict(orders)
-        self.reasons = dict(reasons or {})
+        self.reasons = reasons
         self._settings = {m: self._choose(m, o) for m, o in self.orders.items()}
 
     def check(self, rows=None, reference=None, seed: int = gemm_check.SEED) -> gemm_check.CheckResult:
@@ -495,7 +527,7 @@ class OrderedGemm(LazyPdl):
         weight at ``rows`` (default 1 .. 64) against ``reference(x, weight)``
         (default ``F.linear``: the live cuBLAS), its orders bound
         (``bind_orders``) and compiled (``prepare``); returns the findings."""
-        rows = range(1, MAX_ROWS + 1) if rows is None else rows
+        rows = self.candidate_rows if rows is None else rows
         result = gemm_check.check_projection(self.weight, rows, self.run_order, seed, reference)
         self.bind_orders(result.orders, result.refused)
         self.prepare()
@@ -540,5 +572,6 @@ class OrderedGemm(LazyPdl):
 
 __all__ = ["CHUNK", "CHUNKS", "L2_PREFETCH_BYTES", "MAX_ROWS", "STREAMED_MAX_BYTES", "STREAMED_MAX_ROWS",
            "OrderedGemm", "OrderedGemmKernel", "OrderedLayout", "OrderedWorkspace", "candidate_run", "check_settings",
-           "choose_settings", "chunk_tiles", "compile_ordered_gemm", "fake_args", "fit_chunk", "launch_settings",
+           "choose_settings", "chunk_tiles", "compile_ordered_gemm", "fake_args", "faster_than_cublas", "fit_chunk",
+           "launch_settings",
            "n_tiles_for", "order_problem", "ordered_gemm"]
