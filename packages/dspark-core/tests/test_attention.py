@@ -155,7 +155,8 @@ def test_lane_sums_keep_negative_zero_and_order():
 
 def test_special_scores():
     """An infinite score gives NaN (inf - inf); a NaN K gives NaN; no valid
-    slot gives NaN; underflowing probabilities leave the winner alone."""
+    slot gives the kernels' NaN where asked for (refused by default);
+    underflowing probabilities leave the winner alone."""
     cache = PagedKVCache(2, 1, BLOCK, D)
     q = torch.zeros(1, 1, D, dtype=torch.bfloat16)
     q[0, 0, 0] = 1.0
@@ -168,7 +169,9 @@ def test_special_scores():
     assert torch.isnan(paged_attention(q, cache, slots, 1)[0, 0, 0])
     cache.tensor[0, 0, 1, 0] = float("nan")
     assert torch.isnan(paged_attention(q, cache, slots, 1)).all()
-    assert torch.isnan(paged_attention(q, cache, torch.full((1, 3), -1), 1)).all()
+    assert torch.isnan(paged_attention(q, cache, torch.full((1, 3), -1), 1, empty_rows="nan")).all()
+    with pytest.raises(ValueError, match="no valid"):  # the default: refused (no result of vLLM's)
+        paged_attention(q, cache, torch.full((1, 3), -1), 1)
 
 
 def test_scale_is_rounded_once():

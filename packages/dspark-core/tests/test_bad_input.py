@@ -27,15 +27,16 @@ CONFIG_ERRORS = [
     ({"use_o_gate": "no"}, TypeError, "use_o_gate must be a bool, not str 'no'"),
     ({"hidden_size": 8192.0}, TypeError, "hidden_size must be an int, not float"),
     ({"num_layers": True}, TypeError, "num_layers must be an int, not bool"),
-    ({"rope_theta": float("nan")}, ValueError, "rope_theta must be a finite number above 1"),
-    ({"rope_theta": 0.0}, ValueError, "rope_theta must be a finite number above 1"),
-    ({"norm_gain_center": float("nan")}, ValueError, "norm_gain_center must be finite"),
-    ({"rms_norm_eps": -1e-6}, ValueError, "rms_norm_eps must be a finite non-negative number"),
+    ({"rope_theta": float("nan")}, ValueError, "rope_theta must be a number above 1 finite in FP32"),
+    ({"rope_theta": 0.0}, ValueError, "rope_theta must be a number above 1 finite in FP32"),
+    ({"norm_gain_center": float("nan")}, ValueError, "norm_gain_center must be a number finite in FP32"),
+    ({"rms_norm_eps": -1e-6}, ValueError, "rms_norm_eps must be a non-negative number finite in FP32"),
     ({"norm_overrides": {"layers.7.input_norm": {"eps": 1e-5}}}, ValueError, "not a norm of this draft"),
     ({"norm_overrides": {"hidden_nrom": {"eps": 1e-5}}}, ValueError, "not a norm of this draft"),
     ({"norm_overrides": {"norm": {"epsilon": 1e-5}}}, ValueError, r"has unknown keys \['epsilon'\]"),
     ({"norm_overrides": {"norm": {"has_weight": "yes"}}}, TypeError, "norm's has_weight must be a bool"),
-    ({"norm_overrides": {"norm": {"gain_center": float("inf")}}}, ValueError, "gain_center and eps must be finite"),
+    ({"norm_overrides": {"norm": {"gain_center": float("inf")}}}, ValueError,
+     "norm's gain_center must be a number finite in FP32"),
     ({"connection_overrides": {"layers.0.add_atn": {"dtype": "bf16"}}}, ValueError, "not a connection"),
     ({"connection_overrides": {"layers.0.add_attn": {"dtype": "int8"}}}, ValueError, "must be {'dtype'"),
     ({"compute_dtype": "bfloat16"}, ValueError, "compute_dtype must be one of"),
@@ -84,20 +85,25 @@ def _run(module: str, *args: str) -> subprocess.CompletedProcess:
     (("--tp", "0"), "expected an integer from 1 to 1024, not 0"),
     (("--tp", "two"), "expected an integer from 1 to 1024, not 'two'"),
     (("--num-sms", "-5"), "expected an integer from 1 to 1024, not -5"),
-    (("--arch", "sm_75"), "invalid choice: 'sm_75'"),
+    (("--arch", "sm_75"), "the architecture must be one of sm_90a, sm_100a, not sm_75"),
+    (("--arch", ""), "the architecture must be a GPU architecture written like sm_90a"),
+    (("--tp", "\u0663"), "expected an integer from 1 to 1024, not '\u0663'"),  # ARABIC-INDIC DIGIT THREE
+    (("--num-sms", "1_32"), "expected an integer from 1 to 1024, not '1_32'"),
     (("--kernels", "boundry"), "unknown kernels ['boundry']"),
     (("/nonexistent.json",), "No such file"),
     (("--kernels", ""), "--kernels names no kernel; the kernels are"),
     (("--kernels", " , "), "--kernels names no kernel"),
     (("--kernels", "boundary,,row_norm"), "has an empty entry"),
     (("--kernels", "boundary,"), "has an empty entry"),
-    (("--kernels", "boundary,boundary"), "--kernels names boundary more than once"),
+    (("--kernels", "boundary,boundary"), "--kernels names ['boundary'] more than once"),
     (("--gemv", "--tp", "2"), "--gemv runs at TP1 only"),
     (("--package-gemm",), "--package-gemm runs at TP > 1 only"),
     (("--num-sms", "100000"), "expected an integer from 1 to 1024, not 100000"),
     (("--tp", "99999999999999999999999"), "expected an integer from 1 to 1024"),
-    (("/dev/null",), "/dev/null is not a regular file"),
-    (("/tmp",), "/tmp is not a regular file"),
+    (("/dev/null",), "/dev/null is a character device, not a regular file of DraftConfig fields"),
+    (("/tmp",), "/tmp is a directory, not a regular file"),
+    (("/tmp/",), "the path of DraftConfig fields must name a JSON file, not '/tmp/' (a trailing slash"),
+    (("",), "the path of DraftConfig fields must name a JSON file, not ''"),
 ])
 def test_the_plan_cli_says_a_user_error_in_one_line_and_exits_2(args, message):
     out = _run("dspark_core.planner", *args)
@@ -119,7 +125,7 @@ def test_the_plan_cli_rejects_a_config_the_model_cannot_build(tmp_path):
     ("[" * 100000 + "]" * 100000, "nests its JSON too deeply"),
     ('{"hidden_size": 99999999999999999999999}', "does not fit in 64 bits"),
     ('{"hidden_size": 4294967296}', "hidden_size must be at most 2147483647"),
-    ('{"norm_gain_center": 1e300}', "norm_gain_center must be finite (in FP32)"),
+    ('{"norm_gain_center": 1e300}', "norm_gain_center must be a number finite in FP32"),
     ('{"rope_theta": NaN}', "NaN is not a JSON number"),
 ])
 def test_the_plan_cli_refuses_pathological_configs_in_one_line(tmp_path, text, message):
@@ -134,7 +140,7 @@ def test_the_plan_cli_refuses_pathological_configs_in_one_line(tmp_path, text, m
 def test_the_plan_cli_refuses_a_fifo_without_waiting_on_it(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     out = _run("dspark_core.planner", str(tmp_path / "fifo"))  # _run's timeout fails a hang
-    assert out.returncode == 2 and "is not a regular file" in out.stderr, out.stderr
+    assert out.returncode == 2 and "fifo is a FIFO, not a regular file" in out.stderr, out.stderr
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

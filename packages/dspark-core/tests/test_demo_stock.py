@@ -51,7 +51,11 @@ def test_the_stock_option_and_its_default(monkeypatch, tmp_path):
 def test_a_stock_folder_that_is_not_there_is_refused_in_one_line(capsys, tmp_path):
     assert demo.main(["--stock", str(tmp_path / "nothing"), "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: --stock {tmp_path / 'nothing'}: no such folder (the compiled stock binaries' folder)"]
+    nothing = str(tmp_path / "nothing")
+    assert err == [f"error: --stock {nothing!r}: no such folder (the compiled stock binaries' folder)"]
+    with pytest.raises(SystemExit) as done:  # an empty path is not the working directory
+        demo.main(["--stock", "", "--steps", "1"])
+    assert done.value.code == 2 and "--stock: expected a folder's path, not ''" in capsys.readouterr().err
 
 
 def test_the_missing_binaries_reason(tmp_path, monkeypatch):

@@ -106,12 +106,22 @@ def test_head_width_rejected(d):
         N.check_head_width(d)
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "", "SM_90A"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "", "sm90a", (8, 0)])
 def test_arch_rejected(arch):
-    with pytest.raises(ValueError, match=r"the spec describes the stock on sm_90a, sm_100a, not"):
+    with pytest.raises(ValueError, match=r"arch \(the GPU whose stock the spec describes\) must be .*sm_90a, sm_100a"):
         N.check_arch(arch)
-    with pytest.raises(ValueError, match="the spec describes the stock on"):
+    with pytest.raises(ValueError, match="the GPU whose stock the spec describes"):
         N.row_sum_of_squares(torch.zeros(1, 2048), arch)
+
+
+@pytest.mark.parametrize("arch, spelled", [("SM_90A", "sm_90a"), (" sm_100a ", "sm_100a"), ((9, 0), "sm_90a"),
+                                           ((10, 0), "sm_100a")])
+def test_arch_in_another_spelling_is_the_same_tree(arch, spelled):
+    """One normaliser (``checks.arch``): case, blanks and the compute
+    capability name the same architecture, whose tree the row sum follows."""
+    assert N.check_arch(arch) == spelled
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(N.row_sum_of_squares(x, arch), N.row_sum_of_squares(x, spelled))
 
 
 def test_f32_rounds_once_to_nearest_even():

@@ -181,7 +181,8 @@ def test_context_refuses_input_norms_that_differ_beyond_weights():
 
 def test_context_and_epilogue_refuse_non_power_of_two_kv_heads():
     r = reasons(plan_draft(meta(num_heads=6, num_kv_heads=3), ALL))
-    assert r["the context K/V chain"] == "3 KV heads, not a power of two up to 32"
+    assert r["the context K/V chain"] == ("the context_chain kernel takes a power of two of KV heads up to 32, not 3 "
+                                          "(ContextStoreConstants.kv_heads)")
     assert r["layer 0's QKV epilogue"] == "3 KV heads, not a power of two up to 32"
 
 
@@ -310,7 +311,8 @@ def test_a_declined_opt_in_kernel_says_it_is_opt_in():
 
 def test_attention_refuses_wide_heads_and_a_subclass():
     r = reasons(plan_draft(meta(head_dim=128, num_heads=4), ALL))
-    assert r["layer 0's attention"] == "128-wide heads, not 64"
+    assert r["layer 0's attention"] == ("the attention kernel takes heads of 64 columns, not 128 "
+                                        "(AttentionConstants.head_dim)")
     assert r["layer 0's o-gate"] == "128-wide heads, not 64"
 
     class Other(DraftAttention):
@@ -332,7 +334,8 @@ def test_o_gate_and_activation_refusals():
     model.layers[1].mlp.intermediate_size = 1001
     r = reasons(plan_draft(model, ALL))
     assert r["layer 0's o-gate"] == "a head norm other than the stock one (WeightedHeadNorm)"
-    assert r["layer 1's MLP activation"] == "an intermediate size of 1001, not a positive multiple of 8"
+    assert r["layer 1's MLP activation"] == ("the mlp_activation kernel takes an intermediate size that is a positive "
+                                             "multiple of 8, not 1001 (MlpActivationConstants.intermediate_size)")
 
 
 def test_context_refuses_a_non_bf16_kv_weight():

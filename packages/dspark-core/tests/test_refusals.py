@@ -77,16 +77,18 @@ def test_a_config_value_infinite_in_fp32_is_refused(value, sign, field):
 
 
 def test_a_norm_override_infinite_in_fp32_is_refused():
-    with pytest.raises(ValueError, match=r"norm: gain_center and eps must be finite \(in FP32.*1e\+300"):
+    with pytest.raises(ValueError, match=r"norm's gain_center must be a number finite in FP32.*1e\+300"):
         small_config(norm_overrides={"norm": {"gain_center": 1e300}})
-    with pytest.raises(ValueError, match="must be finite"):
+    with pytest.raises(ValueError, match="hidden_norm's eps must be a non-negative number finite in FP32"):
         small_config(norm_overrides={"hidden_norm": {"eps": 1e39}})
 
 
 def test_a_config_of_more_layers_than_any_draft_is_refused():
-    with pytest.raises(ValueError, match="num_layers must be from 0 to 65536, not 1000000"):
+    with pytest.raises(ValueError, match="num_layers must be from 0 to 1024, not 1000000"):
         small_config(num_layers=10**6)
-    with pytest.raises(ValueError, match="num_layers must be from 0 to 65536, not -1"):
+    with pytest.raises(ValueError, match="num_layers must be from 0 to 1024, not 1025"):
+        small_config(num_layers=1025)
+    with pytest.raises(ValueError, match="num_layers must be from 0 to 1024, not -1"):
         small_config(num_layers=-1)
 
 
@@ -218,6 +220,8 @@ def test_an_eps_of_1e300_keeps_its_norms_stock(meta_draft):
     ('{"a": 1} trailing', "Extra data"),
     ("[1, 2]", "must hold a JSON object of DraftConfig fields, not list"),
     ('"text"', "not str"),
+    ('{"hidden_size": 2048, "hidden_size": 4096}', r"an object repeats the keys \['hidden_size'\]"),
+    ('{"norm_overrides": {"norm": {"eps": 1, "eps": 2}}}', r"repeats the keys \['eps'\]"),
 ])
 def test_pathological_json_is_a_value_error_naming_the_file(tmp_path, text, message):
     path = tmp_path / "c.json"
@@ -240,6 +244,22 @@ def test_a_file_that_is_not_utf8_or_too_large_is_refused(tmp_path, monkeypatch):
         read_json_object(path, "x")
 
 
+def test_an_empty_path_or_one_ending_in_a_slash_is_no_config_file(tmp_path):
+    (tmp_path / "c.json").write_text("{}")
+    for path in ("", f"{tmp_path}/c.json/", "./"):
+        with pytest.raises(ValueError, match=f"the path of DraftConfig fields must name a JSON file, not {path!r}"):
+            DraftConfig.from_json(path)
+    assert DraftConfig.from_json(f"{tmp_path}//./c.json") == DraftConfig()
+
+
+def test_a_long_list_of_unknown_keys_is_cut():
+    with pytest.raises(ValueError) as refused:
+        DraftConfig.from_dict({f"k{i:06d}": 0 for i in range(200_000)})
+    message = str(refused.value)
+    assert message.startswith("unknown DraftConfig keys ['k000000', 'k000001', ") and len(message) < 300
+    assert message.endswith(", ... (199990 more)]")
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_special_files_are_refused_unread(tmp_path):
     fifo = tmp_path / "fifo"
@@ -247,7 +267,7 @@ def test_special_files_are_refused_unread(tmp_path):
     for path in (fifo, tmp_path, "/dev/null", "/dev/zero"):
         if not os.path.exists(path):
             continue
-        with pytest.raises(ValueError, match="is not a regular file"):
+        with pytest.raises(ValueError, match="is a (FIFO|directory|character device), not a regular file"):
             DraftConfig.from_json(path)
     with pytest.raises(FileNotFoundError):
         DraftConfig.from_json(tmp_path / "missing.json")
@@ -288,10 +308,17 @@ def test_the_executor_refuses_hidden_states_of_another_dtype(dtype):
 
 
 def test_bad_targets_are_refused():
-    for changes, message in (({"num_sms": 100000}, "an SM count is an integer from 1 to 1024"),
-                             ({"num_sms": 0}, "an SM count"), ({"tp": 2048}, "a TP size is an integer from 1"),
-                             ({"tp": 2.0}, "a TP size"), ({"num_sms": True}, "an SM count")):
-        with pytest.raises(ValueError, match=message):
+    for changes, error, message in (
+            ({"num_sms": 100000}, ValueError, r"Target.num_sms \(the SM count\) must be an int from 1 to 1024"),
+            ({"num_sms": 0}, ValueError, "the SM count"), ({"tp": 2048}, ValueError, "TP size.* from 1 to 1024"),
+            ({"tp": 2.0}, TypeError, r"Target.tp \(the TP size\) must be an int, not float 2.0"),
+            ({"num_sms": True}, TypeError, "the SM count.* not bool True"),
+            ({"arch": ""}, ValueError, "Target.arch must be a GPU architecture written like sm_90a"),
+            ({"arch": None}, TypeError, "Target.arch must be a GPU architecture"),
+            ({"kernels": "boundary"}, TypeError, "Target.kernels must be a set of names .*, not str 'boundary'"),
+            ({"kernels": {"boundry"}}, ValueError, r"Target.kernels names unknown entries \['boundry'\]"),
+            ({"declined": {policy.BOUNDARY}}, ValueError, "Target.declined .opt-in kernels only. names unknown")):
+        with pytest.raises(error, match=message):
             policy.Target(**changes)
 
 
@@ -316,8 +343,10 @@ def test_attention_over_a_row_with_no_valid_slot_is_refused(one_layer, m, s, row
     slots[row] = -1 - torch.arange(s) % 3  # every slot of this row masked
     step = StepInputs(torch.arange(m), torch.arange(m) + 32, slots)
     q = torch.zeros(m, 8, 64, dtype=torch.bfloat16)
-    assert paged_attention(q, caches[0], slots, 2)[row].isnan().all()  # the spec states the 0 / 0 ...
-    with pytest.raises(ValueError, match="no valid"):  # ... which the reference draft's edges refuse
+    assert paged_attention(q, caches[0], slots, 2, empty_rows="nan")[row].isnan().all()  # the kernels' 0 / 0 ...
+    with pytest.raises(ValueError, match="no valid"):  # ... which the spec refuses by default ...
+        paged_attention(q, caches[0], slots, 2)
+    with pytest.raises(ValueError, match="no valid"):  # ... as do the reference draft's edges
         attend(q, caches[0], slots, 2)
     with pytest.raises(ValueError, match="no valid"):
         check_inputs(model, step.positions, caches, step.slots, step.attn_slots)

@@ -54,13 +54,18 @@ def test_problems_and_refusals():
             SplitOrder(bad, 1)
     with pytest.raises(ValueError, match="multiple of 16"):
         SplitOrder(24, 1)
-    with pytest.raises(ValueError, match=r"K \(k\) must be an int that is positive"):
+    with pytest.raises(ValueError, match=r"K \(k\) must be an int from 1 to"):
         candidate_orders(0)
     # numpy integers are ints, kept as Python ints
     order = SplitOrder(np.int64(64), np.int32(2))
     assert order == SplitOrder(64, 2) and type(order.tile) is int and type(order.splits) is int
     assert order.problem(np.int64(8192)) is None
     assert candidate_orders(np.int64(1024), max_splits=np.int16(4)) == candidate_orders(1024, max_splits=4)
+    # bounded: no search of 2^62 splits or columns
+    with pytest.raises(ValueError, match="max_splits"):
+        candidate_orders(1024, max_splits=2**62)
+    with pytest.raises(ValueError, match=r"K \(k\)"):
+        candidate_orders(2**62)
 
 
 def test_candidates_are_distinct_and_lead_with_the_hint():

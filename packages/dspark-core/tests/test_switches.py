@@ -106,6 +106,7 @@ def home(monkeypatch):
     ("1", "default"), ("true", "default"), ("On", "default"),
     ("/var/cache/k", Path("/var/cache/k")), ("/var/cache/../k/", Path("/var/k")),
     ("~/k", HOME / "k"), ("~/.cache/dspark", HOME / ".cache/dspark"),
+    ("//var/cache/k", Path("/var/cache/k")), ("~//k", HOME / "k"), ("~//var/./k//", HOME / "var/k"),
 ])
 def test_a_cache_setting_is_off_the_default_or_a_directory(home, text, expected):
     default = Path("/default/dir")
@@ -114,7 +115,25 @@ def test_a_cache_setting_is_off_the_default_or_a_directory(home, text, expected)
 
 
 @pytest.mark.parametrize("text", ["~", "~/", "~/.", "~/..", "/", "/home", str(HOME), "kernels", "./kernels",
-                                  "k/../", "2", "enabled", "~other/k"])
+                                  "k/../", "2", "enabled", "~other/k", "//", "///", "~//", "//home/", "~//..",
+                                  "/var/k/../../", "/var/\0k"])
 def test_a_cache_setting_refuses_the_home_directory_relative_paths_and_other_words(home, text):
     with pytest.raises(ValueError, match="DSPARK_KERNEL_CACHE"):
         switches.cache_setting("DSPARK_KERNEL_CACHE", Path("/d"), {"DSPARK_KERNEL_CACHE": text})
+
+
+def test_a_cache_setting_resolves_links_before_the_home_rule(tmp_path, monkeypatch):
+    """A link to ``/`` or to a directory above the home directory is that
+    directory: refused, naming both; a link to a directory of its own is
+    kept as written (the cache itself refuses a linked directory)."""
+    home = tmp_path / "home" / "someone"
+    home.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    (tmp_path / "root").symlink_to("/")
+    (tmp_path / "up").symlink_to(tmp_path / "home")
+    (tmp_path / "own").symlink_to(tmp_path / "elsewhere")
+    for link, real in (("root", "/"), ("up", tmp_path / "home")):
+        with pytest.raises(ValueError, match=f"names {tmp_path / link} \\(really {real}\\), the home directory"):
+            switches.cache_setting("DSPARK_KERNEL_CACHE", Path("/d"), {"DSPARK_KERNEL_CACHE": str(tmp_path / link)})
+    got = switches.cache_setting("DSPARK_KERNEL_CACHE", Path("/d"), {"DSPARK_KERNEL_CACHE": f"{tmp_path}//own/."})
+    assert got == tmp_path / "own"

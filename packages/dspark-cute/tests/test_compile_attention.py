@@ -144,13 +144,13 @@ def test_constructor_refuses():
     from dspark_cute.cutedsl.attention.direct import DirectAttentionKernel
     from dspark_cute.cutedsl.attention.paged import PagedAttention
 
-    with pytest.raises(ValueError, match="groups over 3 KV heads"):
+    with pytest.raises(ValueError, match=r"groups over the KV heads, not 64 \(kv_heads 3\)"):
         PagedAttention(AttentionConstants(64, 3, 64, 16))
-    with pytest.raises(ValueError, match="groups over 0 KV heads"):
+    with pytest.raises(ValueError, match="at least one KV head, not 0"):
         PagedAttention(AttentionConstants(64, 0, 64, 16))
     with pytest.raises(ValueError, match="heads of 64 columns, not 128"):
         PagedAttention(AttentionConstants(64, 8, 128, 16))
-    with pytest.raises(ValueError, match="block size of 0"):
+    with pytest.raises(ValueError, match="block size of 1 or more, not 0"):
         PagedAttention(AttentionConstants(64, 8, 64, 0))
     with pytest.raises(ValueError, match="int32 or int64, not float32"):
         PagedAttention(AttentionConstants(64, 8, 64, 16, "float32"))

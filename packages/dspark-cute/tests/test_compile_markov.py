@@ -183,6 +183,13 @@ def test_markov_step_refuses_bad_operands():
         MarkovStep(markov_constants(64, 16, 1.0, None, False), w1, d2t)
     with pytest.raises(ValueError, match="max_rows"):
         MarkovStep(c, w1, d2t, max_rows=0)
+    # A map the next step's gather would follow past (or before) w1's 100 rows: refused at build.
+    with pytest.raises(ValueError, match=r"d2t maps draft id 63 to target id 100, outside \[0, 100\)"):
+        MarkovStep(c, w1, d2t + 37)
+    with pytest.raises(ValueError, match=r"d2t maps draft id 0 to target id -1, outside \[0, 100\)"):
+        MarkovStep(c, w1, d2t - 1)
+    with pytest.raises(ValueError, match="a draft vocabulary of 64, more than w1's 32 rows"):
+        MarkovStep(markov_constants(64, 16, 1.0, None, False), w1[:32], None)
     step = MarkovStep(c, w1, d2t, max_rows=8)
     base = torch.zeros(3, 64, dtype=torch.bfloat16)
     tokens = torch.zeros(3, 4, dtype=torch.int64)[:, 1]
@@ -262,8 +269,10 @@ def test_markov_sample_refusals():
     c = markov_sample_constants(64, 128, 16, 1.0, None)
     w1 = torch.zeros(128, 16, dtype=torch.bfloat16)
     d2t = torch.arange(64)  # targets 0, 2, 4, ..., 126
-    with pytest.raises(ValueError, match="distinct target ids"):
+    with pytest.raises(ValueError, match=r"d2t maps draft id 28 to target id 128, outside \[0, 128\)"):
         MarkovSampleStep(c, w1, torch.zeros(64, dtype=torch.int64) + 100)
+    with pytest.raises(ValueError, match="distinct target ids; 32 of them repeat one"):
+        MarkovSampleStep(c, w1, -torch.arange(64) + torch.arange(64) // 2)
     with pytest.raises(ValueError, match="w1 must be"):
         MarkovSampleStep(c, w1[:100], d2t)
     step = MarkovSampleStep(c, w1, d2t, max_rows=8)

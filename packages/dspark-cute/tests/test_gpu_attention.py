@@ -1,5 +1,6 @@
 """GPU tests of ``dspark_cute.cutedsl.attention.paged.PagedAttention``: bit for bit
-``dspark_core.spec.attention.paged_attention`` run on the same CUDA tensors
+``dspark_core.spec.attention.paged_attention`` (``empty_rows="nan"``: the
+kernels' 0 / 0 for a row without a valid slot) run on the same CUDA tensors
 (``dspark_core.tools.compare.assert_bitwise``: NaN equals NaN, every other bit
 pattern exact), for m in {1, 2, 7, 16, 33} and S in {1, 2, 127, 128, 129,
 300, 1000, 4100} (4100: past the kernel's score cache of 4096 slots, so the
@@ -190,7 +191,8 @@ def check(k, q, cache, slots, what: str) -> torch.Tensor:
     with both patterns first; then the allocating path; then every opt-in
     variant (``check_variants``). Returns the spec."""
     heads, kv = k.constants.num_heads, k.constants.kv_heads
-    expected = paged_attention(q, cache, slots.long() if slots.dtype != torch.int64 else slots, kv)
+    expected = paged_attention(q, cache, slots.long() if slots.dtype != torch.int64 else slots, kv,
+                               empty_rows="nan")
     assert expected.shape == (q.shape[0], heads, D)
     out = torch.empty_like(q)
     check_poisoned(lambda: k.run(q, cache, slots, out), [out], [expected], what)
@@ -331,7 +333,7 @@ def test_cuda_graph_replays_with_new_slots(variant, seed):
         if g is not None:
             g.copy_(random_values(gen, (m, 64, D), spread=4))
         slots.copy_(block_table_slots(gen, cache, m, s, holes=0.1 * step))
-        expected = expected_for(k, paged_attention(qv.contiguous(), cache, slots, 8), gate)
+        expected = expected_for(k, paged_attention(qv.contiguous(), cache, slots, 8, empty_rows="nan"), gate)
         check_poisoned(graph.replay, [out], [expected], f"{variant} graph replay {step}")
         eager = k.run(qv, cache, slots, gate=g)
         assert_bitwise(out, eager, f"{variant} graph replay {step} vs eager")
@@ -364,7 +366,7 @@ def test_out_of_range_slot(variant, seed):
     torch.cuda.synchronize()
     masked = bad.clone()
     masked[1, 7] = -1
-    expected = expected_for(k, paged_attention(q, cache, masked, 8), gate)
+    expected = expected_for(k, paged_attention(q, cache, masked, 8, empty_rows="nan"), gate)
     assert_bitwise(out, expected, f"{variant}: out-of-range slot masked in a graph")
 
 
@@ -379,7 +381,7 @@ def test_o_gate_every_gate_pattern(seed):
     qv, gate = qkv_views(q, 8, gen)
     every = torch.arange(-32768, 32768, dtype=torch.int32, device="cuda").to(torch.int16)
     gate.view(torch.int16).copy_(every[torch.randperm(65536, generator=gen, device="cuda")].view(m, 64, D))
-    attention = paged_attention(q, cache, slots, 8)
+    attention = paged_attention(q, cache, slots, 8, empty_rows="nan")
     for name, options in (*((n, VARIANTS[n]) for n in ("staged-gate", "gate")), *GATE_ARCH_VARIANTS.items()):
         k = kernel(64, 8, **options)
         out = torch.empty_like(q)
@@ -399,7 +401,7 @@ def _gated_operands(gen, m: int, heads: int, kv: int, s: int):
     else:
         slots = torch.randint(-4, cache.num_slots, (m, s), generator=gen, device="cuda")
     qv, gate = qkv_views(q, kv, gen)
-    return qv, gate, cache, slots, paged_attention(q, cache, slots, kv)
+    return qv, gate, cache, slots, paged_attention(q, cache, slots, kv, empty_rows="nan")
 
 
 # Rows of the o-gate epilogue's stock and arch cases; (heads, kv heads) per row count.

@@ -227,10 +227,37 @@ def test_bad_switches_refused(env, match):
         ar.stock_all_reduce(2, "sm_90a", env=env, hidden_size=H, topology=HGX)
 
 
-@pytest.mark.parametrize("args", [(0, 1, H), (2, 0, H), (2, 1, 0), (2.0, 1, H)])
-def test_resolve_refuses(args):
-    with pytest.raises(ValueError, match="resolve takes a positive"):
+@pytest.mark.parametrize("args, error, match", [
+    ((0, 1, H), ValueError, "the TP size must be an int from 1 to 1024, not 0"),
+    ((10**6, 1, H), ValueError, "the TP size must be an int from 1 to 1024, not 1000000"),
+    ((2.0, 1, H), TypeError, "the TP size must be an int, not float 2.0"),
+    ((True, 1, H), TypeError, "the TP size must be an int, not bool True"),
+    ((2, 0, H), ValueError, "the row count must be an int from 1 to"),
+    ((2, -5, H), ValueError, "the row count must be an int from 1 to"),
+    ((2, 1, 0), ValueError, "the hidden size must be an int from 1 to"),
+])
+def test_resolve_refuses(args, error, match):
+    with pytest.raises(error, match=match):
         ar.resolve(*args, "sm_90a", ar.switches({}))
+
+
+def test_the_decision_table_refuses_what_it_cannot_answer_where_it_enters():
+    """Unknown backend names in the switches, decode row counts beyond the
+    mailbox's (ten million once looped for a minute), an architecture in
+    another case (the same answer); and TP16 on sm_100a, where FlashInfer's
+    trtllm one-shot table has no 16 (a bare KeyError once): no mailbox order."""
+    with pytest.raises(ValueError, match="Switches.fi_backend must be one of auto, trtllm, mnnvl, not str 'nccl'"):
+        ar.Switches(fi_backend="nccl")
+    with pytest.raises(ValueError, match="Switches.custom_algo must be None or one of one-stage, two-stage"):
+        ar.Switches(custom_algo="3stage")
+    with pytest.raises(TypeError, match="Switches.flashinfer must be True or False, not int 1"):
+        ar.Switches(flashinfer=1)
+    with pytest.raises(ValueError, match=r"max_rows \(the decode rows the mailbox takes\) must be an int from 1 to 16"):
+        ar.decode_order(2, "sm_90a", H, 10**7, ar.switches({}), topology=HGX)
+    assert ar.resolve(4, 1, H, "SM_90A", ar.switches({}), False, HGX) == ar.resolve(4, 1, H, "sm_90a",
+                                                                                     ar.switches({}), False, HGX)
+    r = ar.resolve(16, 1, H, "sm_100a", ar.switches(TRTLLM), False, HGX)
+    assert r.sum_order is None and "has no threshold for 16 ranks" in r.why
 
 
 def test_package_gemm_opt_in():

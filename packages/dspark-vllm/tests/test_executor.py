@@ -24,6 +24,7 @@ import _draft  # noqa: E402
 import _stubs  # noqa: E402
 import torch  # noqa: E402
 
+from dspark_core.errors import Unsupported  # noqa: E402
 from dspark_core.planner import policy  # noqa: E402
 from dspark_core.runtime.decode import DraftDecode  # noqa: E402
 from dspark_vllm import deployment, planning, runtime  # noqa: E402
@@ -232,3 +233,24 @@ def test_the_build_passes_the_opt_ins_additional_config_asks_for(dirs, monkeypat
     monkeypatch.setattr(planning, "ordered_gemm_asked", lambda config: True)
     _draft.build(*dirs, "latency_specialized")
     assert seen == [{"package_gemm": True, "ordered_gemm": True}]
+
+
+@pytest.mark.parametrize(("error", "words"), [
+    (lambda: Unsupported("the mlp_activation kernel takes less"),
+     "binding its kernels refused the plan: the mlp_activation kernel takes less."),
+    (lambda: RuntimeError("no compiler on this host"),
+     "binding or compiling its kernels failed (RuntimeError: no compiler on this host)."),
+])
+def test_a_failure_while_the_kernels_are_bound_keeps_vllms_forward(dirs, stock, monkeypatch, vllm_log, error, words):
+    """Any exception while ``SpecializedDecode.build`` binds or compiles the
+    kernels (a host class's refusal or anything else) keeps vLLM's stock
+    forward with the reason logged, never an exception out of model loading."""
+
+    class Failing(_stubs.MlpActivation):
+        def __init__(self, constants):
+            raise error()
+
+    built = _specialized(dirs, monkeypatch, policy.ALL_KERNELS, {policy.MLP_ACTIVATION: Failing})
+    assert built.model.dspark.decode is None
+    _assert_same(_draft.run_block(built.model, built.config, CTX, M), stock[1])
+    assert f"WARNING The DSpark draft keeps vLLM's stock forward: {words}" in vllm_log

@@ -409,23 +409,24 @@ def test_plan_line(built, monkeypatch):
         "0.33.0's greedy Markov loop on an sm_100a GPU")
     # The defaults: both steps checked on sm_90a.
     assert hook.plan_line(model, "sm_90a").startswith(
-        f"Markov stage: greedy drafting fused (markov_step {key}); probabilistic drafting fused (markov_sample ")
+        f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 128 requests; probabilistic drafting fused "
+        "(markov_sample ")
     monkeypatch.setattr(hook, "SAMPLE_CHECKED", frozenset())
     assert hook.plan_line(model, "sm_90a").startswith(
-        f"Markov stage: greedy drafting fused (markov_step {key}); probabilistic drafting in vLLM's loop (the DSpark "
-        "markov_sample kernel is checked against dspark-core's spec of vLLM's Gumbel sampler, not yet against vLLM "
-        "0.33.0's Triton gumbel_sample on an sm_90a GPU)")
+        f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 128 requests; probabilistic drafting in "
+        "vLLM's loop (the DSpark markov_sample kernel is checked against dspark-core's spec of vLLM's Gumbel "
+        "sampler, not yet against vLLM 0.33.0's Triton gumbel_sample on an sm_90a GPU)")
     monkeypatch.undo()
-    line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}))
-    assert line.startswith(f"Markov stage: greedy drafting fused (markov_step {key}); probabilistic drafting fused "
-                           "(markov_sample ") and line.endswith("; vLLM's loop for the top-k loop, a watermarker, "
-                                                              "FP64 Gumbel noise, the confidence head and adaptive "
-                                                              "verification")
+    line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
+    assert line.startswith(f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 8 requests; "
+                           "probabilistic drafting fused (markov_sample ")
+    assert line.endswith("; vLLM's loop for the top-k loop, a watermarker, FP64 Gumbel noise, the confidence head and "
+                         "adaptive verification")
     monkeypatch.setattr(model, "output_soft_cap_temp", 30.0)
     assert hook.head_constants(model).key() != key  # the cap is compiled in
     monkeypatch.setattr(model.config, "draft_vocab_size", 100)
     assert hook.plan_line(model, "sm_90a", frozenset({"sm_90a"})).endswith(
-        "a draft vocabulary that is a positive multiple of 8, not 100")
+        "a draft vocabulary below 2^31 that is a positive multiple of 8, not 100 (MarkovConstants.vocab)")
 
 
 def test_the_plan_cli_prints_the_markov_line(built, capsys):
@@ -437,3 +438,125 @@ def test_the_plan_cli_prints_the_markov_line(built, capsys):
     assert main([draft_dir, "--arch", "sm_100a"]) == 0
     assert "\nMarkov stage: vLLM's loop: the DSpark markov_step kernel is not yet checked bit for bit against " \
            "vLLM 0.33.0's greedy Markov loop on an sm_100a GPU\n" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- every limit: contract, plan line, build
+
+# (label, Markov rank, draft vocabulary, target vocabulary, max_num_seqs, greedy taken, probabilistic taken):
+# each limit of the Markov steps (dspark_core.contracts.limits, markov_rows) inside, at and past.
+LIMIT_CASES = [
+    ("rank inside", 16, None, None, 8, True, True),
+    ("rank at the least", 8, None, None, 8, True, True),
+    ("rank at the most", 2048, None, None, 8, True, True),
+    ("rank past the most", 2056, None, None, 8, False, False),
+    ("rank not a multiple of 8", 12, None, None, 8, False, False),
+    ("rank past the least", 0, None, None, 8, False, False),
+    ("draft vocabulary not a multiple of 8", 64, 383, None, 8, False, False),
+    ("target vocabulary inside", 64, None, 512, 8, True, True),
+    ("target vocabulary at the draft's", 64, None, 384, 8, True, True),
+    ("target vocabulary past the draft's", 64, None, 376, 8, True, False),
+    ("target vocabulary not a multiple of 8", 64, None, 390, 8, True, False),
+    ("rows at the least", 64, None, None, 1, True, True),
+    ("rows at the most", 64, None, None, 65535, True, True),
+    ("rows past the most", 64, None, None, 65536, False, False),
+]
+
+
+@pytest.mark.parametrize(("label", "rank", "vocab", "target", "rows", "greedy", "sampled"), LIMIT_CASES,
+                         ids=[case[0] for case in LIMIT_CASES])
+def test_every_markov_limit_agrees_between_the_contract_the_plan_line_and_the_build(
+        built, monkeypatch, label, rank, vocab, target, rows, greedy, sampled):
+    """The contract (``markov_constants``, ``markov_sample_constants``,
+    ``markov_rows``), ``python -m dspark_vllm.plan``'s line and the plugin's
+    build (dspark-cute's real host classes, CPU launches) fuse and refuse
+    the same, with the same reason: no plan line says fused where the build
+    keeps vLLM's loop (the Markov rank the kernel gathers, a draft
+    vocabulary larger than the target's, ``max_num_seqs`` past a grid's y)."""
+    model = built.model
+    head = model.model.markov_head
+    # (Parameters set and restored by hand: monkeypatch's undo loses a module's Parameter.)
+    saved = [(head.markov_w1, "weight"), (head.markov_w2, "weight"), (model, "draft_id_to_target_id")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
+    try:
+        for owner, name, old in saved[:2]:
+            setattr(owner, name, torch.nn.Parameter(torch.randn(old.shape[0], rank).to(torch.bfloat16),
+                                                    requires_grad=False))
+        # An identity map: distinct target ids below every target vocabulary tried.
+        d2t = torch.zeros(vocab or model.config.draft_vocab_size, dtype=torch.int64)
+        model.draft_id_to_target_id = torch.nn.Parameter(d2t, requires_grad=False)
+        _walk_markov_limit(built, monkeypatch, rank, vocab, target, rows, greedy, sampled)
+    finally:
+        for owner, name, old in saved:
+            setattr(owner, name, old)
+
+
+def _walk_markov_limit(built, monkeypatch, rank, vocab, target, rows, greedy, sampled) -> None:
+    from dspark_core.contracts.markov import markov_constants, markov_rows, markov_sample_constants
+
+    model = built.model
+    if vocab is not None:
+        monkeypatch.setattr(model.config, "draft_vocab_size", vocab)
+    if target is not None:
+        monkeypatch.setattr(model.config, "vocab_size", target)
+    monkeypatch.setattr(built.config.scheduler_config, "max_num_seqs", rows)
+    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
+
+    v, vt, m = model.config.draft_vocab_size, model.config.vocab_size, float(model.output_multiplier)
+    try:
+        c = markov_constants(v, rank, m, None, True)
+        markov_rows(rows)
+        contract = True
+    except (ValueError, TypeError):
+        contract = False
+    try:
+        markov_sample_constants(v, vt, rank, m, None)
+        contract_sampled = contract
+    except (ValueError, TypeError):
+        contract_sampled = False
+    line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows)
+    stage = hook.MarkovStage(model, built.config, step_class=CpuStep, arch="sm_90a",
+                             checked=frozenset({"sm_90a"}), sample_class=CpuSampleStep)
+    stage.build()
+    assert contract == ("greedy drafting fused" in line) == (stage.step is not None) == greedy, (line, stage.reason)
+    assert contract_sampled == ("probabilistic drafting fused" in line) == (stage.sample is not None) == sampled, \
+        (line, stage.sample_reason)
+    if greedy:
+        assert stage.step.constants == c and f"(markov_step {c.key()}) for 1 to {rows} requests" in line
+    else:
+        assert line == f"Markov stage: vLLM's loop: {stage.reason}"
+    if greedy and not sampled:
+        assert f"probabilistic drafting in vLLM's loop ({stage.sample_reason})" in line
+
+
+def test_a_failure_while_the_step_is_built_keeps_vllms_loop(built, monkeypatch, caplog):
+    """Any exception while the step is built or compiled (not only a
+    refusal) keeps vLLM's loop with its reason logged, never out of model
+    loading."""
+    caplog.set_level(logging.INFO, logger="vllm.dspark")
+    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("no compiler on this host")
+
+    stage = hook.MarkovStage(built.model, built.config, step_class=failing, arch="sm_90a",
+                             checked=frozenset({"sm_90a"}))
+    stage.build()
+    assert stage.step is None and stage.reason == "RuntimeError: no compiler on this host"
+    assert any("keeps vLLM's Markov loop: RuntimeError: no compiler on this host" in r.getMessage()
+               for r in caplog.records)
+    stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
+                             checked=frozenset({"sm_90a"}), sample_class=failing)
+    stage.build()
+    assert stage.step is not None and stage.sample is None
+    assert stage.sample_reason == "RuntimeError: no compiler on this host"
+
+
+def test_the_plan_cli_plans_the_markov_stage_for_max_num_seqs(built, capsys):
+    from dspark_vllm.plan import main
+
+    draft_dir = built.config.speculative_config.draft_model_config.model
+    assert main([draft_dir, "--exact", "all", "--max-num-seqs", "65535"]) == 0
+    assert ") for 1 to 65535 requests; " in capsys.readouterr().out
+    assert main([draft_dir, "--exact", "all", "--max-num-seqs", "65536"]) == 0
+    assert ("\nMarkov stage: vLLM's loop: the fused Markov step takes 1 to 65535 requests a step (a CUDA grid's y): "
+            "vLLM's max_num_seqs of 65536\n") in capsys.readouterr().out

@@ -5,8 +5,10 @@ eps that is no number finite in FP32, target layer ids of the wrong type or
 out of the target's range, the draft as its own target, a target or draft
 that is no local folder (never a hub lookup), unknown KV cache layouts,
 empty or odd kernel lists and out-of-range TP sizes and SM counts. And the
-plugin's switch: near misses of ``decode_backend`` are said once in vLLM's
-log; a value in another case is a ValueError naming the backend meant."""
+plugin's switches: near misses of every ``additional_config`` key DSpark
+reads, and an ``additional_config`` that is no mapping, are said once in
+vLLM's log; a value in another case is a ValueError naming the backend
+meant."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import _draft  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from dspark_vllm import deployment  # noqa: E402
+from dspark_vllm import deployment, options, planning  # noqa: E402
+from dspark_vllm.allreduce import package_gemm_asked  # noqa: E402
 from dspark_vllm.plan import check_draft_config, main  # noqa: E402
 
 
@@ -58,7 +61,7 @@ def _with_draft(dirs, tmp_path, **changes):
 @pytest.mark.parametrize("changes, message", [
     ({"num_hidden_layers": 0}, "num_hidden_layers must be an integer from 1 to 2147483647, not 0"),
     ({"num_hidden_layers": -2}, "num_hidden_layers must be an integer from 1"),
-    ({"num_hidden_layers": 10**6}, "num_hidden_layers must be at most 65536, not 1000000"),
+    ({"num_hidden_layers": 10**6}, "num_hidden_layers must be at most 1024, not 1000000"),
     ({"num_attention_heads": 0}, "num_attention_heads must be an integer from 1"),
     ({"vocab_size": 0}, "vocab_size must be an integer from 1"),
     ({"hidden_size": 2.5}, "hidden_size must be an integer"),
@@ -73,6 +76,16 @@ def _with_draft(dirs, tmp_path, **changes):
     ({"target_layer_ids": [0, "2"]}, "target_layer_ids must be a non-empty list of integer layer ids"),
     ({"target_layer_ids": [True]}, "target_layer_ids must be a non-empty list"),
     ({"target_layer_ids": 2}, "target_layer_ids must be a non-empty list"),
+    # vLLM divides by metap.base_width (a ZeroDivisionError) and asserts the mode.
+    ({"metap": {"use_metap": True, "metap_mode": "mup", "base_width": 0}},
+     "metap.base_width must be a positive number finite in FP32, not 0.0"),
+    ({"metap": {"use_metap": True, "metap_mode": "mup", "base_width": 1e-46}}, "positive once rounded to FP32"),
+    ({"metap": {"use_metap": True, "metap_mode": "xx"}}, "metap.metap_mode must be 'mup' or 'sp', not str 'xx'"),
+    ({"metap": {"use_metap": "yes"}}, "metap.use_metap must be True or False, not str 'yes'"),
+    ({"metap": "yes"}, "metap must be an object, not str 'yes'"),
+    ({"output_soft_cap_temp": 1e-46}, "output_soft_cap_temp (null or a number) must be a positive number finite "
+                                      "in FP32 and positive once rounded to FP32, not 1e-46"),
+    ({"output_soft_cap_temp": 1e39}, "output_soft_cap_temp (null or a number) must be a positive number finite"),
 ])
 def test_a_bad_draft_config_is_refused_naming_its_file_and_key(dirs, tmp_path, capsys, changes, message):
     folder = _with_draft(dirs, tmp_path, **changes)
@@ -89,7 +102,19 @@ def test_a_config_that_is_not_an_object_or_not_a_regular_file(dirs, tmp_path, ca
     assert "does not fit in 64 bits" in _cli(capsys, folder)
     (folder / "config.json").unlink()
     (folder / "config.json").mkdir()
+    assert f"{folder / 'config.json'} is a directory, not a regular file" in _cli(capsys, folder)
+    (folder / "config.json").rmdir()
     assert "has no config.json" in _cli(capsys, folder)
+
+
+def test_a_draft_vllm_cannot_build_is_one_line(dirs, tmp_path, capsys):
+    """vLLM's own failure on a checkpoint (here a MoE draft without its
+    expert count: an AttributeError deep in the build) is one line naming
+    the folder, not a traceback."""
+    folder = _with_draft(dirs, tmp_path, moe={"is_enabled": True})
+    err = _cli(capsys, folder, "--target", dirs[0])
+    assert f"vLLM 0.33.0 cannot build the draft {str(folder)!r}: AttributeError:" in err
+    assert "num_experts_per_tok" in err
 
 
 def test_paths_not_on_disk_fail_at_once_naming_the_path(dirs, tmp_path, capsys):
@@ -107,7 +132,7 @@ def test_paths_not_on_disk_fail_at_once_naming_the_path(dirs, tmp_path, capsys):
     (("--kv-cache-layout", "LBXYZ"), "the KV cache layout 'LBXYZ' is none of vLLM 0.33.0's"),
     (("--kernels", ""), "--kernels names no kernel"),
     (("--kernels", "boundary,,row_norm"), "has an empty entry"),
-    (("--exact", "boundary,boundary"), "--exact names boundary more than once"),
+    (("--exact", "boundary,boundary"), "--exact names ['boundary'] more than once"),
     (("--exact", "boundry"), "--exact names unknown kernels ['boundry']"),
     (("--target-layers", "2"), "target_layer_ids [2] are not layers of the target (0 to 1)"),
 ])
@@ -116,7 +141,7 @@ def test_bad_flags_are_refused(dirs, capsys, args, message):
 
 
 @pytest.mark.parametrize("args", [("--tp", "0"), ("--tp", "2000"), ("--num-sms", "0"), ("--num-sms", "5000"),
-                                  ("--target-layers", "0")])
+                                  ("--target-layers", "0"), ("--target-layers", "1000000000"), ("--tp", "\u0663")])
 def test_out_of_range_numbers_are_argument_errors(dirs, capsys, args):
     with pytest.raises(SystemExit) as done:
         main([str(dirs[1]), *args])
@@ -143,7 +168,7 @@ class _Config:
 
 @pytest.mark.parametrize("key", ["Decode_Backend", "decode-backend", "decode_backend ", " DECODE-BACKEND"])
 def test_a_near_miss_of_decode_backend_is_said_once_in_vllms_log(caplog, monkeypatch, key):
-    monkeypatch.setattr(deployment, "_near_misses_logged", set())
+    monkeypatch.setattr(options, "_said", set())
     with caplog.at_level(logging.WARNING, logger="vllm.dspark"):
         for _ in range(3):
             assert deployment.decode_backend(_Config({key: "latency_specialized"})) == deployment.AUTO
@@ -153,6 +178,50 @@ def test_a_near_miss_of_decode_backend_is_said_once_in_vllms_log(caplog, monkeyp
     with caplog.at_level(logging.WARNING, logger="vllm.dspark"):
         assert deployment.decode_backend(_Config({"decode_backend": "auto", "decoder": 1})) == deployment.AUTO
     assert not caplog.records
+
+
+@pytest.mark.parametrize("asked, key, near", [
+    (planning.ordered_gemm_asked, "ordered_gemm", ["Ordered-GEMM", "ordered_gem", "orderedgemm ", "order_gemm"]),
+    (package_gemm_asked, "package_gemm", ["package-gemm", "Package_Gemm", "packge_gemm", "package_gemms"]),
+    (deployment.decode_backend, "decode_backend", ["decode_backends", "decodebackend", "decode_bakend"]),
+])
+def test_every_key_dspark_reads_has_its_near_misses_said_once(caplog, monkeypatch, asked, key, near):
+    """Each ``additional_config`` key DSpark reads (``options.KEYS``): its
+    near misses (case, dashes, blanks, a letter or two) are said once, all
+    in one line; another platform's keys and the exact key are not."""
+    monkeypatch.setattr(options, "_said", set())
+    extra = {k: True for k in near} | {"ascend_scheduler_config": {}, "ordered": 1, "gemm": 2}
+    with caplog.at_level(logging.WARNING, logger="vllm.dspark"):
+        for _ in range(3):
+            assert asked(_Config(extra)) in (False, deployment.AUTO)
+    said = [r.getMessage() for r in caplog.records if f"not {key!r}" in r.getMessage()]
+    assert len(said) == 1 and all(repr(k) in said[0] for k in near), said
+    assert "ascend" not in said[0] and "'ordered'" not in said[0] and "'gemm'" not in said[0]
+    assert [options.near_miss(k) for k in (*near, key, "ascend_scheduler_config", 7)] == [key] * len(near) + [None] * 3
+
+
+def test_an_additional_config_that_is_no_mapping_is_said_once_and_read_as_absent(caplog, monkeypatch):
+    monkeypatch.setattr(options, "_said", set())
+    with caplog.at_level(logging.WARNING, logger="vllm.dspark"):
+        for extra in (["decode_backend"], "latency_specialized", ["decode_backend"]):
+            assert deployment.decode_backend(_Config(extra)) == deployment.AUTO
+            assert planning.ordered_gemm_asked(_Config(extra)) is False
+        assert deployment.decode_backend(_Config(None)) == deployment.AUTO
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["additional_config is a list, not a mapping: the DSpark plugin reads none of its keys "
+                    "(decode_backend, package_gemm, ordered_gemm stay their defaults)",
+                    "additional_config is a str, not a mapping: the DSpark plugin reads none of its keys "
+                    "(decode_backend, package_gemm, ordered_gemm stay their defaults)"]
+
+
+def test_thousands_of_near_misses_are_said_in_one_cut_line(caplog, monkeypatch):
+    monkeypatch.setattr(options, "_said", set())
+    letters = "decodebackend"  # every case of them but all-lower: 2^13 - 1 near misses
+    extra = {"".join(c.upper() if i >> j & 1 else c for j, c in enumerate(letters)): 1 for i in range(1, 2**13)}
+    with caplog.at_level(logging.WARNING, logger="vllm.dspark"):
+        assert deployment.decode_backend(_Config(extra)) == deployment.AUTO
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert f"... ({2**13 - 11} more)]" in said and len(said) < 1000
 
 
 @pytest.mark.parametrize("value, meant", [("Latency_Specialized", "latency_specialized"), ("AUTO", "auto"),

@@ -80,7 +80,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
+from dspark_core import checks
+from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, MAX_SIZE, SUM_ORDERS
 from dspark_core.planner.policy import MAX_DECODE_ROWS
 from dspark_core.spec.numerics import CHUNK
 
@@ -94,7 +95,6 @@ STATUS_TIMEOUT = 0x80000000
 # peers' CTAs of the same row push): at most this many rows per call, fewer
 # than the SMs of any supported GPU.
 MAX_CAPACITY = 128
-SUM_ORDERS = (FP32_RANK_ORDER, BF16_RANK_ORDER)
 # The stock all-reduce each sum order reproduces bit for bit (NaN payloads
 # excepted); at TP2 both also equal NCCL's.
 STOCK_EQUIVALENTS = {
@@ -105,14 +105,16 @@ STOCK_EQUIVALENTS = {
 
 
 def check_tp(tp: int) -> None:
-    """ValueError unless ``tp`` is a power of two of at least 2."""
-    if not isinstance(tp, int) or tp < 2 or tp & (tp - 1):
+    """TypeError unless ``tp`` is an int (``checks.integer``), ValueError
+    unless a power of two of at least 2."""
+    tp = checks.integer("the mailbox's TP size tp", tp)
+    if tp < 2 or tp & (tp - 1):
         raise ValueError(f"the mailbox all-reduce takes a power-of-two TP size of at least 2, not {tp}")
 
 
 def check_sum_order(order: str) -> None:
     """ValueError unless ``order`` is one of ``SUM_ORDERS``."""
-    if order not in SUM_ORDERS:
+    if not isinstance(order, str) or order not in SUM_ORDERS:
         raise ValueError(f"a sum order is one of {', '.join(SUM_ORDERS)}, not {order!r}")
 
 
@@ -125,14 +127,18 @@ class MailboxLayout:
     capacity: int = MAX_DECODE_ROWS
 
     def __post_init__(self) -> None:
+        """Each field an int (``checks.integer``; TypeError naming it), then
+        in range (ValueError)."""
         check_tp(self.tp)
+        checks.integer("the mailbox's hidden_size", self.hidden_size, None, MAX_SIZE)
+        checks.integer("the mailbox's capacity", self.capacity)
         if self.hidden_size <= 0 or self.hidden_size % CHUNK:
             raise ValueError(
                 f"the mailbox carries rows of a positive multiple of {CHUNK} columns "
                 f"(one CTA of 256 threads x 8 columns), not {self.hidden_size}"
             )
         if not 1 <= self.capacity <= MAX_CAPACITY:
-            raise ValueError(f"a mailbox holds 1 to {MAX_CAPACITY} rows per call, not {self.capacity}")
+            raise ValueError(f"a mailbox holds 1 to {MAX_CAPACITY} rows per call (its capacity), not {self.capacity}")
 
     @property
     def row_bytes(self) -> int:
@@ -160,8 +166,8 @@ class MailboxLayout:
 
 
 def next_epoch(epoch: int) -> int:
-    """The epoch a row uses after ``epoch``."""
-    return (epoch + 1) % EPOCHS
+    """The epoch a row uses after ``epoch`` (a non-negative int)."""
+    return (checks.integer("epoch", epoch, 0) + 1) % EPOCHS
 
 
 def takes(m: int, capacity: int) -> bool:
@@ -172,7 +178,10 @@ def takes(m: int, capacity: int) -> bool:
 
 
 def fallback_reason(m: int, capacity: int) -> str | None:
-    """Why a call of ``m`` rows takes the stock all-reduce, or None."""
+    """Why a call of ``m`` rows takes the stock all-reduce, or None (both
+    ints: ``checks.integer``)."""
+    m = checks.integer("the rows m", m, None, MAX_SIZE)
+    capacity = checks.integer("the mailbox's capacity", capacity, 1, MAX_SIZE)
     if m < 1:
         return f"{m} rows (nothing to reduce in the mailbox)"
     if m > capacity:

@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
 import time
 from importlib.metadata import entry_points
-from pathlib import Path
 
 import torch
 
 from dspark_core import demo_stock
 from dspark_core.planner import policy
-from dspark_core.planner.cli import positive_int, print_plan, release_stdout
+from dspark_core.planner.cli import folder, positive_int, print_plan, release_stdout
 from dspark_core.planner.plan import plan_draft
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
@@ -250,7 +250,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run (default auto)")
     p.add_argument("--gemv", action="store_true",
                    help="run one-token steps' projections on the opt-in GEMV (its own stated order)")
-    p.add_argument("--stock", metavar="DIR", type=Path, default=None,
+    p.add_argument("--stock", metavar="DIR", type=folder, default=None,
                    help="the folder of vLLM's compiled stock binaries (scripts/stock/compile_stock.py --out DIR; "
                         "default DSPARK_STOCK_DIR, else the checkout's .device/stock)")
     p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor-parallel size (2: two GPUs)")
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--block must lie in [1, {policy.MAX_DECODE_ROWS}], not {args.block}")
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: this torch build sees no CUDA GPU")
-        config = DraftConfig.from_json(args.config) if args.config else DraftConfig()
+        config = DraftConfig.from_json(args.config) if args.config is not None else DraftConfig()
         if config.compute_dtype != "bf16":
             # The reference draft's context K/V chain takes BF16 target states into BF16 norms.
             raise ValueError(f"the demo runs drafts of bf16 compute, not {config.compute_dtype!r} (the reference "
@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                               ("cuda" if torch.cuda.is_available() else "cpu"))
         stock_dir = args.stock if args.stock is not None else demo_stock.default_stock_dir()
         if args.stock is not None and not args.stock.is_dir():
-            raise ValueError(f"--stock {args.stock}: no such folder (the compiled stock binaries' folder)")
+            raise ValueError(f"--stock {str(args.stock)!r}: no such folder (the compiled stock binaries' folder)")
+        check_fits(config, device)
         run_demo(config, args.steps, args.block, args.context, device, args.gemv, stock_dir)
     except BrokenPipeError:  # e.g. `python -m dspark_core.demo | head`: the reader has all it wanted
         release_stdout()
@@ -291,15 +292,38 @@ def main(argv: list[str] | None = None) -> int:
         release_stdout()  # where the error was stdout's own (a full disk), nothing fails again at exit
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except (MemoryError, torch.OutOfMemoryError) as error:  # weights fit, the steps' tensors did not
+        release_stdout()
+        print(f"error: out of memory running the demo ({type(error).__name__}: {str(error)[:200]})", file=sys.stderr)
+        return 1
     return 0
+
+
+def check_fits(config: DraftConfig, device: torch.device) -> None:
+    """ValueError where the draft's weights (its parameters and buffers,
+    counted on the meta device) are more than ``device`` holds (a GPU's
+    memory, a CPU's physical memory): the demo builds them for real, so a
+    size no machine can allocate is refused before it is tried."""
+    meta = DraftModel(config, device="meta")
+    need = sum(t.numel() * t.element_size() for group in (meta.parameters(), meta.buffers()) for t in group)
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(f"the draft's weights take {need / 1e9:,.1f} GB, more than this {device.type.upper()}'s "
+                         f"{have / 1e9:,.1f} GB of memory")
 
 
 def _run_tp(config: DraftConfig, args) -> int | None:
     """The TP demo of an installed backend (module docstring), or None where
-    this machine has too few GPUs (the TP1 demo runs instead)."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    this machine has too few GPUs or ``--device cpu`` asks for none (the TP1
+    demo runs instead)."""
+    # The TP demo spawns one rank per CUDA GPU: --device cpu gives it none to spawn.
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and args.device != "cpu" else 0
     if gpus < args.tp:
-        print(f"--tp {args.tp} needs {args.tp} CUDA GPUs and this machine has {gpus}: running the TP1 demo instead")
+        where = "--device cpu asks for none" if args.device == "cpu" else f"this machine has {gpus}"
+        print(f"--tp {args.tp} needs {args.tp} CUDA GPUs and {where}: running the TP1 demo instead")
         shard = shard_draft(DraftModel(config, device="meta"), 0, args.tp)
         target = policy.Target(tp=args.tp, kernels=policy.installed_kernels()).opt_in(frozenset())
         print(f"What a rank of TP{args.tp} would run with the installed backends:")

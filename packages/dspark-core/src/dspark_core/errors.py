@@ -4,8 +4,25 @@
 reproduce. The planner catches exactly this type and keeps that part's stock
 modules, reporting the message. Bad input raises ``ValueError`` or
 ``TypeError`` with a sentence; anything else is a bug and propagates.
+``listed`` writes a collection into such a sentence, cut where it is long.
 """
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# The most items a message lists (a config of 200,000 unknown keys is not
+# answered with all of them).
+LISTED = 10
 
 
 class Unsupported(ValueError):
     """A part the fused kernels do not reproduce: the planner keeps its stock modules and reports the message."""
+
+
+def listed(items: Iterable[object], limit: int = LISTED) -> str:
+    """``items`` for a message, sorted by their ``repr``, as a list of at
+    most ``limit`` of them and how many more: ``['a', 'b', ... (3 more)]``."""
+    texts = sorted(repr(item) for item in items)
+    more = f", ... ({len(texts) - limit} more)" if len(texts) > limit else ""
+    return f"[{', '.join(texts[:limit])}{more}]"

@@ -75,28 +75,40 @@ def env_choice(name: str, choices: tuple[str, ...], default: str, environ: Mappi
 def cache_setting(name: str, default: Path, environ: Mapping[str, str] | None = None) -> Path | None:
     """A cache switch that also takes a directory: None (off) where ``name``
     is unset, empty or one of ``OFF``'s words; ``default`` for ``ON``'s words;
-    the directory for an absolute path or ``~/...``, normalized. ValueError
-    for a relative path or any other word (a word is not a directory name,
-    and a relative one would follow the working directory), and for the home
-    directory or any directory above it (``~``, ``~/.``, ``/``): a cache
-    writes its files into a directory of its own."""
+    the directory for an absolute path or ``~/...``, normalized (``.``,
+    ``..``, doubled slashes) before any rule. ValueError for a relative path
+    or any other word (a word is not a directory name, and a relative one
+    would follow the working directory), a NUL byte, and for the home
+    directory or any directory above it (``~``, ``~/.``, ``/``, ``//``, a
+    link to one of them: the rule reads the path with its links resolved): a
+    cache writes its files into a directory of its own."""
     text = _text(name, environ)
     if text is None or text.lower() in OFF:
         return None
     if text.lower() in ON:
         return default
-    home = Path(os.path.normpath(os.path.expanduser("~")))
     path = None
     if text.startswith("~/"):
-        path = Path(os.path.normpath(home / text[2:]))
+        path = _absolute(os.path.expanduser("~") + "/" + text[2:])
     elif os.path.isabs(text):
-        path = Path(os.path.normpath(text))
-    if path is None:
+        path = _absolute(text)
+    if path is None or "\0" in text:
         raise ValueError(f"{name} must be {_words()}, or an absolute directory (or ~/dir), not {text!r}")
-    if home.is_relative_to(path):
-        raise ValueError(f"{name} names {path}, the home directory or one above it; name a directory of its "
-                         "own (for instance ~/.cache/dspark/kernels)")
+    # The rule reads the path with its links resolved (a link to / is /).
+    real = Path(os.path.realpath(path))
+    if Path(os.path.realpath(os.path.expanduser("~"))).is_relative_to(real):
+        really = "" if real == path else f" (really {real})"
+        raise ValueError(f"{name} names {path}{really}, the home directory or one above it; name a directory "
+                         "of its own (for instance ~/.cache/dspark/kernels)")
     return path
+
+
+def _absolute(text: str) -> Path:
+    """The absolute path ``text`` normalised: ``.``, ``..`` and doubled
+    slashes removed, a leading ``//`` too (which POSIX's ``normpath`` keeps,
+    and which names ``/``). Links are kept (the cache refuses a linked
+    directory itself)."""
+    return Path("/" + os.path.normpath(text).lstrip("/"))
 
 
 __all__ = ["OFF", "ON", "cache_setting", "env_choice", "env_flag", "flag", "switch"]

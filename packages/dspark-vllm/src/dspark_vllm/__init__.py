@@ -4,6 +4,7 @@ draft's specialized decode inside vLLM.
 - ``plugin``: the ``vllm.general_plugins`` entry point (registers the draft class);
 - ``model``: the draft class, switched by ``additional_config["decode_backend"]``;
 - ``deployment``: the deployment check (``unsupported``) and the all-reduce facts;
+- ``options``: the ``additional_config`` keys DSpark reads, their near misses said once;
 - ``adapter``: ``describe_vllm``, the model-neutral description of vLLM's draft;
 - ``planning``: the plan with the vLLM-side refusals (``exact_kernels``:
   per architecture, the kernels checked against vLLM's stock on a GPU);

@@ -43,6 +43,7 @@ from vllm.models.muse_spark.common.layers import (
 )
 
 from dspark_core.runtime import description as D
+from dspark_core.switches import env_flag
 from dspark_vllm.deployment import layout_unsupported
 
 STOCK_NORMS = (MuseSpark1xRMSNorm, MuseSpark1xRMSNormWithInputScale)
@@ -231,9 +232,7 @@ def _gate(attn, out: torch.Tensor, og: torch.Tensor) -> torch.Tensor:
 
 
 def _slots(attn):
-    context = get_forward_context()
-    mapping = context.slot_mapping if isinstance(context.slot_mapping, dict) else {}
-    return mapping.get(attn.attn.layer_name)
+    return _slots_of(attn.attn.layer_name)
 
 
 def _head_norm(norm, head_dim: int, what: str) -> D.HeadNorm:
@@ -344,6 +343,45 @@ def _context(model, dtype: torch.dtype, layout_why: str | None) -> D.Context:
     )
 
 
+# The debug switch under which the executor checks the per-step indices vLLM
+# hands the draft (vLLM's contract, unchecked otherwise): one host read a step.
+CHECK_STEPS = "DSPARK_CHECK_STEPS"
+
+
+def step_checker(model: MuseSparkDSparkModel):
+    """``check(positions, fused)``, the executor's ``check_step`` under
+    ``DSPARK_CHECK_STEPS=1`` (outside graph capture): ValueError unless the
+    step's positions are integers in ``[0, rows)`` of the draft's RoPE
+    table and each layer's slots (vLLM's forward context) integers below its
+    cache's slots (negative: a padded row, not written)."""
+    rows = int(model._rotary_emb.cos_sin_cache.shape[0])
+
+    def check(positions: torch.Tensor, fused: bool = False) -> None:
+        if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex():
+            raise ValueError(f"{CHECK_STEPS}: the positions must be an integer tensor, not "
+                             f"{getattr(positions, 'dtype', type(positions).__name__)}")
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= rows):
+            raise ValueError(f"{CHECK_STEPS}: the positions must lie in [0, {rows}), not "
+                             f"{int(positions.min())} to {int(positions.max())}")
+        for attn in model._attn_layers:
+            slots, cache = _slots_of(attn.layer_name), attn.kv_cache
+            if slots is None or not isinstance(cache, torch.Tensor) or not cache.numel():
+                continue
+            if slots.is_floating_point() or slots.is_complex():
+                raise ValueError(f"{CHECK_STEPS}: {attn.layer_name}'s slots must be integers, not {slots.dtype}")
+            capacity = cache.numel() // (2 * attn.num_kv_heads * attn.head_size)
+            if slots.numel() and int(slots.max()) >= capacity:
+                raise ValueError(f"{CHECK_STEPS}: {attn.layer_name}'s slot {int(slots.max())} lies beyond its "
+                                 f"cache's {capacity} slots")
+
+    return check
+
+
+def _slots_of(layer_name: str):
+    mapping = get_forward_context().slot_mapping
+    return mapping.get(layer_name) if isinstance(mapping, dict) else None
+
+
 def describe_vllm(model: MuseSparkDSparkModel, block_size: int = 16,
                   attention_backend: str | None = None, kv_cache_layout: str | None = None) -> D.DraftDescription:
     """The model-neutral description of vLLM's draft backbone ``model``
@@ -403,6 +441,7 @@ def describe_vllm(model: MuseSparkDSparkModel, block_size: int = 16,
         tp=tp,
         all_reduce=tensor_model_parallel_all_reduce if tp > 1 else None,
         positions=lambda positions: positions,
+        check_step=step_checker(model) if described and env_flag(CHECK_STEPS, False) else None,
         unsupported=structure,
     )
 

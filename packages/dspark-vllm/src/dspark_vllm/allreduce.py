@@ -74,13 +74,18 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
-from dspark_core.planner.policy import MAX_DECODE_ROWS
+from dspark_core import checks
+from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER, MAX_SIZE
+from dspark_core.planner.policy import MAX_DECODE_ROWS, MAX_TP
+from dspark_core.switches import flag
+from dspark_vllm import options
 
 log = logging.getLogger("vllm.dspark")
 
 KiB = 1024
 MiB = 1024 * KiB
+# The most rows of one message ``resolve`` takes (vLLM's largest batch is far below).
+MAX_MESSAGE_ROWS = 1 << 20
 # The compute capability vLLM's tables key on, per kernel architecture.
 CAPABILITY = {"sm_90a": "9.0", "sm_100a": "10.0"}
 # vllm/compilation/passes/fusion/allreduce_rms_fusion.py FI_ALLREDUCE_FUSION_MAX_SIZE_MB (keys 90, 100).
@@ -119,6 +124,22 @@ class Switches:
     nccl_symm_mem: bool = False
     batch_invariant: bool = False
     custom_algo: str | None = None
+
+    def __post_init__(self) -> None:
+        """Each switch a bool, ``fi_backend`` one of ``FI_BACKENDS`` and
+        ``custom_algo`` None or a kernel of ``CUSTOM_ALGOS``: TypeError or
+        ValueError naming the field (an unknown backend would otherwise be
+        resolved as some other one)."""
+        for f in dataclasses.fields(self):
+            if f.type == "bool":
+                flag(getattr(self, f.name), f"Switches.{f.name}")
+        if self.fi_backend not in FI_BACKENDS:
+            raise ValueError(f"Switches.fi_backend must be one of {', '.join(FI_BACKENDS)}, not "
+                             f"{checks.shown(self.fi_backend)}")
+        kernels = sorted(set(CUSTOM_ALGOS.values()))
+        if self.custom_algo is not None and self.custom_algo not in kernels:
+            raise ValueError(f"Switches.custom_algo must be None or one of {', '.join(kernels)}, not "
+                             f"{checks.shown(self.custom_algo)}")
 
 
 def _flag(env: Mapping[str, str], name: str, default: str) -> bool:
@@ -209,6 +230,9 @@ def _flashinfer(tp, rows, hidden, cap, sw: Switches, multicast: bool) -> Resolve
     if backend == "mnnvl":
         return _order(tp, "flashinfer", "mnnvl", FP32_RANK_ORDER, True,
                       f"FlashInfer's mnnvl all-reduce ({nbytes} bytes at TP{tp})")
+    if tp not in TRTLLM_ONESHOT_MB:  # FlashInfer itself raises KeyError there (its _use_oneshot_heuristics)
+        return _unfixed("flashinfer", "trtllm", f"FlashInfer's trtllm all-reduce at TP{tp}, whose one-shot table "
+                        f"has no threshold for {tp} ranks (it takes TP {', '.join(map(str, TRTLLM_ONESHOT_MB))})")
     if rows * hidden * 2 * tp * 2 <= TRTLLM_ONESHOT_MB[tp] * MiB:
         return _order(tp, "flashinfer", "trtllm one-shot", BF16_RANK_ORDER, True,
                       f"FlashInfer's trtllm one-shot Lamport all-reduce ({nbytes} bytes at TP{tp})")
@@ -269,16 +293,26 @@ def _resolve_known(tp, rows, hidden, cap, sw: Switches, disable: bool, multicast
     return _unfixed("nccl", "", f"NCCL's all-reduce ({nbytes} bytes at TP{tp}), whose order NCCL chooses")
 
 
+def check_message(tp, rows, hidden_size, arch) -> tuple[int, int, int, str | None]:
+    """``(tp, rows, hidden_size, arch)`` of one all-reduce message, checked
+    (``dspark_core.checks``): the TP size an int from 1 to
+    ``policy.MAX_TP`` (not a bool), the rows from 1 to ``MAX_MESSAGE_ROWS``
+    and the hidden size from 1 to ``MAX_SIZE``; the architecture None or
+    in its one spelling (``SM_90A`` is sm_90a). TypeError or ValueError
+    naming the parameter."""
+    return (checks.integer("the TP size", tp, 1, MAX_TP), checks.integer("the row count", rows, 1, MAX_MESSAGE_ROWS),
+            checks.integer("the hidden size", hidden_size, 1, MAX_SIZE),
+            None if arch is None else checks.arch("the architecture", arch, known=False))
+
+
 def resolve(tp: int, rows: int, hidden_size: int, arch: str | None, sw: Switches | None = None,
             disable_custom_all_reduce: bool = False, topology: Topology = Topology()) -> Resolved:
     """The all-reduce vLLM 0.33.0 runs on one BF16 ``[rows, hidden_size]``
     message at TP ``tp`` on ``arch`` (module docstring). A ``topology``
     fact that is None is tried both ways; where the answers differ, the
-    result has no order and ``why`` names the fact."""
-    if not isinstance(tp, int) or tp < 1 or not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"resolve takes a positive TP size and row count, not tp={tp!r}, rows={rows!r}")
-    if not isinstance(hidden_size, int) or hidden_size < 1:
-        raise ValueError(f"resolve takes a positive hidden size, not {hidden_size!r}")
+    result has no order and ``why`` names the fact. The inputs are checked
+    first (``check_message``)."""
+    tp, rows, hidden_size, arch = check_message(tp, rows, hidden_size, arch)
     if tp == 1:
         return Resolved("none", "", FP32_RANK_ORDER, False, "TP1 has no all-reduce")
     if arch not in CAPABILITY:
@@ -338,7 +372,10 @@ def decode_order(tp: int, arch: str | None, hidden_size: int | None = None, max_
     """The order the mailbox must reproduce for decode steps of 1 to
     ``max_rows`` rows of ``hidden_size`` columns (module docstring): the
     one of one row, fused up to the last row count before the first that
-    resolves otherwise. The row count alone decides, the same on every rank."""
+    resolves otherwise. The row count alone decides, the same on every rank.
+    ``max_rows``: an int from 1 to ``MAX_DECODE_ROWS`` (the mailbox's rows;
+    each is resolved)."""
+    checks.integer("max_rows (the decode rows the mailbox takes)", max_rows, 1, MAX_DECODE_ROWS)
     sw = switches() if sw is None else sw
     h = DEFAULT_HIDDEN if hidden_size is None else hidden_size
     inputs = (tp, arch, max_rows, sw, disable_custom_all_reduce, topology)
@@ -365,9 +402,9 @@ def stock_all_reduce(tp: int, arch: str | None, disable_custom_all_reduce: bool 
     """``decode_order`` from the environment switches (``env``, default
     ``os.environ``). ``topology`` None: vLLM's live communicator's facts
     where a vLLM TP group of ``tp`` ranks exists here (``live_topology``),
-    else unknown."""
+    else unknown. ``tp`` is checked first (``check_message``'s rule)."""
     if topology is None:
-        topology = live_topology(tp)
+        topology = live_topology(checks.integer("the TP size", tp, 1, MAX_TP))
     return decode_order(tp, arch, hidden_size, max_rows, switches(env), disable_custom_all_reduce, topology)
 
 
@@ -392,22 +429,13 @@ def live_topology(tp: int) -> Topology:
     return Topology(multicast, fully)
 
 
-def additional_switch(vllm_config, key: str) -> bool:
-    """``additional_config[key]`` of ``vllm_config`` as an opt-in switch:
-    False where absent (or no mapping), TypeError for anything but a bool."""
-    extra = getattr(vllm_config, "additional_config", None)
-    value = extra.get(key, False) if isinstance(extra, dict) else False
-    if not isinstance(value, bool):
-        raise TypeError(f"additional_config['{key}'] must be true or false, not {value!r}")
-    return value
-
-
 def package_gemm_asked(vllm_config) -> bool:
     """Whether ``additional_config["package_gemm"]`` opts in to the package
     GEMM (the branch GEMM publishing each rank's partial into the mailbox:
     its own summation order, so the draft follows the stock tokens but not
-    its bits). TypeError for anything but a bool."""
-    return additional_switch(vllm_config, "package_gemm")
+    its bits). TypeError for anything but a bool; near misses of the key
+    said once (``options.switch``)."""
+    return options.switch(vllm_config, options.PACKAGE_GEMM)
 
 
 class MailboxBoundaries:
@@ -544,5 +572,5 @@ class MailboxBoundaries:
 
 
 __all__ = ["AllReduceOrder", "CAPABILITY", "MailboxBoundaries", "Resolved", "Switches", "Topology",
-           "additional_switch", "decode_order", "live_topology", "package_gemm_asked", "resolve", "stock_all_reduce",
+           "decode_order", "live_topology", "package_gemm_asked", "resolve", "stock_all_reduce",
            "switches"]

@@ -17,10 +17,11 @@ stock.
 from __future__ import annotations
 
 import importlib.metadata
-import logging
 
 import torch
 
+from dspark_core import checks
+from dspark_vllm import options
 from dspark_vllm.allreduce import AllReduceOrder, stock_all_reduce  # noqa: F401 (moved there; re-exported)
 
 # The versions the adapter was written against (read from their source).
@@ -57,9 +58,12 @@ def layout_unsupported(name: str | None) -> str | None:
     take a KV cache layout given by name (legacy names resolved), or None:
     every layout of vLLM 0.33.0 is taken (their K|V rows are contiguous; the
     inserts take the strides). None for ``None`` (not known yet: the plugin
-    reads the bound cache, ``bound_layout_unsupported``)."""
+    reads the bound cache, ``bound_layout_unsupported``). TypeError for a
+    name that is no string."""
     if name is None:
         return None
+    if not isinstance(name, str):
+        raise TypeError(f"a KV cache layout name must be a string or None, not {checks.shown(name)}")
     layout = LAYOUT_ALIASES.get(name, name)
     if layout in VLLM_LAYOUTS:
         return None
@@ -110,32 +114,15 @@ def bound_layout_unsupported(caches, kv_heads: int) -> str | None:
     return None
 
 
-_near_misses_logged: set[str] = set()
-
-
-def _near_miss(key: object) -> bool:
-    """Whether ``key`` is ``decode_backend`` in another case, with dashes,
-    spaces or blanks around it, but not ``decode_backend`` itself."""
-    if not isinstance(key, str) or key == "decode_backend":
-        return False
-    return "".join(key.split()).lower().replace("-", "_") == "decode_backend"
-
-
 def decode_backend(vllm_config) -> str:
     """The decode backend the config asks for (``DECODE_BACKENDS``):
     ``additional_config["decode_backend"]``, ``"auto"`` when absent.
     ValueError for any other value (naming the backend meant where only the
-    case differs). A key that misses ``decode_backend`` by case, a dash or
-    blanks (``Decode-Backend``, ``"decode_backend "``) is no switch: the
-    plugin stays off, and says so once in vLLM's log (``vllm.dspark``)."""
-    extra = getattr(vllm_config, "additional_config", None)
-    backend = extra.get("decode_backend", AUTO) if isinstance(extra, dict) else AUTO
-    for key in (extra if isinstance(extra, dict) else ()):
-        if _near_miss(key) and key not in _near_misses_logged:
-            _near_misses_logged.add(key)
-            logging.getLogger("vllm.dspark").warning(
-                "additional_config has the key %r, not 'decode_backend': the DSpark plugin does not read it "
-                "(decode_backend stays %r); write 'decode_backend' exactly", key, backend)
+    case differs). A key that misses ``decode_backend`` by case, a dash,
+    blanks or a letter or two (``Decode-Backend``, ``"decode_backend "``),
+    and an ``additional_config`` that is no mapping, are no switch: the
+    plugin stays off, and says so once in vLLM's log (``options.read``)."""
+    backend = options.read(vllm_config, options.DECODE_BACKEND, AUTO)
     if backend not in DECODE_BACKENDS:
         meant = [b for b in DECODE_BACKENDS if isinstance(backend, str) and backend.strip().lower() == b]
         hint = f" (did you mean {meant[0]!r}? the value is case-sensitive)" if meant else ""

@@ -16,7 +16,9 @@ vLLM's loop, False (having done nothing) runs it. ``MarkovStage`` answers:
   line: the fused stage with its constants' key, or vLLM's loop with the
   reason (no CUDA GPU; a GPU architecture the kernel is not checked on
   against vLLM's loop, ``MARKOV_CHECKED``; a quantized or non-default Markov
-  GEMM; a head the kernel refuses: ``markov_constants``);
+  GEMM; a head or a ``max_num_seqs`` the kernel refuses: ``plan_stage``,
+  which ``plan_line`` reads too; any refusal while the step is built and
+  compiled: never an exception out of model loading);
 - ``sample_sequential(spec, num_reqs, head_hidden)``: False, with its reason
   logged once, for what the fused steps do not cover: the top-k loop
   (``dspark_draft_topk``), a draft watermarker, FP64 Gumbel noise, a logits
@@ -37,9 +39,18 @@ capturable in vLLM's FULL CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from dspark_core.contracts.markov import markov_constants, markov_sample_constants
+from dspark_core import checks
+from dspark_core.contracts.markov import (
+    MarkovConstants,
+    MarkovSampleConstants,
+    markov_constants,
+    markov_rows,
+    markov_sample_constants,
+)
 from dspark_core.errors import Unsupported
 from dspark_vllm import deployment
 from dspark_vllm.runtime import logger
@@ -103,8 +114,19 @@ def head_constants(model):
     return constants
 
 
+def _archs(arch, checked) -> tuple[str | None, frozenset[str]]:
+    """``arch`` (None kept) and the set ``checked`` in the one spelling of
+    ``checks.arch``: ``SM_90A`` and ``(9, 0)`` are sm_90a; TypeError for a
+    string as the set (no substring matches), ValueError for an empty or
+    malformed name."""
+    arch = None if arch is None else checks.arch("the GPU architecture", arch, known=False)
+    return arch, checks.arch_set("the checked architectures", checked, known=False)
+
+
 def arch_reason(arch: str | None, checked: frozenset[str]) -> str | None:
-    """Why the stage keeps vLLM's loop on ``arch`` (None: no CUDA GPU), or None."""
+    """Why the stage keeps vLLM's loop on ``arch`` (None: no CUDA GPU), or
+    None; both normalised first (``_archs``)."""
+    arch, checked = _archs(arch, checked)
     if arch is None:
         return "no CUDA GPU of an architecture the kernels are compiled for"
     if arch not in checked:
@@ -112,35 +134,85 @@ def arch_reason(arch: str | None, checked: frozenset[str]) -> str | None:
     return None
 
 
-def plan_line(model, arch: str, checked: frozenset[str] | None = None) -> str:
-    """The plan's line for the Markov stage of ``model`` on an ``arch`` GPU
-    (``python -m dspark_vllm.plan``): fused with its constants' key and the
-    calls it leaves to vLLM, or vLLM's loop with the reason. ``checked``
-    (default ``MARKOV_CHECKED`` for the greedy step, ``SAMPLE_CHECKED`` for
-    the probabilistic one) stands for both where given. The Markov GEMM's
-    dispatch (``bias_gemm_reason``) is the serving process's and is checked
-    there."""
-    sample_checked = SAMPLE_CHECKED if checked is None else checked
-    reason = arch_reason(arch, MARKOV_CHECKED if checked is None else checked)
+@dataclass(frozen=True)
+class StagePlan:
+    """What the Markov stage of a draft fuses: the greedy step's
+    ``constants`` or the ``reason`` it keeps vLLM's loop, and the
+    probabilistic step's ``sample`` constants or its ``sample_reason``."""
+
+    constants: MarkovConstants | None
+    reason: str | None
+    sample: MarkovSampleConstants | None
+    sample_reason: str | None
+
+
+def plan_stage(model, arch: str | None, rows, checked: frozenset[str], sample_checked: frozenset[str]) -> StagePlan:
+    """The Markov stage of ``model`` on an ``arch`` GPU for steps of up to
+    ``rows`` requests (vLLM's ``max_num_seqs``), as both the plan
+    (``plan_line``) and the build (``MarkovStage.build``) decide it: the
+    greedy step where ``arch`` is in ``checked`` and the contract takes the
+    head (``head_constants``) and the rows (``markov_rows``); the
+    probabilistic step beside it where ``arch`` is in ``sample_checked``, the
+    head has a d2t map and the contract takes the target vocabulary
+    (``markov_sample_constants``). A refusal (ValueError, TypeError) becomes
+    the reason. ``arch`` and both sets are normalised first (``_archs``:
+    TypeError or ValueError for what names no architecture)."""
+    arch, checked = _archs(arch, checked)
+    sample_checked = _archs(None, sample_checked)[1]
+    reason, constants = arch_reason(arch, checked), None
     if reason is None:
         try:
-            c = head_constants(model)
-        except Unsupported as refusal:
-            reason = str(refusal)
+            constants = head_constants(model)
+            markov_rows(rows, "vLLM's max_num_seqs")
+        except (ValueError, TypeError) as refusal:
+            reason, constants = str(refusal), None
     if reason is not None:
-        return f"Markov stage: vLLM's loop: {reason}"
+        return StagePlan(None, reason, None, "the greedy step keeps vLLM's loop")
+    c, sample, sample_reason = constants, None, None
     try:
         if arch not in sample_checked:
             raise Unsupported(SAMPLE_UNCHECKED.format(arch=arch))
         if model.draft_id_to_target_id is None:
             raise Unsupported("the probabilistic step scatters through a d2t map and this head has none")
-        s = markov_sample_constants(c.vocab, int(model.config.vocab_size), c.rank, c.multiplier, c.soft_cap,
-                                    model.lm_head.weight.dtype)
-        sampled = f"probabilistic drafting fused (markov_sample {s.key()})"
-    except Unsupported as refusal:
-        sampled = f"probabilistic drafting in vLLM's loop ({refusal})"
-    return (f"Markov stage: greedy drafting fused (markov_step {c.key()}); {sampled}; vLLM's loop for the top-k "
-            "loop, a watermarker, FP64 Gumbel noise, the confidence head and adaptive verification")
+        sample = markov_sample_constants(c.vocab, int(model.config.vocab_size), c.rank, c.multiplier, c.soft_cap,
+                                         model.lm_head.weight.dtype)
+    except (ValueError, TypeError) as refusal:
+        sample_reason = str(refusal)
+    return StagePlan(c, None, sample, sample_reason)
+
+
+def plan_line(model, arch: str, checked: frozenset[str] | None = None, rows=None) -> str:
+    """The plan's line for the Markov stage of ``model`` on an ``arch`` GPU
+    (``python -m dspark_vllm.plan``) for steps of up to ``rows`` requests
+    (default: vLLM's default ``max_num_seqs``), decided by ``plan_stage`` as
+    the build decides it: fused with its constants' key and the calls it
+    leaves to vLLM, or vLLM's loop with the reason. ``checked`` (default
+    ``MARKOV_CHECKED`` for the greedy step, ``SAMPLE_CHECKED`` for the
+    probabilistic one) stands for both where given. The Markov GEMM's
+    dispatch (``bias_gemm_reason``) is the serving process's and is checked
+    there."""
+    if rows is None:
+        from vllm.config import SchedulerConfig
+
+        rows = SchedulerConfig.DEFAULT_MAX_NUM_SEQS
+    planned = plan_stage(model, arch, rows, MARKOV_CHECKED if checked is None else checked,
+                         SAMPLE_CHECKED if checked is None else checked)
+    if planned.reason is not None:
+        return f"Markov stage: vLLM's loop: {planned.reason}"
+    if planned.sample is not None:
+        sampled = f"probabilistic drafting fused (markov_sample {planned.sample.key()})"
+    else:
+        sampled = f"probabilistic drafting in vLLM's loop ({planned.sample_reason})"
+    return (f"Markov stage: greedy drafting fused (markov_step {planned.constants.key()}) for 1 to {rows} requests; "
+            f"{sampled}; vLLM's loop for the top-k loop, a watermarker, FP64 Gumbel noise, the confidence head and "
+            "adaptive verification")
+
+
+def refusal_reason(error: Exception) -> str:
+    """A build-time exception as the reason the stage keeps vLLM's loop: a
+    refusal's (ValueError, TypeError) sentence, any other exception's type
+    and message."""
+    return str(error) if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {error}"
 
 
 class MarkovStage:
@@ -168,29 +240,37 @@ class MarkovStage:
         self.reason: str | None = "not built"
         self._logged: set[str] = set()
 
-    def _build_reason(self) -> str | None:
+    def _plan(self) -> StagePlan:
+        """``plan_stage`` on this GPU for ``max_num_seqs`` requests, then the
+        Markov GEMM's dispatch (``bias_gemm_reason``) where it fuses."""
         arch = deployment.arch_of(deployment.gpu_capability()) if self.arch == "probe" else self.arch
         self.resolved_arch = arch
-        return arch_reason(arch, self.checked) or bias_gemm_reason(self.model)
+        planned = plan_stage(self.model, arch, self.vllm_config.scheduler_config.max_num_seqs, self.checked,
+                             self.sample_checked)
+        reason = planned.reason or bias_gemm_reason(self.model)
+        return planned if reason is None else StagePlan(None, reason, None, "the greedy step keeps vLLM's loop")
 
     def build(self) -> None:
-        """Decide, build and compile (module docstring); logs the plan line."""
+        """Decide (``plan_stage``), build and compile (module docstring); logs
+        the plan line. Any exception while the steps are built, compiled or
+        their layouts checked keeps vLLM's loop with its reason logged."""
         model = self.model
         w1 = model.model.markov_head.markov_w1.weight
-        reason = self._build_reason()
-        step = None
+        planned = self._plan()
+        reason, step = planned.reason, None
         if reason is None:
             d2t = model.draft_id_to_target_id
             try:
-                constants = head_constants(model)
-                rows = int(self.vllm_config.scheduler_config.max_num_seqs)
                 cls = self.step_class or _step_class()
-                step = cls(constants, w1.data, None if d2t is None else d2t.data, rows)
+                step = cls(planned.constants, w1.data, None if d2t is None else d2t.data,
+                           self.vllm_config.scheduler_config.max_num_seqs)
                 step.prepare()
                 self.embed = torch.zeros(step.max_rows, w1.shape[1], dtype=w1.dtype, device=w1.device)
                 self._check_layouts(step)
-            except Unsupported as refusal:
-                reason = str(refusal)
+            except Exception as error:  # noqa: BLE001 (a refusal at build keeps vLLM's loop, with its reason)
+                reason, step, self.embed = refusal_reason(error), None, None
+                if not isinstance(error, (ValueError, TypeError)):
+                    logger.warning("Building the DSpark Markov step failed.", exc_info=error)
         self.reason = reason
         if reason is not None:
             logger.info("The DSpark draft keeps vLLM's Markov loop: %s.", reason)
@@ -199,26 +279,25 @@ class MarkovStage:
         logger.info("The DSpark draft runs its greedy Markov stage fused (markov_step %s: one launch a step after "
                     "vLLM's bias GEMM, bit for bit its loop) for 1 to %d requests; other calls run vLLM's loop.",
                     step.constants.key(), step.max_rows)
-        self._build_sample(step)
+        self._build_sample(step, planned)
 
-    def _build_sample(self, step) -> None:
-        """The probabilistic step beside the greedy one, or its reason (logged once)."""
-        model = self.model
-        d2t = model.draft_id_to_target_id
-        try:
-            if self.resolved_arch not in self.sample_checked:
-                raise Unsupported(SAMPLE_UNCHECKED.format(arch=self.resolved_arch))
-            if d2t is None:
-                raise Unsupported("the probabilistic step scatters through a d2t map and this head has none")
-            c = step.constants
-            constants = markov_sample_constants(c.vocab, int(model.config.vocab_size), c.rank, c.multiplier,
-                                                c.soft_cap, model.lm_head.weight.dtype)
-            cls = self.sample_class or _sample_class()
-            sample = cls(constants, step.w1, d2t.data, step.max_rows)
-            sample.prepare()
-        except (Unsupported, ValueError) as refusal:
-            self.sample_reason = str(refusal)
-            logger.info("The DSpark draft keeps vLLM's Markov loop for probabilistic drafting: %s.", refusal)
+    def _build_sample(self, step, planned: StagePlan) -> None:
+        """The probabilistic step beside the greedy one (``planned.sample``),
+        or its reason (logged once): the plan's, or any exception while it is
+        built and compiled."""
+        reason = planned.sample_reason
+        if reason is None:
+            try:
+                cls = self.sample_class or _sample_class()
+                sample = cls(planned.sample, step.w1, self.model.draft_id_to_target_id.data, step.max_rows)
+                sample.prepare()
+            except Exception as error:  # noqa: BLE001 (a refusal at build keeps vLLM's loop, with its reason)
+                reason = refusal_reason(error)
+                if not isinstance(error, (ValueError, TypeError)):
+                    logger.warning("Building the DSpark probabilistic Markov step failed.", exc_info=error)
+        if reason is not None:
+            self.sample_reason = reason
+            logger.info("The DSpark draft keeps vLLM's Markov loop for probabilistic drafting: %s.", reason)
             return
         self.sample, self.sample_reason = sample, None
         logger.info("The DSpark draft runs its probabilistic Markov stage fused (markov_sample %s: vLLM's Gumbel "
@@ -227,13 +306,14 @@ class MarkovStage:
 
     def _check_layouts(self, step) -> None:
         """Unsupported unless the step takes the layouts of vLLM's
-        ``markov_bias`` output (run here on 1 and 2 zero embeddings: its row
-        stride does not depend on the row count beyond that) and of
-        ``compute_draft_logits``' ``[R * N, Vpad]`` output viewed ``[R, N, V]``
-        (``base_layout_reason`` checks the real one per call)."""
+        ``markov_bias`` output (run here on 1 and 2 zero embeddings, 2 where
+        the step takes 2 rows: its row stride does not depend on the row
+        count beyond that) and of ``compute_draft_logits``' ``[R * N, Vpad]``
+        output viewed ``[R, N, V]`` (``base_layout_reason`` checks the real
+        one per call)."""
         model, n = self.model, int(self.vllm_config.speculative_config.num_speculative_tokens)
         vocab, rows = step.constants.vocab, model.lm_head.weight.shape[0]
-        for r in (1, 2):
+        for r in range(1, min(2, step.max_rows) + 1):
             e = self.embed[:r]
             with torch.no_grad():
                 bias = model.markov_bias(e)
@@ -324,5 +404,5 @@ class MarkovStage:
         return True
 
 
-__all__ = ["MARKOV_CHECKED", "SAMPLE_CHECKED", "MarkovStage", "arch_reason", "bias_gemm_reason", "head_constants",
-           "plan_line"]
+__all__ = ["MARKOV_CHECKED", "SAMPLE_CHECKED", "MarkovStage", "StagePlan", "arch_reason", "bias_gemm_reason",
+           "head_constants", "plan_line", "plan_stage", "refusal_reason"]

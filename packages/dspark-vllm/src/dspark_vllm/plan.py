@@ -6,6 +6,7 @@ part stays stock, and what the deployment check says.
         [--tp N] [--arch sm_90a|sm_100a] [--num-sms N]
         [--kernels installed|all|a,b] [--exact checked|all|a,b]
         [--kv-cache-dtype auto|fp8|...] [--kv-cache-layout LBHNC|LBNHC|...]
+        [--max-num-seqs N]
 
 It reads the draft's ``config.json`` (no weights): vLLM's own
 ``MuseSparkDSparkForCausalLM`` is built on the meta device at TP1 (a gloo
@@ -33,10 +34,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dspark_core.contracts.constants import FP32_OVERFLOW, MAX_SIZE
+from dspark_core import checks
+from dspark_core.contracts.constants import MAX_SIZE
 from dspark_core.planner import policy
-from dspark_core.planner.cli import int_in, kernel_names, write_out
+from dspark_core.planner.cli import arch_name, int_in, kernel_names, write_out
 from dspark_core.reference.config import MAX_LAYERS, read_json_object
+from dspark_core.switches import flag
 
 # Backend and fused-insert facts of the GPU the plan is made for.
 GPU_ATTENTION_BACKEND = "FLASH_ATTN"
@@ -46,16 +49,19 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dspark_vllm.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("draft", help="the draft checkpoint folder (its config.json)")
     p.add_argument("--target", help="the target checkpoint folder (its config.json; no weights needed)")
-    p.add_argument("--target-layers", type=int_in(1, MAX_SIZE), default=None,
+    p.add_argument("--target-layers", type=int_in(1, MAX_LAYERS), default=None,
                    help="the stand-in target's layer count (default: one past the draft's last target_layer_ids)")
     p.add_argument("--tp", type=int_in(1, policy.MAX_TP), default=1, help="the tensor-parallel size (default 1)")
-    p.add_argument("--arch", default="sm_90a", choices=policy.ARCHS, help="the GPU architecture (default sm_90a)")
+    p.add_argument("--arch", default="sm_90a", type=arch_name,
+                   help=f"the GPU architecture: {' or '.join(policy.ARCHS)} (default sm_90a)")
     p.add_argument("--num-sms", type=int_in(1, policy.MAX_SMS), default=132,
                    help="the GPU's SM count (default 132, an H200)")
     p.add_argument("--kernels", default="installed", help="'installed' (default), 'all' or kernel names, a,b")
     p.add_argument("--exact", default="checked",
                    help="kernels taken as checked against vLLM: 'checked' (on a GPU of --arch, default), 'all' or a,b")
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (default auto)")
+    p.add_argument("--max-num-seqs", type=int_in(1, MAX_SIZE), default=None,
+                   help="vLLM's --max-num-seqs, the requests a Markov step takes (default: vLLM's default)")
     p.add_argument("--kv-cache-layout", default=None,
                    help="a KV cache layout of vLLM's to check by name (default: none; the DSpark inserts take "
                         "every vLLM layout through the cache's strides, and the plugin reads the bound cache's)")
@@ -77,12 +83,14 @@ OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "draft_vocab_size", "max_po
                   "target_hidden_size")
 
 
-def _size(config: dict, key: str, where: str) -> int | None:
+def _size(config: dict, key: str, where: str, high: int = MAX_SIZE) -> int | None:
+    """``config[key]`` (None where absent): an int from 1 to ``high``, else
+    ValueError naming ``where`` and the key."""
     value = config.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
-        raise ValueError(f"{where}: {key} must be an integer from 1 to {MAX_SIZE}, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise ValueError(f"{where}: {key} must be an integer from 1 to {high}, not {value!r}")
     return value
 
 
@@ -106,10 +114,11 @@ def check_draft_config(config: dict, where: str, target_layers: int | None) -> N
     for key, low in (("rope_theta", "positive"), ("rms_norm_eps", "non-negative"),
                      ("rms_post_norm_eps", "non-negative"), ("ffn_dim_multiplier", "positive")):
         if key in config:
-            value = config[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < FP32_OVERFLOW or (
-                    value <= 0 if low == "positive" else value < 0):
-                raise ValueError(f"{where}: {key} must be a {low} number finite in FP32, not {value!r}")
+            checks.fp32_number(f"{where}: {key}", config[key], low=low)
+    if config.get("output_soft_cap_temp") is not None:
+        checks.fp32_number(f"{where}: output_soft_cap_temp (null or a number)", config["output_soft_cap_temp"],
+                           low="positive", reciprocal=True)
+    _check_metap(config.get("metap"), where)
     ids = config.get("target_layer_ids")
     if ids is not None:
         if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
@@ -120,15 +129,33 @@ def check_draft_config(config: dict, where: str, target_layers: int | None) -> N
             raise ValueError(f"{where}: target_layer_ids {bad} are not layers of the target ({span})")
 
 
+def _check_metap(metap, where: str) -> None:
+    """ValueError or TypeError, naming ``where``, for a ``metap`` section
+    vLLM's draft cannot build from: not an object, ``use_metap`` not a
+    bool, or, where it is on, a ``metap_mode`` other than mup or sp (vLLM
+    asserts) or a ``base_width`` that is not a positive number finite in
+    FP32 (vLLM divides the hidden size by it)."""
+    if metap is None:
+        return
+    if not isinstance(metap, dict):
+        raise TypeError(f"{where}: metap must be an object, not {checks.shown(metap)}")
+    if not flag(metap.get("use_metap", False), f"{where}: metap.use_metap"):
+        return
+    if metap.get("metap_mode", "mup") not in ("mup", "sp"):
+        raise ValueError(f"{where}: metap.metap_mode must be 'mup' or 'sp', not {checks.shown(metap['metap_mode'])}")
+    checks.fp32_number(f"{where}: metap.base_width", metap.get("base_width", 256), low="positive")
+
+
 def _checkpoint(path: str, what: str) -> tuple[Path, dict]:
     """``(folder, config)`` of a checkpoint folder on disk: ValueError naming
-    the path where it is no folder with a config.json (never a hub name:
-    the plan reads local folders only)."""
+    the path where it is empty (not the working directory) or no folder with
+    a config.json (never a hub name: the plan reads local folders only), or
+    where its config.json is no JSON file (``read_json_object``)."""
     folder = Path(path)
-    if not folder.is_dir():
+    if not path or not folder.is_dir():
         raise ValueError(f"the {what} {path!r} is not a folder on this machine (the plan reads a local "
                          "checkpoint's config.json; it never downloads one)")
-    if not (folder / "config.json").is_file():
+    if not (folder / "config.json").exists():
         raise ValueError(f"the {what} folder {path!r} has no config.json")
     return folder, read_json_object(folder / "config.json", f"the {what}'s config")
 
@@ -189,6 +216,21 @@ def _fused_insert_as_on_gpu(attn) -> bool:
                 and attn.default_dtype in (torch.bfloat16, torch.float16)
                 and attn.attn.kv_sharing_target_layer_name is None
                 and attn.attn.kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES)
+
+
+def _vllm_build(draft: Path, target: Path, kv_cache_dtype: str):
+    """``(config, model)``: vLLM's config and its meta draft (``_config``,
+    ``build_meta_draft``). What vLLM raises on a checkpoint it cannot build
+    (an incomplete MoE config's AttributeError, a validation error over
+    several lines) becomes one ValueError line naming the folder."""
+    try:
+        config = _config(draft, target, kv_cache_dtype)
+        return config, build_meta_draft(config)
+    except Exception as error:  # vLLM's own refusal, whatever its type: one line, never a traceback
+        text = " ".join(str(error).split())
+        text = text if len(text) <= 400 else f"{text[:400]}..."
+        raise ValueError(f"vLLM 0.33.0 cannot build the draft {str(draft)!r}: {type(error).__name__}: {text}") \
+            from None
 
 
 def build_meta_draft(config):
@@ -253,7 +295,8 @@ def plan_checkpoint(args):
         target_dir, target_config = _checkpoint(args.target, "target")
         if target_dir.resolve() == draft_dir.resolve():
             raise ValueError(f"--target names the draft's own folder {args.target!r}: give the target model's")
-        target_layers = _size(target_config, "num_hidden_layers", str(target_dir / "config.json"))
+        # A target of more layers than any model (or any draft config) has: refused, not planned.
+        target_layers = _size(target_config, "num_hidden_layers", str(target_dir / "config.json"), MAX_LAYERS)
     check_draft_config(draft_config, str(draft_dir / "config.json"), target_layers)
     layout = deployment.layout_unsupported(args.kv_cache_layout)
     if layout:
@@ -262,8 +305,7 @@ def plan_checkpoint(args):
     exact = _names(args.exact, lambda: planning.exact_kernels(args.arch), "--exact")
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(args.target) if args.target else _stand_in_target(draft_config, args.target_layers, Path(tmp))
-        config = _config(draft_dir, target, args.kv_cache_dtype)
-        model = build_meta_draft(config)
+        config, model = _vllm_build(draft_dir, target, args.kv_cache_dtype)
         _as_gpu_cache_dtype(model, config, args.kv_cache_dtype)
     draft = describe_vllm(model.model, config.cache_config.block_size or 16, GPU_ATTENTION_BACKEND,
                           args.kv_cache_layout)
@@ -274,7 +316,8 @@ def plan_checkpoint(args):
     config.parallel_config.tensor_parallel_size = args.tp
     config.speculative_config.draft_tensor_parallel_size = args.tp
     major = {"sm_90a": 9, "sm_100a": 10}[args.arch]
-    markov_line = markov.plan_line(model, args.arch, frozenset(policy.ARCHS) if args.exact == "all" else None)
+    markov_line = markov.plan_line(model, args.arch, frozenset(policy.ARCHS) if args.exact == "all" else None,
+                                   args.max_num_seqs or config.scheduler_config.max_num_seqs)
     return plan, deployment.unsupported(config, (major, 0)), markov_line
 
 

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from dspark_core import checks
 from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, Part, plan_draft
 from dspark_core.planner.policy import Target
 from dspark_core.runtime.description import DraftDescription
-from dspark_vllm.allreduce import AllReduceOrder, additional_switch, stock_all_reduce
+from dspark_vllm import options
+from dspark_vllm.allreduce import AllReduceOrder, stock_all_reduce
 
 # Per architecture, the kernels (dspark_core.contracts.kernels) run on a GPU
 # of it against vLLM 0.33.0's stock binaries on the same operands, every bit
@@ -48,8 +50,11 @@ VLLM_EXACT_KERNELS: dict[str, frozenset[str]] = {
 
 
 def exact_kernels(arch: str) -> frozenset[str]:
-    """The kernels checked bit for bit against vLLM's stock on a GPU of ``arch`` (none for an unchecked arch)."""
-    return VLLM_EXACT_KERNELS.get(arch, frozenset())
+    """The kernels checked bit for bit against vLLM's stock on a GPU of
+    ``arch`` (none for an unchecked arch); ``arch`` normalised first
+    (``checks.arch``: ``SM_90A`` and ``(9, 0)`` are sm_90a; TypeError or
+    ValueError for what names no architecture)."""
+    return VLLM_EXACT_KERNELS.get(checks.arch("the GPU architecture", arch, known=False), frozenset())
 
 
 # The stock op of vLLM 0.33.0 each kernel stands in for (what its GPU check compares it with).
@@ -85,7 +90,9 @@ PART_KERNELS = (
 
 
 def unchecked_reason(kernel: str, arch: str = "sm_90a") -> str:
-    """Why a part on ``kernel`` stays stock on ``arch`` while the kernel is not checked there."""
+    """Why a part on ``kernel`` stays stock on ``arch`` (normalised, as in
+    ``exact_kernels``) while the kernel is not checked there."""
+    arch = checks.arch("the GPU architecture", arch, known=False)
     where = "" if arch in VLLM_EXACT_KERNELS else f" on an {arch} GPU (compile-checked only)"
     return (f"the DSpark {kernel} kernel is not yet checked bit for bit against vLLM 0.33.0's "
             f"{STOCK_OPS[kernel]}{where}")
@@ -103,8 +110,9 @@ def vllm_target(device, tp: int = 1, kernels: frozenset[str] | None = None, pack
 def ordered_gemm_asked(vllm_config) -> bool:
     """Whether ``additional_config["ordered_gemm"]`` opts in to the ordered
     GEMM (the layers' projections in cuBLAS's own order where the build-time
-    check finds it: vLLM's bits). TypeError for anything but a bool."""
-    return additional_switch(vllm_config, "ordered_gemm")
+    check finds it: vLLM's bits). TypeError for anything but a bool; near
+    misses of the key said once (``options.switch``)."""
+    return options.switch(vllm_config, options.ORDERED_GEMM)
 
 
 def _restock(part: Part | None, reason: str) -> Part | None:

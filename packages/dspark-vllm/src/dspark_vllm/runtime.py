@@ -7,7 +7,9 @@ cast to the dtype vLLM's first calls would cast them to (``pin_rope_tables``),
 the description (``adapter.describe_vllm``), the plan (``planning.plan_vllm``),
 the TP ranks' agreement on it, every stock part logged once with its reason,
 then, where any part fuses, dspark-core's ``DraftDecode`` over vLLM's modules
-with every kernel bound and compiled (``prepare``).
+with every kernel bound and compiled (``prepare``). Any exception while the
+kernels are bound or compiled, on any rank, keeps vLLM's stock forward on
+every rank with the reason logged: never an exception out of model loading.
 
 ``forward`` and ``store_context`` return None / False where the call is not
 taken (the model then runs vLLM's stock method): no decode, the memory
@@ -196,13 +198,12 @@ class SpecializedDecode:
         try:
             decode = DraftDecode(draft, plan, all_reduce, prefetch=None, kernels=kernels)
             decode.prepare()
-        except Exception as e:  # noqa: BLE001 (re-raised below, after the ranks agree)
+        except Exception as e:  # noqa: BLE001 (a refusal at build keeps vLLM's stock forward, below)
             error = e
         (ok,) = deployment.collective_min([0 if error else 1])
-        if error is not None:
-            raise error
-        if not ok:
-            raise RuntimeError("another tensor-parallel rank failed to prepare the DSpark draft decode")
+        if error is not None or not ok:
+            self._keep_stock(error)
+            return
         self.decode = decode
         self.max_rows = decode.max_rows or 0
         if self.max_rows:
@@ -211,6 +212,21 @@ class SpecializedDecode:
         else:
             logger.info("The DSpark draft runs %d of %d planned parts fused (kernels %s): the context K/V store; "
                         "every step runs vLLM's stock forward.", fused, total, ", ".join(sorted(names)))
+
+    @staticmethod
+    def _keep_stock(error: BaseException | None) -> None:
+        """Log why the draft keeps vLLM's stock forward after a failed bind
+        or compile: ``error`` (this rank's: a refusal's sentence, any other
+        exception with its traceback) or another rank's failure (None)."""
+        if error is None:
+            logger.warning("The DSpark draft keeps vLLM's stock forward: another tensor-parallel rank failed to "
+                           "bind or compile its kernels.")
+        elif isinstance(error, (ValueError, TypeError)):
+            logger.warning("The DSpark draft keeps vLLM's stock forward: binding its kernels refused the plan: %s.",
+                           error)
+        else:
+            logger.warning("The DSpark draft keeps vLLM's stock forward: binding or compiling its kernels failed "
+                           "(%s: %s).", type(error).__name__, error, exc_info=error)
 
     def _read_bound_layout(self) -> None:
         """Once, at the first call with every draft layer's KV cache bound

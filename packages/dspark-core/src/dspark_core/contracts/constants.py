@@ -5,8 +5,10 @@ modules. A backend compiles one variant per distinct constants value (their
 
 Every ``*_constants`` function takes the model-neutral description of its
 part (``dspark_core.runtime.description``) and raises ``Unsupported`` with a
-sentence where the kernel does not reproduce the part bit for bit; the
-planner turns that sentence into its refusal.
+sentence where the kernel does not reproduce the part bit for bit or its
+constants break the kernel's limits (``within_limits``: ``contracts.limits``,
+which the host classes read too); the planner turns that sentence into its
+refusal.
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_core.checks import FP32_OVERFLOW  # noqa: F401 (re-exported)
+from dspark_core.checks import arch as _arch
+from dspark_core.checks import fp32_number as _fp32_number
+from dspark_core.checks import integer as _integer
+from dspark_core.checks import shown as _shown
+from dspark_core.contracts.limits import HEAD_DIM, MAX_HEADS, MAX_KV_HEADS, MAX_SIZE
+from dspark_core.contracts.limits import check as within_limits
 from dspark_core.errors import Unsupported
 from dspark_core.runtime.description import MLP, Attention, Boundary, Connection, HeadNorm, Norm, Rope
 from dspark_core.spec.gemv import gemv_unsupported
-from dspark_core.spec.numerics import ARCHS, CHUNK
+from dspark_core.spec.numerics import ARCHS
 
 # The dtype names the constants carry (strings keep them hashable and printable).
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-# The KV head width of every fused attention kernel (one warp, lane j the GPT-J pair j).
-HEAD_DIM = 64
 # The mailbox and the package GEMM take at most this many rows per call.
 MAX_DECODE_ROWS = 16
 
@@ -65,14 +72,6 @@ def _memo(obj) -> tuple:
     return entry
 
 
-# The largest size a constants field holds: the kernels index rows, columns,
-# features and slots with 32-bit integers.
-MAX_SIZE = 2**31 - 1
-# The most query or KV heads a kernel takes (a CUDA grid's y extent).
-MAX_HEADS = 65535
-# The least magnitude that rounds to infinity in FP32 (2^128 - 2^103): a
-# float the kernels round to FP32 must lie below it.
-FP32_OVERFLOW = (2 - 2**-24) * 2**127
 _HEAD_FIELDS = ("num_heads", "kv_heads")
 _EPS_FIELDS = ("eps", "q_eps", "k_eps", "o_gate_eps")
 _CHECKS: dict[type, list] = {}
@@ -80,18 +79,21 @@ _NAMES: dict[type, tuple] = {}
 
 
 def fp32_number(what: str, value, non_negative: bool = False) -> float:
-    """``value`` as a float if it is a number finite in FP32 (the kernels and
-    the stock round it to FP32; 1e300 is finite here and infinite there),
-    and with ``non_negative`` not below 0; TypeError for a non-number (a
-    bool included), Unsupported (a ValueError) for the rest, naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be a number, not {type(value).__name__} {value!r}")
-    value = float(value)
-    if not (abs(value) < FP32_OVERFLOW) or (non_negative and value < 0.0):
-        need = "a non-negative number" if non_negative else "a number"
-        raise Unsupported(f"{what} must be {need} finite in FP32 (below {FP32_OVERFLOW:.7g} in magnitude), "
-                          f"not {value!r}")
-    return value
+    """``checks.fp32_number`` with the contracts' refusal, ``Unsupported``:
+    ``value`` as a float if it is a number finite in FP32 (and with
+    ``non_negative`` not below 0); TypeError for a non-number."""
+    return _fp32_number(what, value, low="non-negative" if non_negative else None, error=Unsupported)
+
+
+def stock_arch(arch, what: str = "stock norm tree") -> str:
+    """``arch`` in its one spelling (``checks.arch``: ``SM_90A`` and
+    ``(9, 0)`` are sm_90a) where a stock ``what`` is known for it (one of
+    ``ARCHS``); Unsupported naming ``what`` for anything else (None, sm_80,
+    sm_90 without the suffix)."""
+    try:
+        return _arch("the architecture", arch)
+    except (TypeError, ValueError):
+        raise Unsupported(f"no {what} is known for {arch!r} (only {', '.join(ARCHS)})") from None
 
 
 def _field_checks(cls: type) -> list:
@@ -108,6 +110,8 @@ def _field_checks(cls: type) -> list:
             elif f.name in ("arch", "o_gate_arch"):
                 what = "stock norm tree" if cls.__name__ == "NormConstants" else "stock o-gate"
                 checks.append((f.name, "arch", what))
+            elif f.name == "sum_order":
+                checks.append((f.name, "word", SUM_ORDERS))
         _CHECKS[cls] = checks
     return checks
 
@@ -119,12 +123,17 @@ class _Key:
 
     Construction checks what every kernel needs of its constants, whoever
     builds them (the planner or a caller by hand): an ``int`` field is an int
-    (not a bool: TypeError) of at most ``MAX_SIZE`` (heads: ``MAX_HEADS``);
-    an eps is a non-negative number finite in FP32 (NaN refused); a gain
-    center a number finite in FP32; an architecture one of ``ARCHS``.
+    (``checks.integer``: a numpy int is kept as the Python one; a bool is
+    refused with a TypeError) of at most ``MAX_SIZE`` (heads:
+    ``MAX_HEADS``); an eps is a non-negative number finite in FP32 (NaN
+    refused); a gain center a number finite in FP32; an architecture one of
+    ``ARCHS`` in its one spelling (``stock_arch``: ``SM_90A`` is kept as
+    sm_90a); a sum order one of ``SUM_ORDERS`` (ValueError).
     Values out of range raise ``Unsupported`` (the planner's refusal; a
-    ValueError to any other caller). Each kernel's host class checks the
-    rest (lower bounds, head widths, multiples, dtypes)."""
+    ValueError to any other caller). Each kernel's other limits (lower
+    bounds, head widths, multiples, dtypes) are stated once in
+    ``contracts.limits``: every builder below ends with ``within_limits``
+    and each host class's ``check_constants`` calls it."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -132,17 +141,20 @@ class _Key:
             value = getattr(self, field)
             what = f"{name}.{field}"
             if kind == "int":
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise TypeError(f"{what} must be an int, not {type(value).__name__} {value!r}")
+                value = _integer(what, value)
+                object.__setattr__(self, field, value)  # a numpy int as the Python one
                 if value > extra:
                     raise Unsupported(f"{what} of {value}, more than the kernels take ({extra})")
             elif kind == "eps":
-                if value is not None:
+                if value is not None or field != "o_gate_eps":  # None: no o-gate (the one optional eps)
                     fp32_number(what, value, non_negative=True)
             elif kind == "number":
                 fp32_number(what, value)
-            elif value not in ARCHS:
-                raise Unsupported(f"no {extra} is known for {value!r} (only {', '.join(ARCHS)})")
+            elif kind == "word":
+                if not isinstance(value, str) or value not in extra:
+                    raise ValueError(f"{what} must be one of {', '.join(extra)}, not {_shown(value)}")
+            else:
+                object.__setattr__(self, field, stock_arch(value, extra))
 
     def _fields(self) -> tuple:
         # dataclasses.astuple's value (nested constants as the tuple of their
@@ -230,12 +242,10 @@ def norm_constants(norm: Norm, hidden_size: int, arch: str = "sm_90a") -> NormCo
     ``arch`` (its tree), or Unsupported where the fused norms do not
     reproduce it."""
     _refuse(norm.unsupported)
-    if arch not in ARCHS:
-        raise Unsupported(f"no stock norm tree is known for {arch} (only {', '.join(ARCHS)})")
+    arch = stock_arch(arch)
+    hidden_size = _integer("the rows' hidden_size", hidden_size, 1, MAX_SIZE)
     if norm.hidden_size != hidden_size:
-        raise Unsupported(f"a norm over {norm.hidden_size} columns, not the rows' {hidden_size}")
-    if hidden_size % CHUNK:
-        raise Unsupported(f"rows of {hidden_size} columns, not a multiple of {CHUNK}")
+        raise Unsupported(f"a norm over {norm.hidden_size} columns, not the rows' hidden_size {hidden_size}")
     weight_dtype = None
     if norm.weight is not None:
         if norm.weight.dtype not in DTYPE_NAMES:
@@ -277,23 +287,20 @@ def boundary_constants(boundary: Boundary, hidden_size: int, arch: str = "sm_90a
     pre_c = norm_constants(boundary.pre, hidden_size, arch)
     if boundary.pre.out_dtype != torch.bfloat16:
         raise Unsupported(f"a next pre-norm that outputs {boundary.pre.out_dtype}, not BF16")
-    return BoundaryConstants(hidden_size=hidden_size, post=post_c, pre=pre_c)
+    return within_limits(BoundaryConstants(hidden_size=hidden_size, post=post_c, pre=pre_c))
 
 
 def row_norm_constants(norm: Norm, hidden_size: int, in_dtype: torch.dtype = torch.bfloat16,
                        arch: str = "sm_90a") -> RowNormConstants:
     """The constants of the row norm kernel for ``norm`` on ``in_dtype``
-    rows, or Unsupported."""
-    if in_dtype not in (torch.bfloat16, torch.float32):
-        raise Unsupported(f"the row norm reads BF16 or FP32 rows, not {in_dtype}")
-    if norm.out_dtype not in DTYPE_NAMES:
-        raise Unsupported(f"a norm that outputs {norm.out_dtype}")
-    return RowNormConstants(
+    rows, or Unsupported (the dtypes the kernel reads and writes are its
+    limits)."""
+    return within_limits(RowNormConstants(
         hidden_size=hidden_size,
         norm=norm_constants(norm, hidden_size, arch),
-        in_dtype=DTYPE_NAMES[in_dtype],
-        out_dtype=DTYPE_NAMES[norm.out_dtype],
-    )
+        in_dtype=DTYPE_NAMES.get(in_dtype, str(in_dtype)),
+        out_dtype=DTYPE_NAMES.get(norm.out_dtype, str(norm.out_dtype)),
+    ))
 
 
 def _rope_facts(rope: Rope | None) -> tuple[bool, str]:
@@ -308,8 +315,11 @@ def _rope_facts(rope: Rope | None) -> tuple[bool, str]:
 
 
 def _kv_heads(kv_heads: int) -> int:
-    if kv_heads < 1 or kv_heads & (kv_heads - 1) or kv_heads > 32:
-        raise Unsupported(f"{kv_heads} KV heads, not a power of two up to 32")
+    """``kv_heads`` where the stock fused QK-norm/RoPE/insert op takes them
+    (a power of two up to ``MAX_KV_HEADS``, as the context store kernel:
+    ``contracts.limits``), else Unsupported."""
+    if kv_heads < 1 or kv_heads & (kv_heads - 1) or kv_heads > MAX_KV_HEADS:
+        raise Unsupported(f"{kv_heads} KV heads, not a power of two up to {MAX_KV_HEADS}")
     return kv_heads
 
 
@@ -321,9 +331,8 @@ def context_store_constants(k_norm: HeadNorm, kv_heads: int, rope: Rope | None) 
     if k_norm.head_dim != HEAD_DIM:
         raise Unsupported(f"{k_norm.head_dim}-wide KV heads, not {HEAD_DIM}")
     rotates, table_dtype = _rope_facts(rope)
-    return ContextStoreConstants(
-        kv_heads=_kv_heads(kv_heads), k_eps=float(k_norm.eps), rope=rotates, table_dtype=table_dtype
-    )
+    return within_limits(ContextStoreConstants(kv_heads=kv_heads, k_eps=float(k_norm.eps), rope=rotates,
+                                               table_dtype=table_dtype))
 
 
 @dataclass(frozen=True, eq=False)
@@ -361,7 +370,7 @@ def qkv_epilogue_constants(attn: Attention) -> QKVEpilogueConstants:
     if attn.q_norm.weight is not None or attn.k_norm.weight is not None:
         raise Unsupported("a QK-norm with a weight (the stock fused QK-norm is weightless)")
     rotates, table_dtype = _rope_facts(attn.rope)
-    return QKVEpilogueConstants(
+    return within_limits(QKVEpilogueConstants(
         hidden_size=attn.qkv_weight.shape[1],
         num_heads=attn.num_heads,
         kv_heads=kv,
@@ -370,7 +379,7 @@ def qkv_epilogue_constants(attn: Attention) -> QKVEpilogueConstants:
         k_eps=float(attn.k_norm.eps),
         rope=rotates,
         table_dtype=table_dtype,
-    )
+    ))
 
 
 @dataclass(frozen=True, eq=False)
@@ -384,6 +393,7 @@ class ContextConstants(_Key):
 # The sum orders of an all-reduce (which stock all-reduce a mailbox reproduces).
 FP32_RANK_ORDER = "fp32_rank_order"
 BF16_RANK_ORDER = "bf16_rank_order"
+SUM_ORDERS = (FP32_RANK_ORDER, BF16_RANK_ORDER)
 
 
 @dataclass(frozen=True, eq=False)
@@ -492,12 +502,10 @@ class OGateConstants(_Key):
 
 def mlp_activation_constants(mlp: MLP) -> MlpActivationConstants:
     """The constants of the activation kernel for a layer's MLP, or
-    Unsupported (I must be a positive multiple of 8: 16-byte vectors)."""
+    Unsupported (the kernel's limits: I a positive multiple of 8, 16-byte
+    vectors)."""
     _refuse(mlp.unsupported)
-    i = mlp.intermediate_size
-    if i < 8 or i % 8:
-        raise Unsupported(f"an intermediate size of {i}, not a positive multiple of 8")
-    return MlpActivationConstants(intermediate_size=i)
+    return within_limits(MlpActivationConstants(intermediate_size=mlp.intermediate_size))
 
 
 def o_gate_constants(norm: HeadNorm, num_heads: int, arch: str = "sm_90a") -> OGateConstants:
@@ -508,11 +516,8 @@ def o_gate_constants(norm: HeadNorm, num_heads: int, arch: str = "sm_90a") -> OG
         raise Unsupported("an o-norm with a weight (the fused o-gate takes a weightless one)")
     if norm.head_dim != HEAD_DIM:
         raise Unsupported(f"{norm.head_dim}-wide heads, not {HEAD_DIM}")
-    if num_heads < 1:
-        raise Unsupported(f"{num_heads} heads, not at least one")
-    if arch not in ARCHS:
-        raise Unsupported(f"no stock o-gate is known for {arch} (only {', '.join(ARCHS)})")
-    return OGateConstants(num_heads=num_heads, eps=float(norm.eps), arch=arch)
+    arch = stock_arch(arch, "stock o-gate")
+    return within_limits(OGateConstants(num_heads=num_heads, eps=float(norm.eps), arch=arch))
 
 
 @dataclass(frozen=True, eq=False)

@@ -36,15 +36,18 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 from dspark_core.contracts.constants import MAX_DECODE_ROWS, ORDERED_GEMM_MAX_ROWS
+from dspark_core.contracts.limits import (
+    ATTENTION,
+    BOUNDARY,
+    CONTEXT_CHAIN,
+    MLP_ACTIVATION,
+    O_GATE,
+    QKV_EPILOGUE,
+    ROW_NORM,
+)
 
-# Every fused kernel the design has (the planner's names).
-ROW_NORM = "row_norm"
-BOUNDARY = "boundary"
-CONTEXT_CHAIN = "context_chain"
-QKV_EPILOGUE = "qkv_epilogue"
-ATTENTION = "attention"
-O_GATE = "o_gate"
-MLP_ACTIVATION = "mlp_activation"
+# Every fused kernel the design has (the planner's names): those above named
+# where their limits are stated (``contracts.limits``), and these.
 GEMV = "gemv"
 WEIGHT_PREFETCH = "weight_prefetch"
 ALL_REDUCE_BOUNDARY = "all_reduce_boundary"

@@ -4,8 +4,11 @@ GEMM in each of the draft's sequential Markov steps (``spec.markov``).
 
 ``markov_constants`` raises ``Unsupported`` with a sentence where the kernel
 does not reproduce vLLM's greedy step bit for bit or cannot take the head's
-shapes; the caller (the plugin's ``sample_sequential`` hook, the planner)
-keeps vLLM's loop and reports it."""
+shapes, ``markov_sample_constants`` the same for the probabilistic step and
+``markov_rows`` for the requests one step takes; the caller (the plugin's
+``sample_sequential`` hook at build, ``python -m dspark_vllm.plan``) keeps
+vLLM's loop and reports it. These are the kernels' only limits: dspark-cute's
+``MarkovStep`` and ``MarkovSampleStep`` call the same functions."""
 
 from __future__ import annotations
 
@@ -15,15 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from dspark_core.contracts.constants import _Key
+from dspark_core.contracts.limits import MARKOV_MAX_RANK, MARKOV_MAX_ROWS, MARKOV_THREADS, MARKOV_VEC, check
 from dspark_core.errors import Unsupported
 from dspark_core.spec.markov import transform_constants
+from dspark_core.switches import flag
 
-# Columns per CTA: 256 threads of one 16-byte BF16 vector.
-MARKOV_THREADS = 256
-MARKOV_VEC = 8
+# Columns per CTA: 256 threads of one 16-byte BF16 vector (the thread and
+# vector counts, the rank and the rows the steps take: ``contracts.limits``).
 MARKOV_TILE = MARKOV_THREADS * MARKOV_VEC
-# vLLM captures up to 512 requests; the kernel takes as many rows as a grid's y.
-MARKOV_MAX_ROWS = 65535
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,20 +51,32 @@ class MarkovConstants(_Key):
 def markov_constants(vocab: int, rank: int, multiplier: float, soft_cap: float | None, d2t: bool,
                      head_dtype: torch.dtype = torch.bfloat16) -> MarkovConstants:
     """The kernel's constants for a draft head, or Unsupported: the head's
-    dtype must be BF16 (the base logits and the bias), ``vocab`` and ``rank``
-    positive multiples of 8 (16-byte vectors), ``vocab`` below 2^31."""
+    dtype must be BF16 (the base logits and the bias), and the constants
+    within the kernel's limits (``contracts.limits``: ``vocab`` and ``rank``
+    positive multiples of 8, ``vocab`` below 2^31, ``rank`` at most
+    ``MARKOV_MAX_RANK``). ValueError for a multiplier that is not a finite
+    float, and for the multiplier or soft cap ``spec.markov.
+    transform_constants`` refuses; TypeError for a non-int size."""
     if head_dtype != torch.bfloat16:
         raise Unsupported(f"the fused Markov step takes a bfloat16 head, not {head_dtype}")
-    for name, n in (("draft vocabulary", vocab), ("Markov rank", rank)):
-        if not isinstance(n, int) or n < MARKOV_VEC or n % MARKOV_VEC:
-            raise Unsupported(f"the fused Markov step takes a {name} that is a positive multiple of {MARKOV_VEC}, "
-                              f"not {n}")
-    if vocab >= 2**31:
-        raise Unsupported(f"the fused Markov step takes a draft vocabulary below 2^31, not {vocab}")
     if not isinstance(multiplier, float) or not math.isfinite(multiplier):
         raise ValueError(f"the output multiplier must be a finite float, not {multiplier!r}")
     m, c, _ = transform_constants(multiplier, soft_cap)
-    return MarkovConstants(vocab=vocab, rank=rank, multiplier=m, soft_cap=c, d2t=bool(d2t))
+    return check(MarkovConstants(vocab=vocab, rank=rank, multiplier=m, soft_cap=c, d2t=flag(d2t, "d2t")))
+
+
+def markov_rows(rows, what: str = "max_rows") -> int:
+    """``rows``, the most requests one fused step is built for (the host
+    classes' ``max_rows``; vLLM's ``max_num_seqs``), if the steps take it: an
+    int (not a bool) from 1 to ``MARKOV_MAX_ROWS`` (a CUDA grid's y extent,
+    one row of CTAs a request). TypeError for a non-int, Unsupported for one
+    out of that range; both name ``what``."""
+    if isinstance(rows, bool) or not isinstance(rows, int):
+        raise TypeError(f"{what} must be an int, not {type(rows).__name__} {rows!r}")
+    if not 1 <= rows <= MARKOV_MAX_ROWS:
+        raise Unsupported(f"the fused Markov step takes 1 to {MARKOV_MAX_ROWS} requests a step (a CUDA grid's y): "
+                          f"{what} of {rows}")
+    return rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,15 +104,13 @@ class MarkovSampleConstants(_Key):
 def markov_sample_constants(vocab: int, target_vocab: int, rank: int, multiplier: float, soft_cap: float | None,
                             head_dtype: torch.dtype = torch.bfloat16) -> MarkovSampleConstants:
     """The probabilistic step's constants, or Unsupported (``markov_constants``'
-    refusals, and a target vocabulary that is a multiple of 8 below 2^31)."""
+    refusals and the step's limits, ``contracts.limits``: a target vocabulary
+    that is a positive multiple of 8 below 2^31 and no smaller than the draft
+    vocabulary, each draft id scattering to a distinct target id)."""
     c = markov_constants(vocab, rank, multiplier, soft_cap, True, head_dtype)
-    if not isinstance(target_vocab, int) or target_vocab < MARKOV_VEC or target_vocab % MARKOV_VEC \
-            or target_vocab >= 2**31:
-        raise Unsupported(f"the fused Markov step takes a target vocabulary that is a positive multiple of "
-                          f"{MARKOV_VEC} below 2^31, not {target_vocab}")
-    return MarkovSampleConstants(vocab=vocab, target_vocab=target_vocab, rank=rank, multiplier=c.multiplier,
-                                 soft_cap=c.soft_cap)
+    return check(MarkovSampleConstants(vocab=vocab, target_vocab=target_vocab, rank=rank,
+                                       multiplier=c.multiplier, soft_cap=c.soft_cap))
 
 
-__all__ = ["MARKOV_MAX_ROWS", "MARKOV_THREADS", "MARKOV_TILE", "MARKOV_VEC", "MarkovConstants",
-           "MarkovSampleConstants", "markov_constants", "markov_sample_constants"]
+__all__ = ["MARKOV_MAX_RANK", "MARKOV_MAX_ROWS", "MARKOV_THREADS", "MARKOV_TILE", "MARKOV_VEC", "MarkovConstants",
+           "MarkovSampleConstants", "markov_constants", "markov_rows", "markov_sample_constants"]

@@ -18,23 +18,29 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
+from pathlib import Path
 
+from dspark_core import checks
+from dspark_core.errors import listed
 from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, plan_draft
 
 
 def int_in(low: int, high: int | None = None):
     """argparse's type for an integer from ``low`` to ``high`` (None: no
-    upper bound); ArgumentTypeError naming the range otherwise."""
+    upper bound), written in ASCII digits with an optional sign and blanks
+    around (Python's ``int`` also reads other scripts' digits and
+    underscores, which no command line means); ArgumentTypeError naming the
+    range otherwise."""
     expected = "a positive integer" if low == 1 and high is None else (
         f"an integer of at least {low}" if high is None else f"an integer from {low} to {high}")
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}") from None
+        if not _DECIMAL.fullmatch(text.strip()):
+            raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}")
+        value = int(text)
         if value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"expected {expected}, not {value}")
         return value
@@ -44,6 +50,26 @@ def int_in(low: int, high: int | None = None):
 
 
 positive_int = int_in(1)
+# A decimal integer in ASCII digits, with an optional sign.
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
+
+
+def arch_name(text: str) -> str:
+    """argparse's type for a GPU architecture: ``checks.arch``'s one spelling
+    (``SM_90A`` is sm_90a), one of ``policy.ARCHS``; ArgumentTypeError
+    naming them otherwise."""
+    try:
+        return checks.arch("the architecture", text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def folder(text: str) -> Path:
+    """argparse's type for a folder's path; ArgumentTypeError for an empty
+    one (which ``Path`` would read as the working directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder's path, not ''")
+    return Path(text)
 
 
 def kernel_names(text: str, flag: str = "--kernels") -> frozenset[str]:
@@ -55,12 +81,12 @@ def kernel_names(text: str, flag: str = "--kernels") -> frozenset[str]:
         raise ValueError(f"{flag} names no kernel; {known}")
     if "" in entries:
         raise ValueError(f"{flag} {text!r} has an empty entry; write names separated by single commas")
-    repeated = sorted({k for k in entries if entries.count(k) > 1})
+    repeated = {k for k in entries if entries.count(k) > 1}
     if repeated:
-        raise ValueError(f"{flag} names {', '.join(repeated)} more than once")
+        raise ValueError(f"{flag} names {listed(repeated)} more than once")
     unknown = set(entries) - policy.ALL_KERNELS
     if unknown:
-        raise ValueError(f"{flag} names unknown kernels {sorted(unknown)}; {known}")
+        raise ValueError(f"{flag} names unknown kernels {listed(unknown)}; {known}")
     return frozenset(entries)
 
 
@@ -107,7 +133,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-plan", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="a DraftConfig JSON file (default: the reference draft)")
     p.add_argument("--tp", type=int_in(1, policy.MAX_TP), default=1, help="the tensor-parallel size (default 1)")
-    p.add_argument("--arch", default="sm_90a", choices=policy.ARCHS, help="the GPU architecture (default sm_90a)")
+    p.add_argument("--arch", default="sm_90a", type=arch_name,
+                   help=f"the GPU architecture: {' or '.join(policy.ARCHS)} (default sm_90a)")
     p.add_argument("--num-sms", type=int_in(1, policy.MAX_SMS), default=132,
                    help="the GPU's SM count (default 132, an H200)")
     p.add_argument("--kernels", default="installed",
@@ -139,7 +166,7 @@ def plan_config(args) -> tuple[object, DraftPlan]:
     from dspark_core.reference.model import DraftModel
     from dspark_core.reference.tp import check_tp
 
-    config = DraftConfig.from_json(args.config) if args.config else DraftConfig()
+    config = DraftConfig.from_json(args.config) if args.config is not None else DraftConfig()
     check_tp(config, args.tp)
     check_opt_in_tp(args.tp, args.gemv, args.package_gemm)
     target = policy.Target("cuda", args.arch, args.num_sms, args.tp, _kernels(args.kernels), attention=args.attention)

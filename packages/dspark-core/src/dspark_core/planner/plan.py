@@ -171,13 +171,28 @@ def _with_kernels(part: Part, target: Target, *kernels: str) -> Part:
     return stock if part.fused or stock.declined else part
 
 
+def layer_weight_bytes(draft: DraftDescription) -> int:
+    """The bytes of the draft's layer projections on this rank (QKV, o_proj,
+    gate-up and down weights): a lower bound of what its GPU must hold."""
+    weights = (w for layer in draft.layers for w in (layer.attention.qkv_weight, layer.attention.o_proj_weight,
+                                                     layer.mlp.gate_up_weight, layer.mlp.down_weight))
+    return sum(w.numel() * w.element_size() for w in weights if isinstance(w, torch.Tensor))
+
+
 def sizes_unsupported(draft: DraftDescription) -> str | None:
-    """Why the draft's sizes are beyond every kernel, or None: the hidden and
-    intermediate sizes, a layer's query and QKV rows and its KV block at most
-    ``K.MAX_SIZE`` (32-bit indexing), its query and KV heads at most
-    ``K.MAX_HEADS``, as are its heads' widths."""
+    """Why the draft's sizes are beyond every kernel or every GPU, or None:
+    the hidden and intermediate sizes, a layer's query and QKV rows and its
+    KV block at most ``K.MAX_SIZE`` (32-bit indexing), its query and KV heads
+    at most ``K.MAX_HEADS``, as are its heads' widths; its layers' weights
+    (``layer_weight_bytes``) at most ``policy.MAX_GPU_BYTES`` (sizes below
+    2^31 can still be more than a GPU holds: a hidden width of two billion,
+    2^20 heads)."""
     if draft.hidden_size > K.MAX_SIZE:
         return f"a hidden size of {draft.hidden_size}, more than the kernels take ({K.MAX_SIZE})"
+    nbytes = layer_weight_bytes(draft)
+    if nbytes > policy.MAX_GPU_BYTES:
+        return (f"{nbytes / 1e9:,.0f} GB of layer weights on a rank, more than a GPU holds "
+                f"({policy.MAX_GPU_BYTES / 1e9:,.0f} GB)")
     for layer in draft.layers:
         a = layer.attention
         sizes = (("intermediate size", layer.mlp.intermediate_size, K.MAX_SIZE),
@@ -249,7 +264,7 @@ def context_constants(draft: DraftDescription, arch: str = "sm_90a") -> K.Contex
         raise Unsupported("a K/V projection weight other than bfloat16")
     norms = K.ContextNormConstants(h, len(draft.layers), hidden, pres[0])
     store = K.context_store_constants(context.k_norm, context.num_kv_heads, context.rope)
-    return K.ContextConstants(norms, store)
+    return K.within_limits(K.ContextConstants(norms, store))
 
 
 def plan_draft(draft: DraftDescription, target: Target | None = None) -> DraftPlan:
@@ -339,12 +354,8 @@ def _attention_part(i: int, attn: Attention) -> Part:
         return Part(name, reason=attn.attention_unsupported)
     if attn.attention_operands is None:
         return Part(name, reason="the model's attention is not the paged attention the kernel reproduces")
-    if attn.head_dim != K.HEAD_DIM:
-        return Part(name, reason=f"{attn.head_dim}-wide heads, not {K.HEAD_DIM}")
-    if attn.num_kv_heads < 1 or attn.num_heads % attn.num_kv_heads:
-        return Part(name, reason=f"{attn.num_heads} query heads do not group over {attn.num_kv_heads} KV heads")
-    return _try(name, K.AttentionConstants, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                attn.kv_block_size, "int64")
+    return _try(name, lambda: K.within_limits(K.AttentionConstants(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                                                   attn.kv_block_size, "int64")))
 
 
 def _o_gate_part(i: int, attn: Attention, arch: str) -> Part:

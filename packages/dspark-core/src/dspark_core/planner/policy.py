@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 
+from dspark_core import checks
 from dspark_core.contracts.constants import MAX_DECODE_ROWS  # noqa: F401 (re-exported)
 
 # The kernel names (dspark_core.contracts.kernels), re-exported for the planner's callers.
@@ -28,12 +29,16 @@ from dspark_core.contracts.kernels import (  # noqa: F401
 )
 from dspark_core.switches import flag
 
-# The architectures the kernels are compiled for.
-ARCHS = ("sm_90a", "sm_100a")
+# The architectures the kernels are compiled for (dspark_core.checks.ARCHS).
+ARCHS = checks.ARCHS
 # The largest SM count and TP size a target may name (an H200 has 132 SMs, a
 # B200 148; a TP group of more GPUs than this is no deployment of a draft).
 MAX_SMS = 1024
 MAX_TP = 1024
+# The most bytes of weights a GPU the kernels are built for holds (a B200's
+# 192 GB of HBM; an H200 has 141 GB): a draft whose layer weights on a rank
+# are more is planned stock with that reason.
+MAX_GPU_BYTES = 192 * 10**9
 # TP sizes whose boundaries fuse their branch's all-reduce (a Lamport mailbox
 # over peer-to-peer stores): every power of two the mailbox is written for.
 FUSED_TPS = (2, 4, 8)
@@ -85,7 +90,9 @@ ORDERED_GEMM_TP_ROLES = ("qkv_proj", "gate_up")
 
 
 def ordered_gemm_roles(tp: int) -> tuple[str, ...]:
-    """The projections a layer plans on the ordered GEMM at TP size ``tp``, in order."""
+    """The projections a layer plans on the ordered GEMM at TP size ``tp``
+    (an int from 1 to ``MAX_TP``), in order."""
+    tp = checks.integer("the TP size tp", tp, 1, MAX_TP)
     return ORDERED_GEMM_ROLES if tp == 1 else ORDERED_GEMM_TP_ROLES
 
 
@@ -196,21 +203,28 @@ class Target:
     declined: frozenset[str] = field(default=frozenset())
 
     def __post_init__(self) -> None:
-        if not set(self.declined) <= set(OPT_IN):
-            raise ValueError(f"only the opt-in kernels {sorted(OPT_IN)} can be declined, not {sorted(self.declined)}")
-        if self.attention not in ATTENTION_VARIANTS:
-            raise ValueError(f"an attention variant is one of {ATTENTION_VARIANTS}, not {self.attention!r}")
+        """Each field checked and normalised where it enters (``dspark_core.
+        checks``): the platform and the attention variant one of theirs; the
+        TP size an int from 1 to ``MAX_TP`` and the SM count one from 1 to
+        ``MAX_SMS`` (numpy ints taken, bools refused); the architecture in
+        its one spelling (``checks.arch``: ``SM_90A``, ``(9, 0)`` are
+        sm_90a; another one, like sm_80, is kept for the plan to refuse);
+        ``kernels``, ``excluded`` and ``declined`` sets of kernel names (a
+        string is no set), ``declined`` of opt-in ones. TypeError or
+        ValueError naming the field."""
+        def put(name: str, value) -> None:
+            object.__setattr__(self, name, value)
+
         if self.platform not in ("cuda", "cpu"):
-            raise ValueError(f"a target platform is 'cuda' or 'cpu', not {self.platform!r}")
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or not 1 <= self.tp <= MAX_TP:
-            raise ValueError(f"a TP size is an integer from 1 to {MAX_TP}, not {self.tp!r}")
-        if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or not 1 <= self.num_sms <= MAX_SMS:
-            raise ValueError(f"an SM count is an integer from 1 to {MAX_SMS}, not {self.num_sms!r}")
-        if self.platform == "cuda" and self.arch not in ARCHS and not self.arch.startswith("sm_"):
-            raise ValueError(f"a GPU architecture is written like sm_90a, not {self.arch!r}")
-        unknown = set(self.kernels) - ALL_KERNELS
-        if unknown:
-            raise ValueError(f"unknown kernels {sorted(unknown)}; known: {sorted(ALL_KERNELS)}")
+            raise ValueError(f"a target platform is 'cuda' or 'cpu', not {checks.shown(self.platform)}")
+        if self.attention not in ATTENTION_VARIANTS:
+            raise ValueError(f"an attention variant is one of {ATTENTION_VARIANTS}, not {checks.shown(self.attention)}")
+        put("tp", checks.integer("Target.tp (the TP size)", self.tp, 1, MAX_TP))
+        put("num_sms", checks.integer("Target.num_sms (the SM count)", self.num_sms, 1, MAX_SMS))
+        put("arch", checks.arch("Target.arch", self.arch, known=False))
+        for name in ("kernels", "excluded"):
+            put(name, checks.name_set(f"Target.{name}", getattr(self, name), ALL_KERNELS))
+        put("declined", checks.name_set("Target.declined (opt-in kernels only)", self.declined, frozenset(OPT_IN)))
 
     def describe(self) -> str:
         """The target in words: its platform, architecture, SMs and TP size."""
@@ -241,19 +255,20 @@ class Target:
     def decline(self, kernels) -> Target:
         """This target less the opt-in ``kernels`` (``OPT_IN``), which the
         plan's reasons then call opt-in."""
-        kernels = frozenset(kernels)
+        kernels = checks.name_set("the declined kernels", kernels, frozenset(OPT_IN))
         return self.replace(kernels=self.kernels - kernels, declined=self.declined | kernels)
 
     def opt_in(self, asked) -> Target:
         """This target with every opt-in kernel (``OPT_IN``) that ``asked``
         does not name declined, except those the caller excluded (whose
-        reason stays "excluded")."""
-        return self.decline(set(OPT_IN) - set(asked) - self.excluded)
+        reason stays "excluded"). ``asked``: a set of opt-in kernel names."""
+        asked = checks.name_set("the opt-in kernels asked for", asked, frozenset(OPT_IN))
+        return self.decline(set(OPT_IN) - asked - self.excluded)
 
     def without(self, kernels) -> Target:
         """This target less ``kernels``, which the plan's reasons then call
         excluded by the caller (not "not installed")."""
-        kernels = frozenset(kernels)
+        kernels = checks.name_set("the excluded kernels", kernels, ALL_KERNELS)
         return self.replace(kernels=self.kernels - kernels, excluded=self.excluded | kernels)
 
 

@@ -6,20 +6,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from dspark_core.contracts.constants import FP32_OVERFLOW, MAX_SIZE
+from dspark_core import checks
+from dspark_core.contracts.constants import MAX_SIZE
+from dspark_core.errors import listed
 
 INT64_MAX = 2**63 - 1
-# The most layers a draft config may have: drafts have a few; planning builds
-# every layer's modules (linear in the count), so a config of millions of
-# layers is refused rather than planned for minutes.
-MAX_LAYERS = 1 << 16
+# The most layers a draft config (or a target, whose layers a draft reads)
+# may have: drafts have a few and the largest models a few hundred; planning
+# builds every layer's modules (linear in the count: 1024 layers take about
+# 60 MB and 4 s, the 65536 once allowed 3.6 GB and minutes), so more is
+# refused rather than planned.
+MAX_LAYERS = 1 << 10
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # The norm variant keys a config may set, globally or per norm (norm_overrides).
@@ -30,21 +36,21 @@ _NORM_TYPES = {"has_weight": bool, "weight_dtype": str, "gain_center": float, "w
 LAYER_NORMS = ("input_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm")
 
 
-def _fp32_finite(value: float) -> bool:
-    """Whether ``value`` is finite once rounded to FP32, as the stock rounds
-    eps, gain centers and the RoPE base (1e300 is finite here, inf there)."""
-    return abs(value) < FP32_OVERFLOW
-
-
-def _check_type(name: str, value: Any, kind: type) -> None:
-    """TypeError unless ``value`` is a ``kind`` (an int is a float; a bool is
-    no int): no silent conversion of a mistyped config value."""
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
-          else isinstance(value, int) and not isinstance(value, bool) if kind is int
-          else isinstance(value, kind))
-    if not ok:
+def _check_type(name: str, value: Any, kind: type) -> Any:
+    """``value`` where it is a ``kind``, else TypeError: no silent conversion
+    of a mistyped config value. An int or a float is ``checks.integer``'s and
+    ``checks.fp32_number``'s (a numpy number taken as the Python one, a bool
+    refused), returned as the Python number; any other kind by isinstance."""
+    if kind is int:
+        return checks.integer(name, value)
+    if kind is float:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a float, not {checks.shown(value)}")
+        return float(value)
+    if not isinstance(value, kind):
         article = "an" if kind.__name__[0] in "aeiou" else "a"
-        raise TypeError(f"{name} must be {article} {kind.__name__}, not {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be {article} {kind.__name__}, not {checks.shown(value)}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,8 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _check_type(f.name, getattr(self, f.name), _FIELD_TYPES[f.name])
+            # A numpy int or float is kept as the Python one (the config is written back as JSON).
+            object.__setattr__(self, f.name, _check_type(f.name, getattr(self, f.name), _FIELD_TYPES[f.name]))
         for name in ("rope_table_dtype", "norm_weight_dtype", "compute_dtype", "residual_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {sorted(DTYPES)}, not {getattr(self, name)!r}")
@@ -114,14 +121,10 @@ class DraftConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
-        if not (_fp32_finite(self.rope_theta) and self.rope_theta > 1.0):
-            raise ValueError(f"rope_theta must be a finite number above 1 (finite in FP32), not {self.rope_theta}")
+        checks.fp32_number("rope_theta", self.rope_theta, above=1.0)
         for name in ("rms_norm_eps", "head_norm_eps"):
-            if not (_fp32_finite(getattr(self, name)) and getattr(self, name) >= 0.0):
-                raise ValueError(f"{name} must be a finite non-negative number (finite in FP32), "
-                                 f"not {getattr(self, name)}")
-        if not _fp32_finite(self.norm_gain_center):
-            raise ValueError(f"norm_gain_center must be finite (in FP32), not {self.norm_gain_center}")
+            checks.fp32_number(name, getattr(self, name), low="non-negative")
+        checks.fp32_number("norm_gain_center", self.norm_gain_center)
         norms = self.norm_names()
         for name, keys in self.norm_overrides.items():
             if name not in norms:
@@ -131,7 +134,7 @@ class DraftConfig:
                 raise TypeError(f"norm_overrides[{name!r}] must be a dict of {NORM_KEYS}, not {type(keys).__name__}")
             unknown = set(keys) - set(NORM_KEYS)
             if unknown:
-                raise ValueError(f"norm_overrides[{name!r}] has unknown keys {sorted(unknown)}; known: {NORM_KEYS}")
+                raise ValueError(f"norm_overrides[{name!r}] has unknown keys {listed(unknown)}; known: {NORM_KEYS}")
             self.norm_variant(name)  # checks each value
         connections = {f"layers.{i}.{c}" for i in range(self.num_layers) for c in ("add_attn", "add_ffn")}
         for name, keys in self.connection_overrides.items():
@@ -165,12 +168,11 @@ class DraftConfig:
         }
         variant.update(self.norm_overrides.get(name, {}))
         for key, value in variant.items():
-            _check_type(f"{name}'s {key}", value, _NORM_TYPES[key])
+            variant[key] = _check_type(f"{name}'s {key}", value, _NORM_TYPES[key])
         if variant["weight_dtype"] not in DTYPES:
             raise ValueError(f"{name}: weight_dtype must be one of {sorted(DTYPES)}, not {variant['weight_dtype']!r}")
-        if not _fp32_finite(variant["gain_center"]) or not (_fp32_finite(variant["eps"]) and variant["eps"] >= 0):
-            raise ValueError(f"{name}: gain_center and eps must be finite (in FP32; eps non-negative), not "
-                             f"{variant['gain_center']} and {variant['eps']}")
+        checks.fp32_number(f"{name}'s gain_center", variant["gain_center"])
+        checks.fp32_number(f"{name}'s eps", variant["eps"], low="non-negative")
         variant["weight_dtype"] = DTYPES[variant["weight_dtype"]]
         return variant
 
@@ -186,7 +188,7 @@ class DraftConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown DraftConfig keys {sorted(unknown)}")
+            raise ValueError(f"unknown DraftConfig keys {listed(unknown)}")
         return cls(**data)
 
     @classmethod
@@ -216,23 +218,42 @@ def _json_constant(text: str):
     raise ValueError(f"{text} is not a JSON number")
 
 
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data = dict(pairs)
+    if len(data) < len(pairs):
+        keys = [key for key, _ in pairs]
+        raise ValueError(f"an object repeats the keys {listed({k for k in keys if keys.count(k) > 1})} (which "
+                         "one counts is the reader's choice: write each once)")
+    return data
+
+
+# What a path that is no regular file is, by its stat.S_IS* test.
+_FILE_KINDS = (("a directory", stat.S_ISDIR), ("a FIFO", stat.S_ISFIFO), ("a socket", stat.S_ISSOCK),
+               ("a character device", stat.S_ISCHR), ("a block device", stat.S_ISBLK))
+
+
 def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
     """The JSON object in the file ``path`` (``what``: what it should hold,
-    for the error). ValueError, naming the path, for what is no regular
-    file (a directory, a device, a FIFO: never read), a file over
+    for the error). ValueError, naming the path, for an empty path or one
+    ending in a slash (a directory's), what is no regular file (a
+    directory, a device, a FIFO: never read, and said which), a file over
     ``MAX_JSON_BYTES``, text that is not UTF-8 or not strict JSON (NaN and
-    Infinity, numbers that overflow a float, integers beyond int64, nesting
-    deeper than Python's recursion limit) and JSON that is no object; OSError
-    for a path that cannot be read."""
+    Infinity, numbers that overflow a float, integers beyond int64, a key
+    repeated in an object, nesting deeper than Python's recursion limit) and
+    JSON that is no object; OSError for a path that cannot be read."""
+    if isinstance(path, str) and (not path or path.endswith("/")):
+        raise ValueError(f"the path of {what} must name a JSON file, not {path!r}"
+                         + (" (a trailing slash names a directory)" if path else ""))
     path = Path(path)
     st = path.stat()
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{path} is not a regular file")
+        kind = next((name for name, test in _FILE_KINDS if test(st.st_mode)), "no regular file")
+        raise ValueError(f"{path} is {kind}, not a regular file of {what}")
     if st.st_size > MAX_JSON_BYTES:
         raise ValueError(f"{path} holds {st.st_size} bytes, more than a config's {MAX_JSON_BYTES}")
     try:
         data = json.loads(path.read_bytes().decode("utf-8"), parse_int=_json_int, parse_float=_json_float,
-                          parse_constant=_json_constant)
+                          parse_constant=_json_constant, object_pairs_hook=_json_pairs)
     except UnicodeDecodeError as error:
         raise ValueError(f"{path} is not UTF-8 text: {error.reason} at byte {error.start}") from None
     except RecursionError:

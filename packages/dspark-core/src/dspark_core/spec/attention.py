@@ -22,9 +22,11 @@ cache slot, widened to FP32 exactly:
 5. the 128 lane sums fold by halves (``numerics.fold_halves``: lane ``t`` plus
    lane ``t + 64``, then ``+ 32``, ... ``+ 1``) into ``l`` and ``a[d]``;
 6. ``out[d] = round_bf16(a[d] / l)`` (IEEE division). With no valid slot this
-   is ``0 / 0``, a NaN (what the kernel computes too); the reference draft
-   refuses such a row before attending (``check_some_valid``, in
-   ``reference.model.attend`` and ``check_inputs``).
+   is ``0 / 0``, a NaN: what the fused kernels compute, but no result of
+   vLLM's (its draft rows each attend at least their own slot), so
+   ``paged_attention`` refuses such a row (``check_some_valid``, outside
+   CUDA-graph capture) unless asked for the kernels' NaN
+   (``empty_rows="nan"``, what their tests compare).
 
 This is softmax(q . k / sqrt(D)) @ V in FP32 with every rounding and every sum
 order fixed, so the same bits come out on CPU and CUDA, and a kernel whose
@@ -39,6 +41,7 @@ import math
 
 import torch
 
+from dspark_core import checks
 from dspark_core.spec.layers import capturing
 from dspark_core.spec.numerics import exp_rn, f32, fold_halves
 
@@ -53,8 +56,9 @@ def head_sum(v: torch.Tensor) -> torch.Tensor:
 
 
 def scale(head_dim: int) -> float:
-    """``SCALE``: ``1 / sqrt(head_dim)`` (float64) rounded to FP32."""
-    return f32(1.0 / math.sqrt(head_dim))
+    """``SCALE``: ``1 / sqrt(head_dim)`` (float64) rounded to FP32;
+    ``head_dim`` a positive int (``checks.integer``)."""
+    return f32(1.0 / math.sqrt(checks.integer("head_dim", head_dim, 1)))
 
 
 def check_attention(q: torch.Tensor, cache, attn_slots: torch.Tensor, num_kv_heads: int) -> None:
@@ -112,13 +116,21 @@ def lane_sums(terms: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return fold_halves(acc.movedim(1, -1))
 
 
-def paged_attention(q: torch.Tensor, cache, attn_slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, cache, attn_slots: torch.Tensor, num_kv_heads: int, *,
+                    empty_rows: str = "refuse") -> torch.Tensor:
     """Attention of BF16 ``q`` ``[m, heads, D]`` over ``cache`` (a
     ``layers.PagedKVCache``) at ``attn_slots`` ``[m, S]`` (negative: masked),
-    steps 1-6 of the module docstring. Returns BF16 ``[m, heads, D]``."""
+    steps 1-6 of the module docstring. Returns BF16 ``[m, heads, D]``.
+    ``empty_rows``: ``"refuse"`` (ValueError ``NO_VALID_SLOT`` for a row
+    with no valid slot, checked outside capture) or ``"nan"`` (the fused
+    kernels' 0 / 0 there)."""
+    if empty_rows not in ("refuse", "nan"):
+        raise ValueError(f"empty_rows must be 'refuse' or 'nan', not {empty_rows!r}")
     check_attention(q, cache, attn_slots, num_kv_heads)
     if not capturing():
         _check_slots(cache, attn_slots)
+        if empty_rows == "refuse":
+            check_some_valid(attn_slots)
     m, heads, d = q.shape
     group = heads // num_kv_heads
     valid = attn_slots >= 0

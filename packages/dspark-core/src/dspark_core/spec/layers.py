@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark_core import checks
 from dspark_core.spec.numerics import (
     F32,
     check_arch,
@@ -37,14 +38,34 @@ from dspark_core.spec.numerics import (
     rsqrt_approx_ftz,
     sqrt_approx_ftz,
 )
+from dspark_core.switches import flag
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check_eps(eps: float) -> None:
-    if not eps >= 0.0:  # NaN fails too
-        raise ValueError(f"a norm's eps must be a non-negative number, not {eps}")
+def _check_eps(eps: float) -> float:
+    """``eps`` as a float: a non-negative number finite in FP32 (the stock
+    rounds it to FP32), as ``DraftConfig`` takes it; TypeError or ValueError."""
+    return checks.fp32_number("a norm's eps", eps, low="non-negative")
+
+
+def _size(name: str, value, heads: bool = False) -> int:
+    """``value`` as an int from 1 to the kernels' bound on a size (heads:
+    on a head count), ``contracts.limits``' (imported on first use: that
+    module reads the spec); TypeError or ValueError naming ``name``."""
+    from dspark_core.contracts import limits
+
+    return checks.integer(name, value, 1, limits.MAX_HEADS if heads else limits.MAX_SIZE)
+
+
+def _check_rows(x, what: str) -> None:
+    """TypeError unless ``x`` is a tensor of BF16, FP16 or FP32 (the dtypes
+    a layer widens to FP32 exactly): an integer or FP64 tensor is refused,
+    not cast."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in OUT_DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{what} must be a bfloat16, float16 or float32 tensor, not {got}")
 
 
 def _check_dtype(dtype: torch.dtype, allowed, what: str) -> None:
@@ -97,20 +118,18 @@ class RMSNorm(nn.Module):
         arch: str | None = None,
     ) -> None:
         super().__init__()
-        check_row_width(hidden_size)
-        if arch is not None:
-            check_arch(arch)
-        self.arch = arch
+        hidden_size = check_row_width(hidden_size, "RMSNorm's hidden_size")
+        self.arch = None if arch is None else check_arch(arch)
         _check_dtype(out_dtype, OUT_DTYPES, "the norm's output dtype")
         if has_weight:
             _check_dtype(weight_dtype, WEIGHT_DTYPES, "the norm weight's dtype")
-        if weight_before_norm and not has_weight:
+        weighted, scaled = flag(has_weight, "has_weight"), flag(weight_before_norm, "weight_before_norm")
+        if scaled and not weighted:
             raise ValueError("a weightless norm cannot scale its input by a weight")
-        _check_eps(eps)
         self.hidden_size = hidden_size
-        self.eps = float(eps)
+        self.eps = _check_eps(eps)
         self.has_weight = has_weight
-        self.gain_center = float(gain_center)
+        self.gain_center = checks.fp32_number("the norm's gain center", gain_center)
         self.weight_before_norm = weight_before_norm
         self.out_dtype = out_dtype
         self.weight = (
@@ -126,6 +145,7 @@ class RMSNorm(nn.Module):
         return self.weight.to(F32) + f32(self.gain_center)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        _check_rows(x, "the norm's input")
         if x.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"RMSNorm({self.hidden_size}) takes rows of {self.hidden_size} "
@@ -154,10 +174,9 @@ class HeadNorm(nn.Module):
 
     def __init__(self, head_dim: int, eps: float = 1e-6) -> None:
         super().__init__()
-        check_head_width(head_dim)
-        _check_eps(eps)
+        head_dim = check_head_width(head_dim, "HeadNorm's head_dim")
         self.head_dim = head_dim
-        self.eps = float(eps)
+        self.eps = _check_eps(eps)
         self.register_parameter("weight", None)
 
 
@@ -175,6 +194,7 @@ def qk_norm_rope(x: torch.Tensor, norm: HeadNorm, positions: torch.Tensor | None
     rsqrt(fma(S, 1/64, eps))`` (``rsqrtf``); ``n = e * r`` in FP32; with
     ``rotary``, GPT-J RoPE at ``positions`` on the FP32 ``n``
     (``Rotary.rotate``); one rounding to BF16."""
+    _check_rows(x, "the QK-norm's heads")
     _check_heads(x, norm.head_dim, "the QK-norm")
     d = norm.head_dim
     e = x.to(F32).reshape(*x.shape[:-1], d // 8, 8)
@@ -194,6 +214,7 @@ def k_norm_context(k: torch.Tensor, norm: HeadNorm) -> torch.Tensor:
     ``q = k * k``; per 64-wide row ``s_l = q_l + q_(l+32)`` (l < 32), folded
     by halves (shfl-down 16 .. 1); ``mean = t * 2^-6``; ``v = mean + eps``;
     ``r = torch.rsqrt(v)`` (``rsqrtf``); ``k * r`` rounded to BF16."""
+    _check_rows(k, "the K-norm's keys")
     _check_heads(k, norm.head_dim, "the K-norm")
     half = norm.head_dim // 2
     kf = k.to(F32)
@@ -212,11 +233,16 @@ class GatedResidual(nn.Module):
 
     def __init__(self, hidden_size: int, alpha: float = 1.0, beta: float = 1.0) -> None:
         super().__init__()
+        hidden_size = _size("the gated residual's hidden_size", hidden_size)
+        alpha = checks.fp32_number("the residual alpha", alpha)
+        beta = checks.fp32_number("the residual beta", beta)
         self.hidden_size = hidden_size
         self.alpha = nn.Parameter(torch.full((hidden_size,), alpha, dtype=F32), requires_grad=False)
         self.beta = nn.Parameter(torch.full((hidden_size,), beta, dtype=F32), requires_grad=False)
 
     def forward(self, stream: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        _check_rows(stream, "the residual stream")
+        _check_rows(branch, "the residual branch")
         h = self.hidden_size
         if stream.shape != branch.shape or stream.shape[-1:] != (h,):
             raise ValueError(
@@ -274,12 +300,13 @@ class Rotary(nn.Module):
         table_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"GPT-J RoPE takes an even head size, not {head_dim}")
+        if _size("Rotary's head_dim", head_dim, heads=True) % 2:
+            raise ValueError(f"Rotary's head_dim: GPT-J RoPE takes an even head size, not {head_dim}")
         _check_dtype(table_dtype, (torch.bfloat16, torch.float32), "the RoPE table's dtype")
         self.head_dim = head_dim
-        self.max_position = max_position
-        self.theta = float(theta)
+        self.max_position = _size("Rotary's max_position", max_position)
+        # DraftConfig's rope_theta: a base of 1 or below (0 gives inf and NaN frequencies) is refused.
+        self.theta = checks.fp32_number("the RoPE base theta", theta, above=1.0)
         j = torch.arange(head_dim // 2, dtype=torch.float64)
         freqs = self.theta ** (-2.0 * j / head_dim)
         angles = torch.arange(max_position, dtype=torch.float64)[:, None] * freqs[None, :]
@@ -293,6 +320,7 @@ class Rotary(nn.Module):
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[m, heads, D]`` rotated in FP32 at integer ``positions``
         ``[m]`` (class docstring); ``table`` defaults to ``cos_sin``."""
+        _check_rows(x, "the rotated heads")
         if positions.is_floating_point() or positions.is_complex():
             raise ValueError(f"RoPE positions must be integers, not {positions.dtype}")
         if positions.shape != x.shape[:1]:
@@ -339,8 +367,13 @@ class PagedKVCache:
 
     def __init__(self, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, device=None,
                  layout: str = "LBHNC") -> None:
-        if layout not in CACHE_LAYOUTS:
-            raise ValueError(f"the KV cache layout must be one of {', '.join(CACHE_LAYOUTS)}, not {layout!r}")
+        if not isinstance(layout, str) or layout not in CACHE_LAYOUTS:
+            raise ValueError(f"the KV cache layout must be one of {', '.join(CACHE_LAYOUTS)}, not "
+                             f"{checks.shown(layout)}")
+        num_blocks = _size("the cache's num_blocks", num_blocks)
+        kv_heads = _size("the cache's kv_heads", kv_heads, heads=True)
+        block_size = _size("the cache's block_size", block_size)
+        head_dim = _size("the cache's head_dim", head_dim, heads=True)
         order = CACHE_LAYOUTS[layout]
         logical = (num_blocks + 1, kv_heads, block_size, 2 * head_dim)
         physical = torch.zeros([logical[i] for i in order], dtype=torch.bfloat16, device=device)
@@ -380,6 +413,12 @@ def capturing() -> bool:
 
 
 def _check_insert(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    _check_rows(k, "the inserted K")
+    _check_rows(v, "the inserted V")
+    if not isinstance(slots, torch.Tensor) or slots.is_floating_point() or slots.is_complex() \
+            or slots.dtype == torch.bool:
+        raise TypeError(f"the KV insert's slots must be an integer tensor, not "
+                        f"{getattr(slots, 'dtype', type(slots).__name__)}")
     num_blocks, heads, bs, width = cache.shape
     d = width // 2
     if k.shape[-2:] != (heads, d) or v.shape != k.shape or slots.shape != k.shape[:1]:
@@ -425,11 +464,13 @@ def o_gate(attn: torch.Tensor, gate: torch.Tensor, norm: HeadNorm, arch: str | N
       ``y = sig * (x * inv)``;
 
     rounded to BF16."""
+    _check_rows(attn, "the o-gate's attention")
+    _check_rows(gate, "the o-gate's gate")
     _check_heads(attn, norm.head_dim, "the o-norm")
     if gate.shape != attn.shape:
         raise ValueError(f"the o-gate takes a gate of the attention's shape {list(attn.shape)}, not "
                          f"{list(gate.shape)}")
-    arch = check_arch(arch or stock_arch(attn.device))
+    arch = check_arch(stock_arch(attn.device) if arch is None else arch)
     d = norm.head_dim
     x, g = attn.to(F32), gate.to(F32)
     rows = x.shape[0] * x.shape[1] if x.dim() == 3 else x.numel() // d
@@ -457,8 +498,11 @@ def silu_and_mul(gu: torch.Tensor, intermediate: int) -> torch.Tensor:
     (gate columns first): ``a = x / (expf(-x) + 1)`` (CUDA's accurate
     ``expf``, IEEE division) rounded to BF16, then ``a * (up + 0.0)`` rounded
     to BF16 (``up + 0.0`` turns a -0.0 up into +0.0)."""
+    _check_rows(gu, "the activation's gate-up rows")
+    intermediate = checks.integer("the activation's intermediate size (intermediate)", intermediate, 1)
     if gu.shape[-1] != 2 * intermediate:
-        raise ValueError(f"the activation takes [m, {2 * intermediate}] gate-up rows, not {list(gu.shape)}")
+        raise ValueError(f"the activation takes gate-up rows of 2 * intermediate = {2 * intermediate} columns, "
+                         f"not {list(gu.shape)}")
     g, u = gu.to(F32).split(intermediate, dim=-1)
     a = (g / (expf(-g) + 1.0)).to(torch.bfloat16).to(F32)
     return (a * (u + 0.0)).to(torch.bfloat16)
@@ -478,6 +522,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        hidden_size = _size("GatedMLP's hidden_size", hidden_size)
+        intermediate_size = _size("GatedMLP's intermediate_size", intermediate_size)
         self.intermediate_size = intermediate_size
         self.gate_up = nn.Parameter(
             torch.zeros(2 * intermediate_size, hidden_size, dtype=torch.bfloat16), requires_grad=False

@@ -53,8 +53,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dspark_core import checks
 from dspark_core.spec import numerics
-from dspark_core.spec.numerics import F32, fma_rn
+from dspark_core.spec.numerics import F32, f32, fma_rn
 
 HEAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -82,16 +83,17 @@ def check_head_dtype(dtype: torch.dtype, what: str = "the logits") -> None:
 def transform_constants(multiplier: float, soft_cap: float | None) -> tuple[float, float | None, float | None]:
     """``(M, C, J)`` of step 4: the FP32 multiplier, the FP32 soft cap and
     its FP32 reciprocal (``1.0f / C``, one IEEE division), or None for both
-    without a cap. ValueError for a non-finite multiplier or a cap that is
-    not a positive finite number."""
-    if not np.isfinite(multiplier):
-        raise ValueError(f"the output multiplier must be a finite number, not {multiplier}")
-    m = float(np.float32(multiplier))
+    without a cap. Both are checked once rounded (``checks.fp32_number``):
+    TypeError for a non-number; ValueError for a multiplier that is not
+    finite in FP32 or that a non-zero value rounds to 0 in FP32 (1e39 would
+    make every logit inf or NaN, 1e-46 every logit 0: draft id 0 at every
+    step), and for a cap that is not positive once rounded or whose FP32
+    reciprocal is not finite (1e39, 1e-46 and 1e-39 all give NaN logits)."""
+    m = f32(checks.fp32_number("the output multiplier", multiplier, nonzero=True))
     if soft_cap is None:
         return m, None, None
-    if not (np.isfinite(soft_cap) and soft_cap > 0):
-        raise ValueError(f"the soft cap must be a positive finite number or None, not {soft_cap}")
-    c = np.float32(soft_cap)
+    c = np.float32(checks.fp32_number("the soft cap (None or a number)", soft_cap, low="positive",
+                                      reciprocal=True))
     return m, float(c), float(np.float32(1.0) / c)
 
 
@@ -162,6 +164,30 @@ def argmax(y: torch.Tensor) -> torch.Tensor:
     return torch.where(first_nan < last, first_nan, first_top)
 
 
+def check_d2t(d2t: torch.Tensor, vocab: int, targets: int, distinct: bool = False) -> torch.Tensor:
+    """The target id of every draft id, ``arange(vocab) + d2t`` (int64
+    ``[vocab]``), where the map is an operand a step can follow: an int64
+    ``[vocab]`` tensor whose every target id lies in ``[0, targets)``
+    (``targets``: the rows of the first Markov factor ``w1`` that the next
+    step gathers, or the target vocabulary a step scatters to) and, with
+    ``distinct``, no two draft ids share one. Constant for a checkpoint, so
+    checked once where a step is built (one host read); TypeError or
+    ValueError naming ``d2t``, the first offending draft id and its target."""
+    if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or tuple(d2t.shape) != (vocab,):
+        what = f"{d2t.dtype} {list(d2t.shape)}" if isinstance(d2t, torch.Tensor) else type(d2t).__name__
+        raise TypeError(f"d2t must be an int64 [{vocab}] tensor (a draft vocabulary of {vocab}), not {what}")
+    target = torch.arange(vocab, device=d2t.device) + d2t
+    bad = ((target < 0) | (target >= targets)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(f"d2t maps draft id {i} to target id {int(target[i])}, outside [0, {targets}) (the rows "
+                         f"a step reads or writes); {bad.numel()} draft ids do")
+    if distinct and target.unique().numel() != vocab:
+        raise ValueError(f"d2t must map the draft ids to distinct target ids; {vocab - target.unique().numel()} "
+                         "of them repeat one")
+    return target
+
+
 def map_draft_to_target(ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
     """``ids + d2t[ids]`` (int64), or ``ids`` without a d2t."""
     return ids if d2t is None else ids + d2t[ids]
@@ -201,10 +227,16 @@ def greedy_loop(base: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w2: to
     anchors (``[R]`` ids), ``w1`` ``[V_target, r]``, ``w2`` ``[Vpad, r]``;
     the drafted target ids, int64 ``[R, N]`` (what vLLM writes into
     ``draft_tokens[:R]``). ``bias_fn(e)`` replaces step 2 (default
-    ``markov_bias``)."""
+    ``markov_bias``). ``d2t`` is checked first (``check_d2t`` against
+    ``w1``'s rows; without it the vocabulary must not exceed them)."""
     if base.dim() != 3:
         raise ValueError(f"the base logits must be [requests, steps, vocab], not {list(base.shape)}")
     r, n, v = base.shape
+    if d2t is not None:
+        check_d2t(d2t, v, w1.shape[0])
+    elif v > w1.shape[0]:
+        raise ValueError(f"without a d2t map the draft ids are target ids: a vocabulary of {v}, more than w1's "
+                         f"{w1.shape[0]} rows")
     if bias_fn is None:
         def bias_fn(e):
             return markov_bias(e, w2, v, head_dtype)
@@ -217,6 +249,6 @@ def greedy_loop(base: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w2: to
     return tokens
 
 
-__all__ = ["HEAD_DTYPES", "add_bias", "argmax", "check_head_dtype", "greedy_loop", "greedy_step",
+__all__ = ["HEAD_DTYPES", "add_bias", "argmax", "check_d2t", "check_head_dtype", "greedy_loop", "greedy_step",
            "map_draft_to_target", "markov_bias", "markov_logits", "output_transform", "tanhf",
            "transform_constants"]

@@ -63,7 +63,9 @@ import math
 import numpy as np
 import torch
 
-ARCHS = ("sm_90a", "sm_100a")
+from dspark_core import checks
+from dspark_core.checks import ARCHS  # noqa: F401 (re-exported)
+
 # The stock norm's CTA: THREADS threads, VEC consecutive columns a chunk, CHUNK columns a chunk row.
 THREADS = 256
 VEC = 8
@@ -75,22 +77,29 @@ F32 = torch.float32
 F64 = torch.float64
 
 
-def check_row_width(h: int) -> None:
-    """ValueError unless ``h`` is a positive multiple of ``CHUNK``."""
+def check_row_width(h: int, name: str = "the row width H") -> int:
+    """``h`` where it is an int (``checks.integer``) and a positive multiple
+    of ``CHUNK``; TypeError or ValueError naming ``name`` otherwise."""
+    h = checks.integer(name, h)
     if h <= 0 or h % CHUNK:
-        raise ValueError(f"a DSpark row norm takes rows of a positive multiple of {CHUNK} columns, not {h}")
+        raise ValueError(f"{name}: a DSpark row norm takes rows of a positive multiple of {CHUNK} columns, not {h}")
+    return h
 
 
-def check_head_width(d: int) -> None:
-    """ValueError unless ``d`` is a power of two of at least 2."""
+def check_head_width(d: int, name: str = "the head width head_dim") -> int:
+    """``d`` where it is an int (``checks.integer``) and a power of two of
+    at least 2; TypeError or ValueError naming ``name`` otherwise."""
+    d = checks.integer(name, d)
     if d < 2 or d & (d - 1):
-        raise ValueError(f"a DSpark head norm takes heads of a power of two (>= 2) columns, not {d}")
+        raise ValueError(f"{name}: a DSpark head norm takes heads of a power of two (>= 2) columns, not {d}")
+    return d
 
 
-def check_arch(arch: str) -> str:
-    if arch not in ARCHS:
-        raise ValueError(f"the spec describes the stock on {', '.join(ARCHS)}, not {arch!r}")
-    return arch
+def check_arch(arch) -> str:
+    """``arch`` in its one spelling (``checks.arch``: ``SM_90A`` and
+    ``(9, 0)`` are ``sm_90a``), one of ``ARCHS``; TypeError or
+    ValueError naming the architectures the spec describes."""
+    return checks.arch("arch (the GPU whose stock the spec describes)", arch)
 
 
 def f32(value: float) -> float:
@@ -243,8 +252,8 @@ def thread_elements(v: torch.Tensor) -> torch.Tensor:
 
 def thread_sum_of_squares(e: torch.Tensor, arch: str, input_scaled: bool = False) -> torch.Tensor:
     """One thread's sum of the squares of its elements ``e`` ``[..., n]``
-    (module docstring) on ``arch``."""
-    check_arch(arch)
+    (module docstring) on ``arch`` (``check_arch``'s spelling)."""
+    arch = check_arch(arch)
     if arch == "sm_90a":
         return pairwise(fma_rn(e[..., 0::2], e[..., 0::2], e[..., 1::2] * e[..., 1::2]))
     if input_scaled:

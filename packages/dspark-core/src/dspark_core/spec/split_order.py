@@ -41,6 +41,9 @@ MMA_K = 16
 # measured; 256 for completeness) and the most splits it tries.
 TILES = (64, 128, 256)
 MAX_SPLITS = 64
+# What candidate_orders takes: K up to 2^24 columns, up to 1024 splits.
+MAX_K = 1 << 24
+MAX_SEARCH_SPLITS = 1024
 
 
 def _positive_int(value, name: str) -> int:
@@ -98,11 +101,14 @@ def candidate_orders(k: int, tiles: tuple[int, ...] = TILES, max_splits: int = M
                      first: SplitOrder | None = None) -> list[SplitOrder]:
     """Every ``SplitOrder`` of ``tiles`` and 1 to ``max_splits`` splits that
     applies to ``k``, one per distinct ``bounds`` (the smallest tile kept),
-    ``first`` (where it applies) leading, then by split count, then tile."""
-    k = _positive_int(k, "K (k)")
-    max_splits = _positive_int(max_splits, "the most splits (max_splits)")
+    ``first`` (where it applies) leading, then by split count, then tile.
+    ``k`` from 1 to ``MAX_K``, ``max_splits`` from 1 to ``MAX_SEARCH_SPLITS``
+    (ValueError beyond, TypeError for a non-integer)."""
+    k = integer("K (k)", k, 1, MAX_K)
+    max_splits = integer("the most splits (max_splits)", max_splits, 1, MAX_SEARCH_SPLITS)
     seen: dict[tuple, SplitOrder] = {}
-    for splits in range(1, max_splits + 1):
+    # No order of more splits than the narrowest tile gives K applies.
+    for splits in range(1, min(max_splits, k // min(tiles)) + 1):
         for tile in sorted(tiles):
             order = SplitOrder(tile, splits)
             if order.problem(k) is None:

@@ -20,8 +20,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32, Uint64
 
-from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants
-from dspark_core.errors import Unsupported
+from dspark_core.contracts.constants import HEAD_DIM, AttentionConstants, within_limits
 from dspark_core.spec.attention import LANES, scale
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gating.o_gate import o_gate_fragment
@@ -35,29 +34,17 @@ PREFETCH_GROUP = 4
 SLOT_BYTES = {"int32": 4, "int64": 8}
 ROW_BYTES = 2 * HEAD_DIM  # one K (or V) row of BF16
 SLOT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
-# The staged kernel: slots whose K and V rows it may stage in shared memory
-# (256 bytes per slot).
-MAX_STAGED_SLOTS = 768
 
 
 def check_constants(c: AttentionConstants) -> None:
-    """Unsupported unless the kernels take ``c``: 64-wide heads, query heads a
-    multiple of the KV heads, a positive block size, int32 or int64 slots."""
+    """Unsupported unless the kernels take ``c``: their limits
+    (``dspark_core.contracts.limits``: 64-wide heads, query heads a multiple
+    of the KV heads, a positive block size, int32 or int64 slots, staged
+    slots a multiple of 128 up to 768); the o-norm's eps is checked where
+    the constants are built (``contracts.constants._Key``)."""
     if not isinstance(c, AttentionConstants):
         raise ValueError(f"PagedAttention takes AttentionConstants, not {type(c).__name__}")
-    if c.head_dim != HEAD_DIM:
-        raise Unsupported(f"the attention kernel takes heads of {HEAD_DIM} columns, not {c.head_dim}")
-    if c.kv_heads < 1 or c.num_heads < 1 or c.num_heads % c.kv_heads:
-        raise Unsupported(f"{c.num_heads} query heads do not split into groups over {c.kv_heads} KV heads")
-    if c.block_size < 1:
-        raise Unsupported(f"a KV block size of {c.block_size}, not a positive one")
-    if c.slot_dtype not in SLOT_DTYPES:
-        raise Unsupported(f"attn_slots of int32 or int64, not {c.slot_dtype}")
-    staged = c.staged_slots
-    if not (isinstance(staged, int) and 0 <= staged <= MAX_STAGED_SLOTS and staged % LANES == 0):
-        raise Unsupported(f"staged slots of a multiple of {LANES} up to {MAX_STAGED_SLOTS}, not {staged}")
-    if c.o_gate_eps is not None and not (isinstance(c.o_gate_eps, float) and c.o_gate_eps >= 0.0):
-        raise Unsupported(f"the o-norm's eps must be a non-negative float, not {c.o_gate_eps}")
+    within_limits(c)
 
 
 # ---------------------------------------------------------------- traced math

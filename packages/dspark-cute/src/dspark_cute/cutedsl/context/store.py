@@ -52,8 +52,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
 
-from dspark_core.contracts.constants import HEAD_DIM, ContextStoreConstants
-from dspark_core.errors import Unsupported
+from dspark_core.contracts.constants import HEAD_DIM, ContextStoreConstants, within_limits
 from dspark_cute import ptx
 from dspark_cute.cutedsl.heads import strided_row_address
 from dspark_cute.runtime import ops
@@ -66,18 +65,15 @@ MAX_LAYERS_PER_LAUNCH = 8
 WARPS_PER_CTA = 4
 # Bytes of one head's K (or V) in the projection output and in the cache.
 HEAD_BYTES = 2 * HEAD_DIM
-TABLE_DTYPES = ("bf16", "fp32")
 
 
 def check_constants(c: ContextStoreConstants) -> None:
     """Unsupported unless the kernel takes ``c`` (a ContextStoreConstants):
-    a power-of-two number of KV heads up to 32 and a BF16 or FP32 table."""
+    its limits (``dspark_core.contracts.limits``: a power-of-two number of KV
+    heads up to 32 and a BF16 or FP32 table)."""
     if not isinstance(c, ContextStoreConstants):
         raise ValueError(f"ContextKvStore takes ContextStoreConstants, not {type(c).__name__}")
-    if c.kv_heads < 1 or c.kv_heads > 32 or c.kv_heads & (c.kv_heads - 1):
-        raise Unsupported(f"the context store takes a power of two of KV heads up to 32, not {c.kv_heads}")
-    if c.table_dtype not in TABLE_DTYPES:
-        raise Unsupported(f"the context store reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
+    within_limits(c)
 
 
 # ---------------------------------------------------------------- traced math

@@ -39,8 +39,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
-from dspark_core.contracts.constants import MlpActivationConstants
-from dspark_core.errors import Unsupported
+from dspark_core.contracts.constants import MlpActivationConstants, within_limits
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gating.elementwise import vector_index
 from dspark_cute.runtime import ops
@@ -64,12 +63,10 @@ MAX_VECTORS = 2**31 - THREADS
 
 def check_constants(c: MlpActivationConstants) -> None:
     """Unsupported unless the kernel takes ``c`` (a MlpActivationConstants):
-    I a positive multiple of 8."""
+    its limits (``dspark_core.contracts.limits``: I a positive multiple of 8)."""
     if not isinstance(c, MlpActivationConstants):
         raise ValueError(f"MlpActivation takes MlpActivationConstants, not {type(c).__name__}")
-    i = c.intermediate_size
-    if not isinstance(i, int) or i < VEC or i % VEC:
-        raise Unsupported(f"the activation takes an intermediate size that is a positive multiple of {VEC}, not {i}")
+    within_limits(c)
 
 
 # ---------------------------------------------------------------- the kernel

@@ -59,8 +59,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
 
-from dspark_core.contracts.constants import HEAD_DIM, OGateConstants
-from dspark_core.errors import Unsupported
+from dspark_core import checks
+from dspark_core.contracts.constants import HEAD_DIM, OGateConstants, stock_arch, within_limits
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gating.elementwise import vector_index
 from dspark_cute.runtime import ops
@@ -76,7 +76,7 @@ from dspark_cute.runtime.host import (
 
 # The stock o-gates this kernel reproduces: FLA's Triton kernel (sm_90a) and
 # FlashInfer's CuTe kernel (sm_100a).
-ARCHS = ("sm_90a", "sm_100a")
+ARCHS = checks.ARCHS
 # Threads per CTA (each 8 columns; 16 heads per CTA).
 THREADS = 128
 # Columns per thread (one 16-byte BF16 vector) and threads per head.
@@ -92,21 +92,19 @@ FLA_COLUMNS = 4
 
 
 def check_arch(arch) -> str:
-    """``arch`` if a stock o-gate of it is known (``ARCHS``), else Unsupported."""
-    if arch not in ARCHS:
-        raise Unsupported(f"no stock o-gate is known for {arch!r} (only {', '.join(ARCHS)})")
-    return arch
+    """``arch`` in its one spelling if a stock o-gate of it is known
+    (``dspark_core.contracts.constants.stock_arch``), else Unsupported."""
+    return stock_arch(arch, "stock o-gate")
 
 
 def check_constants(c: OGateConstants) -> None:
-    """Unsupported unless the kernel takes ``c`` (an OGateConstants): at
-    least one head, a non-negative eps, an arch of ``ARCHS``."""
+    """Unsupported unless the kernel takes ``c`` (an OGateConstants): its
+    limits (``dspark_core.contracts.limits``: at least one head) and an arch
+    of ``ARCHS``; its eps is checked where the constants are built
+    (``contracts.constants._Key``: non-negative, finite in FP32)."""
     if not isinstance(c, OGateConstants):
         raise ValueError(f"OGate takes OGateConstants, not {type(c).__name__}")
-    if not isinstance(c.num_heads, int) or isinstance(c.num_heads, bool) or c.num_heads < 1:
-        raise Unsupported(f"the o-gate takes at least one head, not {c.num_heads}")
-    if not c.eps >= 0.0:  # NaN fails too
-        raise Unsupported(f"the o-norm's eps must be a non-negative number, not {c.eps}")
+    within_limits(c)
     check_arch(c.arch)
 
 

@@ -43,31 +43,30 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64, Uint32
 
+from dspark_core.contracts.constants import within_limits
 from dspark_core.contracts.markov import (
-    MARKOV_MAX_ROWS,
     MARKOV_THREADS,
     MARKOV_VEC,
     MarkovConstants,
+    markov_rows,
 )
-from dspark_core.errors import Unsupported
-from dspark_core.spec.markov import transform_constants
+from dspark_core.spec.markov import check_d2t, transform_constants
 from dspark_cute import ptx
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import current_stream, describe, fake_stream, jit_cache, smem_allocator
 
 THREADS = MARKOV_THREADS
 VEC = MARKOV_VEC
-# One 16-byte vector of the embedding row per thread.
-MAX_RANK = THREADS * VEC
 
 
 def check_constants(c: MarkovConstants) -> None:
-    """Unsupported unless the kernel takes ``c`` (a MarkovConstants): the
-    rank at most ``MAX_RANK`` (one vector a thread)."""
+    """Unsupported unless the kernel takes ``c`` (a MarkovConstants): its
+    limits (``dspark_core.contracts.limits``, which ``markov_constants``
+    ends with: vocabulary and rank positive multiples of 8, the rank at most
+    ``MARKOV_MAX_RANK``, one vector of the embedding row a thread)."""
     if not isinstance(c, MarkovConstants):
         raise ValueError(f"MarkovStep takes MarkovConstants, not {type(c).__name__}")
-    if c.rank > MAX_RANK:
-        raise Unsupported(f"the fused Markov step takes a Markov rank of at most {MAX_RANK}, not {c.rank}")
+    within_limits(c)
 
 
 # ---------------------------------------------------------------- the kernel
@@ -194,7 +193,7 @@ class MarkovStep:
     Built from ``MarkovConstants``, ``w1`` (BF16 ``[V_target, rank]``,
     contiguous, 16-byte aligned; a launch needs it on CUDA), ``d2t`` (int64 ``[vocab]``,
     contiguous, on ``w1``'s device; None where the constants have no d2t)
-    and ``max_rows`` (1 to 65535: its key and counter words). Operands:
+    and ``max_rows`` (``markov_rows``: 1 to 65535; its key and counter words). Operands:
     ``base`` and ``bias`` BF16 ``[R, vocab]`` with unit column stride, row
     strides multiples of 8 and 16-byte aligned starts; ``tokens`` int64
     ``[R]`` (any stride: a column of ``draft_tokens``); ``embed`` BF16 ``[R,
@@ -218,10 +217,14 @@ class MarkovStep:
                     or not d2t.is_contiguous() or d2t.device != w1.device:
                 raise ValueError(f"d2t must be a contiguous int64 [{constants.vocab}] tensor on {w1.device}, "
                                  f"not {describe(d2t)}")
+            # The next step gathers w1 at each target id: every one must be a row of it.
+            check_d2t(d2t, constants.vocab, w1.shape[0])
         elif d2t is not None:
             raise ValueError("these constants have no d2t map: pass d2t=None")
-        if not isinstance(max_rows, int) or not 1 <= max_rows <= MARKOV_MAX_ROWS:
-            raise ValueError(f"max_rows must be an int from 1 to {MARKOV_MAX_ROWS}, not {max_rows!r}")
+        elif constants.vocab > w1.shape[0]:
+            raise ValueError(f"without a d2t map the draft ids are target ids: a draft vocabulary of "
+                             f"{constants.vocab}, more than w1's {w1.shape[0]} rows")
+        markov_rows(max_rows)
         self.constants = constants
         self.w1, self.d2t, self.max_rows = w1, d2t, max_rows
         self.device = w1.device
@@ -307,5 +310,5 @@ class MarkovStep:
                Int32(1 if gather else 0), Int32(base.shape[0]), current_stream())
 
 
-__all__ = ["MAX_RANK", "MarkovGreedyKernel", "MarkovStep", "THREADS", "check_constants", "compile_markov_step",
+__all__ = ["MarkovGreedyKernel", "MarkovStep", "THREADS", "check_constants", "compile_markov_step",
            "fake_args", "row_key", "step_values"]

@@ -34,10 +34,11 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
 
-from dspark_core.contracts.markov import MARKOV_MAX_ROWS, MarkovSampleConstants
-from dspark_core.errors import Unsupported
+from dspark_core.contracts.constants import within_limits
+from dspark_core.contracts.markov import MarkovSampleConstants, markov_rows
+from dspark_core.spec.markov import check_d2t
 from dspark_cute import ptx
-from dspark_cute.cutedsl.markov.greedy import MAX_RANK, THREADS, VEC, finish, step_values
+from dspark_cute.cutedsl.markov.greedy import THREADS, VEC, finish, step_values
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import current_stream, describe, fake_stream, jit_cache, smem_allocator
 
@@ -45,10 +46,13 @@ NEG_INF_BF16 = 0xFF80
 
 
 def check_constants(c: MarkovSampleConstants) -> None:
+    """Unsupported unless the kernel takes ``c`` (a MarkovSampleConstants):
+    its limits (``dspark_core.contracts.limits``, which
+    ``markov_sample_constants`` ends with: the greedy step's, and a target
+    vocabulary that is a positive multiple of 8 no smaller than the draft's)."""
     if not isinstance(c, MarkovSampleConstants):
         raise ValueError(f"MarkovSampleStep takes MarkovSampleConstants, not {type(c).__name__}")
-    if c.rank > MAX_RANK:
-        raise Unsupported(f"the fused Markov step takes a Markov rank of at most {MAX_RANK}, not {c.rank}")
+    within_limits(c)
 
 
 class MarkovSampleKernel:
@@ -186,11 +190,8 @@ class MarkovSampleStep:
         if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or tuple(d2t.shape) != (constants.vocab,) \
                 or d2t.device != w1.device:
             raise ValueError(f"d2t must be an int64 [{constants.vocab}] tensor on {w1.device}, not {describe(d2t)}")
-        target = torch.arange(constants.vocab, device=d2t.device) + d2t
-        if bool(((target < 0) | (target >= constants.target_vocab)).any()) or target.unique().numel() != target.numel():
-            raise ValueError(f"d2t must map the draft ids to distinct target ids below {constants.target_vocab}")
-        if not isinstance(max_rows, int) or not 1 <= max_rows <= MARKOV_MAX_ROWS:
-            raise ValueError(f"max_rows must be an int from 1 to {MARKOV_MAX_ROWS}, not {max_rows!r}")
+        target = check_d2t(d2t, constants.vocab, constants.target_vocab, distinct=True)
+        markov_rows(max_rows)
         self.constants, self.w1, self.d2t, self.max_rows = constants, w1, d2t, max_rows
         self.device = w1.device
         self.t2d = torch.full((constants.target_vocab,), -1, dtype=torch.int32, device=w1.device)

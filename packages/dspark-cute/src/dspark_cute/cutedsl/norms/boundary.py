@@ -28,12 +28,10 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
-from dspark_core.contracts.constants import BoundaryConstants
-from dspark_core.errors import Unsupported
+from dspark_core.contracts.constants import BoundaryConstants, within_limits
 from dspark_cute import ptx
 from dspark_cute.cutedsl.norms.rms import (
     check_arch,
-    check_row_width,
     fragment_columns,
     gate_words,
     gated_residual_of,
@@ -227,7 +225,7 @@ class DraftBoundary:
                 f"DraftBoundary takes BoundaryConstants, not {type(constants).__name__}"
             )
         h = constants.hidden_size
-        check_row_width(h)
+        within_limits(constants)
         check_arch(constants.post)
         check_arch(constants.pre)
         check_operand(alpha, (h,), torch.float32, 16, "the residual alpha")
@@ -240,8 +238,6 @@ class DraftBoundary:
                 if weight is not None:
                     raise ValueError(f"the {name} has no weight in its constants, yet one was given")
             else:
-                if norm.weight_dtype not in TORCH_DTYPES:
-                    raise Unsupported(f"a {name} weight of bf16, fp16 or fp32, not {norm.weight_dtype}")
                 check_operand(weight, (h,), TORCH_DTYPES[norm.weight_dtype], 16, f"the {name} weight")
                 if weight.device != alpha.device:
                     raise ValueError(f"the {name} weight is not on the gates' device")

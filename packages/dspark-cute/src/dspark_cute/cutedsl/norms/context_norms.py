@@ -32,12 +32,9 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
-from dspark_core.contracts.constants import ContextNormConstants
-from dspark_core.errors import Unsupported
+from dspark_core.contracts.constants import ContextNormConstants, within_limits
 from dspark_cute import ptx
 from dspark_cute.cutedsl.norms.rms import (
-    check_norm,
-    check_row_width,
     fragment_columns,
     load_weight_words,
     rms_norm_fragments,
@@ -63,15 +60,12 @@ MAX_CTAS = 2**31 - 1
 
 
 def check_constants(c: ContextNormConstants) -> None:
-    """Unsupported unless the kernel takes ``c``: H a positive multiple of
-    2048, at least one layer, norm variants the norm kernels take."""
+    """Unsupported unless the kernel takes ``c``: its limits
+    (``dspark_core.contracts.limits``: H a positive multiple of 2048, at
+    least one layer, norms the norm kernels take)."""
     if not isinstance(c, ContextNormConstants):
         raise ValueError(f"ContextNorms takes ContextNormConstants, not {type(c).__name__}")
-    check_row_width(c.hidden_size)
-    if c.num_layers < 1:
-        raise Unsupported(f"the context norms need at least one layer, not {c.num_layers}")
-    check_norm(c.hidden, "hidden norm")
-    check_norm(c.pre, "input norm")
+    within_limits(c)
 
 
 # ---------------------------------------------------------------- the kernel

@@ -24,32 +24,13 @@ from dspark_core.contracts.constants import BoundaryConstants, NormConstants
 from dspark_core.errors import Unsupported
 from dspark_core.spec.numerics import ARCHS
 from dspark_cute import ptx
-from dspark_cute.runtime.host import ELEMENT_BYTES, TORCH_DTYPES
-
-
-def check_row_width(h: int) -> None:
-    """Unsupported unless rows of ``h`` columns fit the reference CTA: a
-    positive multiple of 2048 (``ptx.CHUNK``)."""
-    if h <= 0 or h % ptx.CHUNK:
-        raise Unsupported(f"a DSpark row norm takes rows of a positive multiple of {ptx.CHUNK} columns, not {h}")
+from dspark_cute.runtime.host import ELEMENT_BYTES
 
 
 def check_arch(norm: NormConstants) -> None:
     """Unsupported unless a stock row tree is known for ``norm.arch``."""
     if norm.arch not in ARCHS:
         raise Unsupported(f"no stock norm tree is known for {norm.arch!r} (only {', '.join(ARCHS)})")
-
-
-def check_norm(norm: NormConstants, what: str) -> None:
-    """Unsupported unless the norm kernels take ``norm``: no weight or a
-    BF16, FP16 or FP32 one, and a weight before the norm only with a weight."""
-    if not isinstance(norm, NormConstants):
-        raise TypeError(f"the {what} constants must be NormConstants, not {type(norm).__name__}")
-    if norm.weight_dtype is not None and norm.weight_dtype not in TORCH_DTYPES:
-        raise Unsupported(f"a {what} weight of bf16, fp16 or fp32, not {norm.weight_dtype}")
-    if norm.weight_dtype is None and norm.weight_before_norm:
-        raise Unsupported(f"a weightless {what} cannot scale its input by a weight")
-    check_arch(norm)
 
 
 def fragment_columns(tidx, h: int) -> list:
@@ -166,5 +147,5 @@ def gated_residual(y: list, s: list, a_words: list, b_words: list, new_row, colu
     return gated_residual_of(y, stream_products(a_words, s), b_words, new_row, column, store)
 
 
-__all__ = ["check_arch", "check_norm", "check_row_width", "fragment_columns", "gains", "gate_words", "gated_residual",
+__all__ = ["check_arch", "fragment_columns", "gains", "gate_words", "gated_residual",
            "gated_residual_of", "load_weight_words", "rms_norm_fragments", "stream_products"]

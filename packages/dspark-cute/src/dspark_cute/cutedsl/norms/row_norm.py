@@ -20,12 +20,10 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
-from dspark_core.contracts.constants import RowNormConstants
-from dspark_core.errors import Unsupported
+from dspark_core.contracts.constants import RowNormConstants, within_limits
 from dspark_cute import ptx
 from dspark_cute.cutedsl.norms.rms import (
     check_arch,
-    check_row_width,
     fragment_columns,
     load_weight_words,
     rms_norm_fragments,
@@ -142,20 +140,14 @@ class RowNorm(LazyPdl):
     ) -> None:
         if not isinstance(constants, RowNormConstants):
             raise ValueError(f"RowNorm takes RowNormConstants, not {type(constants).__name__}")
-        check_row_width(constants.hidden_size)
+        within_limits(constants)
         check_arch(constants.norm)
-        if constants.in_dtype not in ("bf16", "fp32"):
-            raise Unsupported(f"the row norm reads bf16 or fp32 rows, not {constants.in_dtype}")
-        if constants.out_dtype not in TORCH_DTYPES:
-            raise Unsupported(f"the row norm writes bf16, fp16 or fp32, not {constants.out_dtype}")
         h = constants.hidden_size
         wdtype = constants.norm.weight_dtype
         if wdtype is None:
             if weight is not None:
                 raise ValueError("a weightless norm's constants were given a weight")
         else:
-            if wdtype not in TORCH_DTYPES:
-                raise Unsupported(f"a norm weight of bf16, fp16 or fp32, not {wdtype}")
             check_operand(weight, (h,), TORCH_DTYPES[wdtype], 16, "the norm weight")
         self.constants = constants
         self.weight = weight

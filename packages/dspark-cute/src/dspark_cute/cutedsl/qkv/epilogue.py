@@ -53,8 +53,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
 
-from dspark_core.contracts.constants import HEAD_DIM, QKVEpilogueConstants
-from dspark_core.errors import Unsupported
+from dspark_core.contracts.constants import HEAD_DIM, QKVEpilogueConstants, within_limits
 from dspark_core.spec.layers import capturing
 from dspark_cute import ptx
 from dspark_cute.cutedsl.heads import (
@@ -92,22 +91,16 @@ FLAT_HEADS = FLAT_THREADS // LANES
 # (benchmarks/results/qkv_epilogue_design.md; the kernel as it runs: qkv_epilogue.md).
 FLAT_ABOVE = 256 * 80
 HEAD_BYTES = 2 * HEAD_DIM
-TABLE_DTYPES = ("bf16", "fp32")
 
 
 def check_constants(c: QKVEpilogueConstants) -> None:
-    """Unsupported unless the kernel takes ``c`` (a QKVEpilogueConstants): at
-    least one q head and one KV head, no q-norm weight (the stock fused
-    QK-norm is weightless), a BF16 or FP32 RoPE table."""
+    """Unsupported unless the kernel takes ``c`` (a QKVEpilogueConstants):
+    its limits (``dspark_core.contracts.limits``: at least one q head and one
+    KV head, no q-norm weight, the stock fused QK-norm being weightless, a
+    BF16 or FP32 RoPE table)."""
     if not isinstance(c, QKVEpilogueConstants):
         raise ValueError(f"QKVEpilogue takes QKVEpilogueConstants, not {type(c).__name__}")
-    if c.num_heads < 1 or c.kv_heads < 1:
-        raise Unsupported(f"the QKV epilogue takes at least one q head and one KV head, not {c.num_heads} "
-                         f"and {c.kv_heads}")
-    if c.q_weight:
-        raise Unsupported("a q-norm weight (the stock fused QK-norm is weightless)")
-    if c.table_dtype not in TABLE_DTYPES:
-        raise Unsupported(f"the QKV epilogue reads a bf16 or fp32 RoPE table, not {c.table_dtype}")
+    within_limits(c)
 
 
 # ---------------------------------------------------------------- the kernel
