@@ -48,14 +48,29 @@ BASES = {
     "MlpActivationConstants": K.MlpActivationConstants(1024),
     "MarkovConstants": markov_constants(384, 64, 1.0, None, True),
     "MarkovSampleConstants": markov_sample_constants(384, 512, 64, 1.0, None),
+    "PackageGemmConstants": K.PackageGemmConstants("o_proj", 2048, 1024, 64, 1, 16),
+    "GemvConstants": K.GemvConstants("o_proj", 64, 256),
+    "OrderedGemmConstants": K.OrderedGemmConstants("o_proj", 64, 256),
 }
 
 
+def _meta_weight(n: int, k: int) -> torch.Tensor:
+    """A BF16 ``[n, k]`` weight on the meta device (any size, nothing allocated)."""
+    return torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+
+
 def _hosts() -> dict:
-    """Per constants class, the host-class check the plugin's build runs."""
+    """Per constants class, the host-class check the plugin's build runs (a
+    tuple: each of the host classes that take them). The GEMMs' host classes
+    are constructed over a meta weight: their limit checks come first, then
+    the weight's refusal as no CUDA operand (a ValueError: taken here)."""
+    from dspark_comm.cutedsl.package_gemm import PackageGemm
+    from dspark_comm.cutedsl.package_gemv import PackageGemvKernel
     from dspark_cute.cutedsl.attention import common as attention
     from dspark_cute.cutedsl.context import store
     from dspark_cute.cutedsl.gating import mlp_activation, o_gate
+    from dspark_cute.cutedsl.gemm.gemv import Gemv
+    from dspark_cute.cutedsl.gemm.ordered import OrderedGemm
     from dspark_cute.cutedsl.markov import greedy, sample
     from dspark_cute.cutedsl.norms import context_norms
     from dspark_cute.cutedsl.norms.boundary import DraftBoundary
@@ -75,7 +90,39 @@ def _hosts() -> dict:
         "MlpActivationConstants": mlp_activation.check_constants,
         "MarkovConstants": greedy.check_constants,
         "MarkovSampleConstants": sample.check_constants,
+        "PackageGemmConstants": lambda c: PackageGemm(c, _meta_weight(c.hidden_size, c.k_shard), pdl=False),
+        "GemvConstants": (lambda c: Gemv(c, _meta_weight(c.n, c.k), pdl=False),
+                          lambda c: PackageGemvKernel(c, "plain", None, 0, False)),
+        "OrderedGemmConstants": lambda c: OrderedGemm(c, _meta_weight(c.n, c.k), pdl=False, sms=132),
     }
+
+
+def _own_checks() -> dict:
+    """Per GEMM constants class, whether the kernel's own checks, without
+    the contract, take the constants: the main loops and kernel classes the
+    host class builds, at its default launch settings, and the weight checks
+    it runs (the package GEMM: ``SkinnyConfig`` at ``4 * split_k`` warps
+    and 16 tokens, ``PackageGemmKernel`` of ``tile_n`` rows a CTA; the GEMV:
+    ``spec.gemv.gemv_unsupported`` of its weight; the ordered GEMM:
+    ``OrderedGemmKernel``'s K and its host class's weight check). A
+    ValueError (``Unsupported`` included) or TypeError is a refusal."""
+    from dspark_comm.cutedsl import package_gemm as pg
+    from dspark_core.contracts.constants import ordered_gemm_unsupported
+    from dspark_core.spec.gemv import gemv_unsupported
+    from dspark_cute.cutedsl.gemm.ordered import OrderedGemmKernel
+    from dspark_cute.cutedsl.gemm.skinny import config as sg
+
+    def package(c) -> bool:
+        cfg = sg.SkinnyConfig(c.k_shard, 4 * c.split_k, 1, 2)
+        pg.PackageGemmKernel(c.hidden_size, cfg, "plain", None, 0, False, tile_rows=c.tile_n)
+        return 1 <= c.max_rows <= sg.MAX_TOKENS
+
+    def ordered(c) -> bool:
+        OrderedGemmKernel(c.k, 1, 1, 2, False)
+        return ordered_gemm_unsupported(_meta_weight(c.n, c.k)) is None
+
+    return {"PackageGemmConstants": package, "OrderedGemmConstants": ordered,
+            "GemvConstants": lambda c: gemv_unsupported(_meta_weight(c.n, c.k)) is None}
 
 
 def probes(limit: limits.Limit, c) -> list[tuple[str, dict, bool]]:
@@ -83,7 +130,8 @@ def probes(limit: limits.Limit, c) -> list[tuple[str, dict, bool]]:
     the valid ``c``, derived from the limit's bounds."""
     f = limit.field
     if limit.choices is not None:
-        past = (not limit.choices[0]) if isinstance(limit.choices[0], bool) else "fp8"
+        first = limit.choices[0]
+        past = (not first) if isinstance(first, bool) else max(limit.choices) + 1 if isinstance(first, int) else "fp8"
         return [*((f"at {v}", {f: v}, True) for v in limit.choices), (f"past: {past}", {f: past}, False)]
     if limit.requires is not None:
         other = getattr(c, limit.requires)
@@ -96,7 +144,8 @@ def probes(limit: limits.Limit, c) -> list[tuple[str, dict, bool]]:
     if limit.groups is not None:
         k = getattr(c, limit.groups)
         return [("inside", {f: 4 * k}, True), ("at", {f: k}, True), ("past", {f: k + 1}, False)]
-    low, high, step = limit.low, limit.high, limit.multiple
+    scale = 1 if limit.per is None else getattr(c, limit.per)  # bounds per unit of another field
+    low, high, step = (None if v is None else v * scale for v in (limit.low, limit.high, limit.multiple))
     found = [("at the least", {f: low}, True), ("past the least", {f: low - step}, False)]
     if high is not None and high != low:
         inside = low + step if not limit.power_of_two else 2 * max(low, 1)
@@ -156,11 +205,50 @@ def test_every_limit_agrees_between_the_contract_and_the_host_class(owner, limit
         assert not taken, refusal
         return
     contract = limits.unsupported(c)
-    host = _refusal(_hosts()[owner], c)
+    hosts = _hosts()[owner]
     assert (contract is None) == taken, contract
-    assert host == contract
+    for host in hosts if isinstance(hosts, tuple) else (hosts,):
+        assert _refusal(host, c) == contract
     if not taken:
         assert f"{owner}.{limit.field})" in contract or f"{limit.field})" in contract
+
+
+GEMM_CASES = [case for case in CASES if case[0] in ("PackageGemmConstants", "GemvConstants", "OrderedGemmConstants")]
+
+
+@pytest.mark.parametrize(("owner", "limit", "label", "changes", "taken"), GEMM_CASES,
+                         ids=[f"{o}.{lim.field}-{label}" for o, lim, label, _, _ in GEMM_CASES])
+def test_every_gemm_limit_is_the_kernels_own(owner, limit, label, changes, taken):
+    """The GEMMs' limits, stated in the contract, are their kernels' own:
+    inside, at and past each, the kernel's checks without the contract
+    (``_own_checks``) take exactly what the contract takes."""
+    try:
+        c = dataclasses.replace(BASES[owner], **changes)
+    except Unsupported:  # beyond _Key's rules: no constants
+        assert not taken
+        return
+    try:
+        own = _own_checks()[owner](c)
+    except (ValueError, TypeError):
+        own = False
+    assert own == taken == (limits.unsupported(c) is None)
+
+
+def test_the_gemm_limits_are_the_kernels_constants():
+    """The units the contract states are those the kernels compute with."""
+    from dspark_comm.cutedsl import package_gemm as pg
+    from dspark_cute.cutedsl.gemm import gemv, ordered
+    from dspark_cute.cutedsl.gemm.skinny import config as sg
+
+    assert limits.PACKAGE_GEMM_TILE_N == pg.TILE_ROWS
+    assert limits.PACKAGE_GEMM_K_STEP == sg.STEP_K * limits.PACKAGE_GEMM_WARPS
+    assert limits.MAX_DECODE_ROWS == sg.MAX_TOKENS
+    assert limits.PACKAGE_GEMM_MAX_K * sg.BETA / (16 * limits.PACKAGE_GEMM_WARPS) == 2.0**-10
+    assert (limits.GEMV_K_UNIT, limits.GEMV_N_UNIT) == (gemv.FRAGMENT, gemv.WARPS * gemv.ROWS_PER_WARP)
+    assert (limits.ORDERED_GEMM_K_UNIT, limits.ORDERED_GEMM_N_UNIT, limits.ORDERED_GEMM_MAX_ROWS) == (
+        ordered.CHUNK, ordered.TILE_ROWS, ordered.MAX_ROWS)
+    assert (limits.ORDERED_GEMM_FASTER_ROWS, limits.ORDERED_GEMM_FASTER_BYTES) == (
+        ordered.STREAMED_MAX_ROWS, ordered.STREAMED_MAX_BYTES)
 
 
 def _reasons(model) -> tuple[dict, dict]:

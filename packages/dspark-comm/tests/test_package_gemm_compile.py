@@ -425,10 +425,10 @@ def test_constants_refused_with_sentences():
     w = torch.zeros(8192, 1024, dtype=torch.bfloat16)
     cases = [
         (dict(tile_n=128), "tile_n 64"),
-        (dict(hidden_size=8100), "positive multiple of 64"),
+        (dict(hidden_size=8100), r"positive multiple of its tile_n, not 8100 \(tile_n 64\)"),
         (dict(max_rows=17), "1 to 16 rows"),
         (dict(max_rows=0), "1 to 16 rows"),
-        (dict(split_k=3), "split_k 3"),
+        (dict(split_k=3), r"\(split_k\), not 3"),
         (dict(k_shard=1000), "positive multiple of 128"),
     ]
     for over, match in cases:

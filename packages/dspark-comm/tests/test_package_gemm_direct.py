@@ -170,7 +170,7 @@ def test_direct_shapes_and_refusals():
     assert pg.smem_bytes(sg.SkinnyConfig(1024, 4, 8, 2), 16) == sd.red_bytes(sg.SkinnyConfig(1024, 4, 8, 2))
     with pytest.raises(ValueError, match="tile_n 16"):
         pg.check_constants(PackageGemmConstants("o_proj", 8192, 1024, 32, 1, 16))
-    with pytest.raises(ValueError, match=r"positive multiple of 16 \(its tile_n\)"):
+    with pytest.raises(ValueError, match=r"positive multiple of its tile_n, not 8200 \(tile_n 16\)"):
         pg.check_constants(PackageGemmConstants("o_proj", 8200, 1024, 16, 1, 16))
     with pytest.raises(ValueError, match="16 output features"):
         pg.PackageGemmKernel(8200, sg.SkinnyConfig(1024, 4, 2, 2), "plain", None, 0, False, False, 16)

@@ -165,7 +165,7 @@ def test_the_dry_stock_path_runs_vllms_step_beside_the_specialized_decode(config
 
 
 def test_the_binaries_folder_is_bound_to_every_stock_function_the_step_calls(tmp_path):
-    launch = demo_stock._load("launch_stock")
+    launch = demo_stock.load_script("launch_stock")
     rooted = demo_stock._Rooted(launch, tmp_path)
     called = {"stock_rmsnorm", "stock_o_gate", "stock_silu_and_mul", "stock_rotary", "stock_qknorm_rope_kv_insert",
               "stock_reshape_and_cache_flash"}

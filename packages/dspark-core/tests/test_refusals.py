@@ -112,13 +112,13 @@ def test_a_config_whose_weights_overflow_a_tensor_is_refused():
 
 @FAST
 @given(eps=st.one_of(NEAR_FP32_MAX, st.floats(max_value=-1e-45), st.just(-0.0), st.floats(0, 1)),
-       ctor=st.sampled_from(["norm", "o_gate", "store", "front", "attention"]))
+       ctor=st.sampled_from(["norm", "o_gate", "store", "qkv_epilogue", "attention"]))
 def test_an_eps_must_be_a_non_negative_number_finite_in_fp32(eps, ctor):
     build = {
         "norm": lambda e: K.NormConstants(e, None, 0.0, False),
         "o_gate": lambda e: K.OGateConstants(8, e),
         "store": lambda e: K.ContextStoreConstants(8, e, True, "fp32"),
-        "front": lambda e: K.QKVEpilogueConstants(8192, 64, 8, False, 1e-6, e, True, "fp32"),
+        "qkv_epilogue": lambda e: K.QKVEpilogueConstants(8192, 64, 8, False, 1e-6, e, True, "fp32"),
         "attention": lambda e: K.AttentionConstants(64, 8, 64, 16, o_gate_eps=e),
     }[ctor]
     if _fp32_finite(eps) and eps >= 0:

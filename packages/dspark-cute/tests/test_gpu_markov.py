@@ -99,6 +99,34 @@ def sample_requests(gen, r: int, n: int, reqs: int) -> tuple:
     return idx_map, temperature, seeds, sample_pos
 
 
+def make_sample_step(gen, vocab, vt, cap, rank=256) -> tuple:
+    """``(step, w1, w2, d2t)``: a prepared ``MarkovSampleStep`` over a random
+    head of ``vt`` targets with a d2t map (``make_head``'s draws)."""
+    from dspark_cute.cutedsl.markov.sample import MarkovSampleStep
+
+    w1, w2, m = make_head(gen, vt, vocab, vocab, rank, True)
+    step = MarkovSampleStep(markov_sample_constants(vocab, vt, rank, MULT, cap), w1, m, max_rows=512)
+    step.prepare()
+    return step, w1, w2, m
+
+
+def check_sampled_loop(step, base, prev, w2, requests: tuple, cache, want, want_cache) -> None:
+    """The probabilistic loop of ``step`` over ``base [r, n, V]`` with vLLM's
+    ``requests`` (``sample_requests``) into poisoned tokens, a NaN embedding
+    and ``cache``: the tokens ``want``, the cache ``want_cache`` (bits), the
+    fold's words reset."""
+    from dspark_cute.cutedsl.markov.loop import run_probabilistic_loop
+
+    r, n = base.shape[:2]
+    tokens = torch.full((r, n), POISON, dtype=torch.int64, device="cuda")
+    embed = torch.full((r, step.constants.rank), float("nan"), dtype=BF16, device="cuda")
+    run_probabilistic_loop(step, base, prev, w2, tokens, embed, *requests, cache)
+    torch.cuda.synchronize()
+    assert torch.equal(tokens, want)
+    assert torch.equal(cache.view(torch.int16), want_cache.view(torch.int16))
+    assert not step.keys.any() and not step.counters.any()
+
+
 def make_step(vocab, rank, cap, w1, d2t, max_rows=512):
     from dspark_cute.cutedsl.markov.greedy import MarkovStep
 
@@ -231,29 +259,17 @@ SAMPLES = [(1, 4, 384, 512, 30.0), (7, 4, 32000, 202752, 30.0), (64, 3, 32000, 3
 
 @pytest.mark.parametrize("r,n,vocab,vt,cap", SAMPLES)
 def test_probabilistic_loop_matches_spec(seed, r, n, vocab, vt, cap):
-    from dspark_cute.cutedsl.markov.loop import run_probabilistic_loop
-    from dspark_cute.cutedsl.markov.sample import MarkovSampleStep
-
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    rank, reqs = 256, 2 * r + 1
-    w1, w2, m = make_head(gen, vt, vocab, vocab, rank, True)
-    step = MarkovSampleStep(markov_sample_constants(vocab, vt, rank, MULT, cap), w1, m, max_rows=512)
-    step.prepare()
+    reqs = 2 * r + 1
+    step, w1, w2, m = make_sample_step(gen, vocab, vt, cap)
     base = planted_base(gen, r, n, vocab, vocab)
     base = torch.where(torch.isnan(base), torch.full_like(base, 1.0), base)  # (NaN: the stated exception)
     prev = torch.randint(0, vt, (r,), generator=gen, device="cuda")
-    idx_map, temperature, seeds, sample_pos = sample_requests(gen, r, n, reqs)
+    requests = sample_requests(gen, r, n, reqs)
     cache = torch.full((reqs, n, vt), 7.0, dtype=BF16, device="cuda")
     want_cache = cache.clone()
-    want = spec_probabilistic_loop(base, prev, w1, w2, cap, m, idx_map, temperature, seeds, sample_pos, want_cache,
-                                   vt)
-    tokens = torch.full((r, n), POISON, dtype=torch.int64, device="cuda")
-    embed = torch.full((r, rank), float("nan"), dtype=BF16, device="cuda")
-    run_probabilistic_loop(step, base, prev, w2, tokens, embed, idx_map, temperature, seeds, sample_pos, cache)
-    torch.cuda.synchronize()
-    assert torch.equal(tokens, want)
-    assert torch.equal(cache.view(torch.int16), want_cache.view(torch.int16))
-    assert not step.keys.any() and not step.counters.any()
+    want = spec_probabilistic_loop(base, prev, w1, w2, cap, m, *requests, want_cache, vt)
+    check_sampled_loop(step, base, prev, w2, requests, cache, want, want_cache)
 
 
 def test_op_path_gives_the_direct_tokens(seed):

@@ -29,37 +29,27 @@ Run: ``python -m pytest -q packages/dspark-cute/tests/test_gpu_markov_stock.py``
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from cute_testing import requires_cuda
-from stock import ROOT, stock_dir, stock_or_skip
-from test_gpu_markov import MULT, POISON, make_head, sample_requests
+from stock import load_compile_stock, stock_dir, stock_manifest, stock_part_or_skip
+from test_gpu_markov import MULT, check_sampled_loop, make_sample_step, sample_requests
 
-from dspark_core.contracts.markov import markov_sample_constants
+from dspark_core.demo_stock import load_script
 
 BF16 = torch.bfloat16
 VOCABS = (202752, 32768, 4096, 512)  # compile_stock's default --gumbel-vocabs
 
 
 def gumbel_manifest() -> list[dict] | None:
-    """The manifest's ``gumbel`` entries, or None where the binaries lack them."""
-    path = stock_dir() / "manifest.json"
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text()).get("gumbel")
+    return stock_manifest("gumbel")
 
 
 def stock_gumbel_or_skip():
-    ops = stock_or_skip()
-    if not gumbel_manifest():
-        pytest.skip(f"{stock_dir()} has no Gumbel sampler: run scripts/stock/compile_stock.py --parts gumbel with "
-                    "vLLM 0.33.0's venv and carry .device/stock")
-    return ops
+    return stock_part_or_skip("gumbel", "Gumbel sampler", "gumbel")
 
 
 def stock_probabilistic_loop(ops, base, prev, w1, w2, cap, d2t, idx_map, temperature, seeds, sample_pos, cache,
@@ -102,19 +92,14 @@ SAMPLES = [(1, 8, 384, 512, 30.0), (7, 4, 32000, 202752, 30.0), (64, 3, 32000, 3
 @requires_cuda
 @pytest.mark.parametrize("r,n,vocab,vt,cap", SAMPLES)
 def test_probabilistic_loop_matches_vllm_gumbel_binary(seed, r, n, vocab, vt, cap):
-    from dspark_cute.cutedsl.markov.loop import run_probabilistic_loop
-    from dspark_cute.cutedsl.markov.sample import MarkovSampleStep
-
     ops = stock_gumbel_or_skip()
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    rank, reqs = 256, 2 * r + 1
-    w1, w2, m = make_head(gen, vt, vocab, vocab, rank, True)
-    step = MarkovSampleStep(markov_sample_constants(vocab, vt, rank, MULT, cap), w1, m, max_rows=512)
-    step.prepare()
+    reqs = 2 * r + 1
+    step, w1, w2, m = make_sample_step(gen, vocab, vt, cap)
     base, tie = planted_base(gen, r, n, vocab)
     prev = torch.randint(0, vt, (r,), generator=gen, device="cuda")
     # vLLM's buffers (sample_requests), int32 step columns, the BF16 cache [reqs, N, V_target].
-    idx_map, temperature, seeds, sample_pos = sample_requests(gen, r, n, reqs)
+    requests = idx_map, temperature, seeds, sample_pos = sample_requests(gen, r, n, reqs)
     tie_req = int(idx_map[tie // n, 0])
     if tie_req >= 0:
         temperature[tie_req] = 0.0  # plain argmax: the planted ties decide it (first index)
@@ -122,39 +107,14 @@ def test_probabilistic_loop_matches_vllm_gumbel_binary(seed, r, n, vocab, vt, ca
     cache = torch.full((reqs, n, vt), 7.0, dtype=BF16, device="cuda")
     want_cache = cache.clone()
     buf = torch.full((reqs, vt), float("-inf"), dtype=BF16, device="cuda")
-    want = stock_probabilistic_loop(ops, base, prev, w1, w2, cap, m, idx_map, temperature, seeds, sample_pos,
-                                    want_cache, cols, buf)
-    tokens = torch.full((r, n), POISON, dtype=torch.int64, device="cuda")
-    embed = torch.full((r, rank), float("nan"), dtype=BF16, device="cuda")
-    run_probabilistic_loop(step, base, prev, w2, tokens, embed, idx_map, temperature, seeds, sample_pos, cache)
-    torch.cuda.synchronize()
+    want = stock_probabilistic_loop(ops, base, prev, w1, w2, cap, m, *requests, want_cache, cols, buf)
     assert ((want >= 0) & (want < vt)).all(), "the stock loop sampled outside the target vocabulary"
-    assert torch.equal(tokens, want)
-    assert torch.equal(cache.view(torch.int16), want_cache.view(torch.int16))
-    assert not step.keys.any() and not step.counters.any()
-
-
-def load_compile_stock():
-    """``scripts/stock/compile_stock.py`` as a module; its import sets
-    CUDA_VISIBLE_DEVICES where unset (for vLLM's Triton), undone here."""
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    try:
-        spec = importlib.util.spec_from_file_location("compile_stock", ROOT / "scripts" / "stock" / "compile_stock.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if before is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
-    return module
+    check_sampled_loop(step, base, prev, w2, requests, cache, want, want_cache)
 
 
 def load_launcher():
-    spec = importlib.util.spec_from_file_location("launch_stock", ROOT / "scripts" / "stock" / "launch_stock.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``scripts/stock/launch_stock.py`` (``load_script``), binaries or none."""
+    return load_script("launch_stock")
 
 
 def test_launcher_names_the_compiled_variants():

@@ -173,7 +173,7 @@ def test_the_plugin_class_runs_the_decode_where_it_takes_the_call(dirs, stock, m
         model.precompute_and_store_context_kv(_draft.context_states(model, 8), positions)
         model(input_ids=ids, positions=positions, inputs_embeds=None)
     assert _stubs.CALLS == []
-    # A step above the QKV front's and the mailbox's 16 rows: fused too (the bound kernels take any count).
+    # A step above the mailbox's 16 rows: fused too (the bound kernels take any count).
     m = 17
     _assert_same(_draft.run_block(model, built.config, CTX, m), _draft.run_block(stock[0].model, stock[0].config,
                                                                                   CTX, m))

@@ -130,11 +130,14 @@ class MailboxLayout:
         """Each field an int (``checks.integer``; TypeError naming it), then
         in range (ValueError)."""
         check_tp(self.tp)
-        checks.integer("the mailbox's hidden_size", self.hidden_size, None, MAX_SIZE)
-        checks.integer("the mailbox's capacity", self.capacity)
+        # Stored as Python ints (a numpy uint8's arithmetic overflows).
+        object.__setattr__(self, "tp", int(self.tp))
+        object.__setattr__(self, "hidden_size", checks.integer("the mailbox's hidden_size", self.hidden_size, None,
+                                                               MAX_SIZE))
+        object.__setattr__(self, "capacity", checks.integer("the mailbox's capacity", self.capacity))
         if self.hidden_size <= 0 or self.hidden_size % CHUNK:
             raise ValueError(
-                f"the mailbox carries rows of a positive multiple of {CHUNK} columns "
+                f"the mailbox's hidden_size must be a positive multiple of {CHUNK} columns "
                 f"(one CTA of 256 threads x 8 columns), not {self.hidden_size}"
             )
         if not 1 <= self.capacity <= MAX_CAPACITY:
@@ -179,8 +182,9 @@ def takes(m: int, capacity: int) -> bool:
 
 def fallback_reason(m: int, capacity: int) -> str | None:
     """Why a call of ``m`` rows takes the stock all-reduce, or None (both
-    ints: ``checks.integer``)."""
-    m = checks.integer("the rows m", m, None, MAX_SIZE)
+    ints: ``checks.integer``; ``m`` from 0, a call of no rows, to
+    ``MAX_SIZE``: a negative row count is refused, not answered)."""
+    m = checks.integer("the rows m", m, 0, MAX_SIZE)
     capacity = checks.integer("the mailbox's capacity", capacity, 1, MAX_SIZE)
     if m < 1:
         return f"{m} rows (nothing to reduce in the mailbox)"

@@ -28,7 +28,7 @@ import re
 
 import numpy as np
 
-from dspark_core.errors import listed
+from dspark_core.errors import SHOWN, listed, quoted
 
 # The GPU architectures whose stock arithmetic the spec describes and the
 # kernels are built for (re-exported by ``spec.numerics``).
@@ -37,17 +37,12 @@ ARCHS = ("sm_90a", "sm_100a")
 # The least magnitude that rounds to infinity in FP32 (2^128 - 2^103): a
 # number the kernels round to FP32 must lie below it.
 FP32_OVERFLOW = (2 - 2**-24) * 2**127
-# The longest value a message quotes (a string of a million characters is cut).
-SHOWN = 60
 
 
 def shown(value: object) -> str:
     """``value``'s type and ``repr`` for a message, the repr cut at ``SHOWN``
-    characters: ``str 'sm_90a'``."""
-    text = repr(value)
-    if len(text) > SHOWN:
-        text = f"{text[:SHOWN]}... ({len(text)} characters)"
-    return f"{type(value).__name__} {text}"
+    characters (``errors.quoted``): ``str 'sm_90a'``."""
+    return f"{type(value).__name__} {quoted(value)}"
 
 
 def _span(low: int | None, high: int | None) -> str:
@@ -182,4 +177,5 @@ def name_set(name: str, value: object, names: frozenset[str] | set[str]) -> froz
     return frozenset(entries)
 
 
-__all__ = ["ARCHS", "FP32_OVERFLOW", "arch", "arch_set", "fp32_number", "integer", "name_set", "shown"]
+__all__ = ["ARCHS", "FP32_OVERFLOW", "SHOWN", "arch", "arch_set", "fp32_number", "integer", "name_set", "quoted",
+           "shown"]

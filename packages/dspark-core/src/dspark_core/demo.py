@@ -34,7 +34,7 @@ import torch
 
 from dspark_core import demo_stock
 from dspark_core.planner import policy
-from dspark_core.planner.cli import folder, positive_int, print_plan, release_stdout
+from dspark_core.planner.cli import folder, int_in, positive_int, print_plan, release_stdout
 from dspark_core.planner.plan import plan_draft
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
@@ -253,7 +253,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stock", metavar="DIR", type=folder, default=None,
                    help="the folder of vLLM's compiled stock binaries (scripts/stock/compile_stock.py --out DIR; "
                         "default DSPARK_STOCK_DIR, else the checkout's .device/stock)")
-    p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor-parallel size (2: two GPUs)")
+    # int_in: ASCII digits only (int() would read '١' as 1).
+    p.add_argument("--tp", type=int_in(1, 2), default=1, help="tensor-parallel size, 1 or 2 (2: two GPUs)")
     return p
 
 

@@ -66,9 +66,12 @@ def missing_reason(stock_dir: Path | None) -> str | None:
     return None
 
 
-def _load(name: str):
-    """``scripts/stock/<name>.py`` as a module (registered under its own name,
-    as the benchmarks load it, so one process shares one copy)."""
+def load_script(name: str):
+    """``scripts/stock/<name>.py`` as a module, imported once per process
+    (registered in ``sys.modules`` under its own name, so its dataclasses
+    resolve and every caller shares one copy). The one loader of those
+    scripts: the demo, the benchmarks (``benchmarks/stock_scripts.py``) and
+    the GPU tests (``tests/stock.py``) call it."""
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
@@ -113,9 +116,9 @@ def stock_step(model, stock_dir: Path | None = None, kernels=None, attention=Non
     and QK kernel launched with programmatic dependent launch as vLLM does
     on sm_90+; where a captured launch with it fails, they run without
     (said once)."""
-    module = _load("stock_step")
+    module = load_script("stock_step")
     if kernels is None:
-        kernels = _Rooted(_load("launch_stock"), stock_dir)
+        kernels = _Rooted(load_script("launch_stock"), stock_dir)
     fn, name = attention if attention is not None else paged_attention(model.config)
     stock = module.StockStep(model, None, None, kernels, fn, pdl=False)
     # One eager launch first: binaries that do not load on this device fail here, not inside a capture.
@@ -132,4 +135,4 @@ def stock_step(model, stock_dir: Path | None = None, kernels=None, attention=Non
     return stock, name
 
 
-__all__ = ["default_stock_dir", "in_checkout", "missing_reason", "paged_attention", "stock_step"]
+__all__ = ["default_stock_dir", "in_checkout", "load_script", "missing_reason", "paged_attention", "stock_step"]

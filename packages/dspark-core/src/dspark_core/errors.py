@@ -4,7 +4,8 @@
 reproduce. The planner catches exactly this type and keeps that part's stock
 modules, reporting the message. Bad input raises ``ValueError`` or
 ``TypeError`` with a sentence; anything else is a bug and propagates.
-``listed`` writes a collection into such a sentence, cut where it is long.
+``listed`` writes a collection into such a sentence, cut where it is long,
+and ``quoted`` one value (a name of a million characters is cut too).
 """
 
 from __future__ import annotations
@@ -14,15 +15,25 @@ from collections.abc import Iterable
 # The most items a message lists (a config of 200,000 unknown keys is not
 # answered with all of them).
 LISTED = 10
+# The longest value a message quotes (a string of a million characters is cut).
+SHOWN = 60
 
 
 class Unsupported(ValueError):
     """A part the fused kernels do not reproduce: the planner keeps its stock modules and reports the message."""
 
 
+def quoted(value: object) -> str:
+    """``value``'s ``repr`` for a message, cut at ``SHOWN`` characters:
+    ``'xxx...' (1002 characters)``."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
+
+
 def listed(items: Iterable[object], limit: int = LISTED) -> str:
     """``items`` for a message, sorted by their ``repr``, as a list of at
-    most ``limit`` of them and how many more: ``['a', 'b', ... (3 more)]``."""
-    texts = sorted(repr(item) for item in items)
+    most ``limit`` of them (each ``quoted``) and how many more: ``['a', 'b',
+    ... (3 more)]``."""
+    texts = sorted(quoted(item) for item in items)
     more = f", ... ({len(texts) - limit} more)" if len(texts) > limit else ""
     return f"[{', '.join(texts[:limit])}{more}]"

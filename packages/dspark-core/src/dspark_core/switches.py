@@ -16,6 +16,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from dspark_core.errors import quoted
+
 ON = ("1", "true", "on", "yes")
 OFF = ("0", "false", "off", "no")
 
@@ -24,7 +26,7 @@ def flag(value: object, name: str) -> bool:
     """``value`` if it is a bool; TypeError naming ``name`` otherwise."""
     if isinstance(value, bool):
         return value
-    raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r}")
+    raise TypeError(f"{name} must be True or False, not {type(value).__name__} {quoted(value)}")
 
 
 def _words() -> str:
@@ -32,8 +34,12 @@ def _words() -> str:
 
 
 def _text(name: str, environ: Mapping[str, str] | None) -> str | None:
-    """The variable's value stripped, or None where it is unset or empty."""
+    """The variable's value stripped, or None where it is unset or empty;
+    TypeError naming it where ``environ`` holds no string there (the
+    environment's values are strings)."""
     text = (os.environ if environ is None else environ).get(name)
+    if text is not None and not isinstance(text, str):
+        raise TypeError(f"{name} must be set to a string, not {type(text).__name__} {quoted(text)}")
     if text is None or not text.strip():
         return None
     return text.strip()
@@ -49,7 +55,7 @@ def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None)
         return True
     if text.lower() in OFF:
         return False
-    raise ValueError(f"{name} must be {_words()}, not {text!r}")
+    raise ValueError(f"{name} must be {_words()}, not {quoted(text)}")
 
 
 def switch(value: object, env: str, default: bool = False, environ: Mapping[str, str] | None = None) -> bool:
@@ -68,7 +74,7 @@ def env_choice(name: str, choices: tuple[str, ...], default: str, environ: Mappi
     if text is None:
         return default
     if text not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {text!r}")
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {quoted(text)}")
     return text
 
 
@@ -93,7 +99,7 @@ def cache_setting(name: str, default: Path, environ: Mapping[str, str] | None = 
     elif os.path.isabs(text):
         path = _absolute(text)
     if path is None or "\0" in text:
-        raise ValueError(f"{name} must be {_words()}, or an absolute directory (or ~/dir), not {text!r}")
+        raise ValueError(f"{name} must be {_words()}, or an absolute directory (or ~/dir), not {quoted(text)}")
     # The rule reads the path with its links resolved (a link to / is /).
     real = Path(os.path.realpath(path))
     if Path(os.path.realpath(os.path.expanduser("~"))).is_relative_to(real):

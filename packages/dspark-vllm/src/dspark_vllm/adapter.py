@@ -402,7 +402,10 @@ def describe_vllm(model: MuseSparkDSparkModel, block_size: int = 16,
     dtype = model.default_dtype
     layers = list(model.layers)
     structure = _structure_unsupported(model, layers)
-    layout_why = layout_unsupported(kv_cache_layout)
+    try:
+        layout_why = layout_unsupported(kv_cache_layout)
+    except ValueError as error:  # a layout none of vLLM's: the inserts stay stock, with the reason
+        layout_why = str(error)
     tp = layers[0].self_attn.o_proj.tp_size if layers else 1
     final = norm_description("the final norm", model.norm, h, dtype)
     inputs = [norm_description(f"layer {i}'s input norm", layer.self_attn.pre_qkv_proj_norm, h, dtype)

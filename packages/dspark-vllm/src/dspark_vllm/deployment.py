@@ -59,7 +59,8 @@ def layout_unsupported(name: str | None) -> str | None:
     every layout of vLLM 0.33.0 is taken (their K|V rows are contiguous; the
     inserts take the strides). None for ``None`` (not known yet: the plugin
     reads the bound cache, ``bound_layout_unsupported``). TypeError for a
-    name that is no string."""
+    name that is no string, ValueError for a name none of vLLM's (no layout
+    vLLM binds: a misspelling, refused where it enters)."""
     if name is None:
         return None
     if not isinstance(name, str):
@@ -67,8 +68,9 @@ def layout_unsupported(name: str | None) -> str | None:
     layout = LAYOUT_ALIASES.get(name, name)
     if layout in VLLM_LAYOUTS:
         return None
-    return (f"the KV cache layout {name!r} is none of vLLM 0.33.0's ({', '.join(VLLM_LAYOUTS)}, or the legacy "
-            f"{', '.join(LAYOUT_ALIASES)})")
+    quoted = repr(name) if len(name) <= checks.SHOWN else checks.shown(name)
+    raise ValueError(f"the KV cache layout {quoted} is none of vLLM 0.33.0's ({', '.join(VLLM_LAYOUTS)}, or the "
+                     f"legacy {', '.join(LAYOUT_ALIASES)})")
 
 
 def kv_cache_layout(caches) -> str:

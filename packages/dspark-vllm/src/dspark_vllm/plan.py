@@ -298,9 +298,10 @@ def plan_checkpoint(args):
         # A target of more layers than any model (or any draft config) has: refused, not planned.
         target_layers = _size(target_config, "num_hidden_layers", str(target_dir / "config.json"), MAX_LAYERS)
     check_draft_config(draft_config, str(draft_dir / "config.json"), target_layers)
-    layout = deployment.layout_unsupported(args.kv_cache_layout)
-    if layout:
-        raise ValueError(f"--kv-cache-layout: {layout}")
+    try:
+        deployment.layout_unsupported(args.kv_cache_layout)
+    except ValueError as error:
+        raise ValueError(f"--kv-cache-layout: {error}") from None
     kernels = _names(args.kernels, policy.installed_kernels, "--kernels")
     exact = _names(args.exact, lambda: planning.exact_kernels(args.arch), "--exact")
     with tempfile.TemporaryDirectory() as tmp:

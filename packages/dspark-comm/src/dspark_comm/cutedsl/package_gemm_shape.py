@@ -8,8 +8,7 @@ kernel. ``package_gemm`` re-exports every name; code that overrides the cap
 
 from __future__ import annotations
 
-from dspark_core.contracts.constants import MAX_DECODE_ROWS, PackageGemmConstants
-from dspark_core.errors import Unsupported
+from dspark_core.contracts.constants import PackageGemmConstants, within_limits
 from dspark_cute.cutedsl.gemm.skinny import config as sg
 from dspark_cute.cutedsl.gemm.skinny import direct as sd
 
@@ -75,22 +74,14 @@ def smem_bytes(cfg: sg.SkinnyConfig, tile_rows: int) -> int:
 
 
 def check_constants(constants) -> None:
-    """Unsupported with a sentence unless the kernel covers ``constants``."""
+    """Unsupported with a sentence unless the kernel covers ``constants``:
+    its limits (``dspark_core.contracts.limits``: tile_n 64 or 16, split_k
+    1, 2 or 4, 1 to 16 rows, N a positive multiple of tile_n, the K shard a
+    positive multiple of 128 per K-slice and at most 16384 per K-slice,
+    what ``SkinnyConfig`` takes at the default ``4 * split_k`` warps)."""
     if not isinstance(constants, PackageGemmConstants):
         raise ValueError(f"PackageGemm takes PackageGemmConstants, not {type(constants).__name__}")
-    c = constants
-    if c.tile_n not in TILE_ROWS:
-        raise Unsupported(f"the package GEMM computes 64 output features per CTA (tile_n 64: the ring main loop) "
-                         f"or 16 (tile_n 16: the register-direct one), not tile_n {c.tile_n}")
-    if c.hidden_size <= 0 or c.hidden_size % c.tile_n:
-        raise Unsupported(f"the package GEMM's output features must be a positive multiple of {c.tile_n} (its "
-                         f"tile_n), not {c.hidden_size}")
-    if not 1 <= c.max_rows <= MAX_DECODE_ROWS:
-        raise Unsupported(f"the package GEMM takes 1 to {MAX_DECODE_ROWS} rows per call, not max_rows "
-                         f"{c.max_rows}")
-    if c.split_k not in (1, 2, 4):
-        raise Unsupported(f"the package GEMM splits K into 1, 2 or 4 slices (inside one CTA), not "
-                         f"split_k {c.split_k}")
+    within_limits(constants)
 
 
 def default_shape(constants: PackageGemmConstants, k_warps: int | None = None,

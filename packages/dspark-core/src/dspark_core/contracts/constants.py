@@ -27,17 +27,24 @@ from dspark_core.checks import arch as _arch
 from dspark_core.checks import fp32_number as _fp32_number
 from dspark_core.checks import integer as _integer
 from dspark_core.checks import shown as _shown
-from dspark_core.contracts.limits import HEAD_DIM, MAX_HEADS, MAX_KV_HEADS, MAX_SIZE
+from dspark_core.contracts.limits import (  # noqa: F401 (re-exported: stated in contracts.limits)
+    HEAD_DIM,
+    MAX_DECODE_ROWS,
+    MAX_HEADS,
+    MAX_KV_HEADS,
+    MAX_SIZE,
+    ORDERED_GEMM_K_UNIT,
+    ORDERED_GEMM_MAX_ROWS,
+    ORDERED_GEMM_N_UNIT,
+)
 from dspark_core.contracts.limits import check as within_limits
-from dspark_core.errors import Unsupported
+from dspark_core.errors import Unsupported, quoted
 from dspark_core.runtime.description import MLP, Attention, Boundary, Connection, HeadNorm, Norm, Rope
 from dspark_core.spec.gemv import gemv_unsupported
 from dspark_core.spec.numerics import ARCHS
 
 # The dtype names the constants carry (strings keep them hashable and printable).
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-# The mailbox and the package GEMM take at most this many rows per call.
-MAX_DECODE_ROWS = 16
 
 
 def _identity(value):
@@ -93,7 +100,7 @@ def stock_arch(arch, what: str = "stock norm tree") -> str:
     try:
         return _arch("the architecture", arch)
     except (TypeError, ValueError):
-        raise Unsupported(f"no {what} is known for {arch!r} (only {', '.join(ARCHS)})") from None
+        raise Unsupported(f"no {what} is known for {quoted(arch)} (only {', '.join(ARCHS)})") from None
 
 
 def _field_checks(cls: type) -> list:
@@ -420,6 +427,13 @@ class PackageGemmConstants(_Key):
     max_rows: int
 
 
+def package_gemm_constants(role: str, hidden_size: int, k_shard: int, tile_n: int, split_k: int,
+                           max_rows: int = MAX_DECODE_ROWS) -> PackageGemmConstants:
+    """The package GEMM's constants, or Unsupported with the first of its
+    limits (``contracts.limits``) they break."""
+    return within_limits(PackageGemmConstants(role, hidden_size, k_shard, tile_n, split_k, max_rows))
+
+
 @dataclass(frozen=True, eq=False)
 class GemvConstants(_Key):
     """The one-token projection of one weight in the stated order
@@ -435,7 +449,7 @@ def gemv_constants(role: str, weight: torch.Tensor) -> GemvConstants:
     """The GEMV's constants for ``weight`` (BF16 ``[N, K]``), or Unsupported
     with the reason (``dspark_core.spec.gemv.gemv_unsupported``)."""
     _refuse(gemv_unsupported(weight))
-    return GemvConstants(role, int(weight.shape[0]), int(weight.shape[1]))
+    return within_limits(GemvConstants(role, int(weight.shape[0]), int(weight.shape[1])))
 
 
 @dataclass(frozen=True, eq=False)
@@ -447,12 +461,6 @@ class OrderedGemmConstants(_Key):
     role: str
     n: int
     k: int
-
-
-# The ordered GEMM's shapes: K in 64-column chunks, N in 16-row MMA tiles.
-ORDERED_GEMM_K_UNIT = 64
-ORDERED_GEMM_N_UNIT = 16
-ORDERED_GEMM_MAX_ROWS = 64
 
 
 def ordered_gemm_unsupported(weight) -> str | None:
@@ -477,7 +485,7 @@ def ordered_gemm_constants(role: str, weight) -> OrderedGemmConstants:
     """The ordered GEMM's constants for ``weight``, or Unsupported with the
     reason (``ordered_gemm_unsupported``)."""
     _refuse(ordered_gemm_unsupported(weight))
-    return OrderedGemmConstants(role, int(weight.shape[0]), int(weight.shape[1]))
+    return within_limits(OrderedGemmConstants(role, int(weight.shape[0]), int(weight.shape[1])))
 
 
 @dataclass(frozen=True, eq=False)

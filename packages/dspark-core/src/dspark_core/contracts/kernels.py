@@ -40,19 +40,19 @@ from dspark_core.contracts.limits import (
     ATTENTION,
     BOUNDARY,
     CONTEXT_CHAIN,
+    GEMV,
     MLP_ACTIVATION,
     O_GATE,
+    ORDERED_GEMM,
+    PACKAGE_GEMM,
     QKV_EPILOGUE,
     ROW_NORM,
 )
 
 # Every fused kernel the design has (the planner's names): those above named
 # where their limits are stated (``contracts.limits``), and these.
-GEMV = "gemv"
 WEIGHT_PREFETCH = "weight_prefetch"
 ALL_REDUCE_BOUNDARY = "all_reduce_boundary"
-PACKAGE_GEMM = "package_gemm"
-ORDERED_GEMM = "ordered_gemm"
 
 # The constructor each host class takes (documentation the tests check
 # against the installed backends).

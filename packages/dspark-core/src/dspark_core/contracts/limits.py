@@ -27,6 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from dspark_core.errors import Unsupported
+from dspark_core.spec.gemv import FRAGMENT
 from dspark_core.spec.numerics import CHUNK
 
 # The largest size a constants field holds: the kernels index rows, columns,
@@ -57,6 +58,39 @@ MAX_STAGED_SLOTS = 768
 STAGED_SLOTS_UNIT = 128
 # The KV heads of the context store's and the QKV epilogue's stock op.
 MAX_KV_HEADS = 32
+# The mailbox and the package GEMM take at most this many rows per call (the
+# package GEMM's main loop covers 8 or 16 tokens: one or two 8-token MMA tiles).
+MAX_DECODE_ROWS = 16
+# The package GEMM (dspark-comm): 64 output features per CTA (the ring main
+# loop) or 16 (the register-direct one); K split into 1, 2 or 4 K-slices of 4
+# warps inside a CTA, each warp a 32-column step at a time, so a shard of K
+# is a multiple of PACKAGE_GEMM_K_STEP per K-slice; and at most
+# PACKAGE_GEMM_MAX_K per K-slice: a warp's chain of at most 256 MMAs
+# (16 columns each), the stated error bound's (``L beta <= 2^-10``, beta =
+# 2^-18, ``dspark_cute``'s ``SkinnyConfig``).
+PACKAGE_GEMM_TILE_N = (64, 16)
+PACKAGE_GEMM_SPLIT_K = (1, 2, 4)
+PACKAGE_GEMM_WARPS = 4
+PACKAGE_GEMM_K_STEP = 32 * PACKAGE_GEMM_WARPS
+PACKAGE_GEMM_MAX_K = 256 * 16 * PACKAGE_GEMM_WARPS
+# The one-token GEMV (dspark-cute's ``Gemv``, dspark-comm's one-row package
+# GEMV): a warp reads K in fragments of 256 columns (32 lanes x 8); a CTA of 8
+# warps owns 16 rows (two a warp, one 32-bit store of a row pair).
+GEMV_K_UNIT = FRAGMENT
+GEMV_N_UNIT = 16
+# The ordered GEMM (dspark-cute's ``OrderedGemm``, its streamed kernel, and
+# dspark-comm's exact package GEMM): K in 64-column chunks (the narrowest ring
+# stage), N in 16-row MMA tiles, 1 to 64 rows a call (8 token tiles of 8).
+# ``OrderedGemm`` binds by default only the row counts where it was measured
+# faster than cuBLAS: at most ORDERED_GEMM_FASTER_ROWS rows over a weight of
+# at most ORDERED_GEMM_FASTER_BYTES (H200, 2026-12-04, docs/gemm-order.md).
+ORDERED_GEMM_K_UNIT = 64
+ORDERED_GEMM_N_UNIT = 16
+ORDERED_GEMM_MAX_ROWS = 64
+ORDERED_GEMM_FASTER_ROWS = 4
+ORDERED_GEMM_FASTER_BYTES = 64 << 20
+# The kernel names of the GEMMs (``contracts.kernels``').
+PACKAGE_GEMM, GEMV, ORDERED_GEMM = "package_gemm", "gemv", "ordered_gemm"
 # The dtype names of the constants (``constants.DTYPE_NAMES``' values).
 FLOAT_DTYPES = ("bf16", "fp16", "fp32")
 TABLE_DTYPES = ("bf16", "fp32")
@@ -77,6 +111,9 @@ class Limit:
     groups: str | None = None
     at_most: str | None = None
     requires: str | None = None
+    # ``low``, ``high`` and ``multiple`` are per unit of another field's value
+    # (a package GEMM's K shard: per K-slice, ``split_k``).
+    per: str | None = None
 
     def allows(self, c, value) -> bool:
         """Whether ``value`` of this field, with the other fields of ``c``, is taken."""
@@ -86,9 +123,15 @@ class Limit:
             return not value or getattr(c, self.requires) is not None
         if isinstance(value, bool) or not isinstance(value, int):
             return False
-        if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+        scale = 1
+        if self.per is not None:
+            scale = getattr(c, self.per)
+            if isinstance(scale, bool) or not isinstance(scale, int) or scale < 1:
+                return False
+        low, high = (None if b is None else b * scale for b in (self.low, self.high))
+        if (low is not None and value < low) or (high is not None and value > high):
             return False
-        if value % self.multiple or (self.power_of_two and (value < 1 or value & (value - 1))):
+        if value % (self.multiple * scale) or (self.power_of_two and (value < 1 or value & (value - 1))):
             return False
         if self.groups is not None:
             other = getattr(c, self.groups)
@@ -101,7 +144,7 @@ class Limit:
         if self.allows(c, value):
             return None
         tail = ""
-        for other in (self.groups, self.at_most, self.requires):
+        for other in (self.groups, self.at_most, self.requires, self.per):
             if other is not None:
                 tail = f" ({other} {getattr(c, other)})"
         return f"the {kernel} kernel takes {self.takes}, not {value}{tail} ({type(c).__name__}.{self.field})"
@@ -157,6 +200,29 @@ LIMITS: dict[str, tuple[str, tuple[Limit, ...]]] = {
     "MlpActivationConstants": (MLP_ACTIVATION, (
         Limit("intermediate_size", "an intermediate size that is a positive multiple of 8", 8, _multiple(8), 8),
     )),
+    "PackageGemmConstants": (PACKAGE_GEMM, (
+        Limit("tile_n", "64 output features per CTA (tile_n 64: the ring main loop) or 16 (tile_n 16: the "
+              "register-direct one)", choices=PACKAGE_GEMM_TILE_N),
+        Limit("split_k", "K split into 1, 2 or 4 K-slices inside one CTA (split_k)", choices=PACKAGE_GEMM_SPLIT_K),
+        Limit("max_rows", f"1 to {MAX_DECODE_ROWS} rows per call (max_rows)", 1, MAX_DECODE_ROWS),
+        Limit("hidden_size", "output features that are a positive multiple of its tile_n", 1, MAX_SIZE,
+              groups="tile_n"),
+        Limit("k_shard", f"a K shard that is a positive multiple of {PACKAGE_GEMM_K_STEP} per K-slice ("
+              f"{PACKAGE_GEMM_WARPS} warps of 32-column steps) and at most {PACKAGE_GEMM_MAX_K} per K-slice (the "
+              "stated error bound)", PACKAGE_GEMM_K_STEP, PACKAGE_GEMM_MAX_K, PACKAGE_GEMM_K_STEP, per="split_k"),
+    )),
+    "GemvConstants": (GEMV, (
+        Limit("k", f"K a positive multiple of {GEMV_K_UNIT} (fragments of 32 lanes x 8 columns)", GEMV_K_UNIT,
+              _multiple(GEMV_K_UNIT), GEMV_K_UNIT),
+        Limit("n", f"N a positive multiple of {GEMV_N_UNIT} (CTAs of 8 warps of 2 rows)", GEMV_N_UNIT,
+              _multiple(GEMV_N_UNIT), GEMV_N_UNIT),
+    )),
+    "OrderedGemmConstants": (ORDERED_GEMM, (
+        Limit("k", f"K a positive multiple of {ORDERED_GEMM_K_UNIT} below 2^31", ORDERED_GEMM_K_UNIT,
+              _multiple(ORDERED_GEMM_K_UNIT), ORDERED_GEMM_K_UNIT),
+        Limit("n", f"N a positive multiple of {ORDERED_GEMM_N_UNIT} below 2^31", ORDERED_GEMM_N_UNIT,
+              _multiple(ORDERED_GEMM_N_UNIT), ORDERED_GEMM_N_UNIT),
+    )),
     "MarkovConstants": (MARKOV_STEP, (_VOCAB, _RANK)),
     "MarkovSampleConstants": (MARKOV_SAMPLE, (
         _VOCAB, _RANK,
@@ -195,7 +261,10 @@ def check(c):
 
 
 
-__all__ = ["HEAD_DIM", "LIMITS", "MARKOV_MAX_RANK", "MARKOV_MAX_ROWS", "MARKOV_SAMPLE", "MARKOV_STEP",
-           "MARKOV_THREADS", "MARKOV_VEC", "MAX_HEADS", "MAX_KV_HEADS", "MAX_SIZE", "MAX_STAGED_SLOTS",
-           "STAGED_SLOTS_UNIT", "Limit",
+__all__ = ["GEMV", "GEMV_K_UNIT", "GEMV_N_UNIT", "HEAD_DIM", "LIMITS", "MARKOV_MAX_RANK", "MARKOV_MAX_ROWS",
+           "MARKOV_SAMPLE", "MARKOV_STEP", "MARKOV_THREADS", "MARKOV_VEC", "MAX_DECODE_ROWS", "MAX_HEADS",
+           "MAX_KV_HEADS", "MAX_SIZE", "MAX_STAGED_SLOTS", "ORDERED_GEMM", "ORDERED_GEMM_FASTER_BYTES",
+           "ORDERED_GEMM_FASTER_ROWS", "ORDERED_GEMM_K_UNIT", "ORDERED_GEMM_MAX_ROWS", "ORDERED_GEMM_N_UNIT",
+           "PACKAGE_GEMM", "PACKAGE_GEMM_K_STEP", "PACKAGE_GEMM_MAX_K", "PACKAGE_GEMM_SPLIT_K", "PACKAGE_GEMM_TILE_N",
+           "PACKAGE_GEMM_WARPS", "STAGED_SLOTS_UNIT", "Limit",
            "check", "unsupported"]

@@ -14,6 +14,8 @@ from dspark_core.contracts.limits import (
     MAX_HEADS,
     MAX_KV_HEADS,
     MAX_SIZE,
+    ORDERED_GEMM_FASTER_BYTES,
+    ORDERED_GEMM_FASTER_ROWS,
     Limit,
 )
 from dspark_core.spec.numerics import ARCHS
@@ -36,6 +38,8 @@ def _bounds(limit: Limit) -> str:
         parts.append(f"a multiple of {limit.groups}")
     if limit.at_most is not None:
         parts.append(f"at most {limit.at_most}")
+    if limit.per is not None:
+        parts.append(f"each per unit of {limit.per}")
     return ", ".join(parts)
 
 
@@ -83,8 +87,22 @@ def markdown() -> str:
     lines += ["", "The norm's limits apply to every norm in the row norm's, the boundary's and the context "
               "chain's constants. The QKV epilogue is planned only for a power of two of KV heads up to "
               f"{MAX_KV_HEADS}, those of the stock fused QK-norm/RoPE/insert op it reproduces "
-              "(`constants.qkv_epilogue_constants`). The one-token GEMV and the ordered GEMM state their weight's "
-              "limits in `dspark_core.spec.gemv.gemv_unsupported` and `contracts.constants.ordered_gemm_unsupported`.",
+              "(`constants.qkv_epilogue_constants`). The one-token GEMV and the ordered GEMM take their constants "
+              "from their weight's shape (`dspark_core.spec.gemv.gemv_unsupported`, "
+              "`contracts.constants.ordered_gemm_unsupported`: the limits above). The GEMV's N is a multiple of "
+              "16 at its default launch settings (2 rows a warp; more rows a warp need more).",
+              "",
+              "## Checked at build",
+              "",
+              "What depends on a weight's values or on the live cuBLAS, which no plan sees, is checked when the "
+              "plugin builds the draft (a refusal keeps the part stock, the reason logged):",
+              "",
+              "- the ordered GEMM binds a row count only where its build-time check against the live cuBLAS finds "
+              "cuBLAS's order; a layer projection's ordered GEMM, by default, only where it was measured faster "
+              f"than cuBLAS: at most {ORDERED_GEMM_FASTER_ROWS} rows over a weight of at most "
+              f"{ORDERED_GEMM_FASTER_BYTES >> 20} MiB (the plan's \"checked at build\" line counts the "
+              "larger weights from their shapes);",
+              "- the Markov steps' draft-to-target map (its ids within the target vocabulary).",
               ""]
     return "\n".join(lines)
 

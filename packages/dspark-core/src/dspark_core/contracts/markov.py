@@ -12,11 +12,11 @@ vLLM's loop and reports it. These are the kernels' only limits: dspark-cute's
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from dspark_core import checks
 from dspark_core.contracts.constants import _Key
 from dspark_core.contracts.limits import MARKOV_MAX_RANK, MARKOV_MAX_ROWS, MARKOV_THREADS, MARKOV_VEC, check
 from dspark_core.errors import Unsupported
@@ -54,13 +54,12 @@ def markov_constants(vocab: int, rank: int, multiplier: float, soft_cap: float |
     dtype must be BF16 (the base logits and the bias), and the constants
     within the kernel's limits (``contracts.limits``: ``vocab`` and ``rank``
     positive multiples of 8, ``vocab`` below 2^31, ``rank`` at most
-    ``MARKOV_MAX_RANK``). ValueError for a multiplier that is not a finite
-    float, and for the multiplier or soft cap ``spec.markov.
-    transform_constants`` refuses; TypeError for a non-int size."""
+    ``MARKOV_MAX_RANK``). ValueError for the multiplier or soft cap
+    ``spec.markov.transform_constants`` refuses (not finite in FP32, ...),
+    TypeError for one that is no number (a bool, a string) and for a
+    non-int size."""
     if head_dtype != torch.bfloat16:
         raise Unsupported(f"the fused Markov step takes a bfloat16 head, not {head_dtype}")
-    if not isinstance(multiplier, float) or not math.isfinite(multiplier):
-        raise ValueError(f"the output multiplier must be a finite float, not {multiplier!r}")
     m, c, _ = transform_constants(multiplier, soft_cap)
     return check(MarkovConstants(vocab=vocab, rank=rank, multiplier=m, soft_cap=c, d2t=flag(d2t, "d2t")))
 
@@ -69,10 +68,10 @@ def markov_rows(rows, what: str = "max_rows") -> int:
     """``rows``, the most requests one fused step is built for (the host
     classes' ``max_rows``; vLLM's ``max_num_seqs``), if the steps take it: an
     int (not a bool) from 1 to ``MARKOV_MAX_ROWS`` (a CUDA grid's y extent,
-    one row of CTAs a request). TypeError for a non-int, Unsupported for one
-    out of that range; both name ``what``."""
-    if isinstance(rows, bool) or not isinstance(rows, int):
-        raise TypeError(f"{what} must be an int, not {type(rows).__name__} {rows!r}")
+    one row of CTAs a request; a numpy integer is taken as the int).
+    TypeError for a non-int (``checks.integer``), Unsupported for one out of
+    that range; both name ``what``."""
+    rows = checks.integer(what, rows)
     if not 1 <= rows <= MARKOV_MAX_ROWS:
         raise Unsupported(f"the fused Markov step takes 1 to {MARKOV_MAX_ROWS} requests a step (a CUDA grid's y): "
                           f"{what} of {rows}")

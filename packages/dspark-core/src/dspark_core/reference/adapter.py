@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark_core.errors import quoted
 from dspark_core.reference.model import DraftAttention, DraftModel, attend, check_inputs
 from dspark_core.runtime import description as D
 from dspark_core.spec.layers import GatedMLP, GatedResidual, HeadNorm, RMSNorm, Rotary, linear, o_gate
@@ -108,7 +109,11 @@ def _mlp(model: DraftModel, mlp) -> D.MLP:
 
 
 def describe(model: DraftModel) -> D.DraftDescription:
-    """The model-neutral description of ``model`` (module docstring)."""
+    """The model-neutral description of ``model`` (module docstring);
+    TypeError for anything but a ``DraftModel``."""
+    if not isinstance(model, DraftModel):
+        raise TypeError(f"describe takes the reference draft's model (a DraftModel), not "
+                        f"{type(model).__name__} {quoted(model)}")
     h = model.config.hidden_size
     layers = list(model.layers)
     final = norm_description("the final norm", model.norm, h)

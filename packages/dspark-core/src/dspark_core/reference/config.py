@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import numbers
+import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,7 +241,10 @@ def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
     ``MAX_JSON_BYTES``, text that is not UTF-8 or not strict JSON (NaN and
     Infinity, numbers that overflow a float, integers beyond int64, a key
     repeated in an object, nesting deeper than Python's recursion limit) and
-    JSON that is no object; OSError for a path that cannot be read."""
+    JSON that is no object; TypeError for a path that is no ``str`` or
+    ``os.PathLike`` of one; OSError for a path that cannot be read."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        raise TypeError(f"the path of {what} must be a str or a pathlib.Path, not {checks.shown(path)}")
     if isinstance(path, str) and (not path or path.endswith("/")):
         raise ValueError(f"the path of {what} must name a JSON file, not {path!r}"
                          + (" (a trailing slash names a directory)" if path else ""))

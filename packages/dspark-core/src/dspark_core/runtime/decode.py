@@ -10,7 +10,8 @@ the model's forward takes after its hidden states):
 1. the stream (FP32, or BF16 embeddings as they are) and the first layer's
    input norm of its BF16 copy;
 2. per layer: the attention branch (the stock QKV projection with the QKV
-   epilogue kernel, else the stock front; attention;
+   epilogue kernel, else the model's stock QK-norm, RoPE and insert
+   (``front_from``); attention;
    the o-norm and gate; the output projection), its residual boundary, the MLP
    branch (gate-up projection, activation, down projection) and its boundary
    into the next layer's input norm or the final norm;
@@ -44,7 +45,7 @@ from dspark_core.contracts.kernels import kernel_class, rows_taken
 from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, Part, plan_draft
 from dspark_core.runtime import gemm_check
-from dspark_core.runtime.description import Attention, Boundary, DraftDescription
+from dspark_core.runtime.description import Attention, Boundary, DraftDescription, check_draft
 from dspark_core.spec.layers import capturing
 
 log = logging.getLogger("dspark.decode")
@@ -340,12 +341,12 @@ class DraftDecode:
         kv_cache, slots = attn.cache(*step) if self.epilogues[index] is not None else (None,) * 2
         positions = self.draft.positions(*step)
         self._join()
-        q, og = self._stock_projection_front(index, attn, x, positions, slots, kv_cache, step)
+        q, og = self._queries_and_gate(index, attn, x, positions, slots, kv_cache, step)
         gated = self._gated(index, attn, q, og, step)
         self._join()
         return self._project(2 * index, gated, attn.o_proj_weight, "o_proj", attn.project_out)
 
-    def _stock_projection_front(self, index: int, attn: Attention, x, positions, slots, kv_cache, step):
+    def _queries_and_gate(self, index: int, attn: Attention, x, positions, slots, kv_cache, step):
         """``(q, og)`` from the stock QKV projection (or its GEMV), then the
         QKV epilogue kernel where bound and where it takes the call, else the
         model's stock QK-norm, RoPE and insert."""
@@ -437,8 +438,8 @@ class DraftDecode:
             raise ValueError(f"the draft takes hidden states of [m, {draft.hidden_size}], "
                              f"not {list(hidden_states.shape)}")
         if draft.check_step is not None and not capturing():
-            # Where kernels that would skip bad rows are bound, the stock
-            # front's and attention's range errors are checked first.
+            # Where kernels that would skip bad rows are bound, the range
+            # errors of the stock QK-norm/RoPE/insert and attention are checked first.
             draft.check_step(*step, any(k is not None for k in [*self.epilogues, *self.attentions]))
         # A BF16 row round-trips through the FP32 stream unchanged: the first
         # boundary reads it as is.
@@ -499,6 +500,7 @@ def draft_plan(draft: DraftDescription, tp: int = 1, exclude=frozenset(), attent
     the device it lives on, the installed kernels (or ``kernels``) less
     ``exclude`` (which the plan's reasons call excluded), the opt-in kernels
     declined unless asked for, and the ``attention`` kernel variant."""
+    check_draft(draft)
     unknown = set(exclude) - policy.ALL_KERNELS
     if unknown:
         raise ValueError(f"exclude names unknown kernels {sorted(unknown)}; the kernels are "
@@ -538,6 +540,7 @@ def build_draft_decode(
     ``all_reduce.prepare()`` runs after the decode's; it is collective, and a
     rank whose own prepare failed still calls it (``failed=``) before raising,
     so no rank waits for another."""
+    check_draft(draft)
     if draft.tp > 1 and all_reduce is None:
         raise ValueError(f"a TP{draft.tp} shard of the draft needs its all-reduce boundaries (all_reduce=...)")
     if all_reduce is not None and draft.tp > 1 and all_reduce.tp != draft.tp:

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from dspark_core.errors import quoted
+
 Tensor = torch.Tensor
 
 
@@ -256,5 +258,16 @@ class DraftDescription:
         return [b for layer in self.layers for b in (layer.attention_boundary, layer.ffn_boundary)]
 
 
+def check_draft(draft: object, name: str = "draft") -> DraftDescription:
+    """``draft`` where it is a ``DraftDescription``; TypeError naming ``name``
+    otherwise (a model or a config is described first: the reference
+    draft's ``reference.adapter.describe``, vLLM's ``dspark_vllm.adapter.
+    describe_vllm``)."""
+    if not isinstance(draft, DraftDescription):
+        raise TypeError(f"{name} must be a DraftDescription (describe the model first), not "
+                        f"{type(draft).__name__} {quoted(draft)}")
+    return draft
+
+
 __all__ = ["Attention", "Boundary", "Connection", "Context", "DraftDescription", "HeadNorm", "Layer", "MLP",
-           "Norm", "Rope"]
+           "Norm", "Rope", "check_draft"]

@@ -62,7 +62,14 @@ def scale(head_dim: int) -> float:
 
 
 def check_attention(q: torch.Tensor, cache, attn_slots: torch.Tensor, num_kv_heads: int) -> None:
-    """The ValueErrors of ``paged_attention`` that need no host read."""
+    """The ValueErrors of ``paged_attention`` that need no host read (and
+    TypeErrors for arguments of another kind)."""
+    for name, t in (("the queries q", q), ("attn_slots", attn_slots)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention takes {name} as a tensor, not {checks.shown(t)}")
+    if not all(hasattr(cache, a) for a in ("head_dim", "tensor", "num_slots", "gather")):
+        raise TypeError(f"attention takes the cache as a spec.layers.PagedKVCache, not {type(cache).__name__}")
+    num_kv_heads = checks.integer("num_kv_heads", num_kv_heads)
     if q.dim() != 3 or q.dtype != torch.bfloat16:
         raise ValueError(f"attention takes BF16 queries [m, heads, D], not {q.dtype} {tuple(q.shape)}")
     m, heads, d = q.shape

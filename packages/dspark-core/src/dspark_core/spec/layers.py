@@ -69,8 +69,10 @@ def _check_rows(x, what: str) -> None:
 
 
 def _check_dtype(dtype: torch.dtype, allowed, what: str) -> None:
+    names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what} must be a torch dtype, one of {names}, not {checks.shown(dtype)}")
     if dtype not in allowed:
-        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
         raise ValueError(f"{what} must be one of {names}, not {dtype}")
 
 
@@ -118,12 +120,12 @@ class RMSNorm(nn.Module):
         arch: str | None = None,
     ) -> None:
         super().__init__()
-        hidden_size = check_row_width(hidden_size, "RMSNorm's hidden_size")
+        hidden_size = _size("RMSNorm's hidden_size", check_row_width(hidden_size, "RMSNorm's hidden_size"))
         self.arch = None if arch is None else check_arch(arch)
         _check_dtype(out_dtype, OUT_DTYPES, "the norm's output dtype")
-        if has_weight:
-            _check_dtype(weight_dtype, WEIGHT_DTYPES, "the norm weight's dtype")
         weighted, scaled = flag(has_weight, "has_weight"), flag(weight_before_norm, "weight_before_norm")
+        if weighted:
+            _check_dtype(weight_dtype, WEIGHT_DTYPES, "the norm weight's dtype")
         if scaled and not weighted:
             raise ValueError("a weightless norm cannot scale its input by a weight")
         self.hidden_size = hidden_size

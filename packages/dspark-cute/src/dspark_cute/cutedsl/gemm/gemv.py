@@ -33,7 +33,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
 
-from dspark_core.contracts.constants import GemvConstants
+from dspark_core.contracts.constants import GemvConstants, within_limits
+from dspark_core.contracts.limits import GEMV_N_UNIT
 from dspark_core.errors import Unsupported
 from dspark_core.spec.gemv import FRAGMENT, LANES, VEC, gemv_unsupported
 from dspark_cute import ptx
@@ -50,7 +51,7 @@ from dspark_cute.runtime.host import (
 
 WARPS = 8  # warps per CTA
 THREADS = WARPS * LANES
-ROWS_PER_WARP = 2  # two rows' BF16 sums pack into one 32-bit store
+ROWS_PER_WARP = GEMV_N_UNIT // WARPS  # two rows' BF16 sums pack into one 32-bit store
 DEPTH = 4  # fragments in flight per lane and row (the probe's best unroll)
 
 
@@ -133,18 +134,18 @@ def _gemv_body(g: GemvKernel, x, weight, out, warp_id, lane) -> None:
 
 
 def check_settings(constants, rows_per_warp: int = ROWS_PER_WARP, depth: int = DEPTH) -> None:
-    """Unsupported with a sentence unless the kernel covers ``constants``
-    (ValueError for launch settings it does not have)."""
+    """Unsupported with a sentence unless the kernel covers ``constants``:
+    its limits (``dspark_core.contracts.limits``: K a positive multiple of
+    256, N of 16 at the default ``rows_per_warp``), N a multiple of the 8
+    warps' rows at another (ValueError for launch settings it does not have)."""
     if not isinstance(constants, GemvConstants):
         raise ValueError(f"the GEMV takes GemvConstants, not {type(constants).__name__}")
     if not isinstance(rows_per_warp, int) or rows_per_warp not in (2, 4, 8):
         raise ValueError(f"a GEMV warp owns 2, 4 or 8 rows, not {rows_per_warp!r}")
     if not isinstance(depth, int) or not 1 <= depth <= 16:
         raise ValueError(f"a GEMV keeps 1 to 16 fragments in flight, not {depth!r}")
-    c = constants
-    if c.k <= 0 or c.k % FRAGMENT:
-        raise Unsupported(f"the GEMV takes K a positive multiple of {FRAGMENT}, not {c.k}")
-    if c.n <= 0 or c.n % (WARPS * rows_per_warp):
+    c = within_limits(constants)
+    if c.n % (WARPS * rows_per_warp):
         raise Unsupported(f"the GEMV takes N a positive multiple of {WARPS * rows_per_warp} (8 warps of "
                          f"{rows_per_warp} rows), not {c.n}")
 

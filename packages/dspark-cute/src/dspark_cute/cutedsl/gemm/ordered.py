@@ -45,7 +45,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64, Uint32
 
-from dspark_core.contracts.constants import OrderedGemmConstants, ordered_gemm_unsupported
+from dspark_core.contracts.constants import OrderedGemmConstants, ordered_gemm_unsupported, within_limits
+from dspark_core.contracts.limits import ORDERED_GEMM_FASTER_BYTES, ORDERED_GEMM_FASTER_ROWS
 from dspark_core.errors import Unsupported
 from dspark_core.runtime import gemm_check
 from dspark_core.spec.split_order import SplitOrder
@@ -351,9 +352,10 @@ def _tensormap(weight: torch.Tensor, settings: tuple) -> torch.Tensor:
 
 # Where the streamed kernel is the default (measured on an H200, 2026-12-04:
 # faster than the cp.async one and cuBLAS for the o_proj and Markov-bias
-# weights at m <= 4; equal or slower for the larger weights and rows).
-STREAMED_MAX_ROWS = 4
-STREAMED_MAX_BYTES = 64 << 20
+# weights at m <= 4; equal or slower for the larger weights and rows): stated
+# in the contract (``dspark_core.contracts.limits``), which the planner reads.
+STREAMED_MAX_ROWS = ORDERED_GEMM_FASTER_ROWS
+STREAMED_MAX_BYTES = ORDERED_GEMM_FASTER_BYTES
 
 
 def choose_settings(n: int, k: int, splits: int, m: int, sms: int) -> tuple:
@@ -428,6 +430,15 @@ def candidate_run(x: torch.Tensor, weight: torch.Tensor, order: SplitOrder) -> t
 ops.define("ordered_gemm", "(str handle, Tensor x, Tensor(a!) out) -> ()")
 
 
+def check_constants(constants) -> None:
+    """Unsupported unless the kernel takes ``constants`` (an
+    OrderedGemmConstants): its limits (``dspark_core.contracts.limits``: K
+    a positive multiple of ``CHUNK``, N of ``TILE_ROWS``, both below 2^31)."""
+    if not isinstance(constants, OrderedGemmConstants):
+        raise ValueError(f"the ordered GEMM takes OrderedGemmConstants, not {type(constants).__name__}")
+    within_limits(constants)
+
+
 class OrderedGemm(LazyPdl):
     """The ordered GEMM bound to ``weight`` (BF16 ``[n, k]`` of
     ``constants``, contiguous, 16-byte aligned, on CUDA), taking the row
@@ -452,8 +463,7 @@ class OrderedGemm(LazyPdl):
 
     def __init__(self, constants: OrderedGemmConstants, weight: torch.Tensor, *, pdl: bool | None = None,
                  sms: int | None = None, settings=None, only_faster: bool | None = None) -> None:
-        if not isinstance(constants, OrderedGemmConstants):
-            raise ValueError(f"the ordered GEMM takes OrderedGemmConstants, not {type(constants).__name__}")
+        check_constants(constants)
         why = ordered_gemm_unsupported(weight)
         if why is not None:
             raise Unsupported(why)
@@ -571,7 +581,8 @@ class OrderedGemm(LazyPdl):
 
 
 __all__ = ["CHUNK", "CHUNKS", "L2_PREFETCH_BYTES", "MAX_ROWS", "STREAMED_MAX_BYTES", "STREAMED_MAX_ROWS",
-           "OrderedGemm", "OrderedGemmKernel", "OrderedLayout", "OrderedWorkspace", "candidate_run", "check_settings",
+           "OrderedGemm", "OrderedGemmKernel", "OrderedLayout", "OrderedWorkspace", "candidate_run", "check_constants",
+           "check_settings",
            "choose_settings", "chunk_tiles", "compile_ordered_gemm", "fake_args", "faster_than_cublas", "fit_chunk",
            "launch_settings",
            "n_tiles_for", "order_problem", "ordered_gemm"]

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dspark_core.contracts.limits import ORDERED_GEMM_K_UNIT, ORDERED_GEMM_MAX_ROWS, ORDERED_GEMM_N_UNIT
 from dspark_core.errors import Unsupported
 from dspark_core.spec.split_order import SplitOrder
 
-CHUNK = 64  # K columns of the narrowest ring stage (every order's bounds are multiples)
+# The contract's limits (``dspark_core.contracts.limits``), which these state:
+CHUNK = ORDERED_GEMM_K_UNIT  # K columns of the narrowest ring stage (every order's bounds are multiples)
 CHUNKS = (64, 128, 256)  # the ring stage widths (a launch setting: the same bits)
-MAX_ROWS = 64  # 8 token tiles of 8
-TILE_ROWS = 16  # weight rows per warp (one MMA tile)
+MAX_ROWS = ORDERED_GEMM_MAX_ROWS  # 8 token tiles of 8
+TILE_ROWS = ORDERED_GEMM_N_UNIT  # weight rows per warp (one MMA tile)
 N_TILES = (1, 2, 4, 8)
 WARPS = (1, 2, 4, 8)
 SMEM_LIMIT = 227 * 1024  # the most shared memory one sm_90 / sm_100 CTA may take

@@ -64,9 +64,89 @@ def check_constants(c: MarkovConstants) -> None:
     limits (``dspark_core.contracts.limits``, which ``markov_constants``
     ends with: vocabulary and rank positive multiples of 8, the rank at most
     ``MARKOV_MAX_RANK``, one vector of the embedding row a thread)."""
-    if not isinstance(c, MarkovConstants):
-        raise ValueError(f"MarkovStep takes MarkovConstants, not {type(c).__name__}")
+    constants_of(c, MarkovConstants, "MarkovStep")
+
+
+# ---------------------------------------------------------------- the steps' checks
+# Written once for the greedy step (``MarkovStep``) and the probabilistic one
+# (``sample.MarkovSampleStep``), which shares its head, its logits, its
+# outputs and its grid-wide fold.
+
+
+def constants_of(c, cls: type, host: str) -> None:
+    """ValueError unless ``c`` is a ``cls``; Unsupported unless within its
+    kernel's limits (``contracts.limits``)."""
+    if not isinstance(c, cls):
+        raise ValueError(f"{host} takes {cls.__name__}, not {type(c).__name__}")
     within_limits(c)
+
+
+def check_w1(w1, rank: int, at_least: int | None = None) -> None:
+    """ValueError unless ``w1`` (the first Markov factor) is a contiguous,
+    16-byte aligned BF16 ``[rows, rank]`` tensor, of at least ``at_least``
+    rows where given."""
+    if not isinstance(w1, torch.Tensor) or w1.dtype != torch.bfloat16 or w1.dim() != 2 or w1.shape[1] != rank \
+            or (at_least is not None and w1.shape[0] < at_least):
+        rows = "target vocab" if at_least is None else f">= {at_least}"
+        raise ValueError(f"w1 must be a bfloat16 [{rows}, {rank}] tensor, not {describe(w1)}")
+    if not w1.is_contiguous() or w1.data_ptr() % 16:
+        raise ValueError(f"w1 must be contiguous and aligned to 16 bytes, not {describe(w1)}")
+
+
+def check_d2t_tensor(d2t, vocab: int, device: torch.device, contiguous: bool = True) -> None:
+    """ValueError unless ``d2t`` is an int64 ``[vocab]`` tensor on
+    ``device`` (contiguous where the kernel reads it); its values are
+    ``spec.markov.check_d2t``'s."""
+    if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or tuple(d2t.shape) != (vocab,) \
+            or (contiguous and not d2t.is_contiguous()) or d2t.device != device:
+        what = "a contiguous int64" if contiguous else "an int64"
+        raise ValueError(f"d2t must be {what} [{vocab}] tensor on {device}, not {describe(d2t)}")
+
+
+def row_words(max_rows, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, counters)``: the grid-wide fold's zeroed words, one pair a
+    row for ``max_rows`` rows (``markov_rows``: 1 to ``MARKOV_MAX_ROWS``)."""
+    max_rows = markov_rows(max_rows)
+    return (torch.zeros(max_rows, dtype=torch.int64, device=device),
+            torch.zeros(max_rows, dtype=torch.int32, device=device))
+
+
+def check_logits(vocab: int, max_rows: int, base, bias) -> None:
+    """ValueError unless ``base`` and ``bias`` are BF16 ``[R, vocab]`` (1 <= R <= max_rows) the kernel reads."""
+    for name, t in (("the base logits", base), ("the Markov bias", bias)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[1] != vocab:
+            raise ValueError(f"{name} must be bfloat16 [rows, {vocab}], not {describe(t)}")
+        if t.stride(1) != 1 or t.stride(0) % VEC or t.data_ptr() % 16:
+            raise ValueError(f"{name} must have unit column stride, a row stride that is a multiple of {VEC} "
+                             f"and a 16-byte aligned start, not {describe(t)}")
+    rows = base.shape[0]
+    if not 1 <= rows <= max_rows or bias.shape[0] != rows:
+        raise ValueError(f"the base logits and the bias must have the same 1 to {max_rows} rows, not "
+                         f"{base.shape[0]} and {bias.shape[0]}")
+
+
+def check_outputs(rank: int, rows: int, tokens, embed, gather) -> None:
+    """ValueError unless ``tokens`` (int64 ``[rows]``), ``embed`` and ``gather`` are the kernel's."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tuple(tokens.shape) != (rows,):
+        raise ValueError(f"the tokens must be int64 [{rows}], not {describe(tokens)}")
+    if not isinstance(embed, torch.Tensor) or embed.dtype != torch.bfloat16 \
+            or tuple(embed.shape) != (rows, rank) or not embed.is_contiguous() or embed.data_ptr() % 16:
+        raise ValueError(f"the embedding output must be a contiguous bfloat16 [{rows}, {rank}] aligned to 16 "
+                         f"bytes, not {describe(embed)}")
+    if not isinstance(gather, bool):
+        raise ValueError(f"gather must be a bool, not {gather!r}")
+
+
+def check_on(device: torch.device, operands) -> None:
+    """ValueError unless every ``(name, tensor)`` of ``operands`` is on ``device``."""
+    for name, t in operands:
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device}, not {t.device}")
+
+
+def check_cuda(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise ValueError(f"the fused Markov step runs on CUDA: w1 is on {device}")
 
 
 # ---------------------------------------------------------------- the kernel
@@ -207,16 +287,9 @@ class MarkovStep:
     def __init__(self, constants: MarkovConstants, w1: torch.Tensor, d2t: torch.Tensor | None,
                  max_rows: int = 512) -> None:
         check_constants(constants)
-        if not isinstance(w1, torch.Tensor) or w1.dtype != torch.bfloat16 or w1.dim() != 2 \
-                or w1.shape[1] != constants.rank:
-            raise ValueError(f"w1 must be a bfloat16 [target vocab, {constants.rank}] tensor, not {describe(w1)}")
-        if not w1.is_contiguous() or w1.data_ptr() % 16:
-            raise ValueError(f"w1 must be contiguous and aligned to 16 bytes, not {describe(w1)}")
+        check_w1(w1, constants.rank)
         if constants.d2t:
-            if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or tuple(d2t.shape) != (constants.vocab,) \
-                    or not d2t.is_contiguous() or d2t.device != w1.device:
-                raise ValueError(f"d2t must be a contiguous int64 [{constants.vocab}] tensor on {w1.device}, "
-                                 f"not {describe(d2t)}")
+            check_d2t_tensor(d2t, constants.vocab, w1.device)
             # The next step gathers w1 at each target id: every one must be a row of it.
             check_d2t(d2t, constants.vocab, w1.shape[0])
         elif d2t is not None:
@@ -224,12 +297,10 @@ class MarkovStep:
         elif constants.vocab > w1.shape[0]:
             raise ValueError(f"without a d2t map the draft ids are target ids: a draft vocabulary of "
                              f"{constants.vocab}, more than w1's {w1.shape[0]} rows")
-        markov_rows(max_rows)
+        self.keys, self.counters = row_words(max_rows, w1.device)
         self.constants = constants
         self.w1, self.d2t, self.max_rows = w1, d2t, max_rows
         self.device = w1.device
-        self.keys = torch.zeros(max_rows, dtype=torch.int64, device=w1.device)
-        self.counters = torch.zeros(max_rows, dtype=torch.int32, device=w1.device)
         self.op_handle = ops.register(self)
 
     def prepare(self) -> None:
@@ -247,43 +318,14 @@ class MarkovStep:
 
     def _check_operands(self, base, bias, tokens, embed, gather) -> None:
         c = self.constants
-        self._check_logits(c.vocab, self.max_rows, base, bias)
-        self._check_outputs(c.rank, base.shape[0], tokens, embed, gather)
-        for name, t in (("the base logits", base), ("the Markov bias", bias), ("the tokens", tokens),
-                        ("the embedding output", embed)):
-            if t.device != self.device:
-                raise ValueError(f"{name} must be on {self.device}, not {t.device}")
+        check_logits(c.vocab, self.max_rows, base, bias)
+        check_outputs(c.rank, base.shape[0], tokens, embed, gather)
+        check_on(self.device, (("the base logits", base), ("the Markov bias", bias), ("the tokens", tokens),
+                               ("the embedding output", embed)))
         self._check_device()
 
-    @staticmethod
-    def _check_logits(vocab: int, max_rows: int, base, bias) -> None:
-        """ValueError unless ``base`` and ``bias`` are BF16 ``[R, vocab]`` (1 <= R <= max_rows) the kernel reads."""
-        for name, t in (("the base logits", base), ("the Markov bias", bias)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[1] != vocab:
-                raise ValueError(f"{name} must be bfloat16 [rows, {vocab}], not {describe(t)}")
-            if t.stride(1) != 1 or t.stride(0) % VEC or t.data_ptr() % 16:
-                raise ValueError(f"{name} must have unit column stride, a row stride that is a multiple of {VEC} "
-                                 f"and a 16-byte aligned start, not {describe(t)}")
-        rows = base.shape[0]
-        if not 1 <= rows <= max_rows or bias.shape[0] != rows:
-            raise ValueError(f"the base logits and the bias must have the same 1 to {max_rows} rows, not "
-                             f"{base.shape[0]} and {bias.shape[0]}")
-
-    @staticmethod
-    def _check_outputs(rank: int, rows: int, tokens, embed, gather) -> None:
-        """ValueError unless ``tokens`` (int64 ``[rows]``), ``embed`` and ``gather`` are the kernel's."""
-        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tuple(tokens.shape) != (rows,):
-            raise ValueError(f"the tokens must be int64 [{rows}], not {describe(tokens)}")
-        if not isinstance(embed, torch.Tensor) or embed.dtype != torch.bfloat16 \
-                or tuple(embed.shape) != (rows, rank) or not embed.is_contiguous() or embed.data_ptr() % 16:
-            raise ValueError(f"the embedding output must be a contiguous bfloat16 [{rows}, {rank}] aligned to 16 "
-                             f"bytes, not {describe(embed)}")
-        if not isinstance(gather, bool):
-            raise ValueError(f"gather must be a bool, not {gather!r}")
-
     def _check_device(self) -> None:
-        if self.device.type != "cuda":
-            raise ValueError(f"the fused Markov step runs on CUDA: w1 is on {self.device}")
+        check_cuda(self.device)
 
     def takes(self, base, bias, tokens, embed, gather: bool = True) -> bool:
         """Whether the kernel takes these operands (``problem`` is None)."""
@@ -310,5 +352,6 @@ class MarkovStep:
                Int32(1 if gather else 0), Int32(base.shape[0]), current_stream())
 
 
-__all__ = ["MarkovGreedyKernel", "MarkovStep", "THREADS", "check_constants", "compile_markov_step",
-           "fake_args", "row_key", "step_values"]
+__all__ = ["MarkovGreedyKernel", "MarkovStep", "THREADS", "check_constants", "check_cuda", "check_d2t_tensor",
+           "check_logits", "check_on", "check_outputs", "check_w1", "compile_markov_step", "constants_of",
+           "fake_args", "row_key", "row_words", "step_values"]

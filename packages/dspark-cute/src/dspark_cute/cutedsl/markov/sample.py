@@ -34,11 +34,23 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
 
-from dspark_core.contracts.constants import within_limits
-from dspark_core.contracts.markov import MarkovSampleConstants, markov_rows
+from dspark_core.contracts.markov import MarkovSampleConstants
 from dspark_core.spec.markov import check_d2t
 from dspark_cute import ptx
-from dspark_cute.cutedsl.markov.greedy import THREADS, VEC, finish, step_values
+from dspark_cute.cutedsl.markov.greedy import (
+    THREADS,
+    VEC,
+    check_cuda,
+    check_d2t_tensor,
+    check_logits,
+    check_on,
+    check_outputs,
+    check_w1,
+    constants_of,
+    finish,
+    row_words,
+    step_values,
+)
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import current_stream, describe, fake_stream, jit_cache, smem_allocator
 
@@ -50,9 +62,7 @@ def check_constants(c: MarkovSampleConstants) -> None:
     its limits (``dspark_core.contracts.limits``, which
     ``markov_sample_constants`` ends with: the greedy step's, and a target
     vocabulary that is a positive multiple of 8 no smaller than the draft's)."""
-    if not isinstance(c, MarkovSampleConstants):
-        raise ValueError(f"MarkovSampleStep takes MarkovSampleConstants, not {type(c).__name__}")
-    within_limits(c)
+    constants_of(c, MarkovSampleConstants, "MarkovSampleStep")
 
 
 class MarkovSampleKernel:
@@ -181,23 +191,15 @@ class MarkovSampleStep:
     def __init__(self, constants: MarkovSampleConstants, w1: torch.Tensor, d2t: torch.Tensor,
                  max_rows: int = 512) -> None:
         check_constants(constants)
-        if not isinstance(w1, torch.Tensor) or w1.dtype != torch.bfloat16 or w1.dim() != 2 \
-                or w1.shape[1] != constants.rank or w1.shape[0] < constants.target_vocab:
-            raise ValueError(f"w1 must be a bfloat16 [>= {constants.target_vocab}, {constants.rank}] tensor, not "
-                             f"{describe(w1)}")
-        if not w1.is_contiguous() or w1.data_ptr() % 16:
-            raise ValueError(f"w1 must be contiguous and aligned to 16 bytes, not {describe(w1)}")
-        if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or tuple(d2t.shape) != (constants.vocab,) \
-                or d2t.device != w1.device:
-            raise ValueError(f"d2t must be an int64 [{constants.vocab}] tensor on {w1.device}, not {describe(d2t)}")
+        check_w1(w1, constants.rank, constants.target_vocab)
+        # (d2t is read here, the kernel reads its inverse t2d: any strides)
+        check_d2t_tensor(d2t, constants.vocab, w1.device, contiguous=False)
         target = check_d2t(d2t, constants.vocab, constants.target_vocab, distinct=True)
-        markov_rows(max_rows)
+        self.keys, self.counters = row_words(max_rows, w1.device)
         self.constants, self.w1, self.d2t, self.max_rows = constants, w1, d2t, max_rows
         self.device = w1.device
         self.t2d = torch.full((constants.target_vocab,), -1, dtype=torch.int32, device=w1.device)
         self.t2d[target] = torch.arange(constants.vocab, dtype=torch.int32, device=w1.device)
-        self.keys = torch.zeros(max_rows, dtype=torch.int64, device=w1.device)
-        self.counters = torch.zeros(max_rows, dtype=torch.int32, device=w1.device)
         self.op_handle = ops.register(self)
 
     def prepare(self) -> None:
@@ -213,12 +215,10 @@ class MarkovSampleStep:
         return None
 
     def _check_operands(self, base, bias, tokens, embed, gather, idx_map, temperature, seeds, pos, cache, col):
-        from dspark_cute.cutedsl.markov.greedy import MarkovStep
-
         c = self.constants
-        MarkovStep._check_logits(c.vocab, self.max_rows, base, bias)
+        check_logits(c.vocab, self.max_rows, base, bias)
         rows = base.shape[0]
-        MarkovStep._check_outputs(c.rank, rows, tokens, embed, gather)
+        check_outputs(c.rank, rows, tokens, embed, gather)
         for name, t in (("idx_map", idx_map), ("pos", pos)):
             if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != (rows,):
                 raise ValueError(f"{name} must be int64 [{rows}], not {describe(t)}")
@@ -232,13 +232,10 @@ class MarkovSampleStep:
                              f"column stride, row strides multiples of {VEC}, 16-byte aligned, not {describe(cache)}")
         if not isinstance(col, int) or not 0 <= col < cache.shape[1]:
             raise ValueError(f"col must be a step of the cache, 0 to {cache.shape[1] - 1}, not {col!r}")
-        for name, t in (("the base logits", base), ("the Markov bias", bias), ("the tokens", tokens),
-                        ("the embedding output", embed), ("idx_map", idx_map), ("temperature", temperature),
-                        ("seeds", seeds), ("pos", pos), ("the logits cache", cache)):
-            if t.device != self.device:
-                raise ValueError(f"{name} must be on {self.device}, not {t.device}")
-        if self.device.type != "cuda":
-            raise ValueError(f"the fused Markov step runs on CUDA: w1 is on {self.device}")
+        check_on(self.device, (("the base logits", base), ("the Markov bias", bias), ("the tokens", tokens),
+                               ("the embedding output", embed), ("idx_map", idx_map), ("temperature", temperature),
+                               ("seeds", seeds), ("pos", pos), ("the logits cache", cache)))
+        check_cuda(self.device)
 
     def run(self, base, bias, tokens, embed, gather, idx_map, temperature, seeds, pos, cache, col) -> None:
         """The module docstring's step; ValueError with ``problem``'s sentence for operands it does not take."""

@@ -35,9 +35,9 @@ the cache is 16 bytes (``ld.global.v4`` / ``st.global.v4``). The threads of
 heads past the row's last compute on a clamped copy and write nothing.
 
 Out-of-range operands: the host (``run`` outside CUDA graph capture) raises
-ValueError as the stock front does for a position outside ``[0,
-max_position)`` (with RoPE), a slot of ``num_blocks * bs`` or more and a
-repeated non-negative slot. Inside capture nothing is read on the host; the
+ValueError as the stock QK-norm/RoPE/insert (``front_from``) does for a
+position outside ``[0, max_position)`` (with RoPE), a slot of ``num_blocks
+* bs`` or more and a repeated non-negative slot. Inside capture nothing is read on the host; the
 kernel then skips a slot outside ``[0, num_blocks * bs)`` (nothing inserted)
 and a token whose position lies outside the table (neither its q and k rows
 nor its K/V written); a repeated slot is written by each of its tokens in an
@@ -235,7 +235,7 @@ class QKVEpilogue(LazyPdl):
     run(qkv, positions, slots, cache)`` norms and rotates the q and k rows
     of ``qkv`` in place, writes the K/V into ``cache`` at ``slots`` and
     returns ``q``, the view ``[m, heads, 64]`` of ``qkv``'s q rows (row
-    stride ``rows``), bit for bit the stock front's q; the o-gate is
+    stride ``rows``), bit for bit the stock ``front_from``'s q; the o-gate is
     ``qkv``'s o-gate rows, untouched (``attn.split_qkv(qkv)[3]``).
 
     ``q_norm_weight``: must be None (the stock fused QK-norm is weightless;
@@ -333,7 +333,7 @@ class QKVEpilogue(LazyPdl):
         """q (the view of ``qkv``'s q rows, normed and rotated in place; k
         rows likewise), K/V inserted into ``cache``. ValueError with
         ``problem``'s sentence unless it takes the operands; outside CUDA
-        graph capture also the stock front's ValueErrors, read on the host
+        graph capture also the stock ``front_from``'s ValueErrors, read on the host
         before anything is written: a position outside ``[0,
         max_position)`` (with RoPE), a slot beyond the cache, a repeated
         non-negative slot."""
