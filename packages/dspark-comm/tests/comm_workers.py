@@ -503,6 +503,17 @@ def check_stress(c):
     }
 
 
+def _raised(fn) -> str | None:
+    """``fn()``'s ``MailboxTimeoutError`` message, or None."""
+    from dspark_comm.runtime.mailbox import MailboxTimeoutError
+
+    try:
+        fn()
+    except MailboxTimeoutError as e:
+        return str(e)
+    return None
+
+
 def timeout_probe(c, reference, timeout_s: float = 0.25) -> dict:
     """The last rank never arrives: every other rank's call gives up after
     ``timeout_s``, flags the mailbox (``check`` raises) and its next call
@@ -510,7 +521,7 @@ def timeout_probe(c, reference, timeout_s: float = 0.25) -> dict:
     ``reference(x)``: the all-reduce the calls before and after must give
     (NCCL at TP2, the gathered partials' reference sum on one GPU)."""
     from dspark_comm.cutedsl.allreduce import MailboxAllReduce
-    from dspark_comm.runtime.mailbox import Mailbox, MailboxTimeoutError
+    from dspark_comm.runtime.mailbox import Mailbox
 
     mb = Mailbox(c.group, H, 4, timeout_s=timeout_s, backend=c.mb.backend)
     res = {"timeout_s": timeout_s}
@@ -521,7 +532,9 @@ def timeout_probe(c, reference, timeout_s: float = 0.25) -> dict:
         gen = torch.Generator(device="cuda").manual_seed(c.cfg["seed"] + 9000 + c.rank)
         x = random_rows(gen, 2)
         res["before"] = bad(ar.run(x), reference(x))
+        mb.poll()
         torch.cuda.synchronize()
+        mb.poll()  # the first poll's copy, complete: healthy, so nothing raised
         c.group.barrier()
         if c.rank != c.world - 1:
             t0 = time.monotonic()
@@ -532,13 +545,16 @@ def timeout_probe(c, reference, timeout_s: float = 0.25) -> dict:
             ar.run(x)
             torch.cuda.synchronize()
             res["second_call_s"] = round(time.monotonic() - t0, 3)
-            try:
-                mb.check()
-                res["raised"] = None
-            except MailboxTimeoutError as e:
-                res["raised"] = str(e)
+            torch.cuda.synchronize()  # the copy poll() made above has landed: it read 0
+            res["poll_raised"] = _raised(mb.poll)  # saw 0, copies the status again
+            torch.cuda.synchronize()
+            res["poll_raised_later"] = _raised(mb.poll)  # that copy: the flag
+            res["raised"] = _raised(mb.check)
         c.group.barrier()
         mb.reset()
+        mb.poll()
+        torch.cuda.synchronize()
+        res["poll_after_reset"] = _raised(mb.poll)
         res["status_after_reset"] = mb.status()
         y = random_rows(gen, 3)
         res["after_reset"] = bad(ar.run(y), reference(y))

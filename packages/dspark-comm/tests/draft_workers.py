@@ -78,7 +78,9 @@ def check_setup(c):
     from dspark_comm.tp_draft import TPDraftRank
     from dspark_core.reference.config import DraftConfig
 
-    c.tp = TPDraftRank(c.rank, c.world, DraftConfig(num_layers=c.cfg.get("layers", 2)), capacity=16, timeout_s=5.0)
+    one_gpu = bool(c.cfg.get("one_gpu"))
+    c.tp = TPDraftRank(c.rank, c.world, DraftConfig(num_layers=c.cfg.get("layers", 2)), capacity=16,
+                       timeout_s=30.0 if one_gpu else 5.0, one_gpu=one_gpu)
     c.decode, c.adapter = c.tp.decode(BITWISE_EXCLUDE | _extra_exclude(c))
     plan = c.decode.plan
     return {"build_s": c.tp.build_s, "plan": plan.format(), "all_reduce_fused": plan.all_reduce.fused,
@@ -86,10 +88,21 @@ def check_setup(c):
             "package_gemms_bound": sum(g is not None for g in c.adapter.gemms)}
 
 
-def check_bitwise(c):
+def _from_rank0(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``t`` (NCCL on the GPU, gloo through the CPU)."""
+    if dist.get_backend() == "gloo":
+        host = t.detach().cpu()
+        dist.broadcast(host, src=0)
+        return host.to(t.device)
+    other = t.clone()
+    dist.broadcast(other, src=0)
+    return other
+
+
+def check_bitwise(c, decode=None):
     from dspark_core.reference.model import StepInputs
 
-    shard, decode, dev = c.tp.shard, c.decode, c.tp.device
+    shard, decode, dev = c.tp.shard, decode or c.decode, c.tp.device
     cases = [(m, torch.bfloat16) for m in ROWS] + [(7, torch.float32), (17, torch.bfloat16)]
     mism: dict = {}
     for m, dtype in cases:
@@ -107,10 +120,8 @@ def check_bitwise(c):
         torch.cuda.synchronize()
         key = f"m{m}_{'bf16' if dtype == torch.bfloat16 else 'fp32'}"
         mism[key] = bad(got, ref) + sum(bad(g.tensor, r.tensor) for g, r in zip(got_caches, ref_caches))
-        # Both ranks hold the same output.
-        other = got.clone()
-        dist.broadcast(other, src=0)
-        mism[key + "_vs_rank0"] = bad(got, other)
+        # Every rank holds the same output.
+        mism[key + "_vs_rank0"] = bad(got, _from_rank0(got))
     return {"mismatches": mism}
 
 
@@ -171,6 +182,86 @@ def check_package_graph(c):
     return {"graph_mismatches": mismatches, "status": c.tp.mailbox.status()}
 
 
+def check_exact_setup(c):
+    """The decode with the ordered GEMM opt-in and without the package GEMM:
+    each layer's o_proj and down_proj on the exact package GEMM (bound where
+    every rank's check against cuBLAS found the order), QKV and gate_up on
+    the ordered GEMM where its check binds."""
+    c.edecode, c.eadapter = c.tp.decode(BITWISE_EXCLUDE | _extra_exclude(c), ordered_gemm=True)
+    plan = c.edecode.plan
+    return {"plan": plan.format(), "exact": sorted(c.eadapter.exact),
+            "exact_rows": [sorted(r) for r in c.eadapter.exact_rows],
+            "roles": [getattr(p.constants, "role", None) for p in plan.package_gemms]}
+
+
+def check_exact_bitwise(c):
+    return check_bitwise(c, c.edecode)
+
+
+def check_exact_graph(c):
+    mismatches = _graph_mismatches(c, c.edecode, c.cfg["seed"] + 79)
+    c.tp.mailbox.check()
+    return {"graph_mismatches": mismatches, "status": c.tp.mailbox.status()}
+
+
+def check_plugin(c):
+    """dspark-vllm's TP binding (``allreduce.MailboxBoundaries``, what the
+    plugin builds on vLLM's TP group) over this gloo group: the order of
+    vLLM's custom all-reduce (``decode_order`` with FlashInfer's off: FP32
+    in rank order, steps of 1 to 16 rows), the ranks' agreement step (an
+    order that differs on one rank is a ValueError on every rank), the
+    decode over it bit for bit the stock TP forward (m = 17 takes the stock
+    all-reduce, vLLM's path for rows it does not take), ``check()`` at a
+    sync point and ``poll()`` healthy."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from dspark_comm.runtime.group import TorchGroup
+    from dspark_comm.runtime.mailbox import Mailbox
+    from dspark_comm.tp_draft import rank_order_all_reduce
+    from dspark_core.reference.adapter import describe
+    from dspark_core.runtime.decode import build_draft_decode, draft_plan
+    from dspark_core.spec.layers import linear
+    from dspark_vllm.allreduce import MailboxBoundaries, Switches, Topology, decode_order
+
+    order = decode_order(c.world, "sm_90a", H, 16, Switches(flashinfer=False), False, Topology(False, True))
+    shard = c.tp.shard
+    draft = describe(shard)
+    exclude = BITWISE_EXCLUDE | _extra_exclude(c)
+    plan = draft_plan(draft, c.world, exclude)
+    model = SimpleNamespace(layers=[SimpleNamespace(self_attn=SimpleNamespace(o_proj=layer.self_attn.o_proj),
+                                                    feed_forward=SimpleNamespace(down_proj=layer.mlp.down))
+                                    for layer in shard.layers])
+    group = TorchGroup()
+
+    def gemm(weight, x):
+        return linear(x, weight)
+
+    res = {"order": str(order), "rows": order.rows}
+    other = dataclasses.replace(order, rows=order.rows - 1) if c.rank == 0 else order
+    try:
+        MailboxBoundaries(model, draft, plan, other, branch_gemm=gemm, group=group, mailbox=c.tp.mailbox)
+        res["disagreement"] = None
+    except ValueError as e:
+        res["disagreement"] = str(e)
+    mailbox = Mailbox(group, H, order.rows, timeout_s=c.tp.mailbox.timeout_s)
+    try:
+        binding = MailboxBoundaries(model, draft, plan, order, branch_gemm=gemm, group=group, mailbox=mailbox,
+                                    reduce=rank_order_all_reduce)
+        decode = build_draft_decode(draft, all_reduce=binding, exclude=exclude)
+        binding.check()  # after the build's agreement: a sync point
+        res["takes"] = {m: binding.takes(torch.empty(m, H, device=c.tp.device)) for m in (1, 16, 17)}
+        res.update(check_bitwise(c, decode))
+        binding.poll()
+        torch.cuda.synchronize()
+        binding.poll()
+        binding.check()
+        res["status"] = mailbox.status()
+    finally:
+        mailbox.close()
+    return res
+
+
 def check_close(c):
     return {"status": c.tp.close()}
 
@@ -178,6 +269,11 @@ def check_close(c):
 CHECKS = [("setup", check_setup), ("bitwise", check_bitwise), ("graph", check_graph),
           ("package_setup", check_package_setup), ("greedy", check_greedy),
           ("package_graph", check_package_graph), ("close", check_close)]
+# As ranks on one GPU: the bitwise decode and the exact package GEMM's, against
+# the stock forward whose all-reduce is vLLM's custom one-stage order.
+ONE_GPU_CHECKS = [("setup", check_setup), ("bitwise", check_bitwise), ("graph", check_graph),
+                  ("exact_setup", check_exact_setup), ("exact_bitwise", check_exact_bitwise),
+                  ("exact_graph", check_exact_graph), ("plugin", check_plugin), ("close", check_close)]
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> None:
@@ -188,6 +284,10 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> No
         if tp is not None and not tp.mailbox.closed:
             tp.mailbox.close()
 
+    if cfg.get("one_gpu"):
+        run_checks(rank, world, init_file, out_dir, cfg, ONE_GPU_CHECKS, needed=("setup", "exact_setup"),
+                   cleanup=cleanup, timeout_s=600.0, one_gpu=True)
+        return
     # Nothing runs without the rank; the package checks need the package decode.
     run_checks(rank, world, init_file, out_dir, cfg, CHECKS, needed=("setup", "package_setup"), cleanup=cleanup)
 

@@ -126,6 +126,7 @@ def test_absent_peer_times_out(suite):
     r0, r1 = ranks(suite, "timeout")
     assert r0["before"] == 0 and r1["before"] == 0
     assert r0["raised"] and "gave up waiting" in r0["raised"] and "from rank 1" in r0["raised"]
+    assert r0["poll_raised"] is None and "gave up waiting" in (r0["poll_raised_later"] or "")
     assert 0.2 <= r0["first_call_s"] < 5.0, r0
     assert r0["second_call_s"] < 0.2, r0
     for r in (r0, r1):

@@ -96,9 +96,12 @@ def test_a_missing_rank_times_out_then_the_reset_recovers(suite):
     results = results_of(suite, "timeout")
     for rank, r in enumerate(results):
         assert r["before"] == 0 and r["after_reset"] == 0 and r["status_after_reset"] == 0
+        assert r["poll_after_reset"] is None
         if rank == len(results) - 1:
             continue  # the absent rank
         assert r["raised"] and "gave up waiting" in r["raised"]
+        # poll(): the copy before the timeout said healthy, the one after it raises; none after the reset.
+        assert r["poll_raised"] is None and "gave up waiting" in (r["poll_raised_later"] or "")
         # The first call waits the poll timeout (time-sliced contexts add a margin), the next returns at once.
         assert r["first_call_s"] < r["timeout_s"] + 5.0
         assert r["second_call_s"] < 1.0

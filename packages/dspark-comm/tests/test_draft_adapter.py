@@ -16,6 +16,7 @@ import torch
 from dspark_comm.draft import DraftAllReduce
 from dspark_comm.protocol import MailboxLayout
 from dspark_comm.runtime.group import TPGroup
+from dspark_core.contracts import constants as K
 from dspark_core.contracts.constants import FP32_RANK_ORDER
 from dspark_core.planner import policy
 from dspark_core.planner.plan import plan_draft as plan_description
@@ -361,3 +362,89 @@ def test_one_row_gemv_reaches_every_package_gemm(one_row):
     DraftAllReduce(FakeMailbox(FakeGroup(local, 0), 2048), plan_draft(shard, TP2), describe(shard), 0,
                    boundary=fake_boundary(shard), gemm=gemm, one_row_gemv=one_row)
     assert built == [{"one_row_gemv": True} if one_row else {}] * 4
+
+
+class FakeExact:
+    """An ``OrderedPackageGemm`` stand-in: ``check`` binds the row counts
+    its rank's entry of ``BOUND`` names (a rank's check may find fewer);
+    publishing leaves the stock partial in the fake mailbox."""
+
+    BOUND: dict[int, set] = {}
+
+    def __init__(self, role, weight, mailbox):
+        self.role, self.weight, self.mailbox = role, weight, mailbox
+        self.orders: dict = {}
+        self.calls, self.checked = [], None
+        self.max_rows = 64
+
+    def check(self, rows):
+        self.checked = list(rows)
+        self.orders = {m: "order" for m in self.checked if m in self.BOUND[self.mailbox.rank]}
+
+    def run(self, x, publish=True):
+        assert publish and x.shape[0] in self.orders
+        self.calls.append(x.shape[0])
+        self.mailbox.published.append(torch.matmul(x, self.weight.t()))
+
+
+class NoRows:
+    """An ordered GEMM stand-in for QKV and gate_up that binds no row (off CUDA nothing is checked)."""
+
+    def __init__(self, constants, weight):
+        self.weight, self.orders = weight, {}
+
+    def prepare(self):
+        pass
+
+    def problem(self, x):
+        return "no order bound"
+
+    def takes(self, x):
+        return False
+
+
+def test_the_exact_package_gemm_publishes_only_where_every_rank_bound_the_row_count():
+    """The ordered GEMM opt-in plans each branch projection on the exact
+    package GEMM: ``prepare`` checks 1 .. capacity rows on every rank and
+    keeps the row counts every rank bound; those publish and are consumed,
+    the others run the stock GEMM, then the fused all-reduce; either way the
+    stock TP2 forward's bits."""
+    model = DraftModel(small_config())
+    local = LocalGroup(2, timeout_s=60)
+    FakeExact.BOUND = {0: {1, 2, 4, 8}, 1: {1, 2, 3, 8}}
+    target = TP2.replace(kernels=(TP2.kernels | {policy.ORDERED_GEMM}) - {policy.PACKAGE_GEMM})
+    ranks = []
+    for r in range(2):
+        shard = shard_draft(model, r, 2, all_reduce=local.all_reduce(r))
+        draft = describe(shard)
+        plan = plan_description(draft, target)
+        assert all(isinstance(p.constants, K.OrderedGemmConstants) for p in plan.package_gemms), plan.format()
+        mailbox = FakeMailbox(FakeGroup(local, r), 2048, capacity=8)
+        adapter = DraftAllReduce(mailbox, plan, draft, r, boundary=fake_boundary(shard), exact=FakeExact,
+                                 package_gemm=False)
+        ranks.append((shard, adapter, DraftDecode(draft, plan, adapter, kernels={
+            policy.BOUNDARY: FakeUnfused, policy.ORDERED_GEMM: NoRows})))
+    for _, _, decode in ranks:
+        decode.prepare()
+    local.run(lambda r: ranks[r][1].prepare())  # collective, as build_draft_decode calls it
+    for _, adapter, decode in ranks:
+        by_alpha = {id(b.connection.alpha): b for b in decode.draft.boundaries()}
+        for fused in decode.boundaries:
+            fused.bound = by_alpha[id(fused.alpha)]
+        assert adapter.exact == {0, 1, 2, 3}
+        assert [g.role for g in adapter.gemms] == ["o_proj", "down"] * 2
+        assert all(g.checked == list(range(1, 9)) for g in adapter.gemms)
+        assert adapter.exact_rows == [frozenset({1, 2, 8})] * 4
+    for m in (2, 3, 9):
+        hidden = torch.randn(m, 2048, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        step = StepInputs.block(3, m)
+
+        def both(r, hidden=hidden, step=step):
+            shard, _, decode = ranks[r]
+            return shard(hidden, step, shard.make_caches(4)), decode.run(hidden, step, shard.make_caches(4))
+
+        for r, (ref, got) in enumerate(local.run(both)):
+            assert_bitwise(got, ref, f"rank {r}, m = {m}")
+            adapter = ranks[r][1]
+            assert [g.calls.count(m) for g in adapter.gemms] == [1 if m in (1, 2, 8) else 0] * 4
+            assert adapter.mailbox.published == []

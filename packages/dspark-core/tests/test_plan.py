@@ -21,6 +21,7 @@ from dspark_core.planner.policy import Target
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig, small_config
 from dspark_core.reference.model import DraftAttention, DraftModel
+from dspark_core.reference.tp import shard_draft
 from dspark_core.spec.layers import GatedResidual, HeadNorm, RMSNorm, Rotary
 
 
@@ -395,8 +396,29 @@ def test_package_gemm_refusals():
         "a shard of 1000 input features is not a multiple of 256 (the steps of the package GEMM's 8 warps, "
         "32 features each)")
     assert "layer 0's o_proj package GEMM" not in r
-    r = reasons(plan_draft(meta(), Target(tp=2, kernels=policy.ALL_KERNELS - {"package_gemm"})))
+    r = reasons(plan_draft(meta(), Target(tp=2, kernels=policy.ALL_KERNELS - {"package_gemm", "ordered_gemm"})))
     assert r["layer 0's o_proj package GEMM"] == "the installed backends do not provide the package_gemm kernel"
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_the_ordered_gemm_opt_in_plans_the_exact_package_gemm(tp):
+    """Without the package GEMM, the ordered GEMM opt-in publishes each
+    rank's o_proj and down shard on the ordered GEMM (cuBLAS's order): the
+    part holds the shard's OrderedGemmConstants, whether the whole draft is
+    planned for TP or a rank's shard is."""
+    model = meta(num_kv_heads=8)
+    target = Target(tp=tp, kernels=policy.ALL_KERNELS).opt_in({"ordered_gemm"})
+    for draft in (model, shard_draft(model, 0, tp)):
+        parts = plan_draft(draft, target).package_gemms
+        whole = describe(model).layers
+        want = [K.OrderedGemmConstants(role, *w.shape[:1], w.shape[1] // tp) for layer in whole
+                for role, w in (("o_proj", layer.attention.o_proj_weight), ("down", layer.mlp.down_weight))]
+        assert [p.constants for p in parts] == want
+    declined = plan_draft(model, Target(tp=tp, kernels=policy.ALL_KERNELS).opt_in(set())).package_gemms
+    assert all(p.declined and not p.fused for p in declined)
+    model = meta(num_kv_heads=8, connection_overrides={"layers.0.add_ffn": {"dtype": "bf16"}})
+    r = reasons(plan_draft(model, target))
+    assert r["layer 1's down_proj package GEMM"] == "the all-reduce is not fused (nothing to publish into)"
 
 
 def test_meta_and_real_drafts_plan_alike():
@@ -479,8 +501,10 @@ def test_cli_declines_the_opt_in_kernels_unless_asked():
     assert out.returncode == 0, out.stderr
     assert "opt-in" not in out.stdout
     assert "layer 1's down GEMV" in out.stdout and "fused (GemvConstants" in out.stdout
-    assert "layer 1's down projection" in out.stdout and "fused (OrderedGemmConstants" in out.stdout
+    assert "layer 1's o_proj projection" in out.stdout and "fused (OrderedGemmConstants" in out.stdout
     assert "30 of 30 parts fused" in out.stdout
+    # What only the build checks, said: the ordered GEMM's rows (and which weights are too large to be faster).
+    assert "checked at build (8 parts): " in out.stdout and "(6 of these weights are larger: " in out.stdout
 
 
 def test_cli_prints_reasons_of_a_refusing_config(tmp_path):

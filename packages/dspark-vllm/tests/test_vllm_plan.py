@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from dspark_core.planner import policy  # noqa: E402
 from dspark_vllm import deployment, planning  # noqa: E402
 from dspark_vllm.adapter import describe_vllm  # noqa: E402
-from dspark_vllm.runtime import pin_rope_tables  # noqa: E402
+from dspark_vllm.runtime import fused_kernels, pin_rope_tables  # noqa: E402
 
 GPU = policy.Target(kernels=policy.ALL_KERNELS).opt_in(frozenset())  # sm_90a, every kernel installed
 
@@ -203,6 +203,17 @@ def test_at_tp_gt1_the_all_reduce_fuses_where_the_mailbox_reproduces_vllms(built
     assert plan.all_reduce.fused and "-0.0 sum as +0.0" in plan.all_reduce.name
     plan = planning.plan_vllm(draft, tp4, custom)
     assert plan.all_reduce.reason == planning.unchecked_reason(policy.ALL_REDUCE_BOUNDARY)
+    # The ordered GEMM opt-in at TP: o_proj and down on the exact package GEMM, checked as the
+    # ordered GEMM's kernel (the own-order package GEMM is never among the exact kernels).
+    ordered = policy.Target(kernels=policy.ALL_KERNELS, tp=4).opt_in({policy.ORDERED_GEMM})
+    exact = policy.ALL_KERNELS - {policy.PACKAGE_GEMM, policy.GEMV}
+    plan = planning.plan_vllm(draft, ordered, custom, exact)
+    assert plan.all_reduce.fused and plan.package_gemms and all(p.fused for p in plan.package_gemms)
+    assert [p.constants.role for p in plan.package_gemms] == ["o_proj", "down"] * (len(plan.package_gemms) // 2)
+    assert planning.part_kernel(policy.PACKAGE_GEMM, plan.package_gemms[0]) == policy.ORDERED_GEMM
+    assert policy.ORDERED_GEMM in fused_kernels(plan) and policy.PACKAGE_GEMM not in fused_kernels(plan)
+    plan = planning.plan_vllm(draft, ordered, custom, exact - {policy.ORDERED_GEMM})
+    assert all(p.reason == planning.unchecked_reason(policy.ORDERED_GEMM) for p in plan.package_gemms)
 
 
 def test_the_plan_cli_prints_the_plan_and_the_deployment_check(built, capsys):

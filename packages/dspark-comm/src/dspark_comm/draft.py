@@ -28,6 +28,15 @@ the plan's sum order (``plan.all_reduce.constants.sum_order``). It implements
   consumes it); otherwise the stock GEMM's ``(partial, False)``. The package
   GEMM sums in its own order (not cuBLAS's), so that path is exact to the
   stock all-reduce of its own partials, not bitwise the stock TP forward.
+  Where the plan's part holds ``OrderedGemmConstants`` (the ordered GEMM
+  opt-in), the projection is the **exact** package GEMM
+  (``cutedsl.ordered_package.OrderedPackageGemm``): ``prepare`` runs its
+  build-time check against the live cuBLAS (``F.linear`` on the shard, the
+  GEMM of vLLM's RowParallelLinear) at 1 .. capacity rows, and the ranks
+  keep the row counts every rank's check bound (``exact_rows``); there it
+  publishes cuBLAS's partial bit for bit, so the fused step is the stock
+  TP forward's bits; other row counts run the stock GEMM, then the fused
+  all-reduce.
 
 At TP2 the mailbox's sum (either order) and NCCL's BF16 sum are one correctly
 rounded ``bf16(a + b)``, so the fused path, the fallback and the stock TP
@@ -44,21 +53,40 @@ compiled (a failure on any rank raises on all).
 
 from __future__ import annotations
 
+import logging
+
 from dspark_comm import protocol
+from dspark_core.contracts.constants import OrderedGemmConstants
+
+log = logging.getLogger("dspark.decode")
+
+
+def _ranges(rows) -> str:
+    """Row counts as ranges: ``1-4, 8, 16``."""
+    out, rows = [], sorted(rows)
+    for m in rows:
+        if out and out[-1][1] == m - 1:
+            out[-1][1] = m
+        else:
+            out.append([m, m])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out)
 
 
 class DraftAllReduce:
     """The ``AllReduceBoundaries`` of one rank of a TP draft (module
     docstring). ``boundary`` builds each boundary (default
     ``dspark_comm.boundary.AllReduceBoundary``) and ``gemm`` each package GEMM
-    (default ``dspark_comm.package_gemm.PackageGemm``; CPU tests pass
-    stand-ins); ``package_gemm=False`` keeps every branch GEMM stock;
+    (default ``dspark_comm.package_gemm.PackageGemm``), ``exact`` each exact
+    one (default ``OrderedPackageGemm``; CPU tests pass stand-ins);
+    ``reduce(partial)``: the stock all-reduce of the calls ``takes`` refuses
+    (default: the group's, ``all_reduce``); ``package_gemm=False`` keeps
+    every branch GEMM stock;
     ``one_row_gemv=True`` (opt-in) runs the package GEMMs' one-row calls on
     the one-token GEMV (``PackageGemm(one_row_gemv=True)``: its own order);
     ``positive_zero=True`` sums -0.0 as +0.0 (``protocol``: the stock of a
     Lamport all-reduce whose empty marker is -0.0)."""
 
-    def __init__(self, mailbox, plan, draft, rank: int, *, boundary=None, gemm=None,
+    def __init__(self, mailbox, plan, draft, rank: int, *, boundary=None, gemm=None, exact=None, reduce=None,
                  package_gemm: bool = True, one_row_gemv: bool = False, positive_zero: bool = False) -> None:
         tp = plan.target.tp
         if plan.draft_reason is not None:
@@ -81,7 +109,7 @@ class DraftAllReduce:
             raise ValueError(f"a draft of {h} features on a mailbox of {mailbox.layout.hidden_size}")
         if boundary is None:
             from dspark_comm.cutedsl.all_reduce_boundary import AllReduceBoundary as boundary
-        self.tp, self.rank = tp, rank
+        self.tp, self.rank, self._reduce = tp, rank, reduce
         self.mailbox, self.plan, self.draft = mailbox, plan, draft
         self.sum_order = part.constants.sum_order
         self.capacity = mailbox.layout.capacity
@@ -95,14 +123,23 @@ class DraftAllReduce:
                                             b.post.weight, b.pre.weight, self.sum_order, **zero))
         # Per boundary: its package GEMM (bound to its projection's weight), or None.
         self.gemms: list = [None] * len(self.boundaries)
+        # Per boundary: the row counts its exact package GEMM publishes (prepare).
+        self.exact_rows: list[frozenset] = [frozenset()] * len(self.boundaries)
+        self.exact: set[int] = set()  # the boundaries whose GEMM is an exact package GEMM
         self.weights = [w for layer in draft.layers for w in (layer.attention.o_proj_weight, layer.mlp.down_weight)]
-        if package_gemm and plan.package_gemms:
-            if gemm is None:
-                from dspark_comm.cutedsl.package_gemm import PackageGemm as gemm
-            extra = {"one_row_gemv": True} if one_row_gemv else {}
-            for index, (p, weight) in enumerate(zip(plan.package_gemms, self.weights)):
-                if p.fused:
-                    self.gemms[index] = gemm(p.constants, weight, mailbox, rank, **extra)
+        extra = {"one_row_gemv": True} if one_row_gemv else {}
+        for index, (p, weight) in enumerate(zip(plan.package_gemms, self.weights)):
+            if not p.fused:
+                continue
+            if isinstance(p.constants, OrderedGemmConstants):  # exact: the plan's ordered GEMM opt-in decides
+                if exact is None:
+                    from dspark_comm.cutedsl.ordered_package import OrderedPackageGemm as exact
+                self.gemms[index] = exact(p.constants.role, weight, mailbox)
+                self.exact.add(index)
+            elif package_gemm:
+                if gemm is None:
+                    from dspark_comm.cutedsl.package_gemm import PackageGemm as gemm
+                self.gemms[index] = gemm(p.constants, weight, mailbox, rank, **extra)
 
     def prepare(self, failed: BaseException | None = None) -> None:
         """Compile every variant the executor launches (module docstring),
@@ -125,13 +162,31 @@ class DraftAllReduce:
                         b.prepare(stream_dtypes=dtypes, store_stream=(index != last,))
                         continue
                     b.prepare(stream_dtypes=dtypes, store_stream=(index != last,), published=(False, True))
-                    g.prepare()
+                    if index in self.exact:  # its rows from the check against the live cuBLAS
+                        g.check(range(1, min(self.capacity, g.max_rows) + 1))
+                    else:
+                        g.prepare()
             except Exception as e:  # noqa: BLE001 (re-raised below, after every rank has heard of it)
                 error = e
         try:  # raises on every rank where any rank failed
             self.mailbox.group.agree(error is None, "preparing the TP draft's kernels (DraftAllReduce.prepare)")
         except RuntimeError as disagreement:
             raise disagreement from error
+        self._agree_exact_rows()
+
+    def _agree_exact_rows(self) -> None:
+        """Collective: each exact package GEMM publishes at the row counts
+        every rank's check bound (a rank publishing alone would leave its
+        peers waiting on partials that never come); said once per GEMM."""
+        mine = [sorted(g.orders) if index in self.exact else [] for index, g in enumerate(self.gemms)]
+        everyone = self.mailbox.group.all_gather_object(mine)
+        for index in sorted(self.exact):
+            common = frozenset.intersection(*(frozenset(rows[index]) for rows in everyone))
+            self.exact_rows[index] = common
+            others = sorted(set(range(1, self.capacity + 1)) - common)
+            log.info("boundary %d's exact package GEMM publishes cuBLAS's partial at %s rows; cuBLAS, then the "
+                     "fused all-reduce, at %s (the check against cuBLAS found no order on some rank)",
+                     index, _ranges(common) or "no", _ranges(others) or "no other")
 
     def takes(self, partial) -> bool:
         """Whether a call runs fused: its row count alone."""
@@ -147,6 +202,8 @@ class DraftAllReduce:
         gemm = self.gemms[index]
         if gemm is None or not self.takes(x):
             return linear(x, weight), False
+        if index in self.exact and int(x.shape[0]) not in self.exact_rows[index]:
+            return linear(x, weight), False
         if weight is not self.weights[index]:
             raise ValueError(f"boundary {index}'s package GEMM is bound to another weight")
         gemm.run(x.contiguous(), publish=True)
@@ -161,7 +218,10 @@ class DraftAllReduce:
         return self.boundaries[index].run(partial, stream, store_stream)
 
     def all_reduce(self, partial):
-        """The group's stock all-reduce of a copy of ``partial`` (the sum)."""
+        """The stock all-reduce of a copy of ``partial`` (the sum): ``reduce``'s,
+        else the group's."""
+        if self._reduce is not None:
+            return self._reduce(partial.contiguous().clone())
         return self.mailbox.group.all_reduce_(partial.contiguous().clone())
 
 

@@ -47,7 +47,8 @@ log = logging.getLogger("dspark.tp_draft")
 class TPDraftRank:
     """One rank's shard, group and mailbox (module docstring)."""
 
-    def __init__(self, rank: int, world: int, config=None, capacity: int = 16, timeout_s: float = 5.0) -> None:
+    def __init__(self, rank: int, world: int, config=None, capacity: int = 16, timeout_s: float = 5.0,
+                 one_gpu: bool = False) -> None:
         from dspark_comm.runtime.group import TorchGroup
         from dspark_comm.runtime.mailbox import Mailbox
         from dspark_core.reference.config import DraftConfig
@@ -55,22 +56,27 @@ class TPDraftRank:
         from dspark_core.reference.tp import shard_draft
 
         self.rank, self.world = rank, world
-        self.device = torch.device("cuda", rank)
+        self.device = torch.device("cuda", 0 if one_gpu else rank)
         self.config = config if config is not None else DraftConfig()
         t0 = time.monotonic()
         model = DraftModel(self.config, device=self.device)
-        self.shard = shard_draft(model, rank, world)  # stock forward: NCCL all-reduce
+        # The stock forward's all-reduce: NCCL's, or on one GPU vLLM's custom one-stage order.
+        self.all_reduce = rank_order_all_reduce if one_gpu else None
+        self.shard = shard_draft(model, rank, world, self.all_reduce)
         del model
         torch.cuda.empty_cache()
         self.build_s = round(time.monotonic() - t0, 2)
         self.group = TorchGroup()
         self.mailbox = Mailbox(self.group, self.config.hidden_size, capacity, timeout_s=timeout_s)
 
-    def decode(self, exclude=frozenset(), one_row_gemv: bool = False):
+    def decode(self, exclude=frozenset(), one_row_gemv: bool = False, ordered_gemm: bool = False):
         """``(decode, adapter)`` planned without the kernels ``exclude``
         (module docstring); ``one_row_gemv``: the package GEMMs' one-row calls
-        on the one-token GEMV (``DraftAllReduce``). RuntimeError where no part
-        of the draft fuses."""
+        on the one-token GEMV (``DraftAllReduce``); ``ordered_gemm``: the
+        ordered GEMM opt-in (the exact package GEMM for o_proj and
+        down_proj, the ordered GEMM for QKV and gate_up: cuBLAS's bits where
+        the build-time check binds). RuntimeError where no part of the draft
+        fuses."""
         from dspark_comm.draft import DraftAllReduce
         from dspark_core.reference.adapter import describe
         from dspark_core.runtime.decode import build_draft_decode, draft_plan
@@ -80,9 +86,11 @@ class TPDraftRank:
         package = PACKAGE_GEMM not in exclude
         draft = describe(self.shard)
         # The plan build_draft_decode makes too (one function: the two cannot drift).
-        plan = draft_plan(draft, self.world, exclude, package_gemm=package)
-        adapter = DraftAllReduce(self.mailbox, plan, draft, self.rank, one_row_gemv=one_row_gemv)
-        decode = build_draft_decode(draft, all_reduce=adapter, exclude=exclude, package_gemm=package)
+        plan = draft_plan(draft, self.world, exclude, package_gemm=package, ordered_gemm=ordered_gemm)
+        adapter = DraftAllReduce(self.mailbox, plan, draft, self.rank, one_row_gemv=one_row_gemv,
+                                 reduce=self.all_reduce)
+        decode = build_draft_decode(draft, all_reduce=adapter, exclude=exclude, package_gemm=package,
+                                    ordered_gemm=ordered_gemm)
         if decode is None:
             raise RuntimeError(f"build_draft_decode kept the TP{self.world} draft stock on {self.device} "
                                "(the reason is in the log)")
@@ -114,6 +122,23 @@ class TPDraftRank:
             return self.mailbox.status()
         finally:
             self.mailbox.close()
+
+
+def rank_order_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """vLLM's custom one-stage all-reduce of ``t`` (every rank's partial
+    widened to FP32, added from rank 0's in rank order, rounded once), over
+    the world group through the CPU (gloo: the rank group on one GPU, where
+    NCCL refuses two ranks); in place, returns ``t``. Collective."""
+    import torch.distributed as dist
+
+    from dspark_comm.protocol import reference_sum
+    from dspark_core.contracts.constants import FP32_RANK_ORDER
+
+    host = t.detach().cpu()
+    parts = [torch.empty_like(host) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, host)
+    t.copy_(reference_sum([p.to(t.device) for p in parts], FP32_RANK_ORDER))
+    return t
 
 
 def _sync(device: torch.device) -> None:
@@ -217,4 +242,4 @@ def time_replays(replay, reps: int, warmup: int = 3, calls: int = 1) -> float:
     return median_us(replay, reps, calls=calls, before=release)
 
 
-__all__ = ["PACKAGE_GEMM", "TPDraftRank", "greedy", "time_replays"]
+__all__ = ["PACKAGE_GEMM", "TPDraftRank", "greedy", "rank_order_all_reduce", "time_replays"]

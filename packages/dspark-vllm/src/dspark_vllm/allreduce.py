@@ -297,12 +297,18 @@ def check_message(tp, rows, hidden_size, arch) -> tuple[int, int, int, str | Non
     """``(tp, rows, hidden_size, arch)`` of one all-reduce message, checked
     (``dspark_core.checks``): the TP size an int from 1 to
     ``policy.MAX_TP`` (not a bool), the rows from 1 to ``MAX_MESSAGE_ROWS``
-    and the hidden size from 1 to ``MAX_SIZE``; the architecture None or
-    in its one spelling (``SM_90A`` is sm_90a). TypeError or ValueError
-    naming the parameter."""
-    return (checks.integer("the TP size", tp, 1, MAX_TP), checks.integer("the row count", rows, 1, MAX_MESSAGE_ROWS),
-            checks.integer("the hidden size", hidden_size, 1, MAX_SIZE),
-            None if arch is None else checks.arch("the architecture", arch, known=False))
+    and the hidden size from 1 to ``MAX_SIZE``; the architecture None (no
+    GPU: no order) or, in its one spelling (``SM_90A`` is sm_90a), one these
+    tables know (``CAPABILITY``: another, such as sm_80, is refused here, not
+    answered). TypeError or ValueError naming the parameter."""
+    checked = (checks.integer("the TP size", tp, 1, MAX_TP), checks.integer("the row count", rows, 1, MAX_MESSAGE_ROWS),
+               checks.integer("the hidden size", hidden_size, 1, MAX_SIZE))
+    if arch is not None:
+        arch = checks.arch("the architecture arch", arch, known=False)
+        if arch not in CAPABILITY:
+            raise ValueError(f"the architecture arch must be None or one of {', '.join(CAPABILITY)} (vLLM's "
+                             f"all-reduce tables as read here), not {arch}")
+    return (*checked, arch)
 
 
 def resolve(tp: int, rows: int, hidden_size: int, arch: str | None, sw: Switches | None = None,
@@ -315,7 +321,7 @@ def resolve(tp: int, rows: int, hidden_size: int, arch: str | None, sw: Switches
     tp, rows, hidden_size, arch = check_message(tp, rows, hidden_size, arch)
     if tp == 1:
         return Resolved("none", "", FP32_RANK_ORDER, False, "TP1 has no all-reduce")
-    if arch not in CAPABILITY:
+    if arch is None:
         return _unfixed("none", "", f"no GPU the kernels are compiled for ({arch})")
     sw = switches() if sw is None else sw
     facts = {name: [value] if value is not None else [True, False]
@@ -374,7 +380,8 @@ def decode_order(tp: int, arch: str | None, hidden_size: int | None = None, max_
     one of one row, fused up to the last row count before the first that
     resolves otherwise. The row count alone decides, the same on every rank.
     ``max_rows``: an int from 1 to ``MAX_DECODE_ROWS`` (the mailbox's rows;
-    each is resolved)."""
+    each is resolved); ``arch`` as ``check_message`` takes it (checked first)."""
+    check_message(1, 1, 1, arch)
     checks.integer("max_rows (the decode rows the mailbox takes)", max_rows, 1, MAX_DECODE_ROWS)
     sw = switches() if sw is None else sw
     h = DEFAULT_HIDDEN if hidden_size is None else hidden_size
@@ -461,8 +468,11 @@ class MailboxBoundaries:
     (the plugin passes ``adapter.partial``). ``check()`` (outside CUDA graphs: it
     synchronizes) raises ``MailboxTimeoutError`` where a kernel gave up on a
     peer, and RuntimeError where FlashInfer's workspace, once vLLM created
-    it, is not the backend the order was resolved for. ``close()`` is
-    collective."""
+    it, is not the backend the order was resolved for; ``poll()`` raises the
+    same timeout from an earlier asynchronous copy of the mailbox's status,
+    never waiting (``SpecializedDecode`` calls ``check()`` once the build's
+    collective agreement passed, ``poll()`` on every call it takes outside
+    a graph capture). ``close()`` is collective."""
 
     def __init__(self, model, draft, plan, order: AllReduceOrder, *, branch_gemm, package_gemm: bool = False,
                  group=None, mailbox=None, reduce=None, boundary=None, gemm=None) -> None:
@@ -533,6 +543,12 @@ class MailboxBoundaries:
     def check(self) -> None:
         self.mailbox.check()
         self.check_backend()
+
+    def poll(self) -> None:
+        """``check()`` without waiting for the device (``Mailbox.poll``: a
+        kernel that gave up shows a few calls later); nothing during a CUDA
+        graph capture."""
+        self.mailbox.poll()
 
     def check_backend(self) -> bool:
         """Host state only: RuntimeError where vLLM created FlashInfer's

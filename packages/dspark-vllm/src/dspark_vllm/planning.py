@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from dspark_core import checks
+from dspark_core.contracts.constants import OrderedGemmConstants
 from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, Part, plan_draft
 from dspark_core.planner.policy import Target
@@ -119,16 +120,23 @@ def _restock(part: Part | None, reason: str) -> Part | None:
     return part if part is None or not part.fused else Part(part.name, reason=reason)
 
 
+def part_kernel(kernel: str, part: Part | None) -> str:
+    """The kernel ``part`` of a ``PART_KERNELS`` list on ``kernel`` runs on:
+    a package GEMM part holding ``OrderedGemmConstants`` is the exact package
+    GEMM, the ordered GEMM's kernel publishing (``dspark_comm.cutedsl.ordered_package``)."""
+    if kernel == policy.PACKAGE_GEMM and part is not None and isinstance(part.constants, OrderedGemmConstants):
+        return policy.ORDERED_GEMM
+    return kernel
+
+
 def _mark_unchecked(plan: DraftPlan, exact: frozenset[str], arch: str) -> None:
     for attr, kernel in PART_KERNELS:
-        if kernel in exact:
-            continue
         value = getattr(plan, attr)
-        why = unchecked_reason(kernel, arch)
         if isinstance(value, list):
-            setattr(plan, attr, [_restock(p, why) for p in value])
-        else:
-            setattr(plan, attr, _restock(value, why))
+            setattr(plan, attr, [p if part_kernel(kernel, p) in exact else
+                                 _restock(p, unchecked_reason(part_kernel(kernel, p), arch)) for p in value])
+        elif kernel not in exact:
+            setattr(plan, attr, _restock(value, unchecked_reason(kernel, arch)))
     # An o-gate planned into the attention kernel's epilogue runs its own
     # kernel where the attention stays stock.
     names = {p.name for p in plan.attentions if p.fused}

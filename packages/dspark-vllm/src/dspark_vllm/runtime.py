@@ -88,8 +88,7 @@ def fused_kernels(plan: DraftPlan) -> frozenset[str]:
     for attr, kernel in planning.PART_KERNELS:
         value = getattr(plan, attr)
         parts = value if isinstance(value, list) else [value]
-        if any(p is not None and p.fused and p.via is None for p in parts):
-            used.add(kernel)
+        used.update(planning.part_kernel(kernel, p) for p in parts if p is not None and p.fused and p.via is None)
     return frozenset(used)
 
 
@@ -177,7 +176,7 @@ class SpecializedDecode:
                                       package_gemm=allreduce.package_gemm_asked(self.vllm_config),
                                       ordered_gemm=planning.ordered_gemm_asked(self.vllm_config))
         order = None
-        if draft.tp > 1:
+        if draft.tp > 1 and target.arch in allreduce.CAPABILITY:  # another GPU: planned stock (plan_draft says why)
             order = deployment.stock_all_reduce(draft.tp, target.arch,
                                                 self.vllm_config.parallel_config.disable_custom_all_reduce)
         self.plan = plan = planning.plan_vllm(draft, target, order)
@@ -206,6 +205,8 @@ class SpecializedDecode:
             return
         self.decode = decode
         self.max_rows = decode.max_rows or 0
+        if all_reduce is not None and hasattr(all_reduce, "check"):
+            all_reduce.check()  # a sync point: every rank's mailbox healthy after the agreement
         if self.max_rows:
             logger.info("The DSpark draft runs %d of %d planned parts fused (kernels %s), for steps of 1 to %d rows; "
                         "other steps run vLLM's stock forward.", fused, total, ", ".join(sorted(names)), self.max_rows)
@@ -271,6 +272,9 @@ class SpecializedDecode:
                 logger.info("A DSpark draft step of %d rows runs vLLM's stock forward: the kernels take 1 to %d rows "
                             "a call (said once; every larger step runs stock too).", rows, self.max_rows)
             return None
+        poll = getattr(self.decode.all_reduce, "poll", None)
+        if poll is not None:  # a mailbox kernel that gave up on a peer raises here, a few steps later
+            poll()
         backbone = self.model.model
         hidden = backbone.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         return self.decode.run(hidden, positions)

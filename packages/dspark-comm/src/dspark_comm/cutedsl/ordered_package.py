@@ -99,6 +99,10 @@ class OrderedPackageGemm:
     def orders(self) -> dict:
         return self.gemm.orders
 
+    @property
+    def max_rows(self) -> int:
+        return self.gemm.max_rows
+
     def check(self, rows=None, reference=None, seed: int = gemm_check.SEED) -> gemm_check.CheckResult:
         """The build-time check of the shard (``OrderedGemm.check``) at
         ``rows`` (default 1 .. the mailbox's capacity), the orders bound and

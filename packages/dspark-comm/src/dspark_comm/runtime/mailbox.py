@@ -19,7 +19,8 @@ is never used: peers are reached by peer-to-peer stores alone.
 The buffer starts with every data word empty (``MARKER``), every epoch 0 and
 the status 0; ``table`` is a CUDA int64 ``[tp]`` tensor of every rank's
 buffer address as mapped here (the kernels' only view of the mailbox).
-``check()`` raises ``MailboxTimeoutError`` once a kernel gave up waiting;
+``check()`` raises ``MailboxTimeoutError`` once a kernel gave up waiting
+(``poll()``: the same from an earlier asynchronous copy, never waiting);
 ``reset()`` (collective) empties the buffer again; ``close()`` (collective)
 unmaps and frees. All ranks must construct, reset and close together.
 """
@@ -182,6 +183,7 @@ class Mailbox:
         self.group, self.rank, self.device = group, group.rank, group.device
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
+        self._status_host = self._status_event = None  # poll()'s copy of the status word
         nbytes = self.layout.total_bytes
         with torch.cuda.device(self.device):
             torch.zeros(1, device=self.device)  # the primary context, current on this thread
@@ -262,12 +264,35 @@ class Mailbox:
         if reason:
             raise MailboxTimeoutError(reason)
 
+    def poll(self) -> None:
+        """``check()`` without waiting for the device: raise
+        ``MailboxTimeoutError`` where the status word copied by an earlier
+        ``poll`` (once that copy completed: ``check()`` then says why) is not
+        0, then copy it again, asynchronously on the current stream into
+        pinned host memory (at most one copy in flight). Nothing while the
+        current stream is capturing a CUDA graph. So a host hook that runs at
+        every step sees a kernel that gave up at most a few steps later,
+        without a synchronization per step."""
+        self.check_open()
+        if torch.cuda.is_current_stream_capturing():
+            return
+        if self._status_event is None:
+            self._status_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self._status_event = torch.cuda.Event()
+        elif not self._status_event.query():
+            return
+        elif int(self._status_host[0]):
+            self.check()
+        self._status_host.copy_(self.words()[STATUS_OFFSET // 4:STATUS_OFFSET // 4 + 1], non_blocking=True)
+        self._status_event.record()
+
     def reset(self) -> None:
         """Collective: wait for this rank's work, then empty the buffer, zero
         the epochs and the status on every rank together."""
         self.check_open()
         torch.cuda.synchronize(self.device)
         self.group.barrier()
+        self._status_host = self._status_event = None  # a copy from before the reset says nothing now
         self._fill()
         torch.cuda.synchronize(self.device)
         self.group.barrier()

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark_core.contracts import constants as K
-from dspark_core.errors import Unsupported
+from dspark_core.contracts import limits
+from dspark_core.errors import Unsupported, quoted
 from dspark_core.planner import policy
 from dspark_core.planner.policy import Target
-from dspark_core.runtime.description import Attention, DraftDescription, Layer
+from dspark_core.runtime.description import Attention, DraftDescription, Layer, check_draft
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,29 @@ class DraftPlan:
             lines.append(f"  reason {n}: {reason}")
         for reason, names in declined.items():
             lines.append(f"  not asked for ({len(names)} parts): {reason}")
+        lines += _checked_at_build(self)
         return "\n".join(lines)
+
+
+def _checked_at_build(plan: DraftPlan) -> list[str]:
+    """The plan's line for what its fused ordered GEMMs leave to the build
+    (no plan sees the live cuBLAS): each row count runs where the build-time
+    check finds cuBLAS's order; a layer projection's, by default, only at the
+    row counts and weight sizes where it is faster than cuBLAS
+    (``limits.ORDERED_GEMM_FASTER_ROWS`` / ``_BYTES``), which the weights'
+    shapes already tell: those above it run cuBLAS at every row count."""
+    ordered = [p for p in plan.parts() if p.fused and isinstance(p.constants, K.OrderedGemmConstants)]
+    if not ordered:
+        return []
+    big = [p for p in plan.ordered_gemms if p.fused and 2 * p.constants.n * p.constants.k
+           > limits.ORDERED_GEMM_FASTER_BYTES]
+    line = (f"  checked at build ({len(ordered)} parts): the ordered GEMM runs a row count only where its check "
+            f"against the live cuBLAS finds cuBLAS's order; a layer projection's only at m <= "
+            f"{limits.ORDERED_GEMM_FASTER_ROWS} over weights up to {limits.ORDERED_GEMM_FASTER_BYTES >> 20} MiB, "
+            "where it is faster")
+    if big:
+        line += f" ({len(big)} of these weights are larger: cuBLAS at every row count)"
+    return [line + "; other row counts run cuBLAS"]
 
 
 def _reason_index(reasons: dict[str, list[str]], part: Part) -> int:
@@ -269,8 +292,12 @@ def context_constants(draft: DraftDescription, arch: str = "sm_90a") -> K.Contex
 
 def plan_draft(draft: DraftDescription, target: Target | None = None) -> DraftPlan:
     """Plan every part of ``draft`` for ``target`` (default: one H200).
-    ValueError where ``target.tp`` cannot split the draft."""
-    target = target or Target()
+    ValueError where ``target.tp`` cannot split the draft; TypeError for a
+    ``draft`` that is no DraftDescription or a ``target`` that is no Target."""
+    check_draft(draft)
+    target = Target() if target is None else target
+    if not isinstance(target, Target):
+        raise TypeError(f"target must be a policy.Target, not {type(target).__name__} {quoted(target)}")
     check_tp(draft, target.tp)
     plan = DraftPlan(target, hidden_size=draft.hidden_size, num_layers=len(draft.layers))
     reason = draft_unsupported(draft, target)
@@ -315,7 +342,7 @@ def plan_draft(draft: DraftDescription, target: Target | None = None) -> DraftPl
 def _plan_layer(plan: DraftPlan, layer: Layer, target: Target) -> None:
     i, attn = layer.index, layer.attention
     # QK-norm, RoPE and the insert on the stock projection's output (bit for
-    # bit the stock front).
+    # bit the model's own, ``Attention.front_from``).
     part = _try(f"layer {i}'s QKV epilogue", K.qkv_epilogue_constants, attn)
     plan.qkv_epilogues.append(_with_kernels(part, target, policy.QKV_EPILOGUE))
     gate = _with_kernels(_o_gate_part(i, attn, target.arch), target, policy.O_GATE)
@@ -391,9 +418,15 @@ def _all_reduce_part(draft: DraftDescription, plan: DraftPlan) -> Part:
 
 
 def _package_gemm_part(i: int, role: str, weight: torch.Tensor, draft: DraftDescription, plan: DraftPlan) -> Part:
+    """Layer ``i``'s branch projection ``role`` publishing its partial into
+    the mailbox: on the package GEMM (its own order) where that opt-in is
+    asked, else on the ordered GEMM where the ordered GEMM opt-in is
+    (``_exact_package_part``: cuBLAS's order, so vLLM's bits)."""
     name = f"layer {i}'s {role} package GEMM"
     tp, hidden = plan.target.tp, draft.hidden_size
     missing = _kernel_missing(plan.target, policy.PACKAGE_GEMM)
+    if missing and not _kernel_missing(plan.target, policy.ORDERED_GEMM):
+        return _exact_package_part(name, role, weight, draft, plan)
     if missing:
         return Part(name, reason=missing)
     if tp not in policy.PACKAGE_GEMM_TPS:
@@ -413,7 +446,26 @@ def _package_gemm_part(i: int, role: str, weight: torch.Tensor, draft: DraftDesc
     if k_shard % unit:
         return Part(name, reason=f"a shard of {k_shard} input features is not a multiple of {unit} (the steps "
                                  f"of the package GEMM's {4 * shape.split_k} warps, 32 features each)")
-    return Part(name, K.PackageGemmConstants(role, hidden, k_shard, shape.tile_n, shape.split_k, shape.max_rows))
+    return _try(name, K.package_gemm_constants, role, hidden, k_shard, shape.tile_n, shape.split_k, shape.max_rows)
+
+
+def _exact_package_part(name: str, role: str, weight: torch.Tensor, draft: DraftDescription,
+                        plan: DraftPlan) -> Part:
+    """The exact package GEMM (``dspark_comm.cutedsl.ordered_package``): a
+    rank's shard of ``role`` on the ordered GEMM, each row count bound only
+    where the build-time check against the live cuBLAS found its order on
+    every rank, its BF16 partial (cuBLAS's bits) published into the mailbox;
+    other row counts run cuBLAS, then the fused all-reduce."""
+    if not plan.all_reduce.fused:
+        return Part(name, reason="the all-reduce is not fused (nothing to publish into)")
+    if weight is None:
+        return Part(name, reason="no such projection")
+    n, k = (int(v) for v in weight.shape)
+    if draft.tp == 1:  # a whole draft planned for TP: its shard's K (the rows-parallel split of K)
+        if k % plan.target.tp:
+            return Part(name, reason=f"{k} input features do not split over TP{plan.target.tp}")
+        weight = torch.empty(n, k // plan.target.tp, dtype=weight.dtype, device="meta")
+    return _try(name, K.ordered_gemm_constants, "o_proj" if role == "o_proj" else "down", weight)
 
 
 __all__ = ["DraftPlan", "Part", "check_tp", "context_constants", "draft_unsupported", "plan_draft",
