@@ -21,9 +21,11 @@
 #   rows           its steps captured in CUDA graphs with PDL at every size vLLM captures (tests/test_gpu_rows.py)
 #   multigpu       the two-GPU suites (comm, package GEMM, TP2 draft); kind nvidia-h200-x2
 #   multigpu-one   the mailbox all-reduce and fused boundary as 2, 4 and 8 processes on one GPU (test_comm_one_gpu)
+#   draft-one-gpu  the TP draft end to end (bitwise, exact package GEMM, the plugin's binding) as 2, 4, 8 ranks
 #   bench-boundary bench_boundary_stock (DSpark / vLLM's chain / vLLM's one-kernel boundary)
 #   bench-step     the whole draft step against vLLM's from its binaries: test_gpu_draft_step (bits), then
-#                  bench_draft_step with V_draft 32768 (~30 s on an H200) and 202752
+#                  bench_draft_step with vLLM's Triton attention on both sides, with DSpark's, and V_draft 202752
+#   triton-attention  vLLM's Triton unified_attention binary against the spec (test_gpu_triton_attention_stock)
 #   bench-step-ordered  bench_draft_step with the opt-in ordered GEMM (m = 1 to 64)
 #   bench-step-tp  one rank's work of the TP2/4/8 step (bench_draft_step --tp; no all-reduce on either side)
 #   bench          bench_decode and profile_decode; bench-kernels: the other single-GPU benchmarks
@@ -38,7 +40,7 @@ export OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
 export DSPARK_BENCH_OUT=$OUT
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && { sed -n '2,28p' "$0"; exit 2; }
+[ ${#steps[@]} -eq 0 ] && { sed -n '2,30p' "$0"; exit 2; }
 wanted() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 summary=()
 failed=0
@@ -67,6 +69,7 @@ wanted qkv && gpu qkv 300 packages/dspark-cute/tests/test_gpu_qkv_epilogue.py
 wanted markov && gpu markov 300 packages/dspark-cute/tests/test_gpu_markov.py packages/dspark-cute/tests/test_gpu_markov_stock.py
 wanted gating && gpu gating 200 packages/dspark-cute/tests/test_gpu_activations.py
 wanted attention && gpu attention 200 packages/dspark-cute/tests/test_gpu_attention.py
+wanted triton-attention && gpu triton-attention 200 packages/dspark-cute/tests/test_gpu_triton_attention_stock.py
 wanted gemv && gpu gemv 150 packages/dspark-cute/tests/test_gpu_gemv.py
 wanted ordered && gpu ordered 360 packages/dspark-cute/tests/test_gpu_ordered_gemm.py
 wanted bench-gemm && step bench-gemm 300 python packages/dspark-cute/benchmarks/bench_ordered_gemm.py --out "$OUT"
@@ -76,6 +79,7 @@ wanted ops && gpu ops 240 packages/dspark-cute/tests/test_gpu_ops.py packages/ds
 wanted decode && gpu decode 300 tests/test_gpu_decode.py
 wanted rows && gpu rows 240 tests/test_gpu_rows.py
 wanted multigpu-one && gpu multigpu-one 560 packages/dspark-comm/tests/test_comm_one_gpu.py
+wanted draft-one-gpu && gpu draft-one-gpu 580 packages/dspark-comm/tests/test_draft_one_gpu.py
 if wanted multigpu; then
   step comm-multigpu 150 python -m pytest -m multigpu packages/dspark-comm/tests/test_comm_multigpu.py -q -p no:cacheprovider
   step gemm-multigpu 200 python -m pytest -m multigpu packages/dspark-comm/tests/test_package_gemm_multigpu.py -q -p no:cacheprovider
@@ -84,6 +88,8 @@ fi
 wanted bench-boundary && step bench-boundary 150 python packages/dspark-cute/benchmarks/bench_boundary_stock.py --out "$OUT"
 if wanted bench-step; then
   gpu bench-step-bits 200 packages/dspark-cute/tests/test_gpu_draft_step.py
+  step bench-step-triton 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --attention triton \
+    --name draft_step_triton --out "$OUT"
   step bench-step 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --out "$OUT"
   step bench-step-v202752 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --draft-vocab 202752 \
     --name draft_step_v202752 --rows 1,4,32,128,512 --out "$OUT"

@@ -11,7 +11,10 @@ It writes, under DIR (default ``.device/stock`` at the repository root):
 * ``triton/<variant>.cubin`` + ``triton/<variant>.json``: the Triton kernels
   ``_rmsnorm_fwd_kernel`` (every variant the draft's norms can take) and the FLA
   ``layer_norm_gated_fwd_kernel`` (o-norm + sigmoid o-gate, sm_90 path) and
-  the Gumbel sampler ``_gumbel_sample_kernel`` (the draft's probabilistic path),
+  the Gumbel sampler ``_gumbel_sample_kernel`` (the draft's probabilistic path)
+  and the unified attention of vLLM's TRITON_ATTN backend
+  (``kernel_unified_attention`` 2D / 3D and ``reduce_segments``, the
+  specialization read off vLLM's own host code run on CPU tensors),
   compiled for each requested arch with the same specialization Triton's JIT
   would derive from the stock launch (pointer alignment, ``T == 1`` /
   ``T % 16 == 0``), plus the launch metadata (grid rule, block, shared memory,
@@ -364,6 +367,181 @@ def compile_triton(kind, fn, variants, archs, out: Path, keep_ptx=False) -> list
 
 
 # --------------------------------------------------------------------------
+# vLLM's Triton unified attention (the TRITON_ATTN backend)
+# --------------------------------------------------------------------------
+# The int arguments of kernel_unified_attention and of reduce_segments, in the
+# kernels' order; the letters of their specializations (1 a constexpr, D a
+# multiple of 16, x neither) end the variant names. launch_stock.UATTN_INTS and
+# UREDUCE_INTS list the same.
+UATTN_INTS = ("softcap", "block_table_stride", "query_stride_0", "query_stride_1", "output_stride_0",
+              "output_stride_1", "qq_bias_stride_0", "stride_k_cache_0", "stride_k_cache_1", "stride_k_cache_2",
+              "stride_v_cache_0", "stride_v_cache_1", "stride_v_cache_2", "num_seqs")
+UREDUCE_INTS = ("num_seqs", "output_stride_0", "output_stride_1", "block_table_stride")
+# The draft's decode (dspark_core.reference.config.DraftConfig and the benchmark's batch): head 64, KV block 16,
+# 256 cached tokens a request, vLLM's block table 8192 / 16 = 512 blocks wide (max_model_len / block_size).
+UATTN_DRAFT = {"head_size": 64, "block_size": 16, "context": 256, "table_width": 512}
+
+
+def uattn_variant_name(const: dict, specs: str) -> str:
+    """The variant's name, as ``launch_stock`` derives it from a launch (one naming rule)."""
+    return _launcher().uattn_name(const, specs)
+
+
+def ureduce_variant_name(const: dict, specs: str) -> str:
+    """The variant's name, as ``launch_stock`` derives it from a launch (one naming rule)."""
+    return _launcher().ureduce_name(const, specs)
+
+
+def _launcher():
+    """``launch_stock`` beside this file (it needs no GPU to be imported)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import launch_stock
+
+    return launch_stock
+
+
+def uattn_scenarios(head_pairs, rows, ns) -> list[tuple[int, int, int, int]]:
+    """``(heads, kv_heads, requests, N)`` of the benchmark's steps: m = 1 is one
+    request of one token, else m / N requests of N tokens (where N divides m)."""
+    out = []
+    for heads, kv in head_pairs:
+        for m in rows:
+            for n in ns:
+                shape = (1, 1) if m == 1 else ((m // n, n) if m % n == 0 else None)
+                if shape and (heads, kv, *shape) not in out:
+                    out.append((heads, kv, *shape))
+    return out
+
+
+def record_unified_attention(heads: int, kv_heads: int, requests: int, n: int, *, head_size: int = 64,
+                             block_size: int = 16, context: int = 256, table_width: int = 512,
+                             num_speculative_tokens: int | None = None, seq_threshold_3d: int | None = None):
+    """vLLM's own ``unified_attention`` host code, run on CPU tensors shaped as
+    ``TritonAttentionImpl.forward`` hands them over for the draft's decode, with
+    its two kernels replaced by recorders: ``[(kernel, grid, kwargs)]``.
+
+    The operands: ``requests`` requests of ``n`` query tokens after ``context``
+    cached ones (causal, no window, no softcap, no sinks, BF16, "auto" cache);
+    q the strided ``[m, heads, D]`` view of the QKV projection's rows (what
+    ``Attention.forward`` passes: q, k, v and the o-gate rows), out a fresh
+    ``[m, heads, D]``; the cache the logical ``[blocks, kv_heads, block,
+    2D]`` (LBHNC) transposed and split into the K and V views as the forward
+    does; ``k/v_descale`` the layer's scalar scales expanded to ``[requests,
+    kv_heads]``; an int32 block table ``table_width`` wide. The metadata
+    builder's scratch (``TritonAttentionMetadataBuilder.__init__``):
+    ``seq_threshold_3D`` = ``MIN_LAUNCH_GRID_SIZE_2D // kv_heads`` (the
+    nearest CUDA-graph capture size: itself with vLLM's default sizes 1, 2, 4,
+    8, 16, ..., which hold 16, 32, 64 and 128), ``NUM_PAR_SOFTMAX_SEGMENTS``
+    segments, ``threshold x min(1 + 2 N_spec, MAX_3D_QUERY_LEN)`` rows (DSpark
+    drafts in parallel: ``parallel_drafting``), ``N_spec`` =
+    ``num_speculative_tokens`` (default ``n``)."""
+    from unittest import mock
+
+    import torch
+    from vllm.v1.attention.backends import triton_attn
+    from vllm.v1.attention.ops import triton_unified_attention as tua
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
+    m = requests * n
+    n_spec = n if num_speculative_tokens is None else num_speculative_tokens
+    qkv = torch.zeros(m, 2 * heads * head_size + 2 * kv_heads * head_size, dtype=bf16)
+    q = qkv[:, :heads * head_size].view(m, heads, head_size)
+    out = torch.zeros(m, heads * head_size, dtype=bf16).view(m, heads, head_size)
+    cache = torch.zeros(2, kv_heads, block_size, 2 * head_size, dtype=bf16)
+    key_cache, value_cache = cache.transpose(1, 2).split(head_size, dim=-1)
+    threshold = seq_threshold_3d or triton_attn.MIN_LAUNCH_GRID_SIZE_2D // kv_heads
+    segments = triton_attn.NUM_PAR_SOFTMAX_SEGMENTS
+    rows = threshold * min(1 + 2 * n_spec, tua.MAX_3D_QUERY_LEN)
+    padded = 1 << (head_size - 1).bit_length()
+    k_scale, v_scale = torch.ones((), dtype=f32), torch.ones((), dtype=f32)
+    calls = []
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda **kwargs: calls.append((self.name, tuple(grid), kwargs))
+
+    with mock.patch.object(tua, "kernel_unified_attention", Recorder("kernel_unified_attention")), \
+            mock.patch.object(tua, "reduce_segments", Recorder("reduce_segments")):
+        tua.unified_attention(
+            q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=torch.arange(requests + 1, dtype=i32) * n,
+            max_seqlen_q=n, seqused_k=torch.full((requests,), context + n, dtype=i32), max_seqlen_k=context + n,
+            softmax_scale=float(head_size ** -0.5), causal=True, alibi_slopes=None, use_alibi_sqrt=False,
+            window_size=(-1, -1), block_table=torch.zeros(requests, table_width, dtype=i32), softcap=0,
+            q_descale=None, k_descale=k_scale.expand(requests, kv_heads), v_descale=v_scale.expand(requests, kv_heads),
+            seq_threshold_3D=threshold, num_par_softmax_segments=segments,
+            softmax_segm_output=torch.zeros(rows, heads, segments, padded, dtype=f32),
+            softmax_segm_max=torch.zeros(rows, heads, segments, dtype=f32),
+            softmax_segm_expsum=torch.zeros(rows, heads, segments, dtype=f32), sinks=None, output_scale=None,
+            mm_prefix_range=None, rswa_prefix_lens=None, rswa_window=None, kv_quant_mode=KVQuantMode.NONE,
+            k_scale_cache=None, v_scale_cache=None, chunk_lookback=-1, use_td=False,
+            mm_prefix_clamp_sliding_window=False)
+    return calls
+
+
+def jit_specialization(fn, kwargs: dict, arch: int = 90) -> tuple[dict, dict, list, int]:
+    """What Triton's JIT derives from a launch of ``fn`` with ``kwargs`` (its
+    own binder, ``create_function_from_signature``, and ``_pack_args``, run on
+    the CPU for ``arch``): ``(runtime signature {name: type}, constexprs
+    {name: value}, the arguments with a 16-divisibility hint, num_warps)``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    kwargs = dict(kwargs, debug=False)  # JITFunction.run's default (knobs.runtime.debug off)
+    bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(**kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+    names = fn.arg_names
+    sig = {k: v for k, v in signature.items() if v != "constexpr"}
+    const = {names[path[0]]: (int(v) if isinstance(v, int) and not isinstance(v, bool) else v)
+             for path, v in constexprs.items()}
+    aligned = [names[path[0]] for path, a in attrs.items() if a]
+    return sig, const, aligned, options.num_warps
+
+
+def _specs(ints, sig: dict, const: dict, aligned) -> str:
+    return "".join("1" if k in const else ("D" if k in aligned else "x") for k in ints if k in sig or k in const)
+
+
+def uattn_variants(scenarios, draft: dict = UATTN_DRAFT):
+    """``(attention variants, reduce variants)`` for ``compile_triton``: each
+    distinct specialization of ``kernel_unified_attention`` and
+    ``reduce_segments`` that vLLM's host launches over ``scenarios``
+    (``record_unified_attention``; the binder's signature, constexprs and
+    hints), with the grid rule and when the host picks it."""
+    attention, reduce, seen = [], [], set()
+    for heads, kv, requests, n in scenarios:
+        for kernel, grid, kwargs in record_unified_attention(heads, kv, requests, n, **draft):
+            from vllm.v1.attention.ops import triton_unified_attention as tua
+            fn = _jit(getattr(tua, kernel))
+            sig, const, aligned, warps = jit_specialization(fn, kwargs)
+            unaligned = [k for k, t in sig.items() if t.startswith("*") and k not in aligned]
+            if unaligned:
+                raise RuntimeError(f"{kernel}: unaligned pointers {unaligned} in the recorded launch")
+            if kernel == "kernel_unified_attention":
+                name = uattn_variant_name(const, _specs(UATTN_INTS, sig, const, aligned))
+                rule = ("(num_tokens // BLOCK_Q + num_seqs, num_kv_heads, NUM_SEGMENTS_PER_SEQ)" if const["IS_3D"]
+                        else "(num_tokens // BLOCK_Q + num_seqs, num_kv_heads, 1)")
+                match = ("num_seqs * cdiv(max_seqlen_q, BLOCK_Q) <= seq_threshold_3D, max_seqlen_q <= "
+                         "MAX_3D_QUERY_LEN, causal, scratch rows >= tokens" if const["IS_3D"] else
+                         "otherwise (more q blocks than seq_threshold_3D, or no 3D scratch)")
+                target = attention
+            else:
+                name = ureduce_variant_name(const, _specs(UREDUCE_INTS, sig, const, aligned))
+                rule, match, target = "(num_tokens, num_query_heads, 1)", "after each 3D launch", reduce
+            if name in seen:
+                continue
+            seen.add(name)
+            example = f"e.g. {heads}/{kv} heads, {requests} requests of {n} tokens: grid {grid}"
+            target.append((name, sig, const, aligned, {"rule": rule}, warps, f"{match}; {example}"))
+    return attention, reduce
+
+
+# --------------------------------------------------------------------------
 # vLLM CUDA library kernels
 # --------------------------------------------------------------------------
 QK = ("_ZN4vllm20muse_spark_fused_ops38fusedMuseSparkQKNormRopeKVInsertKernelIN3c108BFloat16E"
@@ -469,14 +647,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / ".device" / "stock")
     ap.add_argument("--arch", default="90,100", help="comma list of 90, 100")
-    ap.add_argument("--parts", default="rmsnorm,fla,boundary,gumbel,so",
-                    help="comma list of rmsnorm, fla, boundary, gumbel, so")
+    ap.add_argument("--parts", default="rmsnorm,fla,boundary,gumbel,attention,so",
+                    help="comma list of rmsnorm, fla, boundary, gumbel, attention, so")
     ap.add_argument("--x-dtypes", default="bf16", help="rmsnorm input dtypes (bf16[,fp32])")
     ap.add_argument("--hidden", type=int, default=8192, help="rmsnorm D")
     ap.add_argument("--heads", default="64,32,16,8", help="o-gate heads per rank (constexpr H)")
     ap.add_argument("--gumbel-vocabs", default="202752,32768,4096,512",
                     help="target vocabularies of the Gumbel sampler's launches")
     ap.add_argument("--gumbel-steps", default="1,2,3,4,5,6,7,8", help="speculative steps (the cache's stride 0)")
+    ap.add_argument("--attn-heads", default="64/8,32/4,16/2,8/1",
+                    help="the unified attention's query/KV heads per rank (the draft at TP1, 2, 4, 8)")
+    ap.add_argument("--attn-rows", default="1,4,8,16,32,64,128,256,512",
+                    help="row counts m = requests x N of the attention's launches (m = 1: one token)")
+    ap.add_argument("--attn-n", default="2,4,8", help="query tokens per request N (num_speculative_tokens)")
     ap.add_argument("--so", type=Path, default=None, help="vLLM _C_stable_libtorch.abi3.so")
     ap.add_argument("--keep-ptx", action="store_true", help="also write each Triton kernel's PTX")
     args = ap.parse_args()
@@ -496,7 +679,7 @@ def main() -> int:
     manifest["triton"] = triton.__version__
     cuobjdump = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
 
-    if parts & {"rmsnorm", "fla", "boundary", "gumbel"}:
+    if parts & {"rmsnorm", "fla", "boundary", "gumbel", "attention"}:
         (out / "triton").mkdir(parents=True, exist_ok=True)
     if "rmsnorm" in parts:
         from vllm.models.muse_spark.common.ops import fused_rmsnorm
@@ -526,6 +709,16 @@ def main() -> int:
         manifest["gumbel"] = compile_triton(
             "gumbel", _jit(gumbel._gumbel_sample_kernel), gumbel_variants(vocabs, steps), archs,
             out / "triton", args.keep_ptx)
+    if "attention" in parts:
+        from vllm.v1.attention.ops import triton_unified_attention as tua
+        print("unified attention (TRITON_ATTN: kernel_unified_attention, reduce_segments) variants:", flush=True)
+        pairs = [tuple(int(x) for x in hp.split("/")) for hp in args.attn_heads.split(",")]
+        scenarios = uattn_scenarios(pairs, [int(r) for r in args.attn_rows.split(",")],
+                                    [int(n) for n in args.attn_n.split(",")])
+        attention, reduce = uattn_variants(scenarios)
+        manifest["unified_attention"] = (
+            compile_triton("uattn", _jit(tua.kernel_unified_attention), attention, archs, out / "triton", args.keep_ptx)
+            + compile_triton("ureduce", _jit(tua.reduce_segments), reduce, archs, out / "triton", args.keep_ptx))
     if "so" in parts:
         so_path = args.so or (vdir / "_C_stable_libtorch.abi3.so")
         (out / "so").mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,10 @@ around the calls. Each ``stock_*`` function mirrors the stock op it stands for:
                         is_drafting, logits_cache, logits_cache_col)
                                             = vllm.v1.worker.gpu.sample.gumbel.gumbel_sample
                                               (the draft's probabilistic launch only)
+    unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale,
+                      causal, window_size, block_table, softcap, q_descale, k_descale, v_descale, ...)
+                                            = vllm.v1.attention.ops.triton_unified_attention.unified_attention
+                                              (TRITON_ATTN; the draft's decode: BF16, causal, no window)
 
 Launch configurations follow what the stock host code does (README.md next to
 this file); PDL is off unless ``pdl=True`` (it changes no value).
@@ -441,3 +445,265 @@ def stock_gumbel_sample(logits, expanded_idx_mapping, temperature, seed, pos, ap
         _launch_triton(metas[0], root, values, (t, nb, 1), False)
     # The host's reduction over the blocks (first block of the maximum), int64 for later indexing.
     return local_argmax.gather(dim=-1, index=local_max.argmax(dim=-1, keepdim=True)).view(-1)
+
+
+# --------------------------------------------------------------------------
+# vLLM's Triton unified attention (TRITON_ATTN; compile_stock.py --parts attention)
+# --------------------------------------------------------------------------
+# vLLM 0.33.0's constants: v1/attention/backends/triton_attn.py MIN_LAUNCH_GRID_SIZE_2D and
+# NUM_PAR_SOFTMAX_SEGMENTS, v1/attention/ops/triton_unified_attention.py MAX_3D_QUERY_LEN.
+UA_MIN_GRID_2D, UA_SEGMENTS, UA_MAX_3D_QUERY_LEN = 128, 16, 8
+# compile_stock.UATTN_INTS / UREDUCE_INTS: the kernels' int arguments in order (the variant names' letters);
+# the ones annotated tl.int32 / tl.int64 in the kernel never become constexprs (a 1 is a plain int there).
+UATTN_INTS = ("softcap", "block_table_stride", "query_stride_0", "query_stride_1", "output_stride_0",
+              "output_stride_1", "qq_bias_stride_0", "stride_k_cache_0", "stride_k_cache_1", "stride_k_cache_2",
+              "stride_v_cache_0", "stride_v_cache_1", "stride_v_cache_2", "num_seqs")
+UREDUCE_INTS = ("num_seqs", "output_stride_0", "output_stride_1", "block_table_stride")
+_UNANNOTATED = {("uattn", "softcap"), ("ureduce", "num_seqs")}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def unified_attention_threshold(num_kv_heads: int, capture_sizes=None) -> int:
+    """``TritonAttentionMetadataBuilder``'s ``seq_threshold_3D``: the fewest
+    requests whose 2D grid has 128 programs (``128 // num_kv_heads``), moved
+    to the nearest CUDA-graph capture size where graphs are captured (vLLM's
+    default sizes 1, 2, 4, 8, 16, ... hold 16, 32, 64 and 128 themselves)."""
+    threshold = UA_MIN_GRID_2D // num_kv_heads
+    if capture_sizes:
+        threshold = min(capture_sizes, key=lambda size: abs(size - threshold))
+    return threshold
+
+
+def unified_attention_scratch(num_heads: int, num_kv_heads: int, head_size: int, num_speculative_tokens: int,
+                              device, *, max_num_seqs: int | None = None, capture_sizes=None,
+                              parallel_drafting: bool = True) -> dict:
+    """The split-softmax scratch ``TritonAttentionMetadataBuilder`` allocates
+    once (sm_90 and sm_100: 16 segments), as the keyword arguments
+    ``unified_attention`` takes: rows for ``min(threshold, max_num_seqs)``
+    requests of ``min(1 + N (2 N with parallel drafting, DSpark's), 8)``
+    query tokens, FP32 partial outputs (head padded to a power of two), maxima
+    and sums."""
+    threshold = unified_attention_threshold(num_kv_heads, capture_sizes)
+    seqs = threshold if max_num_seqs is None else min(threshold, max_num_seqs)
+    rows = seqs * min(1 + num_speculative_tokens * (2 if parallel_drafting else 1), UA_MAX_3D_QUERY_LEN)
+    f32 = torch.float32
+    return {"seq_threshold_3D": threshold, "num_par_softmax_segments": UA_SEGMENTS,
+            "softmax_segm_output": torch.empty(rows, num_heads, UA_SEGMENTS, _next_pow2(head_size), dtype=f32,
+                                               device=device),
+            "softmax_segm_max": torch.empty(rows, num_heads, UA_SEGMENTS, dtype=f32, device=device),
+            "softmax_segm_expsum": torch.empty(rows, num_heads, UA_SEGMENTS, dtype=f32, device=device)}
+
+
+def unified_attention_plan(num_tokens: int, num_seqs: int, max_seqlen_q: int, num_heads: int, num_kv_heads: int,
+                           head_size: int, block_size: int, *, seq_threshold_3D=None, num_segments=None,
+                           scratch_rows=None) -> dict:
+    """vLLM's launch choice for ``unified_attention`` on the draft's operands
+    (BF16, causal, no window, no softcap, sinks, ALiBi, FP8 or batch
+    invariance; head size not 256), restated: ``BLOCK_M`` 16 query rows (the
+    next power of two above 16 heads a KV head), ``BLOCK_Q = BLOCK_M / (heads
+    a KV head)`` tokens a program, an upper bound of ``num_tokens // BLOCK_Q
+    + num_seqs`` q blocks; the 3D (split-softmax) kernel where the scratch is
+    given and holds the tokens, the longest query has at most 8 tokens and
+    ``num_seqs * cdiv(max_seqlen_q, BLOCK_Q) <= seq_threshold_3D``: tile 16
+    (BF16), ``num_segments`` segments on grid z, then ``reduce_segments`` on
+    ``(num_tokens, num_heads)``; else the 2D kernel, tile 32.
+    Returns the constexprs each kernel is compiled with, the grids and
+    ``is_3d``."""
+    group = num_heads // num_kv_heads
+    block_m = 16 if group <= 16 else _next_pow2(group)
+    block_q = block_m // group
+    q_blocks = num_tokens // block_q + num_seqs
+    use_3d = (seq_threshold_3D is not None and num_segments is not None and scratch_rows is not None
+              and max_seqlen_q <= UA_MAX_3D_QUERY_LEN
+              and num_seqs * -(-max_seqlen_q // block_q) <= seq_threshold_3D
+              and scratch_rows >= num_tokens)
+    tile_decode, tile = 16, (16 if use_3d else 32)  # _get_tile_size: BF16 decode 16, prefill 32
+    segments = num_segments if use_3d else 1
+    const = {"num_query_heads": num_heads, "num_queries_per_kv": group, "BLOCK_SIZE": block_size,
+             "TILE_SIZE": tile, "HEAD_SIZE": head_size, "HEAD_SIZE_PADDED": _next_pow2(head_size),
+             "BLOCK_Q": block_q, "BLOCK_M": block_m, "NUM_SEGMENTS_PER_SEQ": segments, "IS_3D": use_3d,
+             "USE_CAUSAL": True, "SLIDING_WINDOW": 0, "USE_SOFTCAP": False, "USE_SINKS": False, "USE_FP8": False,
+             "KV_QUANT_MODE": 0}
+    reduce = {"num_query_heads": num_heads, "TILE_SIZE": tile_decode, "HEAD_SIZE": head_size,
+              "HEAD_SIZE_PADDED": _next_pow2(head_size), "BLOCK_Q": block_q, "NUM_SEGMENTS_PER_SEQ": segments,
+              "USE_FP8": False}
+    return {"is_3d": use_3d, "const": const, "grid": (q_blocks, num_kv_heads, segments),
+            "reduce_const": reduce if use_3d else None, "reduce_grid": (num_tokens, num_heads, 1) if use_3d else None}
+
+
+def _int_letters(kind: str, names, ints: dict) -> str:
+    """Triton's JIT specialization of each int (1: a constexpr, for an unannotated int only; D: a multiple of 16)."""
+    out = ""
+    for k in names:
+        v = int(ints[k])
+        out += "1" if v == 1 and (kind, k) in _UNANNOTATED else ("D" if v % 16 == 0 else "x")
+    return out
+
+
+def uattn_name(const: dict, specs: str) -> str:
+    """``uattn_{2d|3d}_H{heads}_G{heads per KV head}_D{head}_B{block}[_S{segments}]_{specs}``: a
+    ``kernel_unified_attention`` variant's name (compile_stock names what it compiles with it)."""
+    seg = f"_S{const['NUM_SEGMENTS_PER_SEQ']}" if const["IS_3D"] else ""
+    return (f"uattn_{'3d' if const['IS_3D'] else '2d'}_H{const['num_query_heads']}_G{const['num_queries_per_kv']}"
+            f"_D{const['HEAD_SIZE']}_B{const['BLOCK_SIZE']}{seg}_{specs}")
+
+
+def ureduce_name(const: dict, specs: str) -> str:
+    """``ureduce_H{heads}_D{head}_T{tile}_Q{BLOCK_Q}_S{segments}_{specs}``: a ``reduce_segments`` variant's name."""
+    return (f"ureduce_H{const['num_query_heads']}_D{const['HEAD_SIZE']}_T{const['TILE_SIZE']}_Q{const['BLOCK_Q']}"
+            f"_S{const['NUM_SEGMENTS_PER_SEQ']}_{specs}")
+
+
+def uattn_variant(const: dict, ints: dict) -> str:
+    """The compiled ``kernel_unified_attention`` variant for a launch."""
+    return uattn_name(const, _int_letters("uattn", UATTN_INTS, ints))
+
+
+def ureduce_variant(const: dict, ints: dict) -> str:
+    """The compiled ``reduce_segments`` variant for a launch."""
+    return ureduce_name(const, _int_letters("ureduce", UREDUCE_INTS, ints))
+
+
+def _uattn_meta(prefix: str, variant: str, const: dict, device, root: Path) -> dict:
+    metas = [m for m in _triton_meta(prefix, _arch(device), root) if m["variant"] == variant]
+    if not metas:
+        raise KeyError(f"{variant} was not compiled (compile_stock.py --parts attention --attn-heads/--attn-rows/"
+                       "--attn-n)")
+    wrong = {k: (v, metas[0]["constexprs"].get(k)) for k, v in const.items() if metas[0]["constexprs"].get(k) != v}
+    if wrong:
+        raise RuntimeError(f"{variant}: compiled with other constexprs than the launch wants: {wrong}")
+    return metas[0]
+
+
+def unified_attention_launches(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale,
+                               causal, window_size, block_table, softcap, q_descale, k_descale, v_descale,
+                               seq_threshold_3D=None, num_par_softmax_segments=None, softmax_segm_output=None,
+                               softmax_segm_max=None, softmax_segm_expsum=None, *, root: Path = DEFAULT_DIR) -> list:
+    """``unified_attention``'s launches without running them: ``[(meta,
+    values, grid)]`` (the attention kernel, then ``reduce_segments`` on the
+    3D path), the checks made first."""
+    if not (causal is True and tuple(window_size)[0] < 0 and not softcap and q_descale is None):
+        raise ValueError("unified_attention: only the draft's launch is compiled (causal=True, no window, softcap "
+                         "0, no FP8 query)")
+    for name, t, dtype in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
+                           ("out", out, torch.bfloat16), ("cu_seqlens_q", cu_seqlens_q, torch.int32),
+                           ("seqused_k", seqused_k, torch.int32), ("block_table", block_table, torch.int32),
+                           ("k_descale", k_descale, torch.float32), ("v_descale", v_descale, torch.float32)):
+        if t.dtype != dtype:
+            raise TypeError(f"unified_attention: {name} must be {dtype} (the compiled variant), got {t.dtype}")
+    if q.dim() != 3 or out.shape != q.shape or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError("unified_attention: q and out [tokens, heads, D], k and v [blocks, block_size, kv_heads, D]")
+    if q.stride(2) != 1 or out.stride(2) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        raise ValueError("unified_attention: the head dimension must be contiguous (stride_k_cache_3 = 1: a "
+                         "constexpr)")
+    if softcap != 0 or isinstance(softcap, float):
+        raise TypeError("unified_attention: softcap must be the int 0 (what TritonAttentionImpl passes without a "
+                        "soft cap; a float 0.0 is another signature)")
+    tokens, heads, head_size = q.shape
+    block_size, kv_heads = v.shape[1], k.shape[2]
+    if k.shape[3] != head_size or heads % kv_heads:
+        raise ValueError(f"unified_attention: {heads} heads of {head_size} over {kv_heads} KV heads of {k.shape[3]}")
+    seqs = seqused_k.shape[0]
+    scratch = (softmax_segm_output, softmax_segm_max, softmax_segm_expsum)
+    rows = softmax_segm_max.shape[0] if all(t is not None for t in scratch) else None
+    plan = unified_attention_plan(tokens, seqs, int(max_seqlen_q), heads, kv_heads, head_size, block_size,
+                                  seq_threshold_3D=seq_threshold_3D, num_segments=num_par_softmax_segments,
+                                  scratch_rows=rows)
+    ints = {"softcap": 0, "block_table_stride": block_table.stride(0), "query_stride_0": q.stride(0),
+            "query_stride_1": q.stride(1), "output_stride_0": out.stride(0), "output_stride_1": out.stride(1),
+            "qq_bias_stride_0": 0, "stride_k_cache_0": k.stride(0), "stride_k_cache_1": k.stride(1),
+            "stride_k_cache_2": k.stride(2), "stride_v_cache_0": v.stride(0), "stride_v_cache_1": v.stride(1),
+            "stride_v_cache_2": v.stride(2), "num_seqs": seqs}
+    meta = _uattn_meta("uattn_", uattn_variant(plan["const"], ints), plan["const"], q.device, root)
+    _aligned(out, q, k, v, block_table, seqused_k, k_descale, v_descale, cu_seqlens_q)
+    values = {"output_ptr": out, "query_ptr": q, "key_cache_ptr": k, "value_cache_ptr": v,
+              "block_tables_ptr": block_table, "seq_lens_ptr": seqused_k, "scale": float(softmax_scale),
+              "k_scale": k_descale, "v_scale": v_descale, "out_scale": 1.0, "rswa_prefix_lens_ptr": seqused_k,
+              "query_start_len_ptr": cu_seqlens_q, **ints}
+    launches = [(meta, values, plan["grid"])]
+    if plan["is_3d"]:
+        segm = scratch
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in segm):
+            raise ValueError("unified_attention: the softmax scratch must be contiguous FP32")
+        _aligned(*segm)
+        values.update(segm_output_ptr=segm[0], segm_max_ptr=segm[1], segm_expsum_ptr=segm[2])
+        rints = {"num_seqs": seqs, "output_stride_0": out.stride(0), "output_stride_1": out.stride(1),
+                 "block_table_stride": block_table.stride(0)}
+        rmeta = _uattn_meta("ureduce_", ureduce_variant(plan["reduce_const"], rints), plan["reduce_const"], q.device,
+                            root)
+        rvalues = {"output_ptr": out, "segm_output_ptr": segm[0], "segm_max_ptr": segm[1],
+                   "segm_expsum_ptr": segm[2], "seq_lens_ptr": seqused_k, "out_scale_inv": 1.0,
+                   "query_start_len_ptr": cu_seqlens_q, **rints}
+        launches.append((rmeta, rvalues, plan["reduce_grid"]))
+    for m, _, _ in launches:
+        if m["shared"] > 48 * 1024:
+            raise RuntimeError(f"{m['variant']}: {m['shared']} B of shared memory needs the opt-in attribute")
+    return launches
+
+
+def unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal,
+                      window_size, block_table, softcap, q_descale, k_descale, v_descale, seq_threshold_3D=None,
+                      num_par_softmax_segments=None, softmax_segm_output=None, softmax_segm_max=None,
+                      softmax_segm_expsum=None, *, root: Path = DEFAULT_DIR):
+    """``vllm.v1.attention.ops.triton_unified_attention.unified_attention`` as
+    ``TritonAttentionImpl.forward`` calls it for the draft (same arguments:
+    q ``[tokens, heads, D]``, the K and V cache views ``[blocks, block_size,
+    kv_heads, D]``, out written in place, int32 ``cu_seqlens_q`` / ``seqused_k``
+    / block table, the metadata builder's scratch: ``unified_attention_scratch``);
+    the 2D or 3D launch (and ``reduce_segments``) ``unified_attention_plan``
+    picks, from the carried binaries. Returns ``out``."""
+    for meta, values, grid in unified_attention_launches(
+            q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal, window_size,
+            block_table, softcap, q_descale, k_descale, v_descale, seq_threshold_3D, num_par_softmax_segments,
+            softmax_segm_output, softmax_segm_max, softmax_segm_expsum, root=root):
+        if all(grid):
+            _launch_triton(meta, root, values, grid, False)
+    return out
+
+
+def paged_metadata(attn_slots: torch.Tensor, block_size: int, table_width: int | None = None) -> dict:
+    """vLLM's paged-attention metadata equal to attention over ``attn_slots``
+    ``[m, S]`` (``dspark_core.spec.attention``'s operand: row i's valid slots
+    non-negative), read on the host once: rows grouped into requests (a row
+    continues the request of the row before where its valid slots are those
+    plus one more), each request causal (row k of a request of q rows over
+    ``seq_len`` slots attends the first ``seq_len - q + k + 1``: its valid
+    slots must be a prefix of the row), its slots whole pages of the cache
+    (slot j in page ``table[j // block_size]`` at ``j % block_size``).
+    Returns int32 ``cu_seqlens_q``, ``seqused_k`` and ``block_table``
+    (``table_width`` columns, default the widest request's, zeros past a
+    request's pages) on ``attn_slots``' device, ``max_seqlen_q``,
+    ``max_seqlen_k``. ValueError where the slots are not of that form."""
+    s = attn_slots.detach().to("cpu", torch.int64)
+    m, width = s.shape
+    valid = s >= 0
+    counts = valid.sum(dim=1)
+    if m == 0 or int(counts.min()) == 0 or not bool((valid == (torch.arange(width)[None, :] < counts[:, None])).all()):
+        raise ValueError("paged_metadata: each row's valid slots must be a non-empty prefix of it")
+    starts = [0]
+    for i in range(1, m):
+        c = int(counts[i - 1])
+        if not (int(counts[i]) == c + 1 and bool((s[i, :c] == s[i - 1, :c]).all())):
+            starts.append(i)
+    bounds = list(zip(starts, starts[1:] + [m]))
+    pages_needed = max(-(-int(counts[b - 1]) // block_size) for _, b in bounds)
+    table_width = pages_needed if table_width is None else table_width
+    if table_width < pages_needed:
+        raise ValueError(f"paged_metadata: a request needs {pages_needed} pages, more than table_width {table_width}")
+    table = torch.zeros(len(bounds), table_width, dtype=torch.int32)
+    for r, (_, b) in enumerate(bounds):
+        slots = s[b - 1, :int(counts[b - 1])]
+        pages = slots[::block_size] // block_size
+        j = torch.arange(slots.numel())
+        if not bool((slots == pages[j // block_size] * block_size + j % block_size).all()):
+            raise ValueError(f"paged_metadata: request {r}'s slots do not fill whole pages in order")
+        table[r, :pages.numel()] = pages.to(torch.int32)
+    q_lens = torch.tensor([b - a for a, b in bounds])
+    seq_lens = torch.tensor([int(counts[b - 1]) for _, b in bounds])
+    device = attn_slots.device
+    return {"cu_seqlens_q": torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(device, torch.int32),
+            "seqused_k": seq_lens.to(device, torch.int32), "block_table": table.to(device),
+            "max_seqlen_q": int(q_lens.max()), "max_seqlen_k": int(seq_lens.max())}

@@ -15,9 +15,13 @@ and in total, with each part's outputs compared as bits.
 
 Both sides use one attention, DSpark's paged decode attention kernel
 (``PagedAttention``, its default direct variant, without the o-gate; vLLM's
-FlashAttention 3 is not on the device machine), or with ``--attention spec``
-dspark-core's spec attention in torch ops (slow; for a run without the CuTe
-DSL).
+FlashAttention 3 is not on the device machine), or with ``--attention
+triton`` vLLM's Triton unified attention as its TRITON_ATTN backend launches
+it for the draft's decode (``kernel_unified_attention``, 2D or split-softmax
+3D plus ``reduce_segments`` as vLLM's host picks, from the binaries
+``compile_stock.py --parts attention`` builds; ``TritonAttention``), or with
+``--attention spec`` dspark-core's spec attention in torch ops (slow; for a
+run without the CuTe DSL).
 
 Rows: m = requests x N (N = ``--n``, 4), m = 1 being one request of one
 token. Shapes: the reference draft (``DraftConfig()``: hidden 8192, 2
@@ -78,6 +82,7 @@ VLLM_EXACT_SM90 = frozenset({policy.ROW_NORM, policy.BOUNDARY, policy.CONTEXT_CH
 EXACT_OPT_INS = frozenset({policy.ORDERED_GEMM})
 ORDERED_LABEL = "the opt-in ordered GEMM where its build-time check found cuBLAS's order"
 ATTENTION_NAMES = {"dspark": "DSpark's PagedAttention kernel (direct variant), both sides",
+                   "triton": "vLLM 0.33.0's Triton unified_attention (TRITON_ATTN), its binary, both sides",
                    "spec": "dspark-core's spec attention in torch ops, both sides"}
 CALLS = 10  # launches of a part per captured graph
 BF16 = torch.bfloat16
@@ -387,6 +392,8 @@ def measure_step(m: int, args, model, stock, dspark, device, gen) -> dict:
     c = model.config
     batch = STOCK.StepBatch.make(requests, n, args.context, c.kv_block_size, stock.fc.shape[1], c.vocab_size,
                                  device, gen)
+    if isinstance(stock.attend, TritonAttention):
+        stock.attend.bind(batch.step.attn_slots)  # both sides call stock.attend
     fresh = torch.randn(batch.num_blocks, c.num_kv_heads, c.kv_block_size, 2 * c.head_dim, generator=gen,
                         device=device).to(BF16)
 
@@ -467,6 +474,50 @@ class _CacheView:
         self.num_slots = tensor.shape[0] * tensor.shape[2]
 
 
+class TritonAttention:
+    """vLLM's TRITON_ATTN decode as the benchmark's ``attention(q, cache,
+    attn_slots)``: ``launch_stock.unified_attention`` (the carried
+    ``kernel_unified_attention`` / ``reduce_segments`` binaries, vLLM's 2D or
+    3D choice) with the arguments ``TritonAttentionImpl.forward`` passes for
+    the draft: the K and V views of the logical ``[blocks, kv_heads,
+    block_size, 2D]`` cache (its ``transpose(1, 2).split(D)``: the benchmark's
+    cache is read in place, no copy), scale ``D^-0.5``, causal, no window,
+    softcap 0, the layer's K/V scales (1.0) expanded to ``[requests,
+    kv_heads]``, the metadata builder's scratch (``unified_attention_scratch``
+    for ``num_speculative_tokens``), out a fresh ``[m, heads, D]``.
+
+    ``bind(attn_slots)`` derives the step's ``query_start_loc``, ``seq_lens``
+    and block table from the spec's operand once, on the host, before any
+    graph (``launch_stock.paged_metadata``: causal requests over whole pages,
+    the table ``max_position / block_size`` pages wide like vLLM's); a call
+    then takes the same ``attn_slots`` (its shape is checked, not its
+    values)."""
+
+    def __init__(self, kernels, config: DraftConfig, num_speculative_tokens: int, device) -> None:
+        self.S, self.config = kernels, config
+        self.scratch = kernels.unified_attention_scratch(config.num_heads, config.num_kv_heads, config.head_dim,
+                                                         num_speculative_tokens, device)
+        self.unit_scale = torch.ones((), dtype=torch.float32, device=device)  # layer._k_scale, layer._v_scale
+        self.shape, self.meta = None, None
+
+    def bind(self, attn_slots: torch.Tensor) -> None:
+        c = self.config
+        width = -(-max(c.max_position, attn_slots.shape[1]) // c.kv_block_size)
+        self.meta = self.S.paged_metadata(attn_slots, c.kv_block_size, width)
+        self.descale = self.unit_scale.expand(self.meta["seqused_k"].shape[0], c.num_kv_heads)
+        self.shape = tuple(attn_slots.shape)
+
+    def __call__(self, q: torch.Tensor, cache: torch.Tensor, attn_slots: torch.Tensor) -> torch.Tensor:
+        if tuple(attn_slots.shape) != self.shape:
+            raise ValueError(f"TritonAttention is bound to attn_slots {self.shape}, not {tuple(attn_slots.shape)}")
+        meta, d = self.meta, self.config.head_dim
+        key_cache, value_cache = cache.transpose(1, 2).split(d, dim=-1)
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        return self.S.unified_attention(q, key_cache, value_cache, out, meta["cu_seqlens_q"], meta["max_seqlen_q"],
+                                        meta["seqused_k"], meta["max_seqlen_k"], d ** -0.5, True, (-1, -1),
+                                        meta["block_table"], 0, None, self.descale, self.descale, **self.scratch)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("DSPARK_BENCH_OUT", "bench-results"))
@@ -483,8 +534,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of whole-step replays")
     p.add_argument("--no-stock-pdl", action="store_true", help="launch the stock norms and QK kernel without PDL")
     p.add_argument("--stock-only", action="store_true", help="time the stock step alone")
-    p.add_argument("--attention", choices=("dspark", "spec"), default="dspark",
-                   help="the one attention of both sides: DSpark's kernel, or dspark-core's spec in torch ops")
+    p.add_argument("--attention", choices=("dspark", "triton", "spec"), default="dspark",
+                   help="the one attention of both sides: DSpark's kernel, vLLM's Triton unified_attention binary "
+                        "(TRITON_ATTN), or dspark-core's spec in torch ops")
     p.add_argument("--markov", choices=("auto", "stock", "fused"), default="auto",
                    help="the DSpark side's Markov loop: the fused step where installed (auto), or as named")
     p.add_argument("--seed", type=int, default=int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31)))
@@ -568,6 +620,12 @@ def main(argv=None) -> int:
         kernels = STOCK.SpecKernels(model.rotary)
     if args.dry or args.attention == "spec":
         attention = lambda q, cache, slots: attend(q, _CacheView(cache), slots, config.num_kv_heads)  # noqa: E731
+    elif args.attention == "triton":
+        if not json.loads((Path(kernels.DEFAULT_DIR) / "manifest.json").read_text()).get("unified_attention"):
+            print(f"no unified attention in {kernels.DEFAULT_DIR}: run scripts/stock/compile_stock.py --parts "
+                  "attention and carry .device/stock")
+            return 1
+        attention = TritonAttention(kernels, config, args.n, device)
     else:
         from dspark_core.contracts.constants import AttentionConstants
         from dspark_cute.cutedsl.attention.paged import PagedAttention

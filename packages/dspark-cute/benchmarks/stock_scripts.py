@@ -1,28 +1,14 @@
 """``scripts/stock``'s modules (vLLM 0.33.0's stock from its own binaries)
-loaded by path for the benchmarks, written once: ``load(name)`` (each module
-once per process, registered in ``sys.modules`` so its dataclasses resolve)
-and ``binaries_missing()`` (the sentence to print where ``.device/stock``
-is not staged, else None)."""
+for the benchmarks: ``load(name)`` (``dspark_core.demo_stock.load_script``,
+the one loader of those scripts: each module once per process, registered
+in ``sys.modules`` so its dataclasses resolve) and ``binaries_missing()``
+(the sentence to print where ``.device/stock`` is not staged, else None)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-STOCK = ROOT / "scripts" / "stock"
-
-
-def load(name: str):
-    """The module ``scripts/stock/<name>.py``, imported once."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, STOCK / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from dspark_core.demo_stock import load_script as load
 
 
 def binaries_missing() -> str | None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dspark_core.demo_stock import load_script
 from dspark_core.reference.config import small_config
 from dspark_core.reference.model import DraftModel
 from dspark_core.spec import markov
@@ -30,7 +31,7 @@ def _module(name: str, path: Path):
     return module
 
 
-STOCK = _module("stock_step", ROOT / "scripts" / "stock" / "stock_step.py")
+STOCK = load_script("stock_step")
 BENCH = _module("bench_draft_step", ROOT / "packages" / "dspark-cute" / "benchmarks" / "bench_draft_step.py")
 
 
