@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_core.contracts.constants import OrderedGemmConstants, ordered_gemm_unsupported
+from dspark_core.contracts.constants import OrderedGemmConstants, ordered_gemm_constants, ordered_gemm_unsupported
 from dspark_core.errors import Unsupported
 from dspark_core.spec.split_order import SplitOrder, candidate_orders
 from dspark_cute.cutedsl.gemm import ordered as og
@@ -158,6 +158,11 @@ def test_refusals():
     assert "multiple of 64" in ordered_gemm_unsupported(w)
     assert "bfloat16" in ordered_gemm_unsupported(torch.zeros(64, 64))
     assert ordered_gemm_unsupported(torch.zeros(48, 128, dtype=torch.bfloat16)) is None
+    w = torch.zeros(48, 128, dtype=torch.bfloat16)
+    for role in ("foo", "down_proj", None, 3):
+        with pytest.raises(ValueError, match="role must be one of fc, qkv_proj"):
+            ordered_gemm_constants(role, w)
+    assert ordered_gemm_constants("markov_bias", w) == OrderedGemmConstants("markov_bias", 48, 128)
     with pytest.raises(ValueError, match="takes OrderedGemmConstants"):
         og.OrderedGemm(object(), torch.zeros(64, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="CUDA weight"):

@@ -481,9 +481,19 @@ def ordered_gemm_unsupported(weight) -> str | None:
     return None
 
 
+# The draft's projections the ordered GEMM takes (``role`` names the weight in
+# logs and plans; "down" also as the plan's "down_proj"): the layers', fc, the
+# LM head and the Markov bias.
+ORDERED_GEMM_PROJECTIONS = ("fc", "qkv_proj", "o_proj", "gate_up", "down", "lm_head", "markov_bias")
+
+
 def ordered_gemm_constants(role: str, weight) -> OrderedGemmConstants:
-    """The ordered GEMM's constants for ``weight``, or Unsupported with the
-    reason (``ordered_gemm_unsupported``)."""
+    """The ordered GEMM's constants for ``weight`` of projection ``role`` (one
+    of ``ORDERED_GEMM_PROJECTIONS``: ValueError otherwise), or Unsupported
+    with the reason (``ordered_gemm_unsupported``)."""
+    if not isinstance(role, str) or role not in ORDERED_GEMM_PROJECTIONS:
+        raise ValueError(f"the ordered GEMM's role must be one of {', '.join(ORDERED_GEMM_PROJECTIONS)}, not "
+                         f"{role!r}"[:300])
     _refuse(ordered_gemm_unsupported(weight))
     return within_limits(OrderedGemmConstants(role, int(weight.shape[0]), int(weight.shape[1])))
 
