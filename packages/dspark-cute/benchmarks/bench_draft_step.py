@@ -62,7 +62,7 @@ from dspark_core.planner import policy
 from dspark_core.planner.plan import plan_draft
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig, small_config
-from dspark_core.reference.model import DraftModel, attend
+from dspark_core.reference.model import DraftModel, attend  # noqa: F401 (the CPU tests reach it here)
 from dspark_core.runtime.decode import DraftDecode
 from dspark_core.tools.compare import mismatches
 from dspark_core.tools.timing import HBM_BYTES_PER_S, capture, times_us
@@ -70,6 +70,7 @@ from dspark_core.tools.timing import HBM_BYTES_PER_S, capture, times_us
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stock_scripts  # noqa: E402
 from draft_step_report import plot, spread, table  # noqa: E402
+from step_attention import TritonAttention, _CacheView, step_attention  # noqa: E402,F401 (_CacheView: the CPU tests)
 
 ROOT = Path(__file__).resolve().parents[3]
 ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -463,61 +464,6 @@ def gemm_bytes(model, head, fc) -> dict:
 
 
 # ---------------------------------------------------------------- main
-class _CacheView:
-    """A cache tensor as the spec's attention reads it (the dry run)."""
-
-    from dspark_core.spec.layers import PagedKVCache as _P
-    gather = _P.gather
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.block_size, self.head_dim = tensor, tensor.shape[2], tensor.shape[3] // 2
-        self.num_slots = tensor.shape[0] * tensor.shape[2]
-
-
-class TritonAttention:
-    """vLLM's TRITON_ATTN decode as the benchmark's ``attention(q, cache,
-    attn_slots)``: ``launch_stock.unified_attention`` (the carried
-    ``kernel_unified_attention`` / ``reduce_segments`` binaries, vLLM's 2D or
-    3D choice) with the arguments ``TritonAttentionImpl.forward`` passes for
-    the draft: the K and V views of the logical ``[blocks, kv_heads,
-    block_size, 2D]`` cache (its ``transpose(1, 2).split(D)``: the benchmark's
-    cache is read in place, no copy), scale ``D^-0.5``, causal, no window,
-    softcap 0, the layer's K/V scales (1.0) expanded to ``[requests,
-    kv_heads]``, the metadata builder's scratch (``unified_attention_scratch``
-    for ``num_speculative_tokens``), out a fresh ``[m, heads, D]``.
-
-    ``bind(attn_slots)`` derives the step's ``query_start_loc``, ``seq_lens``
-    and block table from the spec's operand once, on the host, before any
-    graph (``launch_stock.paged_metadata``: causal requests over whole pages,
-    the table ``max_position / block_size`` pages wide like vLLM's); a call
-    then takes the same ``attn_slots`` (its shape is checked, not its
-    values)."""
-
-    def __init__(self, kernels, config: DraftConfig, num_speculative_tokens: int, device) -> None:
-        self.S, self.config = kernels, config
-        self.scratch = kernels.unified_attention_scratch(config.num_heads, config.num_kv_heads, config.head_dim,
-                                                         num_speculative_tokens, device)
-        self.unit_scale = torch.ones((), dtype=torch.float32, device=device)  # layer._k_scale, layer._v_scale
-        self.shape, self.meta = None, None
-
-    def bind(self, attn_slots: torch.Tensor) -> None:
-        c = self.config
-        width = -(-max(c.max_position, attn_slots.shape[1]) // c.kv_block_size)
-        self.meta = self.S.paged_metadata(attn_slots, c.kv_block_size, width)
-        self.descale = self.unit_scale.expand(self.meta["seqused_k"].shape[0], c.num_kv_heads)
-        self.shape = tuple(attn_slots.shape)
-
-    def __call__(self, q: torch.Tensor, cache: torch.Tensor, attn_slots: torch.Tensor) -> torch.Tensor:
-        if tuple(attn_slots.shape) != self.shape:
-            raise ValueError(f"TritonAttention is bound to attn_slots {self.shape}, not {tuple(attn_slots.shape)}")
-        meta, d = self.meta, self.config.head_dim
-        key_cache, value_cache = cache.transpose(1, 2).split(d, dim=-1)
-        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-        return self.S.unified_attention(q, key_cache, value_cache, out, meta["cu_seqlens_q"], meta["max_seqlen_q"],
-                                        meta["seqused_k"], meta["max_seqlen_k"], d ** -0.5, True, (-1, -1),
-                                        meta["block_table"], 0, None, self.descale, self.descale, **self.scratch)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("DSPARK_BENCH_OUT", "bench-results"))
@@ -618,22 +564,9 @@ def main(argv=None) -> int:
     fc = (torch.randn(config.hidden_size, fc_width, generator=gen, device=device) / fc_width ** 0.5).to(BF16)
     if args.dry:
         kernels = STOCK.SpecKernels(model.rotary)
-    if args.dry or args.attention == "spec":
-        attention = lambda q, cache, slots: attend(q, _CacheView(cache), slots, config.num_kv_heads)  # noqa: E731
-    elif args.attention == "triton":
-        if not json.loads((Path(kernels.DEFAULT_DIR) / "manifest.json").read_text()).get("unified_attention"):
-            print(f"no unified attention in {kernels.DEFAULT_DIR}: run scripts/stock/compile_stock.py --parts "
-                  "attention and carry .device/stock")
-            return 1
-        attention = TritonAttention(kernels, config, args.n, device)
-    else:
-        from dspark_core.contracts.constants import AttentionConstants
-        from dspark_cute.cutedsl.attention.paged import PagedAttention
-
-        kernel = PagedAttention(AttentionConstants(config.num_heads, config.num_kv_heads, config.head_dim,
-                                                   config.kv_block_size))
-        kernel.prepare()
-        attention = lambda q, cache, slots: kernel.launch(q, cache, slots)  # noqa: E731
+    attention = step_attention("spec" if args.dry else args.attention, kernels, config, args.n, device)
+    if attention is None:
+        return 1
     stock = STOCK.StockStep(model, head, fc, kernels, attention, pdl=not (args.dry or args.no_stock_pdl))
     if args.tp > 1:
         stock.lm_head = gathered_lm_head(stock, args.tp)
