@@ -17,13 +17,8 @@ import sys
 
 import ncu_gemm  # (this folder: sys.path[0] when run as a script)
 
-METRICS = [
-    "gpu__time_duration.sum",
-    "dram__bytes_read.sum",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-    "launch__grid_size",
-    "launch__block_size",
-    "launch__registers_per_thread",
+# ncu_gemm's duration, DRAM, launch-shape and register counters, then these.
+METRICS = ncu_gemm.METRICS[:6] + [
     "launch__waves_per_multiprocessor",
     "lts__t_sector_op_read_hit_rate.pct",
     "lts__t_sectors_srcunit_tex_op_read.sum",
