@@ -26,15 +26,11 @@ import torch
 import torch.distributed as dist
 from comm_workers import BF16, FP32, H, _boundary_modules, all_patterns, bad, check_close, random_rows, special_rows
 
+from dspark_comm.tp_draft import gather_through_host as gather
+
 CAPACITY = 16
 
 
-def gather(x: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's ``x`` in rank order (gloo, through the CPU)."""
-    host = x.detach().cpu()
-    parts = [torch.empty_like(host) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, host)
-    return [p.to(x.device) for p in parts]
 
 
 def check_env(c):

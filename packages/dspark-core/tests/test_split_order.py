@@ -175,3 +175,11 @@ def test_the_summary_groups_row_ranges():
     assert r.summary() == ("m = 1-3: 2 K-splits of 64-column tiles; m = 4: cuBLAS (no order found); "
                            "m = 5: one K-split (no split-K reduce)")
     assert set(r.orders) == {1, 2, 3, 5} and r.refused == {4: "none"}
+
+
+def test_row_ranges():
+    from dspark_core.errors import ranges, spans
+
+    assert ranges([16, 1, 3, 2, 4, 8, 4]) == "1-4, 8, 16" and ranges([]) == ""
+    # A run breaks at a gap and where the key changes.
+    assert spans([1, 2, 3, 5, 6], lambda m: m < 3) == [(1, 2, True), (3, 3, False), (5, 6, False)]

@@ -57,19 +57,9 @@ import logging
 
 from dspark_comm import protocol
 from dspark_core.contracts.constants import OrderedGemmConstants
+from dspark_core.errors import ranges
 
 log = logging.getLogger("dspark.decode")
-
-
-def _ranges(rows) -> str:
-    """Row counts as ranges: ``1-4, 8, 16``."""
-    out, rows = [], sorted(rows)
-    for m in rows:
-        if out and out[-1][1] == m - 1:
-            out[-1][1] = m
-        else:
-            out.append([m, m])
-    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out)
 
 
 class DraftAllReduce:
@@ -186,7 +176,7 @@ class DraftAllReduce:
             others = sorted(set(range(1, self.capacity + 1)) - common)
             log.info("boundary %d's exact package GEMM publishes cuBLAS's partial at %s rows; cuBLAS, then the "
                      "fused all-reduce, at %s (the check against cuBLAS found no order on some rank)",
-                     index, _ranges(common) or "no", _ranges(others) or "no other")
+                     index, ranges(common) or "no", ranges(others) or "no other")
 
     def takes(self, partial) -> bool:
         """Whether a call runs fused: its row count alone."""

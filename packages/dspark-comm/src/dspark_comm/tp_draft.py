@@ -124,20 +124,27 @@ class TPDraftRank:
             self.mailbox.close()
 
 
-def rank_order_all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """vLLM's custom one-stage all-reduce of ``t`` (every rank's partial
-    widened to FP32, added from rank 0's in rank order, rounded once), over
-    the world group through the CPU (gloo: the rank group on one GPU, where
-    NCCL refuses two ranks); in place, returns ``t``. Collective."""
+def gather_through_host(x: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``x`` in rank order, on ``x``'s device, gathered over the
+    world group through the CPU (gloo: the rank group on one GPU, where NCCL
+    refuses two ranks). Collective."""
     import torch.distributed as dist
 
+    host = x.detach().cpu()
+    parts = [torch.empty_like(host) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, host)
+    return [p.to(x.device) for p in parts]
+
+
+def rank_order_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """vLLM's custom one-stage all-reduce of ``t`` (every rank's partial
+    widened to FP32, added from rank 0's in rank order, rounded once) of the
+    partials ``gather_through_host`` collects; in place, returns ``t``.
+    Collective."""
     from dspark_comm.protocol import reference_sum
     from dspark_core.contracts.constants import FP32_RANK_ORDER
 
-    host = t.detach().cpu()
-    parts = [torch.empty_like(host) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, host)
-    t.copy_(reference_sum([p.to(t.device) for p in parts], FP32_RANK_ORDER))
+    t.copy_(reference_sum(gather_through_host(t), FP32_RANK_ORDER))
     return t
 
 
@@ -242,4 +249,5 @@ def time_replays(replay, reps: int, warmup: int = 3, calls: int = 1) -> float:
     return median_us(replay, reps, calls=calls, before=release)
 
 
-__all__ = ["PACKAGE_GEMM", "TPDraftRank", "greedy", "rank_order_all_reduce", "time_replays"]
+__all__ = ["PACKAGE_GEMM", "TPDraftRank", "gather_through_host", "greedy", "rank_order_all_reduce",
+           "time_replays"]

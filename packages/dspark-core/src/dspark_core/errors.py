@@ -5,12 +5,13 @@ reproduce. The planner catches exactly this type and keeps that part's stock
 modules, reporting the message. Bad input raises ``ValueError`` or
 ``TypeError`` with a sentence; anything else is a bug and propagates.
 ``listed`` writes a collection into such a sentence, cut where it is long,
-and ``quoted`` one value (a name of a million characters is cut too).
+``quoted`` one value (a name of a million characters is cut too) and
+``spans`` / ``ranges`` row counts as runs (``1-4, 8``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 # The most items a message lists (a config of 200,000 unknown keys is not
 # answered with all of them).
@@ -37,3 +38,21 @@ def listed(items: Iterable[object], limit: int = LISTED) -> str:
     texts = sorted(quoted(item) for item in items)
     more = f", ... ({len(texts) - limit} more)" if len(texts) > limit else ""
     return f"[{', '.join(texts[:limit])}{more}]"
+
+
+def spans(values: Iterable[int], key: Callable[[int], object] = lambda _: None) -> list[tuple[int, int, object]]:
+    """``(first, last, key)`` of each run of consecutive integers of
+    ``values`` (sorted, duplicates dropped) that share ``key(value)``."""
+    runs: list[tuple[int, int, object]] = []
+    for v in sorted(set(values)):
+        k = key(v)
+        if runs and runs[-1][1] == v - 1 and runs[-1][2] == k:
+            runs[-1] = (runs[-1][0], v, k)
+        else:
+            runs.append((v, v, k))
+    return runs
+
+
+def ranges(values: Iterable[int]) -> str:
+    """Integers as runs: ``1-4, 8, 16`` ("" for none)."""
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b, _ in spans(values))

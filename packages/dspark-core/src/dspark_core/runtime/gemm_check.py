@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark_core.errors import spans
 from dspark_core.spec.split_order import MAX_SPLITS, TILES, SplitOrder, candidate_orders
 from dspark_core.tools.compare import mismatches
 
@@ -73,19 +74,11 @@ class CheckResult:
 
     def summary(self) -> str:
         """The orders found as row-count ranges, and the refused rows, in words."""
-        parts, run = [], None
-        for m in sorted(self.findings):
-            f = self.findings[m]
-            key = f.order.describe() if f.order is not None else "cuBLAS (no order found)"
-            if run is not None and run[1] == m - 1 and run[2] == key:
-                run = (run[0], m, key)
-            else:
-                if run is not None:
-                    parts.append(run)
-                run = (m, m, key)
-        if run is not None:
-            parts.append(run)
-        return "; ".join(f"m = {a}{'' if a == b else f'-{b}'}: {what}" for a, b, what in parts)
+        def what(m: int) -> str:
+            order = self.findings[m].order
+            return order.describe() if order is not None else "cuBLAS (no order found)"
+
+        return "; ".join(f"m = {a}{'' if a == b else f'-{b}'}: {w}" for a, b, w in spans(self.findings, what))
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
