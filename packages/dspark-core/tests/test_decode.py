@@ -519,3 +519,38 @@ def test_the_ordered_gemm_takes_the_rows_its_check_found_an_order_for(caplog, ge
     CALLS.clear()
     decode.run(hidden.repeat(2, 1)[:3], StepInputs.block(3, 3), model.make_caches(4))  # 3 rows: no order bound
     assert not [c for c in CALLS if c[0] == "ordered_gemm"]
+
+
+class _Recorder:
+    def __init__(self, calls, name, fail=None):
+        self.calls, self.name, self.fail = calls, name, fail
+
+    def prepare(self, **kwargs):
+        self.calls.append((self.name, kwargs))
+        if self.fail is not None:
+            raise self.fail
+
+
+def test_prepare_collectively_always_reaches_the_all_reduce():
+    """``prepare_collectively``: the decode's kernels, then the all-reduce
+    boundaries' (collective); after this rank's failure the boundaries are
+    still prepared, told of it, and this rank's error is returned (another
+    rank's RuntimeError then swallowed); an error from the boundaries
+    themselves is returned too."""
+    from dspark_core.runtime.decode import prepare_collectively
+
+    calls = []
+    assert prepare_collectively(_Recorder(calls, "decode"), _Recorder(calls, "all_reduce")) is None
+    assert calls == [("decode", {}), ("all_reduce", {})]
+    calls.clear()
+    broken = ValueError("a refusal")
+    got = prepare_collectively(_Recorder(calls, "decode", broken), _Recorder(calls, "all_reduce",
+                                                                            RuntimeError("others fail")))
+    assert got is broken and calls == [("decode", {}), ("all_reduce", {"failed": broken})]
+    calls.clear()
+    assert prepare_collectively(None, _Recorder(calls, "all_reduce"), broken) is broken  # failed building
+    assert calls == [("all_reduce", {"failed": broken})]
+    calls.clear()
+    late = RuntimeError("the boundaries' compile")
+    assert prepare_collectively(_Recorder(calls, "decode"), _Recorder(calls, "all_reduce", late)) is late
+    assert prepare_collectively(_Recorder([], "decode"), None) is None

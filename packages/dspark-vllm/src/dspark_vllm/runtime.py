@@ -7,7 +7,10 @@ cast to the dtype vLLM's first calls would cast them to (``pin_rope_tables``),
 the description (``adapter.describe_vllm``), the plan (``planning.plan_vllm``),
 the TP ranks' agreement on it, every stock part logged once with its reason,
 then, where any part fuses, dspark-core's ``DraftDecode`` over vLLM's modules
-with every kernel bound and compiled (``prepare``). Any exception while the
+with every kernel bound and compiled (``prepare``) and, at TP > 1, the
+all-reduce boundaries' kernels compiled collectively
+(``dspark_core.runtime.decode.prepare_collectively``, as ``build_draft_decode``
+does) and the mailbox checked. Any exception while the
 kernels are bound or compiled, on any rank, keeps vLLM's stock forward on
 every rank with the reason logged: never an exception out of model loading.
 
@@ -34,7 +37,7 @@ from vllm.logger import init_logger
 
 from dspark_core.contracts.kernels import kernel_class
 from dspark_core.planner.plan import DraftPlan
-from dspark_core.runtime.decode import DraftDecode
+from dspark_core.runtime.decode import DraftDecode, prepare_collectively
 from dspark_vllm import allreduce, deployment, planning
 from dspark_vllm.adapter import describe_vllm, partial
 
@@ -193,20 +196,24 @@ class SpecializedDecode:
         names = fused_kernels(plan)
         kernels = dict(self.kernels) if self.kernels is not None else kernel_classes(names)
         all_reduce = all_reduce_boundaries(backbone, draft, plan, order, self.vllm_config) if draft.tp > 1 else None
-        error = None
+        decode, error = None, None
         try:
             decode = DraftDecode(draft, plan, all_reduce, prefetch=None, kernels=kernels)
-            decode.prepare()
         except Exception as e:  # noqa: BLE001 (a refusal at build keeps vLLM's stock forward, below)
             error = e
+        # The kernels, then (collective) the all-reduce boundaries' kernels, every rank taking part.
+        error = prepare_collectively(decode, all_reduce, error)
+        if error is None and all_reduce is not None and hasattr(all_reduce, "check"):
+            try:
+                all_reduce.check()  # a sync point: every rank's mailbox healthy after the agreement
+            except Exception as e:  # noqa: BLE001 (as above)
+                error = e
         (ok,) = deployment.collective_min([0 if error else 1])
         if error is not None or not ok:
             self._keep_stock(error)
             return
         self.decode = decode
         self.max_rows = decode.max_rows or 0
-        if all_reduce is not None and hasattr(all_reduce, "check"):
-            all_reduce.check()  # a sync point: every rank's mailbox healthy after the agreement
         if self.max_rows:
             logger.info("The DSpark draft runs %d of %d planned parts fused (kernels %s), for steps of 1 to %d rows; "
                         "other steps run vLLM's stock forward.", fused, total, ", ".join(sorted(names)), self.max_rows)

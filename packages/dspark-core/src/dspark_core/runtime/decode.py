@@ -510,6 +510,33 @@ def draft_plan(draft: DraftDescription, tp: int = 1, exclude=frozenset(), attent
     return plan_draft(draft, target.replace(attention=attention))
 
 
+def prepare_collectively(decode: DraftDecode | None, all_reduce: AllReduceBoundaries | None,
+                         error: BaseException | None = None) -> BaseException | None:
+    """Compile ``decode``'s kernels (``DraftDecode.prepare``, unless
+    ``error``: this rank already failed, e.g. building ``decode``), then, at
+    TP, its all-reduce boundaries' (``all_reduce.prepare``: collective, so it
+    runs even after this rank failed, told so, and every rank fails instead
+    of waiting for this one). Returns this rank's error, or None; another
+    rank's failure comes back as the RuntimeError of the boundaries' agreement."""
+    if error is None:
+        try:
+            decode.prepare()
+        except Exception as e:  # noqa: BLE001 (returned: the caller raises it or keeps the stock path)
+            error = e
+    if all_reduce is not None:
+        if error is None:
+            try:
+                all_reduce.prepare()
+            except Exception as e:  # noqa: BLE001 (returned, as above)
+                error = e
+        else:
+            try:
+                all_reduce.prepare(failed=error)
+            except RuntimeError:
+                pass  # the other ranks now fail too; this rank's own error is returned
+    return error
+
+
 def build_draft_decode(
     draft: DraftDescription,
     all_reduce: AllReduceBoundaries | None = None,
@@ -570,21 +597,7 @@ def build_draft_decode(
         decode._log_once(logging.WARNING, f"{', '.join(names_)} keep their stock modules: {reason}")
     for reason in dict.fromkeys(p.reason for p in plan.parts() if p.declined):
         decode._log_once(logging.INFO, reason)
-    error = None
-    try:
-        decode.prepare()
-    except Exception as e:  # noqa: BLE001 (re-raised below, after the collective prepare)
-        error = e
-    if all_reduce is not None:
-        # Collective: it takes part even after this rank failed, so every rank
-        # raises instead of waiting for this one.
-        if error is None:
-            all_reduce.prepare()
-        else:
-            try:
-                all_reduce.prepare(failed=error)
-            except RuntimeError:
-                pass  # the other ranks now raise too; this rank raises its own error below
+    error = prepare_collectively(decode, all_reduce)
     if error is not None:
         raise error
     fused, total = plan.fused_count()
@@ -592,4 +605,5 @@ def build_draft_decode(
     return decode
 
 
-__all__ = ["DEFAULT_PREFETCH", "AllReduceBoundaries", "DraftDecode", "build_draft_decode", "draft_plan"]
+__all__ = ["DEFAULT_PREFETCH", "AllReduceBoundaries", "DraftDecode", "build_draft_decode", "draft_plan",
+           "prepare_collectively"]
