@@ -68,18 +68,6 @@ def bulk_copy_if(dst, src, nbytes: int, bar, a, b, *, loc=None, ip=None) -> None
 
 
 @dsl_user_op
-def bulk_copy_sized_if(dst, src, nbytes, bar, a, b, *, loc=None, ip=None) -> None:
-    """``bulk_copy_if`` of a run-time byte count ``nbytes`` (Int32, a
-    multiple of 16, at most 2^20 - 1 with the rest of the barrier phase's
-    bytes): the copy where ``a < b``."""
-    asm(None, [i32(dst, loc, ip), i64(src, loc, ip), i32(nbytes, loc, ip), i32(bar, loc, ip), i32(a, loc, ip),
-               i32(b, loc, ip)],
-        "{ .reg .pred p; setp.lt.s32 p, $4, $5; "
-        "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3]; }",
-        "r,l,r,r,r,r", True, loc, ip)
-
-
-@dsl_user_op
 def tma_load_2d(dst, tensormap, column, row, bar, *, loc=None, ip=None) -> None:
     """``cp.async.bulk.tensor.2d`` (tile mode) of the box at ``(column,
     row)`` (Int32, the innermost coordinate first) of the tensor map at the
@@ -143,7 +131,6 @@ def warp_ticket(counter, lane, *, loc=None, ip=None) -> Uint32:
                       "=r,l,r", True, loc, ip))
 
 
-__all__ = ["bulk_copy_if", "bulk_copy_sized_if",
-           "fence_mbarrier_init", "ld_global_cg_f32", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
+__all__ = ["bulk_copy_if", "fence_mbarrier_init", "ld_global_cg_f32", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
            "mbarrier_init",
            "mbarrier_wait", "shfl_idx_u32", "st_global_bf16_rn_if", "st_global_f32_if", "tma_load_2d", "warp_ticket"]

@@ -76,7 +76,6 @@ from dspark_cute.cutedsl.gemm.ordered_layout import (  # noqa: F401 (re-exported
     w_copy,
     x_copy,
 )
-from dspark_cute.cutedsl.gemm.resident import compile_resident_gemm
 from dspark_cute.cutedsl.gemm.streamed import compile_streamed_gemm, streamed_settings
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import LazyPdl, current_stream, describe, fake_stream, jit_cache, sm_count, smem_allocator
@@ -334,13 +333,6 @@ def _variant(settings: tuple, order: SplitOrder, n: int, k: int, m: int, pdl: bo
     ``cp.async`` kernel, ``("streamed", warps, a_tiles, x_rows, stages,
     chunk, early)`` for the streamed one (``streamed``). ValueError for settings
     that cannot run ``m`` rows over ``n`` outputs."""
-    if settings[0] == "resident":
-        _, warps, x_rows, stages, chunk, x_cols = settings
-        widest = max(b - a for a, b in order.bounds(k))
-        if m > x_rows or n % (TILE_ROWS * warps) or widest > x_cols:
-            raise ValueError(f"the resident settings {settings} do not run {m} rows over {n} outputs in {order}")
-        chunk, tile_chunks = fit_chunk(order, k, chunk)
-        return compile_resident_gemm(k, warps, x_rows, stages, chunk, x_cols, pdl), tile_chunks
     if settings[0] == "streamed":
         _, warps, a_tiles, x_rows, stages, chunk, early = settings
         if m > x_rows or n % (TILE_ROWS * a_tiles * warps):
@@ -352,14 +344,8 @@ def _variant(settings: tuple, order: SplitOrder, n: int, k: int, m: int, pdl: bo
     return compile_ordered_gemm(k, n_tiles, warps, stages, pdl, chunk, l2_chunks), tile_chunks
 
 
-TMA_KERNELS = ("streamed", "resident")  # the settings' kernels that read the weight through a tensor map
-
-
 def _tensormap(weight: torch.Tensor, settings: tuple) -> torch.Tensor:
-    """The weight's tensor map for the streamed kernel of ``settings`` (boxes
-    of its CTA's rows) or the resident one (boxes of a warp's 16 rows)."""
-    if settings[0] == "resident":
-        return weight_tensormap(weight, TILE_ROWS)
+    """The weight's tensor map for the streamed kernel of ``settings`` (boxes of its CTA's rows)."""
     _, warps, a_tiles = settings[:3]
     return weight_tensormap(weight, TILE_ROWS * a_tiles * warps)
 
@@ -400,7 +386,7 @@ def _launch(x, weight, out, order: SplitOrder, workspace: OrderedWorkspace, pdl:
     m = x.shape[0]
     settings = settings or choose_settings(n, k, order.splits, m, sm_count(x.device))
     kernel, tile_chunks = _variant(settings, order, n, k, m, pdl)
-    w = weight.data_ptr() if settings[0] not in TMA_KERNELS else _tensormap(weight, settings).data_ptr()
+    w = weight.data_ptr() if settings[0] != "streamed" else _tensormap(weight, settings).data_ptr()
     kernel(Int64(x.data_ptr()), Int64(w), Int64(out.data_ptr()), Int64(workspace.part.data_ptr()),
            Int64(workspace.counters.data_ptr()), Int32(m), Int32(n), Int32(tile_chunks),
            Int32(order.splits), current_stream())
@@ -562,7 +548,7 @@ class OrderedGemm(LazyPdl):
         weight's tensor maps the streamed ones read)."""
         for m, settings in self._settings.items():
             _variant(settings, self.orders[m], self.constants.n, self.constants.k, m, self.pdl)
-            if settings[0] in TMA_KERNELS:
+            if settings[0] == "streamed":
                 _tensormap(self.weight, settings)
 
     def problem(self, x, out=None) -> str | None:
