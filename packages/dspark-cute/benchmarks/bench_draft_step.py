@@ -154,18 +154,51 @@ def fused_markov(stock, mode: str = "auto", bias_gemm=None):
     kernel = MarkovStep(constants, head.markov_w1, head.d2t, max_rows=512)
     kernel.prepare()
     embed = torch.empty(512, rank, dtype=BF16, device=head.markov_w1.device)
+    fused = bias_step(constants, head)
 
     bias_fn = None
     if bias_gemm is not None:
         bias_fn = lambda e: _project(bias_gemm, e, head.markov_w2)[:, :vocab]  # noqa: E731
 
     def loop(logits, input_ids, anchor_idx, n, draft_tokens):
+        from dspark_cute.cutedsl.markov.bias_step import run_fused_greedy_loop
+
         base = logits.view(anchor_idx.shape[0], n, vocab)
-        run_greedy_loop(kernel, base, input_ids[anchor_idx], head.markov_w2, draft_tokens, embed, bias_fn)
+        prev = input_ids[anchor_idx]
+        if fused is not None and anchor_idx.shape[0] in fused.rows:
+            run_fused_greedy_loop(fused, base, prev, draft_tokens)
+        else:
+            run_greedy_loop(kernel, base, prev, head.markov_w2, draft_tokens, embed, bias_fn)
         return (draft_tokens,)
 
     gemm = ", the bias GEMM on the ordered GEMM" if bias_gemm is not None else ""
-    return loop, f"DSpark's fused greedy Markov step (run_greedy_loop: 1 + 2N launches{gemm})"
+    if fused is None:
+        return loop, f"DSpark's fused greedy Markov step (run_greedy_loop: 1 + 2N launches{gemm})"
+    return loop, (f"DSpark's greedy Markov step with its bias GEMM (N launches) at {_spans(fused.rows)} requests "
+                  f"(one split found against cuBLAS), else the fused step after the bias GEMM (1 + 2N launches{gemm})")
+
+
+def bias_step(constants, head):
+    """The greedy step with its bias GEMM (``markov.bias_step``) bound
+    where the build-time check found cuBLAS's one-split order (1 to 64
+    requests), or None where it does not take the head."""
+    from dspark_core.errors import Unsupported
+    from dspark_cute.cutedsl.markov.bias_step import MarkovBiasStep
+
+    try:
+        fused = MarkovBiasStep(constants, head.markov_w1, head.d2t, head.markov_w2.contiguous())
+    except Unsupported as error:
+        print(f"the Markov bias step does not take the head: {error}")
+        return None
+    result = fused.check()
+    print(f"markov bias step: {result.summary()}; taken at {_spans(fused.rows)} requests", flush=True)
+    return fused
+
+
+def _spans(rows) -> str:
+    from dspark_core.errors import ranges
+
+    return ranges(rows) or "no"
 
 
 class DSparkStep:

@@ -76,6 +76,13 @@ def max_u64(a, b, *, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
+def key_below(key, a, b, *, loc=None, ip=None) -> Int64:
+    """``key`` where ``a < b`` (Int32), else 0: below every key."""
+    return Int64(asm(T.i64(), [i64(key, loc, ip), i32(a, loc, ip), i32(b, loc, ip)],
+                     "{ .reg .pred p; setp.lt.s32 p, $2, $3; selp.b64 $0, $1, 0, p; }", "=l,l,r,r", False, loc, ip))
+
+
+@dsl_user_op
 def key_column(key, *, loc=None, ip=None) -> Int32:
     """The column of a key (the complement of its low word)."""
     return Int32(asm(T.i32(), [i64(key, loc, ip)], "{ .reg .b32 lo, hi; mov.b64 {lo, hi}, $1; not.b32 $0, lo; }",
@@ -83,11 +90,13 @@ def key_column(key, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def warp_key_max(key, *, loc=None, ip=None) -> Int64:
+def warp_key_max(key, offsets: tuple = (16, 8, 4, 2, 1), *, loc=None, ip=None) -> Int64:
     """The warp's largest key in every lane (``shfl.sync.bfly`` of both
-    words with offsets 16, 8, 4, 2, 1, ``max.u64`` after each)."""
+    words with offsets 16, 8, 4, 2, 1, ``max.u64`` after each); with other
+    ``offsets``, the largest over the lanes those butterflies join (16, 8,
+    4: the lanes of equal ``lane & 3``)."""
     text = "{ .reg .b32 lo, hi, slo, shi; .reg .b64 k, o; mov.b64 k, $1;"
-    for offset in (16, 8, 4, 2, 1):
+    for offset in offsets:
         text += (f" mov.b64 {{lo, hi}}, k; shfl.sync.bfly.b32 slo, lo, {offset}, 0x1f, 0xffffffff;"
                  f" shfl.sync.bfly.b32 shi, hi, {offset}, 0x1f, 0xffffffff; mov.b64 o, {{slo, shi}}; max.u64 k, k, o;")
     text += " mov.b64 $0, k; }"
@@ -213,4 +222,5 @@ def div_full(a, b, *, loc=None, ip=None) -> Float32:
 
 
 __all__ = ["argmax_key", "atom_add_acq_rel_u32", "atom_exch_u64", "div_full", "fence_acq_rel_gpu", "gumbel_noise",
-           "gumbel_uniform", "key_column", "max_u64", "red_max_u64", "st_global_b64", "tanhf", "warp_key_max"]
+           "gumbel_uniform", "key_below", "key_column", "max_u64", "red_max_u64", "st_global_b64", "tanhf",
+           "warp_key_max"]

@@ -184,6 +184,15 @@ def ld_global_slot(addr, wide: bool, *, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
+def ld_global_clamped_slot(addr, wide: bool, hi, *, loc=None, ip=None) -> Int64:
+    """``ld_global_slot`` (an int64, or an int32 sign-extended) clamped to
+    ``[0, hi]`` (Int64)."""
+    load = "ld.global.s64 v, [$1];" if wide else "{ .reg .s32 w; ld.global.s32 w, [$1]; cvt.s64.s32 v, w; }"
+    return Int64(asm(T.i64(), [i64(addr, loc, ip), i64(hi, loc, ip)],
+                     "{ .reg .s64 v; " + load + " max.s64 v, v, 0; min.s64 $0, v, $2; }", "=l,l,l", True, loc, ip))
+
+
+@dsl_user_op
 def ld_global_clamped_s64(addr, lo, hi, *, loc=None, ip=None) -> Int64:
     """The int64 at global ``addr`` clamped to ``[lo, hi]`` (Int64 bounds)."""
     return Int64(asm(
@@ -279,6 +288,18 @@ def ld_shared_s32(addr, *, loc=None, ip=None) -> Int32:
 def st_shared_b32(addr, word, *, loc=None, ip=None) -> None:
     """Store the 32-bit ``word`` at the shared-memory byte address ``addr``."""
     asm(None, [i32(addr, loc, ip), u32(word, loc, ip)], "st.shared.b32 [$0], $1;", "r,r", True, loc, ip)
+
+
+@dsl_user_op
+def st_shared_b64(addr, value, *, loc=None, ip=None) -> None:
+    """Store the 64-bit ``value`` at the 8-byte aligned shared ``addr``."""
+    asm(None, [i32(addr, loc, ip), i64(value, loc, ip)], "st.shared.b64 [$0], $1;", "r,l", True, loc, ip)
+
+
+@dsl_user_op
+def ld_shared_u64(addr, *, loc=None, ip=None) -> Int64:
+    """The 64-bit word at the 8-byte aligned shared ``addr``."""
+    return Int64(asm(T.i64(), [i32(addr, loc, ip)], "ld.shared.b64 $0, [$1];", "=l,r", True, loc, ip))
 
 
 @dsl_user_op
@@ -427,7 +448,7 @@ __all__ = [
     "ld_f32x8",
     "ld_global_b32",
     "ld_global_cg_v2_f32",
-    "ld_global_clamped_s64",
+    "ld_global_clamped_s64", "ld_global_clamped_slot",
     "ld_global_nc_v4",
     "ld_global_s64",
     "ld_global_slot",
@@ -439,7 +460,7 @@ __all__ = [
     "ld_shared_f32",
     "ld_shared_s32",
     "ld_shared_v2_f32",
-    "ld_shared_v4",
+    "ld_shared_u64", "ld_shared_v4",
     "ldmatrix_x2",
     "ldmatrix_x4",
     "prefetch_l2",
@@ -459,6 +480,6 @@ __all__ = [
     "st_shared_f32",
     "st_shared_f32_if_lane0",
     "st_shared_v2_f32",
-    "st_shared_v4",
+    "st_shared_b64", "st_shared_v4",
     "st_shared_v4_f32",
 ]

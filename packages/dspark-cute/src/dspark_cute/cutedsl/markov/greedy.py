@@ -184,9 +184,9 @@ class MarkovGreedyKernel:
 
 
 def step_values(c: MarkovConstants, b: list, s: list) -> list:
-    """Step 1 for one vector: base and bias values (FP32 widened from BF16)
-    to the transformed FP32 ``y``."""
-    pairs = [ptx.add_rn(b[j], s[j]) for j in range(VEC)]
+    """Step 1 for one vector (or any even count of columns): base and bias
+    values (FP32 widened from BF16) to the transformed FP32 ``y``."""
+    pairs = [ptx.add_rn(b[j], s[j]) for j in range(len(b))]
     mult = ptx.f32_const(c.multiplier)
     y = [ptx.mul_rn(v, mult) for v in ptx.round_bf16(pairs)]
     if c.soft_cap is not None:
