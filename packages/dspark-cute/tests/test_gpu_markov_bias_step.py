@@ -6,8 +6,9 @@ on the live cuBLAS, the add, the output transform, ``argmax``, d2t) and the
 spec's loop, where the build-time check found cuBLAS summing the bias in one
 split (every row count here: the check's finding is printed and asserted).
 
-- whole loops for R in {1, 2, 4, 7, 16, 64}, N 1 to 8, draft vocabularies
-  of 384, 32000, 32768 and 202048 (padded heads), soft cap 30 or none, with
+- whole loops for R in {1, 2, 4, 5, 7, 9, 16, 64}, N 1 to 8, draft
+  vocabularies of 384 to 202048 (padded heads), ranks 32, 80 and 256 (a part
+  filled last swizzle box), soft cap 30 or none, with
   and without d2t, int32 and int64 anchors, planted NaN, -inf rows and
   saturation ties in the base logits, w1 rows of -0.0, subnormals and an
   infinity; the tokens a poisoned view with a column stride (vLLM's
@@ -37,10 +38,11 @@ RANK = 256
 def make_fused(vocab, cap, w1, w2, d2t, rows, max_rows=None):
     from dspark_cute.cutedsl.markov.bias_step import MarkovBiasStep
 
-    step = MarkovBiasStep(markov_constants(vocab, RANK, MULT, cap, d2t is not None), w1, d2t, w2,
+    rank = w1.shape[1]
+    step = MarkovBiasStep(markov_constants(vocab, rank, MULT, cap, d2t is not None), w1, d2t, w2,
                           max_rows=max_rows or max(rows))
     result = step.check(rows)
-    print(f"the bias GEMM [{w2.shape[0]}, {RANK}]: {result.summary()}")
+    print(f"the bias GEMM [{w2.shape[0]}, {rank}]: {result.summary()}")
     assert set(step.rows) == set(rows), step.reasons
     return step
 
@@ -65,20 +67,22 @@ def run_loop(step, base, prev, n):
     return tokens
 
 
-LOOPS = [  # (R, N, vocab, vpad, cap, d2t, anchors)
-    (1, 4, 32768, 32768, 30.0, True, torch.int32),
-    (4, 4, 32000, 32064, None, True, torch.int64),
-    (7, 8, 384, 448, 30.0, False, torch.int32),
-    (16, 3, 202048, 202112, None, False, torch.int64),
-    (64, 4, 32000, 32000, 30.0, True, torch.int32),
-    (2, 1, 384, 384, None, True, torch.int64),
+LOOPS = [  # (R, N, vocab, vpad, cap, d2t, anchors, rank)
+    (1, 4, 32768, 32768, 30.0, True, torch.int32, 256),
+    (4, 4, 32000, 32064, None, True, torch.int64, 256),
+    (7, 8, 384, 448, 30.0, False, torch.int32, 256),
+    (16, 3, 202048, 202112, None, False, torch.int64, 256),
+    (64, 4, 32000, 32000, 30.0, True, torch.int32, 256),
+    (2, 1, 384, 384, None, True, torch.int64, 256),
+    (5, 4, 2048, 2048, 30.0, True, torch.int64, 32),
+    (9, 3, 4096, 4160, None, False, torch.int32, 80),
 ]
 
 
-@pytest.mark.parametrize("r,n,vocab,vpad,cap,d2t,anchors", LOOPS)
-def test_loop_matches_stock_and_spec(seed, r, n, vocab, vpad, cap, d2t, anchors):
+@pytest.mark.parametrize("r,n,vocab,vpad,cap,d2t,anchors,rank", LOOPS)
+def test_loop_matches_stock_and_spec(seed, r, n, vocab, vpad, cap, d2t, anchors, rank):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    w1, w2, m = make_head(gen, vocab + 1000, vocab, vpad, RANK, d2t)
+    w1, w2, m = make_head(gen, vocab + 1000, vocab, vpad, rank, d2t)
     plant_w1(w1)
     step = make_fused(vocab, cap, w1, w2, m, (r,))
     base = planted_base(gen, r, n, vocab, vpad)

@@ -409,17 +409,26 @@ def test_plan_line(built, monkeypatch):
         "0.33.0's greedy Markov loop on an sm_100a GPU")
     # The defaults: both steps checked on sm_90a.
     assert hook.plan_line(model, "sm_90a").startswith(
-        f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 128 requests; probabilistic drafting fused "
-        "(markov_sample ")
+        f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 128 requests, "
+        "the bias GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time check finds "
+        "cuBLAS's one-split order; probabilistic "
+        "drafting fused (markov_sample ")
     monkeypatch.setattr(hook, "SAMPLE_CHECKED", frozenset())
     assert hook.plan_line(model, "sm_90a").startswith(
-        f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 128 requests; probabilistic drafting in "
-        "vLLM's loop (the DSpark markov_sample kernel is checked against dspark-core's spec of vLLM's Gumbel "
-        "sampler, not yet against vLLM 0.33.0's Triton gumbel_sample on an sm_90a GPU)")
+        f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 128 requests, "
+        "the bias GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time check finds "
+        "cuBLAS's one-split order; probabilistic drafting in vLLM's loop (the DSpark markov_sample kernel is checked "
+        "against dspark-core's spec of vLLM's Gumbel sampler, not yet against vLLM 0.33.0's Triton gumbel_sample on an "
+        "sm_90a GPU)")
     monkeypatch.undo()
     line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
-    assert line.startswith(f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 8 requests; "
-                           "probabilistic drafting fused (markov_sample ")
+    assert line.startswith(f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 8 requests, the bias "
+                           "GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time "
+                           "check finds cuBLAS's one-split order; probabilistic drafting fused (markov_sample ")
+    monkeypatch.setattr(hook, "BIAS_CHECKED", frozenset())
+    line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
+    assert "the step after vLLM's bias GEMM (the DSpark markov_bias_step kernel is not yet checked" in line
+    monkeypatch.undo()
     assert line.endswith("; vLLM's loop for the top-k loop, a watermarker, FP64 Gumbel noise, the confidence head and "
                          "adaptive verification")
     monkeypatch.setattr(model, "output_soft_cap_temp", 30.0)
@@ -556,7 +565,7 @@ def test_the_plan_cli_plans_the_markov_stage_for_max_num_seqs(built, capsys):
 
     draft_dir = built.config.speculative_config.draft_model_config.model
     assert main([draft_dir, "--exact", "all", "--max-num-seqs", "65535"]) == 0
-    assert ") for 1 to 65535 requests; " in capsys.readouterr().out
+    assert ") for 1 to 65535 requests, " in capsys.readouterr().out
     assert main([draft_dir, "--exact", "all", "--max-num-seqs", "65536"]) == 0
     assert ("\nMarkov stage: vLLM's loop: the fused Markov step takes 1 to 65535 requests a step (a CUDA grid's y): "
             "vLLM's max_num_seqs of 65536\n") in capsys.readouterr().out

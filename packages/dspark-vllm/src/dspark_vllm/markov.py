@@ -31,7 +31,10 @@ vLLM's loop, False (having done nothing) runs it. ``MarkovStage`` answers:
   model's own ``compute_draft_logits``, the first embedding gather, then per
   step vLLM's own ``markov_bias`` and one launch, which writes
   ``spec.draft_tokens[:num_reqs, i]`` (and the logits cache's column ``i``);
-  and returns True.
+  and returns True. Greedy, at the request counts where the build-time check
+  found cuBLAS summing the bias GEMM in one split (``MarkovBiasStep``, built
+  beside the step on the architectures of ``BIAS_CHECKED``), one launch a
+  step does the bias GEMM too (``bias_step.run_fused_greedy_loop``).
 
 Every decision reads host state only (no device sync), so the hook is
 capturable in vLLM's FULL CUDA graph.
@@ -70,6 +73,14 @@ UNCHECKED = ("the DSpark markov_step kernel is not yet checked bit for bit again
 SAMPLE_CHECKED: frozenset[str] = frozenset({"sm_90a"})
 SAMPLE_UNCHECKED = ("the DSpark markov_sample kernel is checked against dspark-core's spec of vLLM's Gumbel sampler, "
                     "not yet against vLLM 0.33.0's Triton gumbel_sample on an {arch} GPU")
+# GPU architectures on which the greedy step with its bias GEMM was checked
+# bit for bit against vLLM's greedy loop in its own torch ops (cuBLAS's bias
+# GEMM): dspark-cute's test_gpu_markov_bias_step.py and bench_draft_step, on
+# an H200 on 2026-12-04. Where it runs, a build-time check against the live
+# cuBLAS still decides each request count.
+BIAS_CHECKED: frozenset[str] = frozenset({"sm_90a"})
+BIAS_UNCHECKED = ("the DSpark markov_bias_step kernel is not yet checked bit for bit against vLLM 0.33.0's greedy loop "
+                  "on an {arch} GPU")
 
 
 def _step_class():
@@ -82,6 +93,12 @@ def _sample_class():
     from dspark_cute.cutedsl.markov.sample import MarkovSampleStep
 
     return MarkovSampleStep
+
+
+def _bias_class():
+    from dspark_cute.cutedsl.markov.bias_step import MarkovBiasStep
+
+    return MarkovBiasStep
 
 
 def bias_gemm_reason(model) -> str | None:
@@ -188,9 +205,10 @@ def plan_line(model, arch: str, checked: frozenset[str] | None = None, rows=None
     the build decides it: fused with its constants' key and the calls it
     leaves to vLLM, or vLLM's loop with the reason. ``checked`` (default
     ``MARKOV_CHECKED`` for the greedy step, ``SAMPLE_CHECKED`` for the
-    probabilistic one) stands for both where given. The Markov GEMM's
-    dispatch (``bias_gemm_reason``) is the serving process's and is checked
-    there."""
+    probabilistic one) stands for both where given; the bias GEMM in the
+    greedy step on ``BIAS_CHECKED``'s architectures (each request count is
+    the build-time check's). The Markov GEMM's dispatch
+    (``bias_gemm_reason``) is the serving process's and is checked there."""
     if rows is None:
         from vllm.config import SchedulerConfig
 
@@ -203,9 +221,27 @@ def plan_line(model, arch: str, checked: frozenset[str] | None = None, rows=None
         sampled = f"probabilistic drafting fused (markov_sample {planned.sample.key()})"
     else:
         sampled = f"probabilistic drafting in vLLM's loop ({planned.sample_reason})"
-    return (f"Markov stage: greedy drafting fused (markov_step {planned.constants.key()}) for 1 to {rows} requests; "
-            f"{sampled}; vLLM's loop for the top-k loop, a watermarker, FP64 Gumbel noise, the confidence head and "
-            "adaptive verification")
+    arch, bias_checked = _archs(arch, BIAS_CHECKED)
+    if arch in bias_checked and fused_bias_reason(planned.constants) is None:
+        bias = ("the bias GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time "
+                "check finds cuBLAS's one-split order")
+    else:
+        why = fused_bias_reason(planned.constants) or BIAS_UNCHECKED.format(arch=arch)
+        bias = f"the step after vLLM's bias GEMM ({why})"
+    return (f"Markov stage: greedy drafting fused (markov_step {planned.constants.key()}) for 1 to {rows} requests, "
+            f"{bias}; {sampled}; vLLM's loop for the top-k loop, a watermarker, FP64 Gumbel noise, the confidence "
+            "head and adaptive verification")
+
+
+def fused_bias_reason(constants) -> str | None:
+    """Why the greedy step with its bias GEMM does not take the head of
+    ``constants`` (dspark-cute's ``fused_unsupported``), or None; None too
+    where dspark-cute is not installed (the build then says why)."""
+    try:
+        from dspark_cute.cutedsl.markov.bias_step import fused_unsupported
+    except ImportError:
+        return None
+    return fused_unsupported(constants)
 
 
 def refusal_reason(error: Exception) -> str:
@@ -224,11 +260,14 @@ class MarkovStage:
     ``SAMPLE_CHECKED``)."""
 
     def __init__(self, model, vllm_config, step_class=None, arch: str | None = "probe",
-                 checked: frozenset[str] | None = None, sample_class=None) -> None:
+                 checked: frozenset[str] | None = None, sample_class=None, bias_class=None) -> None:
         self.model = model
         self.vllm_config = vllm_config
         self.step_class = step_class
         self.sample_class = sample_class
+        self.bias_class = bias_class
+        self.bias_step = None
+        self.bias_reason: str | None = "not built"
         self.arch = arch
         self.checked = MARKOV_CHECKED if checked is None else checked
         self.sample_checked = SAMPLE_CHECKED if checked is None else checked
@@ -279,7 +318,41 @@ class MarkovStage:
         logger.info("The DSpark draft runs its greedy Markov stage fused (markov_step %s: one launch a step after "
                     "vLLM's bias GEMM, bit for bit its loop) for 1 to %d requests; other calls run vLLM's loop.",
                     step.constants.key(), step.max_rows)
+        self._build_bias_step(step)
         self._build_sample(step, planned)
+
+    def _build_bias_step(self, step) -> None:
+        """The greedy step with its bias GEMM beside ``step`` (``bias_step``),
+        bound by its build-time check against the live cuBLAS at 1 to
+        ``min(max_num_seqs, 64)`` requests (the request counts where cuBLAS
+        sums the bias in one split), or its reason (logged once): an
+        architecture outside ``BIAS_CHECKED``, no request count bound, or any
+        exception while it is built, checked and compiled."""
+        arch, checked = _archs(self.resolved_arch, BIAS_CHECKED)
+        reason, fused = (None if arch in checked else BIAS_UNCHECKED.format(arch=arch)), None
+        if reason is None:
+            try:
+                cls = self.bias_class or _bias_class()
+                w2 = self.model.model.markov_head.markov_w2.weight.data
+                fused = cls(step.constants, step.w1, step.d2t, w2, min(step.max_rows, 64))
+                fused.check()
+                if not fused.rows:
+                    reason = "the build-time check bound no request count: " + "; ".join(
+                        sorted(set(fused.reasons.values())))
+            except Exception as error:  # noqa: BLE001 (a refusal at build keeps the step after vLLM's bias GEMM)
+                reason, fused = refusal_reason(error), None
+                if not isinstance(error, (ValueError, TypeError)):
+                    logger.warning("Building the DSpark Markov bias step failed.", exc_info=error)
+        if reason is not None:
+            self.bias_step, self.bias_reason = None, reason
+            logger.info("The DSpark greedy Markov stage runs its step after vLLM's bias GEMM: %s.", reason)
+            return
+        from dspark_core.errors import ranges
+
+        self.bias_step, self.bias_reason = fused, None
+        logger.info("The DSpark greedy Markov stage runs the bias GEMM in its step (markov_bias_step: cuBLAS's order, "
+                    "found by the build-time check) at %s requests; at other counts the step runs after vLLM's bias "
+                    "GEMM.", ranges(fused.rows))
 
     def _build_sample(self, step, planned: StagePlan) -> None:
         """The probabilistic step beside the greedy one (``planned.sample``),
@@ -394,7 +467,11 @@ class MarkovStage:
             return False
         prev = spec.input_buffers.input_ids[spec._anchor_idx[:num_reqs]]
         w2, tokens = model.model.markov_head.markov_w2.weight, spec.draft_tokens[:num_reqs]
-        if spec.draft_logits is None:
+        if spec.draft_logits is None and self.bias_step is not None and num_reqs in self.bias_step.rows:
+            from dspark_cute.cutedsl.markov.bias_step import run_fused_greedy_loop
+
+            run_fused_greedy_loop(self.bias_step, base, prev, tokens)
+        elif spec.draft_logits is None:
             run_greedy_loop(self.step, base, prev, w2, tokens, self.embed, bias_fn=model.markov_bias)
         else:
             run_probabilistic_loop(self.sample, base, prev, w2, tokens, self.embed,
@@ -404,5 +481,5 @@ class MarkovStage:
         return True
 
 
-__all__ = ["MARKOV_CHECKED", "SAMPLE_CHECKED", "MarkovStage", "StagePlan", "arch_reason", "bias_gemm_reason",
-           "head_constants", "plan_line", "plan_stage", "refusal_reason"]
+__all__ = ["BIAS_CHECKED", "MARKOV_CHECKED", "SAMPLE_CHECKED", "MarkovStage", "StagePlan", "arch_reason",
+           "bias_gemm_reason", "fused_bias_reason", "head_constants", "plan_line", "plan_stage", "refusal_reason"]

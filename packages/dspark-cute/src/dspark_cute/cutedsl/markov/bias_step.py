@@ -75,20 +75,20 @@ def n_tiles_for(rows: int) -> int:
 
 def fused_unsupported(c: MarkovConstants) -> str | None:
     """Why the fused step does not take ``c`` (a sentence), or None: the
-    vocabulary a multiple of 16 (whole MMA tiles), the rank a multiple of
-    64 (whole 128-byte swizzle boxes)."""
+    vocabulary and the rank multiples of 16 (whole MMA tiles and steps)."""
     if c.vocab % 16:
         return f"the fused bias step takes a draft vocabulary that is a multiple of 16, not {c.vocab}"
-    if c.rank % 64:
-        return f"the fused bias step takes a Markov rank that is a multiple of 64, not {c.rank}"
+    if c.rank % 16:
+        return f"the fused bias step takes a Markov rank that is a multiple of 16, not {c.rank}"
     return None
 
 
 class BiasStepLayout:
     """The fragment maps' view of one variant (``streamed.fragment_offsets``
     and ``chunk_mmas``): ``a_tiles`` 16-row weight tiles a warp (its
-    ``w_rows`` draft columns), boxes of 64 columns by ``w_rows`` rows, the
-    embedding rows ``2 rank + 16`` bytes apart; and the shared memory
+    ``w_rows`` draft columns), boxes of 64 columns by ``w_rows`` rows
+    (128 bytes a row; the last box's rows part filled where 64 does not
+    divide the rank), the embedding rows ``2 rank + 16`` bytes apart; and the shared memory
     (bytes): the warps' ``w2`` rows, the embedding rows, the warps' keys and
     the last-CTA flag."""
 
@@ -100,7 +100,7 @@ class BiasStepLayout:
         self.columns = WARPS * self.w_rows  # draft columns a CTA owns
         self.steps = rank // 16
         self.box_bytes = self.w_rows * 128
-        self.warp_bytes = self.w_rows * 2 * rank
+        self.warp_bytes = -(-rank // 64) * self.box_bytes
         self.x_stride = 2 * rank + 16
         self.x_base = WARPS * self.warp_bytes
         self.keys = self.x_base + 8 * n_tiles * self.x_stride
