@@ -31,7 +31,7 @@ from dspark_core.spec.split_order import SplitOrder
 ARCHS = ["sm_90a", "sm_100a"]
 # (vocab, rank, cap, d2t, n_tiles)
 VARIANTS = [(32768, 256, 30.0, True, 1), (32000, 256, None, False, 2), (384, 64, 30.0, True, 8),
-            (202048, 256, 30.0, True, 4), (384, 32, None, True, 1), (2048, 80, 30.0, False, 2)]
+            (202048, 256, 30.0, True, 4), (2048, 128, None, True, 1)]
 CP_ASYNC = r"cp\.async\.cg\.shared\.global"
 
 
@@ -103,8 +103,8 @@ def test_host_refusals():
     c, w1, m, w2 = _head()
     with pytest.raises(Unsupported, match="multiple of 16"):
         MarkovBiasStep(markov_constants(40, 64, 0.5, None, False), w1, None, w2[:40])
-    with pytest.raises(Unsupported, match="rank that is a multiple of 16"):
-        MarkovBiasStep(markov_constants(384, 24, 0.5, None, False), w1[:, :24], None, w2[:, :24])
+    with pytest.raises(Unsupported, match="rank that is a multiple of 64"):
+        MarkovBiasStep(markov_constants(384, 32, 0.5, None, False), w1[:, :32], None, w2[:, :32])
     with pytest.raises(ValueError, match="token tiles"):
         MarkovBiasKernel(c, 3, False, True)
     with pytest.raises(ValueError, match="w2 must be"):

@@ -7,8 +7,7 @@ spec's loop, where the build-time check found cuBLAS summing the bias in one
 split (every row count here: the check's finding is printed and asserted).
 
 - whole loops for R in {1, 2, 4, 5, 7, 9, 16, 64}, N 1 to 8, draft
-  vocabularies of 384 to 202048 (padded heads), ranks 32, 80 and 256 (a part
-  filled last swizzle box), soft cap 30 or none, with
+  vocabularies of 384 to 202048 (padded heads), ranks 64, 128 and 256, soft cap 30 or none, with
   and without d2t, int32 and int64 anchors, planted NaN, -inf rows and
   saturation ties in the base logits, w1 rows of -0.0, subnormals and an
   infinity; the tokens a poisoned view with a column stride (vLLM's
@@ -74,8 +73,8 @@ LOOPS = [  # (R, N, vocab, vpad, cap, d2t, anchors, rank)
     (16, 3, 202048, 202112, None, False, torch.int64, 256),
     (64, 4, 32000, 32000, 30.0, True, torch.int32, 256),
     (2, 1, 384, 384, None, True, torch.int64, 256),
-    (5, 4, 2048, 2048, 30.0, True, torch.int64, 32),
-    (9, 3, 4096, 4160, None, False, torch.int32, 80),
+    (5, 4, 2048, 2048, 30.0, True, torch.int64, 64),
+    (9, 3, 4096, 4160, None, False, torch.int32, 128),
 ]
 
 

@@ -407,20 +407,19 @@ def test_plan_line(built, monkeypatch):
     assert hook.plan_line(model, "sm_100a") == (
         "Markov stage: vLLM's loop: the DSpark markov_step kernel is not yet checked bit for bit against vLLM "
         "0.33.0's greedy Markov loop on an sm_100a GPU")
-    # The defaults: both steps checked on sm_90a.
+    # The defaults: both steps checked on sm_90a; this draft's Markov rank (32) is below the bias step's unit.
+    rank_reason = ("the step after vLLM's bias GEMM (the fused bias step takes a Markov rank that is a multiple of 64 "
+                   "(the build-time check's unit), not 32)")
     assert hook.plan_line(model, "sm_90a").startswith(
-        f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 128 requests, "
-        "the bias GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time check finds "
-        "cuBLAS's one-split order; probabilistic "
+        f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 128 requests, {rank_reason}; probabilistic "
         "drafting fused (markov_sample ")
     monkeypatch.setattr(hook, "SAMPLE_CHECKED", frozenset())
     assert hook.plan_line(model, "sm_90a").startswith(
-        f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 128 requests, "
-        "the bias GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time check finds "
-        "cuBLAS's one-split order; probabilistic drafting in vLLM's loop (the DSpark markov_sample kernel is checked "
-        "against dspark-core's spec of vLLM's Gumbel sampler, not yet against vLLM 0.33.0's Triton gumbel_sample on an "
-        "sm_90a GPU)")
+        f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 128 requests, {rank_reason}; probabilistic "
+        "drafting in vLLM's loop (the DSpark markov_sample kernel is checked against dspark-core's spec of vLLM's "
+        "Gumbel sampler, not yet against vLLM 0.33.0's Triton gumbel_sample on an sm_90a GPU)")
     monkeypatch.undo()
+    monkeypatch.setattr(hook, "fused_bias_reason", lambda constants: None)  # a head the bias step takes
     line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
     assert line.startswith(f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 8 requests, the bias "
                            "GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time "

@@ -73,7 +73,13 @@ class CpuBiasStep:
 
 
 def bias_stage(built, monkeypatch, arch="sm_90a", checked=frozenset({"sm_90a"})) -> hook.MarkovStage:
+    from dspark_cute.cutedsl.markov import bias_step
+
     monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
+    # The test draft's Markov rank (32) is below the kernel's unit (64); the
+    # launch here is the spec's on the CPU, the kernel's limits are the GPU
+    # tests' (test_gpu_markov_bias_step.py).
+    monkeypatch.setattr(bias_step, "fused_unsupported", lambda constants: None)
     stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch=arch, checked=checked,
                              bias_class=CpuBiasStep)
     stage.build()
@@ -112,6 +118,11 @@ def test_hook_drafts_vllms_tokens_with_the_bias_in_the_step(built, seed, monkeyp
 
 def test_build_keeps_the_step_after_vllms_gemm_with_the_reason(built, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger=hook.logger.name)
+    stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
+                             checked=frozenset({"sm_90a"}), bias_class=CpuBiasStep)
+    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)
+    stage.build()  # the real kernel limits: this draft's rank 32 is refused, the step kept after vLLM's GEMM
+    assert stage.step is not None and stage.bias_step is None and "multiple of 64" in stage.bias_reason
     stage = bias_stage(built, monkeypatch, arch="sm_100a", checked=frozenset({"sm_100a"}))
     assert stage.bias_step is None and "markov_bias_step" in stage.bias_reason and "sm_100a" in stage.bias_reason
     monkeypatch.setattr(CpuBiasStep, "fail", True)

@@ -75,11 +75,14 @@ def n_tiles_for(rows: int) -> int:
 
 def fused_unsupported(c: MarkovConstants) -> str | None:
     """Why the fused step does not take ``c`` (a sentence), or None: the
-    vocabulary and the rank multiples of 16 (whole MMA tiles and steps)."""
+    vocabulary a multiple of 16 (whole MMA tiles), the rank a multiple of 64
+    (the K unit of the ordered GEMM, whose candidates the build-time check
+    runs to find cuBLAS's order: without them no order can be confirmed)."""
     if c.vocab % 16:
         return f"the fused bias step takes a draft vocabulary that is a multiple of 16, not {c.vocab}"
-    if c.rank % 16:
-        return f"the fused bias step takes a Markov rank that is a multiple of 16, not {c.rank}"
+    if c.rank % 64:
+        return (f"the fused bias step takes a Markov rank that is a multiple of 64 (the build-time check's unit), "
+                f"not {c.rank}")
     return None
 
 
@@ -87,8 +90,7 @@ class BiasStepLayout:
     """The fragment maps' view of one variant (``streamed.fragment_offsets``
     and ``chunk_mmas``): ``a_tiles`` 16-row weight tiles a warp (its
     ``w_rows`` draft columns), boxes of 64 columns by ``w_rows`` rows
-    (128 bytes a row; the last box's rows part filled where 64 does not
-    divide the rank), the embedding rows ``2 rank + 16`` bytes apart; and the shared memory
+    (128 bytes a row), the embedding rows ``2 rank + 16`` bytes apart; and the shared memory
     (bytes): the warps' ``w2`` rows, the embedding rows, the warps' keys and
     the last-CTA flag."""
 
