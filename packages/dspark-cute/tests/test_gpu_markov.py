@@ -301,10 +301,20 @@ def test_loop_cuda_graph(seed):
     prev = torch.randint(0, vocab + 10, (r,), generator=gen, device="cuda")
     tokens = torch.full((r, n), POISON, dtype=torch.int64, device="cuda")
     embed = torch.zeros(r, rank, dtype=BF16, device="cuda")
-    graph = capture_calls(lambda: run_greedy_loop(step, base, prev, w2, tokens, embed), calls=1)
+    check_graph_replays(gen, lambda: run_greedy_loop(step, base, prev, w2, tokens, embed), step, base, prev, tokens,
+                        (w1, w2, m))
+
+
+def check_graph_replays(gen, loop, step, base, prev, tokens, head) -> None:
+    """``loop`` captured once, then replayed twice on fresh planted base
+    logits and anchors (written into ``base`` and ``prev``): each time the
+    tokens are vLLM's loop's (soft cap 30) and the fold's words are left 0."""
+    w1, w2, m = head
+    r, n, vocab = base.shape
+    graph = capture_calls(loop, calls=1)
     for _ in range(2):
-        base.copy_(planted_base(gen, r, n, vocab, vocab))
-        prev.copy_(torch.randint(0, vocab + 10, (r,), generator=gen, device="cuda"))
+        base.copy_(planted_base(gen, r, n, vocab, base.stride(1)))
+        prev.copy_(torch.randint(0, w1.shape[0], (r,), generator=gen, device="cuda"))
         tokens.fill_(POISON)
         graph.replay()
         torch.cuda.synchronize()

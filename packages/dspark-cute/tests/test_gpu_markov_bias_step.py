@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cute_testing import capture_calls, requires_cuda
-from test_gpu_markov import MULT, POISON, crafted_rows, make_head, planted_base, stock_loop
+from cute_testing import requires_cuda
+from test_gpu_markov import MULT, POISON, check_graph_replays, crafted_rows, make_head, planted_base, stock_loop
 
 from dspark_core.contracts.markov import markov_constants
 from dspark_core.spec import markov as spec
@@ -120,15 +120,8 @@ def test_loop_cuda_graph(seed):
     base = planted_base(gen, r, n, vocab, vocab)
     prev = torch.randint(0, vocab + 10, (r,), generator=gen, device="cuda")
     tokens = torch.full((r, n), POISON, dtype=torch.int64, device="cuda")
-    graph = capture_calls(lambda: run_fused_greedy_loop(step, base, prev, tokens), calls=1)
-    for _ in range(2):
-        base.copy_(planted_base(gen, r, n, vocab, vocab))
-        prev.copy_(torch.randint(0, vocab + 10, (r,), generator=gen, device="cuda"))
-        tokens.fill_(POISON)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(tokens, stock_loop(base, prev, w1, w2, MULT, 30.0, m))
-        assert not step.keys.any() and not step.counters.any()
+    check_graph_replays(gen, lambda: run_fused_greedy_loop(step, base, prev, tokens), step, base, prev, tokens,
+                        (w1, w2, m))
 
 
 def test_unchecked_rows_say_why(seed):

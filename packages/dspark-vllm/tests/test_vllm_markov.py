@@ -236,13 +236,14 @@ def fused_stage(built, monkeypatch) -> hook.MarkovStage:
     return stage
 
 
-@pytest.mark.parametrize("num_reqs", [1, R, 8])
-def test_hook_drafts_vllms_tokens(built, seed, monkeypatch, num_reqs):
+def stock_and_twin(built, seed, monkeypatch, num_reqs: int) -> tuple:
+    """``(stock, twin, hidden)``: a speculator that has run vLLM's loop over
+    ``num_reqs`` primed requests (planted base logits) and a twin with the
+    same inputs and poisoned draft tokens, for the hook to run."""
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
     gen = torch.Generator().manual_seed(seed)
-    model = built.model
-    with_planted_base(model, gen, monkeypatch)
+    with_planted_base(built.model, gen, monkeypatch)
     stock = speculator(built)
     hidden = prime(stock, gen, num_reqs)
     s = speculator(built)
@@ -251,6 +252,16 @@ def test_hook_drafts_vllms_tokens(built, seed, monkeypatch, num_reqs):
     s.draft_tokens.fill_(-7)
     with torch.inference_mode():
         DSparkSpeculator._sample_sequential(stock, num_reqs, hidden)
+    return stock, s, hidden
+
+
+@pytest.mark.parametrize("num_reqs", [1, R, 8])
+def test_hook_drafts_vllms_tokens(built, seed, monkeypatch, num_reqs):
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    model = built.model
+    stock, s, hidden = stock_and_twin(built, seed, monkeypatch, num_reqs)
+    with torch.inference_mode():
         stage = fused_stage(built, monkeypatch)
         monkeypatch.setattr(model, "sample_sequential", stage.sample_sequential, raising=False)
         before = CpuStep.launches

@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 import test_vllm_markov as markov_tests  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from test_vllm_markov import CpuStep, prime, speculator, with_planted_base  # noqa: E402
+from test_vllm_markov import CpuStep, stock_and_twin  # noqa: E402
 
 from dspark_core.runtime.gemm_check import CheckResult, Finding  # noqa: E402
 from dspark_core.spec import markov as spec  # noqa: E402
@@ -91,17 +91,9 @@ def bias_stage(built, monkeypatch, arch="sm_90a", checked=frozenset({"sm_90a"}))
 def test_hook_drafts_vllms_tokens_with_the_bias_in_the_step(built, seed, monkeypatch, num_reqs):
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-    gen = torch.Generator().manual_seed(seed)
     model = built.model
-    with_planted_base(model, gen, monkeypatch)
-    stock = speculator(built)
-    hidden = prime(stock, gen, num_reqs)
-    s = speculator(built)
-    s.input_buffers.input_ids.copy_(stock.input_buffers.input_ids)
-    s.sample_indices.copy_(stock.sample_indices)
-    s.draft_tokens.fill_(-7)
+    stock, s, hidden = stock_and_twin(built, seed, monkeypatch, num_reqs)
     with torch.inference_mode():
-        DSparkSpeculator._sample_sequential(stock, num_reqs, hidden)
         stage = bias_stage(built, monkeypatch)
         assert stage.bias_step is not None and SPLIT_ROWS not in stage.bias_step.rows, stage.bias_reason
         assert "2 splits" in stage.bias_step.reasons[SPLIT_ROWS]

@@ -52,10 +52,9 @@ from dspark_cute.cutedsl.gemm.streamed import chunk_mmas, fragment_offsets
 from dspark_cute.cutedsl.markov.greedy import (
     check_constants,
     check_cuda,
-    check_d2t_tensor,
+    check_head,
     check_logits,
     check_on,
-    check_w1,
     row_words,
     step_values,
 )
@@ -326,17 +325,7 @@ class MarkovBiasStep(LazyPdl):
         why = fused_unsupported(constants)
         if why is not None:
             raise Unsupported(why)
-        check_w1(w1, constants.rank)
-        if constants.d2t:
-            from dspark_core.spec.markov import check_d2t
-
-            check_d2t_tensor(d2t, constants.vocab, w1.device)
-            check_d2t(d2t, constants.vocab, w1.shape[0])
-        elif d2t is not None:
-            raise ValueError("these constants have no d2t map: pass d2t=None")
-        elif constants.vocab > w1.shape[0]:
-            raise ValueError(f"without a d2t map the draft ids are target ids: a draft vocabulary of "
-                             f"{constants.vocab}, more than w1's {w1.shape[0]} rows")
+        check_head(constants, w1, d2t)
         if not (isinstance(w2, torch.Tensor) and w2.dtype == torch.bfloat16 and w2.dim() == 2
                 and w2.shape[0] >= constants.vocab and w2.shape[1] == constants.rank and w2.is_contiguous()
                 and w2.data_ptr() % 16 == 0 and w2.device == w1.device):

@@ -93,6 +93,22 @@ def check_w1(w1, rank: int, at_least: int | None = None) -> None:
         raise ValueError(f"w1 must be contiguous and aligned to 16 bytes, not {describe(w1)}")
 
 
+def check_head(constants, w1, d2t) -> None:
+    """ValueError unless ``w1`` (``check_w1``) and ``d2t`` are a greedy
+    step's head for ``constants``: with a d2t map an int64 ``[vocab]`` on
+    w1's device whose target ids are rows of w1 (the next step embeds w1 at
+    them); without one, None and a vocabulary within w1's rows."""
+    check_w1(w1, constants.rank)
+    if constants.d2t:
+        check_d2t_tensor(d2t, constants.vocab, w1.device)
+        check_d2t(d2t, constants.vocab, w1.shape[0])
+    elif d2t is not None:
+        raise ValueError("these constants have no d2t map: pass d2t=None")
+    elif constants.vocab > w1.shape[0]:
+        raise ValueError(f"without a d2t map the draft ids are target ids: a draft vocabulary of "
+                         f"{constants.vocab}, more than w1's {w1.shape[0]} rows")
+
+
 def check_d2t_tensor(d2t, vocab: int, device: torch.device, contiguous: bool = True) -> None:
     """ValueError unless ``d2t`` is an int64 ``[vocab]`` tensor on
     ``device`` (contiguous where the kernel reads it); its values are
@@ -287,16 +303,7 @@ class MarkovStep:
     def __init__(self, constants: MarkovConstants, w1: torch.Tensor, d2t: torch.Tensor | None,
                  max_rows: int = 512) -> None:
         check_constants(constants)
-        check_w1(w1, constants.rank)
-        if constants.d2t:
-            check_d2t_tensor(d2t, constants.vocab, w1.device)
-            # The next step gathers w1 at each target id: every one must be a row of it.
-            check_d2t(d2t, constants.vocab, w1.shape[0])
-        elif d2t is not None:
-            raise ValueError("these constants have no d2t map: pass d2t=None")
-        elif constants.vocab > w1.shape[0]:
-            raise ValueError(f"without a d2t map the draft ids are target ids: a draft vocabulary of "
-                             f"{constants.vocab}, more than w1's {w1.shape[0]} rows")
+        check_head(constants, w1, d2t)
         self.keys, self.counters = row_words(max_rows, w1.device)
         self.constants = constants
         self.w1, self.d2t, self.max_rows = w1, d2t, max_rows
@@ -353,5 +360,5 @@ class MarkovStep:
 
 
 __all__ = ["MarkovGreedyKernel", "MarkovStep", "THREADS", "check_constants", "check_cuda", "check_d2t_tensor",
-           "check_logits", "check_on", "check_outputs", "check_w1", "compile_markov_step", "constants_of",
+           "check_head", "check_logits", "check_on", "check_outputs", "check_w1", "compile_markov_step", "constants_of",
            "fake_args", "row_key", "row_words", "step_values"]
