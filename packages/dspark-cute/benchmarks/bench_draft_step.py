@@ -71,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stock_scripts  # noqa: E402
 from draft_step_report import plot, spread, table  # noqa: E402
 from step_attention import TritonAttention, _CacheView, step_attention  # noqa: E402,F401 (_CacheView: the CPU tests)
+from step_markov import _project, fused_markov, ordered_projection  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -100,105 +101,6 @@ def shape_of(m: int, n: int) -> tuple[int, int]:
     if m < 1 or m % n:
         raise ValueError(f"rows must be 1 or a multiple of N = {n}, not {m}")
     return m // n, n
-
-
-def ordered_projection(role: str, weight: torch.Tensor):
-    """DSpark's ordered GEMM for a projection outside the decode (fc, the LM
-    head, the Markov bias), bound where the build-time check found cuBLAS's
-    order (``OrderedGemm.check`` against ``F.linear``, as the executor binds
-    the layers'); None where the kernel is not installed."""
-    try:
-        from dspark_core.contracts.constants import ordered_gemm_constants
-        from dspark_cute.cutedsl.gemm.ordered import OrderedGemm
-    except ImportError:
-        return None
-    gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight)
-    result = gemm.check()
-    print(f"{role}: {result.summary()}", flush=True)
-    return gemm
-
-
-def _project(gemm, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight^T`` on ``gemm`` where it takes ``x``, else ``F.linear``."""
-    if gemm is not None and gemm.takes(x):
-        return gemm.launch(x)
-    return F.linear(x, weight)
-
-
-def fused_markov(stock, mode: str = "auto", bias_gemm=None):
-    """``(loop, label)``: the DSpark side's Markov loop, or ``(None, why)``
-    for vLLM's stock loop. ``mode``: "stock", "fused" (ImportError or
-    Unsupported raised) or "auto" (the fused step where installed): dspark-
-    cute's ``markov.loop.run_greedy_loop`` (the stock first embedding gather
-    and each step's cuBLAS bias GEMM, everything after the GEMM on one
-    ``MarkovStep`` launch, the next step's embedding gather included)."""
-    if mode == "stock":
-        return None, "vLLM's stock loop (asked for)"
-    try:
-        from dspark_core.contracts.markov import markov_constants
-        from dspark_core.errors import Unsupported
-        from dspark_cute.cutedsl.markov.greedy import MarkovStep
-        from dspark_cute.cutedsl.markov.loop import run_greedy_loop
-    except ImportError as error:
-        if mode == "fused":
-            raise
-        return None, f"vLLM's stock loop (no fused Markov kernel: {error})"
-    head = stock.head
-    vocab, rank = head.markov_w2.shape
-    try:
-        constants = markov_constants(vocab, rank, float(head.output_multiplier), head.soft_cap, True)
-    except Unsupported as error:
-        if mode == "fused":
-            raise
-        return None, f"vLLM's stock loop ({error})"
-    kernel = MarkovStep(constants, head.markov_w1, head.d2t, max_rows=512)
-    kernel.prepare()
-    embed = torch.empty(512, rank, dtype=BF16, device=head.markov_w1.device)
-    fused = bias_step(constants, head)
-
-    bias_fn = None
-    if bias_gemm is not None:
-        bias_fn = lambda e: _project(bias_gemm, e, head.markov_w2)[:, :vocab]  # noqa: E731
-
-    def loop(logits, input_ids, anchor_idx, n, draft_tokens):
-        from dspark_cute.cutedsl.markov.bias_step import run_fused_greedy_loop
-
-        base = logits.view(anchor_idx.shape[0], n, vocab)
-        prev = input_ids[anchor_idx]
-        if fused is not None and anchor_idx.shape[0] in fused.rows:
-            run_fused_greedy_loop(fused, base, prev, draft_tokens)
-        else:
-            run_greedy_loop(kernel, base, prev, head.markov_w2, draft_tokens, embed, bias_fn)
-        return (draft_tokens,)
-
-    gemm = ", the bias GEMM on the ordered GEMM" if bias_gemm is not None else ""
-    if fused is None:
-        return loop, f"DSpark's fused greedy Markov step (run_greedy_loop: 1 + 2N launches{gemm})"
-    return loop, (f"DSpark's greedy Markov step with its bias GEMM (N launches) at {_spans(fused.rows)} requests "
-                  f"(one split found against cuBLAS), else the fused step after the bias GEMM (1 + 2N launches{gemm})")
-
-
-def bias_step(constants, head):
-    """The greedy step with its bias GEMM (``markov.bias_step``) bound
-    where the build-time check found cuBLAS's one-split order (1 to 64
-    requests), or None where it does not take the head."""
-    from dspark_core.errors import Unsupported
-    from dspark_cute.cutedsl.markov.bias_step import MarkovBiasStep
-
-    try:
-        fused = MarkovBiasStep(constants, head.markov_w1, head.d2t, head.markov_w2.contiguous())
-    except Unsupported as error:
-        print(f"the Markov bias step does not take the head: {error}")
-        return None
-    result = fused.check()
-    print(f"markov bias step: {result.summary()}; taken at {_spans(fused.rows)} requests", flush=True)
-    return fused
-
-
-def _spans(rows) -> str:
-    from dspark_core.errors import ranges
-
-    return ranges(rows) or "no"
 
 
 class DSparkStep:
