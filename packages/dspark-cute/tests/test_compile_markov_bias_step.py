@@ -107,6 +107,13 @@ def test_host_refusals():
         MarkovBiasStep(markov_constants(384, 32, 0.5, None, False), w1[:, :32], None, w2[:, :32])
     with pytest.raises(ValueError, match="token tiles"):
         MarkovBiasKernel(c, 3, False, True)
+    big = markov_constants(384, 384, 0.5, None, False)
+    w1b, w2b = torch.zeros(500, 384, dtype=torch.bfloat16), torch.zeros(384, 384, dtype=torch.bfloat16)
+    with pytest.raises(Unsupported, match="shared memory"):
+        MarkovBiasStep(big, w1b, None, w2b, max_rows=64)
+    with pytest.raises(Unsupported, match="shared memory"):
+        MarkovBiasKernel(big, 8, False, True)
+    MarkovBiasStep(big, w1b, None, w2b, max_rows=8)  # one token tile: it fits
     with pytest.raises(ValueError, match="w2 must be"):
         MarkovBiasStep(c, w1, m, w2[:100])
     with pytest.raises(ValueError, match="w2 must be"):

@@ -430,7 +430,7 @@ def test_plan_line(built, monkeypatch):
         "drafting in vLLM's loop (the DSpark markov_sample kernel is checked against dspark-core's spec of vLLM's "
         "Gumbel sampler, not yet against vLLM 0.33.0's Triton gumbel_sample on an sm_90a GPU)")
     monkeypatch.undo()
-    monkeypatch.setattr(hook, "fused_bias_reason", lambda constants: None)  # a head the bias step takes
+    monkeypatch.setattr(hook, "fused_bias_reason", lambda constants, rows: None)  # a head the bias step takes
     line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
     assert line.startswith(f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 8 requests, the bias "
                            "GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time "

@@ -79,7 +79,7 @@ def bias_stage(built, monkeypatch, arch="sm_90a", checked=frozenset({"sm_90a"}))
     # The test draft's Markov rank (32) is below the kernel's unit (64); the
     # launch here is the spec's on the CPU, the kernel's limits are the GPU
     # tests' (test_gpu_markov_bias_step.py).
-    monkeypatch.setattr(bias_step, "fused_unsupported", lambda constants: None)
+    monkeypatch.setattr(bias_step, "fused_unsupported", lambda constants, max_rows=1: None)
     stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch=arch, checked=checked,
                              bias_class=CpuBiasStep)
     stage.build()

@@ -222,26 +222,27 @@ def plan_line(model, arch: str, checked: frozenset[str] | None = None, rows=None
     else:
         sampled = f"probabilistic drafting in vLLM's loop ({planned.sample_reason})"
     arch, bias_checked = _archs(arch, BIAS_CHECKED)
-    if arch in bias_checked and fused_bias_reason(planned.constants) is None:
+    why = fused_bias_reason(planned.constants, rows)
+    if arch in bias_checked and why is None:
         bias = ("the bias GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time "
                 "check finds cuBLAS's one-split order")
     else:
-        why = fused_bias_reason(planned.constants) or BIAS_UNCHECKED.format(arch=arch)
-        bias = f"the step after vLLM's bias GEMM ({why})"
+        bias = f"the step after vLLM's bias GEMM ({why or BIAS_UNCHECKED.format(arch=arch)})"
     return (f"Markov stage: greedy drafting fused (markov_step {planned.constants.key()}) for 1 to {rows} requests, "
             f"{bias}; {sampled}; vLLM's loop for the top-k loop, a watermarker, FP64 Gumbel noise, the confidence "
             "head and adaptive verification")
 
 
-def fused_bias_reason(constants) -> str | None:
+def fused_bias_reason(constants, rows: int) -> str | None:
     """Why the greedy step with its bias GEMM does not take the head of
-    ``constants`` (dspark-cute's ``fused_unsupported``), or None; None too
-    where dspark-cute is not installed (the build then says why)."""
+    ``constants`` for steps of up to ``rows`` requests (it is built for at
+    most 64: dspark-cute's ``fused_unsupported``), or None; None too where
+    dspark-cute is not installed (the build then says why)."""
     try:
-        from dspark_cute.cutedsl.markov.bias_step import fused_unsupported
+        from dspark_cute.cutedsl.markov.bias_step import MAX_ROWS, fused_unsupported
     except ImportError:
         return None
-    return fused_unsupported(constants)
+    return fused_unsupported(constants, min(int(rows), MAX_ROWS))
 
 
 def refusal_reason(error: Exception) -> str:
@@ -334,7 +335,7 @@ class MarkovStage:
             try:
                 cls = self.bias_class or _bias_class()
                 w2 = self.model.model.markov_head.markov_w2.weight.data
-                fused = cls(step.constants, step.w1, step.d2t, w2, min(step.max_rows, 64))
+                fused = cls(step.constants, step.w1, step.d2t, w2, min(step.max_rows, 64))  # the fused step's MAX_ROWS
                 fused.check()
                 if not fused.rows:
                     reason = "the build-time check bound no request count: " + "; ".join(

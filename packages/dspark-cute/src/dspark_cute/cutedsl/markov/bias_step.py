@@ -48,6 +48,7 @@ from dspark_core.contracts.markov import MarkovConstants
 from dspark_core.errors import Unsupported
 from dspark_core.runtime import gemm_check
 from dspark_cute import ptx
+from dspark_cute.cutedsl.gemm.ordered_layout import SMEM_LIMIT
 from dspark_cute.cutedsl.gemm.streamed import chunk_mmas, fragment_offsets
 from dspark_cute.cutedsl.markov.greedy import (
     check_constants,
@@ -72,16 +73,23 @@ def n_tiles_for(rows: int) -> int:
     return next(t for t in N_TILES if rows <= 8 * t)
 
 
-def fused_unsupported(c: MarkovConstants) -> str | None:
-    """Why the fused step does not take ``c`` (a sentence), or None: the
-    vocabulary a multiple of 16 (whole MMA tiles), the rank a multiple of 64
-    (the K unit of the ordered GEMM, whose candidates the build-time check
-    runs to find cuBLAS's order: without them no order can be confirmed)."""
+def fused_unsupported(c: MarkovConstants, max_rows: int = 1) -> str | None:
+    """Why the fused step does not take ``c`` for up to ``max_rows`` rows (a
+    sentence), or None: the vocabulary a multiple of 16 (whole MMA tiles),
+    the rank a multiple of 64 (the K unit of the ordered GEMM, whose
+    candidates the build-time check runs to find cuBLAS's order: without
+    them no order can be confirmed), and the CTA's ``w2`` rows, embedding
+    rows and keys within a CTA's shared memory (a rank of 256 takes any
+    row count, 320 at most)."""
     if c.vocab % 16:
         return f"the fused bias step takes a draft vocabulary that is a multiple of 16, not {c.vocab}"
     if c.rank % 64:
         return (f"the fused bias step takes a Markov rank that is a multiple of 64 (the build-time check's unit), "
                 f"not {c.rank}")
+    need = BiasStepLayout(c.rank, n_tiles_for(max_rows)).total
+    if need > SMEM_LIMIT:
+        return (f"the fused bias step's CTA keeps 256 rows of w2 in shared memory: a Markov rank of {c.rank} at "
+                f"{max_rows} rows takes {need} bytes, more than {SMEM_LIMIT}")
     return None
 
 
@@ -126,11 +134,11 @@ class MarkovBiasKernel:
 
     def __init__(self, constants: MarkovConstants, n_tiles: int, wide: bool, pdl: bool) -> None:
         check_constants(constants)
-        why = fused_unsupported(constants)
-        if why is not None:
-            raise Unsupported(why)
         if n_tiles not in N_TILES:
             raise ValueError(f"the fused bias step's token tiles are one of {N_TILES}, not {n_tiles!r}")
+        why = fused_unsupported(constants, 8 * n_tiles)
+        if why is not None:
+            raise Unsupported(why)
         self.constants, self.wide, self.pdl = constants, bool(wide), bool(pdl)
         self.lay = BiasStepLayout(constants.rank, n_tiles)
         self.ctas = -(-constants.vocab // self.lay.columns)
@@ -322,7 +330,9 @@ class MarkovBiasStep(LazyPdl):
     def __init__(self, constants: MarkovConstants, w1: torch.Tensor, d2t: torch.Tensor | None, w2: torch.Tensor,
                  max_rows: int = MAX_ROWS, *, pdl: bool | None = None) -> None:
         check_constants(constants)
-        why = fused_unsupported(constants)
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
+            raise ValueError(f"the fused bias step takes 1 to {MAX_ROWS} rows, not max_rows={max_rows!r}")
+        why = fused_unsupported(constants, max_rows)
         if why is not None:
             raise Unsupported(why)
         check_head(constants, w1, d2t)
@@ -331,8 +341,6 @@ class MarkovBiasStep(LazyPdl):
                 and w2.data_ptr() % 16 == 0 and w2.device == w1.device):
             raise ValueError(f"w2 must be a contiguous, 16-byte aligned bfloat16 [>= {constants.vocab}, "
                              f"{constants.rank}] tensor on {w1.device}, not {describe(w2)}")
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
-            raise ValueError(f"the fused bias step takes 1 to {MAX_ROWS} rows, not max_rows={max_rows!r}")
         self.constants, self.w1, self.d2t, self.w2, self.max_rows = constants, w1, d2t, w2, max_rows
         self.device = w1.device
         self._pdl = None if pdl is None else bool(pdl)
