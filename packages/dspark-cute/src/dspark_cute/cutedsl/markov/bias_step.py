@@ -56,8 +56,10 @@ from dspark_cute.cutedsl.markov.greedy import (
     check_head,
     check_logits,
     check_on,
+    check_tokens,
     row_words,
     step_values,
+    target_id,
 )
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import LazyPdl, current_stream, describe, fake_stream, jit_cache, smem_allocator
@@ -174,7 +176,7 @@ class MarkovBiasKernel:
             src = Int64(w2) + (Int64(col0 + r) * c.rank + Int64(p) * 8) * 2
             ptx.cp_async_16_if(dst, src, col0 + r, Int32(c.vocab), Int32(0), Int32(1))
         ptx.cp_async_commit()
-        # This thread's base logits (``base_words``): before the wait after a
+        # This thread's base logits (``words``): before the wait after a
         # step of the loop (its grid wrote none of them), after it otherwise.
         words = cute.make_rmem_tensor(4 * lay.a_tiles * lay.n_tiles, cutlass.Uint32)
         if first == 0:
@@ -247,10 +249,7 @@ class MarkovBiasKernel:
                 # Step 4 in the last CTA: the grid's key of row tidx (reset to 0), its token.
                 ptx.fence_acq_rel_gpu()
                 best = ptx.atom_exch_u64(Int64(keys) + Int64(tidx) * 8, Int64(0))
-                d = Int64(ptx.key_column(best))
-                t = d
-                if cutlass.const_expr(c.d2t):
-                    t = d + ptx.ld_global_s64(Int64(d2t) + d * 8)
+                t = target_id(c, best, d2t)
                 ptx.st_global_b64(Int64(tokens) + Int64(tidx) * Int64(tokens_stride) * 8, t)
             if tidx == 0:
                 ptx.st_global_b32(Int64(counters), Uint32(0))
@@ -374,10 +373,9 @@ class MarkovBiasStep(LazyPdl):
         """Why the step does not take these operands (a sentence), or None."""
         c = self.constants
         try:
-            check_logits(c.vocab, self.max_rows, base, base)
+            check_logits(c.vocab, self.max_rows, base)
             rows = base.shape[0]
-            if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tuple(tokens.shape) != (rows,):
-                raise ValueError(f"the tokens must be int64 [{rows}], not {describe(tokens)}")
+            check_tokens(rows, tokens)
             if not isinstance(prev, torch.Tensor) or prev.dtype not in (torch.int32, torch.int64) \
                     or tuple(prev.shape) != (rows,):
                 raise ValueError(f"the previous ids must be int32 or int64 [{rows}], not {describe(prev)}")

@@ -127,24 +127,33 @@ def row_words(max_rows, device: torch.device) -> tuple[torch.Tensor, torch.Tenso
             torch.zeros(max_rows, dtype=torch.int32, device=device))
 
 
-def check_logits(vocab: int, max_rows: int, base, bias) -> None:
-    """ValueError unless ``base`` and ``bias`` are BF16 ``[R, vocab]`` (1 <= R <= max_rows) the kernel reads."""
-    for name, t in (("the base logits", base), ("the Markov bias", bias)):
+def check_logits(vocab: int, max_rows: int, base, bias=None) -> None:
+    """ValueError unless ``base`` and ``bias`` (None: the base alone) are
+    BF16 ``[R, vocab]`` (1 <= R <= max_rows) the kernel reads."""
+    logits = (("the base logits", base),) + ((("the Markov bias", bias),) if bias is not None else ())
+    for name, t in logits:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[1] != vocab:
             raise ValueError(f"{name} must be bfloat16 [rows, {vocab}], not {describe(t)}")
         if t.stride(1) != 1 or t.stride(0) % VEC or t.data_ptr() % 16:
             raise ValueError(f"{name} must have unit column stride, a row stride that is a multiple of {VEC} "
                              f"and a 16-byte aligned start, not {describe(t)}")
     rows = base.shape[0]
-    if not 1 <= rows <= max_rows or bias.shape[0] != rows:
+    if bias is None and not 1 <= rows <= max_rows:
+        raise ValueError(f"the base logits must have 1 to {max_rows} rows, not {rows}")
+    if bias is not None and (not 1 <= rows <= max_rows or bias.shape[0] != rows):
         raise ValueError(f"the base logits and the bias must have the same 1 to {max_rows} rows, not "
                          f"{base.shape[0]} and {bias.shape[0]}")
 
 
-def check_outputs(rank: int, rows: int, tokens, embed, gather) -> None:
-    """ValueError unless ``tokens`` (int64 ``[rows]``), ``embed`` and ``gather`` are the kernel's."""
+def check_tokens(rows: int, tokens) -> None:
+    """ValueError unless ``tokens`` is an int64 ``[rows]`` tensor (any stride)."""
     if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tuple(tokens.shape) != (rows,):
         raise ValueError(f"the tokens must be int64 [{rows}], not {describe(tokens)}")
+
+
+def check_outputs(rank: int, rows: int, tokens, embed, gather) -> None:
+    """ValueError unless ``tokens`` (``check_tokens``), ``embed`` and ``gather`` are the kernel's."""
+    check_tokens(rows, tokens)
     if not isinstance(embed, torch.Tensor) or embed.dtype != torch.bfloat16 \
             or tuple(embed.shape) != (rows, rank) or not embed.is_contiguous() or embed.data_ptr() % 16:
         raise ValueError(f"the embedding output must be a contiguous bfloat16 [{rows}, {rank}] aligned to 16 "
@@ -248,10 +257,7 @@ def finish(c: MarkovConstants, key, tidx, lane, row, shared, d2t, w1, embed, tok
         if tidx == 0:
             best = ptx.atom_exch_u64(key_addr, Int64(0))
             ptx.st_global_b32(count_addr, Uint32(0))
-            d = Int64(ptx.key_column(best))
-            t = d
-            if cutlass.const_expr(c.d2t):
-                t = d + ptx.ld_global_s64(Int64(d2t) + d * 8)
+            t = target_id(c, best, d2t)
             ptx.st_global_b64(Int64(tokens) + Int64(row) * Int64(tokens_stride) * 8, t)
             ptx.st_shared_b32(shared + 4, Uint32(Int32(t)))
         cute.arch.barrier()
@@ -260,6 +266,14 @@ def finish(c: MarkovConstants, key, tidx, lane, row, shared, d2t, w1, embed, tok
             if tidx < c.rank // VEC:
                 words = ptx.ld_global_v4(Int64(w1) + t * (c.rank * 2) + Int64(tidx) * 16)
                 ptx.st_global_v4(Int64(embed) + Int64(row) * (c.rank * 2) + Int64(tidx) * 16, words)
+
+
+def target_id(c: MarkovConstants, key, d2t) -> Int64:
+    """Step 3 of the row whose grid-wide largest key is ``key``: its column
+    ``d``, then ``t = d + d2t[d]`` (the int64 at ``d2t + 8 d``), or ``d``
+    where the constants have no d2t (traced inline)."""
+    d = Int64(ptx.key_column(key))
+    return d + ptx.ld_global_s64(Int64(d2t) + d * 8) if c.d2t else d
 
 
 def fake_args(constants: MarkovConstants) -> tuple:
@@ -360,5 +374,5 @@ class MarkovStep:
 
 
 __all__ = ["MarkovGreedyKernel", "MarkovStep", "THREADS", "check_constants", "check_cuda", "check_d2t_tensor",
-           "check_head", "check_logits", "check_on", "check_outputs", "check_w1", "compile_markov_step", "constants_of",
-           "fake_args", "row_key", "row_words", "step_values"]
+           "check_head", "check_logits", "check_on", "check_outputs", "check_tokens", "check_w1", "compile_markov_step",
+           "constants_of", "fake_args", "row_key", "row_words", "step_values", "target_id"]
