@@ -1,6 +1,6 @@
 """The Markov step's primitives (``dspark_cute.cutedsl.markov``): CUDA's
-accurate ``tanhf``, the argmax keys and the grid-wide reduction's atomics,
-and vLLM's Gumbel noise as Triton 3.8 compiles it
+accurate ``tanhf``, the argmax keys, the grid-wide reduction's atomics, the
+persistent loop's grid barrier, and vLLM's Gumbel noise as Triton 3.8 compiles it
 (``dspark_core.spec.gumbel``: the MurmurHash3 uniform, ``_log1p_neg_stable``,
 libdevice's ``.ftz`` ``logf``, ``div.full``).
 
@@ -137,6 +137,31 @@ def st_global_b64(addr, value, *, loc=None, ip=None) -> None:
     asm(None, [i64(addr, loc, ip), i64(value, loc, ip)], "st.global.b64 [$0], $1;", "l,l", True, loc, ip)
 
 
+@dsl_user_op
+def ld_relaxed_u64(addr, *, loc=None, ip=None) -> Int64:
+    """``ld.relaxed.gpu.global.b64``: a word other CTAs fold into (never a
+    stale L1 line)."""
+    return Int64(asm(T.i64(), [i64(addr, loc, ip)], "ld.relaxed.gpu.global.b64 $0, [$1];", "=l,l", True, loc, ip))
+
+
+@dsl_user_op
+def grid_arrive_wait(addr, target, limit, *, loc=None, ip=None) -> None:
+    """One thread's part of a grid barrier on the counter at ``addr``:
+    ``red.release.gpu.add.u32`` of 1, then ``ld.acquire.gpu`` of the counter
+    again and again until it is at least ``target`` (the CTAs that have
+    arrived so far: all of them at this barrier), or until ``%globaltimer``
+    reaches ``limit``; there ``trap`` ends the grid with a CUDA error instead
+    of a hang (a barrier whose CTAs are not all resident: a cooperative
+    launch rules that out)."""
+    text = (
+        "{\n.reg .pred p, q;\n.reg .u32 c;\n.reg .u64 t;\n"
+        "red.release.gpu.global.add.u32 [$0], 1;\n"
+        "SPIN:\nld.acquire.gpu.global.u32 c, [$0];\nsetp.ge.u32 p, c, $1;\n@p bra DONE;\n"
+        "mov.u64 t, %globaltimer;\nsetp.lt.u64 q, t, $2;\n@q bra SPIN;\ntrap;\nDONE:\n}"
+    )
+    asm(None, [i64(addr, loc, ip), u32(target, loc, ip), i64(limit, loc, ip)], text, "l,r,l", True, loc, ip)
+
+
 def _mix(h: str, key: str) -> str:
     return (f" mul.lo.u32 k, {key}, 0xCC9E2D51; shf.l.wrap.b32 k, k, k, 15; mul.lo.u32 k, k, 0x1B873593;"
             f" xor.b32 {h}, {h}, k; shf.l.wrap.b32 {h}, {h}, {h}, 13; mad.lo.u32 {h}, {h}, 5, 0xE6546B64;")
@@ -221,6 +246,6 @@ def div_full(a, b, *, loc=None, ip=None) -> Float32:
                        loc, ip))
 
 
-__all__ = ["argmax_key", "atom_add_acq_rel_u32", "atom_exch_u64", "div_full", "fence_acq_rel_gpu", "gumbel_noise",
-           "gumbel_uniform", "key_below", "key_column", "max_u64", "red_max_u64", "st_global_b64", "tanhf",
-           "warp_key_max"]
+__all__ = ["argmax_key", "atom_add_acq_rel_u32", "atom_exch_u64", "div_full", "fence_acq_rel_gpu", "grid_arrive_wait",
+           "gumbel_noise", "gumbel_uniform", "key_below", "key_column", "ld_relaxed_u64", "max_u64", "red_max_u64",
+           "st_global_b64", "tanhf", "warp_key_max"]

@@ -218,6 +218,16 @@ def sm_count(device=None) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def cooperative_supported() -> bool:
+    """Whether the CuTe DSL in use launches cooperatively (the launch's
+    ``cooperative=True``: 4.8 has it, 4.3.5 does not)."""
+    import dataclasses
+
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    return any(f.name == "cooperative" for f in dataclasses.fields(BaseDSL.LaunchConfig))
+
+
 def smem_allocator():
     """A new shared-memory allocator of the CuTe DSL in use (call it inside a
     kernel): ``cutlass.memory.SmemAllocator`` where the DSL has it (4.8,
@@ -339,6 +349,7 @@ __all__ = [
     "assert_not_capturing",
     "check_operand",
     "compile_kernel",
+    "cooperative_supported",
     "compile_ptx",
     "current_stream",
     "cute_dtype",

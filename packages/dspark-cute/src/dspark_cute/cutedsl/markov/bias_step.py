@@ -125,7 +125,102 @@ class BiasStepLayout:
         return ((nt * 2 + par) * self.a_tiles + at) * 2 + half
 
 
-class MarkovBiasKernel:
+class BiasStepParts:
+    """The pieces of a step that both fused loops trace (this module's step,
+    one launch a step, and ``persistent``'s, the N steps in one launch), for
+    ``constants`` and ``lay`` (a ``BiasStepLayout``): the warp's ``w2`` rows,
+    the thread's base logits, the embedding rows, the bias sums with their
+    keys, and the CTA's key of a row."""
+
+    constants: MarkovConstants
+    lay: BiasStepLayout
+
+    def copy_w2(self, w2, wbase, col0, lane) -> None:
+        """``cp.async`` of this warp's ``w2`` rows (``col0`` on, those below
+        the vocabulary; ``rank`` columns, 128-byte swizzled in 64-column
+        boxes) to ``wbase``; not committed."""
+        c, lay = self.constants, self.lay
+        pieces = c.rank // 8  # 16-byte pieces of a row
+        for j in range(lay.w_rows * pieces // 32):
+            idx = lane + 32 * j
+            r, p = idx // pieces, idx % pieces
+            dst = wbase + (p >> 3) * lay.box_bytes + r * 128 + (((p & 7) ^ (r & 7)) * 16)
+            src = Int64(w2) + (Int64(col0 + r) * c.rank + Int64(p) * 8) * 2
+            ptx.cp_async_16_if(dst, src, col0 + r, Int32(c.vocab), Int32(0), Int32(1))
+
+    def copy_embedding(self, smem, tidx, m, w1, token_of) -> None:
+        """``cp.async`` of the R embedding rows ``w1[token_of(r)]`` (``r``
+        clamped to ``m - 1``; rows past ``m`` not copied) to the layout's
+        ``x_base``; not committed."""
+        c, lay = self.constants, self.lay
+        pieces = c.rank // 8
+        for j in range(-(-8 * lay.n_tiles * pieces // THREADS)):
+            idx = Int32(tidx) + THREADS * j
+            r, p = idx // pieces, idx % pieces
+            t = token_of(cutlass.min(r, m - 1))
+            ptx.cp_async_16_if(smem + lay.x_base + r * lay.x_stride + p * 16,
+                               Int64(w1) + (t * c.rank + Int64(p) * 8) * 2, r, m, Int32(0), Int32(1))
+
+    @cute.jit
+    def load_base(self, words, base, base_stride, col0, g, t4, m) -> None:
+        """This thread's base logits, zero-extended BF16 words: token ``8 nt
+        + 2 t4 + par`` (row ``m - 1`` past ``m``), column ``col0 + 16 at +
+        8 half + g`` (the last column past the vocabulary)."""
+        c, lay = self.constants, self.lay
+        for nt in cutlass.range_constexpr(lay.n_tiles):
+            for par in cutlass.range_constexpr(2):
+                tc = cutlass.min(8 * nt + 2 * t4 + par, m - 1)
+                for at in cutlass.range_constexpr(lay.a_tiles):
+                    for half in cutlass.range_constexpr(2):
+                        cc = cutlass.min(col0 + 16 * at + 8 * half + g, Int32(c.vocab - 1))
+                        words[lay.word(nt, par, at, half)] = ptx.ld_global_u16(
+                            Int64(base) + (Int64(tc) * Int64(base_stride) + Int64(cc)) * 2)
+
+    @cute.jit
+    def warp_keys(self, smem, wbase, col0, warp, lane, m, words) -> None:
+        """Steps 2-3 of the warp's columns, its embedding rows and w2 rows in
+        shared memory: the bias sums (``chunk_mmas``), each value's argmax
+        key, the largest per token over the warp, stored at the layout's
+        ``keys`` (warp-major)."""
+        c, lay = self.constants, self.lay
+        g, t4 = lane >> 2, lane & 3
+        a_off, a_pieces, b_off = fragment_offsets(lay, Int32(0), lane, m)
+        acc = cute.make_rmem_tensor(4 * lay.a_tiles * lay.n_tiles, cutlass.Float32)
+        zero = ptx.f32_const(0.0)
+        for i in cutlass.range_constexpr(4 * lay.a_tiles * lay.n_tiles):
+            acc[i] = zero
+        chunk_mmas(lay, acc, a_off, a_pieces, b_off, wbase, smem + lay.x_base)
+        for nt in cutlass.range_constexpr(lay.n_tiles):
+            for par in cutlass.range_constexpr(2):
+                tok = 8 * nt + 2 * t4 + par
+                cols, bs, biases = [], [], []
+                for at in cutlass.range_constexpr(lay.a_tiles):
+                    for half in cutlass.range_constexpr(2):
+                        s = acc[(at * lay.n_tiles + nt) * 4 + 2 * half + par]
+                        cols.append(col0 + 16 * at + 8 * half + g)
+                        bs.append(ptx.bf16x2_to_f32(words[lay.word(nt, par, at, half)])[0])
+                        biases.append(ptx.round_bf16x2(s, s)[0])  # the GEMM's BF16 output
+                key = None
+                for col, y in zip(cols, step_values(c, bs, biases)):
+                    # A tile past the vocabulary (whole: vocab % 16 == 0) keys 0, below every key.
+                    k = ptx.key_below(ptx.argmax_key(y, col), col, Int32(c.vocab))
+                    key = k if key is None else ptx.max_u64(key, k)
+                wkey = ptx.warp_key_max(key, (16, 8, 4))
+                if g == 0:
+                    ptx.st_shared_b64(smem + lay.keys + (Int32(warp) * (8 * lay.n_tiles) + tok) * 8, wkey)
+
+    def cta_key(self, smem, row) -> Int64:
+        """The CTA's largest key of ``row``: the warps' (``warp_keys``, after
+        a CTA barrier) folded."""
+        lay = self.lay
+        rows_here = 8 * lay.n_tiles
+        best = ptx.ld_shared_u64(smem + lay.keys + row * 8)
+        for w in range(1, WARPS):
+            best = ptx.max_u64(best, ptx.ld_shared_u64(smem + lay.keys + (w * rows_here + row) * 8))
+        return best
+
+
+class MarkovBiasKernel(BiasStepParts):
     """The traced step of one ``MarkovConstants`` for up to ``8 n_tiles``
     rows, ``prev`` read as int64 (``wide``) or int32, ``pdl``. Call: ``(base, base_stride, prev,
     prev_stride, w1, w1_rows, w2, d2t, tokens, tokens_stride, keys,
@@ -164,17 +259,10 @@ class MarkovBiasKernel:
         smem = Int32(smem_allocator().allocate(lay.total, 1024).toint())
         wbase = smem + Int32(warp) * lay.warp_bytes
         col0 = Int32(cta) * lay.columns + Int32(warp) * lay.w_rows  # this warp's first draft column
-        pieces = c.rank // 8  # 16-byte pieces of a row
         g, t4 = lane >> 2, lane & 3
 
-        # This warp's w2 rows (those below the vocabulary), before the wait:
-        # w2 is constant while the loop runs.
-        for j in cutlass.range_constexpr(lay.w_rows * pieces // 32):
-            idx = lane + 32 * j
-            r, p = idx // pieces, idx % pieces
-            dst = wbase + (p >> 3) * lay.box_bytes + r * 128 + (((p & 7) ^ (r & 7)) * 16)
-            src = Int64(w2) + (Int64(col0 + r) * c.rank + Int64(p) * 8) * 2
-            ptx.cp_async_16_if(dst, src, col0 + r, Int32(c.vocab), Int32(0), Int32(1))
+        # This warp's w2 rows, before the wait: w2 is constant while the loop runs.
+        self.copy_w2(w2, wbase, col0, lane)
         ptx.cp_async_commit()
         # This thread's base logits (``words``): before the wait after a
         # step of the loop (its grid wrote none of them), after it otherwise.
@@ -186,50 +274,15 @@ class MarkovBiasKernel:
         if first != 0:
             self.load_base(words, base, base_stride, col0, g, t4, m)
         # The R embedding rows w1[prev[r]], after the wait (the previous step wrote prev).
-        for j in cutlass.range_constexpr(-(-8 * lay.n_tiles * pieces // THREADS)):
-            idx = Int32(tidx) + THREADS * j
-            r, p = idx // pieces, idx % pieces
-            rc = cutlass.min(r, m - 1)
-            t = ptx.ld_global_clamped_slot(Int64(prev) + Int64(rc) * Int64(prev_stride) * (8 if self.wide else 4),
-                                           self.wide, Int64(w1_rows) - 1)
-            ptx.cp_async_16_if(smem + lay.x_base + r * lay.x_stride + p * 16,
-                               Int64(w1) + (t * c.rank + Int64(p) * 8) * 2, r, m, Int32(0), Int32(1))
+        self.copy_embedding(smem, tidx, m, w1, lambda r: ptx.ld_global_clamped_slot(
+            Int64(prev) + Int64(r) * Int64(prev_stride) * (8 if self.wide else 4), self.wide, Int64(w1_rows) - 1))
         ptx.cp_async_commit()
         ptx.cp_async_wait_all()
         cute.arch.barrier()
-
-        a_off, a_pieces, b_off = fragment_offsets(lay, Int32(0), lane, m)
-        acc = cute.make_rmem_tensor(4 * lay.a_tiles * lay.n_tiles, cutlass.Float32)
-        zero = ptx.f32_const(0.0)
-        for i in cutlass.range_constexpr(4 * lay.a_tiles * lay.n_tiles):
-            acc[i] = zero
-        chunk_mmas(lay, acc, a_off, a_pieces, b_off, wbase, smem + lay.x_base)
-
-        # Steps 2-3: each value's key; the thread's largest per token, then the warp's.
-        for nt in cutlass.range_constexpr(lay.n_tiles):
-            for par in cutlass.range_constexpr(2):
-                tok = 8 * nt + 2 * t4 + par
-                cols, bs, biases = [], [], []
-                for at in cutlass.range_constexpr(lay.a_tiles):
-                    for half in cutlass.range_constexpr(2):
-                        s = acc[(at * lay.n_tiles + nt) * 4 + 2 * half + par]
-                        cols.append(col0 + 16 * at + 8 * half + g)
-                        bs.append(ptx.bf16x2_to_f32(words[lay.word(nt, par, at, half)])[0])
-                        biases.append(ptx.round_bf16x2(s, s)[0])  # the GEMM's BF16 output
-                key = None
-                for col, y in zip(cols, step_values(c, bs, biases)):
-                    # A tile past the vocabulary (whole: vocab % 16 == 0) keys 0, below every key.
-                    k = ptx.key_below(ptx.argmax_key(y, col), col, Int32(c.vocab))
-                    key = k if key is None else ptx.max_u64(key, k)
-                wkey = ptx.warp_key_max(key, (16, 8, 4))
-                if g == 0:
-                    ptx.st_shared_b64(smem + lay.keys + (Int32(warp) * (8 * lay.n_tiles) + tok) * 8, wkey)
+        self.warp_keys(smem, wbase, col0, warp, lane, m, words)
         cute.arch.barrier()
-        rows_here = 8 * lay.n_tiles
         if Int32(tidx) < m:
-            best = ptx.ld_shared_u64(smem + lay.keys + Int32(tidx) * 8)
-            for w in cutlass.range_constexpr(1, WARPS):
-                best = ptx.max_u64(best, ptx.ld_shared_u64(smem + lay.keys + (w * rows_here + Int32(tidx)) * 8))
+            best = self.cta_key(smem, Int32(tidx))
             ptx.red_max_u64(Int64(keys) + Int64(tidx) * 8, best)
             ptx.fence_acq_rel_gpu()
         cute.arch.barrier()
@@ -253,21 +306,6 @@ class MarkovBiasKernel:
                 ptx.st_global_b64(Int64(tokens) + Int64(tidx) * Int64(tokens_stride) * 8, t)
             if tidx == 0:
                 ptx.st_global_b32(Int64(counters), Uint32(0))
-
-    @cute.jit
-    def load_base(self, words, base, base_stride, col0, g, t4, m) -> None:
-        """This thread's base logits, zero-extended BF16 words: token ``8 nt
-        + 2 t4 + par`` (row ``m - 1`` past ``m``), column ``col0 + 16 at +
-        8 half + g`` (the last column past the vocabulary)."""
-        c, lay = self.constants, self.lay
-        for nt in cutlass.range_constexpr(lay.n_tiles):
-            for par in cutlass.range_constexpr(2):
-                tc = cutlass.min(8 * nt + 2 * t4 + par, m - 1)
-                for at in cutlass.range_constexpr(lay.a_tiles):
-                    for half in cutlass.range_constexpr(2):
-                        cc = cutlass.min(col0 + 16 * at + 8 * half + g, Int32(c.vocab - 1))
-                        words[lay.word(nt, par, at, half)] = ptx.ld_global_u16(
-                            Int64(base) + (Int64(tc) * Int64(base_stride) + Int64(cc)) * 2)
 
 
 def fake_args() -> tuple:
