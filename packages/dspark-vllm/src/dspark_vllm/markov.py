@@ -34,7 +34,9 @@ vLLM's loop, False (having done nothing) runs it. ``MarkovStage`` answers:
   and returns True. Greedy, at the request counts where the build-time check
   found cuBLAS summing the bias GEMM in one split (``MarkovBiasStep``, built
   beside the step on the architectures of ``BIAS_CHECKED``), one launch a
-  step does the bias GEMM too (``bias_step.run_fused_greedy_loop``).
+  step does the bias GEMM too (``bias_step.run_fused_greedy_loop``); on
+  those of ``PERSISTENT_CHECKED`` (none yet), at those counts up to 32 one
+  launch does all N steps (``persistent.MarkovPersistentLoop``).
 
 Every decision reads host state only (no device sync), so the hook is
 capturable in vLLM's FULL CUDA graph.
@@ -81,6 +83,14 @@ SAMPLE_UNCHECKED = ("the DSpark markov_sample kernel is checked against dspark-c
 BIAS_CHECKED: frozenset[str] = frozenset({"sm_90a"})
 BIAS_UNCHECKED = ("the DSpark markov_bias_step kernel is not yet checked bit for bit against vLLM 0.33.0's greedy loop "
                   "on an {arch} GPU")
+# GPU architectures on which the greedy loop in one persistent launch was
+# checked bit for bit against vLLM's greedy loop (dspark-cute's
+# test_gpu_markov_persistent.py) and measured faster than the one-launch-a-step
+# loop it replaces (bench_draft_step's Markov stage): none yet. It compiles for
+# sm_90a and sm_100a and its PTX is audited on the CPU; it has not run on a GPU.
+PERSISTENT_CHECKED: frozenset[str] = frozenset()
+PERSISTENT_UNCHECKED = ("the DSpark markov_persistent_loop kernel is not yet checked bit for bit against vLLM 0.33.0's "
+                        "greedy loop and measured on an {arch} GPU")
 
 
 def _step_class():
@@ -99,6 +109,12 @@ def _bias_class():
     from dspark_cute.cutedsl.markov.bias_step import MarkovBiasStep
 
     return MarkovBiasStep
+
+
+def _persistent_class():
+    from dspark_cute.cutedsl.markov.persistent import MarkovPersistentLoop
+
+    return MarkovPersistentLoop
 
 
 def bias_gemm_reason(model) -> str | None:
@@ -261,14 +277,18 @@ class MarkovStage:
     ``SAMPLE_CHECKED``)."""
 
     def __init__(self, model, vllm_config, step_class=None, arch: str | None = "probe",
-                 checked: frozenset[str] | None = None, sample_class=None, bias_class=None) -> None:
+                 checked: frozenset[str] | None = None, sample_class=None, bias_class=None,
+                 persistent_class=None) -> None:
         self.model = model
         self.vllm_config = vllm_config
         self.step_class = step_class
         self.sample_class = sample_class
         self.bias_class = bias_class
+        self.persistent_class = persistent_class
         self.bias_step = None
         self.bias_reason: str | None = "not built"
+        self.loop = None
+        self.loop_reason: str | None = "not built"
         self.arch = arch
         self.checked = MARKOV_CHECKED if checked is None else checked
         self.sample_checked = SAMPLE_CHECKED if checked is None else checked
@@ -354,6 +374,39 @@ class MarkovStage:
         logger.info("The DSpark greedy Markov stage runs the bias GEMM in its step (markov_bias_step: cuBLAS's order, "
                     "found by the build-time check) at %s requests; at other counts the step runs after vLLM's bias "
                     "GEMM.", ranges(fused.rows))
+        self._build_persistent(fused)
+
+    def _build_persistent(self, fused) -> None:
+        """The N greedy steps in one persistent launch beside ``fused`` (the
+        bias step: the loop takes the request counts, up to 32, that its
+        check bound), or its reason (logged once): an architecture outside
+        ``PERSISTENT_CHECKED``, or any exception while it is built and
+        compiled."""
+        arch, checked = _archs(self.resolved_arch, PERSISTENT_CHECKED)
+        reason, loop = (None if arch in checked else PERSISTENT_UNCHECKED.format(arch=arch)), None
+        if reason is None:
+            try:
+                from dspark_cute.cutedsl.markov.persistent import MAX_LOOP_ROWS
+
+                cls = self.persistent_class or _persistent_class()
+                steps = int(self.vllm_config.speculative_config.num_speculative_tokens)
+                loop = cls(fused.constants, fused.w1, fused.d2t, fused.w2, steps, min(fused.max_rows, MAX_LOOP_ROWS))
+                loop.bind(fused)
+                if not loop.rows:
+                    reason = "the build-time check bound no request count up to the loop's rows"
+            except Exception as error:  # noqa: BLE001 (a refusal at build keeps one launch a step)
+                reason, loop = refusal_reason(error), None
+                if not isinstance(error, (ValueError, TypeError)):
+                    logger.warning("Building the DSpark persistent Markov loop failed.", exc_info=error)
+        if reason is not None:
+            self.loop, self.loop_reason = None, reason
+            logger.info("The DSpark greedy Markov stage launches once a step: %s.", reason)
+            return
+        from dspark_core.errors import ranges
+
+        self.loop, self.loop_reason = loop, None
+        logger.info("The DSpark greedy Markov stage runs its %d steps in one launch (markov_persistent_loop) at %s "
+                    "requests.", loop.steps, ranges(loop.rows))
 
     def _build_sample(self, step, planned: StagePlan) -> None:
         """The probabilistic step beside the greedy one (``planned.sample``),
@@ -468,7 +521,10 @@ class MarkovStage:
             return False
         prev = spec.input_buffers.input_ids[spec._anchor_idx[:num_reqs]]
         w2, tokens = model.model.markov_head.markov_w2.weight, spec.draft_tokens[:num_reqs]
-        if spec.draft_logits is None and self.bias_step is not None and num_reqs in self.bias_step.rows:
+        if spec.draft_logits is None and self.loop is not None and num_reqs in self.loop.rows \
+                and n == self.loop.steps:
+            self.loop.launch(base, prev, tokens)
+        elif spec.draft_logits is None and self.bias_step is not None and num_reqs in self.bias_step.rows:
             from dspark_cute.cutedsl.markov.bias_step import run_fused_greedy_loop
 
             run_fused_greedy_loop(self.bias_step, base, prev, tokens)
@@ -482,5 +538,6 @@ class MarkovStage:
         return True
 
 
-__all__ = ["BIAS_CHECKED", "MARKOV_CHECKED", "SAMPLE_CHECKED", "MarkovStage", "StagePlan", "arch_reason",
-           "bias_gemm_reason", "fused_bias_reason", "head_constants", "plan_line", "plan_stage", "refusal_reason"]
+__all__ = ["BIAS_CHECKED", "MARKOV_CHECKED", "PERSISTENT_CHECKED", "SAMPLE_CHECKED", "MarkovStage", "StagePlan",
+           "arch_reason", "bias_gemm_reason", "fused_bias_reason", "head_constants", "plan_line", "plan_stage",
+           "refusal_reason"]

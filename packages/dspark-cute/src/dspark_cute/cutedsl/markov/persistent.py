@@ -233,7 +233,8 @@ class MarkovPersistentLoop(MarkovBiasStep):
     """``MarkovBiasStep``'s head, ``w2`` and build-time check (the same row
     counts, where cuBLAS sums the bias GEMM in one split), and the loop of
     ``steps`` steps in one launch (module docstring), for 1 to ``max_rows``
-    (at most 32) rows.
+    (at most 32) rows; or ``bind(step)``: the rows a ``MarkovBiasStep`` of
+    the same head found.
 
     ``run(base, prev, tokens)``: ``base`` BF16 ``[R, steps, vocab]`` (each
     step's view as ``MarkovBiasStep.run`` takes it), ``prev`` int32/int64
@@ -260,6 +261,18 @@ class MarkovPersistentLoop(MarkovBiasStep):
         self.steps, self.timeout_ns = steps, int(timeout_s * 1e9)
         self.keys = torch.zeros(steps * KEY_ROWS, dtype=torch.int64, device=self.device)
         self.counters = torch.zeros(2, dtype=torch.int32, device=self.device)
+
+    def bind(self, step: MarkovBiasStep) -> None:
+        """Take the row counts (up to ``max_rows``) that ``step``'s build-time
+        check bound, instead of checking again: the same head and ``w2``, so
+        the same question to cuBLAS; then compile."""
+        if not isinstance(step, MarkovBiasStep) or step.constants != self.constants or step.w2 is not self.w2:
+            raise ValueError("the persistent Markov loop takes the rows of a MarkovBiasStep of the same constants and "
+                             f"w2, not {type(step).__name__}")
+        self.rows = {m: None for m in step.rows if m <= self.max_rows}
+        self.reasons = {m: step.reasons.get(m, "not checked") for m in range(1, self.max_rows + 1)
+                        if m not in self.rows}
+        self.prepare()
 
     def prepare(self, prev_dtypes=(torch.int32, torch.int64)) -> None:
         """Compile every variant the bound rows launch, for ``prev`` of each of ``prev_dtypes``."""
