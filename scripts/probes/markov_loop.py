@@ -2,8 +2,9 @@
 in one CUDA graph, on the reference head (V_draft 32768, V_target 202752,
 rank 256, d2t, soft cap 30): DSpark's fused step after cuBLAS's bias GEMM
 (``markov.loop.run_greedy_loop``: 1 + 2N launches) against the step with
-its bias GEMM (``markov.bias_step``: N launches), with and without PDL,
-the tokens compared (issue 33's Markov target). Numbers of 2026-12-04 (H200):
+its bias GEMM (``markov.bias_step``: N launches) and the N steps in one
+cooperative launch (``markov.persistent``, up to 32 requests, CuTe DSL 4.8),
+with and without PDL, the tokens compared (issue 33's Markov target). Numbers of 2026-12-04 (H200):
 ``docs/gemm-order.md``.
 
 ``python scripts/probes/markov_loop.py [--rows 1,4,16,64] [--steps 4]``
@@ -22,6 +23,7 @@ def main() -> int:
     from dspark_cute.cutedsl.markov.bias_step import MarkovBiasStep, run_fused_greedy_loop
     from dspark_cute.cutedsl.markov.greedy import MarkovStep
     from dspark_cute.cutedsl.markov.loop import run_greedy_loop
+    from dspark_cute.cutedsl.markov.persistent import MAX_LOOP_ROWS, MarkovPersistentLoop, persistent_unsupported
 
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="1,4,16,64")
@@ -45,6 +47,15 @@ def main() -> int:
         fused = MarkovBiasStep(c, w1, d2t, w2, max(rows), pdl=pdl)
         fused.check(rows)
         variants[f"with its bias GEMM (N launches), PDL {'on' if pdl else 'off'}"] = fused
+    small = [r for r in rows if r <= MAX_LOOP_ROWS]
+    why = persistent_unsupported(c, max(small, default=1), torch.cuda.get_device_properties(0).multi_processor_count)
+    if why is not None or not small:
+        print(f"the persistent loop is not measured: {why or 'no row count up to 32'}", flush=True)
+    else:
+        for pdl in (True, False):
+            loop = MarkovPersistentLoop(c, w1, d2t, w2, n, max(small), pdl=pdl)
+            loop.check(small)
+            variants[f"in one launch (persistent), PDL {'on' if pdl else 'off'}"] = loop
     embed = torch.empty(max(rows), rank, dtype=bf16, device="cuda")
 
     def timed(fn) -> float:
@@ -59,8 +70,14 @@ def main() -> int:
         t_ref = timed(lambda b=base, pv=prev, rf=ref: run_greedy_loop(step, b, pv, w2, rf, embed))
         cells = [f"{t_ref:.1f}"]
         for fused in variants.values():
+            if r not in fused.rows:
+                cells.append("-")
+                continue
             tokens = torch.full((r, n), -1, dtype=torch.int64, device="cuda")
-            t = timed(lambda f=fused, b=base, pv=prev, tk=tokens: run_fused_greedy_loop(f, b, pv, tk))
+            if isinstance(fused, MarkovPersistentLoop):
+                t = timed(lambda f=fused, b=base, pv=prev, tk=tokens: f.launch(b, pv, tk))
+            else:
+                t = timed(lambda f=fused, b=base, pv=prev, tk=tokens: run_fused_greedy_loop(f, b, pv, tk))
             same = torch.equal(tokens, ref)
             cells.append(f"{t:.1f}{'' if same else ' TOKENS DIFFER'}")
         line = f"| {r} | " + " | ".join(cells) + " |"

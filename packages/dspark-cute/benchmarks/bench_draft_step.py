@@ -109,7 +109,7 @@ class DSparkStep:
     step."""
 
     def __init__(self, model, stock, device, kernels: frozenset[str], target=None, markov: str = "auto",
-                 asked: frozenset[str] = frozenset()) -> None:
+                 asked: frozenset[str] = frozenset(), steps: int = 4) -> None:
         self.model, self.stock = model, stock
         draft = stock_description(model, stock)
         target = target or policy.device_target(device, 1, kernels)
@@ -123,7 +123,7 @@ class DSparkStep:
         self.fc = ordered_projection("fc", stock.fc) if ordered else None
         self.lm = ordered_projection("lm_head", stock.head.lm_head) if ordered else None
         bias = ordered_projection("markov_bias", stock.head.markov_w2) if ordered else None
-        self.markov, self.markov_label = fused_markov(stock, markov, bias)
+        self.markov, self.markov_label = fused_markov(stock, markov, bias, steps)
         self.last = 2 * len(model.layers) - 1
 
     def part(self, kind: str):
@@ -418,8 +418,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=("dspark", "triton", "spec"), default="dspark",
                    help="the one attention of both sides: DSpark's kernel, vLLM's Triton unified_attention binary "
                         "(TRITON_ATTN), or dspark-core's spec in torch ops")
-    p.add_argument("--markov", choices=("auto", "stock", "fused"), default="auto",
-                   help="the DSpark side's Markov loop: the fused step where installed (auto), or as named")
+    p.add_argument("--markov", choices=("auto", "stock", "fused", "persistent"), default="auto",
+                   help="the DSpark side's Markov loop: the fused step where installed (auto), or as named "
+                        "(persistent: the N steps in one launch up to 32 requests, not yet the plugin's default)")
     p.add_argument("--seed", type=int, default=int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31)))
     p.add_argument("--dry", action="store_true", help="the plumbing on the CPU: small draft, spec kernels, no graphs")
     p.add_argument("--ordered", action="store_true",
@@ -522,7 +523,8 @@ def main(argv=None) -> int:
         # The dry run plans for an H200 with no kernel: every part on the stock ops.
         target = policy.Target(kernels=frozenset()) if args.dry else None
         dspark = DSparkStep(model, stock, device, frozenset() if args.dry else VLLM_EXACT_SM90, target,
-                            "stock" if args.dry else args.markov, EXACT_OPT_INS if args.ordered else frozenset())
+                            "stock" if args.dry else args.markov, EXACT_OPT_INS if args.ordered else frozenset(),
+                            args.n)
         fused, total = dspark.plan.fused_count()
         print(f"DSpark plan: {fused} of {total} parts fused; Markov: {dspark.markov_label}", flush=True)
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)

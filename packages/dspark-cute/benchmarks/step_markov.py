@@ -36,13 +36,16 @@ def _project(gemm, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def fused_markov(stock, mode: str = "auto", bias_gemm=None):
+def fused_markov(stock, mode: str = "auto", bias_gemm=None, steps: int = 4):
     """``(loop, label)``: the DSpark side's Markov loop, or ``(None, why)``
     for vLLM's stock loop. ``mode``: "stock", "fused" (ImportError or
-    Unsupported raised) or "auto" (the fused step where installed): dspark-
-    cute's ``markov.loop.run_greedy_loop`` (the stock first embedding gather
-    and each step's cuBLAS bias GEMM, everything after the GEMM on one
-    ``MarkovStep`` launch, the next step's embedding gather included)."""
+    Unsupported raised), "auto" (the fused step where installed) or
+    "persistent" (as "fused", and the ``steps`` steps in one launch,
+    ``markov.persistent``, at the request counts up to 32 the bias step
+    binds): dspark-cute's ``markov.loop.run_greedy_loop`` (the stock first
+    embedding gather and each step's cuBLAS bias GEMM, everything after the
+    GEMM on one ``MarkovStep`` launch, the next step's embedding gather
+    included), or the bias step's loop where its check binds the rows."""
     if mode == "stock":
         return None, "vLLM's stock loop (asked for)"
     try:
@@ -66,6 +69,7 @@ def fused_markov(stock, mode: str = "auto", bias_gemm=None):
     kernel.prepare()
     embed = torch.empty(512, rank, dtype=BF16, device=head.markov_w1.device)
     fused = bias_step(constants, head)
+    loop_one = persistent_loop(fused, steps) if mode == "persistent" and fused is not None else None
 
     bias_fn = None
     if bias_gemm is not None:
@@ -76,7 +80,9 @@ def fused_markov(stock, mode: str = "auto", bias_gemm=None):
 
         base = logits.view(anchor_idx.shape[0], n, vocab)
         prev = input_ids[anchor_idx]
-        if fused is not None and anchor_idx.shape[0] in fused.rows:
+        if loop_one is not None and anchor_idx.shape[0] in loop_one.rows and n == loop_one.steps:
+            loop_one.launch(base, prev, draft_tokens)
+        elif fused is not None and anchor_idx.shape[0] in fused.rows:
             run_fused_greedy_loop(fused, base, prev, draft_tokens)
         else:
             run_greedy_loop(kernel, base, prev, head.markov_w2, draft_tokens, embed, bias_fn)
@@ -85,6 +91,10 @@ def fused_markov(stock, mode: str = "auto", bias_gemm=None):
     gemm = ", the bias GEMM on the ordered GEMM" if bias_gemm is not None else ""
     if fused is None:
         return loop, f"DSpark's fused greedy Markov step (run_greedy_loop: 1 + 2N launches{gemm})"
+    if loop_one is not None:
+        return loop, (f"DSpark's greedy Markov loop in one persistent launch at {_spans(loop_one.rows)} requests, "
+                      f"the step with its bias GEMM (N launches) at the other of {_spans(fused.rows)}, else the "
+                      f"fused step after the bias GEMM (1 + 2N launches{gemm})")
     return loop, (f"DSpark's greedy Markov step with its bias GEMM (N launches) at {_spans(fused.rows)} requests "
                   f"(one split found against cuBLAS), else the fused step after the bias GEMM (1 + 2N launches{gemm})")
 
@@ -104,6 +114,19 @@ def bias_step(constants, head):
     result = fused.check()
     print(f"markov bias step: {result.summary()}; taken at {_spans(fused.rows)} requests", flush=True)
     return fused
+
+
+def persistent_loop(fused, steps: int):
+    """The N greedy steps in one launch (``markov.persistent``) at the
+    request counts up to 32 that ``fused`` (the bias step) binds; the
+    refusal raised (asked for by name)."""
+    from dspark_cute.cutedsl.markov.persistent import MAX_LOOP_ROWS, MarkovPersistentLoop
+
+    loop = MarkovPersistentLoop(fused.constants, fused.w1, fused.d2t, fused.w2, steps,
+                                min(fused.max_rows, MAX_LOOP_ROWS))
+    loop.bind(fused)
+    print(f"markov persistent loop: {steps} steps in one launch at {_spans(loop.rows)} requests", flush=True)
+    return loop
 
 
 def _spans(rows) -> str:
