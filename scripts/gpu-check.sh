@@ -13,6 +13,8 @@
 #   check-spec     the spec on CUDA against the stock binaries (scripts/stock/check_spec.py, ~20 s)
 #   spec           dspark-core's GPU tests (the spec on CUDA; no CuTe DSL needed)
 #   norms qkv markov gating gemv attention   the kernel families' GPU suites (against the spec and the stock binaries)
+#   markov-persistent  the N greedy steps in one cooperative launch against vLLM's loop (CuTe DSL 4.8)
+#   bench-markov   the Markov stage alone: vLLM's loop, the bias step's N launches, the persistent launch
 #   ordered        the ordered GEMM against the live cuBLAS (orders found at every row count, bits, graphs, TP shards)
 #   bench-gemm     bench_ordered_gemm: each projection and the 14-GEMM chain, cuBLAS against the ordered GEMM
 #   cublas-kernels cuBLAS's kernel names and grids per projection and row count (needs no CuTe DSL)
@@ -40,7 +42,7 @@ export OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
 export DSPARK_BENCH_OUT=$OUT
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && { sed -n '2,30p' "$0"; exit 2; }
+[ ${#steps[@]} -eq 0 ] && { sed -n '2,37p' "$0"; exit 2; }
 wanted() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 summary=()
 failed=0
@@ -66,7 +68,10 @@ wanted spec && gpu spec 120 packages/dspark-core/tests
 wanted norms && gpu norms 240 packages/dspark-cute/tests/test_gpu_row_norm.py \
   packages/dspark-cute/tests/test_gpu_boundary.py packages/dspark-cute/tests/test_gpu_context.py
 wanted qkv && gpu qkv 300 packages/dspark-cute/tests/test_gpu_qkv_epilogue.py
-wanted markov && gpu markov 300 packages/dspark-cute/tests/test_gpu_markov.py packages/dspark-cute/tests/test_gpu_markov_stock.py
+wanted markov && gpu markov 300 packages/dspark-cute/tests/test_gpu_markov.py packages/dspark-cute/tests/test_gpu_markov_stock.py \
+  packages/dspark-cute/tests/test_gpu_markov_bias_step.py
+wanted markov-persistent && gpu markov-persistent 300 packages/dspark-cute/tests/test_gpu_markov_persistent.py
+wanted bench-markov && step bench-markov 200 python scripts/probes/markov_loop.py --rows 1,4,16,32,64
 wanted gating && gpu gating 200 packages/dspark-cute/tests/test_gpu_activations.py
 wanted attention && gpu attention 200 packages/dspark-cute/tests/test_gpu_attention.py
 wanted triton-attention && gpu triton-attention 200 packages/dspark-cute/tests/test_gpu_triton_attention_stock.py
