@@ -376,3 +376,52 @@ def fam_unclear_tp_table(rng):
 # -- command lines -------------------------------------------------------------
 
 
+
+
+def fam_unclear_markov_loop_operands(rng):
+    """A bad operand for the greedy Markov loops with their bias GEMM (one launch a step,
+    ``MarkovBiasStep``; the N steps in one launch, ``MarkovPersistentLoop``), built on the CPU:
+    ``run`` must refuse it naming the operand before it asks for a GPU."""
+    from dspark_core.contracts.markov import markov_constants
+    from dspark_cute.cutedsl.markov.bias_step import MarkovBiasStep
+    from dspark_cute.cutedsl.markov.persistent import MarkovPersistentLoop, persistent_unsupported
+
+    vocab, rank, rows, steps = 384, 64, rng.randint(1, 8), rng.randint(1, 4)
+    c = markov_constants(vocab, rank, 0.5, None, True)
+    w1, w2 = torch.zeros(500, rank, dtype=torch.bfloat16), torch.zeros(vocab, rank, dtype=torch.bfloat16)
+    d2t = torch.zeros(vocab, dtype=torch.int64)
+    loop = persistent_unsupported(c, 8) is None and rng.random() < 0.5
+    bf16 = torch.bfloat16
+    base = torch.zeros(rows, steps, vocab, dtype=bf16) if loop else torch.zeros(rows, vocab, dtype=bf16)
+    prev = torch.zeros(rows, dtype=rng.choice([torch.int32, torch.int64]))
+    tokens = torch.zeros(rows, steps, dtype=torch.int64) if loop else torch.zeros(rows, dtype=torch.int64)
+    kinds = {
+        "base logits in float32": (lambda: (base.float(), prev, tokens), ["bfloat16", "base logits"]),
+        "base logits of another vocabulary": (lambda: (base[..., :vocab - 8], prev, tokens), ["base logits"]),
+        "base logits of no rows": (lambda: (base[:0], prev[:0], tokens[:0]), ["rows", "base logits"]),
+        "base logits past the rows": (
+            lambda: (torch.zeros((9,) + tuple(base.shape[1:]), dtype=bf16), torch.zeros(9, dtype=prev.dtype),
+                     torch.zeros((9,) + tuple(tokens.shape[1:]), dtype=torch.int64)), ["rows", "base logits"]),
+        "base logits with an odd row stride": (
+            lambda: (torch.zeros(tuple(base.shape[:-1]) + (vocab + 4,), dtype=bf16)[..., :vocab], prev, tokens),
+            ["row stride", "base logits"]),
+        "previous ids in float32": (lambda: (base, prev.float(), tokens), ["previous ids", "int32 or int64"]),
+        "previous ids of another count": (lambda: (base, torch.zeros(rows + 1, dtype=prev.dtype), tokens),
+                                          ["previous ids"]),
+        "tokens in int32": (lambda: (base, prev, tokens.int()), ["tokens", "int64"]),
+        "tokens of another shape": (lambda: (base, prev, tokens[..., :0] if loop else tokens[:0]), ["tokens"]),
+    }
+    if loop:
+        kinds["base logits of another step count"] = (
+            lambda: (torch.zeros(rows, steps + 1, vocab, dtype=bf16), prev, tokens), ["base logits"])
+        kinds["base logits of one step, 2-D"] = (lambda: (base[:, 0], prev, tokens), ["base logits"])
+    kind = rng.choice(sorted(kinds))
+    make, words = kinds[kind]
+    name = "MarkovPersistentLoop" if loop else "MarkovBiasStep"
+
+    def run():
+        host = (MarkovPersistentLoop(c, w1, d2t, w2, steps, max_rows=8) if loop
+                else MarkovBiasStep(c, w1, d2t, w2, max_rows=8))
+        return refused(lambda: host.run(*make()), words)
+
+    return Case("unclear", f"{name}.run: {kind}", run)

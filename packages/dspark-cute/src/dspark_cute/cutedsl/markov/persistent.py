@@ -57,7 +57,7 @@ from dspark_cute.cutedsl.markov.bias_step import (
     fused_unsupported,
     n_tiles_for,
 )
-from dspark_cute.cutedsl.markov.greedy import check_constants, check_logits, check_tokens, target_id
+from dspark_cute.cutedsl.markov.greedy import check_constants, check_logits, target_id
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     cooperative_supported,
@@ -282,17 +282,18 @@ class MarkovPersistentLoop(MarkovBiasStep):
 
     def problem(self, base, prev, tokens) -> str | None:
         """Why the loop does not take these operands (a sentence), or None."""
-        steps = self.steps
-        if not isinstance(base, torch.Tensor) or base.dim() != 3 or base.shape[1] != steps:
-            return f"the base logits must be bfloat16 [rows, {steps}, {self.constants.vocab}], not {describe(base)}"
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tuple(tokens.shape) != (base.shape[0], steps):
-            return f"the tokens must be int64 [{base.shape[0]}, {steps}], not {describe(tokens)}"
-        try:
-            for i in range(steps):
-                check_logits(self.constants.vocab, self.max_rows, base[:, i])
-                check_tokens(base.shape[0], tokens[:, i])
-        except ValueError as error:
-            return str(error)
+        steps, vocab = self.steps, self.constants.vocab
+        if not isinstance(base, torch.Tensor) or base.dtype != torch.bfloat16 or base.dim() != 3 \
+                or tuple(base.shape[1:]) != (steps, vocab):
+            return f"the base logits must be bfloat16 [rows, {steps}, {vocab}], not {describe(base)}"
+        rows = base.shape[0]
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tuple(tokens.shape) != (rows, steps):
+            return f"the tokens must be int64 [{rows}, {steps}], not {describe(tokens)}"
+        for i in range(steps):  # each step's view as the bias step reads it
+            try:
+                check_logits(vocab, self.max_rows, base[:, i])
+            except ValueError as error:
+                return f"{error} (step {i}'s view of the base logits {describe(base)})"
         return super().problem(base[:, 0], prev, tokens[:, 0])
 
     def takes(self, base, prev, tokens) -> bool:
