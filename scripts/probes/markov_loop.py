@@ -55,6 +55,7 @@ def main() -> int:
         for pdl in (True, False):
             loop = MarkovPersistentLoop(c, w1, d2t, w2, n, max(small), pdl=pdl)
             loop.check(small)
+            print(f"persistent loop, PDL {'on' if pdl else 'off'}: probe {loop.probe() or 'passed'}", flush=True)
             variants[f"in one launch (persistent), PDL {'on' if pdl else 'off'}"] = loop
     embed = torch.empty(max(rows), rank, dtype=bf16, device="cuda")
 

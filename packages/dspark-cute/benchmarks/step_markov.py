@@ -125,7 +125,9 @@ def persistent_loop(fused, steps: int):
     loop = MarkovPersistentLoop(fused.constants, fused.w1, fused.d2t, fused.w2, steps,
                                 min(fused.max_rows, MAX_LOOP_ROWS))
     loop.bind(fused)
-    print(f"markov persistent loop: {steps} steps in one launch at {_spans(loop.rows)} requests", flush=True)
+    why = loop.probe()
+    print(f"markov persistent loop: {steps} steps in one launch at {_spans(loop.rows)} requests"
+          + (f" ({why})" if why else ""), flush=True)
     return loop
 
 

@@ -180,3 +180,40 @@ def test_op_schema():
 
     schema = str(ops.op("markov_persistent_loop").default._schema)
     assert "Tensor(a!) tokens" in schema and "Tensor base" in schema
+
+
+def test_probe_unbinds_on_other_tokens_or_a_failed_launch(monkeypatch):
+    """``probe``'s decisions, its launch replaced on the CPU: vLLM's tokens
+    keep the rows; other tokens or a launch error unbind them all, with the reason."""
+    from dspark_core.spec import markov as spec
+    from dspark_cute.cutedsl.markov import persistent
+    from dspark_cute.cutedsl.markov.persistent import MarkovPersistentLoop
+
+    monkeypatch.setattr(persistent, "cooperative_supported", lambda: True)
+    gen = torch.Generator().manual_seed(3)
+    c = markov_constants(384, 64, 0.5, 30.0, True)
+    w1 = torch.randn(500, 64, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(384, 64, generator=gen).to(torch.bfloat16)
+    d2t = torch.arange(384) * 0 + 7
+    outcome = {"kind": "right"}
+
+    class Loop(MarkovPersistentLoop):
+        def prepare(self, prev_dtypes=()) -> None:
+            pass
+
+        def _launch_kernel(self, base, prev, tokens) -> None:
+            if outcome["kind"] == "raise":
+                raise RuntimeError("cudaErrorCooperativeLaunchTooLarge")
+            tokens.copy_(spec.greedy_loop(base, prev, self.w1, self.w2, c.multiplier, c.soft_cap, self.d2t))
+            if outcome["kind"] == "wrong":
+                tokens[-1, -1] += 1
+
+    for kind, words in (("right", None), ("wrong", "other tokens"), ("raise", "CooperativeLaunchTooLarge")):
+        outcome["kind"] = kind
+        loop = Loop(c, w1, d2t, w2, 3, max_rows=8)
+        loop.rows = {1: None, 5: None, 8: None}
+        why = loop.probe()
+        if words is None:
+            assert why is None and set(loop.rows) == {1, 5, 8}
+        else:
+            assert words in why and not loop.rows and loop.reasons[5] == why

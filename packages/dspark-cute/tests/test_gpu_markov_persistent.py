@@ -42,6 +42,8 @@ def make_loop(vocab, cap, w1, w2, d2t, rows, steps, pdl=None):
     result = loop.check(rows)
     print(f"the bias GEMM [{w2.shape[0]}, {w1.shape[1]}]: {result.summary()}")
     assert set(loop.rows) == set(rows), loop.reasons
+    assert loop.probe() is None  # the build's launch against vLLM's loop
+    assert set(loop.rows) == set(rows)
     return loop
 
 

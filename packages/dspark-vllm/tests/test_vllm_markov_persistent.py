@@ -10,7 +10,8 @@ bias step with its simulated check):
   count the check refused through the step after vLLM's bias GEMM;
 - by default (``PERSISTENT_CHECKED`` empty until the loop has run on a GPU)
   the stage launches once a step, with the reason logged; a build that
-  raises keeps one launch a step too.
+  raises, or whose probe launch drafts other tokens than vLLM's loop, keeps
+  one launch a step too.
 
 The kernel runs on the GPU: dspark-cute's ``test_gpu_markov_persistent.py``."""
 
@@ -40,6 +41,7 @@ class CpuLoop:
 
     launches = 0
     fail = False
+    wrong = False
 
     def __new__(cls, *args, **kwargs):
         from dspark_cute.cutedsl.markov.persistent import MarkovPersistentLoop
@@ -54,6 +56,8 @@ class CpuLoop:
                 CpuLoop.launches += 1
                 tokens.copy_(spec.greedy_loop(base, prev.long(), self.w1, self.w2, c.multiplier, c.soft_cap,
                                               self.d2t))
+                if CpuLoop.wrong:
+                    tokens[0, 0] += 1
 
         return Loop(*args, **kwargs)
 
@@ -100,4 +104,8 @@ def test_build_launches_once_a_step_with_the_reason(built, monkeypatch, caplog):
     stage = loop_stage(built, monkeypatch)
     assert stage.bias_step is not None and stage.loop is None
     assert stage.loop_reason == "RuntimeError: the loop's compile failed"
+    monkeypatch.setattr(CpuLoop, "fail", False)
+    monkeypatch.setattr(CpuLoop, "wrong", True)
+    stage = loop_stage(built, monkeypatch)  # the build's probe launch drafts other tokens than vLLM's loop
+    assert stage.bias_step is not None and stage.loop is None and "other tokens" in stage.loop_reason
     assert any("launches once a step" in r.getMessage() for r in caplog.records)

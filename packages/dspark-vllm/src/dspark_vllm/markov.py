@@ -379,9 +379,10 @@ class MarkovStage:
     def _build_persistent(self, fused) -> None:
         """The N greedy steps in one persistent launch beside ``fused`` (the
         bias step: the loop takes the request counts, up to 32, that its
-        check bound), or its reason (logged once): an architecture outside
-        ``PERSISTENT_CHECKED``, or any exception while it is built and
-        compiled."""
+        check bound, then launches once against vLLM's loop in torch ops,
+        ``probe``), or its reason (logged once): an architecture outside
+        ``PERSISTENT_CHECKED``, a probe that failed, or any exception while
+        it is built and compiled."""
         arch, checked = _archs(self.resolved_arch, PERSISTENT_CHECKED)
         reason, loop = (None if arch in checked else PERSISTENT_UNCHECKED.format(arch=arch)), None
         if reason is None:
@@ -394,6 +395,8 @@ class MarkovStage:
                 loop.bind(fused)
                 if not loop.rows:
                     reason = "the build-time check bound no request count up to the loop's rows"
+                else:
+                    reason = loop.probe()
             except Exception as error:  # noqa: BLE001 (a refusal at build keeps one launch a step)
                 reason, loop = refusal_reason(error), None
                 if not isinstance(error, (ValueError, TypeError)):

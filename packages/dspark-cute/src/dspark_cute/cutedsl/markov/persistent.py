@@ -47,6 +47,7 @@ from cutlass import Int32, Int64, Uint32
 
 from dspark_core.contracts.markov import MarkovConstants
 from dspark_core.errors import Unsupported
+from dspark_core.runtime import gemm_check
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gemm.ordered_layout import SMEM_LIMIT
 from dspark_cute.cutedsl.markov.bias_step import (
@@ -234,7 +235,8 @@ class MarkovPersistentLoop(MarkovBiasStep):
     counts, where cuBLAS sums the bias GEMM in one split), and the loop of
     ``steps`` steps in one launch (module docstring), for 1 to ``max_rows``
     (at most 32) rows; or ``bind(step)``: the rows a ``MarkovBiasStep`` of
-    the same head found.
+    the same head found. ``probe()`` then launches it once against vLLM's
+    loop in torch ops before anything is bound for good.
 
     ``run(base, prev, tokens)``: ``base`` BF16 ``[R, steps, vocab]`` (each
     step's view as ``MarkovBiasStep.run`` takes it), ``prev`` int32/int64
@@ -273,6 +275,47 @@ class MarkovPersistentLoop(MarkovBiasStep):
         self.reasons = {m: step.reasons.get(m, "not checked") for m in range(1, self.max_rows + 1)
                         if m not in self.rows}
         self.prepare()
+
+    def probe(self, seed: int = gemm_check.SEED) -> str | None:
+        """One launch at the smallest and at the largest bound row count on
+        seeded operands (base logits ``N(0, 16)`` in BF16 with a NaN, a row
+        of -inf and a tie planted; anchors over w1's rows, int64), its
+        tokens compared with vLLM's greedy loop in torch ops
+        (``spec.greedy_loop``: ``F.embedding``, the bias on the live cuBLAS
+        ``F.linear``, the output transform, ``argmax``, d2t). The launch
+        is new to the driver (cooperative, with PDL where set), so a
+        deployment asks once before it binds: where the tokens differ or
+        the launch raises, every row count is unbound (the step loop then
+        runs) and the reason is returned; None where both agreed. Run it
+        before graph capture, after ``check`` or ``bind``."""
+        from dspark_core.spec import markov as spec
+
+        if not self.rows:
+            return None
+        c, n = self.constants, self.steps
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for rows in sorted({min(self.rows), max(self.rows)}):
+            base = (torch.randn(rows * n, c.vocab, generator=gen, device=self.device) * 4).to(torch.bfloat16)
+            base[0, 5] = float("nan")
+            base[-1] = float("-inf")
+            base[rows * n // 2, :2] = 1e4  # a tie at the soft cap's saturation (or of equal values)
+            base = base.view(rows, n, c.vocab)
+            prev = torch.randint(0, self.w1.shape[0], (rows,), generator=gen, device=self.device)
+            tokens = torch.full((rows, n), -1, dtype=torch.int64, device=self.device)
+            try:
+                self.launch(base, prev, tokens)  # (operands built to the loop's contract)
+                want = spec.greedy_loop(base, prev, self.w1, self.w2, c.multiplier, c.soft_cap, self.d2t)
+                same = torch.equal(tokens, want)
+            except Exception as error:  # noqa: BLE001 (a launch the driver refuses unbinds the loop, with the reason)
+                why = f"the persistent loop's probe launch at {rows} rows failed ({type(error).__name__}: {error})"
+            else:
+                why = None if same else (f"the persistent loop's probe at {rows} rows drafted other tokens than "
+                                         "vLLM's greedy loop")
+            if why is not None:
+                self.reasons = {m: why for m in range(1, self.max_rows + 1)}
+                self.rows = {}
+                return why
+        return None
 
     def prepare(self, prev_dtypes=(torch.int32, torch.int64)) -> None:
         """Compile every variant the bound rows launch, for ``prev`` of each of ``prev_dtypes``."""
