@@ -223,9 +223,12 @@ def cooperative_supported() -> bool:
     ``cooperative=True``: 4.8 has it, 4.3.5 does not)."""
     import dataclasses
 
-    from cutlass.base_dsl.dsl import BaseDSL
+    try:
+        from cutlass.base_dsl.dsl import BaseDSL
 
-    return any(f.name == "cooperative" for f in dataclasses.fields(BaseDSL.LaunchConfig))
+        return any(f.name == "cooperative" for f in dataclasses.fields(BaseDSL.LaunchConfig))
+    except (ImportError, AttributeError, TypeError):  # a DSL whose launch configuration is laid out otherwise
+        return False
 
 
 def smem_allocator():
