@@ -96,18 +96,25 @@ def test_loop_matches_stock_and_spec(seed, r, n, vocab, vpad, cap, d2t, anchors,
     assert not step.keys.any() and not step.counters.any()
 
 
-@pytest.mark.parametrize("d2t", [True, False])
-def test_crafted_ties_with_a_zero_bias(seed, d2t):
+def check_crafted_ties(seed, d2t, drafted) -> None:
+    """Ties across CTAs and -0.0 against +0.0 (``crafted_rows``) with a zero
+    ``w2`` (the bias +0.0), one step of 8 rows: ``drafted(vocab, w1, w2, d2t,
+    base [8, 1, vocab], prev)``'s tokens against vLLM's loop."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     vocab = 32000
     w1, _, m = make_head(gen, vocab + 100, vocab, vocab, RANK, d2t)
     w2 = torch.zeros(vocab, RANK, dtype=BF16, device="cuda")
-    step = make_fused(vocab, 30.0, w1, w2, m, (8,))
     base, _ = crafted_rows(vocab)
     prev = torch.randint(0, vocab + 100, (8,), generator=gen, device="cuda")
-    tokens = run_loop(step, base[:, None, :], prev, 1)
+    tokens = drafted(vocab, w1, w2, m, base[:, None, :], prev)
     want = stock_loop(base[:, None, :], prev, w1, w2, MULT, 30.0, m)
     assert torch.equal(tokens, want), (tokens, want)
+
+
+@pytest.mark.parametrize("d2t", [True, False])
+def test_crafted_ties_with_a_zero_bias(seed, d2t):
+    check_crafted_ties(seed, d2t, lambda vocab, w1, w2, m, base, prev: run_loop(
+        make_fused(vocab, 30.0, w1, w2, m, (8,)), base, prev, 1))
 
 
 def test_loop_cuda_graph(seed):

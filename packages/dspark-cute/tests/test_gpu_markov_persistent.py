@@ -21,8 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 from cute_testing import requires_cuda
-from test_gpu_markov import MULT, POISON, check_graph_replays, crafted_rows, make_head, planted_base, stock_loop
-from test_gpu_markov_bias_step import LOOPS, plant_w1, run_loop
+from test_gpu_markov import MULT, POISON, check_graph_replays, make_head, planted_base, stock_loop
+from test_gpu_markov_bias_step import LOOPS, check_crafted_ties, plant_w1, run_loop
 
 from dspark_core.contracts.markov import markov_constants
 from dspark_core.errors import Unsupported
@@ -94,15 +94,8 @@ def test_loop_matches_stock_spec_and_the_step_loop(seed, pdl, r, n, vocab, vpad,
 
 @pytest.mark.parametrize("d2t", [True, False])
 def test_crafted_ties_with_a_zero_bias(seed, d2t):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    vocab = 32000
-    w1, _, m = make_head(gen, vocab + 100, vocab, vocab, RANK, d2t)
-    w2 = torch.zeros(vocab, RANK, dtype=BF16, device="cuda")
-    loop = make_loop(vocab, 30.0, w1, w2, m, (8,), 1)
-    base, _ = crafted_rows(vocab)
-    prev = torch.randint(0, vocab + 100, (8,), generator=gen, device="cuda")
-    tokens = run_persistent(loop, base[:, None, :], prev)
-    assert torch.equal(tokens, stock_loop(base[:, None, :], prev, w1, w2, MULT, 30.0, m))
+    check_crafted_ties(seed, d2t, lambda vocab, w1, w2, m, base, prev: run_persistent(
+        make_loop(vocab, 30.0, w1, w2, m, (8,), 1), base, prev))
 
 
 def test_launches_in_a_row_and_rows_that_change(seed):

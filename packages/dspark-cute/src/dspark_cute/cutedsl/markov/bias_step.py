@@ -135,6 +135,21 @@ class BiasStepParts:
     constants: MarkovConstants
     lay: BiasStepLayout
 
+    def frame(self) -> tuple:
+        """Where this thread sits: ``(tidx, cta, warp, lane, smem, wbase,
+        col0, g, t4)``: the shared memory's base (the layout's ``total``
+        bytes), this warp's ``w2`` rows in it, its first draft column, the
+        lane's MMA group and thread in the group."""
+        lay = self.lay
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = Int32(cute.arch.lane_idx())
+        smem = Int32(smem_allocator().allocate(lay.total, 1024).toint())
+        wbase = smem + Int32(warp) * lay.warp_bytes
+        col0 = Int32(cta) * lay.columns + Int32(warp) * lay.w_rows
+        return tidx, cta, warp, lane, smem, wbase, col0, lane >> 2, lane & 3
+
     def copy_w2(self, w2, wbase, col0, lane) -> None:
         """``cp.async`` of this warp's ``w2`` rows (``col0`` on, those below
         the vocabulary; ``rank`` columns, 128-byte swizzled in 64-column
@@ -252,14 +267,7 @@ class MarkovBiasKernel(BiasStepParts):
                w2: Int64, d2t: Int64, tokens: Int64, tokens_stride: Int32, keys: Int64, counters: Int64,
                first: Int32, m: Int32):
         c, lay = self.constants, self.lay
-        tidx, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = Int32(cute.arch.lane_idx())
-        smem = Int32(smem_allocator().allocate(lay.total, 1024).toint())
-        wbase = smem + Int32(warp) * lay.warp_bytes
-        col0 = Int32(cta) * lay.columns + Int32(warp) * lay.w_rows  # this warp's first draft column
-        g, t4 = lane >> 2, lane & 3
+        tidx, cta, warp, lane, smem, wbase, col0, g, t4 = self.frame()
 
         # This warp's w2 rows, before the wait: w2 is constant while the loop runs.
         self.copy_w2(w2, wbase, col0, lane)

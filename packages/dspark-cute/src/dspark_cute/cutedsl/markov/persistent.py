@@ -67,7 +67,6 @@ from dspark_cute.runtime.host import (
     fake_stream,
     jit_cache,
     sm_count,
-    smem_allocator,
 )
 
 MAX_LOOP_ROWS = 32  # rows one launch takes: at 64 its registers spill (the step loop takes those)
@@ -143,14 +142,7 @@ class MarkovPersistentKernel(BiasStepParts):
                w1_rows: Int64, w2: Int64, d2t: Int64, tokens: Int64, tokens_row: Int32, tokens_step: Int32,
                keys: Int64, counters: Int64, m: Int32, timeout_ns: Int64):
         c, lay = self.constants, self.lay
-        tidx, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = Int32(cute.arch.lane_idx())
-        smem = Int32(smem_allocator().allocate(lay.total, 1024).toint())
-        wbase = smem + Int32(warp) * lay.warp_bytes
-        col0 = Int32(cta) * lay.columns + Int32(warp) * lay.w_rows  # this warp's first draft column
-        g, t4 = lane >> 2, lane & 3
+        tidx, cta, warp, lane, smem, wbase, col0, g, t4 = self.frame()
         tok = smem + lay.tok
 
         # The warp's w2 rows, once and before the wait: w2 is constant.
