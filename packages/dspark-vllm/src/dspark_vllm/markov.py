@@ -268,6 +268,19 @@ def refusal_reason(error: Exception) -> str:
     return str(error) if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {error}"
 
 
+def attempt(what: str, make) -> tuple:
+    """``make()``'s ``(host, reason)`` at build, or ``(None, reason)`` for
+    an exception it raised (``refusal_reason``), logged with its traceback
+    where it is no refusal (not a ValueError or TypeError): a build never
+    raises out of model loading; ``what`` names the host in that log."""
+    try:
+        return make()
+    except Exception as error:  # noqa: BLE001 (a refusal at build keeps the path before it, with its reason)
+        if not isinstance(error, (ValueError, TypeError)):
+            logger.warning("Building %s failed.", what, exc_info=error)
+        return None, refusal_reason(error)
+
+
 class MarkovStage:
     """The fused greedy Markov stage of ``model`` (vLLM's Muse Spark DSpark
     draft) under ``vllm_config`` (module docstring). ``step_class`` and
@@ -318,19 +331,21 @@ class MarkovStage:
         w1 = model.model.markov_head.markov_w1.weight
         planned = self._plan()
         reason, step = planned.reason, None
-        if reason is None:
+
+        def make():
             d2t = model.draft_id_to_target_id
-            try:
-                cls = self.step_class or _step_class()
-                step = cls(planned.constants, w1.data, None if d2t is None else d2t.data,
-                           self.vllm_config.scheduler_config.max_num_seqs)
-                step.prepare()
-                self.embed = torch.zeros(step.max_rows, w1.shape[1], dtype=w1.dtype, device=w1.device)
-                self._check_layouts(step)
-            except Exception as error:  # noqa: BLE001 (a refusal at build keeps vLLM's loop, with its reason)
-                reason, step, self.embed = refusal_reason(error), None, None
-                if not isinstance(error, (ValueError, TypeError)):
-                    logger.warning("Building the DSpark Markov step failed.", exc_info=error)
+            cls = self.step_class or _step_class()
+            step = cls(planned.constants, w1.data, None if d2t is None else d2t.data,
+                       self.vllm_config.scheduler_config.max_num_seqs)
+            step.prepare()
+            self.embed = torch.zeros(step.max_rows, w1.shape[1], dtype=w1.dtype, device=w1.device)
+            self._check_layouts(step)
+            return step, None
+
+        if reason is None:
+            step, reason = attempt("the DSpark Markov step", make)
+            if step is None:
+                self.embed = None
         self.reason = reason
         if reason is not None:
             logger.info("The DSpark draft keeps vLLM's Markov loop: %s.", reason)
@@ -351,19 +366,19 @@ class MarkovStage:
         exception while it is built, checked and compiled."""
         arch, checked = _archs(self.resolved_arch, BIAS_CHECKED)
         reason, fused = (None if arch in checked else BIAS_UNCHECKED.format(arch=arch)), None
+
+        def make():
+            cls = self.bias_class or _bias_class()
+            w2 = self.model.model.markov_head.markov_w2.weight.data
+            fused = cls(step.constants, step.w1, step.d2t, w2, min(step.max_rows, 64))  # the fused step's MAX_ROWS
+            fused.check()
+            if not fused.rows:
+                return None, "the build-time check bound no request count: " + "; ".join(
+                    sorted(set(fused.reasons.values())))
+            return fused, None
+
         if reason is None:
-            try:
-                cls = self.bias_class or _bias_class()
-                w2 = self.model.model.markov_head.markov_w2.weight.data
-                fused = cls(step.constants, step.w1, step.d2t, w2, min(step.max_rows, 64))  # the fused step's MAX_ROWS
-                fused.check()
-                if not fused.rows:
-                    reason = "the build-time check bound no request count: " + "; ".join(
-                        sorted(set(fused.reasons.values())))
-            except Exception as error:  # noqa: BLE001 (a refusal at build keeps the step after vLLM's bias GEMM)
-                reason, fused = refusal_reason(error), None
-                if not isinstance(error, (ValueError, TypeError)):
-                    logger.warning("Building the DSpark Markov bias step failed.", exc_info=error)
+            fused, reason = attempt("the DSpark Markov bias step", make)
         if reason is not None:
             self.bias_step, self.bias_reason = None, reason
             logger.info("The DSpark greedy Markov stage runs its step after vLLM's bias GEMM: %s.", reason)
@@ -385,22 +400,21 @@ class MarkovStage:
         it is built and compiled."""
         arch, checked = _archs(self.resolved_arch, PERSISTENT_CHECKED)
         reason, loop = (None if arch in checked else PERSISTENT_UNCHECKED.format(arch=arch)), None
-        if reason is None:
-            try:
-                from dspark_cute.cutedsl.markov.persistent import MAX_LOOP_ROWS
 
-                cls = self.persistent_class or _persistent_class()
-                steps = int(self.vllm_config.speculative_config.num_speculative_tokens)
-                loop = cls(fused.constants, fused.w1, fused.d2t, fused.w2, steps, min(fused.max_rows, MAX_LOOP_ROWS))
-                loop.bind(fused)
-                if not loop.rows:
-                    reason = "the build-time check bound no request count up to the loop's rows"
-                else:
-                    reason = loop.probe()
-            except Exception as error:  # noqa: BLE001 (a refusal at build keeps one launch a step)
-                reason, loop = refusal_reason(error), None
-                if not isinstance(error, (ValueError, TypeError)):
-                    logger.warning("Building the DSpark persistent Markov loop failed.", exc_info=error)
+        def make():
+            from dspark_cute.cutedsl.markov.persistent import MAX_LOOP_ROWS
+
+            cls = self.persistent_class or _persistent_class()
+            steps = int(self.vllm_config.speculative_config.num_speculative_tokens)
+            loop = cls(fused.constants, fused.w1, fused.d2t, fused.w2, steps, min(fused.max_rows, MAX_LOOP_ROWS))
+            loop.bind(fused)
+            if not loop.rows:
+                return None, "the build-time check bound no request count up to the loop's rows"
+            why = loop.probe()
+            return (None, why) if why is not None else (loop, None)
+
+        if reason is None:
+            loop, reason = attempt("the DSpark persistent Markov loop", make)
         if reason is not None:
             self.loop, self.loop_reason = None, reason
             logger.info("The DSpark greedy Markov stage launches once a step: %s.", reason)
@@ -416,15 +430,15 @@ class MarkovStage:
         or its reason (logged once): the plan's, or any exception while it is
         built and compiled."""
         reason = planned.sample_reason
+
+        def make():
+            cls = self.sample_class or _sample_class()
+            sample = cls(planned.sample, step.w1, self.model.draft_id_to_target_id.data, step.max_rows)
+            sample.prepare()
+            return sample, None
+
         if reason is None:
-            try:
-                cls = self.sample_class or _sample_class()
-                sample = cls(planned.sample, step.w1, self.model.draft_id_to_target_id.data, step.max_rows)
-                sample.prepare()
-            except Exception as error:  # noqa: BLE001 (a refusal at build keeps vLLM's loop, with its reason)
-                reason = refusal_reason(error)
-                if not isinstance(error, (ValueError, TypeError)):
-                    logger.warning("Building the DSpark probabilistic Markov step failed.", exc_info=error)
+            sample, reason = attempt("the DSpark probabilistic Markov step", make)
         if reason is not None:
             self.sample_reason = reason
             logger.info("The DSpark draft keeps vLLM's Markov loop for probabilistic drafting: %s.", reason)
@@ -542,5 +556,5 @@ class MarkovStage:
 
 
 __all__ = ["BIAS_CHECKED", "MARKOV_CHECKED", "PERSISTENT_CHECKED", "SAMPLE_CHECKED", "MarkovStage", "StagePlan",
-           "arch_reason", "bias_gemm_reason", "fused_bias_reason", "head_constants", "plan_line", "plan_stage",
-           "refusal_reason"]
+           "arch_reason", "attempt", "bias_gemm_reason", "fused_bias_reason", "head_constants", "plan_line",
+           "plan_stage", "refusal_reason"]
