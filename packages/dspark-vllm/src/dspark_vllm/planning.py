@@ -129,12 +129,17 @@ def part_kernel(kernel: str, part: Part | None) -> str:
     return kernel
 
 
+def _checked(part: Part, kernel: str, exact: frozenset[str], arch: str) -> Part:
+    """``part`` where the kernel it runs on (``part_kernel``) is in ``exact``, else restocked with the reason."""
+    runs_on = part_kernel(kernel, part)
+    return part if runs_on in exact else _restock(part, unchecked_reason(runs_on, arch))
+
+
 def _mark_unchecked(plan: DraftPlan, exact: frozenset[str], arch: str) -> None:
     for attr, kernel in PART_KERNELS:
         value = getattr(plan, attr)
         if isinstance(value, list):
-            setattr(plan, attr, [p if part_kernel(kernel, p) in exact else
-                                 _restock(p, unchecked_reason(part_kernel(kernel, p), arch)) for p in value])
+            setattr(plan, attr, [_checked(p, kernel, exact, arch) for p in value])
         elif kernel not in exact:
             setattr(plan, attr, _restock(value, unchecked_reason(kernel, arch)))
     # An o-gate planned into the attention kernel's epilogue runs its own
