@@ -21,6 +21,7 @@ import re
 
 import pytest
 import torch
+from cutlass import Int64
 from ptx_audit import code, count, skip_audit_off_pin
 
 from dspark_core.contracts.markov import markov_constants
@@ -70,6 +71,28 @@ def test_compiles_in_its_stated_order(arch, vocab, rank, cap, d2t, n_tiles):
     # One int64 id a copy of the embedding (wide ids), the d2t entry with a d2t.
     copies = -(-8 * n_tiles * rank // 8 // 256)
     assert count(body, r"ld\.global\.s64") == copies + (1 if d2t else 0)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("n_tiles", [1, 8])
+def test_the_bias_storing_test_variant_adds_only_its_stores(n_tiles):
+    """``MarkovBiasStoreKernel`` (test-only) is the step with one predicated
+    ``st.global.b16`` (and its ``cvt.rn``) a value more: nothing else of
+    the deployed kernel's code changes."""
+    from dspark_cute.cutedsl.markov.bias_step import MarkovBiasKernel, MarkovBiasStoreKernel, fake_args
+    from dspark_cute.runtime.host import compile_ptx
+
+    c = markov_constants(32768, 256, 0.0625, 30.0, True)
+    args = fake_args()
+    deployed = code(compile_ptx(MarkovBiasKernel(c, n_tiles, True, False), *args, arch="sm_90a"))
+    stored = code(compile_ptx(MarkovBiasStoreKernel(c, n_tiles, True, False), *args[:-1], Int64(0), args[-1],
+                              arch="sm_90a"))
+    skip_audit_off_pin("the Markov bias step's test variant")
+    values = 8 * n_tiles
+    assert count(deployed, r"st\.global\.b16") == 0 and count(stored, r"st\.global\.b16") == values
+    assert count(stored, r"\bcvt\.rn\.bf16x2\.f32\b") == count(deployed, r"\bcvt\.rn\.bf16x2\.f32\b") + values
+    for pattern in (r"\bmma\.sync", r"red\.relaxed\.gpu\.global\.max\.u64", r"atom\.", r"\.approx", r"\bfma\."):
+        assert count(stored, pattern) == count(deployed, pattern), pattern
 
 
 def _result(orders: dict, refused: dict) -> CheckResult:

@@ -14,7 +14,10 @@ split (every row count here: the check's finding is printed and asserted).
   draft_tokens), its neighbours checked untouched;
 - ties across CTAs and -0.0 against +0.0 with a zero ``w2`` (the bias +0.0);
 - a CUDA graph of the loop replayed on new data; the fold's words left 0;
-- the check's refusals name the reason (a row count it was not asked).
+- the check's refusals name the reason (a row count it was not asked);
+- the bias GEMM's BF16 output itself against ``F.linear`` on the live
+  cuBLAS (the test variant that stores it), rows 1 to 64, ranks 64 to 256,
+  special and spread values.
 
 Fresh seeded random data: the seed is printed (repeat with DSPARK_SEED)."""
 
@@ -129,6 +132,47 @@ def test_loop_cuda_graph(seed):
     tokens = torch.full((r, n), POISON, dtype=torch.int64, device="cuda")
     check_graph_replays(gen, lambda: run_fused_greedy_loop(step, base, prev, tokens), step, base, prev, tokens,
                         (w1, w2, m))
+
+
+BIAS_CASES = [  # (R, vocab, vpad, rank, spread)
+    (1, 32768, 32768, 256, False), (3, 32000, 32064, 256, True), (8, 384, 448, 64, True),
+    (16, 4096, 4160, 128, False), (64, 32000, 32000, 256, True), (5, 202048, 202112, 256, True),
+]
+
+
+@pytest.mark.parametrize("r,vocab,vpad,rank,spread", BIAS_CASES)
+def test_bias_bits_are_cublas(seed, r, vocab, vpad, rank, spread):
+    """The bias GEMM's BF16 output itself (the test variant that stores it,
+    ``step_with_bias``) against ``F.linear`` on the live cuBLAS, bit for bit
+    (NaN payloads excepted), not only through the tokens: the embedding rows
+    of -0.0, subnormals and an infinity, w2 with magnitudes spread over
+    2^-24 .. 2^24 and 1% -0.0 where ``spread``; the step's tokens as the
+    deployed kernel's."""
+    import torch.nn.functional as F
+
+    from dspark_core.tools.compare import assert_bitwise
+    from dspark_cute.cutedsl.markov.bias_step import step_with_bias
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w1, w2, m = make_head(gen, vocab + 1000, vocab, vpad, rank, True)
+    plant_w1(w1)
+    if spread:
+        scale = torch.exp2(torch.randint(-24, 25, w2.shape, generator=gen, device="cuda").float())
+        w2 = (w2.float() * scale).to(BF16)
+        w2[torch.rand(w2.shape, generator=gen, device="cuda") < 0.01] = -0.0
+    step = make_fused(vocab, 30.0, w1, w2, m, (r,))
+    base = planted_base(gen, r, 1, vocab, vpad)[:, 0]
+    prev = torch.randint(0, vocab + 1000, (r,), generator=gen, device="cuda")
+    prev[: min(r, 3)] = torch.tensor([1, 2, 0], device="cuda")[: min(r, 3)]
+    tokens = torch.full((r,), POISON, dtype=torch.int64, device="cuda")
+    bias = step_with_bias(step, base, prev, tokens)
+    torch.cuda.synchronize()
+    assert_bitwise(bias, F.linear(w1[prev], w2)[:, :vocab], "the bias GEMM's output")
+    deployed = torch.full((r,), POISON, dtype=torch.int64, device="cuda")
+    step.run(base, prev, deployed)
+    torch.cuda.synchronize()
+    assert torch.equal(tokens, deployed)
+    assert not step.keys.any() and not step.counters.any()
 
 
 def test_unchecked_rows_say_why(seed):

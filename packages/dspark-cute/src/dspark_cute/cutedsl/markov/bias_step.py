@@ -134,6 +134,7 @@ class BiasStepParts:
 
     constants: MarkovConstants
     lay: BiasStepLayout
+    store_bias = False  # the test variant's: each bias value stored too (``MarkovBiasStoreKernel``)
 
     def frame(self) -> tuple:
         """Where this thread sits: ``(tidx, cta, warp, lane, smem, wbase,
@@ -192,11 +193,13 @@ class BiasStepParts:
                             Int64(base) + (Int64(tc) * Int64(base_stride) + Int64(cc)) * 2)
 
     @cute.jit
-    def warp_keys(self, smem, wbase, col0, warp, lane, m, words) -> None:
+    def warp_keys(self, smem, wbase, col0, warp, lane, m, words, bias_out) -> None:
         """Steps 2-3 of the warp's columns, its embedding rows and w2 rows in
         shared memory: the bias sums (``chunk_mmas``), each value's argmax
         key, the largest per token over the warp, stored at the layout's
-        ``keys`` (warp-major)."""
+        ``keys`` (warp-major). With ``store_bias`` each bias value of a row
+        below ``m`` and a column below the vocabulary is also stored, BF16,
+        at ``bias_out + 2 (vocab row + column)``."""
         c, lay = self.constants, self.lay
         g, t4 = lane >> 2, lane & 3
         a_off, a_pieces, b_off = fragment_offsets(lay, Int32(0), lane, m)
@@ -215,6 +218,10 @@ class BiasStepParts:
                         cols.append(col0 + 16 * at + 8 * half + g)
                         bs.append(ptx.bf16x2_to_f32(words[lay.word(nt, par, at, half)])[0])
                         biases.append(ptx.round_bf16x2(s, s)[0])  # the GEMM's BF16 output
+                        if cutlass.const_expr(self.store_bias):
+                            past = (col0 + 16 * at - c.vocab) >> 31  # -1 below the vocabulary, 0 past it
+                            ptx.st_global_bf16_rn_if(Int64(bias_out) + (Int64(tok) * c.vocab + Int64(cols[-1])) * 2,
+                                                     s, tok + 64 * (1 + past), m)
                 key = None
                 for col, y in zip(cols, step_values(c, bs, biases)):
                     # A tile past the vocabulary (whole: vocab % 16 == 0) keys 0, below every key.
@@ -266,6 +273,13 @@ class MarkovBiasKernel(BiasStepParts):
     def kernel(self, base: Int64, base_stride: Int32, prev: Int64, prev_stride: Int32, w1: Int64, w1_rows: Int64,
                w2: Int64, d2t: Int64, tokens: Int64, tokens_stride: Int32, keys: Int64, counters: Int64,
                first: Int32, m: Int32):
+        self.body(base, base_stride, prev, prev_stride, w1, w1_rows, w2, d2t, tokens, tokens_stride, keys, counters,
+                  first, m, Int64(0))
+
+    @cute.jit
+    def body(self, base: Int64, base_stride: Int32, prev: Int64, prev_stride: Int32, w1: Int64, w1_rows: Int64,
+             w2: Int64, d2t: Int64, tokens: Int64, tokens_stride: Int32, keys: Int64, counters: Int64,
+             first: Int32, m: Int32, bias_out: Int64):
         c, lay = self.constants, self.lay
         tidx, cta, warp, lane, smem, wbase, col0, g, t4 = self.frame()
 
@@ -287,7 +301,7 @@ class MarkovBiasKernel(BiasStepParts):
         ptx.cp_async_commit()
         ptx.cp_async_wait_all()
         cute.arch.barrier()
-        self.warp_keys(smem, wbase, col0, warp, lane, m, words)
+        self.warp_keys(smem, wbase, col0, warp, lane, m, words, bias_out)
         cute.arch.barrier()
         if Int32(tidx) < m:
             best = self.cta_key(smem, Int32(tidx))
@@ -316,6 +330,31 @@ class MarkovBiasKernel(BiasStepParts):
                 ptx.st_global_b32(Int64(counters), Uint32(0))
 
 
+class MarkovBiasStoreKernel(MarkovBiasKernel):
+    """Test-only: ``MarkovBiasKernel`` that also stores every bias value it
+    sums (BF16 ``[m, vocab]`` at ``bias_out``, the call's argument after
+    ``m``), so a GPU test compares the GEMM's bits with cuBLAS's directly,
+    not only through the tokens. The deployed kernel is the parent's, whose
+    code this flag leaves as it is."""
+
+    store_bias = True
+
+    @cute.jit
+    def __call__(self, base: Int64, base_stride: Int32, prev: Int64, prev_stride: Int32, w1: Int64, w1_rows: Int64,
+                 w2: Int64, d2t: Int64, tokens: Int64, tokens_stride: Int32, keys: Int64, counters: Int64,
+                 first: Int32, m: Int32, bias_out: Int64, stream):
+        self.kernel(base, base_stride, prev, prev_stride, w1, w1_rows, w2, d2t, tokens, tokens_stride, keys, counters,
+                    first, m, bias_out).launch(grid=[self.ctas, 1, 1], block=[THREADS, 1, 1], stream=stream,
+                                               use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, base: Int64, base_stride: Int32, prev: Int64, prev_stride: Int32, w1: Int64, w1_rows: Int64,
+               w2: Int64, d2t: Int64, tokens: Int64, tokens_stride: Int32, keys: Int64, counters: Int64,
+               first: Int32, m: Int32, bias_out: Int64):
+        self.body(base, base_stride, prev, prev_stride, w1, w1_rows, w2, d2t, tokens, tokens_stride, keys, counters,
+                  first, m, bias_out)
+
+
 def fake_args() -> tuple:
     """The compile signature of ``MarkovBiasKernel`` (no GPU memory needed)."""
     return (Int64(0), Int32(0), Int64(0), Int32(1), Int64(0), Int64(1), Int64(0), Int64(0), Int64(0), Int32(0),
@@ -326,6 +365,13 @@ def fake_args() -> tuple:
 def compile_bias_step(constants: MarkovConstants, n_tiles: int, wide: bool, pdl: bool):
     """The compiled ``MarkovBiasKernel`` of one variant."""
     return MarkovBiasKernel(constants, n_tiles, bool(wide), bool(pdl)), fake_args()
+
+
+@jit_cache("MarkovBiasStore")
+def compile_bias_store(constants: MarkovConstants, n_tiles: int, wide: bool):
+    """The compiled test variant ``MarkovBiasStoreKernel`` (PDL off)."""
+    args = fake_args()
+    return MarkovBiasStoreKernel(constants, n_tiles, bool(wide), False), args[:-1] + (Int64(0), args[-1])
 
 
 # ---------------------------------------------------------------- host API
@@ -456,6 +502,25 @@ class MarkovBiasStep(LazyPdl):
                Int64(self.w1.data_ptr()), Int64(self.w1.shape[0]), Int64(self.w2.data_ptr()), Int64(d2t),
                Int64(tokens.data_ptr()), Int32(tokens.stride(0)), Int64(self.keys.data_ptr()),
                Int64(self.counters.data_ptr()), Int32(1 if first else 0), Int32(m), current_stream())
+
+
+def step_with_bias(step: MarkovBiasStep, base, prev, tokens) -> torch.Tensor:
+    """Test-only: one step of ``step`` on ``MarkovBiasStoreKernel`` (the
+    operands as ``step.run`` takes them, ``first``), its tokens in
+    ``tokens``; returns the bias it summed, BF16 ``[R, vocab]`` (compiled
+    here: not during graph capture)."""
+    reason = step.problem(base, prev, tokens)
+    if reason is not None:
+        raise ValueError(reason)
+    m, c = base.shape[0], step.constants
+    bias = torch.empty(m, c.vocab, dtype=torch.bfloat16, device=base.device)
+    kernel = compile_bias_store(c, n_tiles_for(m), prev.dtype == torch.int64)
+    d2t = step.d2t.data_ptr() if step.d2t is not None else 0
+    kernel(Int64(base.data_ptr()), Int32(base.stride(0)), Int64(prev.data_ptr()), Int32(prev.stride(0)),
+           Int64(step.w1.data_ptr()), Int64(step.w1.shape[0]), Int64(step.w2.data_ptr()), Int64(d2t),
+           Int64(tokens.data_ptr()), Int32(tokens.stride(0)), Int64(step.keys.data_ptr()),
+           Int64(step.counters.data_ptr()), Int32(1), Int32(m), Int64(bias.data_ptr()), current_stream())
+    return bias
 
 
 def run_fused_greedy_loop(step: MarkovBiasStep, base: torch.Tensor, prev: torch.Tensor,

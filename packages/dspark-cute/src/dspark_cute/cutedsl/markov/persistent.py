@@ -162,7 +162,7 @@ class MarkovPersistentKernel(BiasStepParts):
             ptx.cp_async_commit()
             ptx.cp_async_wait_all()
             cute.arch.barrier()
-            self.warp_keys(smem, wbase, col0, warp, lane, m, words[i % 2])
+            self.warp_keys(smem, wbase, col0, warp, lane, m, words[i % 2], Int64(0))
             cute.arch.barrier()
             slot = Int64(keys) + (Int64(KEY_ROWS * i) + Int64(tidx)) * 8
             if Int32(tidx) < m:
