@@ -29,6 +29,7 @@ itself (CTA 0 stores them), so no launch and no second barrier sits between
 two steps. The next step's base logits are loaded before the barrier's
 wait. Up to 32 rows: at 64 the registers spill (``bias_step``'s loop, one
 launch a step, takes them).
+
 Each step has its own key words, so none is reset while another CTA may
 still read it: after the last step every CTA counts itself out
 (``counters[1]``), and the last one resets the key words of the R rows and
