@@ -57,6 +57,7 @@ from dspark_cute.cutedsl.markov.greedy import (
     check_logits,
     check_on,
     check_tokens,
+    count_in,
     row_words,
     step_values,
     target_id,
@@ -309,13 +310,7 @@ class MarkovBiasKernel(BiasStepParts):
             ptx.fence_acq_rel_gpu()
         cute.arch.barrier()
         flag = smem + lay.flag
-        if tidx == 0:
-            old = ptx.atom_add_acq_rel_u32(Int64(counters), Uint32(1))
-            if old == Uint32(self.ctas - 1):
-                ptx.st_shared_b32(flag, Uint32(1))
-            else:
-                ptx.st_shared_b32(flag, Uint32(0))
-        cute.arch.barrier()
+        count_in(tidx, Int64(counters), self.ctas, flag)
         if cutlass.const_expr(self.pdl):
             # The next step reads this one's tokens only after its wait (this grid's end).
             ptx.pdl_launch_dependents()

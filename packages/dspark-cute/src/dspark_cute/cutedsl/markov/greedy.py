@@ -236,6 +236,21 @@ def row_key(c: MarkovConstants, tidx, cta, row, base, base_stride, bias, bias_st
 
 
 @cute.jit
+def count_in(tidx, counter, ctas: cutlass.Constexpr, flag) -> None:
+    """Thread 0 counts this CTA in at the global ``counter``
+    (``atom.acq_rel.gpu.add``) and stores at the shared ``flag`` whether it
+    counted last of ``ctas`` (1) or not (0); then a CTA barrier, after which
+    every thread may read ``flag``."""
+    if tidx == 0:
+        old = ptx.atom_add_acq_rel_u32(counter, Uint32(1))
+        if old == Uint32(ctas - 1):
+            ptx.st_shared_b32(flag, Uint32(1))
+        else:
+            ptx.st_shared_b32(flag, Uint32(0))
+    cute.arch.barrier()
+
+
+@cute.jit
 def finish(c: MarkovConstants, key, tidx, lane, row, shared, d2t, w1, embed, tokens, tokens_stride, keys, counters,
            gather) -> None:
     """Step 2's grid-wide fold, then steps 3-4 in the row's last CTA (module docstring)."""
@@ -246,13 +261,7 @@ def finish(c: MarkovConstants, key, tidx, lane, row, shared, d2t, w1, embed, tok
         ptx.red_max_u64(key_addr, wkey)
         ptx.fence_acq_rel_gpu()
     cute.arch.barrier()
-    if tidx == 0:
-        old = ptx.atom_add_acq_rel_u32(count_addr, Uint32(1))
-        if old == Uint32(c.ctas - 1):
-            ptx.st_shared_b32(shared, Uint32(1))
-        else:
-            ptx.st_shared_b32(shared, Uint32(0))
-    cute.arch.barrier()
+    count_in(tidx, count_addr, c.ctas, shared)
     if ptx.ld_shared_b32(shared) != Uint32(0):
         if tidx == 0:
             best = ptx.atom_exch_u64(key_addr, Int64(0))

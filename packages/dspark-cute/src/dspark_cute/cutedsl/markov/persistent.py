@@ -59,7 +59,7 @@ from dspark_cute.cutedsl.markov.bias_step import (
     fused_unsupported,
     n_tiles_for,
 )
-from dspark_cute.cutedsl.markov.greedy import check_constants, check_logits, target_id
+from dspark_cute.cutedsl.markov.greedy import check_constants, check_logits, count_in, target_id
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
     cooperative_supported,
@@ -190,13 +190,7 @@ class MarkovPersistentKernel(BiasStepParts):
             cute.arch.barrier()
         # Count out; the last CTA (all others past every read of the keys) resets the words.
         flag = smem + lay.flag
-        if tidx == 0:
-            old = ptx.atom_add_acq_rel_u32(Int64(counters) + 4, Uint32(1))
-            if old == Uint32(self.ctas - 1):
-                ptx.st_shared_b32(flag, Uint32(1))
-            else:
-                ptx.st_shared_b32(flag, Uint32(0))
-        cute.arch.barrier()
+        count_in(tidx, Int64(counters) + 4, self.ctas, flag)
         if ptx.ld_shared_b32(flag) != Uint32(0):
             if Int32(tidx) < m:
                 for i in cutlass.range_constexpr(self.steps):
