@@ -255,18 +255,25 @@ def stock_and_twin(built, seed, monkeypatch, num_reqs: int) -> tuple:
     return stock, s, hidden
 
 
-@pytest.mark.parametrize("num_reqs", [1, R, 8])
-def test_hook_drafts_vllms_tokens(built, seed, monkeypatch, num_reqs):
+def run_hook(model, stage, s, num_reqs: int, hidden, monkeypatch, counted) -> tuple:
+    """vLLM's ``_sample_sequential`` on ``s`` with ``stage``'s hook set on
+    ``model``: the launches each class of ``counted`` made (``launches``)."""
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-    model = built.model
+    monkeypatch.setattr(model, "sample_sequential", stage.sample_sequential, raising=False)
+    before = [cls.launches for cls in counted]
+    with torch.inference_mode():
+        DSparkSpeculator._sample_sequential(s, num_reqs, hidden)
+    return tuple(cls.launches - b for cls, b in zip(counted, before))
+
+
+@pytest.mark.parametrize("num_reqs", [1, R, 8])
+def test_hook_drafts_vllms_tokens(built, seed, monkeypatch, num_reqs):
     stock, s, hidden = stock_and_twin(built, seed, monkeypatch, num_reqs)
     with torch.inference_mode():
         stage = fused_stage(built, monkeypatch)
-        monkeypatch.setattr(model, "sample_sequential", stage.sample_sequential, raising=False)
-        before = CpuStep.launches
-        DSparkSpeculator._sample_sequential(s, num_reqs, hidden)
-    assert CpuStep.launches - before == s.num_speculative_steps  # the hook ran the loop
+    done = run_hook(built.model, stage, s, num_reqs, hidden, monkeypatch, (CpuStep,))
+    assert done == (s.num_speculative_steps,)  # the hook ran the loop
     assert torch.equal(s.draft_tokens, stock.draft_tokens)
 
 

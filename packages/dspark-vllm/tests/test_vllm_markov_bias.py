@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 import test_vllm_markov as markov_tests  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from test_vllm_markov import CpuStep, stock_and_twin  # noqa: E402
+from test_vllm_markov import CpuStep, run_hook, stock_and_twin  # noqa: E402
 
 from dspark_core.runtime.gemm_check import CheckResult, Finding  # noqa: E402
 from dspark_core.spec import markov as spec  # noqa: E402
@@ -89,22 +89,15 @@ def bias_stage(built, monkeypatch, arch="sm_90a", checked=frozenset({"sm_90a"}))
 
 @pytest.mark.parametrize("num_reqs", [1, SPLIT_ROWS, 5])
 def test_hook_drafts_vllms_tokens_with_the_bias_in_the_step(built, seed, monkeypatch, num_reqs):
-    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
-
-    model = built.model
     stock, s, hidden = stock_and_twin(built, seed, monkeypatch, num_reqs)
     with torch.inference_mode():
         stage = bias_stage(built, monkeypatch)
-        assert stage.bias_step is not None and SPLIT_ROWS not in stage.bias_step.rows, stage.bias_reason
-        assert "2 splits" in stage.bias_step.reasons[SPLIT_ROWS]
-        monkeypatch.setattr(model, "sample_sequential", stage.sample_sequential, raising=False)
-        fused, after = CpuBiasStep.launches, CpuStep.launches
-        DSparkSpeculator._sample_sequential(s, num_reqs, hidden)
+    assert stage.bias_step is not None and SPLIT_ROWS not in stage.bias_step.rows, stage.bias_reason
+    assert "2 splits" in stage.bias_step.reasons[SPLIT_ROWS]
+    done = run_hook(built.model, stage, s, num_reqs, hidden, monkeypatch, (CpuBiasStep, CpuStep))
     n = s.num_speculative_steps
-    if num_reqs == SPLIT_ROWS:  # refused by the check: the step after vLLM's bias GEMM
-        assert (CpuBiasStep.launches - fused, CpuStep.launches - after) == (0, n)
-    else:
-        assert (CpuBiasStep.launches - fused, CpuStep.launches - after) == (n, 0)
+    # At the count the check refused: the step after vLLM's bias GEMM.
+    assert done == ((0, n) if num_reqs == SPLIT_ROWS else (n, 0))
     assert torch.equal(s.draft_tokens, stock.draft_tokens)
 
 

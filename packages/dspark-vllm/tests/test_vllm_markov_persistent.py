@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 
 import test_vllm_markov as markov_tests  # noqa: E402
 import torch  # noqa: E402
-from test_vllm_markov import CpuStep, stock_and_twin  # noqa: E402
+from test_vllm_markov import CpuStep, run_hook, stock_and_twin  # noqa: E402
 from test_vllm_markov_bias import SPLIT_ROWS, CpuBiasStep, bias_stage  # noqa: E402
 
 from dspark_core.spec import markov as spec  # noqa: E402
@@ -76,22 +76,15 @@ def loop_stage(built, monkeypatch, checked=frozenset({"sm_90a"})) -> hook.Markov
 
 @pytest.mark.parametrize("num_reqs", [1, SPLIT_ROWS, 5])
 def test_hook_drafts_vllms_tokens_in_one_launch(built, seed, monkeypatch, num_reqs):
-    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
-
-    model = built.model
     stock, s, hidden = stock_and_twin(built, seed, monkeypatch, num_reqs)
     with torch.inference_mode():
         stage = loop_stage(built, monkeypatch)
-        assert stage.loop is not None, stage.loop_reason
-        assert stage.loop.steps == s.num_speculative_steps
-        assert set(stage.loop.rows) == {m for m in stage.bias_step.rows if m <= 32}
-        assert "2 splits" in stage.loop.reasons[SPLIT_ROWS]
-        monkeypatch.setattr(model, "sample_sequential", stage.sample_sequential, raising=False)
-        counts = CpuLoop.launches, CpuBiasStep.launches, CpuStep.launches
-        DSparkSpeculator._sample_sequential(s, num_reqs, hidden)
-    n = s.num_speculative_steps
-    done = (CpuLoop.launches - counts[0], CpuBiasStep.launches - counts[1], CpuStep.launches - counts[2])
-    assert done == ((0, 0, n) if num_reqs == SPLIT_ROWS else (1, 0, 0))
+    assert stage.loop is not None, stage.loop_reason
+    assert stage.loop.steps == s.num_speculative_steps
+    assert set(stage.loop.rows) == {m for m in stage.bias_step.rows if m <= 32}
+    assert "2 splits" in stage.loop.reasons[SPLIT_ROWS]
+    done = run_hook(built.model, stage, s, num_reqs, hidden, monkeypatch, (CpuLoop, CpuBiasStep, CpuStep))
+    assert done == ((0, 0, s.num_speculative_steps) if num_reqs == SPLIT_ROWS else (1, 0, 0))
     assert torch.equal(s.draft_tokens, stock.draft_tokens)
 
 
