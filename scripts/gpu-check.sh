@@ -15,6 +15,8 @@
 #   norms qkv markov gating gemv attention   the kernel families' GPU suites (against the spec and the stock binaries)
 #   markov-persistent  the N greedy steps in one cooperative launch against vLLM's loop (CuTe DSL 4.8)
 #   bench-markov   the Markov stage alone: vLLM's loop, the bias step's N launches, the persistent launch
+#   probe-direct-gemm  an exact one-split GEMM with a GEMV's schedule (register-direct, one warp a 16-row tile)
+#                  against cuBLAS: time and bits (scripts/probes/exact_direct_gemm.py)
 #   ordered        the ordered GEMM against the live cuBLAS (orders found at every row count, bits, graphs, TP shards)
 #   bench-gemm     bench_ordered_gemm: each projection and the 14-GEMM chain, cuBLAS against the ordered GEMM
 #   cublas-kernels cuBLAS's kernel names and grids per projection and row count (needs no CuTe DSL)
@@ -42,7 +44,7 @@ export OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
 export DSPARK_BENCH_OUT=$OUT
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && { sed -n '2,37p' "$0"; exit 2; }
+[ ${#steps[@]} -eq 0 ] && { sed -n '2,39p' "$0"; exit 2; }
 wanted() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 summary=()
 failed=0
@@ -72,6 +74,7 @@ wanted markov && gpu markov 300 packages/dspark-cute/tests/test_gpu_markov.py pa
   packages/dspark-cute/tests/test_gpu_markov_bias_step.py
 wanted markov-persistent && gpu markov-persistent 300 packages/dspark-cute/tests/test_gpu_markov_persistent.py
 wanted bench-markov && step bench-markov 200 python scripts/probes/markov_loop.py --rows 1,4,16,32,64
+wanted probe-direct-gemm && step probe-direct-gemm 500 python scripts/probes/exact_direct_gemm.py
 wanted gating && gpu gating 200 packages/dspark-cute/tests/test_gpu_activations.py
 wanted attention && gpu attention 200 packages/dspark-cute/tests/test_gpu_attention.py
 wanted triton-attention && gpu triton-attention 200 packages/dspark-cute/tests/test_gpu_triton_attention_stock.py
