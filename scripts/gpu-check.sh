@@ -32,6 +32,7 @@
 #   triton-attention  vLLM's Triton unified_attention binary against the spec (test_gpu_triton_attention_stock)
 #   bench-step-ordered  bench_draft_step with the opt-in ordered GEMM (m = 1 to 64)
 #   bench-step-tp  one rank's work of the TP2/4/8 step (bench_draft_step --tp; no all-reduce on either side)
+#   bench-step-tp-triton  the same with vLLM's Triton unified_attention on both sides (its H8/H16/H32 binaries)
 #   bench          bench_decode and profile_decode; bench-kernels: the other single-GPU benchmarks
 #   bench-tp2      the package GEMM and TP2 draft benchmarks; kind nvidia-h200-x2
 #   demo           the README's demo against vLLM's step from .device/stock (carry it): tests/test_gpu_demo.py
@@ -44,7 +45,7 @@ export OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
 export DSPARK_BENCH_OUT=$OUT
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && { sed -n '2,39p' "$0"; exit 2; }
+[ ${#steps[@]} -eq 0 ] && { sed -n '2,40p' "$0"; exit 2; }
 wanted() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 summary=()
 failed=0
@@ -106,6 +107,12 @@ if wanted bench-step-tp; then
   for tp in 2 4 8; do
     step bench-step-tp$tp 200 python packages/dspark-cute/benchmarks/bench_draft_step.py --tp $tp \
       --rows 1,4,16,64,512 --name draft_step_tp$tp --out "$OUT"
+  done
+fi
+if wanted bench-step-tp-triton; then
+  for tp in 2 4 8; do
+    step bench-step-tp$tp-triton 200 python packages/dspark-cute/benchmarks/bench_draft_step.py --tp $tp \
+      --attention triton --rows 1,4,16,64,512 --name draft_step_tp${tp}_triton --out "$OUT"
   done
 fi
 wanted bench-step-ordered && step bench-step-ordered 290 python packages/dspark-cute/benchmarks/bench_draft_step.py \
