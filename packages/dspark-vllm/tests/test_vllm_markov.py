@@ -442,9 +442,20 @@ def test_plan_line(built, monkeypatch):
     assert line.startswith(f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 8 requests, the bias "
                            "GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time "
                            "check finds cuBLAS's one-split order; probabilistic drafting fused (markov_sample ")
+    assert "markov_persistent_loop" not in line  # PERSISTENT_CHECKED is empty until the loop has run on a GPU
+    assert "multiple of 64" in hook.persistent_reason(hook.head_constants(model), 8)  # the kernel's own limits
+    monkeypatch.setattr(hook, "PERSISTENT_CHECKED", frozenset({"sm_90a"}))
+    monkeypatch.setattr(hook, "persistent_reason", lambda constants, rows: None)
+    line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
+    assert ("cuBLAS's one-split order, all N steps in one launch (markov_persistent_loop) at those up to 32 where "
+            "its build-time probe agrees with vLLM's loop; probabilistic") in line
+    monkeypatch.setattr(hook, "persistent_reason", lambda constants, rows: "no cooperative launch")
+    line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
+    assert "one-split order, one launch a step (no cooperative launch); probabilistic" in line
     monkeypatch.setattr(hook, "BIAS_CHECKED", frozenset())
     line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
     assert "the step after vLLM's bias GEMM (the DSpark markov_bias_step kernel is not yet checked" in line
+    assert "markov_persistent_loop" not in line
     monkeypatch.undo()
     assert line.endswith("; vLLM's loop for the top-k loop, a watermarker, FP64 Gumbel noise, the confidence head and "
                          "adaptive verification")

@@ -223,7 +223,8 @@ def plan_line(model, arch: str, checked: frozenset[str] | None = None, rows=None
     ``MARKOV_CHECKED`` for the greedy step, ``SAMPLE_CHECKED`` for the
     probabilistic one) stands for both where given; the bias GEMM in the
     greedy step on ``BIAS_CHECKED``'s architectures (each request count is
-    the build-time check's). The Markov GEMM's dispatch
+    the build-time check's), and the N steps in one launch on
+    ``PERSISTENT_CHECKED``'s (each bound count the probe's). The Markov GEMM's dispatch
     (``bias_gemm_reason``) is the serving process's and is checked there."""
     if rows is None:
         from vllm.config import SchedulerConfig
@@ -242,6 +243,13 @@ def plan_line(model, arch: str, checked: frozenset[str] | None = None, rows=None
     if arch in bias_checked and why is None:
         bias = ("the bias GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time "
                 "check finds cuBLAS's one-split order")
+        loop_checked = _archs(None, PERSISTENT_CHECKED)[1]
+        loop_why = persistent_reason(planned.constants, rows) if arch in loop_checked else None
+        if arch in loop_checked and loop_why is None:
+            bias += (", all N steps in one launch (markov_persistent_loop) at those up to 32 where its build-time "
+                     "probe agrees with vLLM's loop")
+        elif arch in loop_checked:
+            bias += f", one launch a step ({loop_why})"
     else:
         bias = f"the step after vLLM's bias GEMM ({why or BIAS_UNCHECKED.format(arch=arch)})"
     return (f"Markov stage: greedy drafting fused (markov_step {planned.constants.key()}) for 1 to {rows} requests, "
@@ -259,6 +267,18 @@ def fused_bias_reason(constants, rows: int) -> str | None:
     except ImportError:
         return None
     return fused_unsupported(constants, min(int(rows), MAX_ROWS))
+
+
+def persistent_reason(constants, rows: int) -> str | None:
+    """Why the N greedy steps in one launch do not take the head of
+    ``constants`` for steps of up to ``rows`` requests (built for at most
+    32: dspark-cute's ``persistent_unsupported``), or None; None too where
+    dspark-cute is not installed (the build then says why)."""
+    try:
+        from dspark_cute.cutedsl.markov.persistent import MAX_LOOP_ROWS, persistent_unsupported
+    except ImportError:
+        return None
+    return persistent_unsupported(constants, min(int(rows), MAX_LOOP_ROWS))
 
 
 def refusal_reason(error: Exception) -> str:
@@ -556,5 +576,5 @@ class MarkovStage:
 
 
 __all__ = ["BIAS_CHECKED", "MARKOV_CHECKED", "PERSISTENT_CHECKED", "SAMPLE_CHECKED", "MarkovStage", "StagePlan",
-           "arch_reason", "attempt", "bias_gemm_reason", "fused_bias_reason", "head_constants", "plan_line",
-           "plan_stage", "refusal_reason"]
+           "arch_reason", "attempt", "bias_gemm_reason", "fused_bias_reason", "head_constants", "persistent_reason",
+           "plan_line", "plan_stage", "refusal_reason"]
