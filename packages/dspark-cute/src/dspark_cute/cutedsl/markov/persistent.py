@@ -74,7 +74,8 @@ MAX_LOOP_ROWS = 32  # rows one launch takes: at 64 its registers spill (the step
 LOOP_TILES = (1, 2, 4)  # token tiles of 8 rows
 KEY_ROWS = MAX_LOOP_ROWS  # key words a step
 MAX_STEPS = 16  # steps one launch takes (unrolled: each its own code)
-TIMEOUT_S = 2.0  # a grid barrier's wait before ``trap``
+TIMEOUT_S = 5.0  # a grid barrier's wait before ``trap`` (the mailbox's poll default: a context switched out by
+# time-slicing must not trap)
 
 
 class PersistentLayout(BiasStepLayout):
