@@ -14,6 +14,7 @@
 #   spec           dspark-core's GPU tests (the spec on CUDA; no CuTe DSL needed)
 #   norms qkv markov gating gemv attention   the kernel families' GPU suites (against the spec and the stock binaries)
 #   markov-persistent  the N greedy steps in one cooperative launch against vLLM's loop (CuTe DSL 4.8)
+#   markov-bias-sample the probabilistic step with its bias GEMM against the step after cuBLAS's GEMM and vLLM's binary
 #   bench-markov   the Markov stage alone: vLLM's loop, the bias step's N launches, the persistent launch
 #   probe-direct-gemm  an exact one-split GEMM with a GEMV's schedule (register-direct, one warp a 16-row tile)
 #                  against cuBLAS: time and bits (scripts/probes/exact_direct_gemm.py)
@@ -73,8 +74,9 @@ wanted norms && gpu norms 240 packages/dspark-cute/tests/test_gpu_row_norm.py \
 wanted qkv && gpu qkv 300 packages/dspark-cute/tests/test_gpu_qkv_epilogue.py
 wanted markov && gpu markov 300 packages/dspark-cute/tests/test_gpu_markov.py packages/dspark-cute/tests/test_gpu_markov_stock.py \
   packages/dspark-cute/tests/test_gpu_markov_bias_step.py
+wanted markov-bias-sample && gpu markov-bias-sample 300 packages/dspark-cute/tests/test_gpu_markov_bias_sample.py
 wanted markov-persistent && gpu markov-persistent 300 packages/dspark-cute/tests/test_gpu_markov_persistent.py
-wanted bench-markov && step bench-markov 200 python scripts/probes/markov_loop.py --rows 1,4,16,32,64
+wanted bench-markov && step bench-markov 240 python scripts/probes/markov_loop.py --rows 1,4,16,32,64 --sample
 wanted probe-direct-gemm && step probe-direct-gemm 500 python scripts/probes/exact_direct_gemm.py
 wanted gating && gpu gating 200 packages/dspark-cute/tests/test_gpu_activations.py
 wanted attention && gpu attention 200 packages/dspark-cute/tests/test_gpu_attention.py

@@ -425,3 +425,40 @@ def fam_unclear_markov_loop_operands(rng):
         return refused(lambda: host.run(*make()), words)
 
     return Case("unclear", f"{name}.run: {kind}", run)
+
+
+def fam_unclear_markov_bias_sample_operands(rng):
+    """A bad sampling operand for the probabilistic Markov step with its bias GEMM
+    (``MarkovBiasSampleStep``), built on the CPU: ``run`` must refuse it naming the operand
+    before it asks for a GPU."""
+    from dspark_core.contracts.markov import markov_sample_constants
+    from dspark_cute.cutedsl.markov.bias_sample import MarkovBiasSampleStep
+
+    vocab, target, rank, rows, steps = 384, 512, 64, rng.randint(1, 8), rng.randint(1, 4)
+    c = markov_sample_constants(vocab, target, rank, 0.5, None)
+    w1, w2 = torch.zeros(target, rank, dtype=torch.bfloat16), torch.zeros(vocab, rank, dtype=torch.bfloat16)
+    d2t = torch.zeros(vocab, dtype=torch.int64)  # targets 0 .. vocab - 1
+    base, ids = torch.zeros(rows, vocab, dtype=torch.bfloat16), torch.zeros(rows, dtype=torch.int64)
+    temperature, seeds = torch.ones(rows + 1), torch.zeros(rows + 1, dtype=torch.int64)
+    cache = torch.zeros(rows + 1, steps, target, dtype=torch.bfloat16)
+    ok = dict(base=base, prev=ids, tokens=ids.clone(), idx_map=ids.clone(), temperature=temperature, seeds=seeds,
+              pos=ids.clone(), cache=cache, col=steps - 1)
+    kinds = {
+        "idx_map in int32": ({"idx_map": ids.int()}, ["idx_map", "int64"]),
+        "pos of another count": ({"pos": torch.zeros(rows + 1, dtype=torch.int64)}, ["pos"]),
+        "temperature in float64": ({"temperature": temperature.double()}, ["temperature"]),
+        "seeds strided": ({"seeds": torch.zeros(2 * rows + 2, dtype=torch.int64)[::2]}, ["seeds", "contiguous"]),
+        "a float32 logits cache": ({"cache": cache.float()}, ["logits cache", "bfloat16"]),
+        "a cache narrower than the target vocabulary": ({"cache": cache[..., :target - 8]}, ["logits cache"]),
+        "a step past the cache": ({"col": steps}, ["col", "step"]),
+        "a step given as a bool": ({"col": True}, ["col", "step"]),
+        "previous ids in float32": ({"prev": ids.float()}, ["previous ids", "int32 or int64"]),
+    }
+    kind = rng.choice(sorted(kinds))
+    change, words = kinds[kind]
+
+    def run():
+        host = MarkovBiasSampleStep(c, w1, d2t, w2, max_rows=8)
+        return refused(lambda: host.run(**{**ok, **change}), words)
+
+    return Case("unclear", f"MarkovBiasSampleStep.run: {kind}", run)

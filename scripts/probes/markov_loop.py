@@ -4,10 +4,12 @@ rank 256, d2t, soft cap 30): DSpark's fused step after cuBLAS's bias GEMM
 (``markov.loop.run_greedy_loop``: 1 + 2N launches) against the step with
 its bias GEMM (``markov.bias_step``: N launches) and the N steps in one
 cooperative launch (``markov.persistent``, up to 32 requests, CuTe DSL 4.8),
-with and without PDL, the tokens compared (issue 33's Markov target). Numbers of 2026-12-04 (H200):
-``docs/gemm-order.md``.
+with and without PDL, the tokens compared (issue 33's Markov target); with
+``--sample`` also the probabilistic stage after cuBLAS's GEMM against the
+step with its bias GEMM (``markov.bias_sample``), tokens and logits cache
+compared. Numbers of 2026-12-04 (H200): ``docs/gemm-order.md``.
 
-``python scripts/probes/markov_loop.py [--rows 1,4,16,64] [--steps 4]``
+``python scripts/probes/markov_loop.py [--rows 1,4,16,64] [--steps 4] [--sample]``
 prints one line per row count and a table last."""
 import argparse
 import statistics
@@ -28,6 +30,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="1,4,16,64")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--sample", action="store_true", help="also the probabilistic stage (markov_bias_sample)")
     p.add_argument("--seed", type=int, default=time.time_ns() % 2**31)
     a = p.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
@@ -84,10 +87,65 @@ def main() -> int:
         line = f"| {r} | " + " | ".join(cells) + " |"
         print(line, flush=True)
         lines.append(line)
+    sampled = sample_lines(rows, n, w1, w2, d2t, variants, gen, timed) if a.sample else []
     print(f"\nMarkov stage, N = {n}, {torch.cuda.get_device_name()}, seed {a.seed}; µs per loop (CUDA graph, median)")
     print("| requests | after cuBLAS's bias GEMM (1 + 2N launches) | " + " | ".join(variants) + " |")
     print("\n".join(lines))
+    if sampled:
+        print("\nprobabilistic (draft_logits set, temperature 0.7 but one greedy request), same head")
+        print("| requests | after cuBLAS's bias GEMM (1 + 2N launches) | with its bias GEMM (N launches), PDL on |")
+        print("\n".join(sampled))
     return 0
+
+
+def sample_lines(rows, n, w1, w2, d2t, variants, gen, timed) -> list:
+    """The probabilistic stage: ``MarkovSampleStep`` after cuBLAS's GEMM
+    against ``MarkovBiasSampleStep`` bound by the greedy check (PDL on),
+    tokens and the whole logits cache compared; one table line a row count."""
+    import torch
+
+    from dspark_core.contracts.markov import markov_sample_constants
+    from dspark_cute.cutedsl.markov.bias_sample import (
+        MAX_SAMPLE_ROWS,
+        MarkovBiasSampleStep,
+        run_fused_probabilistic_loop,
+    )
+    from dspark_cute.cutedsl.markov.loop import run_probabilistic_loop
+    from dspark_cute.cutedsl.markov.sample import MarkovSampleStep
+
+    vocab, vt, rank = w2.shape[0], w1.shape[0], w1.shape[1]
+    c = markov_sample_constants(vocab, vt, rank, 0.0625, 30.0)
+    sample = MarkovSampleStep(c, w1, d2t, max_rows=max(rows))
+    sample.prepare()
+    greedy = next(v for k, v in variants.items() if "N launches" in k and "PDL on" in k)
+    fused = MarkovBiasSampleStep(c, w1, d2t, w2, min(max(rows), MAX_SAMPLE_ROWS))
+    fused.bind(greedy)
+    embed = torch.empty(max(rows), rank, dtype=torch.bfloat16, device="cuda")
+    out = []
+    for r in rows:
+        base = (torch.randn(r * n, vocab, generator=gen, device="cuda") * 4).to(torch.bfloat16).view(r, n, vocab)
+        prev = torch.randint(0, vt, (r,), generator=gen, device="cuda")
+        idx_map = torch.arange(r, device="cuda")[:, None].expand(r, n).contiguous()
+        temperature = torch.full((r,), 0.7, device="cuda")
+        temperature[0] = 0.0
+        seeds = torch.randint(0, 2**62, (r,), generator=gen, device="cuda")
+        pos = torch.randint(1, 10**6, (r, n), generator=gen, device="cuda")
+        caches = [torch.zeros(r, n, vt, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+        toks = [torch.full((r, n), -1, dtype=torch.int64, device="cuda") for _ in range(2)]
+        ref_args = (base, prev, w2, toks[0], embed, idx_map, temperature, seeds, pos, caches[0])
+        t_ref = timed(lambda a=ref_args: run_probabilistic_loop(sample, *a))
+        cells = [f"{t_ref:.1f}"]
+        if r in fused.rows:
+            args = (base, prev, toks[1], idx_map, temperature, seeds, pos, caches[1])
+            t = timed(lambda a=args: run_fused_probabilistic_loop(fused, *a))
+            same = torch.equal(toks[0], toks[1]) and torch.equal(caches[0].view(torch.int16),
+                                                                 caches[1].view(torch.int16))
+            cells.append(f"{t:.1f}{'' if same else ' DIFFERS'}")
+        else:
+            cells.append("-")
+        out.append(f"| {r} | " + " | ".join(cells) + " |")
+        print(out[-1], flush=True)
+    return out
 
 
 if __name__ == "__main__":

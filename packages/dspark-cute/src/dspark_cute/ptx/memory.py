@@ -216,6 +216,15 @@ def st_global_b32_if(addr, word, token, m, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_global_b16_if(addr, word, token, m, *, loc=None, ip=None) -> None:
+    """Store the low 16 bits of ``word`` at the 2-byte aligned global
+    ``addr`` if ``token < m`` (Int32)."""
+    asm(None, [i64(addr, loc, ip), u32(word, loc, ip), i32(token, loc, ip), i32(m, loc, ip)],
+        "{ .reg .b16 lo, hi; .reg .pred p; setp.lt.s32 p, $2, $3; mov.b32 {lo, hi}, $1; @p st.global.b16 [$0], lo; }",
+        "l,r,r,r", True, loc, ip)
+
+
+@dsl_user_op
 def st_global_b32_if_slot(addr, word, token, m, slot, num_slots, *, loc=None, ip=None) -> None:
     """Store ``word`` at global ``addr`` if ``token < m`` and ``0 <= slot <
     num_slots`` (the cache insert's skip rule; a skipped address is never
@@ -470,6 +479,7 @@ __all__ = [
     "st_f16x8",
     "st_f32x8",
     "st_global_b32",
+    "st_global_b16_if",
     "st_global_b32_if",
     "st_global_b32_if_slot",
     "st_global_v2_f32_if",

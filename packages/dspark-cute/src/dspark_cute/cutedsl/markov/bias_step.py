@@ -193,12 +193,25 @@ class BiasStepParts:
                         words[lay.word(nt, par, at, half)] = ptx.ld_global_u16(
                             Int64(base) + (Int64(tc) * Int64(base_stride) + Int64(cc)) * 2)
 
+    def token_key(self, tok, cols, ys, m, ctx) -> Int64:
+        """The largest argmax key of token ``tok``'s values ``ys`` at draft
+        columns ``cols`` (the greedy step: the keys of ``y`` by draft
+        column; a tile past the vocabulary, whole since vocab % 16 == 0,
+        keys 0, below every key). ``ctx`` is the kernel's (``warp_keys``):
+        none here."""
+        c, key = self.constants, None
+        for col, y in zip(cols, ys):
+            k = ptx.key_below(ptx.argmax_key(y, col), col, Int32(c.vocab))
+            key = k if key is None else ptx.max_u64(key, k)
+        return key
+
     @cute.jit
-    def warp_keys(self, smem, wbase, col0, warp, lane, m, words, bias_out) -> None:
+    def warp_keys(self, smem, wbase, col0, warp, lane, m, words, bias_out, ctx=None) -> None:
         """Steps 2-3 of the warp's columns, its embedding rows and w2 rows in
-        shared memory: the bias sums (``chunk_mmas``), each value's argmax
-        key, the largest per token over the warp, stored at the layout's
-        ``keys`` (warp-major). With ``store_bias`` each bias value of a row
+        shared memory: the bias sums (``chunk_mmas``), each token's largest
+        key over its values (``token_key``, given the kernel's ``ctx``), the
+        largest per token over the warp, stored at the layout's ``keys``
+        (warp-major). With ``store_bias`` each bias value of a row
         below ``m`` and a column below the vocabulary is also stored, BF16,
         at ``bias_out + 2 (vocab row + column)``."""
         c, lay = self.constants, self.lay
@@ -223,11 +236,7 @@ class BiasStepParts:
                             past = (col0 + 16 * at - c.vocab) >> 31  # -1 below the vocabulary, 0 past it
                             ptx.st_global_bf16_rn_if(Int64(bias_out) + (Int64(tok) * c.vocab + Int64(cols[-1])) * 2,
                                                      s, tok + 64 * (1 + past), m)
-                key = None
-                for col, y in zip(cols, step_values(c, bs, biases)):
-                    # A tile past the vocabulary (whole: vocab % 16 == 0) keys 0, below every key.
-                    k = ptx.key_below(ptx.argmax_key(y, col), col, Int32(c.vocab))
-                    key = k if key is None else ptx.max_u64(key, k)
+                key = self.token_key(tok, cols, step_values(c, bs, biases), m, ctx)
                 wkey = ptx.warp_key_max(key, (16, 8, 4))
                 if g == 0:
                     ptx.st_shared_b64(smem + lay.keys + (Int32(warp) * (8 * lay.n_tiles) + tok) * 8, wkey)
@@ -391,6 +400,29 @@ def one_split_rows(result: gemm_check.CheckResult, rows) -> tuple[dict[int, None
     return taken, refused
 
 
+def check_w2(constants, w2, device) -> None:
+    """ValueError unless ``w2`` (the stock's ``markov_w2``) is a contiguous,
+    16-byte aligned BF16 ``[Vpad >= vocab, rank]`` tensor on ``device``."""
+    if not (isinstance(w2, torch.Tensor) and w2.dtype == torch.bfloat16 and w2.dim() == 2
+            and w2.shape[0] >= constants.vocab and w2.shape[1] == constants.rank and w2.is_contiguous()
+            and w2.data_ptr() % 16 == 0 and w2.device == device):
+        raise ValueError(f"w2 must be a contiguous, 16-byte aligned bfloat16 [>= {constants.vocab}, "
+                         f"{constants.rank}] tensor on {device}, not {describe(w2)}")
+
+
+def check_max_rows(max_rows) -> None:
+    """ValueError unless ``max_rows`` is an int from 1 to ``MAX_ROWS``."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
+        raise ValueError(f"the fused bias step takes 1 to {MAX_ROWS} rows, not max_rows={max_rows!r}")
+
+
+def check_prev(rows: int, prev) -> None:
+    """ValueError unless ``prev`` (the previous ids) is an int32 or int64 ``[rows]`` tensor (any stride)."""
+    if not isinstance(prev, torch.Tensor) or prev.dtype not in (torch.int32, torch.int64) \
+            or tuple(prev.shape) != (rows,):
+        raise ValueError(f"the previous ids must be int32 or int64 [{rows}], not {describe(prev)}")
+
+
 class MarkovBiasStep(LazyPdl):
     """The greedy Markov step with its bias GEMM (module docstring), bound
     to ``w1`` (BF16 ``[V_target, rank]``), ``d2t`` (int64 ``[vocab]`` or
@@ -416,17 +448,12 @@ class MarkovBiasStep(LazyPdl):
     def __init__(self, constants: MarkovConstants, w1: torch.Tensor, d2t: torch.Tensor | None, w2: torch.Tensor,
                  max_rows: int = MAX_ROWS, *, pdl: bool | None = None) -> None:
         check_constants(constants)
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
-            raise ValueError(f"the fused bias step takes 1 to {MAX_ROWS} rows, not max_rows={max_rows!r}")
+        check_max_rows(max_rows)
         why = fused_unsupported(constants, max_rows)
         if why is not None:
             raise Unsupported(why)
         check_head(constants, w1, d2t)
-        if not (isinstance(w2, torch.Tensor) and w2.dtype == torch.bfloat16 and w2.dim() == 2
-                and w2.shape[0] >= constants.vocab and w2.shape[1] == constants.rank and w2.is_contiguous()
-                and w2.data_ptr() % 16 == 0 and w2.device == w1.device):
-            raise ValueError(f"w2 must be a contiguous, 16-byte aligned bfloat16 [>= {constants.vocab}, "
-                             f"{constants.rank}] tensor on {w1.device}, not {describe(w2)}")
+        check_w2(constants, w2, w1.device)
         self.constants, self.w1, self.d2t, self.w2, self.max_rows = constants, w1, d2t, w2, max_rows
         self.device = w1.device
         self._pdl = None if pdl is None else bool(pdl)
@@ -463,9 +490,7 @@ class MarkovBiasStep(LazyPdl):
             check_logits(c.vocab, self.max_rows, base)
             rows = base.shape[0]
             check_tokens(rows, tokens)
-            if not isinstance(prev, torch.Tensor) or prev.dtype not in (torch.int32, torch.int64) \
-                    or tuple(prev.shape) != (rows,):
-                raise ValueError(f"the previous ids must be int32 or int64 [{rows}], not {describe(prev)}")
+            check_prev(rows, prev)
             if not isinstance(first, bool):
                 raise ValueError(f"first must be a bool, not {first!r}")
             check_on(self.device, (("the base logits", base), ("the previous ids", prev), ("the tokens", tokens)))
@@ -530,5 +555,5 @@ def run_fused_greedy_loop(step: MarkovBiasStep, base: torch.Tensor, prev: torch.
         step.launch(base[:, i], prev if i == 0 else tokens[:, i - 1], tokens[:, i], i == 0)
 
 
-__all__ = ["A_TILES", "MAX_ROWS", "MarkovBiasKernel", "MarkovBiasStep", "compile_bias_step", "fused_unsupported",
-           "n_tiles_for", "one_split_rows", "run_fused_greedy_loop"]
+__all__ = ["A_TILES", "MAX_ROWS", "MarkovBiasKernel", "MarkovBiasStep", "check_max_rows", "check_prev", "check_w2",
+           "compile_bias_step", "fused_unsupported", "n_tiles_for", "one_split_rows", "run_fused_greedy_loop"]

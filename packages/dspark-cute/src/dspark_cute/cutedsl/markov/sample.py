@@ -65,6 +65,38 @@ def check_constants(c: MarkovSampleConstants) -> None:
     constants_of(c, MarkovSampleConstants, "MarkovSampleStep")
 
 
+def check_sampling(c: MarkovSampleConstants, rows: int, idx_map, temperature, seeds, pos, cache, col) -> None:
+    """ValueError unless a step of ``rows`` rows takes these sampling
+    operands (``MarkovSampleStep``'s docstring): ``idx_map`` and ``pos``
+    int64 ``[rows]`` (any stride), ``temperature`` FP32 and ``seeds`` int64
+    contiguous vectors, the BF16 logits ``cache [requests, steps, >=
+    target_vocab]`` with unit column stride, row strides multiples of 8 and a
+    16-byte aligned start, ``col`` one of its steps."""
+    for name, t in (("idx_map", idx_map), ("pos", pos)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != (rows,):
+            raise ValueError(f"{name} must be int64 [{rows}], not {describe(t)}")
+    for name, t, dtype in (("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dtype} vector, not {describe(t)}")
+    if not isinstance(cache, torch.Tensor) or cache.dtype != torch.bfloat16 or cache.dim() != 3 \
+            or cache.shape[2] < c.target_vocab or cache.stride(2) != 1 or cache.stride(1) % VEC \
+            or cache.stride(0) % VEC or cache.data_ptr() % 16:
+        raise ValueError(f"the logits cache must be bfloat16 [requests, steps, >= {c.target_vocab}] with unit "
+                         f"column stride, row strides multiples of {VEC}, 16-byte aligned, not {describe(cache)}")
+    if isinstance(col, bool) or not isinstance(col, int) or not 0 <= col < cache.shape[1]:
+        raise ValueError(f"col must be a step of the cache, 0 to {cache.shape[1] - 1}, not {col!r}")
+
+
+def inverse_d2t(c: MarkovSampleConstants, d2t: torch.Tensor) -> torch.Tensor:
+    """``t2d``: int32 ``[target_vocab]`` on d2t's device, the draft column
+    each target column is mapped from, -1 where none (``d2t`` as
+    ``MarkovSampleStep`` takes it: distinct targets below target_vocab)."""
+    target = check_d2t(d2t, c.vocab, c.target_vocab, distinct=True)
+    t2d = torch.full((c.target_vocab,), -1, dtype=torch.int32, device=d2t.device)
+    t2d[target] = torch.arange(c.vocab, dtype=torch.int32, device=d2t.device)
+    return t2d
+
+
 class MarkovSampleKernel:
     """The traced probabilistic step of one ``MarkovSampleConstants``. Call:
     ``(base, base_stride, bias, bias_stride, t2d, w1, embed, tokens,
@@ -107,13 +139,12 @@ def _bf16_at(base, row, stride, column) -> Float32:
     return ptx.as_f32(Uint32(word) << Uint32(16))
 
 
-def sample_key(c: MarkovSampleConstants, tidx, cta, row, base, base_stride, bias, bias_stride, t2d, idx_map,
-               idx_stride, temperature, seeds, pos, pos_stride, cache, cache_s0, cache_s1, col) -> Int64:
-    """Steps 1-3 and the thread's first fold of step 4 (module docstring)."""
-    v = Int32(cta) * THREADS + Int32(tidx)
-    vc = cutlass.min(v, Int32(c.target_vocab // VEC - 1))
-    c0 = vc * VEC
-    # The row's request, temperature, seed and position (every thread loads them: cached).
+def row_sampling(row, idx_map, idx_stride, temperature, seeds, pos, pos_stride, col) -> tuple:
+    """Row ``row``'s sampling operands at step ``col`` (module docstring):
+    ``(valid, reqc, temp, seed, p)``: whether ``idx_map[row] >= 0``, the
+    request clamped to 0, its temperature and ``seed ^ (col << 32)`` (0 and
+    ``col << 32`` for an invalid row), and ``pos[row] - 1 + 2^30``. The
+    noise applies where ``temp != 0``."""
     req = ptx.ld_global_s64(Int64(idx_map) + Int64(row) * Int64(idx_stride) * 8)
     valid = req >= Int64(0)
     reqc = cutlass.max(req, Int64(0))
@@ -123,6 +154,17 @@ def sample_key(c: MarkovSampleConstants, tidx, cta, row, base, base_stride, bias
     temp = cutlass.select_(valid, temp, zero)
     seed = cutlass.select_(valid, seed, Int64(0)) ^ (Int64(col) << 32)
     p = ptx.ld_global_s64(Int64(pos) + Int64(row) * Int64(pos_stride) * 8) - 1 + (1 << 30)
+    return valid, reqc, temp, seed, p
+
+
+def sample_key(c: MarkovSampleConstants, tidx, cta, row, base, base_stride, bias, bias_stride, t2d, idx_map,
+               idx_stride, temperature, seeds, pos, pos_stride, cache, cache_s0, cache_s1, col) -> Int64:
+    """Steps 1-3 and the thread's first fold of step 4 (module docstring)."""
+    v = Int32(cta) * THREADS + Int32(tidx)
+    vc = cutlass.min(v, Int32(c.target_vocab // VEC - 1))
+    c0 = vc * VEC
+    # The row's request, temperature, seed and position (every thread loads them: cached).
+    valid, reqc, temp, seed, p = row_sampling(row, idx_map, idx_stride, temperature, seeds, pos, pos_stride, col)
     words = ptx.ld_global_v4(Int64(t2d) + Int64(c0) * 4) + ptx.ld_global_v4(Int64(t2d) + Int64(c0) * 4 + 16)
     b, s = [], []
     for w in words:
@@ -136,7 +178,7 @@ def sample_key(c: MarkovSampleConstants, tidx, cta, row, base, base_stride, bias
     ptx.st_global_v4_if(Int64(cache) + (reqc * Int64(cache_s0) + Int64(col) * Int64(cache_s1) + Int64(c0)) * 2,
                         [ptx.pack_bf16x2_rn(x[k], x[k + 1]) for k in range(0, VEC, 2)],
                         cutlass.select_(valid, Int32(0), Int32(1)), Int32(1))
-    noisy = temp != zero
+    noisy = temp != ptx.f32_const(0.0)
     key = Int64(0)
     for k in range(VEC):
         g = ptx.gumbel_noise(ptx.gumbel_uniform(seed, p, c0 + k))
@@ -194,12 +236,10 @@ class MarkovSampleStep:
         check_w1(w1, constants.rank, constants.target_vocab)
         # (d2t is read here, the kernel reads its inverse t2d: any strides)
         check_d2t_tensor(d2t, constants.vocab, w1.device, contiguous=False)
-        target = check_d2t(d2t, constants.vocab, constants.target_vocab, distinct=True)
+        self.t2d = inverse_d2t(constants, d2t)
         self.keys, self.counters = row_words(max_rows, w1.device)
         self.constants, self.w1, self.d2t, self.max_rows = constants, w1, d2t, max_rows
         self.device = w1.device
-        self.t2d = torch.full((constants.target_vocab,), -1, dtype=torch.int32, device=w1.device)
-        self.t2d[target] = torch.arange(constants.vocab, dtype=torch.int32, device=w1.device)
         self.op_handle = ops.register(self)
 
     def prepare(self) -> None:
@@ -219,19 +259,7 @@ class MarkovSampleStep:
         check_logits(c.vocab, self.max_rows, base, bias)
         rows = base.shape[0]
         check_outputs(c.rank, rows, tokens, embed, gather)
-        for name, t in (("idx_map", idx_map), ("pos", pos)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != (rows,):
-                raise ValueError(f"{name} must be int64 [{rows}], not {describe(t)}")
-        for name, t, dtype in (("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64)):
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1 or not t.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous {dtype} vector, not {describe(t)}")
-        if not isinstance(cache, torch.Tensor) or cache.dtype != torch.bfloat16 or cache.dim() != 3 \
-                or cache.shape[2] < c.target_vocab or cache.stride(2) != 1 or cache.stride(1) % VEC \
-                or cache.stride(0) % VEC or cache.data_ptr() % 16:
-            raise ValueError(f"the logits cache must be bfloat16 [requests, steps, >= {c.target_vocab}] with unit "
-                             f"column stride, row strides multiples of {VEC}, 16-byte aligned, not {describe(cache)}")
-        if not isinstance(col, int) or not 0 <= col < cache.shape[1]:
-            raise ValueError(f"col must be a step of the cache, 0 to {cache.shape[1] - 1}, not {col!r}")
+        check_sampling(c, rows, idx_map, temperature, seeds, pos, cache, col)
         check_on(self.device, (("the base logits", base), ("the Markov bias", bias), ("the tokens", tokens),
                                ("the embedding output", embed), ("idx_map", idx_map), ("temperature", temperature),
                                ("seeds", seeds), ("pos", pos), ("the logits cache", cache)))
@@ -259,5 +287,5 @@ class MarkovSampleStep:
                Int64(cache.stride(1)), Int32(col), Int32(base.shape[0]), current_stream())
 
 
-__all__ = ["MarkovSampleKernel", "MarkovSampleStep", "check_constants", "compile_markov_sample", "fake_args",
-           "sample_key"]
+__all__ = ["MarkovSampleKernel", "MarkovSampleStep", "check_constants", "check_sampling", "compile_markov_sample",
+           "fake_args", "inverse_d2t", "row_sampling", "sample_key"]
