@@ -79,7 +79,7 @@ def fam_markov_fp32(rng):
 
 
 def _stub_head(vocab: int, target: int, rank: int, mult=0.0625, cap=30.0, dtype=torch.bfloat16, d2t=True):
-    """vLLM's draft as ``dspark_vllm.markov.plan_stage`` reads it (the Markov
+    """vLLM's draft as ``dspark_vllm.markov_plan.plan_stage`` reads it (the Markov
     head's weights, the vocabularies, the output transform, the d2t map)."""
     w1 = torch.zeros(max(vocab, target), rank, dtype=torch.bfloat16)
     ids = torch.arange(vocab) * max(1, target // max(vocab, 1))
@@ -146,7 +146,7 @@ def fam_plan_markov_contract(rng):
 
 
 def fam_plan_markov_vllm(rng):
-    """``dspark_vllm.markov.plan_stage`` (the plan line's and the build's decision) on a head past a limit,
+    """``dspark_vllm.markov_plan.plan_stage`` (the plan line's and the build's decision) on a head past a limit,
     then the host classes on whatever it fuses."""
     kind = rng.choice(["rows", "checked as a string", "draft vocab above the target's", "rank past 2048",
                        "soft cap not finite in FP32", "multiplier not finite in FP32", "FP16 head"])
@@ -171,7 +171,7 @@ def fam_plan_markov_vllm(rng):
     words = ["checked", "architectures", "max_num_seqs", "rows"]
 
     def run():
-        from dspark_vllm.markov import plan_stage
+        from dspark_vllm.markov_plan import plan_stage
 
         model = _stub_head(vocab, target, rank, mult, cap, dtype)
         try:

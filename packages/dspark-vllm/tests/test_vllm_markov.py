@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from dspark_core.spec import gumbel  # noqa: E402
 from dspark_core.spec import markov as spec  # noqa: E402
 from dspark_vllm import markov as hook  # noqa: E402
+from dspark_vllm import markov_plan as stage_plan  # noqa: E402
 
 R = 5
 SEED = int(os.environ.get("DSPARK_SEED", "") or time.time_ns() % (2**31 - 1))
@@ -228,7 +229,7 @@ class CpuSampleStep:
 
 
 def fused_stage(built, monkeypatch) -> hook.MarkovStage:
-    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
+    monkeypatch.setattr(stage_plan, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
     stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
                              checked=frozenset({"sm_90a"}), sample_class=CpuSampleStep)
     stage.build()
@@ -277,16 +278,18 @@ def test_hook_drafts_vllms_tokens(built, seed, monkeypatch, num_reqs):
     assert torch.equal(s.draft_tokens, stock.draft_tokens)
 
 
-def test_hook_drafts_probabilistically_as_vllms_loop_with_the_spec_sampler(built, seed, monkeypatch):
-    """With ``draft_logits`` set: the hook's tokens and logits cache are vLLM's loop's (its own embed, bias,
-    transform, scatter and ``_sample_logits`` arguments) with the spec's ``gumbel.sample`` standing in for the
-    Triton ``gumbel_sample`` (test_vllm_gumbel.py compares those two)."""
-    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
-
+def probabilistic_twin(built, seed, monkeypatch, num_reqs: int) -> tuple:
+    """``(s, hidden, want, want_cache)``: a speculator primed for ``num_reqs``
+    requests with ``draft_logits`` set (vLLM's per-request sampling buffers
+    filled, one request greedy), and the tokens and logits cache of vLLM's
+    loop on it (its own embed, bias, transform, scatter and
+    ``_sample_logits`` arguments) with the spec's ``gumbel.sample`` standing
+    in for the Triton ``gumbel_sample`` (test_vllm_gumbel.py compares those
+    two)."""
     gen = torch.Generator().manual_seed(seed)
     model = built.model
     with_planted_base(model, gen, monkeypatch, nan=False)
-    num_reqs, s = 3, speculator(built)
+    s = speculator(built)
     hidden = prime(s, gen, num_reqs)
     n = s.num_speculative_steps
     slots = torch.randperm(8, generator=gen)[:num_reqs]
@@ -312,12 +315,18 @@ def test_hook_drafts_probabilistically_as_vllms_loop_with_the_spec_sampler(built
             rows.index_copy_(1, s._d2t_scatter_index, logits.to(buf.dtype))
             want[:, i] = gumbel.sample(rows, idx[:, i], s.temperature, s.seeds, pos[:, i] - 1, True, want_cache, i)
             prev = want[:, i]
+    return s, hidden, want, want_cache
+
+
+def test_hook_drafts_probabilistically_as_vllms_loop_with_the_spec_sampler(built, seed, monkeypatch):
+    """With ``draft_logits`` set: the hook's tokens and logits cache are vLLM's loop's (``probabilistic_twin``)."""
+    num_reqs = 3
+    s, hidden, want, want_cache = probabilistic_twin(built, seed, monkeypatch, num_reqs)
+    with torch.inference_mode():
         stage = fused_stage(built, monkeypatch)
-        assert stage.sample is not None, stage.sample_reason
-        monkeypatch.setattr(model, "sample_sequential", stage.sample_sequential, raising=False)
-        before = CpuSampleStep.launches
-        DSparkSpeculator._sample_sequential(s, num_reqs, hidden)
-    assert CpuSampleStep.launches - before == n
+    assert stage.sample is not None, stage.sample_reason
+    done = run_hook(built.model, stage, s, num_reqs, hidden, monkeypatch, (CpuSampleStep,))
+    assert done == (s.num_speculative_steps,)
     assert torch.equal(s.draft_tokens[:num_reqs], want)
     assert torch.equal(s.draft_logits.view(torch.int16), want_cache.view(torch.int16))
 
@@ -377,7 +386,7 @@ def test_the_default_checks_fuse_on_sm_90a_only(built, monkeypatch, caplog):
     probabilistic steps; sm_100a fuses neither; a probabilistic step whose
     arch is not in its own set keeps vLLM's loop, saying why once."""
     caplog.set_level(logging.INFO, logger="vllm.dspark")
-    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
+    monkeypatch.setattr(stage_plan, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
     stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
                              sample_class=CpuSampleStep)
     stage.build()
@@ -387,7 +396,7 @@ def test_the_default_checks_fuse_on_sm_90a_only(built, monkeypatch, caplog):
                              sample_class=CpuSampleStep)
     stage.build()
     assert stage.step is None and stage.sample is None and "on an sm_100a GPU" in stage.reason
-    monkeypatch.setattr(hook, "SAMPLE_CHECKED", frozenset())
+    monkeypatch.setattr(stage_plan, "SAMPLE_CHECKED", frozenset())
     stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
                              sample_class=CpuSampleStep)
     stage.build()
@@ -397,7 +406,7 @@ def test_the_default_checks_fuse_on_sm_90a_only(built, monkeypatch, caplog):
 
 
 def test_build_refuses_a_head_the_kernel_does_not_take(built, monkeypatch):
-    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)
+    monkeypatch.setattr(stage_plan, "bias_gemm_reason", lambda model: None)
     monkeypatch.setattr(built.model.config, "draft_vocab_size", 383)
     stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
                              checked=frozenset({"sm_90a"}))
@@ -421,48 +430,49 @@ def test_the_plugin_class_answers_the_hook():
 
 def test_plan_line(built, monkeypatch):
     model = built.model
-    key = hook.head_constants(model).key()
-    assert hook.plan_line(model, "sm_100a") == (
+    key = stage_plan.head_constants(model).key()
+    assert stage_plan.plan_line(model, "sm_100a") == (
         "Markov stage: vLLM's loop: the DSpark markov_step kernel is not yet checked bit for bit against vLLM "
         "0.33.0's greedy Markov loop on an sm_100a GPU")
     # The defaults: both steps checked on sm_90a; this draft's Markov rank (32) is below the bias step's unit.
     rank_reason = ("the step after vLLM's bias GEMM (the fused bias step takes a Markov rank that is a multiple of 64 "
                    "(the build-time check's unit), not 32)")
-    assert hook.plan_line(model, "sm_90a").startswith(
+    assert stage_plan.plan_line(model, "sm_90a").startswith(
         f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 128 requests, {rank_reason}; probabilistic "
         "drafting fused (markov_sample ")
-    monkeypatch.setattr(hook, "SAMPLE_CHECKED", frozenset())
-    assert hook.plan_line(model, "sm_90a").startswith(
+    monkeypatch.setattr(stage_plan, "SAMPLE_CHECKED", frozenset())
+    assert stage_plan.plan_line(model, "sm_90a").startswith(
         f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 128 requests, {rank_reason}; probabilistic "
         "drafting in vLLM's loop (the DSpark markov_sample kernel is checked against dspark-core's spec of vLLM's "
         "Gumbel sampler, not yet against vLLM 0.33.0's Triton gumbel_sample on an sm_90a GPU)")
     monkeypatch.undo()
-    monkeypatch.setattr(hook, "fused_bias_reason", lambda constants, rows: None)  # a head the bias step takes
-    line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
+    monkeypatch.setattr(stage_plan, "fused_bias_reason", lambda constants, rows: None)  # a head the bias step takes
+    line = stage_plan.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
     assert line.startswith(f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 8 requests, the bias "
                            "GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time "
                            "check finds cuBLAS's one-split order; probabilistic drafting fused (markov_sample ")
     assert "markov_persistent_loop" not in line  # PERSISTENT_CHECKED is empty until the loop has run on a GPU
-    assert "multiple of 64" in hook.persistent_reason(hook.head_constants(model), 8)  # the kernel's own limits
-    monkeypatch.setattr(hook, "PERSISTENT_CHECKED", frozenset({"sm_90a"}))
-    monkeypatch.setattr(hook, "persistent_reason", lambda constants, rows: None)
-    line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
+    # the kernel's own limits
+    assert "multiple of 64" in stage_plan.persistent_reason(stage_plan.head_constants(model), 8)
+    monkeypatch.setattr(stage_plan, "PERSISTENT_CHECKED", frozenset({"sm_90a"}))
+    monkeypatch.setattr(stage_plan, "persistent_reason", lambda constants, rows: None)
+    line = stage_plan.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
     assert ("cuBLAS's one-split order, all N steps in one launch (markov_persistent_loop) at those up to 32 where "
             "its build-time probe agrees with vLLM's loop; probabilistic") in line
-    monkeypatch.setattr(hook, "persistent_reason", lambda constants, rows: "no cooperative launch")
-    line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
+    monkeypatch.setattr(stage_plan, "persistent_reason", lambda constants, rows: "no cooperative launch")
+    line = stage_plan.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
     assert "one-split order, one launch a step (no cooperative launch); probabilistic" in line
-    monkeypatch.setattr(hook, "BIAS_CHECKED", frozenset())
-    line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
+    monkeypatch.setattr(stage_plan, "BIAS_CHECKED", frozenset())
+    line = stage_plan.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
     assert "the step after vLLM's bias GEMM (the DSpark markov_bias_step kernel is not yet checked" in line
     assert "markov_persistent_loop" not in line
     monkeypatch.undo()
     assert line.endswith("; vLLM's loop for the top-k loop, a watermarker, FP64 Gumbel noise, the confidence head and "
                          "adaptive verification")
     monkeypatch.setattr(model, "output_soft_cap_temp", 30.0)
-    assert hook.head_constants(model).key() != key  # the cap is compiled in
+    assert stage_plan.head_constants(model).key() != key  # the cap is compiled in
     monkeypatch.setattr(model.config, "draft_vocab_size", 100)
-    assert hook.plan_line(model, "sm_90a", frozenset({"sm_90a"})).endswith(
+    assert stage_plan.plan_line(model, "sm_90a", frozenset({"sm_90a"})).endswith(
         "a draft vocabulary below 2^31 that is a positive multiple of 8, not 100 (MarkovConstants.vocab)")
 
 
@@ -536,7 +546,7 @@ def _walk_markov_limit(built, monkeypatch, rank, vocab, target, rows, greedy, sa
     if target is not None:
         monkeypatch.setattr(model.config, "vocab_size", target)
     monkeypatch.setattr(built.config.scheduler_config, "max_num_seqs", rows)
-    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
+    monkeypatch.setattr(stage_plan, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
 
     v, vt, m = model.config.draft_vocab_size, model.config.vocab_size, float(model.output_multiplier)
     try:
@@ -550,7 +560,7 @@ def _walk_markov_limit(built, monkeypatch, rank, vocab, target, rows, greedy, sa
         contract_sampled = contract
     except (ValueError, TypeError):
         contract_sampled = False
-    line = hook.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows)
+    line = stage_plan.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows)
     stage = hook.MarkovStage(model, built.config, step_class=CpuStep, arch="sm_90a",
                              checked=frozenset({"sm_90a"}), sample_class=CpuSampleStep)
     stage.build()
@@ -570,7 +580,7 @@ def test_a_failure_while_the_step_is_built_keeps_vllms_loop(built, monkeypatch, 
     refusal) keeps vLLM's loop with its reason logged, never out of model
     loading."""
     caplog.set_level(logging.INFO, logger="vllm.dspark")
-    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)
+    monkeypatch.setattr(stage_plan, "bias_gemm_reason", lambda model: None)
 
     def failing(*args, **kwargs):
         raise RuntimeError("no compiler on this host")

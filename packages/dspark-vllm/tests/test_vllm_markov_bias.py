@@ -31,6 +31,7 @@ from dspark_core.runtime.gemm_check import CheckResult, Finding  # noqa: E402
 from dspark_core.spec import markov as spec  # noqa: E402
 from dspark_core.spec.split_order import SplitOrder  # noqa: E402
 from dspark_vllm import markov as hook  # noqa: E402
+from dspark_vllm import markov_plan as stage_plan  # noqa: E402
 
 # test_vllm_markov's fixtures: vLLM's draft built on the CPU, the printed seed.
 built = markov_tests.built
@@ -75,7 +76,7 @@ class CpuBiasStep:
 def bias_stage(built, monkeypatch, arch="sm_90a", checked=frozenset({"sm_90a"})) -> hook.MarkovStage:
     from dspark_cute.cutedsl.markov import bias_step
 
-    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
+    monkeypatch.setattr(stage_plan, "bias_gemm_reason", lambda model: None)  # the CPU platform's GEMM dispatch
     # The test draft's Markov rank (32) is below the kernel's unit (64); the
     # launch here is the spec's on the CPU, the kernel's limits are the GPU
     # tests' (test_gpu_markov_bias_step.py).
@@ -105,7 +106,7 @@ def test_build_keeps_the_step_after_vllms_gemm_with_the_reason(built, monkeypatc
     caplog.set_level(logging.INFO, logger=hook.logger.name)
     stage = hook.MarkovStage(built.model, built.config, step_class=CpuStep, arch="sm_90a",
                              checked=frozenset({"sm_90a"}), bias_class=CpuBiasStep)
-    monkeypatch.setattr(hook, "bias_gemm_reason", lambda model: None)
+    monkeypatch.setattr(stage_plan, "bias_gemm_reason", lambda model: None)
     stage.build()  # the real kernel limits: this draft's rank 32 is refused, the step kept after vLLM's GEMM
     assert stage.step is not None and stage.bias_step is None and "multiple of 64" in stage.bias_reason
     stage = bias_stage(built, monkeypatch, arch="sm_100a", checked=frozenset({"sm_100a"}))
@@ -114,7 +115,7 @@ def test_build_keeps_the_step_after_vllms_gemm_with_the_reason(built, monkeypatc
     stage = bias_stage(built, monkeypatch)
     assert stage.bias_step is None and "RuntimeError: the check's probe failed" in stage.bias_reason
     monkeypatch.setattr(CpuBiasStep, "fail", False)
-    monkeypatch.setattr(hook, "BIAS_CHECKED", frozenset())
+    monkeypatch.setattr(stage_plan, "BIAS_CHECKED", frozenset())
     stage = bias_stage(built, monkeypatch)
     assert stage.bias_step is None and "not yet checked" in stage.bias_reason
     assert any("runs its step after vLLM's bias GEMM" in r.getMessage() for r in caplog.records)

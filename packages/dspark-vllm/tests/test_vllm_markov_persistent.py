@@ -30,6 +30,7 @@ from test_vllm_markov_bias import SPLIT_ROWS, CpuBiasStep, bias_stage  # noqa: E
 
 from dspark_core.spec import markov as spec  # noqa: E402
 from dspark_vllm import markov as hook  # noqa: E402
+from dspark_vllm import markov_plan as stage_plan  # noqa: E402
 
 built = markov_tests.built
 seed = markov_tests.seed
@@ -69,7 +70,7 @@ def loop_stage(built, monkeypatch, checked=frozenset({"sm_90a"})) -> hook.Markov
     # has no cooperative launch to ask about: the kernel's limits are the GPU
     # and compile tests'.
     monkeypatch.setattr(persistent, "persistent_unsupported", lambda constants, max_rows, sms=None: None)
-    monkeypatch.setattr(hook, "PERSISTENT_CHECKED", checked)
+    monkeypatch.setattr(stage_plan, "PERSISTENT_CHECKED", checked)
     monkeypatch.setattr(hook, "_persistent_class", lambda: CpuLoop)
     return bias_stage(built, monkeypatch)
 

@@ -36,7 +36,10 @@ vLLM's loop, False (having done nothing) runs it. ``MarkovStage`` answers:
   beside the step on the architectures of ``BIAS_CHECKED``), one launch a
   step does the bias GEMM too (``bias_step.run_fused_greedy_loop``); on
   those of ``PERSISTENT_CHECKED`` (none yet), at those counts up to 32 one
-  launch does all N steps (``persistent.MarkovPersistentLoop``).
+  launch does all N steps (``persistent.MarkovPersistentLoop``). With
+  ``draft_logits`` set, on those of ``BIAS_SAMPLE_CHECKED`` (none yet), at
+  those counts up to 32 one launch a step does the bias GEMM and the
+  probabilistic step (``bias_sample.run_fused_probabilistic_loop``).
 
 Every decision reads host state only (no device sync), so the hook is
 capturable in vLLM's FULL CUDA graph.
@@ -44,53 +47,12 @@ capturable in vLLM's FULL CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from dspark_core import checks
-from dspark_core.contracts.markov import (
-    MarkovConstants,
-    MarkovSampleConstants,
-    markov_constants,
-    markov_rows,
-    markov_sample_constants,
-)
 from dspark_core.errors import Unsupported
 from dspark_vllm import deployment
+from dspark_vllm import markov_plan as plan
 from dspark_vllm.runtime import logger
-
-# GPU architectures on which the greedy step was checked bit for bit against
-# vLLM's greedy loop: dspark-cute's test_gpu_markov.py (against the loop in its
-# own torch ops) and bench_draft_step (inside the draft step from vLLM's
-# binaries), both on an H200 on 2026-12-03.
-MARKOV_CHECKED: frozenset[str] = frozenset({"sm_90a"})
-UNCHECKED = ("the DSpark markov_step kernel is not yet checked bit for bit against vLLM 0.33.0's greedy Markov loop "
-             "on an {arch} GPU")
-# GPU architectures on which the probabilistic step was checked bit for bit
-# against vLLM's loop with its own Triton gumbel_sample binary (compiled with
-# Triton 3.8.0 by scripts/stock/compile_stock.py): dspark-cute's
-# test_gpu_markov_stock.py, tokens and the whole logits cache, on an H200 on
-# 2026-12-03 (NaN logits excepted, the spec's stated exception).
-SAMPLE_CHECKED: frozenset[str] = frozenset({"sm_90a"})
-SAMPLE_UNCHECKED = ("the DSpark markov_sample kernel is checked against dspark-core's spec of vLLM's Gumbel sampler, "
-                    "not yet against vLLM 0.33.0's Triton gumbel_sample on an {arch} GPU")
-# GPU architectures on which the greedy step with its bias GEMM was checked
-# bit for bit against vLLM's greedy loop in its own torch ops (cuBLAS's bias
-# GEMM): dspark-cute's test_gpu_markov_bias_step.py and bench_draft_step, on
-# an H200 on 2026-12-04. Where it runs, a build-time check against the live
-# cuBLAS still decides each request count.
-BIAS_CHECKED: frozenset[str] = frozenset({"sm_90a"})
-BIAS_UNCHECKED = ("the DSpark markov_bias_step kernel is not yet checked bit for bit against vLLM 0.33.0's greedy loop "
-                  "on an {arch} GPU")
-# GPU architectures on which the greedy loop in one persistent launch was
-# checked bit for bit against vLLM's greedy loop (dspark-cute's
-# test_gpu_markov_persistent.py) and measured faster than the one-launch-a-step
-# loop it replaces (bench_draft_step's Markov stage): none yet. It compiles for
-# sm_90a and sm_100a and its PTX is audited on the CPU; it has not run on a GPU.
-PERSISTENT_CHECKED: frozenset[str] = frozenset()
-PERSISTENT_UNCHECKED = ("the DSpark markov_persistent_loop kernel is not yet checked bit for bit against vLLM 0.33.0's "
-                        "greedy loop and measured on an {arch} GPU")
 
 
 def _step_class():
@@ -117,168 +79,11 @@ def _persistent_class():
     return MarkovPersistentLoop
 
 
-def bias_gemm_reason(model) -> str | None:
-    """Why vLLM's ``markov_bias`` is not the one BF16 ``F.linear`` whose
-    output layout the fused step takes, or None."""
-    from vllm import envs
-    from vllm.model_executor.layers.utils import default_unquantized_gemm, dispatch_unquantized_gemm
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+def _bias_sample_class():
+    from dspark_cute.cutedsl.markov.bias_sample import MarkovBiasSampleStep
 
-    w2 = model.model.markov_head.markov_w2
-    if not isinstance(w2.quant_method, UnquantizedEmbeddingMethod):
-        return f"the Markov head's GEMM is quantized ({type(w2.quant_method).__name__})"
-    if envs.VLLM_BATCH_INVARIANT:
-        return "VLLM_BATCH_INVARIANT runs the Markov head's GEMM through vLLM's batch-invariant kernel"
-    if dispatch_unquantized_gemm() is not default_unquantized_gemm:
-        return "vLLM dispatches the Markov head's GEMM to another backend than F.linear"
-    return None
+    return MarkovBiasSampleStep
 
-
-def head_constants(model):
-    """dspark-core's ``MarkovConstants`` of vLLM's draft ``model``, or
-    Unsupported with the reason the fused step does not take its head."""
-    head = model.model.markov_head
-    w1, w2 = head.markov_w1.weight, head.markov_w2.weight
-    constants = markov_constants(model.config.draft_vocab_size, w1.shape[1], float(model.output_multiplier),
-                                 model.output_soft_cap_temp, model.draft_id_to_target_id is not None,
-                                 model.lm_head.weight.dtype)
-    if w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
-        raise Unsupported(f"the fused Markov step takes bfloat16 Markov weights, not {w1.dtype} and {w2.dtype}")
-    return constants
-
-
-def _archs(arch, checked) -> tuple[str | None, frozenset[str]]:
-    """``arch`` (None kept) and the set ``checked`` in the one spelling of
-    ``checks.arch``: ``SM_90A`` and ``(9, 0)`` are sm_90a; TypeError for a
-    string as the set (no substring matches), ValueError for an empty or
-    malformed name."""
-    arch = None if arch is None else checks.arch("the GPU architecture", arch, known=False)
-    return arch, checks.arch_set("the checked architectures", checked, known=False)
-
-
-def arch_reason(arch: str | None, checked: frozenset[str]) -> str | None:
-    """Why the stage keeps vLLM's loop on ``arch`` (None: no CUDA GPU), or
-    None; both normalised first (``_archs``)."""
-    arch, checked = _archs(arch, checked)
-    if arch is None:
-        return "no CUDA GPU of an architecture the kernels are compiled for"
-    if arch not in checked:
-        return UNCHECKED.format(arch=arch)
-    return None
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """What the Markov stage of a draft fuses: the greedy step's
-    ``constants`` or the ``reason`` it keeps vLLM's loop, and the
-    probabilistic step's ``sample`` constants or its ``sample_reason``."""
-
-    constants: MarkovConstants | None
-    reason: str | None
-    sample: MarkovSampleConstants | None
-    sample_reason: str | None
-
-
-def plan_stage(model, arch: str | None, rows, checked: frozenset[str], sample_checked: frozenset[str]) -> StagePlan:
-    """The Markov stage of ``model`` on an ``arch`` GPU for steps of up to
-    ``rows`` requests (vLLM's ``max_num_seqs``), as both the plan
-    (``plan_line``) and the build (``MarkovStage.build``) decide it: the
-    greedy step where ``arch`` is in ``checked`` and the contract takes the
-    head (``head_constants``) and the rows (``markov_rows``); the
-    probabilistic step beside it where ``arch`` is in ``sample_checked``, the
-    head has a d2t map and the contract takes the target vocabulary
-    (``markov_sample_constants``). A refusal (ValueError, TypeError) becomes
-    the reason. ``arch`` and both sets are normalised first (``_archs``:
-    TypeError or ValueError for what names no architecture)."""
-    arch, checked = _archs(arch, checked)
-    sample_checked = _archs(None, sample_checked)[1]
-    reason, constants = arch_reason(arch, checked), None
-    if reason is None:
-        try:
-            constants = head_constants(model)
-            markov_rows(rows, "vLLM's max_num_seqs")
-        except (ValueError, TypeError) as refusal:
-            reason, constants = str(refusal), None
-    if reason is not None:
-        return StagePlan(None, reason, None, "the greedy step keeps vLLM's loop")
-    c, sample, sample_reason = constants, None, None
-    try:
-        if arch not in sample_checked:
-            raise Unsupported(SAMPLE_UNCHECKED.format(arch=arch))
-        if model.draft_id_to_target_id is None:
-            raise Unsupported("the probabilistic step scatters through a d2t map and this head has none")
-        sample = markov_sample_constants(c.vocab, int(model.config.vocab_size), c.rank, c.multiplier, c.soft_cap,
-                                         model.lm_head.weight.dtype)
-    except (ValueError, TypeError) as refusal:
-        sample_reason = str(refusal)
-    return StagePlan(c, None, sample, sample_reason)
-
-
-def plan_line(model, arch: str, checked: frozenset[str] | None = None, rows=None) -> str:
-    """The plan's line for the Markov stage of ``model`` on an ``arch`` GPU
-    (``python -m dspark_vllm.plan``) for steps of up to ``rows`` requests
-    (default: vLLM's default ``max_num_seqs``), decided by ``plan_stage`` as
-    the build decides it: fused with its constants' key and the calls it
-    leaves to vLLM, or vLLM's loop with the reason. ``checked`` (default
-    ``MARKOV_CHECKED`` for the greedy step, ``SAMPLE_CHECKED`` for the
-    probabilistic one) stands for both where given; the bias GEMM in the
-    greedy step on ``BIAS_CHECKED``'s architectures (each request count is
-    the build-time check's), and the N steps in one launch on
-    ``PERSISTENT_CHECKED``'s (each bound count the probe's). The Markov GEMM's dispatch
-    (``bias_gemm_reason``) is the serving process's and is checked there."""
-    if rows is None:
-        from vllm.config import SchedulerConfig
-
-        rows = SchedulerConfig.DEFAULT_MAX_NUM_SEQS
-    planned = plan_stage(model, arch, rows, MARKOV_CHECKED if checked is None else checked,
-                         SAMPLE_CHECKED if checked is None else checked)
-    if planned.reason is not None:
-        return f"Markov stage: vLLM's loop: {planned.reason}"
-    if planned.sample is not None:
-        sampled = f"probabilistic drafting fused (markov_sample {planned.sample.key()})"
-    else:
-        sampled = f"probabilistic drafting in vLLM's loop ({planned.sample_reason})"
-    arch, bias_checked = _archs(arch, BIAS_CHECKED)
-    why = fused_bias_reason(planned.constants, rows)
-    if arch in bias_checked and why is None:
-        bias = ("the bias GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time "
-                "check finds cuBLAS's one-split order")
-        loop_checked = _archs(None, PERSISTENT_CHECKED)[1]
-        loop_why = persistent_reason(planned.constants, rows) if arch in loop_checked else None
-        if arch in loop_checked and loop_why is None:
-            bias += (", all N steps in one launch (markov_persistent_loop) at those up to 32 where its build-time "
-                     "probe agrees with vLLM's loop")
-        elif arch in loop_checked:
-            bias += f", one launch a step ({loop_why})"
-    else:
-        bias = f"the step after vLLM's bias GEMM ({why or BIAS_UNCHECKED.format(arch=arch)})"
-    return (f"Markov stage: greedy drafting fused (markov_step {planned.constants.key()}) for 1 to {rows} requests, "
-            f"{bias}; {sampled}; vLLM's loop for the top-k loop, a watermarker, FP64 Gumbel noise, the confidence "
-            "head and adaptive verification")
-
-
-def fused_bias_reason(constants, rows: int) -> str | None:
-    """Why the greedy step with its bias GEMM does not take the head of
-    ``constants`` for steps of up to ``rows`` requests (it is built for at
-    most 64: dspark-cute's ``fused_unsupported``), or None; None too where
-    dspark-cute is not installed (the build then says why)."""
-    try:
-        from dspark_cute.cutedsl.markov.bias_step import MAX_ROWS, fused_unsupported
-    except ImportError:
-        return None
-    return fused_unsupported(constants, min(int(rows), MAX_ROWS))
-
-
-def persistent_reason(constants, rows: int) -> str | None:
-    """Why the N greedy steps in one launch do not take the head of
-    ``constants`` for steps of up to ``rows`` requests (built for at most
-    32: dspark-cute's ``persistent_unsupported``), or None; None too where
-    dspark-cute is not installed (the build then says why)."""
-    try:
-        from dspark_cute.cutedsl.markov.persistent import MAX_LOOP_ROWS, persistent_unsupported
-    except ImportError:
-        return None
-    return persistent_unsupported(constants, min(int(rows), MAX_LOOP_ROWS))
 
 
 def refusal_reason(error: Exception) -> str:
@@ -311,20 +116,23 @@ class MarkovStage:
 
     def __init__(self, model, vllm_config, step_class=None, arch: str | None = "probe",
                  checked: frozenset[str] | None = None, sample_class=None, bias_class=None,
-                 persistent_class=None) -> None:
+                 persistent_class=None, bias_sample_class=None) -> None:
         self.model = model
         self.vllm_config = vllm_config
         self.step_class = step_class
         self.sample_class = sample_class
         self.bias_class = bias_class
         self.persistent_class = persistent_class
+        self.bias_sample_class = bias_sample_class
+        self.bias_sample = None
+        self.bias_sample_reason: str | None = "not built"
         self.bias_step = None
         self.bias_reason: str | None = "not built"
         self.loop = None
         self.loop_reason: str | None = "not built"
         self.arch = arch
-        self.checked = MARKOV_CHECKED if checked is None else checked
-        self.sample_checked = SAMPLE_CHECKED if checked is None else checked
+        self.checked = plan.MARKOV_CHECKED if checked is None else checked
+        self.sample_checked = plan.SAMPLE_CHECKED if checked is None else checked
         self.resolved_arch: str | None = None
         self.step = None
         self.sample = None
@@ -333,15 +141,15 @@ class MarkovStage:
         self.reason: str | None = "not built"
         self._logged: set[str] = set()
 
-    def _plan(self) -> StagePlan:
+    def _plan(self) -> plan.StagePlan:
         """``plan_stage`` on this GPU for ``max_num_seqs`` requests, then the
         Markov GEMM's dispatch (``bias_gemm_reason``) where it fuses."""
         arch = deployment.arch_of(deployment.gpu_capability()) if self.arch == "probe" else self.arch
         self.resolved_arch = arch
-        planned = plan_stage(self.model, arch, self.vllm_config.scheduler_config.max_num_seqs, self.checked,
+        planned = plan.plan_stage(self.model, arch, self.vllm_config.scheduler_config.max_num_seqs, self.checked,
                              self.sample_checked)
-        reason = planned.reason or bias_gemm_reason(self.model)
-        return planned if reason is None else StagePlan(None, reason, None, "the greedy step keeps vLLM's loop")
+        reason = planned.reason or plan.bias_gemm_reason(self.model)
+        return planned if reason is None else plan.StagePlan(None, reason, None, "the greedy step keeps vLLM's loop")
 
     def build(self) -> None:
         """Decide (``plan_stage``), build and compile (module docstring); logs
@@ -376,6 +184,7 @@ class MarkovStage:
                     step.constants.key(), step.max_rows)
         self._build_bias_step(step)
         self._build_sample(step, planned)
+        self._build_bias_sample()
 
     def _build_bias_step(self, step) -> None:
         """The greedy step with its bias GEMM beside ``step`` (``bias_step``),
@@ -384,8 +193,8 @@ class MarkovStage:
         sums the bias in one split), or its reason (logged once): an
         architecture outside ``BIAS_CHECKED``, no request count bound, or any
         exception while it is built, checked and compiled."""
-        arch, checked = _archs(self.resolved_arch, BIAS_CHECKED)
-        reason, fused = (None if arch in checked else BIAS_UNCHECKED.format(arch=arch)), None
+        arch, checked = plan.normalised_archs(self.resolved_arch, plan.BIAS_CHECKED)
+        reason, fused = (None if arch in checked else plan.BIAS_UNCHECKED.format(arch=arch)), None
 
         def make():
             cls = self.bias_class or _bias_class()
@@ -418,8 +227,8 @@ class MarkovStage:
         ``probe``), or its reason (logged once): an architecture outside
         ``PERSISTENT_CHECKED``, a probe that failed, or any exception while
         it is built and compiled."""
-        arch, checked = _archs(self.resolved_arch, PERSISTENT_CHECKED)
-        reason, loop = (None if arch in checked else PERSISTENT_UNCHECKED.format(arch=arch)), None
+        arch, checked = plan.normalised_archs(self.resolved_arch, plan.PERSISTENT_CHECKED)
+        reason, loop = (None if arch in checked else plan.PERSISTENT_UNCHECKED.format(arch=arch)), None
 
         def make():
             from dspark_cute.cutedsl.markov.persistent import MAX_LOOP_ROWS
@@ -445,7 +254,7 @@ class MarkovStage:
         logger.info("The DSpark greedy Markov stage runs its %d steps in one launch (markov_persistent_loop) at %s "
                     "requests.", loop.steps, ranges(loop.rows))
 
-    def _build_sample(self, step, planned: StagePlan) -> None:
+    def _build_sample(self, step, planned: plan.StagePlan) -> None:
         """The probabilistic step beside the greedy one (``planned.sample``),
         or its reason (logged once): the plan's, or any exception while it is
         built and compiled."""
@@ -467,6 +276,42 @@ class MarkovStage:
         logger.info("The DSpark draft runs its probabilistic Markov stage fused (markov_sample %s: vLLM's Gumbel "
                     "sample and logits cache in the same launch, bit for bit but for NaN logits).",
                     sample.constants.key())
+
+    def _build_bias_sample(self) -> None:
+        """The probabilistic step with its bias GEMM, where both the greedy
+        bias step and the probabilistic step are built: bound to the request
+        counts up to 32 that the bias step's build-time check bound
+        (``MarkovBiasSampleStep.bind``), or its reason (logged once): either
+        step missing, an architecture outside ``BIAS_SAMPLE_CHECKED``, no
+        count bound, or any exception while it is built and compiled."""
+        arch, checked = plan.normalised_archs(self.resolved_arch, plan.BIAS_SAMPLE_CHECKED)
+        fused = None
+        if self.sample is None or self.bias_step is None:
+            reason = "it needs the probabilistic step and the greedy step with its bias GEMM, not both built"
+        else:
+            reason = None if arch in checked else plan.BIAS_SAMPLE_UNCHECKED.format(arch=arch)
+
+        def make():
+            from dspark_cute.cutedsl.markov.bias_sample import MAX_SAMPLE_ROWS
+
+            cls = self.bias_sample_class or _bias_sample_class()
+            bias = self.bias_step
+            fused = cls(self.sample.constants, bias.w1, self.sample.d2t, bias.w2, min(bias.max_rows, MAX_SAMPLE_ROWS))
+            fused.bind(bias)
+            if not fused.rows:
+                return None, "the build-time check bound no request count up to 32"
+            return fused, None
+
+        if reason is None:
+            fused, reason = attempt("the DSpark probabilistic Markov bias step", make)
+        self.bias_sample, self.bias_sample_reason = fused, reason
+        if reason is not None:
+            logger.info("The DSpark probabilistic Markov stage runs its step after vLLM's bias GEMM: %s.", reason)
+            return
+        from dspark_core.errors import ranges
+
+        logger.info("The DSpark probabilistic Markov stage runs the bias GEMM in its step (markov_bias_sample) at %s "
+                    "requests.", ranges(fused.rows))
 
     def _check_layouts(self, step) -> None:
         """Unsupported unless the step takes the layouts of vLLM's
@@ -568,13 +413,17 @@ class MarkovStage:
         elif spec.draft_logits is None:
             run_greedy_loop(self.step, base, prev, w2, tokens, self.embed, bias_fn=model.markov_bias)
         else:
-            run_probabilistic_loop(self.sample, base, prev, w2, tokens, self.embed,
-                                   spec.sample_idx_mapping[:num_reqs * n].view(num_reqs, n), spec.temperature,
-                                   spec.seeds, spec.sample_pos[:num_reqs * n].view(num_reqs, n), spec.draft_logits,
-                                   bias_fn=model.markov_bias)
+            idx_map = spec.sample_idx_mapping[:num_reqs * n].view(num_reqs, n)
+            pos = spec.sample_pos[:num_reqs * n].view(num_reqs, n)
+            if self.bias_sample is not None and num_reqs in self.bias_sample.rows:
+                from dspark_cute.cutedsl.markov.bias_sample import run_fused_probabilistic_loop
+
+                run_fused_probabilistic_loop(self.bias_sample, base, prev, tokens, idx_map, spec.temperature,
+                                             spec.seeds, pos, spec.draft_logits)
+            else:
+                run_probabilistic_loop(self.sample, base, prev, w2, tokens, self.embed, idx_map, spec.temperature,
+                                       spec.seeds, pos, spec.draft_logits, bias_fn=model.markov_bias)
         return True
 
 
-__all__ = ["BIAS_CHECKED", "MARKOV_CHECKED", "PERSISTENT_CHECKED", "SAMPLE_CHECKED", "MarkovStage", "StagePlan",
-           "arch_reason", "attempt", "bias_gemm_reason", "fused_bias_reason", "head_constants", "persistent_reason",
-           "plan_line", "plan_stage", "refusal_reason"]
+__all__ = ["MarkovStage", "attempt", "refusal_reason"]

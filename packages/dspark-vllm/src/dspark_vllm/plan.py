@@ -283,10 +283,10 @@ def _as_gpu_cache_dtype(model, config, kv_cache_dtype: str) -> None:
 
 def plan_checkpoint(args):
     """``(plan, missing, markov)`` of the parsed arguments: the DraftPlan, the deployment check's list and
-    the Markov stage's line (``markov.plan_line``; ``--exact all`` counts its kernel as checked too)."""
+    the Markov stage's line (``markov_plan.plan_line``; ``--exact all`` counts its kernel as checked too)."""
     from vllm.config import CUDAGraphMode
 
-    from dspark_vllm import deployment, markov, planning
+    from dspark_vllm import deployment, markov_plan, planning
     from dspark_vllm.adapter import describe_vllm
 
     draft_dir, draft_config = _checkpoint(args.draft, "draft")
@@ -317,7 +317,7 @@ def plan_checkpoint(args):
     config.parallel_config.tensor_parallel_size = args.tp
     config.speculative_config.draft_tensor_parallel_size = args.tp
     major = {"sm_90a": 9, "sm_100a": 10}[args.arch]
-    markov_line = markov.plan_line(model, args.arch, frozenset(policy.ARCHS) if args.exact == "all" else None,
+    markov_line = markov_plan.plan_line(model, args.arch, frozenset(policy.ARCHS) if args.exact == "all" else None,
                                    args.max_num_seqs or config.scheduler_config.max_num_seqs)
     return plan, deployment.unsupported(config, (major, 0)), markov_line
 
