@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from cute_testing import capture_calls, requires_cuda
-from test_gpu_markov import MULT, POISON, make_head, planted_base, sample_requests
+from test_gpu_markov import MULT, POISON, make_head, planted_base, sample_requests, spec_probabilistic_loop
 from test_gpu_markov_bias_step import plant_w1
 
 from dspark_core.contracts.markov import markov_constants, markov_sample_constants
-from dspark_core.spec import gumbel
-from dspark_core.spec import markov as spec
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -91,21 +88,6 @@ def stock_gemm_loop(sample, base, prev, w2, requests, cache):
     return tokens
 
 
-def spec_loop(base, prev, w1, w2, cap, d2t, requests, cache, vt):
-    """The spec's probabilistic loop (``_sample_sequential`` with ``draft_logits`` set)."""
-    idx_map, temperature, seeds, sample_pos = requests
-    r, n, v = base.shape
-    out = torch.empty(r, n, dtype=torch.int64, device=base.device)
-    buf = torch.full((r, vt), float("-inf"), dtype=BF16, device=base.device)
-    scatter = torch.arange(v, device=base.device) + d2t
-    for i in range(n):
-        y = spec.markov_logits(base[:, i], F.linear(F.embedding(prev, w1), w2)[:, :v], MULT, cap)
-        out[:, i] = gumbel.probabilistic_step(y, scatter, buf, idx_map[:, i], temperature, seeds, sample_pos[:, i],
-                                              cache, i)
-        prev = out[:, i]
-    return out
-
-
 LOOPS = [  # (R, N, vocab, target vocab, cap, anchors, rank, NaN planted)
     (1, 4, 32768, 202048, 30.0, torch.int32, 256, False),
     (2, 8, 384, 512, None, torch.int64, 64, True),
@@ -135,7 +117,7 @@ def test_loop_matches_the_stock_gemm_loop_and_spec(seed, r, n, vocab, vt, cap, a
     assert torch.equal(cache.view(torch.int16), want_cache.view(torch.int16))
     if not nan:
         spec_cache = torch.full_like(cache, 7.0)
-        assert torch.equal(want, spec_loop(base, prev.long(), w1, w2, cap, m, requests, spec_cache, vt))
+        assert torch.equal(want, spec_probabilistic_loop(base, prev.long(), w1, w2, cap, m, *requests, spec_cache, vt))
         assert torch.equal(spec_cache.view(torch.int16), want_cache.view(torch.int16))
 
 

@@ -54,7 +54,6 @@ from dspark_core.errors import Unsupported
 from dspark_cute import ptx
 from dspark_cute.cutedsl.markov.bias_step import (
     THREADS,
-    BiasStepLayout,
     BiasStepParts,
     MarkovBiasStep,
     check_prev,
@@ -69,7 +68,6 @@ from dspark_cute.cutedsl.markov.greedy import (
     check_on,
     check_tokens,
     check_w1,
-    count_in,
     row_words,
 )
 from dspark_cute.cutedsl.markov.sample import check_constants, check_sampling, inverse_d2t, row_sampling
@@ -95,14 +93,7 @@ class MarkovBiasSampleKernel(BiasStepParts):
 
     def __init__(self, constants: MarkovSampleConstants, n_tiles: int, wide: bool, pdl: bool) -> None:
         check_constants(constants)
-        if n_tiles not in SAMPLE_TILES:
-            raise ValueError(f"the probabilistic bias step's token tiles are one of {SAMPLE_TILES}, not {n_tiles!r}")
-        why = fused_unsupported(constants, 8 * n_tiles)
-        if why is not None:
-            raise Unsupported(why)
-        self.constants, self.wide, self.pdl = constants, bool(wide), bool(pdl)
-        self.lay = BiasStepLayout(constants.rank, n_tiles)
-        self.ctas = -(-constants.vocab // self.lay.columns)
+        self.setup(constants, n_tiles, SAMPLE_TILES, wide, pdl, "the probabilistic bias step")
         self.passes = -(-constants.target_vocab // (self.ctas * FILL_COLUMNS))
 
     def token_key(self, tok, cols, ys, m, ctx) -> Int64:
@@ -181,18 +172,11 @@ class MarkovBiasSampleKernel(BiasStepParts):
         c, lay = self.constants, self.lay
         tidx, cta, warp, lane, smem, wbase, col0, g, t4 = self.frame()
 
-        # Before the wait: w2, the d2t entries (constant while the loop runs)
+        # Before the wait: the d2t entries, w2 (constant while the loop runs)
         # and, after the loop's first step, the base logits (that grid wrote none).
-        self.copy_w2(w2, wbase, col0, lane)
-        ptx.cp_async_commit()
         targets = self.targets(d2t, col0, g)
         words = cute.make_rmem_tensor(4 * lay.a_tiles * lay.n_tiles, cutlass.Uint32)
-        if first == 0:
-            self.load_base(words, base, base_stride, col0, g, t4, m)
-        if cutlass.const_expr(self.pdl):
-            ptx.pdl_wait()
-        if first != 0:
-            self.load_base(words, base, base_stride, col0, g, t4, m)
+        self.prologue(w2, wbase, col0, lane, g, t4, words, base, base_stride, first, m)
         self.copy_embedding(smem, tidx, m, w1, lambda r: ptx.ld_global_clamped_slot(
             Int64(prev) + Int64(r) * Int64(prev_stride) * (8 if self.wide else 4), self.wide, Int64(w1_rows) - 1))
         ptx.cp_async_commit()
@@ -203,18 +187,8 @@ class MarkovBiasSampleKernel(BiasStepParts):
         self.warp_keys(smem, wbase, col0, warp, lane, m, words, Int64(0),
                        (targets, (idx_map, idx_stride, temperature, seeds, pos, pos_stride, cache, cache_s0,
                                   cache_s1, col)))
-        cute.arch.barrier()
-        if Int32(tidx) < m:
-            best = self.cta_key(smem, Int32(tidx))
-            ptx.red_max_u64(Int64(keys) + Int64(tidx) * 8, best)
-            ptx.fence_acq_rel_gpu()
-        cute.arch.barrier()
-        flag = smem + lay.flag
-        count_in(tidx, Int64(counters), self.ctas, flag)
-        if cutlass.const_expr(self.pdl):
-            # The next step reads this one's tokens only after its wait (this grid's end).
-            ptx.pdl_launch_dependents()
-        if ptx.ld_shared_b32(flag) != Uint32(0):
+        self.fold(smem, tidx, m, keys, counters)
+        if ptx.ld_shared_b32(smem + lay.flag) != Uint32(0):
             if Int32(tidx) < m:
                 # Step 4 in the last CTA: the grid's key of row tidx (reset to 0) and the unmapped columns' key.
                 ptx.fence_acq_rel_gpu()

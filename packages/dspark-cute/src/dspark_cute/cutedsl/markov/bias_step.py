@@ -137,6 +137,20 @@ class BiasStepParts:
     lay: BiasStepLayout
     store_bias = False  # the test variant's: each bias value stored too (``MarkovBiasStoreKernel``)
 
+    def setup(self, constants, n_tiles: int, tiles: tuple, wide: bool, pdl: bool, what: str) -> None:
+        """A variant's settings (``constants`` already checked): ValueError
+        for token tiles outside ``tiles``, Unsupported where the step does not
+        take ``constants`` at ``8 n_tiles`` rows (``fused_unsupported``); the
+        layout and one CTA per 256 draft columns."""
+        if n_tiles not in tiles:
+            raise ValueError(f"{what}'s token tiles are one of {tiles}, not {n_tiles!r}")
+        why = fused_unsupported(constants, 8 * n_tiles)
+        if why is not None:
+            raise Unsupported(why)
+        self.constants, self.wide, self.pdl = constants, bool(wide), bool(pdl)
+        self.lay = BiasStepLayout(constants.rank, n_tiles)
+        self.ctas = -(-constants.vocab // self.lay.columns)
+
     def frame(self) -> tuple:
         """Where this thread sits: ``(tidx, cta, warp, lane, smem, wbase,
         col0, g, t4)``: the shared memory's base (the layout's ``total``
@@ -241,6 +255,40 @@ class BiasStepParts:
                 if g == 0:
                     ptx.st_shared_b64(smem + lay.keys + (Int32(warp) * (8 * lay.n_tiles) + tok) * 8, wkey)
 
+    @cute.jit
+    def prologue(self, w2, wbase, col0, lane, g, t4, words, base, base_stride, first, m) -> None:
+        """The step's loads up to the PDL wait: the warp's ``w2`` rows
+        (``copy_w2``, committed) and the thread's base logits into ``words``
+        (``load_base``) before the wait where ``first`` is 0 (the launch
+        before this one, the loop's previous step, wrote none of them), after
+        it otherwise."""
+        self.copy_w2(w2, wbase, col0, lane)
+        ptx.cp_async_commit()
+        if first == 0:
+            self.load_base(words, base, base_stride, col0, g, t4, m)
+        if cutlass.const_expr(self.pdl):
+            ptx.pdl_wait()
+        if first != 0:
+            self.load_base(words, base, base_stride, col0, g, t4, m)
+
+    @cute.jit
+    def fold(self, smem, tidx, m, keys, counters) -> None:
+        """After ``warp_keys``: each row's CTA key (``cta_key``) into the
+        grid's word ``keys[r]`` (``red.max.u64``, then ``fence.acq_rel.gpu``),
+        then this CTA counted in at ``counters[0]`` (``count_in``: the
+        layout's ``flag`` says whether it was the last) and, with PDL, the
+        dependents released (they read this step's tokens only after their
+        wait: this grid's end)."""
+        cute.arch.barrier()
+        if Int32(tidx) < m:
+            best = self.cta_key(smem, Int32(tidx))
+            ptx.red_max_u64(Int64(keys) + Int64(tidx) * 8, best)
+            ptx.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        count_in(tidx, Int64(counters), self.ctas, smem + self.lay.flag)
+        if cutlass.const_expr(self.pdl):
+            ptx.pdl_launch_dependents()
+
     def cta_key(self, smem, row) -> Int64:
         """The CTA's largest key of ``row``: the warps' (``warp_keys``, after
         a CTA barrier) folded."""
@@ -263,14 +311,7 @@ class MarkovBiasKernel(BiasStepParts):
 
     def __init__(self, constants: MarkovConstants, n_tiles: int, wide: bool, pdl: bool) -> None:
         check_constants(constants)
-        if n_tiles not in N_TILES:
-            raise ValueError(f"the fused bias step's token tiles are one of {N_TILES}, not {n_tiles!r}")
-        why = fused_unsupported(constants, 8 * n_tiles)
-        if why is not None:
-            raise Unsupported(why)
-        self.constants, self.wide, self.pdl = constants, bool(wide), bool(pdl)
-        self.lay = BiasStepLayout(constants.rank, n_tiles)
-        self.ctas = -(-constants.vocab // self.lay.columns)
+        self.setup(constants, n_tiles, N_TILES, wide, pdl, "the fused bias step")
 
     @cute.jit
     def __call__(self, base: Int64, base_stride: Int32, prev: Int64, prev_stride: Int32, w1: Int64, w1_rows: Int64,
@@ -293,18 +334,9 @@ class MarkovBiasKernel(BiasStepParts):
         c, lay = self.constants, self.lay
         tidx, cta, warp, lane, smem, wbase, col0, g, t4 = self.frame()
 
-        # This warp's w2 rows, before the wait: w2 is constant while the loop runs.
-        self.copy_w2(w2, wbase, col0, lane)
-        ptx.cp_async_commit()
-        # This thread's base logits (``words``): before the wait after a
-        # step of the loop (its grid wrote none of them), after it otherwise.
+        # w2 (constant while the loop runs) and the base logits, around the wait.
         words = cute.make_rmem_tensor(4 * lay.a_tiles * lay.n_tiles, cutlass.Uint32)
-        if first == 0:
-            self.load_base(words, base, base_stride, col0, g, t4, m)
-        if cutlass.const_expr(self.pdl):
-            ptx.pdl_wait()
-        if first != 0:
-            self.load_base(words, base, base_stride, col0, g, t4, m)
+        self.prologue(w2, wbase, col0, lane, g, t4, words, base, base_stride, first, m)
         # The R embedding rows w1[prev[r]], after the wait (the previous step wrote prev).
         self.copy_embedding(smem, tidx, m, w1, lambda r: ptx.ld_global_clamped_slot(
             Int64(prev) + Int64(r) * Int64(prev_stride) * (8 if self.wide else 4), self.wide, Int64(w1_rows) - 1))
@@ -312,18 +344,8 @@ class MarkovBiasKernel(BiasStepParts):
         ptx.cp_async_wait_all()
         cute.arch.barrier()
         self.warp_keys(smem, wbase, col0, warp, lane, m, words, bias_out)
-        cute.arch.barrier()
-        if Int32(tidx) < m:
-            best = self.cta_key(smem, Int32(tidx))
-            ptx.red_max_u64(Int64(keys) + Int64(tidx) * 8, best)
-            ptx.fence_acq_rel_gpu()
-        cute.arch.barrier()
-        flag = smem + lay.flag
-        count_in(tidx, Int64(counters), self.ctas, flag)
-        if cutlass.const_expr(self.pdl):
-            # The next step reads this one's tokens only after its wait (this grid's end).
-            ptx.pdl_launch_dependents()
-        if ptx.ld_shared_b32(flag) != Uint32(0):
+        self.fold(smem, tidx, m, keys, counters)
+        if ptx.ld_shared_b32(smem + lay.flag) != Uint32(0):
             if Int32(tidx) < m:
                 # Step 4 in the last CTA: the grid's key of row tidx (reset to 0), its token.
                 ptx.fence_acq_rel_gpu()
