@@ -213,6 +213,7 @@ def test_probe_unbinds_on_other_tokens_or_a_failed_launch(monkeypatch):
         loop = Loop(c, w1, d2t, w2, 3, max_rows=8)
         loop.rows = {1: None, 5: None, 8: None}
         why = loop.probe()
+        assert loop.refused == (kind == "raise")
         if words is None:
             assert why is None and set(loop.rows) == {1, 5, 8}
         else:

@@ -43,6 +43,7 @@ class CpuLoop:
     launches = 0
     fail = False
     wrong = False
+    refuse_pdl = False  # the launch raises with PDL (as a driver that refuses the combination would)
 
     def __new__(cls, *args, **kwargs):
         from dspark_cute.cutedsl.markov.persistent import MarkovPersistentLoop
@@ -54,6 +55,8 @@ class CpuLoop:
 
             def _launch_kernel(self, base, prev, tokens) -> None:
                 c = self.constants
+                if CpuLoop.refuse_pdl and self.pdl:
+                    raise RuntimeError("cudaErrorInvalidValue: a cooperative launch with PDL")
                 CpuLoop.launches += 1
                 tokens.copy_(spec.greedy_loop(base, prev.long(), self.w1, self.w2, c.multiplier, c.soft_cap,
                                               self.d2t))
@@ -103,3 +106,20 @@ def test_build_launches_once_a_step_with_the_reason(built, monkeypatch, caplog):
     stage = loop_stage(built, monkeypatch)  # the build's probe launch drafts other tokens than vLLM's loop
     assert stage.bias_step is not None and stage.loop is None and "other tokens" in stage.loop_reason
     assert any("launches once a step" in r.getMessage() for r in caplog.records)
+
+
+def test_a_loop_refused_with_pdl_is_tried_without(built, seed, monkeypatch, caplog):
+    """A driver that refuses the cooperative launch with PDL (the probe's
+    launch raises): the build probes a loop without PDL and binds that one."""
+    from dspark_cute.runtime import host
+
+    caplog.set_level(logging.INFO, logger=hook.logger.name)
+    monkeypatch.setattr(host, "pdl_supported", lambda device=None: True)
+    monkeypatch.setattr(CpuLoop, "refuse_pdl", True)
+    with torch.inference_mode():
+        stage = loop_stage(built, monkeypatch)
+    assert stage.loop is not None and not stage.loop.pdl, stage.loop_reason
+    assert any("tries a launch without PDL" in r.getMessage() for r in caplog.records)
+    stock, s, hidden = stock_and_twin(built, seed, monkeypatch, 1)
+    done = run_hook(built.model, stage, s, 1, hidden, monkeypatch, (CpuLoop, CpuBiasStep, CpuStep))
+    assert done == (1, 0, 0) and torch.equal(s.draft_tokens, stock.draft_tokens)

@@ -223,8 +223,9 @@ class MarkovStage:
     def _build_persistent(self, fused) -> None:
         """The N greedy steps in one persistent launch beside ``fused`` (the
         bias step: the loop takes the request counts, up to 32, that its
-        check bound, then launches once against vLLM's loop in torch ops,
-        ``probe``), or its reason (logged once): an architecture outside
+        check bound, then launches against vLLM's loop in torch ops, eagerly
+        and in a CUDA graph, ``probe``; where a launch raised with PDL, once
+        more without), or its reason (logged once): an architecture outside
         ``PERSISTENT_CHECKED``, a probe that failed, or any exception while
         it is built and compiled."""
         arch, checked = plan.normalised_archs(self.resolved_arch, plan.PERSISTENT_CHECKED)
@@ -235,11 +236,18 @@ class MarkovStage:
 
             cls = self.persistent_class or _persistent_class()
             steps = int(self.vllm_config.speculative_config.num_speculative_tokens)
-            loop = cls(fused.constants, fused.w1, fused.d2t, fused.w2, steps, min(fused.max_rows, MAX_LOOP_ROWS))
+            rows = min(fused.max_rows, MAX_LOOP_ROWS)
+            loop = cls(fused.constants, fused.w1, fused.d2t, fused.w2, steps, rows)
             loop.bind(fused)
             if not loop.rows:
                 return None, "the build-time check bound no request count up to the loop's rows"
             why = loop.probe()
+            if why is not None and loop.refused and loop.pdl:
+                # A driver that refuses the cooperative launch with PDL may take it without.
+                logger.info("The DSpark persistent Markov loop tries a launch without PDL: %s.", why)
+                loop = cls(fused.constants, fused.w1, fused.d2t, fused.w2, steps, rows, pdl=False)
+                loop.bind(fused)
+                why = loop.probe()
             return (None, why) if why is not None else (loop, None)
 
         if reason is None:

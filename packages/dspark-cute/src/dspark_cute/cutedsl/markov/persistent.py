@@ -249,6 +249,7 @@ class MarkovPersistentLoop(MarkovBiasStep):
         if why is not None:
             raise Unsupported(why)
         self.steps, self.timeout_ns = steps, int(timeout_s * 1e9)
+        self.refused = False  # whether the last probe's launch or capture raised
         self.keys = torch.zeros(steps * KEY_ROWS, dtype=torch.int64, device=self.device)
         self.counters = torch.zeros(2, dtype=torch.int32, device=self.device)
 
@@ -270,14 +271,18 @@ class MarkovPersistentLoop(MarkovBiasStep):
         of -inf and a tie planted; anchors over w1's rows, int64), its
         tokens compared with vLLM's greedy loop in torch ops
         (``spec.greedy_loop``: ``F.embedding``, the bias on the live cuBLAS
-        ``F.linear``, the output transform, ``argmax``, d2t). The launch
-        is new to the driver (cooperative, with PDL where set), so a
-        deployment asks once before it binds: where the tokens differ or
-        the launch raises, every row count is unbound (the step loop then
-        runs) and the reason is returned; None where both agreed. Run it
-        before graph capture, after ``check`` or ``bind``."""
+        ``F.linear``, the output transform, ``argmax``, d2t); on CUDA then
+        the same launch captured in a CUDA graph and replayed (``captured``:
+        vLLM captures the draft's step), its tokens compared again. The
+        launch is new to the driver (cooperative, with PDL where set, in a
+        graph), so a deployment asks once before it binds: where the tokens
+        differ or a launch or the capture raises, every row count is unbound
+        (the step loop then runs) and the reason is returned, ``refused``
+        set where something raised; None where all agreed. Run it before the
+        deployment's graph capture, after ``check`` or ``bind``."""
         from dspark_core.spec import markov as spec
 
+        self.refused = False
         if not self.rows:
             return None
         c, n = self.constants, self.steps
@@ -294,7 +299,12 @@ class MarkovPersistentLoop(MarkovBiasStep):
                 self.launch(base, prev, tokens)  # (operands built to the loop's contract)
                 want = spec.greedy_loop(base, prev, self.w1, self.w2, c.multiplier, c.soft_cap, self.d2t)
                 same = torch.equal(tokens, want)
+                if same and self.device.type == "cuda":
+                    tokens.fill_(-1)
+                    self.captured(base, prev, tokens)
+                    same = torch.equal(tokens, want)
             except Exception as error:  # noqa: BLE001 (a launch the driver refuses unbinds the loop, with the reason)
+                self.refused = True
                 why = f"the persistent loop's probe launch at {rows} rows failed ({type(error).__name__}: {error})"
             else:
                 why = None if same else (f"the persistent loop's probe at {rows} rows drafted other tokens than "
@@ -304,6 +314,16 @@ class MarkovPersistentLoop(MarkovBiasStep):
                 self.rows = {}
                 return why
         return None
+
+    def captured(self, base, prev, tokens) -> None:
+        """One launch captured in a CUDA graph and replayed, synchronized
+        (``probe``'s second question: whether the driver takes the launch in
+        a graph)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.launch(base, prev, tokens)
+        graph.replay()
+        torch.cuda.synchronize(self.device)
 
     def prepare(self, prev_dtypes=(torch.int32, torch.int64)) -> None:
         """Compile every variant the bound rows launch, for ``prev`` of each of ``prev_dtypes``."""
