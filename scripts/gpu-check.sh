@@ -17,6 +17,7 @@
 #   markov-bias-sample the probabilistic step with its bias GEMM against the step after cuBLAS's GEMM and vLLM's binary
 #   bench-markov   the Markov stage alone: vLLM's loop, the bias step's N launches, the persistent launch
 #   probe-direct-gemm  an exact one-split GEMM with a GEMV's schedule (register-direct, one warp a 16-row tile)
+#   probe-pdl-overlap  a latency-bound part, then that GEMM with its weight asked of L2 before its PDL wait, vs cuBLAS
 #                  against cuBLAS: time and bits (scripts/probes/exact_direct_gemm.py)
 #   ordered        the ordered GEMM against the live cuBLAS (orders found at every row count, bits, graphs, TP shards)
 #   bench-gemm     bench_ordered_gemm: each projection and the 14-GEMM chain, cuBLAS against the ordered GEMM
@@ -78,6 +79,7 @@ wanted markov-bias-sample && gpu markov-bias-sample 300 packages/dspark-cute/tes
 wanted markov-persistent && gpu markov-persistent 300 packages/dspark-cute/tests/test_gpu_markov_persistent.py
 wanted bench-markov && step bench-markov 240 python scripts/probes/markov_loop.py --rows 1,4,16,32,64 --sample
 wanted probe-direct-gemm && step probe-direct-gemm 500 python scripts/probes/exact_direct_gemm.py
+wanted probe-pdl-overlap && step probe-pdl-overlap 300 python scripts/probes/pdl_overlap.py
 wanted gating && gpu gating 200 packages/dspark-cute/tests/test_gpu_activations.py
 wanted attention && gpu attention 200 packages/dspark-cute/tests/test_gpu_attention.py
 wanted triton-attention && gpu triton-attention 200 packages/dspark-cute/tests/test_gpu_triton_attention_stock.py

@@ -65,19 +65,26 @@ def ld_nc_v2(addr, *, loc=None, ip=None) -> list:
 
 
 class DirectExactGemm:
-    """The traced kernel for one ``(n, k, warps, unroll, permuted)``. Call:
-    ``(w, x, y, m, stream)``: byte addresses of W ``[n, k]``, x ``[m, k]``,
-    y ``[m, n]`` (BF16, contiguous), ``m`` <= 8."""
+    """The traced kernel for one ``(n, k, warps, unroll, permuted, ahead)``.
+    Call: ``(w, x, y, m, stream)``: byte addresses of W ``[n, k]``, x ``[m,
+    k]``, y ``[m, n]`` (BF16, contiguous), ``m`` <= 8. With ``ahead`` > 0
+    it launches with PDL: each warp first asks L2 for the first ``ahead``
+    bytes of each of its 16 weight rows (``prefetch.global.L2``; the weight
+    is constant), then waits (``griddepcontrol.wait``) before it loads
+    anything (``scripts/probes/pdl_overlap.py``)."""
 
-    def __init__(self, n: int, k: int, warps: int, unroll: int, permuted: bool) -> None:
+    def __init__(self, n: int, k: int, warps: int, unroll: int, permuted: bool, ahead: int = 0) -> None:
         if n % (16 * warps) or k % (16 * unroll):
             raise ValueError(f"n {n} must be a multiple of {16 * warps} and k {k} of {16 * unroll}")
+        if ahead < 0 or ahead % 256 or ahead > 2 * k:
+            raise ValueError(f"ahead must be a multiple of 256 bytes within a row ({2 * k}), not {ahead}")
         self.n, self.k, self.warps, self.unroll, self.permuted = n, k, warps, unroll, permuted
+        self.ahead = ahead
 
     @cute.jit
     def __call__(self, w: Int64, x: Int64, y: Int64, m: Int32, stream):
         self.kernel(w, x, y, m).launch(grid=[self.n // (16 * self.warps), 1, 1], block=[32 * self.warps, 1, 1],
-                                       stream=stream)
+                                       stream=stream, use_pdl=self.ahead > 0)
 
     @cute.kernel
     def kernel(self, w: Int64, x: Int64, y: Int64, m: Int32):
@@ -91,6 +98,12 @@ class DirectExactGemm:
         w0 = Int64(w) + Int64(row0 + g) * (2 * k)  # row g of the tile
         w1 = w0 + 16 * k  # row g + 8
         xr = Int64(x) + Int64(cutlass.min(g, m - 1)) * (2 * k)  # token g (a clamped row feeds no output read)
+        if cutlass.const_expr(self.ahead > 0):
+            # 128-byte lines: lane l takes row l % 16, lines l // 16, l // 16 + 2, ...
+            for j in cutlass.range_constexpr(self.ahead // 256):
+                line = Int64(2 * j) + Int64(lane >> 4)
+                ptx.prefetch_l2(Int64(w) + Int64(row0 + (lane & 15)) * (2 * k) + line * 128)
+            ptx.pdl_wait()
         acc = cute.make_rmem_tensor(4, cutlass.Float32)
         zero = ptx.f32_const(0.0)
         for i in cutlass.range_constexpr(4):
