@@ -54,8 +54,9 @@ def _install(session: nox.Session, cute: str = CUTE) -> None:
     session.install(TORCH)
     session.install(cute)
     # ptxas for the compile tests' register/spill reports: CuTe DSL 4.8 writes
-    # PTX 9.4, which a CUDA 13.0 toolkit's ptxas cannot read.
-    session.install("pytest-xdist", "nvidia-cuda-nvcc>=13.4")
+    # PTX 9.4, which a CUDA 13.0 toolkit's ptxas cannot read; nvdisasm for
+    # their machine-code audits (what ptxas keeps before a PDL wait).
+    session.install("pytest-xdist", "nvidia-cuda-nvcc>=13.4", "nvidia-cuda-nvdisasm>=13.4")
     session.install(*[f"-e./packages/{p}[test]" for p in PACKAGES])
 
 

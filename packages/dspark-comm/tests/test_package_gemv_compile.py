@@ -23,6 +23,8 @@ from dspark_cute.cutedsl.gemm import gemv as gv
 
 ARCHS = ["sm_90a", "sm_100a"]
 NC_LOAD = r"\bld\.global\.nc\.L1::no_allocate\.v4\.b32\b"
+NA_LOAD = r"\bld\.global\.L1::no_allocate\.v4\.b32\b"  # the weight loads before a PDL wait (kept there)
+W_LOAD = r"\bld\.global(?:\.nc)?\.L1::no_allocate\.v4\.b32\b"
 X_LOAD = r"\bld\.global\.v4\.b32\b"
 
 
@@ -54,7 +56,7 @@ def test_one_row_gemv_compiles(arch, variant, tmp_path):
     frags, rows = k // 256, gv.ROWS_PER_WARP
     assert f".target {arch}" in body and f".reqntid {gv.THREADS}, 1, 1" in body
     assert count(body, r"\bfma\b|\.ftz\b|\.local\b|mma\.sync|cp\.async") == 0
-    assert count(body, NC_LOAD) == rows * frags
+    assert count(body, W_LOAD) == rows * frags
     assert count(body, X_LOAD) == frags
     assert count(body, r"\bmul\.rn\.f32\b") == rows * 8 * frags
     assert count(body, r"\badd\.rn\.f32\b") == rows * (7 * frags + frags - 1 + 5)
@@ -69,7 +71,8 @@ def test_one_row_gemv_compiles(arch, variant, tmp_path):
     if pdl:
         wait = body.index("griddepcontrol.wait")
         launch = body.index("griddepcontrol.launch_dependents")
-        assert count(body[:wait], NC_LOAD) == rows * min(gv.DEPTH, frags)
+        assert count(body[:wait], NA_LOAD) == count(body, NA_LOAD) == rows * min(gv.DEPTH, frags)
+        assert count(body[:wait], NC_LOAD) == 0
         assert count(body[:wait], X_LOAD) == 0 and "ld.relaxed" not in body[:wait]
         last_product = body.rindex("mul.rn.f32")
         assert wait < last_product < launch  # released after the main loop
@@ -111,3 +114,24 @@ def test_refusals():
         pv.PackageGemvKernel(g, "scatter", None, 0, True)
     with pytest.raises(ValueError, match="CUDA"):  # the host class checks its weight first
         pg.PackageGemm(_constants(8192, 4096), torch.zeros(8192, 4096, dtype=torch.bfloat16), one_row_gemv=True)
+
+
+@pytest.mark.compile
+def test_one_row_gemv_weight_loads_stay_before_the_wait_in_the_machine_code(tmp_path):
+    """What ptxas keeps before the PDL wait (``ACQBULK``): the first fragments'
+    weight loads, coherent (``LDG.E.NA.128``: ``dspark_cute.ptx.weight_first``;
+    non-coherent ones it moved after the wait, dspark-cute's ``test_sass_pdl.py``)."""
+    from ptx_audit import ops_like, sass_around_wait, skip_audit_off_pin
+
+    from dspark_cute.runtime.host import compile_ptx
+
+    n, k = 8192, 4096
+    kernel = pv.PackageGemvKernel(pv.one_row_constants(_constants(n, k)), "publish", MailboxLayout(2, n, 16), 1, True)
+    ptx = compile_ptx(kernel, *pv.fake_args(), arch="sm_90a")
+    skip_audit_off_pin("the machine-code audit")
+    found = sass_around_wait(ptx, "sm_90a", tmp_path)
+    if found is None:
+        pytest.skip("no ptxas or nvdisasm installed (pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm)")
+    before, after = found
+    assert before.get("LDG.E.NA.128", 0) == gv.ROWS_PER_WARP * min(gv.DEPTH, k // 256)
+    assert after.get("LDG.E.NA.128", 0) == 0 and ops_like(before, "STG") == 0

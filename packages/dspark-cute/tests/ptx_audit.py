@@ -1,6 +1,8 @@
 """Helpers for auditing the PTX of DSpark kernels (and of other kernels built
-on dspark-cute): the text without comments, pattern counts, and ptxas's
-resource report. ``host.compile_ptx`` gives the PTX on a CPU machine."""
+on dspark-cute): the text without comments, pattern counts, ptxas's
+resource report, and the machine code's instructions on either side of the
+PDL wait (``sass_around_wait``). ``host.compile_ptx`` gives the PTX on a CPU
+machine."""
 
 from __future__ import annotations
 
@@ -118,3 +120,41 @@ def nvcc_ptx(body: str, workdir: str | Path, arch: str = "sm_90a") -> str | None
         raise RuntimeError(f"nvcc failed: {r.stderr}")
     return out.read_text()
 
+
+
+def nvdisasm() -> str | None:
+    """An ``nvdisasm`` this interpreter can reach (``nvidia-cuda-nvdisasm``'s, Triton's, ``PATH``'s), or None."""
+    found = []
+    for site in map(Path, sys.path):
+        found += sorted(str(p) for p in site.glob("nvidia/cu*/bin/nvdisasm"))
+        found += sorted(str(p) for p in site.glob("nvidia/cuda_nvdisasm/bin/nvdisasm"))
+        found.append(str(site / "triton" / "backends" / "nvidia" / "bin" / "nvdisasm"))
+    found.append(shutil.which("nvdisasm"))
+    return next((exe for exe in found if exe and Path(exe).is_file()), None)
+
+
+def sass_around_wait(ptx: str, arch: str, workdir: str | Path) -> tuple[dict, dict] | None:
+    """The machine code ptxas makes of ``ptx`` for ``arch`` (``ptxas_report``'s
+    ptxas), its instructions counted by opcode (with their modifiers, e.g.
+    ``LDGSTS.E.BYPASS.128``) before and after the first ``ACQBULK``
+    (``griddepcontrol.wait``); None where no ptxas or nvdisasm is installed.
+    What matters for PDL is where ptxas put a load, not where the PTX did: it
+    may move a load across the wait."""
+    exe = nvdisasm()
+    if exe is None or not ptxas_report(ptx, arch, workdir):
+        return None
+    out = subprocess.run([exe, "-c", str(Path(workdir) / "k.cubin")], capture_output=True, text=True, check=True)
+    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", out.stdout)]
+    if "ACQBULK" not in ops:
+        raise RuntimeError("no griddepcontrol.wait (ACQBULK) in the machine code")
+    cut = ops.index("ACQBULK")
+    before, after = {}, {}
+    for i, op in enumerate(ops):
+        side = before if i < cut else after
+        side[op] = side.get(op, 0) + 1
+    return before, after
+
+
+def ops_like(census: dict, prefix: str) -> int:
+    """How many instructions of ``census`` (``sass_around_wait``) have an opcode starting with ``prefix``."""
+    return sum(n for op, n in census.items() if op.startswith(prefix))

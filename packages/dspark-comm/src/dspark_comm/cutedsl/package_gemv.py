@@ -25,7 +25,8 @@ m > 1); ``PackageGemm`` says so.
   after the PDL wait. The consuming boundary then runs as after the skinny
   package GEMM.
 
-**PDL**: the first fragments' weight loads before the wait; x and the epoch
+**PDL**: the first fragments' weight loads before the wait (coherent, so
+that ptxas keeps them there: ``dspark_cute.ptx.weight_first``); x and the epoch
 after it; dependents released after the main loop (as the skinny package
 GEMM: a consumer still waits for this grid's end).
 """

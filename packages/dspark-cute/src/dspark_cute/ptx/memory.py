@@ -51,6 +51,15 @@ def ld_global_nc_v4(addr, *, loc=None, ip=None) -> list:
 
 
 @dsl_user_op
+def ld_global_na_v4(addr, *, loc=None, ip=None) -> list:
+    """``ld_global_v4`` without an L1 line (``ld.global.L1::no_allocate.v4.b32``):
+    a weight load issued before a PDL wait. ptxas keeps a coherent load there
+    and may move a non-coherent one (``ld_global_nc_v4``) after the wait
+    (``test_sass_pdl.py``)."""
+    return _ld_global_v4("ld.global.L1::no_allocate", addr, loc, ip)
+
+
+@dsl_user_op
 def st_global_v4(addr, values, *, loc=None, ip=None) -> None:
     """Store four 32-bit words at the 16-byte aligned global byte address
     ``addr`` (one ``st.global.v4.b32``)."""
@@ -458,6 +467,7 @@ __all__ = [
     "ld_global_b32",
     "ld_global_cg_v2_f32",
     "ld_global_clamped_s64", "ld_global_clamped_slot",
+    "ld_global_na_v4",
     "ld_global_nc_v4",
     "ld_global_s64",
     "ld_global_slot",

@@ -40,12 +40,14 @@ def pdl_launch_dependents() -> None:
 
 def weight_first(ahead: int, load_weight, load_x, before_x=None) -> None:
     """The prologue of the main loops that load into registers (the GEMV, the
-    register-direct skinny loop): ``load_weight(s)`` for the first ``ahead``
-    steps (the weight is constant while the decode runs, so its loads may
-    precede the PDL wait), then ``before_x()`` where given (the wait), then
+    register-direct skinny loop): ``load_weight(s, pinned)`` for the first
+    ``ahead`` steps (the weight is constant while the decode runs, so its
+    loads may precede the PDL wait; ``pinned`` where there is a wait: with a
+    load ptxas keeps before it, ``ld_global_na_v4``), then ``before_x()``
+    where given (the wait), then
     ``load_x(s)`` for the same steps (x is the previous kernel's output)."""
     for s in range(ahead):
-        load_weight(s)
+        load_weight(s, before_x is not None)
     if before_x is not None:
         before_x()
     for s in range(ahead):

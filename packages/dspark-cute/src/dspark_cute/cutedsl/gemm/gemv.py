@@ -10,7 +10,9 @@ the small kernel before it still runs.
 (``N / (8 rows_per_warp)`` CTAs). Lane ``l`` reads, for fragment ``f``
 (0..K/256-1), the 16 bytes at columns ``256 f + 8 l`` .. ``+ 7`` of each of
 its warp's rows (``ld.global.nc.L1::no_allocate.v4``: a warp reads 512
-contiguous bytes of a row per load) and the same 16 bytes of x
+contiguous bytes of a row per load; the first ``depth`` fragments'
+``ld.global.L1::no_allocate.v4``, which ptxas keeps before the PDL wait) and
+the same 16 bytes of x
 (``ld.global.v4``, cached: every warp reads x). The loads of fragment
 ``f + depth`` are issued before fragment ``f``'s arithmetic, so ``depth``
 fragments per row are in flight per lane.
@@ -23,7 +25,8 @@ word. No ``fma``.
 
 **PDL** (``pdl``): the weight loads of the first ``depth`` fragments are
 issued before ``griddepcontrol.wait`` (the weight is constant while the
-decode runs), x's loads after it; the dependents are released right after
+decode runs; coherent loads, which ptxas keeps there, where it moved the
+non-coherent ones after the wait: ``test_sass_pdl.py``), x's loads after it; the dependents are released right after
 the wait (they still wait for this grid's end before reading ``y``).
 """
 
@@ -98,8 +101,9 @@ def mainloop(k: int, rows_per_warp: int, depth: int, x, weight, warp_id, lane, b
     w_words: dict = {}
     x_words: dict = {}
 
-    def load_weight(f: int) -> None:
-        w_words[f] = [ptx.ld_global_nc_v4(row + f * FRAGMENT * 2) for row in rows]
+    def load_weight(f: int, first: bool = False) -> None:
+        load = ptx.ld_global_na_v4 if first else ptx.ld_global_nc_v4  # (first: before the PDL wait)
+        w_words[f] = [load(row + f * FRAGMENT * 2) for row in rows]
 
     def load_x(f: int) -> None:
         x_words[f] = ptx.ld_global_v4(x_lane + f * FRAGMENT * 2)

@@ -78,8 +78,9 @@ def mainloop(cfg: sg.SkinnyConfig, w_tile, x, m, warp, lane, before_x=None) -> l
     w_words: dict = {}
     x_words: dict = {}
 
-    def load_weight(step: int) -> None:
-        w_words[step] = [ptx.ld_global_nc_v4(Int64(w_tile) + Int64(weight_offset(cfg, warp, lane, step, load)) * 2)
+    def load_weight(step: int, first: bool = False) -> None:
+        ld = ptx.ld_global_na_v4 if first else ptx.ld_global_nc_v4  # (first: before the PDL wait, kept there)
+        w_words[step] = [ld(Int64(w_tile) + Int64(weight_offset(cfg, warp, lane, step, load)) * 2)
                          for load in range(W_LOADS)]
 
     def load_x(step: int) -> None:
