@@ -180,3 +180,27 @@ def test_direct_shapes_and_refusals():
         pg.PackageGemmKernel(8192, sg.SkinnyConfig(1024, 4, 2, 2, x_regs=True), "plain", None, 0, False, False, 16)
     with pytest.raises(ValueError, match="CUDA"):  # the host class checks its weight as for tile_n 64
         pg.PackageGemm(c, torch.zeros(8192, 1024, dtype=torch.bfloat16), pdl=False)
+
+
+@pytest.mark.compile
+def test_direct_package_gemm_weight_loads_stay_before_the_wait_in_the_machine_code(tmp_path):
+    """What ptxas keeps before the PDL wait (``ACQBULK``): the first steps'
+    weight loads, coherent (``LDG.E.NA.128``: ``dspark_cute.ptx.weight_first``;
+    non-coherent ones it moved after the wait, dspark-cute's ``test_sass_pdl.py``)."""
+    from ptx_audit import ops_like, sass_around_wait, skip_audit_off_pin
+
+    from dspark_cute.runtime.host import compile_ptx
+
+    c = _direct("o_proj", 8192, 4096)
+    kw, st = pg.default_shape(c)
+    cfg = sg.SkinnyConfig(c.k_shard, kw, st, 1)
+    kernel = pg.PackageGemmKernel(c.hidden_size, cfg, "publish", MailboxLayout(2, c.hidden_size, 16), 0, True, True,
+                                  c.tile_n)
+    ptx = compile_ptx(kernel, *pg.fake_args(), arch="sm_90a")
+    skip_audit_off_pin("the machine-code audit")
+    found = sass_around_wait(ptx, "sm_90a", tmp_path)
+    if found is None:
+        pytest.skip("no ptxas or nvdisasm installed (pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm)")
+    before, after = found
+    assert before.get("LDG.E.NA.128", 0) == sd.W_LOADS * min(cfg.stages, cfg.steps)
+    assert after.get("LDG.E.NA.128", 0) == 0 and ops_like(before, "HMMA") == 0
