@@ -17,8 +17,8 @@
 #   markov-bias-sample the probabilistic step with its bias GEMM against the step after cuBLAS's GEMM and vLLM's binary
 #   bench-markov   the Markov stage alone: vLLM's loop, the bias step's N launches, the persistent launch
 #   probe-direct-gemm  an exact one-split GEMM with a GEMV's schedule (register-direct, one warp a 16-row tile)
-#   probe-pdl-overlap  a latency-bound part, then that GEMM with its weight asked of L2 before its PDL wait, vs cuBLAS
 #                  against cuBLAS: time and bits (scripts/probes/exact_direct_gemm.py)
+#   probe-pdl-overlap  a latency-bound part, then that GEMM with its weight asked of L2 before its PDL wait, vs cuBLAS
 #   ordered        the ordered GEMM against the live cuBLAS (orders found at every row count, bits, graphs, TP shards)
 #   bench-gemm     bench_ordered_gemm: each projection and the 14-GEMM chain, cuBLAS against the ordered GEMM
 #   cublas-kernels cuBLAS's kernel names and grids per projection and row count (needs no CuTe DSL)
@@ -47,7 +47,7 @@ export OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
 export DSPARK_BENCH_OUT=$OUT
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && { sed -n '2,40p' "$0"; exit 2; }
+[ ${#steps[@]} -eq 0 ] && { sed -n '2,/^# Logs/p' "$0"; exit 2; }
 wanted() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 summary=()
 failed=0
