@@ -23,6 +23,13 @@ Two operand layouts:
   cuBLAS's only if the tensor core's sum of one MMA's 16 products does not
   depend on their positions: the probe's bit check answers that.
 
+What ptxas makes of it (its machine code read on the CPU, 2026-12-05): each
+warp keeps about four MMA steps of loads in flight (about 2 KB), whatever
+``unroll`` is, and whatever distance the source puts between a load and its
+MMA (a trace-time unrolled variant that loaded 8 or 16 steps ahead compiled
+to the same distance), so the warps an SM holds (``N / 16`` over the SMs:
+about 15 for gate_up) carry the memory-level parallelism.
+
 ``python scripts/probes/exact_direct_gemm.py`` (on a GPU) prints one line
 per case and a table last: µs and TB/s of cuBLAS and of each variant, and
 whether its bits are cuBLAS's (the check's probes: spread magnitudes,
