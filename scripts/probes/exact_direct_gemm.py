@@ -137,6 +137,17 @@ class DirectExactGemm:
             ptx.st_global_bf16_rn_if(Int64(y) + (Int64(tok) * self.n + Int64(row)) * 2, acc[reg], tok, m)
 
 
+def graph_time(fns) -> float:
+    """µs a call of ``fns`` called in turn in one CUDA graph: the median of five medians of five replays."""
+    from dspark_core.tools.timing import capture, median_us
+
+    def calls():
+        for fn in fns:
+            fn()
+    replay = capture(calls)
+    return statistics.median(median_us(replay, 5, warmup=1, calls=len(fns)) for _ in range(5))
+
+
 def fake_args() -> tuple:
     from dspark_cute.runtime.host import fake_stream
 
@@ -171,7 +182,6 @@ def main() -> int:
 
     from dspark_core.runtime import gemm_check
     from dspark_core.tools.compare import mismatches
-    from dspark_core.tools.timing import capture, median_us
     from dspark_cute.runtime.host import compile_kernel, current_stream
 
     print(f"seed {a.seed}", flush=True)
@@ -180,13 +190,7 @@ def main() -> int:
     lines = []
     compiled = {}
 
-    def timed(fns) -> float:
-        def calls():
-            for fn in fns:
-                fn()
-        replay = capture(calls)
-        return statistics.median(median_us(replay, 5, warmup=1, calls=len(fns)) for _ in range(5))
-
+    timed = graph_time
     for role, (n, k) in SHAPES.items():
         copies = max(1, -(-(256 << 20) // (n * k * 2)))  # >= 256 MB: every call reads its weight from HBM
         ws = [(torch.randn(n, k, generator=gen, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]

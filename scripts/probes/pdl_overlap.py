@@ -26,7 +26,6 @@ on a GPU; ``--compile-only`` compiles the kernels for sm_90a on a CPU."""
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,8 @@ from dspark_cute import ptx
 from dspark_cute.ptx.inline import asm, i64
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exact_direct_gemm import DirectExactGemm  # noqa: E402
+from exact_direct_gemm import DirectExactGemm, graph_time  # noqa: E402
+from exact_direct_gemm import fake_args as fake_gemm_args  # noqa: E402
 
 SHAPES = {"o_proj": (8192, 4096), "gate_up": (32768, 8192)}
 WARPS, UNROLL = 4, 8  # the direct kernel's settings (exact_direct_gemm sweeps them)
@@ -70,12 +70,6 @@ class Spin:
         if cutlass.const_expr(self.release):
             ptx.pdl_launch_dependents()
         spin_ns(ns)
-
-
-def fake_gemm_args() -> tuple:
-    from dspark_cute.runtime.host import fake_stream
-
-    return Int64(0), Int64(0), Int64(0), Int32(1), fake_stream()
 
 
 def compile_only(aheads) -> int:
@@ -113,20 +107,13 @@ def main() -> int:
     import torch.nn.functional as F
 
     from dspark_core.tools.compare import mismatches
-    from dspark_core.tools.timing import capture, median_us
     from dspark_cute.runtime.host import compile_kernel, current_stream
 
     print(f"seed {a.seed}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(a.seed)
     spins = {r: compile_kernel(Spin(r), Int64(0), current_stream()) for r in (False, True)}
 
-    def timed(fns) -> float:
-        def calls():
-            for fn in fns:
-                fn()
-        replay = capture(calls)
-        return statistics.median(median_us(replay, 5, warmup=1, calls=len(fns)) for _ in range(5))
-
+    timed = graph_time
     lines = []
     for role, (n, k) in SHAPES.items():
         copies = max(1, -(-(256 << 20) // (n * k * 2)))  # >= 256 MB: every GEMM reads its weight from HBM
