@@ -187,7 +187,7 @@ def test_direct_package_gemm_weight_loads_stay_before_the_wait_in_the_machine_co
     """What ptxas keeps before the PDL wait (``ACQBULK``): the first steps'
     weight loads, coherent (``LDG.E.NA.128``: ``dspark_cute.ptx.weight_first``;
     non-coherent ones it moved after the wait, dspark-cute's ``test_sass_pdl.py``)."""
-    from ptx_audit import ops_like, sass_around_wait, skip_audit_off_pin
+    from ptx_audit import census_or_skip, ops_like
 
     from dspark_cute.runtime.host import compile_ptx
 
@@ -196,11 +196,6 @@ def test_direct_package_gemm_weight_loads_stay_before_the_wait_in_the_machine_co
     cfg = sg.SkinnyConfig(c.k_shard, kw, st, 1)
     kernel = pg.PackageGemmKernel(c.hidden_size, cfg, "publish", MailboxLayout(2, c.hidden_size, 16), 0, True, True,
                                   c.tile_n)
-    ptx = compile_ptx(kernel, *pg.fake_args(), arch="sm_90a")
-    skip_audit_off_pin("the machine-code audit")
-    found = sass_around_wait(ptx, "sm_90a", tmp_path)
-    if found is None:
-        pytest.skip("no ptxas or nvdisasm installed (pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm)")
-    before, after = found
+    before, after = census_or_skip(compile_ptx(kernel, *pg.fake_args(), arch="sm_90a"), "sm_90a", tmp_path)
     assert before.get("LDG.E.NA.128", 0) == sd.W_LOADS * min(cfg.stages, cfg.steps)
     assert after.get("LDG.E.NA.128", 0) == 0 and ops_like(before, "HMMA") == 0

@@ -121,17 +121,12 @@ def test_one_row_gemv_weight_loads_stay_before_the_wait_in_the_machine_code(tmp_
     """What ptxas keeps before the PDL wait (``ACQBULK``): the first fragments'
     weight loads, coherent (``LDG.E.NA.128``: ``dspark_cute.ptx.weight_first``;
     non-coherent ones it moved after the wait, dspark-cute's ``test_sass_pdl.py``)."""
-    from ptx_audit import ops_like, sass_around_wait, skip_audit_off_pin
+    from ptx_audit import census_or_skip, ops_like
 
     from dspark_cute.runtime.host import compile_ptx
 
     n, k = 8192, 4096
     kernel = pv.PackageGemvKernel(pv.one_row_constants(_constants(n, k)), "publish", MailboxLayout(2, n, 16), 1, True)
-    ptx = compile_ptx(kernel, *pv.fake_args(), arch="sm_90a")
-    skip_audit_off_pin("the machine-code audit")
-    found = sass_around_wait(ptx, "sm_90a", tmp_path)
-    if found is None:
-        pytest.skip("no ptxas or nvdisasm installed (pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm)")
-    before, after = found
+    before, after = census_or_skip(compile_ptx(kernel, *pv.fake_args(), arch="sm_90a"), "sm_90a", tmp_path)
     assert before.get("LDG.E.NA.128", 0) == gv.ROWS_PER_WARP * min(gv.DEPTH, k // 256)
     assert after.get("LDG.E.NA.128", 0) == 0 and ops_like(before, "STG") == 0

@@ -158,3 +158,16 @@ def sass_around_wait(ptx: str, arch: str, workdir: str | Path) -> tuple[dict, di
 def ops_like(census: dict, prefix: str) -> int:
     """How many instructions of ``census`` (``sass_around_wait``) have an opcode starting with ``prefix``."""
     return sum(n for op, n in census.items() if op.startswith(prefix))
+
+
+def census_or_skip(ptx: str, arch: str, workdir: str | Path) -> tuple[dict, dict]:
+    """``sass_around_wait`` of a kernel that has compiled, in a test: skipped
+    off CuTe DSL 4.8 (``skip_audit_off_pin``) and where no ptxas or nvdisasm
+    is installed."""
+    import pytest
+
+    skip_audit_off_pin("the machine-code audit")
+    found = sass_around_wait(ptx, arch, workdir)
+    if found is None:
+        pytest.skip("no ptxas or nvdisasm installed (pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm)")
+    return found

@@ -19,7 +19,7 @@ loop) therefore issue their first weight loads as coherent
 from __future__ import annotations
 
 import pytest
-from ptx_audit import ops_like, sass_around_wait, skip_audit_off_pin
+from ptx_audit import census_or_skip, ops_like
 
 from dspark_core.contracts.markov import markov_constants, markov_sample_constants
 
@@ -29,12 +29,7 @@ ARCH = "sm_90a"
 def census(kernel, args, tmp_path) -> tuple[dict, dict]:
     from dspark_cute.runtime.host import compile_ptx
 
-    ptx = compile_ptx(kernel, *args, arch=ARCH)
-    skip_audit_off_pin("the machine-code audit")
-    found = sass_around_wait(ptx, ARCH, tmp_path)
-    if found is None:
-        pytest.skip("no ptxas or nvdisasm installed (pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm)")
-    return found
+    return census_or_skip(compile_ptx(kernel, *args, arch=ARCH), ARCH, tmp_path)
 
 
 @pytest.mark.compile
