@@ -107,12 +107,15 @@ def attempt(what: str, make) -> tuple:
 
 
 class MarkovStage:
-    """The fused greedy Markov stage of ``model`` (vLLM's Muse Spark DSpark
-    draft) under ``vllm_config`` (module docstring). ``step_class`` and
-    ``arch`` replace dspark-cute's ``MarkovStep`` and the GPU's architecture
-    (tests); ``checked`` (default ``MARKOV_CHECKED``) the architectures the
-    greedy step fuses on, and the probabilistic step's too where given (else
-    ``SAMPLE_CHECKED``)."""
+    """The fused Markov stage of ``model`` (vLLM's Muse Spark DSpark draft)
+    under ``vllm_config`` (module docstring). ``step_class`` and ``arch``
+    replace dspark-cute's ``MarkovStep`` and the GPU's architecture (tests),
+    as ``sample_class``, ``bias_class``, ``persistent_class`` and
+    ``bias_sample_class`` replace ``MarkovSampleStep``, ``MarkovBiasStep``,
+    ``MarkovPersistentLoop`` and ``MarkovBiasSampleStep``; ``checked``
+    (default ``markov_plan.MARKOV_CHECKED``) the architectures the greedy
+    step fuses on, and the probabilistic step's too where given (else
+    ``markov_plan.SAMPLE_CHECKED``)."""
 
     def __init__(self, model, vllm_config, step_class=None, arch: str | None = "probe",
                  checked: frozenset[str] | None = None, sample_class=None, bias_class=None,
