@@ -192,10 +192,16 @@ class StockStep:
         kv = torch.bmm(normed, self.stacked_kv.transpose(1, 2))
         kv = kv.view(layers, t, 2, c.num_kv_heads, c.head_dim).permute(2, 0, 1, 3, 4).contiguous()
         k, v = kv[0], kv[1]
-        kf = k.float()
-        variance = kf.pow(2).mean(dim=-1, keepdim=True)
         eps = self.layers[0].self_attn.qk_norm.eps
-        k = (kf * torch.rsqrt(variance + eps)).to(k.dtype)
+        aten_k_norm = getattr(self.S, "aten_k_norm", None)
+        if aten_k_norm is not None:
+            # A CPU dry run (SpecKernels): these ATen ops on a CPU reduce in
+            # another order than on CUDA, so the stand-in gives CUDA's.
+            k = aten_k_norm(k, eps)
+        else:
+            kf = k.float()
+            variance = kf.pow(2).mean(dim=-1, keepdim=True)
+            k = (kf * torch.rsqrt(variance + eps)).to(k.dtype)
         flat = k.view(layers * t, c.num_kv_heads, c.head_dim)
         if self.context_table is not None:
             self.S.stock_rotary(positions.repeat(layers), flat, None, c.head_dim, self.context_table)
@@ -352,6 +358,13 @@ class SpecKernels:
     @staticmethod
     def stock_silu_and_mul(x):
         return L.silu_and_mul(x, x.shape[-1] // 2)
+
+    @staticmethod
+    def aten_k_norm(k, eps):
+        """The context chain's K-norm as CUDA ATen computes it (``spec.layers.k_norm_context``:
+        ``kf.pow(2).mean(-1)`` and ``torch.rsqrt`` on a CPU differ from it in rare elements)."""
+        d = k.shape[-1]
+        return L.k_norm_context(k.reshape(-1, k.shape[-2], d), L.HeadNorm(d, eps)).view_as(k)
 
     def stock_rotary(self, positions, query, key, head_size, table):
         q = query.view(positions.shape[0], -1, head_size)
