@@ -57,8 +57,14 @@ def test_spawn_ranks_kills_ranks_past_the_limit():
 
 def _results(rank: int, world: int, init_file: str, path: str, fail: bool) -> None:
     if rank == 0:
-        Path(path).write_text(json.dumps([{"rank": r} for r in range(world)]))
+        Path(path + ".part").write_text(json.dumps([{"rank": r} for r in range(world)]))
+        os.replace(path + ".part", path)  # whole when it appears
     if fail and rank == 1:
+        # After rank 0 wrote (a failing rank ends the others: without the wait
+        # rank 0 could be ended first on a loaded machine).
+        deadline = time.monotonic() + 60
+        while not Path(path).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise RuntimeError("rank 1 fails after rank 0 wrote")
 
 
