@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark_core.errors import Unsupported
+from dspark_core.errors import Unsupported, ranges
 from dspark_vllm import deployment
 from dspark_vllm import markov_plan as plan
 from dspark_vllm.runtime import logger
@@ -189,6 +189,21 @@ class MarkovStage:
         self._build_sample(step, planned)
         self._build_bias_sample()
 
+    def _gated(self, checked, unchecked: str, what: str, make, refused: str, reason: str | None = None) -> tuple:
+        """``(host, reason)`` of one of the stage's optional hosts: ``reason``
+        where given (a prerequisite missing), else ``unchecked`` (formatted
+        with the GPU's architecture) outside ``checked``, else ``attempt(what,
+        make)``; a reason is logged with ``refused`` (a ``%s`` format)."""
+        if reason is None:
+            arch, checked = plan.normalised_archs(self.resolved_arch, checked)
+            reason = None if arch in checked else unchecked.format(arch=arch)
+        host = None
+        if reason is None:
+            host, reason = attempt(what, make)
+        if reason is not None:
+            logger.info(refused, reason)
+        return host, reason
+
     def _build_bias_step(self, step) -> None:
         """The greedy step with its bias GEMM beside ``step`` (``bias_step``),
         bound by its build-time check against the live cuBLAS at 1 to
@@ -196,8 +211,6 @@ class MarkovStage:
         sums the bias in one split), or its reason (logged once): an
         architecture outside ``BIAS_CHECKED``, no request count bound, or any
         exception while it is built, checked and compiled."""
-        arch, checked = plan.normalised_archs(self.resolved_arch, plan.BIAS_CHECKED)
-        reason, fused = (None if arch in checked else plan.BIAS_UNCHECKED.format(arch=arch)), None
 
         def make():
             cls = self.bias_class or _bias_class()
@@ -209,15 +222,11 @@ class MarkovStage:
                     sorted(set(fused.reasons.values())))
             return fused, None
 
-        if reason is None:
-            fused, reason = attempt("the DSpark Markov bias step", make)
+        fused, reason = self._gated(plan.BIAS_CHECKED, plan.BIAS_UNCHECKED, "the DSpark Markov bias step", make,
+                                    "The DSpark greedy Markov stage runs its step after vLLM's bias GEMM: %s.")
+        self.bias_step, self.bias_reason = fused, reason
         if reason is not None:
-            self.bias_step, self.bias_reason = None, reason
-            logger.info("The DSpark greedy Markov stage runs its step after vLLM's bias GEMM: %s.", reason)
             return
-        from dspark_core.errors import ranges
-
-        self.bias_step, self.bias_reason = fused, None
         logger.info("The DSpark greedy Markov stage runs the bias GEMM in its step (markov_bias_step: cuBLAS's order, "
                     "found by the build-time check) at %s requests; at other counts the step runs after vLLM's bias "
                     "GEMM.", ranges(fused.rows))
@@ -231,8 +240,6 @@ class MarkovStage:
         more without), or its reason (logged once): an architecture outside
         ``PERSISTENT_CHECKED``, a probe that failed, or any exception while
         it is built and compiled."""
-        arch, checked = plan.normalised_archs(self.resolved_arch, plan.PERSISTENT_CHECKED)
-        reason, loop = (None if arch in checked else plan.PERSISTENT_UNCHECKED.format(arch=arch)), None
 
         def make():
             from dspark_cute.cutedsl.markov.persistent import MAX_LOOP_ROWS
@@ -253,15 +260,12 @@ class MarkovStage:
                 why = loop.probe()
             return (None, why) if why is not None else (loop, None)
 
-        if reason is None:
-            loop, reason = attempt("the DSpark persistent Markov loop", make)
+        loop, reason = self._gated(plan.PERSISTENT_CHECKED, plan.PERSISTENT_UNCHECKED,
+                                   "the DSpark persistent Markov loop", make,
+                                   "The DSpark greedy Markov stage launches once a step: %s.")
+        self.loop, self.loop_reason = loop, reason
         if reason is not None:
-            self.loop, self.loop_reason = None, reason
-            logger.info("The DSpark greedy Markov stage launches once a step: %s.", reason)
             return
-        from dspark_core.errors import ranges
-
-        self.loop, self.loop_reason = loop, None
         logger.info("The DSpark greedy Markov stage runs its %d steps in one launch (markov_persistent_loop) at %s "
                     "requests.", loop.steps, ranges(loop.rows))
 
@@ -295,12 +299,6 @@ class MarkovStage:
         (``MarkovBiasSampleStep.bind``), or its reason (logged once): either
         step missing, an architecture outside ``BIAS_SAMPLE_CHECKED``, no
         count bound, or any exception while it is built and compiled."""
-        arch, checked = plan.normalised_archs(self.resolved_arch, plan.BIAS_SAMPLE_CHECKED)
-        fused = None
-        if self.sample is None or self.bias_step is None:
-            reason = "it needs the probabilistic step and the greedy step with its bias GEMM, not both built"
-        else:
-            reason = None if arch in checked else plan.BIAS_SAMPLE_UNCHECKED.format(arch=arch)
 
         def make():
             from dspark_cute.cutedsl.markov.bias_sample import MAX_SAMPLE_ROWS
@@ -313,14 +311,15 @@ class MarkovStage:
                 return None, "the build-time check bound no request count up to 32"
             return fused, None
 
-        if reason is None:
-            fused, reason = attempt("the DSpark probabilistic Markov bias step", make)
+        missing = None if self.sample is not None and self.bias_step is not None else (
+            "it needs the probabilistic step and the greedy step with its bias GEMM, not both built")
+        fused, reason = self._gated(plan.BIAS_SAMPLE_CHECKED, plan.BIAS_SAMPLE_UNCHECKED,
+                                    "the DSpark probabilistic Markov bias step", make,
+                                    "The DSpark probabilistic Markov stage runs its step after vLLM's bias GEMM: %s.",
+                                    missing)
         self.bias_sample, self.bias_sample_reason = fused, reason
         if reason is not None:
-            logger.info("The DSpark probabilistic Markov stage runs its step after vLLM's bias GEMM: %s.", reason)
             return
-        from dspark_core.errors import ranges
-
         logger.info("The DSpark probabilistic Markov stage runs the bias GEMM in its step (markov_bias_sample) at %s "
                     "requests.", ranges(fused.rows))
 

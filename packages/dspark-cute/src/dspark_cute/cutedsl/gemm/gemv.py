@@ -26,8 +26,9 @@ word. No ``fma``.
 **PDL** (``pdl``): the weight loads of the first ``depth`` fragments are
 issued before ``griddepcontrol.wait`` (the weight is constant while the
 decode runs; coherent loads, which ptxas keeps there, where it moved the
-non-coherent ones after the wait: ``test_sass_pdl.py``), x's loads after it; the dependents are released right after
-the wait (they still wait for this grid's end before reading ``y``).
+non-coherent ones after the wait: ``test_sass_pdl.py``), x's loads after
+it; the dependents are released right after the wait (they still wait for
+this grid's end before reading ``y``).
 """
 
 from __future__ import annotations

@@ -56,6 +56,8 @@ from dspark_cute.cutedsl.markov.bias_step import (
     THREADS,
     BiasStepParts,
     MarkovBiasStep,
+    bound_rows,
+    check_max_rows,
     check_prev,
     check_w2,
     fused_unsupported,
@@ -247,9 +249,7 @@ class MarkovBiasSampleStep(LazyPdl):
     def __init__(self, constants: MarkovSampleConstants, w1: torch.Tensor, d2t: torch.Tensor, w2: torch.Tensor,
                  max_rows: int = MAX_SAMPLE_ROWS, *, pdl: bool | None = None) -> None:
         check_constants(constants)
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_SAMPLE_ROWS:
-            raise ValueError(f"the probabilistic bias step takes 1 to {MAX_SAMPLE_ROWS} rows, not "
-                             f"max_rows={max_rows!r}")
+        check_max_rows(max_rows, MAX_SAMPLE_ROWS, "the probabilistic bias step")
         why = fused_unsupported(constants, max_rows)
         if why is not None:
             raise Unsupported(why)
@@ -277,9 +277,7 @@ class MarkovBiasSampleStep(LazyPdl):
                 or sc.rank != c.rank:
             raise ValueError("the probabilistic bias step binds to the greedy MarkovBiasStep of the same w2, "
                              f"vocabulary and rank, not {describe(step)}")
-        self.rows = {m: None for m in step.rows if m <= self.max_rows}
-        self.reasons = {m: step.reasons.get(m, "not checked") for m in range(1, self.max_rows + 1)
-                        if m not in self.rows}
+        self.rows, self.reasons = bound_rows(step, self.max_rows)
         self.prepare()
 
     def prepare(self, prev_dtypes=(torch.int32, torch.int64)) -> None:

@@ -432,10 +432,19 @@ def check_w2(constants, w2, device) -> None:
                          f"{constants.rank}] tensor on {device}, not {describe(w2)}")
 
 
-def check_max_rows(max_rows) -> None:
-    """ValueError unless ``max_rows`` is an int from 1 to ``MAX_ROWS``."""
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
-        raise ValueError(f"the fused bias step takes 1 to {MAX_ROWS} rows, not max_rows={max_rows!r}")
+def check_max_rows(max_rows, limit: int = MAX_ROWS, what: str = "the fused bias step") -> None:
+    """ValueError unless ``max_rows`` is an int from 1 to ``limit`` (the rows ``what`` takes)."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= limit:
+        raise ValueError(f"{what} takes 1 to {limit} rows, not max_rows={max_rows!r}")
+
+
+def bound_rows(step, max_rows: int) -> tuple[dict[int, None], dict[int, str]]:
+    """``(rows, reasons)`` of a host bound to ``step``'s build-time check (a
+    ``MarkovBiasStep`` of the same w2: the same question to cuBLAS): the row
+    counts up to ``max_rows`` it bound, and every other count from 1 with
+    its reason."""
+    rows = {m: None for m in step.rows if m <= max_rows}
+    return rows, {m: step.reasons.get(m, "not checked") for m in range(1, max_rows + 1) if m not in rows}
 
 
 def check_prev(rows: int, prev) -> None:
@@ -577,5 +586,6 @@ def run_fused_greedy_loop(step: MarkovBiasStep, base: torch.Tensor, prev: torch.
         step.launch(base[:, i], prev if i == 0 else tokens[:, i - 1], tokens[:, i], i == 0)
 
 
-__all__ = ["A_TILES", "MAX_ROWS", "MarkovBiasKernel", "MarkovBiasStep", "check_max_rows", "check_prev", "check_w2",
+__all__ = ["A_TILES", "MAX_ROWS", "MarkovBiasKernel", "MarkovBiasStep", "bound_rows", "check_max_rows", "check_prev",
+           "check_w2",
            "compile_bias_step", "fused_unsupported", "n_tiles_for", "one_split_rows", "run_fused_greedy_loop"]

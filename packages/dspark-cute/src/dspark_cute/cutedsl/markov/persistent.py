@@ -56,6 +56,8 @@ from dspark_cute.cutedsl.markov.bias_step import (
     BiasStepLayout,
     BiasStepParts,
     MarkovBiasStep,
+    bound_rows,
+    check_max_rows,
     fused_unsupported,
     n_tiles_for,
 )
@@ -237,8 +239,7 @@ class MarkovPersistentLoop(MarkovBiasStep):
     def __init__(self, constants: MarkovConstants, w1: torch.Tensor, d2t: torch.Tensor | None, w2: torch.Tensor,
                  steps: int, max_rows: int = MAX_LOOP_ROWS, *, pdl: bool | None = None,
                  timeout_s: float = TIMEOUT_S) -> None:
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_LOOP_ROWS:
-            raise ValueError(f"the persistent Markov loop takes 1 to {MAX_LOOP_ROWS} rows, not max_rows={max_rows!r}")
+        check_max_rows(max_rows, MAX_LOOP_ROWS, "the persistent Markov loop")
         super().__init__(constants, w1, d2t, w2, max_rows, pdl=pdl)
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
             raise ValueError(f"the persistent Markov loop takes 1 to {MAX_STEPS} steps, not steps={steps!r}")
@@ -260,9 +261,7 @@ class MarkovPersistentLoop(MarkovBiasStep):
         if not isinstance(step, MarkovBiasStep) or step.constants != self.constants or step.w2 is not self.w2:
             raise ValueError("the persistent Markov loop takes the rows of a MarkovBiasStep of the same constants and "
                              f"w2, not {type(step).__name__}")
-        self.rows = {m: None for m in step.rows if m <= self.max_rows}
-        self.reasons = {m: step.reasons.get(m, "not checked") for m in range(1, self.max_rows + 1)
-                        if m not in self.rows}
+        self.rows, self.reasons = bound_rows(step, self.max_rows)
         self.prepare()
 
     def probe(self, seed: int = gemm_check.SEED) -> str | None:
