@@ -19,7 +19,9 @@
 #   probe-direct-gemm  an exact one-split GEMM with a GEMV's schedule (register-direct, one warp a 16-row tile)
 #                  against cuBLAS: time and bits (scripts/probes/exact_direct_gemm.py)
 #   probe-pdl-overlap  a latency-bound part, then that GEMM with its weight asked of L2 before its PDL wait, vs cuBLAS
-#   ordered        the ordered GEMM against the live cuBLAS (orders found at every row count, bits, graphs, TP shards)
+#   ordered        the ordered GEMM against the live cuBLAS (orders found at every row count, bits, graphs, TP shards,
+#                  the build's timing decision on this card and its cache)
+#   card           the card's facts as the benchmarks and the decision cache name it (no CuTe DSL needed)
 #   bench-gemm     bench_ordered_gemm: each projection and the 14-GEMM chain, cuBLAS against the ordered GEMM
 #   cublas-kernels cuBLAS's kernel names and grids per projection and row count (needs no CuTe DSL)
 #   ops            the custom ops (opcheck, torch.compile against eager) and the on-disk kernel cache
@@ -46,6 +48,8 @@ cd "$(dirname "$0")/.."
 export OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
 export DSPARK_BENCH_OUT=$OUT
+# A fresh decision cache per run: the benchmarks report the build's cold cost.
+export DSPARK_DECISION_CACHE=${DSPARK_DECISION_CACHE:-$(mktemp -d /tmp/dspark-decisions.XXXXXX)}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && { sed -n '2,/^# Logs/p' "$0"; exit 2; }
 wanted() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
@@ -68,6 +72,7 @@ if wanted unpack; then
   python -c "import cutlass, sys; print('CuTe DSL', cutlass.__version__)" 2>&1 | tail -1
   ls .device 2>/dev/null
 fi
+wanted card && step card 60 python -c "from dspark_core.tools.card import card_facts; print(card_facts().describe())"
 wanted check-spec && step check-spec 120 python scripts/stock/check_spec.py
 wanted spec && gpu spec 120 packages/dspark-core/tests
 wanted norms && gpu norms 240 packages/dspark-cute/tests/test_gpu_row_norm.py \

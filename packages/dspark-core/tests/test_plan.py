@@ -496,15 +496,29 @@ def test_cli_declines_the_opt_in_kernels_unless_asked():
     assert "not asked for (8 parts): " + policy.OPT_IN[policy.GEMV] in out.stdout
     assert "QKV front" not in out.stdout
     assert _cli("--kernels", "all", "--front").returncode == 2  # the fused QKV front is gone
-    assert "not asked for (8 parts): " + policy.OPT_IN[policy.ORDERED_GEMM] in out.stdout
+    # The ordered GEMM is on by default at TP1, its projections never called fused: the build decides.
+    assert policy.OPT_IN[policy.ORDERED_GEMM] not in out.stdout
+    assert "fused (OrderedGemmConstants" not in out.stdout
+    line = next(line for line in out.stdout.splitlines() if "layer 1's o_proj projection" in line)
+    assert line.split()[4:13] == ["decided", "at", "build:", "DSpark's", "ordered", "GEMM", "or", "cuBLAS", "per"]
+    assert "(OrderedGemmConstants" in line
+    assert "14 of 14 parts fused; 8 projections decided at build" in out.stdout
+    assert "decided at build (8 projections): a row count runs DSpark's ordered GEMM only where the check " \
+           "against the live cuBLAS finds cuBLAS's order" in out.stdout
+    off = _cli("--kernels", "all", "--no-ordered-gemm")
+    assert off.returncode == 0, off.stderr
+    assert "not asked for (8 parts): " + policy.OPT_IN[policy.ORDERED_GEMM] in off.stdout
+    assert "decided at build" not in off.stdout and "14 of 14 parts fused\n" in off.stdout
     out = _cli("--kernels", "all", "--gemv", "--ordered-gemm")
     assert out.returncode == 0, out.stderr
     assert "opt-in" not in out.stdout
     assert "layer 1's down GEMV" in out.stdout and "fused (GemvConstants" in out.stdout
-    assert "layer 1's o_proj projection" in out.stdout and "fused (OrderedGemmConstants" in out.stdout
-    assert "30 of 30 parts fused" in out.stdout
-    # What only the build checks, said: the ordered GEMM's rows (and which weights are too large to be faster).
-    assert "checked at build (8 parts): " in out.stdout and "(6 of these weights are larger: " in out.stdout
+    assert "22 of 22 parts fused; 8 projections decided at build" in out.stdout
+    # At TP > 1 the ordered GEMM is opt-in.
+    tp2 = _cli("--kernels", "all", "--tp", "2")
+    assert policy.OPT_IN[policy.ORDERED_GEMM] in tp2.stdout and "decided at build" not in tp2.stdout
+    tp2 = _cli("--kernels", "all", "--tp", "2", "--ordered-gemm")
+    assert "decided at build (" in tp2.stdout and "fused (OrderedGemmConstants" not in tp2.stdout
 
 
 def test_cli_prints_reasons_of_a_refusing_config(tmp_path):

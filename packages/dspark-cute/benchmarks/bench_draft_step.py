@@ -31,7 +31,16 @@ by ``--draft-vocab`` (32768), ``--target-vocab`` (202752), ``--rank`` (256);
 ``--target-hidden`` (8192); every request ``--context`` (256) cached tokens,
 LBHNC caches. The floor is the bytes of the weights one step reads (each
 once: the layers' GEMM weights, the stacked context K/V rows, fc, the LM head,
-markov_w2) at 4.3 TB/s.
+markov_w2) at this card's HBM peak (``dspark_core.tools.card``: the card's
+published figure by name, else its memory clock and bus width; none where
+neither is known), and the table names the card, its driver and cuBLAS.
+
+Projections on the DSpark side, as the plugin runs them by default: the
+layers' on the ordered GEMM where the build's order check against the live
+cuBLAS and its timing on this card choose it, cuBLAS elsewhere; fc, the LM
+head and the Markov bias outside the Markov step on cuBLAS (the plugin does
+not own them). ``--ordered`` decides those three the same way too (beyond
+the plugin); ``--no-ordered`` keeps every projection on cuBLAS.
 
 ``--tp N`` times one rank's work of the TP-N step instead
 (``tp_rank_setup``: the layers', fc's and the LM head's shards, the Markov
@@ -64,8 +73,9 @@ from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig, small_config
 from dspark_core.reference.model import DraftModel, attend  # noqa: F401 (the CPU tests reach it here)
 from dspark_core.runtime.decode import DraftDecode
+from dspark_core.tools.card import card_facts
 from dspark_core.tools.compare import mismatches
-from dspark_core.tools.timing import HBM_BYTES_PER_S, capture, times_us
+from dspark_core.tools.timing import capture, times_us
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stock_scripts  # noqa: E402
@@ -80,9 +90,16 @@ ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 # holds the two equal).
 VLLM_EXACT_SM90 = frozenset({policy.ROW_NORM, policy.BOUNDARY, policy.CONTEXT_CHAIN, policy.QKV_EPILOGUE,
                              policy.O_GATE, policy.MLP_ACTIVATION, policy.ORDERED_GEMM})
-# The plugin's opt-in kernels that keep the stock bits (--ordered asks for them).
+# The plugin's opt-in kernels that keep the stock bits (on by default at TP1: the ordered GEMM).
 EXACT_OPT_INS = frozenset({policy.ORDERED_GEMM})
-ORDERED_LABEL = "the opt-in ordered GEMM where its build-time check found cuBLAS's order"
+PROJECTION_LABELS = {
+    "plugin": "the layers' on the ordered GEMM where the build's order check and timing on this card chose it "
+              "(the plugin's default), cuBLAS elsewhere; fc, the LM head and the Markov bias outside the Markov "
+              "step on cuBLAS",
+    "all": "every projection (the layers', fc, the LM head, the Markov bias) on the ordered GEMM where the build's "
+           "order check and timing on this card chose it, cuBLAS elsewhere (fc and the LM head beyond the plugin)",
+    "cublas": "cuBLAS, as vLLM (--no-ordered)",
+}
 ATTENTION_NAMES = {"dspark": "DSpark's PagedAttention kernel (direct variant), both sides",
                    "triton": "vLLM 0.33.0's Triton unified_attention (TRITON_ATTN), its binary, both sides",
                    "spec": "dspark-core's spec attention in torch ops, both sides"}
@@ -109,7 +126,7 @@ class DSparkStep:
     step."""
 
     def __init__(self, model, stock, device, kernels: frozenset[str], target=None, markov: str = "auto",
-                 asked: frozenset[str] = frozenset(), steps: int = 4) -> None:
+                 asked: frozenset[str] = frozenset(), steps: int = 4, outside: bool = False) -> None:
         self.model, self.stock = model, stock
         draft = stock_description(model, stock)
         target = target or policy.device_target(device, 1, kernels)
@@ -117,14 +134,27 @@ class DSparkStep:
         self.decode = DraftDecode(draft, self.plan, None, prefetch=None,
                                   kernels={k: kernel_class(k) for k in kernels})
         self.decode.prepare()
-        ordered = policy.ORDERED_GEMM in kernels and policy.ORDERED_GEMM in asked and device.type == "cuda"
-        # fc, the LM head and the Markov bias as the plugin runs them: on the
-        # ordered GEMM where its check found cuBLAS's order.
+        ordered = (outside and policy.ORDERED_GEMM in kernels and policy.ORDERED_GEMM in asked
+                   and device.type == "cuda")
+        # fc, the LM head and the Markov bias (``outside``: beyond the plugin) on
+        # the ordered GEMM where its check and timing chose it.
         self.fc = ordered_projection("fc", stock.fc) if ordered else None
         self.lm = ordered_projection("lm_head", stock.head.lm_head) if ordered else None
         bias = ordered_projection("markov_bias", stock.head.markov_w2) if ordered else None
         self.markov, self.markov_label = fused_markov(stock, markov, bias, steps)
         self.last = 2 * len(model.layers) - 1
+
+    def decisions(self) -> list:
+        """The build's timing decisions (``gemm_decide.GemmDecision``) of
+        every projection the DSpark side put on the ordered GEMM, one a shape."""
+        gemms = list(self.decode.ordered.values()) + [g for g in (self.fc, self.lm) if g is not None]
+        seen, out = set(), []
+        for g in gemms:
+            d = getattr(g, "decision", None)
+            if d is not None and d.what not in seen:
+                seen.add(d.what)
+                out.append(d)
+        return out
 
     def part(self, kind: str):
         """``(prep, fn)`` of the DSpark call of a stock part of ``kind`` (a
@@ -423,9 +453,12 @@ def parser() -> argparse.ArgumentParser:
                         "(persistent: the N steps in one launch up to 32 requests, not yet the plugin's default)")
     p.add_argument("--seed", type=int, default=int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31)))
     p.add_argument("--dry", action="store_true", help="the plumbing on the CPU: small draft, spec kernels, no graphs")
-    p.add_argument("--ordered", action="store_true",
-                   help="the DSpark side with the opt-in ordered GEMM (cuBLAS's order, checked at build) on every "
-                        "projection: the layers', fc, the LM head and the Markov bias")
+    ordered = p.add_mutually_exclusive_group()
+    ordered.add_argument("--ordered", action="store_const", dest="projections", const="all", default="plugin",
+                         help="fc, the LM head and the Markov bias on the ordered GEMM too, decided as the layers' "
+                              "(beyond the plugin)")
+    ordered.add_argument("--no-ordered", action="store_const", dest="projections", const="cublas",
+                         help="every projection on cuBLAS (the plugin's ordered_gemm: false)")
     p.add_argument("--tp", type=int, choices=TP_SIZES, default=1,
                    help="time one rank's work of a TP step (tp_rank_setup): the shards, no all-reduce on either side")
     return p
@@ -523,16 +556,21 @@ def main(argv=None) -> int:
         # The dry run plans for an H200 with no kernel: every part on the stock ops.
         target = policy.Target(kernels=frozenset()) if args.dry else None
         dspark = DSparkStep(model, stock, device, frozenset() if args.dry else VLLM_EXACT_SM90, target,
-                            "stock" if args.dry else args.markov, EXACT_OPT_INS if args.ordered else frozenset(),
-                            args.n)
+                            "stock" if args.dry else args.markov,
+                            frozenset() if args.projections == "cublas" else EXACT_OPT_INS, args.n,
+                            outside=args.projections == "all")
         fused, total = dspark.plan.fused_count()
         print(f"DSpark plan: {fused} of {total} parts fused; Markov: {dspark.markov_label}", flush=True)
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     attention_name = ATTENTION_NAMES["spec" if args.dry else args.attention]
+    card = None if args.dry else card_facts(device)
+    peak = card.hbm_peak if card is not None else None
     meta = {
-        "device": "CPU (dry run)" if args.dry else torch.cuda.get_device_name(),
-        "date": time.strftime("%Y-%m-%d"), "seed": args.seed,
-        "floor_us": weight_bytes(model, head, fc, stock) / HBM_BYTES_PER_S * 1e6,
+        "device": "CPU (dry run)" if args.dry else card.describe(),
+        "hbm_peak": peak, "card": None if card is None else card.as_dict(),
+        "decisions": [d.summary() for d in (dspark.decisions() if dspark else [])],
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seed": args.seed,
+        "floor_us": weight_bytes(model, head, fc, stock) / peak * 1e6 if peak else None,
         "weight_bytes": weight_bytes(model, head, fc, stock),
         "part_bytes": gemm_bytes(model, head, fc),
         "setup": (f"Reference draft (hidden {config.hidden_size}, {config.num_layers} layers, {config.num_heads}/"
@@ -542,7 +580,7 @@ def main(argv=None) -> int:
                   f"token); {args.context} cached tokens a request; attention: {attention_name}; stock PDL "
                   f"{'on' if stock.pdl else 'off'}; Markov on the DSpark side: "
                   f"{dspark.markov_label if dspark else '-'}; projections on the DSpark side: "
-                  f"{ORDERED_LABEL if args.ordered else 'cuBLAS, as vLLM'}."
+                  f"{PROJECTION_LABELS[args.projections]}."
                   + (f" One rank of TP{args.tp} (tp_rank_setup): {config.num_heads}/{config.num_kv_heads} heads, "
                      f"intermediate {config.intermediate_size}, fc {fc_width} columns, LM head {lm_rows} rows; "
                      f"the all-reduces and the logits' all-gather excluded on both sides (a local concatenation "

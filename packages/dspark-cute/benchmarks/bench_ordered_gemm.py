@@ -11,7 +11,11 @@ from HBM (median of trials, µs per call), each side's weight bandwidth (its
 bytes over its time) and the ratio. The chain of the step's 14 projections
 (fc, 2 x (QKV, o_proj, gate_up, down), LM head, 4 Markov bias GEMMs; every
 weight its own, so nothing stays in L2) is timed as one graph per side at
-m = 1, 4 and 16, with its fraction of the H200's HBM peak (4.8 TB/s).
+m = 1, 4 and 16, with its fraction of this card's HBM peak
+(``dspark_core.tools.card``), both kernels forced and as the build decides
+(``OrderedGemm.decide``: each shape's row counts timed against cuBLAS on
+this card, DSpark's kernel only where faster; the decision's cost, cold and
+from the cache, is printed).
 ``--kernels`` adds cuBLAS's kernel names and grids per shape and row count
 (``torch.profiler``) for ``docs/gemm-order.md``; ``--sweep`` times the
 streamed GEMM's launch settings (warps, weight tiles, chunk, stages; no bit
@@ -40,7 +44,7 @@ SHAPES = {
 }
 ROW_PARALLEL = ("fc", "o_proj", "down")
 CHAIN = ["fc"] + ["qkv_proj", "o_proj", "gate_up", "down"] * 2 + ["lm_head"] + ["markov_bias"] * 4
-PEAK = 4.8e12
+PEAK = None  # this card's HBM peak (main() reads it: dspark_core.tools.card)
 MIN_BYTES = 256 << 20
 # --sweep: the row counts the streamed kernel's settings (STREAMED_SWEEP) are timed at.
 SWEEP_ROWS = (1,)
@@ -74,7 +78,7 @@ def _gemm(role, weight, settings=None):
     from dspark_cute.cutedsl.gemm.ordered import OrderedGemm
 
     # Every row count (the comparison), not only where the default is faster than cuBLAS.
-    return OrderedGemm(ordered_gemm_constants(role, weight), weight, settings=settings, only_faster=False)
+    return OrderedGemm(ordered_gemm_constants(role, weight), weight, settings=settings)
 
 
 def check(role, weight, rows, seed):
@@ -192,6 +196,20 @@ def measure_chain(rows, seed, gen, tp: int = 1) -> list[dict]:
         if role not in results:
             results[role] = check(role, w, rows, seed)
     total = sum(w.numel() * 2 for w in weights)
+    # As the build decides: each weight bound to its check's orders, then timed
+    # against cuBLAS on this card (one decision a shape; the rest from the cache).
+    t0 = time.perf_counter()
+    decided = [bound(role, w, results[role]) for role, w in zip(CHAIN, weights)]
+    for g in decided:
+        g.decide()
+    decide_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    bound(CHAIN[0], weights[0], results[CHAIN[0]]).decide()
+    warm_s = time.perf_counter() - t0
+    print(f"the build's decisions: {decide_s:.1f} s cold (with the compiles), {warm_s:.2f} s for one from the "
+          f"cache", flush=True)
+    for d in dict.fromkeys(g.decision.summary() for g in decided):
+        print(f"  {d}", flush=True)
     out = []
     for m in rows:
         xs = [torch.randn(m, w.shape[1], generator=gen, device="cuda").to(torch.bfloat16) for w in weights]
@@ -213,10 +231,19 @@ def measure_chain(rows, seed, gen, tp: int = 1) -> list[dict]:
         t_ours = time_calls(ours) * len(ours)
         t_streamed = time_calls(ours_s) * len(ours_s)
         t_late = time_calls(ours_l) * len(ours_l)
+        ours_d = [(lambda g=g, x=x, y=y: g.launch(x, y)) if g.takes(x, y) else f
+                  for g, x, y, f in zip(decided, xs, ys, stock)]
+        decided_exact = all(bitwise(g, x, f()) for g, x, y, f in zip(decided, xs, ys, stock) if g.takes(x, y))
+        t_decided = time_calls(ours_d) * len(ours_d)
         row = {"m": m, "tp": tp, "bytes": total, "cublas_us": t_stock, "dspark_us": t_ours, "owned": owned,
                "cublas_peak": total / (t_stock * 1e-6) / PEAK, "dspark_peak": total / (t_ours * 1e-6) / PEAK,
                "streamed_us": t_streamed, "streamed_peak": total / (t_streamed * 1e-6) / PEAK,
-               "streamed_bitwise": exact, "streamed_late_us": t_late}
+               "streamed_bitwise": exact, "streamed_late_us": t_late,
+               "decided_us": t_decided, "decided_peak": total / (t_decided * 1e-6) / PEAK,
+               "decided_owned": sum(g.takes(x, y) for g, x, y in zip(decided, xs, ys)),
+               "decided_bitwise": decided_exact, "decide_s": decide_s, "decide_warm_s": warm_s,
+               "decided": {role: ("DSpark " + g.decision.rows[m].kernel if g.decision.rows[m].kernel else "cuBLAS")
+                           for role, g in zip(CHAIN, decided) if g.decision and m in g.decision.rows}}
         print(json.dumps(row), flush=True)
         out.append(row)
     del weights
@@ -272,14 +299,23 @@ def table(shape_rows, chain_rows, meta) -> str:
     if chain_rows:
         lines += ["", "The step's 14 projections chained in one graph (each weight its own):", "",
                   "| TP | m | bytes | cuBLAS µs | of HBM peak | cp.async µs | of HBM peak | streamed µs | of HBM peak "
-                  "| owned | cuBLAS / streamed |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| owned | cuBLAS / streamed | as decided µs | of HBM peak | DSpark's of 14 | cuBLAS / decided |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in chain_rows:
             exact = "" if r.get("streamed_bitwise", True) else " (bits differ)"
             lines.append(f"| {r['tp']} | {r['m']} | {r['bytes'] / 1e9:.3f} GB | {r['cublas_us']:.1f} | "
                          f"{100 * r['cublas_peak']:.1f}% | {r['dspark_us']:.1f} | {100 * r['dspark_peak']:.1f}% | "
                          f"{r['streamed_us']:.1f} | {100 * r['streamed_peak']:.1f}% | {r['owned']} of 14 | "
-                         f"{r['cublas_us'] / r['streamed_us']:.3f}x{exact} |")
+                         f"{r['cublas_us'] / r['streamed_us']:.3f}x{exact} | {r['decided_us']:.1f} | "
+                         f"{100 * r['decided_peak']:.1f}% | {r['decided_owned']} | "
+                         f"{r['cublas_us'] / r['decided_us']:.3f}x"
+                         f"{'' if r.get('decided_bitwise', True) else ' (bits differ)'} |")
+        r = chain_rows[0]
+        lines += ["", f"The build's decisions (bound orders, then timing on this card): {r['decide_s']:.1f} s for "
+                  f"the {len(CHAIN)} weights cold (the kernels' compiles included), {r['decide_warm_s']:.2f} s "
+                  "for one from the cache. Per projection at each m: " + "; ".join(
+                      f"m = {c['m']}: " + ", ".join(f"{k} {v}" for k, v in c["decided"].items())
+                      for c in chain_rows)]
     return "\n".join(lines)
 
 
@@ -340,11 +376,18 @@ def main(argv=None) -> int:
         return 0
     print(f"seed {args.seed}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    meta = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    global PEAK
+    from dspark_core.tools.card import card_facts
+
+    card = card_facts()
+    PEAK = card.hbm_peak or float("nan")
+    meta = {"device": card.describe(), "card": card.as_dict(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "seed": args.seed, "torch": torch.__version__,
             "setup": (f"TP{args.tp} shards of the reference draft's projections; BF16; cuBLAS through torch "
                       f"{torch.__version__} (F.linear, as vLLM calls it); CUDA graphs of back-to-back "
-                      f"calls over weight copies of >= 256 MB; HBM peak 4.8 TB/s.")}
+                      f"calls over weight copies of >= 256 MB; HBM peak of this card "
+                      f"{PEAK / 1e12:.2f} TB/s.")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shape_rows = []

@@ -7,8 +7,6 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-PEAK_BYTES_PER_S = 4.8e12  # an H200's HBM peak (the fraction the table states)
-
 
 def spread(times: list[float]) -> dict:
     s = sorted(times)
@@ -65,14 +63,16 @@ def table(results: list[dict], meta: dict) -> str:
     lines.append("| spread p10-p90 | " + " | ".join(
         f"{r['total']['stock']['p10']:.0f}-{r['total']['stock']['p90']:.0f} / "
         f"{r['total']['dspark']['p10']:.0f}-{r['total']['dspark']['p90']:.0f}" for r in results) + " |")
-    floor = meta["floor_us"]
-    lines.append(f"| step / weight floor ({floor:.0f} us) | " + " | ".join(
-        f"{tot(r, 'stock') / floor:.2f} -> {tot(r, 'dspark') / floor:.2f}" for r in results) + " |")
-    if meta.get("weight_bytes"):
-        # The weight bytes one step streams over the step's time, against the H200's 4.8 TB/s peak.
-        frac = lambda r, k: meta["weight_bytes"] / (tot(r, k) * 1e-6) / PEAK_BYTES_PER_S  # noqa: E731
-        lines.append("| whole step: weight bytes / time, of HBM peak (4.8 TB/s) | " + " | ".join(
-            f"{100 * frac(r, 'stock'):.1f}% -> {100 * frac(r, 'dspark'):.1f}%" for r in results) + " |")
+    floor, peak = meta.get("floor_us"), meta.get("hbm_peak")
+    if floor:
+        lines.append(f"| step / weight floor at this card's HBM peak ({floor:.0f} us) | " + " | ".join(
+            f"{tot(r, 'stock') / floor:.2f} -> {tot(r, 'dspark') / floor:.2f}" for r in results) + " |")
+    if meta.get("weight_bytes") and peak:
+        # The weight bytes one step streams over the step's time, against this card's HBM peak.
+        frac = lambda r, k: meta["weight_bytes"] / (tot(r, k) * 1e-6) / peak  # noqa: E731
+        lines.append(f"| whole step: weight bytes / time, of this card's HBM peak ({peak / 1e12:.2f} TB/s) | "
+                     + " | ".join(f"{100 * frac(r, 'stock'):.1f}% -> {100 * frac(r, 'dspark'):.1f}%"
+                                  for r in results) + " |")
     for name, nbytes in meta.get("part_bytes", {}).items():
         cells = []
         for s_ in sums:
@@ -89,6 +89,9 @@ def table(results: list[dict], meta: dict) -> str:
         lines.append("| whole step: differing elements (out, logits, tokens, caches) | " + " | ".join(
             "-" if w is None else " / ".join(str(v[0]) for v in w.values()) for w in whole) + " |")
     lines += ["", meta["notes"]]
+    if meta.get("decisions"):
+        lines += ["", "The build's decisions (the order check against the live cuBLAS, then the timing on this "
+                  "card):", ""] + [f"- {d}" for d in meta["decisions"]]
     return "\n".join(lines)
 
 
@@ -105,7 +108,8 @@ def plot(results: list[dict], floor: float, path: Path) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
     for side, label in (("stock", "vLLM 0.33.0 stock"), ("dspark", "DSpark")):
         ax.plot(ms, [r["total"][side]["median"] for r in results], marker="o", label=label)
-    ax.axhline(floor, color="gray", linestyle="--", label="weight floor")
+    if floor:
+        ax.axhline(floor, color="gray", linestyle="--", label="weight floor")
     ax.set(xscale="log", yscale="log", xlabel="rows m = requests x N", ylabel="us per draft step")
     ax.set_xscale("log", base=2)
     ax.legend()

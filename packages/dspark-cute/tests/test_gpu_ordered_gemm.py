@@ -61,8 +61,7 @@ def _settings(design: str, n: int):
 def _bound(role, weight, result, design="default"):
     from dspark_cute.cutedsl.gemm.ordered import OrderedGemm
 
-    gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight, settings=_settings(design, weight.shape[0]),
-                       only_faster=False)
+    gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight, settings=_settings(design, weight.shape[0]))
     gemm.bind_orders(result.orders, result.refused)
     gemm.prepare()
     return gemm
@@ -163,3 +162,60 @@ def test_refused_rows_say_why(seed):
     with pytest.raises(ValueError, match="no order for m = 3"):
         gemm.run(x)
     assert "takes x of bf16" in gemm.problem(x.float())
+
+
+def _probes(m: int, k: int, gen) -> list[torch.Tensor]:
+    """Spread magnitudes, -0.0 and subnormals, and an infinity and a NaN."""
+    spread = torch.randn(m, k, generator=gen, device="cuda") * torch.exp2(
+        torch.randint(-20, 21, (m, k), generator=gen, device="cuda").float())
+    special = torch.randn(m, k, generator=gen, device="cuda")
+    special.view(-1)[::7] = -0.0
+    special.view(-1)[3::11] = 2.0**-130
+    nonfinite = torch.randn(m, k, generator=gen, device="cuda")
+    nonfinite.view(-1)[5] = float("inf")
+    nonfinite.view(-1)[k + 3 if m > 1 else 9] = float("nan")
+    return [t.to(torch.bfloat16) for t in (spread, special, nonfinite)]
+
+
+@pytest.mark.parametrize("role", ["o_proj", "markov_bias", "gate_up"])
+def test_decide_times_on_this_gpu_and_keeps_the_bits(role, seed, tmp_path):
+    """The build's decision on this GPU (``OrderedGemm.decide``): every row
+    count the check bound is timed against cuBLAS and kept only where one of
+    the kernels won; the kept row counts give cuBLAS's bits (spread
+    magnitudes, -0.0, subnormals, inf and NaN, poisoned outputs), the others
+    refuse with the times; a second build reads the cache and times nothing,
+    within a second."""
+    import time
+
+    from dspark_core.runtime.gemm_decide import DecisionCache
+    from dspark_cute.cutedsl.gemm.ordered import OrderedGemm
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n, k = SHAPES[role]
+    weight = _weight(n, k, gen)
+    rows = (1, 3, 4, 16, 33, 64)
+    result = gemm_check.check_projection(weight, rows, _run, seed)
+    gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight)
+    gemm.bind_orders(result.orders, result.refused)
+    cache = DecisionCache(tmp_path)
+    t0 = time.perf_counter()
+    decision = gemm.decide(cache=cache)
+    cold = time.perf_counter() - t0
+    print(f"{decision.summary()} (cold {cold:.1f} s)")
+    assert set(decision.rows) == set(result.orders) and not decision.cached
+    for m in rows:
+        for x in _probes(m, k, gen):
+            if m in decision.dspark_rows:
+                y = poison(torch.empty(m, n, dtype=torch.bfloat16, device="cuda"), 1)
+                gemm.run(x, y)
+                assert_bitwise(y, F.linear(x, weight), f"{role} m={m} ({decision.rows[m].kernel})")
+            else:
+                assert not gemm.takes(x) and gemm.problem(x) == gemm.reasons[m]
+        if m in decision.rows and m not in decision.dspark_rows:
+            assert "cuBLAS kept at m =" in gemm.reasons[m] and "µs for cuBLAS against" in gemm.reasons[m]
+    again = OrderedGemm(ordered_gemm_constants(role, weight), weight)
+    again.bind_orders(result.orders, result.refused)
+    t0 = time.perf_counter()
+    warm = again.decide(cache=cache)
+    assert time.perf_counter() - t0 < 1.0 and warm.cached == frozenset(result.orders)
+    assert warm.dspark_rows == decision.dspark_rows

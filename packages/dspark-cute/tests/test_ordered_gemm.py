@@ -176,35 +176,58 @@ def test_n_tiles_for():
     assert [og.n_tiles_for(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
 
 
-def test_only_the_rows_where_it_is_faster_are_bound():
-    """With the default settings the ordered GEMM binds only the row counts
-    where its kernel was measured faster than cuBLAS (the streamed one: m
-    <= 4 over weights up to 64 MiB); the others stay cuBLAS with a reason
-    naming the rule; ``only_faster=False`` binds every row count checked."""
-    from dspark_core.spec.split_order import SplitOrder
+def test_the_rows_it_keeps_are_those_timed_faster_on_the_card(tmp_path):
+    """``OrderedGemm.decide`` (stand-in timers and card): every row count the
+    check bound is timed against cuBLAS; the faster kernel's settings are
+    bound where it wins by the margin, the others go back to cuBLAS with the
+    times as their reason; a second decision reads the cache and times
+    nothing; no fixed rule of row counts or weight sizes remains."""
+    from dspark_core.runtime import gemm_decide as gd
+    from dspark_core.tools.card import CardFacts
+    from dspark_cute.cutedsl.gemm import decide as timing
 
-    assert og.faster_than_cublas(8192, 4096, 1) and og.faster_than_cublas(32768, 256, 4)
-    assert not og.faster_than_cublas(8192, 4096, 5) and not og.faster_than_cublas(32768, 8192, 1)
-    assert not og.faster_than_cublas(8192, 4096, 0) and not og.faster_than_cublas(8192, 4096, True)
+    card = CardFacts("NVIDIA H100 80GB HBM3", (9, 0), 132, "13.0", "13.1.0", "2.11.0", 3.35e12)
 
-    def stand_in(n, k, only_faster):
+    def stand_in(n, k):
         gemm = og.OrderedGemm.__new__(og.OrderedGemm)
-        gemm.constants, gemm.device, gemm.only_faster = OrderedGemmConstants("o_proj", n, k), "cpu", only_faster
+        gemm.constants, gemm.device, gemm.sms = OrderedGemmConstants("gate_up", n, k), "cpu", 132
         gemm._choose = lambda m, o: og.launch_settings(n, o.splits, m)
+        gemm.prepare = lambda: None  # no compile on the CPU
         return gemm
 
-    orders = {m: SplitOrder(64, 1) for m in (1, 3, 4, 5, 16)}
-    fast = stand_in(8192, 4096, True)
-    assert fast.candidate_rows == (1, 2, 3, 4)
-    fast.bind_orders(orders, {2: "no order"})
-    assert sorted(fast.orders) == [1, 3, 4]
-    assert fast.reasons[2] == "no order" and "faster only at m <= 4" in fast.reasons[16]
-    assert "cuBLAS kept at m = 5" in fast.reasons[5]
-    big = stand_in(32768, 8192, True)
-    assert big.candidate_rows == ()
-    big.bind_orders(orders)
-    assert big.orders == {} and sorted(big.reasons) == [1, 3, 4, 5, 16]
-    every = stand_in(32768, 8192, False)
-    assert every.candidate_rows == tuple(range(1, 65))
-    every.bind_orders(orders)
-    assert sorted(every.orders) == [1, 3, 4, 5, 16] and every.reasons == {}
+    # A 512 MiB weight (above the old fixed rule's 64 MiB) at 1 .. 64 rows.
+    gemm = stand_in(32768, 8192)
+    assert gemm.candidate_rows == tuple(range(1, 65))
+    orders = {m: SplitOrder(64, 1 if m != 3 else 2) for m in (1, 2, 3, 5, 16, 64)}
+    gemm.bind_orders(orders, {4: "no order"})
+    calls = []
+
+    def side(name, us):
+        def make(m):
+            def once():
+                calls.append((m, name))
+                return us(m)
+            return once
+        return make
+
+    sides = {gd.CUBLAS: side(gd.CUBLAS, lambda m: 190.0),
+             timing.STREAMED: side(timing.STREAMED, lambda m: 179.0 if m <= 16 else 310.0),
+             timing.CP_ASYNC: side(timing.CP_ASYNC, lambda m: 188.5 if m != 5 else 184.0)}
+    cache = gd.DecisionCache(tmp_path)
+    decision = gemm.decide(sides=sides, card=card, cache=cache)
+    assert {m for m, _ in calls} == set(orders)
+    assert decision.dspark_rows == {1: "streamed", 2: "streamed", 3: "streamed", 5: "streamed", 16: "streamed"}
+    assert sorted(gemm.orders) == [1, 2, 3, 5, 16] and gemm.orders[3].splits == 2
+    assert gemm._settings[1] == timing.candidates(32768, 1, 1, 132)[timing.STREAMED]
+    assert gemm._settings[3] == timing.candidates(32768, 2, 3, 132)[timing.STREAMED]
+    assert "cuBLAS kept at m = 64: 190.00 µs for cuBLAS against 188.50 for DSpark's cp.async kernel" \
+        in gemm.reasons[64]
+    assert gemm.reasons[4] == "no order" and gemm.decision is decision
+    # The same shape again (another layer, a restart): from the cache, nothing timed.
+    calls.clear()
+    again = stand_in(32768, 8192)
+    again.bind_orders(orders, {4: "no order"})
+    assert again.decide(sides=sides, card=card, cache=cache).dspark_rows == decision.dspark_rows and not calls
+    # Rebinding orders drops the decision (a new check needs a new one).
+    again.bind_orders(orders)
+    assert again.decision is None and 64 in again.orders

@@ -9,8 +9,9 @@ plugins'): an ``additional_config`` that is no mapping (vLLM also takes an
 object with ``compute_hash``: DSpark reads none of its keys), and the keys
 that miss one of ``KEYS`` by case, dashes, blanks or a letter or two
 (``Decode-Backend``, ``"ordered_gemm "``, ``ordered_gem``: no switch, the
-key DSpark reads keeps its default). ``switch(vllm_config, key)`` is an
-opt-in: a bool, False where absent, TypeError for anything else.
+key DSpark reads keeps its default). ``switch(vllm_config, key, default)``
+is a switch: a bool, ``default`` where absent (False: an opt-in),
+TypeError for anything else.
 """
 
 from __future__ import annotations
@@ -70,11 +71,11 @@ def read(vllm_config, key: str, default: object) -> object:
     return value
 
 
-def switch(vllm_config, key: str) -> bool:
-    """``additional_config[key]`` of ``vllm_config`` as an opt-in switch
-    (``read``): False where absent (or no mapping), TypeError for anything
-    but a bool."""
-    value = read(vllm_config, key, False)
+def switch(vllm_config, key: str, default: bool = False) -> bool:
+    """``additional_config[key]`` of ``vllm_config`` as a switch (``read``):
+    ``default`` where absent (or no mapping), TypeError for anything but a
+    bool."""
+    value = read(vllm_config, key, default)
     if not isinstance(value, bool):
         raise TypeError(f"additional_config['{key}'] must be true or false, not {value!r}")
     return value

@@ -100,20 +100,25 @@ def unchecked_reason(kernel: str, arch: str = "sm_90a") -> str:
 
 
 def vllm_target(device, tp: int = 1, kernels: frozenset[str] | None = None, package_gemm: bool = False,
-                ordered_gemm: bool = False) -> Target:
+                ordered_gemm: bool | None = None) -> Target:
     """The planner's target for ``device`` at TP ``tp``: the installed
     kernels (or ``kernels``), the opt-in ones declined but the package GEMM
     where ``package_gemm`` (``allreduce.package_gemm_asked``) and the
-    ordered GEMM where ``ordered_gemm`` (``ordered_gemm_asked``)."""
+    ordered GEMM where ``ordered_gemm`` (``ordered_gemm_asked``; None:
+    ``policy.ordered_gemm_default(tp)``, on at TP1)."""
+    if ordered_gemm is None:
+        ordered_gemm = policy.ordered_gemm_default(tp)
     return policy.device_target(device, tp, kernels).opt_in(policy.asked_opt_ins(False, package_gemm, ordered_gemm))
 
 
-def ordered_gemm_asked(vllm_config) -> bool:
-    """Whether ``additional_config["ordered_gemm"]`` opts in to the ordered
-    GEMM (the layers' projections in cuBLAS's own order where the build-time
-    check finds it: vLLM's bits). TypeError for anything but a bool; near
-    misses of the key said once (``options.switch``)."""
-    return options.switch(vllm_config, options.ORDERED_GEMM)
+def ordered_gemm_asked(vllm_config, tp: int = 1) -> bool:
+    """Whether the ordered GEMM runs (the layers' projections in cuBLAS's
+    own order where the build-time check finds it, so vLLM's bits, at the
+    row counts where it then measures faster than cuBLAS on this GPU):
+    ``additional_config["ordered_gemm"]``, by default on at TP1 and off at
+    TP ``tp`` > 1 (``policy.ordered_gemm_default``). TypeError for anything
+    but a bool; near misses of the key said once (``options.switch``)."""
+    return options.switch(vllm_config, options.ORDERED_GEMM, policy.ordered_gemm_default(tp))
 
 
 def _restock(part: Part | None, reason: str) -> Part | None:

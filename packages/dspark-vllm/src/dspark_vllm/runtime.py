@@ -177,7 +177,7 @@ class SpecializedDecode:
         # The opt-ins additional_config asks for (each declined otherwise).
         target = planning.vllm_target(draft.device, draft.tp,
                                       package_gemm=allreduce.package_gemm_asked(self.vllm_config),
-                                      ordered_gemm=planning.ordered_gemm_asked(self.vllm_config))
+                                      ordered_gemm=planning.ordered_gemm_asked(self.vllm_config, draft.tp))
         order = None
         if draft.tp > 1 and target.arch in allreduce.CAPABILITY:  # another GPU: planned stock (plan_draft says why)
             order = deployment.stock_all_reduce(draft.tp, target.arch,

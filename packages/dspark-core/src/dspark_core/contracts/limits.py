@@ -81,14 +81,11 @@ GEMV_N_UNIT = 16
 # The ordered GEMM (dspark-cute's ``OrderedGemm``, its streamed kernel, and
 # dspark-comm's exact package GEMM): K in 64-column chunks (the narrowest ring
 # stage), N in 16-row MMA tiles, 1 to 64 rows a call (8 token tiles of 8).
-# ``OrderedGemm`` binds by default only the row counts where it was measured
-# faster than cuBLAS: at most ORDERED_GEMM_FASTER_ROWS rows over a weight of
-# at most ORDERED_GEMM_FASTER_BYTES (H200, 2026-12-04, docs/gemm-order.md).
+# Which row counts it then runs is decided at build on the user's GPU
+# (``dspark_core.runtime.gemm_decide``): no fixed rule here.
 ORDERED_GEMM_K_UNIT = 64
 ORDERED_GEMM_N_UNIT = 16
 ORDERED_GEMM_MAX_ROWS = 64
-ORDERED_GEMM_FASTER_ROWS = 4
-ORDERED_GEMM_FASTER_BYTES = 64 << 20
 # The kernel names of the GEMMs (``contracts.kernels``').
 PACKAGE_GEMM, GEMV, ORDERED_GEMM = "package_gemm", "gemv", "ordered_gemm"
 # The dtype names of the constants (``constants.DTYPE_NAMES``' values).
@@ -263,8 +260,8 @@ def check(c):
 
 __all__ = ["GEMV", "GEMV_K_UNIT", "GEMV_N_UNIT", "HEAD_DIM", "LIMITS", "MARKOV_MAX_RANK", "MARKOV_MAX_ROWS",
            "MARKOV_SAMPLE", "MARKOV_STEP", "MARKOV_THREADS", "MARKOV_VEC", "MAX_DECODE_ROWS", "MAX_HEADS",
-           "MAX_KV_HEADS", "MAX_SIZE", "MAX_STAGED_SLOTS", "ORDERED_GEMM", "ORDERED_GEMM_FASTER_BYTES",
-           "ORDERED_GEMM_FASTER_ROWS", "ORDERED_GEMM_K_UNIT", "ORDERED_GEMM_MAX_ROWS", "ORDERED_GEMM_N_UNIT",
+           "MAX_KV_HEADS", "MAX_SIZE", "MAX_STAGED_SLOTS", "ORDERED_GEMM",
+           "ORDERED_GEMM_K_UNIT", "ORDERED_GEMM_MAX_ROWS", "ORDERED_GEMM_N_UNIT",
            "PACKAGE_GEMM", "PACKAGE_GEMM_K_STEP", "PACKAGE_GEMM_MAX_K", "PACKAGE_GEMM_SPLIT_K", "PACKAGE_GEMM_TILE_N",
            "PACKAGE_GEMM_WARPS", "STAGED_SLOTS_UNIT", "Limit",
            "check", "unsupported"]

@@ -14,8 +14,6 @@ from dspark_core.contracts.limits import (
     MAX_HEADS,
     MAX_KV_HEADS,
     MAX_SIZE,
-    ORDERED_GEMM_FASTER_BYTES,
-    ORDERED_GEMM_FASTER_ROWS,
     Limit,
 )
 from dspark_core.spec.numerics import ARCHS
@@ -98,10 +96,9 @@ def markdown() -> str:
               "plugin builds the draft (a refusal keeps the part stock, the reason logged):",
               "",
               "- the ordered GEMM binds a row count only where its build-time check against the live cuBLAS finds "
-              "cuBLAS's order; a layer projection's ordered GEMM, by default, only where it was measured faster "
-              f"than cuBLAS: at most {ORDERED_GEMM_FASTER_ROWS} rows over a weight of at most "
-              f"{ORDERED_GEMM_FASTER_BYTES >> 20} MiB (the plan's \"checked at build\" line counts the "
-              "larger weights from their shapes);",
+              "cuBLAS's order, and of those only where one of its kernels then measures faster than cuBLAS on "
+              "the user's GPU, timed at build and cached per card, driver, cuBLAS, shape and row count "
+              "(`dspark_core.runtime.gemm_decide`; the plan's \"decided at build\" line);",
               "- the Markov steps' draft-to-target map (its ids within the target vocabulary).",
               ""]
     return "\n".join(lines)

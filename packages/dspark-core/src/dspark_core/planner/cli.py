@@ -3,12 +3,16 @@ draft run fused on a target, and why any part stays stock.
 
     dspark-plan [CONFIG.json] [--tp N] [--arch sm_90a|sm_100a] [--num-sms N]
                 [--kernels installed|all|a,b] [--attention staged|direct]
-                [--gemv] [--package-gemm] [--ordered-gemm] [--print-config]
+                [--gemv] [--package-gemm] [--ordered-gemm | --no-ordered-gemm]
+                [--print-config]
 
 Planning reads the config only: the reference draft is described on the
 meta device, with no weights, so any config plans at once. As the decode
 plans, the opt-in kernels are declined unless their flag asks for them
-(``--gemv`` at TP1 only, ``--package-gemm`` at TP > 1 only). A user error
+(``--gemv`` at TP1 only, ``--package-gemm`` at TP > 1 only); the ordered
+GEMM is on at TP1 unless ``--no-ordered-gemm`` (its projections are then
+"decided at build": no plan sees the live cuBLAS) and opt-in at TP > 1
+(``--ordered-gemm``). A user error
 prints one line on stderr and exits 2; an output that cannot be written (a
 full disk) one line and 1; a closed pipe ends it quietly.
 """
@@ -144,8 +148,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the attention kernel's variant (default staged)")
     p.add_argument("--gemv", action="store_true", help="plan with the opt-in one-token GEMV projections")
     p.add_argument("--package-gemm", action="store_true", help="plan with the opt-in package GEMM (TP > 1)")
-    p.add_argument("--ordered-gemm", action="store_true",
-                   help="plan with the opt-in ordered GEMM (cuBLAS's order, checked at build: the stock bits)")
+    p.add_argument("--ordered-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="the ordered GEMM (cuBLAS's order, checked and timed at build: the stock bits); default: "
+                        "on at TP1, off at TP > 1")
     p.add_argument("--print-config", action="store_true", help="print the config's JSON first")
     return p
 
@@ -170,7 +175,8 @@ def plan_config(args) -> tuple[object, DraftPlan]:
     check_tp(config, args.tp)
     check_opt_in_tp(args.tp, args.gemv, args.package_gemm)
     target = policy.Target("cuda", args.arch, args.num_sms, args.tp, _kernels(args.kernels), attention=args.attention)
-    target = target.opt_in(policy.asked_opt_ins(args.gemv, args.package_gemm, args.ordered_gemm))
+    ordered = policy.ordered_gemm_default(args.tp) if args.ordered_gemm is None else args.ordered_gemm
+    target = target.opt_in(policy.asked_opt_ins(args.gemv, args.package_gemm, ordered))
     return config, plan_draft(describe(DraftModel(config, device="meta")), target)
 
 

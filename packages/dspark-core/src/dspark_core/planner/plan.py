@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark_core.contracts import constants as K
-from dspark_core.contracts import limits
 from dspark_core.errors import Unsupported, quoted
 from dspark_core.planner import policy
 from dspark_core.planner.policy import Target
@@ -47,6 +46,15 @@ class Part:
     @property
     def fused(self) -> bool:
         return self.reason is None
+
+    @property
+    def at_build(self) -> bool:
+        """A projection whose row counts the build decides (the ordered
+        GEMM's: DSpark's kernel where the check against the live cuBLAS
+        finds cuBLAS's order and the timing on the GPU finds it faster,
+        cuBLAS elsewhere): no plan sees that, so the plan does not call it
+        fused."""
+        return self.fused and isinstance(self.constants, K.OrderedGemmConstants)
 
     @property
     def declined(self) -> bool:
@@ -97,9 +105,14 @@ class DraftPlan:
 
     def fused_count(self) -> tuple[int, int]:
         """``(fused, planned)``: the parts that run fused, of the parts the
-        plan was asked for (declined opt-ins are not counted)."""
-        parts = [p for p in self.parts() if not p.declined]
+        plan was asked for (declined opt-ins are not counted, nor the
+        projections decided at build: ``Part.at_build``, ``at_build_count``)."""
+        parts = [p for p in self.parts() if not p.declined and not p.at_build]
         return sum(p.fused for p in parts), len(parts)
+
+    def at_build_count(self) -> int:
+        """The projections whose row counts the build decides (``Part.at_build``)."""
+        return sum(p.at_build for p in self.parts())
 
     def format(self) -> str:
         """The plan as text: a header naming the target, one line per part,
@@ -115,7 +128,11 @@ class DraftPlan:
         reasons: dict[str, list[str]] = {}
         declined: dict[str, list[str]] = {}
         for p in self.parts():
-            if p.fused:
+            if p.at_build:
+                what = f"{type(p.constants).__name__} {p.constants.key()}"
+                lines.append(f"  {p.name:<38} decided at build: DSpark's ordered GEMM or cuBLAS per row count "
+                             f"({what})")
+            elif p.fused:
                 what = f"{type(p.constants).__name__} {p.constants.key()}"
                 status = f"fused into {p.via}'s kernel" if p.via else "fused"
                 lines.append(f"  {p.name:<38} {status} ({what})")
@@ -124,7 +141,8 @@ class DraftPlan:
             else:
                 lines.append(f"  {p.name:<38} stock (reason {_reason_index(reasons, p)})")
         fused, total = self.fused_count()
-        lines.append(f"  {fused} of {total} parts fused")
+        later = self.at_build_count()
+        lines.append(f"  {fused} of {total} parts fused" + (f"; {later} projections decided at build" if later else ""))
         for n, reason in enumerate(reasons, 1):
             lines.append(f"  reason {n}: {reason}")
         for reason, names in declined.items():
@@ -134,24 +152,17 @@ class DraftPlan:
 
 
 def _checked_at_build(plan: DraftPlan) -> list[str]:
-    """The plan's line for what its fused ordered GEMMs leave to the build
-    (no plan sees the live cuBLAS): each row count runs where the build-time
-    check finds cuBLAS's order; a layer projection's, by default, only at the
-    row counts and weight sizes where it is faster than cuBLAS
-    (``limits.ORDERED_GEMM_FASTER_ROWS`` / ``_BYTES``), which the weights'
-    shapes already tell: those above it run cuBLAS at every row count."""
-    ordered = [p for p in plan.parts() if p.fused and isinstance(p.constants, K.OrderedGemmConstants)]
-    if not ordered:
+    """The plan's line for the projections it leaves to the build
+    (``Part.at_build``; no plan sees the live cuBLAS or times the GPU)."""
+    count = plan.at_build_count()
+    if not count:
         return []
-    big = [p for p in plan.ordered_gemms if p.fused and 2 * p.constants.n * p.constants.k
-           > limits.ORDERED_GEMM_FASTER_BYTES]
-    line = (f"  checked at build ({len(ordered)} parts): the ordered GEMM runs a row count only where its check "
-            f"against the live cuBLAS finds cuBLAS's order; a layer projection's only at m <= "
-            f"{limits.ORDERED_GEMM_FASTER_ROWS} over weights up to {limits.ORDERED_GEMM_FASTER_BYTES >> 20} MiB, "
-            "where it is faster")
-    if big:
-        line += f" ({len(big)} of these weights are larger: cuBLAS at every row count)"
-    return [line + "; other row counts run cuBLAS"]
+    from dspark_core.runtime.gemm_decide import MARGIN
+
+    return [f"  decided at build ({count} projections): a row count runs DSpark's ordered GEMM only where the "
+            "check against the live cuBLAS finds cuBLAS's order (the stock bits) and one of its kernels then "
+            f"measures at least {MARGIN:.0%} faster than cuBLAS on the GPU (timed once, cached per card, driver, "
+            "cuBLAS, shape and row count); cuBLAS runs every other row count"]
 
 
 def _reason_index(reasons: dict[str, list[str]], part: Part) -> int:

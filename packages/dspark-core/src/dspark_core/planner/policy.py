@@ -53,15 +53,18 @@ PACKAGE_GEMM_TPS = (2, 4, 8)
 ATTENTION_VARIANTS = ("staged", "direct")
 DEFAULT_STAGED_SLOTS = 384
 # Kernels that run only where the caller asks for them, with the plan's reason
-# where it does not (Target.declined): each sums a projection in its own order,
-# so the default decode stays bit for bit the stock forward.
+# where it does not (Target.declined): the GEMV and the package GEMM sum a
+# projection in their own order, so the default decode stays bit for bit the
+# stock forward; the ordered GEMM sums in cuBLAS's order and is asked for by
+# default at TP1 (``ordered_gemm_default``).
 OPT_IN = {
     GEMV: "the one-token GEMV is opt-in (gemv=True): it sums the projection in the order dspark_core.spec.gemv "
           "states, not the stock cuBLAS order",
     PACKAGE_GEMM: "the package GEMM is opt-in (package_gemm=True): it sums the branch projection in its own "
                   "order, so the draft follows the stock tokens but not its bits",
-    ORDERED_GEMM: "the ordered GEMM is opt-in (ordered_gemm=True): it gives cuBLAS's bits wherever its build-time "
-                  "check finds cuBLAS's order, but it is not yet faster than cuBLAS (bench_ordered_gemm)",
+    ORDERED_GEMM: "the ordered GEMM is off: turned off (ordered_gemm=False), or at TP > 1, where it is opt-in "
+                  "(ordered_gemm=True: its row counts are timed on each rank, and the exact package GEMM it brings "
+                  "must be chosen alike on every rank)",
 }
 # The projections the one-token GEMV may take over, per layer (it runs at TP1
 # only: at TP the branch GEMMs feed the all-reduce).
@@ -272,10 +275,20 @@ class Target:
         return self.replace(kernels=self.kernels - kernels, excluded=self.excluded | kernels)
 
 
+def ordered_gemm_default(tp: int) -> bool:
+    """Whether the ordered GEMM is on when the caller does not say: at TP1,
+    where each projection's row counts are decided at build by the order
+    check and then by timing against cuBLAS on the user's GPU (every row
+    count keeps cuBLAS's bits either way); not at TP > 1 (``OPT_IN``'s
+    reason)."""
+    return checks.integer("the TP size tp", tp, 1, MAX_TP) == 1
+
+
 def asked_opt_ins(gemv: bool = False, package_gemm: bool = False, ordered_gemm: bool = False) -> frozenset[str]:
     """The opt-in kernels (``OPT_IN``) a caller's switches ask for: the
     one-token GEMV, the package GEMM and the ordered GEMM (``Target.opt_in``
-    declines the rest). TypeError for a switch that is not a bool."""
+    declines the rest; a caller that has no word of the ordered GEMM passes
+    ``ordered_gemm_default(tp)``). TypeError for a switch that is not a bool."""
     switched = ((GEMV, flag(gemv, "gemv")), (PACKAGE_GEMM, flag(package_gemm, "package_gemm")),
                 (ORDERED_GEMM, flag(ordered_gemm, "ordered_gemm")))
     return frozenset(k for k, yes in switched if yes)

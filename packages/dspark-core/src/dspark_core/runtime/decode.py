@@ -27,9 +27,11 @@ strided operand) runs that part's stock modules and logs why, once per decode
 at WARNING (``dspark.decode``). Opt-in kernels that sum a projection in their
 own order (the one-token GEMV, the package GEMM) make the
 decode follow the stock tokens, not its bits; without them it is bit for bit
-the stock forward. The opt-in ordered GEMM sums each projection in cuBLAS's
-own order where its build-time check (``gemm_check``) finds that order, so
-it keeps the stock bits.
+the stock forward. The ordered GEMM (on by default at TP1) sums each
+projection in cuBLAS's own order where its build-time check (``gemm_check``)
+finds that order, so it keeps the stock bits, and runs a row count only
+where its timing against cuBLAS on this GPU (``gemm_decide``) finds it
+faster.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class DraftDecode:
         self.gemvs: dict = {}  # (layer, role) -> bound one-token GEMV
         self.ordered: dict = {}  # (layer, role) -> bound ordered GEMM (its orders checked against cuBLAS)
         self.order_checks: dict = {}  # (layer, role) -> gemm_check.CheckResult
+        self.decisions: dict = {}  # (layer, role) -> gemm_decide.GemmDecision
         self._gemv_weights: set = set()  # their weights' addresses: the prefetch skips them at m = 1
         self._one_row = False
         self._rows = 0  # the running step's rows
@@ -217,13 +220,16 @@ class DraftDecode:
         """The ordered GEMMs of the plan, each bound to the row counts the
         build-time check (``gemm_check.check_projection``: the model's own
         stock projection, i.e. the live cuBLAS, against the kernel) found
-        cuBLAS's order for, compiled; the findings are logged once per
-        projection. Weights off CUDA are not checked (no row count bound),
-        unless the host class says it checks there (``CHECK_OFF_CUDA``: a
-        CPU stand-in whose ``run_order`` runs on the CPU); a host class's
-        ``ORDER_CHECK`` holds its search settings (``check_projection``'s
-        keywords), if any; its ``candidate_rows`` (default 1 .. ``max_rows``)
-        the row counts checked."""
+        cuBLAS's order for, then, where the host class can time
+        (``decide``), only those where one of its kernels measured faster
+        than cuBLAS on this GPU (``gemm_decide``); compiled. Per projection,
+        the findings and the decision are logged once. Weights off CUDA are
+        not checked (no row count bound), unless the host class says it
+        checks there (``CHECK_OFF_CUDA``: a CPU stand-in whose ``run_order``
+        runs on the CPU); a host class's ``ORDER_CHECK`` holds its search
+        settings (``check_projection``'s keywords), if any; its
+        ``candidate_rows`` (default 1 .. ``max_rows``) the row counts
+        checked."""
         bound = {}
         roles = policy.ordered_gemm_roles(self.plan.target.tp)
         for n, part in enumerate(self.plan.ordered_gemms):
@@ -243,6 +249,11 @@ class DraftDecode:
                 self.order_checks[(layer, role)] = result
                 self._log_once(logging.INFO, f"layer {layer}'s {role} projection on the ordered GEMM where the "
                                f"check against cuBLAS found its order: {result.summary()}")
+                if hasattr(gemm, "decide"):
+                    decision = gemm.decide()
+                    self.decisions[(layer, role)] = decision
+                    self._log_once(logging.INFO, f"layer {layer}'s {role} projection, decided by timing: "
+                                   f"{decision.summary()}")
             gemm.prepare()
             bound[(layer, role)] = gemm
         return bound
@@ -495,17 +506,21 @@ class DraftDecode:
 
 def draft_plan(draft: DraftDescription, tp: int = 1, exclude=frozenset(), attention: str = "staged",
                gemv: bool = False, package_gemm: bool = False,
-               kernels: frozenset[str] | None = None, ordered_gemm: bool = False) -> DraftPlan:
+               kernels: frozenset[str] | None = None, ordered_gemm: bool | None = None) -> DraftPlan:
     """The plan ``build_draft_decode`` runs: ``draft`` at TP size ``tp`` for
     the device it lives on, the installed kernels (or ``kernels``) less
     ``exclude`` (which the plan's reasons call excluded), the opt-in kernels
-    declined unless asked for, and the ``attention`` kernel variant."""
+    declined unless asked for (the ordered GEMM, where ``ordered_gemm`` is
+    None: ``policy.ordered_gemm_default(tp)``), and the ``attention`` kernel
+    variant."""
     check_draft(draft)
     unknown = set(exclude) - policy.ALL_KERNELS
     if unknown:
         raise ValueError(f"exclude names unknown kernels {sorted(unknown)}; the kernels are "
                          f"{', '.join(sorted(policy.ALL_KERNELS))}")
     target = policy.device_target(draft.device, tp, kernels)
+    if ordered_gemm is None:
+        ordered_gemm = policy.ordered_gemm_default(tp)
     target = target.without(exclude).opt_in(policy.asked_opt_ins(gemv, package_gemm, ordered_gemm))
     return plan_draft(draft, target.replace(attention=attention))
 
@@ -553,9 +568,10 @@ def build_draft_decode(
 
     ``exclude``: kernel names not to use (ValueError for an unknown name).
     ``gemv`` (default ``DSPARK_GEMV``), ``package_gemm`` (default
-    ``DSPARK_PACKAGE_GEMM``) and ``ordered_gemm`` (default
-    ``DSPARK_ORDERED_GEMM``): the opt-in kernels (module docstring; the
-    ordered GEMM keeps the stock bits). ``attention_variant`` (default
+    ``DSPARK_PACKAGE_GEMM``): the opt-in kernels (module docstring);
+    ``ordered_gemm`` (default ``DSPARK_ORDERED_GEMM``, else on at TP1:
+    ``policy.ordered_gemm_default``): the ordered GEMM, which keeps the stock
+    bits and runs a row count only where it is also faster (``_bind_ordered``). ``attention_variant`` (default
     ``DSPARK_ATTENTION`` or "staged"): ``policy.ATTENTION_VARIANTS``.
     ``prefetch`` (default: on at TP1, off with ``all_reduce``;
     ``DSPARK_PREFETCH``, a ``dspark_core.switches`` word, overrides; a dict: bytes a row per weight
@@ -580,10 +596,11 @@ def build_draft_decode(
     if prefetch is not None and not isinstance(prefetch, (bool, dict)):
         raise TypeError(f"prefetch must be None, True, False or a dict of bytes per role, not {prefetch!r}")
     names = frozenset(kernels) if kernels is not None else None
-    plan = draft_plan(draft, all_reduce.tp if all_reduce is not None else 1, exclude, variant,
+    tp = all_reduce.tp if all_reduce is not None else 1
+    plan = draft_plan(draft, tp, exclude, variant,
                       switches.switch(gemv, "DSPARK_GEMV"),
                       switches.switch(package_gemm, "DSPARK_PACKAGE_GEMM"), names,
-                      switches.switch(ordered_gemm, "DSPARK_ORDERED_GEMM"))
+                      switches.switch(ordered_gemm, "DSPARK_ORDERED_GEMM", policy.ordered_gemm_default(tp)))
     if prefetch is None:
         prefetch = switches.env_flag("DSPARK_PREFETCH", all_reduce is None)
     if plan.draft_reason is not None:

@@ -46,11 +46,12 @@ import torch
 from cutlass import Int32, Int64, Uint32
 
 from dspark_core.contracts.constants import OrderedGemmConstants, ordered_gemm_unsupported, within_limits
-from dspark_core.contracts.limits import ORDERED_GEMM_FASTER_BYTES, ORDERED_GEMM_FASTER_ROWS
 from dspark_core.errors import Unsupported
-from dspark_core.runtime import gemm_check
+from dspark_core.runtime import gemm_check, gemm_decide
 from dspark_core.spec.split_order import SplitOrder
 from dspark_cute import ptx
+from dspark_cute.cutedsl.gemm import decide as timing
+from dspark_cute.cutedsl.gemm.decide import STREAMED_MAX_BYTES, STREAMED_MAX_ROWS, choose_settings
 from dspark_cute.cutedsl.gemm.ordered_layout import (  # noqa: F401 (re-exported)
     CHUNK,
     CHUNKS,
@@ -76,7 +77,7 @@ from dspark_cute.cutedsl.gemm.ordered_layout import (  # noqa: F401 (re-exported
     w_copy,
     x_copy,
 )
-from dspark_cute.cutedsl.gemm.streamed import compile_streamed_gemm, streamed_settings
+from dspark_cute.cutedsl.gemm.streamed import compile_streamed_gemm
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import LazyPdl, current_stream, describe, fake_stream, jit_cache, sm_count, smem_allocator
 from dspark_cute.runtime.tensormap import weight_tensormap
@@ -350,37 +351,6 @@ def _tensormap(weight: torch.Tensor, settings: tuple) -> torch.Tensor:
     return weight_tensormap(weight, TILE_ROWS * a_tiles * warps)
 
 
-# Where the streamed kernel is the default (measured on an H200, 2026-12-04:
-# faster than the cp.async one and cuBLAS for the o_proj and Markov-bias
-# weights at m <= 4; equal or slower for the larger weights and rows): stated
-# in the contract (``dspark_core.contracts.limits``), which the planner reads.
-STREAMED_MAX_ROWS = ORDERED_GEMM_FASTER_ROWS
-STREAMED_MAX_BYTES = ORDERED_GEMM_FASTER_BYTES
-
-
-def choose_settings(n: int, k: int, splits: int, m: int, sms: int) -> tuple:
-    """The default launch settings of ``m`` rows over a ``[n, k]`` weight in
-    ``splits`` splits on ``sms`` SMs: the streamed kernel's
-    (``streamed_settings``) for at most ``STREAMED_MAX_ROWS`` rows over at
-    most ``STREAMED_MAX_BYTES`` of weight, else the ``cp.async`` kernel's
-    (``launch_settings``). Speed only: both give the same bits."""
-    if m <= STREAMED_MAX_ROWS and 2 * n * k <= STREAMED_MAX_BYTES:
-        settings = streamed_settings(n, splits, m, sms)
-        if settings is not None:
-            return settings
-    return launch_settings(n, splits, m, sms)
-
-
-def faster_than_cublas(n: int, k: int, m: int) -> bool:
-    """Whether the ordered GEMM's default kernel at ``m`` rows over a ``[n,
-    k]`` weight was measured faster than cuBLAS (H200, 2026-12-04,
-    ``docs/gemm-order.md``): where ``choose_settings`` takes the streamed
-    kernel (o_proj 1.07-1.10x, the Markov bias 1.22-1.31x at m <= 4); the
-    cp.async kernel was 0.56-1.00x of cuBLAS everywhere."""
-    return (isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= STREAMED_MAX_ROWS
-            and 2 * n * k <= STREAMED_MAX_BYTES)
-
-
 def _launch(x, weight, out, order: SplitOrder, workspace: OrderedWorkspace, pdl: bool, settings=None) -> None:
     n, k = weight.shape
     m = x.shape[0]
@@ -443,26 +413,29 @@ class OrderedGemm(LazyPdl):
     """The ordered GEMM bound to ``weight`` (BF16 ``[n, k]`` of
     ``constants``, contiguous, 16-byte aligned, on CUDA), taking the row
     counts ``bind_orders`` gave an order (the build-time check's findings;
-    none before it). ``pdl``: programmatic dependent launch (default:
-    sm_90+); ``sms``: the SM count the launch settings are chosen for;
-    ``settings(m, order)``: a row count's launch settings (default
-    ``choose_settings``: the ``cp.async`` or the streamed kernel; speed
-    only: the same bits); ``only_faster`` (default: with the default
-    settings): ``bind_orders`` keeps only the row counts where the kernel is
-    faster than cuBLAS (``faster_than_cublas``; ``candidate_rows``), the
-    others stay cuBLAS with that reason.
+    none before it) and, once ``decide`` has run, only those where one of
+    its kernels measured faster than cuBLAS on this GPU. ``pdl``:
+    programmatic dependent launch (default: sm_90+); ``sms``: the SM count
+    the launch settings are chosen for; ``settings(m, order)``: a row
+    count's launch settings before a decision (default ``choose_settings``:
+    the ``cp.async`` or the streamed kernel; speed only: the same bits).
 
-    ``run(x, out=None)``: BF16 ``x [m, k]`` -> ``[m, n]``, summed in the
-    order bound for ``m`` (bit for bit cuBLAS's where the check found it);
-    ``problem`` / ``takes`` say whether it takes the operands (a row count
-    without an order says the check's reason), ``launch`` runs without the
-    checks; ``prepare()`` compiles every variant the bound orders launch.
-    Traced by torch.compile, a launch is ``torch.ops.dspark.ordered_gemm``."""
+    ``check(rows)`` finds and binds the orders; ``decide()`` times each
+    bound row count's candidate kernels against cuBLAS on the bound weight
+    (``dspark_cute.cutedsl.gemm.decide``), keeps the faster where it wins by
+    ``gemm_decide.MARGIN``, and gives the other row counts back to cuBLAS
+    with the times as the reason. ``run(x, out=None)``: BF16 ``x [m, k]`` ->
+    ``[m, n]``, summed in the order bound for ``m`` (bit for bit cuBLAS's
+    where the check found it); ``problem`` / ``takes`` say whether it takes
+    the operands (a row count without an order says the check's or the
+    decision's reason), ``launch`` runs without the checks; ``prepare()``
+    compiles every variant the bound orders launch. Traced by
+    torch.compile, a launch is ``torch.ops.dspark.ordered_gemm``."""
 
     OP = "ordered_gemm"
 
     def __init__(self, constants: OrderedGemmConstants, weight: torch.Tensor, *, pdl: bool | None = None,
-                 sms: int | None = None, settings=None, only_faster: bool | None = None) -> None:
+                 sms: int | None = None, settings=None) -> None:
         check_constants(constants)
         why = ordered_gemm_unsupported(weight)
         if why is not None:
@@ -474,8 +447,6 @@ class OrderedGemm(LazyPdl):
             raise ValueError(f"the ordered GEMM takes a contiguous, 16-byte aligned CUDA weight, not "
                              f"{describe(weight)}")
         self.constants, self.weight, self.device = constants, weight, weight.device
-        # Default: with the default settings, only the row counts where it is faster than cuBLAS.
-        self.only_faster = settings is None if only_faster is None else bool(only_faster)
         self._pdl = None if pdl is None else bool(pdl)
         self.sms = sms or sm_count(weight.device)
         # (m, order) -> the launch settings (default launch_settings; no bit depends on them).
@@ -484,6 +455,7 @@ class OrderedGemm(LazyPdl):
         self.reasons: dict[int, str] = {}
         self.workspace = OrderedWorkspace(constants.n, 1, 1, weight.device)
         self._settings: dict[int, tuple] = {}
+        self.decision = None  # gemm_decide.GemmDecision, once decide() ran
         self.op_handle = ops.register(self)
 
     @property
@@ -492,15 +464,9 @@ class OrderedGemm(LazyPdl):
 
     @property
     def candidate_rows(self) -> tuple[int, ...]:
-        """The row counts the build-time check need try: those it binds
-        (``faster_than_cublas`` where ``only_faster``, else 1 .. 64)."""
-        c = self.constants
-        return tuple(m for m in range(1, MAX_ROWS + 1) if not self.only_faster or faster_than_cublas(c.n, c.k, m))
-
-    def slower_reason(self, m: int) -> str:
-        c = self.constants
-        return (f"cuBLAS kept at m = {m} over the [{c.n}, {c.k}] {c.role} weight: the ordered GEMM is faster only "
-                f"at m <= {STREAMED_MAX_ROWS} over weights up to {STREAMED_MAX_BYTES >> 20} MiB (docs/gemm-order.md)")
+        """The row counts the build-time check tries: 1 .. 64 (the timing
+        that follows it decides where DSpark's kernels run)."""
+        return tuple(range(1, MAX_ROWS + 1))
 
     @staticmethod
     def run_order(x: torch.Tensor, weight: torch.Tensor, order: SplitOrder) -> torch.Tensor:
@@ -521,27 +487,62 @@ class OrderedGemm(LazyPdl):
             if why is not None:
                 raise ValueError(why)
         reasons = dict(reasons or {})
-        if self.only_faster:
-            slower = [m for m in orders if m not in self.candidate_rows]
-            reasons.update({m: self.slower_reason(m) for m in slower})
-            orders = {m: o for m, o in orders.items() if m not in slower}
         splits = max((o.splits for o in orders.values()), default=1)
         rows = max((m for m, o in orders.items() if o.splits > 1), default=1)
         self.workspace = OrderedWorkspace(self.constants.n, rows, splits, self.device)
         self.orders = dict(orders)
         self.reasons = reasons
         self._settings = {m: self._choose(m, o) for m, o in self.orders.items()}
+        self.decision = None
 
     def check(self, rows=None, reference=None, seed: int = gemm_check.SEED) -> gemm_check.CheckResult:
         """The build-time check (``gemm_check.check_projection``) of this
         weight at ``rows`` (default 1 .. 64) against ``reference(x, weight)``
         (default ``F.linear``: the live cuBLAS), its orders bound
-        (``bind_orders``) and compiled (``prepare``); returns the findings."""
+        (``bind_orders``) and compiled (``prepare``); returns the findings.
+        ``decide()`` then keeps the row counts where DSpark is faster."""
         rows = self.candidate_rows if rows is None else rows
         result = gemm_check.check_projection(self.weight, rows, self.run_order, seed, reference)
         self.bind_orders(result.orders, result.refused)
         self.prepare()
         return result
+
+    def decide(self, reference=None, cache=timing.DEFAULT, margin: float = gemm_decide.MARGIN,
+               rounds: int = gemm_decide.ROUNDS, sides=None, card=None) -> gemm_decide.GemmDecision:
+        """Time every bound row count's candidate kernels against cuBLAS on
+        this GPU (``sides``: default ``decide.gpu_sides`` over copies of the
+        weight; ``reference(x, weight)``: cuBLAS's call, default ``F.linear``),
+        or read the times from ``cache`` (default: the process's
+        ``DecisionCache.from_environment()``; None: no cache), and keep each
+        row count on its fastest kernel where that beats cuBLAS by ``margin``;
+        the others go back to cuBLAS with the times as the reason. ``card``
+        (a ``CardFacts``) names the GPU (default ``card_facts``). Returns the
+        decision (also ``self.decision``), the kept variants compiled."""
+        from dspark_core.tools.card import card_facts
+        from dspark_cute.runtime.disk_cache import _fingerprint
+
+        c = self.constants
+        card = card or card_facts(self.device)
+        cache = timing.default_decision_cache() if cache is timing.DEFAULT else cache
+        copies = None
+        if sides is None:
+            copies = timing.weight_copies(self.weight)
+            sides = timing.gpu_sides(self, copies, reference)
+        try:
+            decision = gemm_decide.decide(self.orders, sides, f"the [{c.n}, {c.k}] {c.role} weight", card,
+                                          _fingerprint(), (c.n, c.k), cache, margin, rounds)
+        finally:
+            del copies
+        for m, row in decision.rows.items():
+            if row.kernel is None:
+                self.orders.pop(m, None)
+                self._settings.pop(m, None)
+                self.reasons[m] = row.reason()
+            else:
+                self._settings[m] = timing.candidates(c.n, self.orders[m].splits, m, self.sms)[row.kernel]
+        self.decision = decision
+        self.prepare()
+        return decision
 
     def prepare(self) -> None:
         """Compile every variant the bound orders launch (and encode the
@@ -583,6 +584,6 @@ class OrderedGemm(LazyPdl):
 __all__ = ["CHUNK", "CHUNKS", "L2_PREFETCH_BYTES", "MAX_ROWS", "STREAMED_MAX_BYTES", "STREAMED_MAX_ROWS",
            "OrderedGemm", "OrderedGemmKernel", "OrderedLayout", "OrderedWorkspace", "candidate_run", "check_constants",
            "check_settings",
-           "choose_settings", "chunk_tiles", "compile_ordered_gemm", "fake_args", "faster_than_cublas", "fit_chunk",
+           "choose_settings", "chunk_tiles", "compile_ordered_gemm", "fake_args", "fit_chunk",
            "launch_settings",
            "n_tiles_for", "order_problem", "ordered_gemm"]

@@ -1,0 +1,152 @@
+"""The ordered GEMM's build-time timing (``OrderedGemm.decide``): at each
+row count its check bound, each candidate kernel against cuBLAS on the
+bound weight, on this GPU; ``dspark_core.runtime.gemm_decide`` makes the
+decision and caches the times.
+
+The candidates of a row count (``candidates``): the streamed kernel
+(``streamed_settings``, where it has a tile for the weight) and the
+``cp.async`` kernel (``launch_settings``), each summing in the bound order
+(the same bits: the settings move no value). cuBLAS is timed as vLLM calls
+it (``F.linear``, or the caller's ``reference``).
+
+How one side is timed (``graph_timer``): its calls cycle over copies of the
+weight (the weight and clones, ``WORKING_SET`` times the L2 cache in all, at
+most ``MAX_COPIES``), so that every call reads its weight from HBM as in a
+draft step, which streams some 3 GB of weights between two calls of one
+projection; each copy is called once eagerly (compiles, tensor maps), then
+``calls`` calls (a multiple of the copies, about ``GRAPH_BYTES`` of weight)
+are captured in one CUDA graph with the launch settings and PDL the decode
+runs, and a time is the median µs per call of ``REPLAYS`` replays. The
+copies are freed when the decision is made.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from dspark_core.runtime import gemm_decide
+from dspark_core.tools.timing import median_us
+from dspark_cute.cutedsl.gemm.ordered_layout import launch_settings
+from dspark_cute.cutedsl.gemm.streamed import streamed_settings
+
+# The weight copies cover this many times the GPU's L2 cache.
+WORKING_SET = 3
+MAX_COPIES = 16
+# Weight bytes one graph reads (its calls: at least 4, at most 128).
+GRAPH_BYTES = 1 << 30
+MIN_CALLS, MAX_CALLS = 4, 128
+REPLAYS = 3
+STREAMED, CP_ASYNC = "streamed", "cp.async"
+
+
+# Where the streamed kernel is the default before a decision (measured on an
+# H200, 2026-12-04: faster than the cp.async one for the o_proj and
+# Markov-bias weights at m <= 4); ``OrderedGemm.decide`` replaces the default
+# by what is faster on the user's GPU, at each row count.
+STREAMED_MAX_ROWS = 4
+STREAMED_MAX_BYTES = 64 << 20
+
+
+def choose_settings(n: int, k: int, splits: int, m: int, sms: int) -> tuple:
+    """The launch settings of ``m`` rows over a ``[n, k]`` weight in
+    ``splits`` splits on ``sms`` SMs before a decision (``OrderedGemm.decide``
+    times both kernels and keeps the faster): the streamed kernel's
+    (``streamed_settings``) for at most ``STREAMED_MAX_ROWS`` rows over at
+    most ``STREAMED_MAX_BYTES`` of weight, else the ``cp.async`` kernel's
+    (``launch_settings``). Speed only: both give the same bits."""
+    if m <= STREAMED_MAX_ROWS and 2 * n * k <= STREAMED_MAX_BYTES:
+        settings = streamed_settings(n, splits, m, sms)
+        if settings is not None:
+            return settings
+    return launch_settings(n, splits, m, sms)
+
+
+# ``OrderedGemm.decide``'s default cache: the process's one, from the environment.
+DEFAULT = object()
+_decision_cache = None
+
+
+def default_decision_cache() -> gemm_decide.DecisionCache:
+    """The process's decision cache (``DSPARK_DECISION_CACHE``, read once):
+    every ordered GEMM of the process shares it, so the same shape and row
+    count are timed once (both layers of a draft have the same shapes)."""
+    global _decision_cache
+    if _decision_cache is None:
+        _decision_cache = gemm_decide.DecisionCache.from_environment()
+    return _decision_cache
+
+
+def candidates(n: int, splits: int, m: int, sms: int) -> dict[str, tuple]:
+    """The candidate kernels' launch settings at ``m`` rows of ``splits``
+    splits over ``n`` outputs on ``sms`` SMs (module docstring)."""
+    out = {}
+    streamed = streamed_settings(n, splits, m, sms)
+    if streamed is not None:
+        out[STREAMED] = streamed
+    out[CP_ASYNC] = launch_settings(n, splits, m, sms)
+    return out
+
+
+def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """``weight`` and as many clones as make ``WORKING_SET`` times the L2
+    cache (at most ``MAX_COPIES`` in all)."""
+    l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 50 << 20)
+    nbytes = weight.numel() * weight.element_size()
+    count = max(1, min(MAX_COPIES, math.ceil(WORKING_SET * l2 / max(1, nbytes))))
+    return [weight] + [weight.clone() for _ in range(count - 1)]
+
+
+def graph_timer(call, copies: list[torch.Tensor]):
+    """A time-once function (µs per call) of ``call(weight)`` captured over
+    ``copies`` in one CUDA graph (module docstring)."""
+    nbytes = copies[0].numel() * copies[0].element_size()
+    calls = max(MIN_CALLS, min(MAX_CALLS, math.ceil(GRAPH_BYTES / max(1, nbytes))))
+    calls = max(len(copies), calls // len(copies) * len(copies))
+    for w in copies:  # compiles, tensor maps and workspaces before the capture
+        call(w)
+    torch.cuda.synchronize()
+    cycle = itertools.cycle(copies)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call(next(cycle))
+    return lambda: median_us(graph.replay, REPLAYS, warmup=1, calls=calls)
+
+
+def gpu_sides(gemm, copies: list[torch.Tensor], reference=None, seed: int = 0) -> dict:
+    """The sides ``gemm_decide.measure`` times for the bound ``gemm`` (an
+    ``OrderedGemm``): cuBLAS (``reference(x, weight)``, default
+    ``F.linear``) and each candidate of ``candidates``, over ``copies``."""
+    from dspark_cute.cutedsl.gemm.ordered import OrderedWorkspace, _launch
+
+    reference = reference or torch.nn.functional.linear
+    n, k = gemm.constants.n, gemm.constants.k
+    gen = torch.Generator(device=gemm.device).manual_seed(seed)
+
+    def x_of(m: int) -> torch.Tensor:
+        return torch.randn(m, k, generator=gen, device=gemm.device).to(torch.bfloat16)
+
+    def cublas(m: int):
+        x = x_of(m)
+        return graph_timer(lambda w: reference(x, w), copies)
+
+    def kernel(name: str):
+        def make(m: int):
+            order = gemm.orders[m]
+            settings = candidates(n, order.splits, m, gemm.sms).get(name)
+            if settings is None:
+                return None
+            x, out = x_of(m), torch.empty(m, n, dtype=torch.bfloat16, device=gemm.device)
+            ws = OrderedWorkspace(n, m, order.splits, gemm.device)
+            return graph_timer(lambda w: _launch(x, w, out, order, ws, gemm.pdl, settings), copies)
+        return make
+
+    return {gemm_decide.CUBLAS: cublas, STREAMED: kernel(STREAMED), CP_ASYNC: kernel(CP_ASYNC)}
+
+
+__all__ = ["CP_ASYNC", "GRAPH_BYTES", "MAX_COPIES", "STREAMED", "STREAMED_MAX_BYTES", "STREAMED_MAX_ROWS",
+           "WORKING_SET", "candidates", "choose_settings", "default_decision_cache", "gpu_sides",
+           "graph_timer", "weight_copies"]
