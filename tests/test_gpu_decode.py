@@ -15,7 +15,7 @@ import torch
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
 from dspark_core.reference.model import DraftModel, StepInputs
-from dspark_core.runtime.decode import build_draft_decode as build_description
+from dspark_core.runtime.build import build_draft_decode as build_description
 from dspark_core.tools.compare import assert_bitwise
 from dspark_core.tools.graphs import StepGraph
 

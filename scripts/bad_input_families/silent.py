@@ -282,7 +282,7 @@ def fam_unclear_objects(rng):
     from dspark_core.reference.adapter import describe
     from dspark_core.reference.config import read_json_object
     from dspark_core.reference.model import DraftModel, StepInputs
-    from dspark_core.runtime.decode import build_draft_decode
+    from dspark_core.runtime.build import build_draft_decode
     from dspark_core.spec import layers as L
     from dspark_core.spec import markov as SM
     from dspark_core.spec.attention import paged_attention

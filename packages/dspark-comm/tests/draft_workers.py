@@ -220,7 +220,7 @@ def check_plugin(c):
     from dspark_comm.runtime.mailbox import Mailbox
     from dspark_comm.tp_draft import rank_order_all_reduce
     from dspark_core.reference.adapter import describe
-    from dspark_core.runtime.decode import build_draft_decode, draft_plan
+    from dspark_core.runtime.build import build_draft_decode, draft_plan
     from dspark_core.spec.layers import linear
     from dspark_vllm.allreduce import MailboxBoundaries, Switches, Topology, decode_order
 

@@ -24,7 +24,8 @@ from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import small_config
 from dspark_core.reference.model import DraftModel, StepInputs
 from dspark_core.reference.tp import LocalGroup, shard_draft
-from dspark_core.runtime.decode import DraftDecode, build_draft_decode
+from dspark_core.runtime.build import build_draft_decode
+from dspark_core.runtime.decode import DraftDecode
 from dspark_core.tools.compare import assert_bitwise
 
 # Only the parts the adapter binds fuse; the others keep their stock modules.

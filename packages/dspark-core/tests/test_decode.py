@@ -19,7 +19,8 @@ from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import small_config
 from dspark_core.reference.model import DraftModel, StepInputs
 from dspark_core.runtime import decode as decode_module
-from dspark_core.runtime.decode import DraftDecode, build_draft_decode, draft_plan
+from dspark_core.runtime.build import build_draft_decode, draft_plan
+from dspark_core.runtime.decode import DraftDecode
 from dspark_core.spec import gemv as gemv_spec
 from dspark_core.spec import split_order
 from dspark_core.spec.attention import paged_attention
@@ -537,7 +538,7 @@ def test_prepare_collectively_always_reaches_the_all_reduce():
     still prepared, told of it, and this rank's error is returned (another
     rank's RuntimeError then swallowed); an error from the boundaries
     themselves is returned too."""
-    from dspark_core.runtime.decode import prepare_collectively
+    from dspark_core.runtime.build import prepare_collectively
 
     calls = []
     assert prepare_collectively(_Recorder(calls, "decode"), _Recorder(calls, "all_reduce")) is None
@@ -554,3 +555,53 @@ def test_prepare_collectively_always_reaches_the_all_reduce():
     late = RuntimeError("the boundaries' compile")
     assert prepare_collectively(_Recorder(calls, "decode"), _Recorder(calls, "all_reduce", late)) is late
     assert prepare_collectively(_Recorder([], "decode"), None) is None
+
+
+class DecidingOrderedGemm(CheckedOrderedGemm):
+    """A stand-in whose timing (``decide``) finds cuBLAS faster at 2 rows."""
+
+    def decide(self):
+        from dspark_core.runtime import gemm_decide
+        from dspark_core.tools.card import CardFacts
+
+        card = CardFacts("a stand-in GPU", (9, 0), 132, "0", "0", "0", None)
+        times = {1: (10.0, 9.0), 2: (10.0, 12.0)}
+        decision = gemm_decide.GemmDecision(f"the {self.role} weight", card.describe())
+        for m in list(self.orders):
+            cublas, ours = times[m]
+            decision.rows[m] = row = gemm_decide.decide_row(m, cublas, {"stand-in": ours})
+            if row.kernel is None:
+                del self.orders[m]
+                self.reasons[m] = row.reason()
+        return decision
+
+
+def test_the_ordered_gemm_runs_only_the_rows_its_timing_kept(caplog, gen):
+    """After the order check, the executor asks the host class to decide by
+    timing (``decide``) and logs the decision: the row count cuBLAS won
+    runs the stock projection, the other the ordered GEMM, the bits the
+    stock's either way."""
+    model = DraftModel(small_config())
+    draft = describe(model)
+    order = split_order.SplitOrder(64, 2)
+    for layer in draft.layers:
+        a = layer.attention
+        a.project_qkv = lambda x, w=a.qkv_weight: split_order.model_sum(x, w, order, coarse_mma)
+    kernels = dict(KERNELS, **{policy.ORDERED_GEMM: DecidingOrderedGemm})
+    decode = DraftDecode(draft, plan_draft(draft, FULL.opt_in({policy.ORDERED_GEMM})), kernels=kernels)
+    with caplog.at_level(logging.INFO, logger="dspark.decode"):
+        decode.prepare()
+    gemm = decode.ordered[(0, "qkv_proj")]
+    assert sorted(gemm.orders) == [1] and "cuBLAS kept at m = 2" in gemm.reasons[2]
+    assert decode.decisions[(0, "qkv_proj")].dspark_rows == {1: "stand-in"}
+    assert "layer 0's qkv_proj projection, decided by timing: the qkv_proj weight on a stand-in GPU" in caplog.text
+    assert "m = 1: DSpark (stand-in) (1.11x); m = 2: cuBLAS (0.83x)" in caplog.text
+    ref = DraftDecode(draft, plan_draft(draft, policy.Target(kernels=frozenset())), kernels=KERNELS)
+    ref.prepare()
+    for m in (1, 2):
+        CALLS.clear()
+        hidden = torch.randn(m, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+        got = decode.run(hidden, StepInputs.block(3, m), model.make_caches(4))
+        ran = [c[1] for c in CALLS if c[0] == "ordered_gemm"]
+        assert ("qkv_proj" in ran) == (m == 1), (m, ran)
+        assert_bitwise(got, ref.run(hidden, StepInputs.block(3, m), model.make_caches(4)), f"decode output m={m}")

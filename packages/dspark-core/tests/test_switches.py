@@ -16,7 +16,7 @@ from dspark_core.planner import policy
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import small_config
 from dspark_core.reference.model import DraftModel
-from dspark_core.runtime.decode import build_draft_decode
+from dspark_core.runtime.build import build_draft_decode
 
 WORDS = {w for w in switches.ON + switches.OFF}
 # Strings that are no switch word in any case (stripped), including the near misses.

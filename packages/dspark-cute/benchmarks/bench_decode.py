@@ -24,7 +24,7 @@ import torch
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
 from dspark_core.reference.model import DraftModel
-from dspark_core.runtime.decode import build_draft_decode as _build
+from dspark_core.runtime.build import build_draft_decode as _build
 from dspark_core.tools.graphs import StepGraph
 from dspark_core.tools.timing import gemms_replay, median_us, step_case, weight_floor_us
 

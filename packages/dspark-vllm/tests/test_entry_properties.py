@@ -49,7 +49,7 @@ from dspark_core.reference import tp as reference_tp
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import small_config
 from dspark_core.reference.model import DraftModel
-from dspark_core.runtime.decode import build_draft_decode, draft_plan
+from dspark_core.runtime.build import build_draft_decode, draft_plan
 from dspark_core.spec import attention as SA
 from dspark_core.spec import layers as L
 from dspark_core.spec import markov as SM
@@ -347,16 +347,17 @@ ENTRIES = [
     Entry("Target", policy.Target, dict(),
           {"platform": Word(("cuda", "cpu")), "arch": Arch(any_sm=True), "num_sms": Int(1, policy.MAX_SMS),
            "tp": Int(1, policy.MAX_TP), "attention": Word(policy.ATTENTION_VARIANTS)}),
-    # dspark_core.runtime.decode: the plan the executor runs, and the executor (None on a CPU).
+    # dspark_core.runtime.build: the plan the executor runs, and the executor (None on a CPU).
     Entry("draft_plan", draft_plan, dict(draft=_DRAFT),
           {"tp": Int(1, policy.MAX_TP), "attention": Word(policy.ATTENTION_VARIANTS), "gemv": Flag(),
-           "package_gemm": Flag(), "ordered_gemm": Flag()}),
+           "package_gemm": Flag(), "ordered_gemm": Flag(optional=True)}),
     Entry("build_draft_decode", build_draft_decode, dict(draft=_DRAFT),
           {"attention_variant": Word(policy.ATTENTION_VARIANTS, optional=True), "gemv": Flag(optional=True),
            "package_gemm": Flag(optional=True), "ordered_gemm": Flag(optional=True)}),
     Entry("asked_opt_ins", policy.asked_opt_ins, dict(),
           {"gemv": Flag(), "package_gemm": Flag(), "ordered_gemm": Flag()}),
     Entry("ordered_gemm_roles", policy.ordered_gemm_roles, dict(tp=1), {"tp": Int(1, policy.MAX_TP)}),
+    Entry("ordered_gemm_default", policy.ordered_gemm_default, dict(tp=1), {"tp": Int(1, policy.MAX_TP)}),
     # dspark_core.reference.tp: TP shards of the reference draft.
     Entry("check_tp", reference_tp.check_tp, dict(config=small_config(), tp=2, rank=0),
           {"tp": Int(1, policy.MAX_TP), "rank": Int(0, optional=True)}),

@@ -230,9 +230,9 @@ def test_the_build_passes_the_opt_ins_additional_config_asks_for(dirs, monkeypat
     monkeypatch.setattr(planning, "vllm_target", target)
     monkeypatch.setattr(planning, "VLLM_EXACT_KERNELS", {GPU.arch: frozenset()})
     monkeypatch.setattr(allreduce, "package_gemm_asked", lambda config: True)
-    monkeypatch.setattr(planning, "ordered_gemm_asked", lambda config: True)
+    monkeypatch.setattr(planning, "ordered_gemm_asked", lambda config, tp: tp == 1)
     _draft.build(*dirs, "latency_specialized")
-    assert seen == [{"package_gemm": True, "ordered_gemm": True}]
+    assert seen == [{"package_gemm": True, "ordered_gemm": True}]  # TP1: on by default
 
 
 @pytest.mark.parametrize(("error", "words"), [

@@ -447,11 +447,12 @@ def test_plan_line(built, monkeypatch):
         "Gumbel sampler, not yet against vLLM 0.33.0's Triton gumbel_sample on an sm_90a GPU)")
     monkeypatch.undo()
     monkeypatch.setattr(stage_plan, "fused_bias_reason", lambda constants, rows: None)  # a head the bias step takes
+    monkeypatch.setattr(stage_plan, "PERSISTENT_CHECKED", frozenset())
     line = stage_plan.plan_line(model, "sm_90a", frozenset({"sm_90a"}), rows=8)
     assert line.startswith(f"Markov stage: greedy drafting fused (markov_step {key}) for 1 to 8 requests, the bias "
                            "GEMM in the step (markov_bias_step) at the request counts up to 64 where the build-time "
                            "check finds cuBLAS's one-split order; probabilistic drafting fused (markov_sample ")
-    assert "markov_persistent_loop" not in line  # PERSISTENT_CHECKED is empty until the loop has run on a GPU
+    assert "markov_persistent_loop" not in line  # where the loop is not checked
     # the kernel's own limits
     assert "multiple of 64" in stage_plan.persistent_reason(stage_plan.head_constants(model), 8)
     monkeypatch.setattr(stage_plan, "PERSISTENT_CHECKED", frozenset({"sm_90a"}))

@@ -8,8 +8,8 @@ bias step with its simulated check):
   tokens in one launch at the request counts the bias step's check bound
   (the host class's launch computing the spec's loop on the CPU), and at a
   count the check refused through the step after vLLM's bias GEMM;
-- by default (``PERSISTENT_CHECKED`` empty until the loop has run on a GPU)
-  the stage launches once a step, with the reason logged; a build that
+- where the architecture is not in ``PERSISTENT_CHECKED`` the stage
+  launches once a step, with the reason logged; a build that
   raises, or whose probe launch drafts other tokens than vLLM's loop, keeps
   one launch a step too.
 

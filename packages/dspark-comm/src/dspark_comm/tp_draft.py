@@ -11,7 +11,7 @@ its stock forward all-reduces the row-parallel partials with
 ``TorchGroup`` over the world and a ``Mailbox`` of ``capacity`` rows over it.
 
 - ``decode(exclude)``: the specialized decode of the shard
-  (``dspark_core.runtime.decode.build_draft_decode`` over the shard's
+  (``dspark_core.runtime.build.build_draft_decode`` over the shard's
   description) with ``DraftAllReduce`` over
   the mailbox, both planned for this GPU at TP ``world`` with the installed
   kernels minus ``exclude``; ``(decode, adapter)``. With ``"package_gemm"``
@@ -79,7 +79,7 @@ class TPDraftRank:
         fuses."""
         from dspark_comm.draft import DraftAllReduce
         from dspark_core.reference.adapter import describe
-        from dspark_core.runtime.decode import build_draft_decode, draft_plan
+        from dspark_core.runtime.build import build_draft_decode, draft_plan
 
         exclude = frozenset(exclude)
         # The opt-in package GEMM (not bit for bit the stock) runs unless exclude names it.

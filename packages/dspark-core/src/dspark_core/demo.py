@@ -40,7 +40,7 @@ from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
 from dspark_core.reference.model import DraftModel, StepInputs
 from dspark_core.reference.tp import check_tp, shard_draft
-from dspark_core.runtime.decode import build_draft_decode
+from dspark_core.runtime.build import build_draft_decode
 from dspark_core.tools.compare import mismatches
 from dspark_core.tools.graphs import StepGraph
 from dspark_core.tools.timing import times_us

@@ -9,7 +9,7 @@ the TP ranks' agreement on it, every stock part logged once with its reason,
 then, where any part fuses, dspark-core's ``DraftDecode`` over vLLM's modules
 with every kernel bound and compiled (``prepare``) and, at TP > 1, the
 all-reduce boundaries' kernels compiled collectively
-(``dspark_core.runtime.decode.prepare_collectively``, as ``build_draft_decode``
+(``dspark_core.runtime.build.prepare_collectively``, as ``build_draft_decode``
 does) and the mailbox checked. Any exception while the
 kernels are bound or compiled, on any rank, keeps vLLM's stock forward on
 every rank with the reason logged: never an exception out of model loading.
@@ -37,7 +37,8 @@ from vllm.logger import init_logger
 
 from dspark_core.contracts.kernels import kernel_class
 from dspark_core.planner.plan import DraftPlan
-from dspark_core.runtime.decode import DraftDecode, prepare_collectively
+from dspark_core.runtime.build import prepare_collectively
+from dspark_core.runtime.decode import DraftDecode
 from dspark_vllm import allreduce, deployment, planning
 from dspark_vllm.adapter import describe_vllm, partial
 
