@@ -21,6 +21,7 @@
 #   probe-pdl-overlap  a latency-bound part, then that GEMM with its weight asked of L2 before its PDL wait, vs cuBLAS
 #   ordered        the ordered GEMM against the live cuBLAS (orders found at every row count, bits, graphs, TP shards,
 #                  the build's timing decision on this card and its cache)
+#   decide         the build's timing decision alone (test_gpu_ordered_gemm.py -k decide): bits kept, cache warm < 1 s
 #   card           the card's facts as the benchmarks and the decision cache name it (no CuTe DSL needed)
 #   bench-gemm     bench_ordered_gemm: each projection and the 14-GEMM chain, cuBLAS against the ordered GEMM
 #   cublas-kernels cuBLAS's kernel names and grids per projection and row count (needs no CuTe DSL)
@@ -90,7 +91,8 @@ wanted attention && gpu attention 200 packages/dspark-cute/tests/test_gpu_attent
 wanted triton-attention && gpu triton-attention 200 packages/dspark-cute/tests/test_gpu_triton_attention_stock.py
 wanted gemv && gpu gemv 150 packages/dspark-cute/tests/test_gpu_gemv.py
 wanted ordered && gpu ordered 360 packages/dspark-cute/tests/test_gpu_ordered_gemm.py
-wanted bench-gemm && step bench-gemm 300 python packages/dspark-cute/benchmarks/bench_ordered_gemm.py --out "$OUT"
+wanted decide && gpu decide 300 packages/dspark-cute/tests/test_gpu_ordered_gemm.py -k decide -s
+wanted bench-gemm && step bench-gemm 420 python packages/dspark-cute/benchmarks/bench_ordered_gemm.py --out "$OUT"
 wanted cublas-kernels && step cublas-kernels 200 python packages/dspark-cute/benchmarks/bench_ordered_gemm.py --roles "" \
   --rows "" --chain-rows "" --kernels 1,2,4,8,16,24,32,48,64,128,256,512 --name cublas_kernels --out "$OUT"
 wanted ops && gpu ops 240 packages/dspark-cute/tests/test_gpu_ops.py packages/dspark-cute/tests/test_gpu_disk_cache.py

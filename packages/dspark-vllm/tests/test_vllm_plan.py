@@ -256,9 +256,10 @@ def test_the_plan_of_an_fp8_cache_does_not_depend_on_the_host_cpu(built, capsys,
 
 
 def test_the_ordered_gemm_is_planned_where_additional_config_asks_for_it():
-    """``additional_config["ordered_gemm"]`` opts in to the ordered GEMM
-    (vLLM's bits where its build-time check finds cuBLAS's order); absent or
-    false it is declined as opt-in; anything but a bool is refused."""
+    """``additional_config["ordered_gemm"]`` switches the ordered GEMM
+    (vLLM's bits where its build-time check finds cuBLAS's order, at the row
+    counts its timing finds faster): absent, on at TP1 and declined at TP >
+    1; false declines it; anything but a bool is refused."""
     import types
 
     import torch
@@ -267,11 +268,15 @@ def test_the_ordered_gemm_is_planned_where_additional_config_asks_for_it():
         return types.SimpleNamespace(additional_config=extra)
 
     assert planning.ordered_gemm_asked(config({"ordered_gemm": True})) is True
-    assert planning.ordered_gemm_asked(config({})) is False
-    assert planning.ordered_gemm_asked(config(None)) is False
+    assert planning.ordered_gemm_asked(config({})) is True  # on by default at TP1
+    assert planning.ordered_gemm_asked(config(None)) is True
+    assert planning.ordered_gemm_asked(config({}), 2) is False  # opt-in at TP > 1
+    assert planning.ordered_gemm_asked(config({"ordered_gemm": False})) is False
     with pytest.raises(TypeError, match="ordered_gemm"):
         planning.ordered_gemm_asked(config({"ordered_gemm": "yes"}))
     cpu = torch.device("cpu")
     asked = planning.vllm_target(cpu, 1, policy.ALL_KERNELS, ordered_gemm=True)
     assert policy.ORDERED_GEMM not in asked.declined
-    assert policy.ORDERED_GEMM in planning.vllm_target(cpu, 1, policy.ALL_KERNELS).declined
+    assert policy.ORDERED_GEMM not in planning.vllm_target(cpu, 1, policy.ALL_KERNELS).declined
+    assert policy.ORDERED_GEMM in planning.vllm_target(cpu, 2, policy.ALL_KERNELS).declined
+    assert policy.ORDERED_GEMM in planning.vllm_target(cpu, 1, policy.ALL_KERNELS, ordered_gemm=False).declined

@@ -193,7 +193,8 @@ def test_every_key_dspark_reads_has_its_near_misses_said_once(caplog, monkeypatc
     extra = {k: True for k in near} | {"ascend_scheduler_config": {}, "ordered": 1, "gemm": 2}
     with caplog.at_level(logging.WARNING, logger="vllm.dspark"):
         for _ in range(3):
-            assert asked(_Config(extra)) in (False, deployment.AUTO)
+            # The exact key absent: each keeps its default (the ordered GEMM's at TP1: on).
+            assert asked(_Config(extra)) in (False, deployment.AUTO) or asked is planning.ordered_gemm_asked
     said = [r.getMessage() for r in caplog.records if f"not {key!r}" in r.getMessage()]
     assert len(said) == 1 and all(repr(k) in said[0] for k in near), said
     assert "ascend" not in said[0] and "'ordered'" not in said[0] and "'gemm'" not in said[0]
@@ -205,7 +206,8 @@ def test_an_additional_config_that_is_no_mapping_is_said_once_and_read_as_absent
     with caplog.at_level(logging.WARNING, logger="vllm.dspark"):
         for extra in (["decode_backend"], "latency_specialized", ["decode_backend"]):
             assert deployment.decode_backend(_Config(extra)) == deployment.AUTO
-            assert planning.ordered_gemm_asked(_Config(extra)) is False
+            assert planning.ordered_gemm_asked(_Config(extra)) is True  # its default at TP1
+            assert planning.ordered_gemm_asked(_Config(extra), 2) is False  # and at TP > 1
         assert deployment.decode_backend(_Config(None)) == deployment.AUTO
     said = [r.getMessage() for r in caplog.records]
     assert said == ["additional_config is a list, not a mapping: the DSpark plugin reads none of its keys "
