@@ -53,12 +53,26 @@ def test_decide_row_takes_dspark_only_past_the_margin(rng):
     assert none.kernel is None and none.ratio is None and "no DSpark candidate" in none.reason()
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "5", None, True])
+@pytest.mark.parametrize("bad", [0, -1.0, 1e-46, float("nan"), float("inf"), 1e39, "5", None, True])
 def test_decide_row_refuses_bad_times(bad):
-    with pytest.raises(ValueError, match="finite, positive number of microseconds"):
+    with pytest.raises((ValueError, TypeError), match=r"cuBLAS's time at m = 1 \(µs\) must be a"):
         gd.decide_row(1, bad, {"streamed": 1.0})
-    with pytest.raises(ValueError, match="the streamed kernel's time at m = 1"):
+    with pytest.raises((ValueError, TypeError), match="the streamed kernel's time at m = 1"):
         gd.decide_row(1, 1.0, {"streamed": bad})
+
+
+def test_decide_refuses_bad_arguments_before_timing():
+    calls = []
+    sides = stand_in_sides({1: {gd.CUBLAS: 1.0}}, calls)
+    good = dict(rows=[1], sides=sides, what="x", card=H100, fingerprint="f", shape=(64, 64))
+    for change, kind in ((dict(card="H100"), TypeError), (dict(shape=(64,)), TypeError),
+                         (dict(shape=(64, 0)), ValueError), (dict(rounds=0), ValueError),
+                         (dict(sides={"streamed": sides[gd.CUBLAS]}), TypeError), (dict(cache="dir"), TypeError),
+                         (dict(rows=[0]), ValueError), (dict(margin=2.0), ValueError), (dict(fingerprint=1), TypeError)):
+        with pytest.raises(kind):
+            gd.decide(**{**good, **change})
+    assert not calls
+    assert gd.decide(**good).rows[1].kernel is None
 
 
 def test_decide_row_refuses_bad_rows_margins_and_names():
@@ -67,7 +81,7 @@ def test_decide_row_refuses_bad_rows_margins_and_names():
     with pytest.raises(TypeError, match="the row count m"):
         gd.decide_row(1.0, 1.0, {"streamed": 1.0})
     for margin in (-0.1, 1.0, float("nan"), "0.01", True):
-        with pytest.raises(ValueError, match="margin"):
+        with pytest.raises((ValueError, TypeError), match="margin"):
             gd.decide_row(1, 1.0, {"streamed": 1.0}, margin=margin)
     with pytest.raises(ValueError, match="other than 'cuBLAS'"):
         gd.decide_row(1, 1.0, {gd.CUBLAS: 1.0})

@@ -49,12 +49,14 @@ from dspark_core.reference import tp as reference_tp
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import small_config
 from dspark_core.reference.model import DraftModel
+from dspark_core.runtime import gemm_decide
 from dspark_core.runtime.build import build_draft_decode, draft_plan
 from dspark_core.spec import attention as SA
 from dspark_core.spec import layers as L
 from dspark_core.spec import markov as SM
 from dspark_core.spec import numerics as N
 from dspark_core.spec.split_order import SplitOrder, candidate_orders
+from dspark_core.tools.card import hbm_peak
 from dspark_vllm import allreduce, deployment, options
 
 FP32_OVERFLOW = K.FP32_OVERFLOW
@@ -358,6 +360,11 @@ ENTRIES = [
           {"gemv": Flag(), "package_gemm": Flag(), "ordered_gemm": Flag()}),
     Entry("ordered_gemm_roles", policy.ordered_gemm_roles, dict(tp=1), {"tp": Int(1, policy.MAX_TP)}),
     Entry("ordered_gemm_default", policy.ordered_gemm_default, dict(tp=1), {"tp": Int(1, policy.MAX_TP)}),
+    # dspark_core.runtime.gemm_decide and tools.card: the build's timing decision, the card's HBM peak.
+    Entry("decide_row", gemm_decide.decide_row, dict(m=1, cublas_us=2.0, candidates={"streamed": 1.0}),
+          {"m": Int(1, gemm_decide.MAX_ROWS), "cublas_us": Num(positive=True), "margin": Num(non_negative=True)},
+          names={"cublas_us": ["cuBLAS's time"]}),
+    Entry("hbm_peak", hbm_peak, dict(name="NVIDIA H100 80GB HBM3"), {"name": Text()}),
     # dspark_core.reference.tp: TP shards of the reference draft.
     Entry("check_tp", reference_tp.check_tp, dict(config=small_config(), tp=2, rank=0),
           {"tp": Int(1, policy.MAX_TP), "rank": Int(0, optional=True)}),

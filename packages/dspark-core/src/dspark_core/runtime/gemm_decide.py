@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import statistics
 from collections.abc import Callable, Iterable, Mapping
@@ -63,16 +62,16 @@ MAX_ROWS = 64
 
 
 def _positive_time(what: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} is a finite, positive number of microseconds, not {checks.shown(value)}")
-    return float(value)
+    """``value`` as µs: a real number, positive and finite (TypeError,
+    ValueError naming ``what``)."""
+    return checks.fp32_number(f"{what} (µs)", value, low="positive")
 
 
 def _margin(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 <= value < 1:
-        raise ValueError(f"a decision's margin is a finite number from 0 to below 1, not {checks.shown(value)}")
-    return float(value)
+    value = checks.fp32_number("a decision's margin", value, low="non-negative")
+    if not value < 1:
+        raise ValueError(f"a decision's margin is a number from 0 to below 1, not {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -203,9 +202,26 @@ def decide(rows: Iterable[int], sides: Mapping[str, Callable[[int], Callable[[],
            margin: float = MARGIN, rounds: int = ROUNDS) -> GemmDecision:
     """``GemmDecision`` of ``rows``: each row count's times from ``cache``
     where it holds them for this ``card`` (a ``CardFacts``), ``fingerprint``
-    and ``shape``, else ``measure``d (and stored), then ``decide_row``."""
+    and ``shape``, else ``measure``d (and stored), then ``decide_row``.
+    TypeError or ValueError for arguments of another kind, each checked
+    before anything is timed."""
+    from dspark_core.tools.card import CardFacts
+
     rows = sorted({checks.integer("a row count", m, 1, MAX_ROWS) for m in rows})
     margin = _margin(margin)
+    checks.integer("the timing rounds", rounds, 1, 101)
+    if not isinstance(sides, Mapping) or CUBLAS not in sides:
+        raise TypeError(f"the sides timed are a mapping of name to timer maker that includes {CUBLAS!r}, not "
+                        f"{checks.shown(sides)}")
+    if not isinstance(card, CardFacts):
+        raise TypeError(f"a decision's card is a CardFacts, not {checks.shown(card)}")
+    if not isinstance(fingerprint, str) or not isinstance(what, str):
+        raise TypeError("a decision's fingerprint and description are strings")
+    if not (isinstance(shape, tuple) and len(shape) == 2):
+        raise TypeError(f"a decision's weight shape is a tuple (n, k), not {checks.shown(shape)}")
+    shape = tuple(checks.integer("a weight dimension", v, 1) for v in shape)
+    if cache is not None and not isinstance(cache, DecisionCache):
+        raise TypeError(f"a decision's cache is a DecisionCache or None, not {checks.shown(cache)}")
     keys = {m: decision_key(card.key(), fingerprint, shape, m, tuple(sorted(sides))) for m in rows}
     found = {m: cache.load(keys[m]) for m in rows} if cache is not None else {}
     found = {m: r for m, r in found.items() if r is not None and r["m"] == m}
