@@ -68,7 +68,8 @@ def test_decide_refuses_bad_arguments_before_timing():
     for change, kind in ((dict(card="H100"), TypeError), (dict(shape=(64,)), TypeError),
                          (dict(shape=(64, 0)), ValueError), (dict(rounds=0), ValueError),
                          (dict(sides={"streamed": sides[gd.CUBLAS]}), TypeError), (dict(cache="dir"), TypeError),
-                         (dict(rows=[0]), ValueError), (dict(margin=2.0), ValueError), (dict(fingerprint=1), TypeError)):
+                         (dict(rows=[0]), ValueError), (dict(margin=2.0), ValueError),
+                         (dict(fingerprint=1), TypeError)):
         with pytest.raises(kind):
             gd.decide(**{**good, **change})
     assert not calls
