@@ -532,7 +532,9 @@ class OrderedGemm(LazyPdl):
             decision = gemm_decide.decide(self.orders, sides, f"the [{c.n}, {c.k}] {c.role} weight", card,
                                           _fingerprint(), (c.n, c.k), cache, margin, rounds)
         finally:
-            del copies
+            if copies is not None:  # the weight copies and the timing graphs' pools go back to the driver
+                del copies, sides
+                torch.cuda.empty_cache()
         for m, row in decision.rows.items():
             if row.kernel is None:
                 self.orders.pop(m, None)
