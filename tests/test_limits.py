@@ -247,8 +247,8 @@ def test_the_gemm_limits_are_the_kernels_constants():
     assert (limits.GEMV_K_UNIT, limits.GEMV_N_UNIT) == (gemv.FRAGMENT, gemv.WARPS * gemv.ROWS_PER_WARP)
     assert (limits.ORDERED_GEMM_K_UNIT, limits.ORDERED_GEMM_N_UNIT, limits.ORDERED_GEMM_MAX_ROWS) == (
         ordered.CHUNK, ordered.TILE_ROWS, ordered.MAX_ROWS)
-    assert (limits.ORDERED_GEMM_FASTER_ROWS, limits.ORDERED_GEMM_FASTER_BYTES) == (
-        ordered.STREAMED_MAX_ROWS, ordered.STREAMED_MAX_BYTES)
+    # No fixed rule of where the ordered GEMM is faster: the build decides by timing.
+    assert not [name for name in dir(limits) if "FASTER" in name]
 
 
 def _reasons(model) -> tuple[dict, dict]:

@@ -116,12 +116,12 @@ def graph_timer(call, copies: list[torch.Tensor]):
     return lambda: median_us(graph.replay, REPLAYS, warmup=1, calls=calls)
 
 
-def gpu_sides(gemm, copies: list[torch.Tensor], reference=None, seed: int = 0) -> dict:
+def gpu_sides(gemm, copies: list[torch.Tensor], launch, workspace, reference=None, seed: int = 0) -> dict:
     """The sides ``gemm_decide.measure`` times for the bound ``gemm`` (an
     ``OrderedGemm``): cuBLAS (``reference(x, weight)``, default
-    ``F.linear``) and each candidate of ``candidates``, over ``copies``."""
-    from dspark_cute.cutedsl.gemm.ordered import OrderedWorkspace, _launch
-
+    ``F.linear``) and each candidate of ``candidates``, over ``copies``;
+    ``launch(x, weight, out, order, workspace, settings)`` runs a candidate,
+    ``workspace(n, m, splits)`` makes its split-K scratch."""
     reference = reference or torch.nn.functional.linear
     n, k = gemm.constants.n, gemm.constants.k
     gen = torch.Generator(device=gemm.device).manual_seed(seed)
@@ -140,8 +140,8 @@ def gpu_sides(gemm, copies: list[torch.Tensor], reference=None, seed: int = 0) -
             if settings is None:
                 return None
             x, out = x_of(m), torch.empty(m, n, dtype=torch.bfloat16, device=gemm.device)
-            ws = OrderedWorkspace(n, m, order.splits, gemm.device)
-            return graph_timer(lambda w: _launch(x, w, out, order, ws, gemm.pdl, settings), copies)
+            ws = workspace(n, m, order.splits)
+            return graph_timer(lambda w: launch(x, w, out, order, ws, settings), copies)
         return make
 
     return {gemm_decide.CUBLAS: cublas, STREAMED: kernel(STREAMED), CP_ASYNC: kernel(CP_ASYNC)}

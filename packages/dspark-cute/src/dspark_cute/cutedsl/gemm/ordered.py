@@ -527,7 +527,9 @@ class OrderedGemm(LazyPdl):
         copies = None
         if sides is None:
             copies = timing.weight_copies(self.weight)
-            sides = timing.gpu_sides(self, copies, reference)
+            sides = timing.gpu_sides(
+                self, copies, lambda x, w, out, order, ws, settings: _launch(x, w, out, order, ws, self.pdl, settings),
+                lambda n, m, splits: OrderedWorkspace(n, m, splits, self.device), reference)
         try:
             decision = gemm_decide.decide(self.orders, sides, f"the [{c.n}, {c.k}] {c.role} weight", card,
                                           _fingerprint(), (c.n, c.k), cache, margin, rounds)
