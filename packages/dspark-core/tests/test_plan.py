@@ -584,3 +584,20 @@ def test_constants_keys_are_memoized_per_object_and_outside_it():
     zero, negative = K.OGateConstants(64, 0.0), K.OGateConstants(64, -0.0)
     assert zero != negative and zero.key() != negative.key()
     assert K.AttentionConstants(64, 8, 64, 16, "int64").key() != a.key()
+
+
+def test_cli_takes_options_only_as_written_and_once():
+    """No abbreviations, no repeated option, no two options of one setting:
+    each a usage error naming them (exit 2), never the last one kept."""
+    from dspark_core.planner.cli import main
+
+    for argv, words in ((["--ordered-gem"], "unrecognized arguments: --ordered-gem"),
+                        (["--ord"], "unrecognized arguments: --ord"),
+                        (["--num-sm", "100"], "unrecognized arguments: --num-sm"),
+                        (["--tp", "1", "--tp", "2"], "--tp given twice"),
+                        (["--tp=1", "--tp", "2"], "--tp given twice"),
+                        (["--ordered-gemm", "--no-ordered-gemm"], "--ordered-gemm and --no-ordered-gemm both given")):
+        out = _cli(*argv)
+        assert out.returncode == 2 and words in out.stderr, (argv, out.stderr)
+    with pytest.raises(SystemExit):
+        main(["--gemv", "--gemv"])

@@ -34,7 +34,7 @@ import torch
 
 from dspark_core import demo_stock
 from dspark_core.planner import policy
-from dspark_core.planner.cli import folder, int_in, positive_int, print_plan, release_stdout
+from dspark_core.planner.cli import StrictParser, folder, int_in, positive_int, print_plan, release_stdout
 from dspark_core.planner.plan import plan_draft
 from dspark_core.reference.adapter import describe
 from dspark_core.reference.config import DraftConfig
@@ -242,7 +242,7 @@ def _summary(results: dict, steps: int, opt_in: bool, device: torch.device) -> s
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dspark_core.demo", description=__doc__.split("\n\n")[0])
+    p = StrictParser(prog="python -m dspark_core.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="a DraftConfig JSON file (default: the reference draft)")
     p.add_argument("--steps", type=positive_int, default=4, help="greedy decode steps per path (default 4)")
     p.add_argument("--block", type=positive_int, default=1, help=f"tokens per step, 1 to {policy.MAX_DECODE_ROWS}")

@@ -37,7 +37,7 @@ from pathlib import Path
 from dspark_core import checks
 from dspark_core.contracts.constants import MAX_SIZE
 from dspark_core.planner import policy
-from dspark_core.planner.cli import arch_name, int_in, kernel_names, write_out
+from dspark_core.planner.cli import StrictParser, arch_name, int_in, kernel_names, write_out
 from dspark_core.reference.config import MAX_LAYERS, read_json_object
 from dspark_core.switches import flag
 
@@ -46,7 +46,7 @@ GPU_ATTENTION_BACKEND = "FLASH_ATTN"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dspark_vllm.plan", description=__doc__.split("\n\n")[0])
+    p = StrictParser(prog="python -m dspark_vllm.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("draft", help="the draft checkpoint folder (its config.json)")
     p.add_argument("--target", help="the target checkpoint folder (its config.json; no weights needed)")
     p.add_argument("--target-layers", type=int_in(1, MAX_LAYERS), default=None,

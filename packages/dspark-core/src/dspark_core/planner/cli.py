@@ -32,6 +32,35 @@ from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, plan_draft
 
 
+class StrictParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` for DSpark's command lines that takes an option
+    only as written (no abbreviations: ``--ordered-gem`` is no
+    ``--ordered-gemm``) and once: an option given twice, or two options of
+    one setting (``--ordered-gemm --no-ordered-gemm``), is a usage error
+    naming them, not the last one silently kept."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        seen: dict[str, str] = {}
+        for arg in argv:
+            if arg == "--":
+                break
+            option = arg.split("=", 1)[0] if arg.startswith("--") else arg
+            action = self._option_string_actions.get(option)
+            if action is None or action.dest == "help":
+                continue
+            if action.dest in seen:
+                same = seen[action.dest] == option
+                self.error(f"{option} given twice" if same else f"{seen[action.dest]} and {option} both given "
+                           "(one setting: give one)")
+            seen[action.dest] = option
+        return super().parse_known_args(argv, namespace)
+
+
 def int_in(low: int, high: int | None = None):
     """argparse's type for an integer from ``low`` to ``high`` (None: no
     upper bound), written in ASCII digits with an optional sign and blanks
@@ -134,7 +163,7 @@ def write_out(text: str, prog: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dspark-plan", description=__doc__.split("\n\n")[0])
+    p = StrictParser(prog="dspark-plan", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="a DraftConfig JSON file (default: the reference draft)")
     p.add_argument("--tp", type=int_in(1, policy.MAX_TP), default=1, help="the tensor-parallel size (default 1)")
     p.add_argument("--arch", default="sm_90a", type=arch_name,
