@@ -92,6 +92,22 @@ def test_init_rank_refusals():
         ranks.init_rank(8, 8, "/nonexistent", one_gpu=True)
     with pytest.raises(ValueError):
         ranks.spawn_ranks(_write, 0)
+    # Every argument checked before a GPU is asked or a process spawned.
+    for args, kwargs, kind, words in (
+            ((True, 2, "/nonexistent"), {}, TypeError, "rank"), ((0, 2.0, "/nonexistent"), {}, TypeError, "world"),
+            ((0, 2**40, "/nonexistent"), {}, ValueError, "world"),
+            ((0, 2, "/nonexistent"), {"timeout_s": float("nan")}, ValueError, "timeout"),
+            ((0, 2, "/nonexistent"), {"timeout_s": -1}, ValueError, "timeout"),
+            ((0, 2, "/nonexistent"), {"timeout_s": "5"}, TypeError, "timeout"),
+            ((0, 2, None), {}, ValueError, "init_file"), ((0, 2, ""), {}, ValueError, "init_file"),
+            ((0, 2, "/tmp"), {}, ValueError, "init_file"),
+            ((0, 2, "/nonexistent"), {"one_gpu": "no"}, TypeError, "one_gpu")):
+        with pytest.raises(kind, match=words):
+            ranks.init_rank(*args, **kwargs)
+    for args, kwargs, kind in (((None, 2), {}, TypeError), ((_write, True), {}, TypeError),
+                               ((_write, 2), {"timeout_s": float("inf")}, ValueError)):
+        with pytest.raises(kind):
+            ranks.spawn_ranks(*args, **kwargs)
     with pytest.raises(ValueError):
         time_replays(lambda: None, 0)
 

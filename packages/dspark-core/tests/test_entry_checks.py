@@ -322,3 +322,17 @@ def test_the_demo_spawns_no_tp_ranks_on_the_cpu(tmp_path):
 def test_the_plan_cli_takes_an_architecture_in_any_case():
     out = _run("dspark_core.planner", "--arch", "SM_100A", "--kernels", "all")
     assert out.returncode == 0 and out.stdout.startswith("DSpark plan for TP1: one GPU of sm_100a"), out.stderr
+
+
+def test_durations_are_finite_seconds_within_their_bounds():
+    """``checks.duration``: the one rule of every timeout (never 0 ns once
+    converted, never an overflow, no silent conversion of a string)."""
+    from dspark_core import checks
+
+    assert checks.duration("t", 5) == 5.0 and checks.duration("t", np.float32(0.5)) == 0.5
+    for bad in (0, -1.0, 1e-12, float("inf"), float("nan"), 1e300, 10**30):
+        with pytest.raises(ValueError, match="t must be a number of seconds from"):
+            checks.duration("t", bad)
+    for bad in ("5", None, True, np.bool_(False), [1]):
+        with pytest.raises(TypeError, match="t must be a number of seconds"):
+            checks.duration("t", bad)

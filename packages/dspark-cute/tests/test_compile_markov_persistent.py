@@ -145,8 +145,8 @@ def test_host_refusals_and_bad_operands(monkeypatch):
     for steps in (0, 17, None):
         with pytest.raises(ValueError, match="1 to 16 steps"):
             MarkovPersistentLoop(c, w1, m, w2, steps)
-    for timeout in (0, -1.0, 100, "1", True):
-        with pytest.raises(ValueError, match="timeout"):
+    for timeout in (0, -1.0, 100, 1e-10, float("inf"), float("nan"), "1", True, None):
+        with pytest.raises((ValueError, TypeError), match="timeout"):
             MarkovPersistentLoop(c, w1, m, w2, 2, timeout_s=timeout)
     with pytest.raises(ValueError, match="w2 must be"):
         MarkovPersistentLoop(c, w1, m, w2.float(), 2)

@@ -10,6 +10,8 @@ what it takes:
   stay what it says once rounded: finite (``FP32_OVERFLOW``), and where the
   caller needs it positive, non-zero, or of a finite FP32 reciprocal (a soft
   cap of 1e-46 rounds to 0, one of 1e-39 has the reciprocal inf);
+- ``duration``: a timeout in seconds, finite and within the caller's
+  bounds (never 0 ns once converted, never an overflow);
 - ``arch``: the one normaliser of a GPU architecture: ``sm_90a`` in any
   case and the compute capability ``(9, 0)`` are ``sm_90a`` (likewise
   ``sm_100a``); ``sm_90`` (no ``a``: another compile target) is not;
@@ -111,6 +113,21 @@ def fp32_number(name: str, value: object, *, low: str | None = None, above: floa
     return value
 
 
+def duration(name: str, value: object, low: float = 1e-6, high: float = 86400.0) -> float:
+    """``value`` as seconds: a real number (an int, a float or a numpy
+    number; not a bool, a string or None: TypeError) from ``low`` to
+    ``high`` (ValueError otherwise: NaN, infinities, 0 and negatives
+    included, and a value so small it would become 0 ns). The one rule for
+    every timeout a public entry takes, so a wait is never 0 ns (a trap at
+    the first poll) and never overflows a conversion to ns."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, not {shown(value)}")
+    seconds = float(value)
+    if not (math.isfinite(seconds) and low <= seconds <= high):
+        raise ValueError(f"{name} must be a number of seconds from {low:g} to {high:g}, not {seconds!r}")
+    return seconds
+
+
 # An architecture written as a name: sm_<major><minor>, with the suffix a of
 # the arch-specific targets (sm_90a) or without it (sm_80), in any case.
 _ARCH_NAME = re.compile(r"sm_(\d{2,3})(a?)")
@@ -177,5 +194,5 @@ def name_set(name: str, value: object, names: frozenset[str] | set[str]) -> froz
     return frozenset(entries)
 
 
-__all__ = ["ARCHS", "FP32_OVERFLOW", "SHOWN", "arch", "arch_set", "fp32_number", "integer", "name_set", "quoted",
-           "shown"]
+__all__ = ["ARCHS", "FP32_OVERFLOW", "SHOWN", "arch", "arch_set", "duration", "fp32_number", "integer", "name_set",
+           "quoted", "shown"]

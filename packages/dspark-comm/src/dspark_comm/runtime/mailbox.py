@@ -39,6 +39,7 @@ from dspark_comm.protocol import (
     MailboxLayout,
 )
 from dspark_comm.runtime.group import TorchGroup, TPGroup
+from dspark_core import checks
 
 BACKENDS = ("auto", "cuda_ipc", "torch_symm")
 
@@ -173,8 +174,7 @@ class Mailbox:
             raise ValueError(f"a mailbox is built over a TPGroup, not {type(group).__name__}")
         if backend not in BACKENDS:
             raise ValueError(f"a mailbox backend is one of {', '.join(BACKENDS)}, not {backend!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"the poll timeout must be a positive number of seconds, not {timeout_s}")
+        timeout_s = checks.duration("the poll timeout timeout_s", timeout_s, 1e-3, 3600.0)
         if not 1 <= capacity <= MAX_CAPACITY:
             raise ValueError(f"a mailbox holds 1 to {MAX_CAPACITY} rows per call, not {capacity}")
         if group.device.type != "cuda":

@@ -43,7 +43,12 @@ from datetime import timedelta
 
 import torch
 
+from dspark_core import checks
+from dspark_core.switches import flag
+
 log = logging.getLogger("dspark.ranks")
+# The most ranks a group may have (a TP group of more GPUs than this is no deployment of a draft).
+MAX_WORLD = 1024
 
 MULTICAST_OFF = {
     "NCCL_NVLS_ENABLE": "0",
@@ -55,10 +60,20 @@ MULTICAST_OFF = {
 def init_rank(rank: int, world: int, init_file: str, timeout_s: float = 120.0, one_gpu: bool = False) -> torch.device:
     """Join the NCCL world group as rank ``rank`` of ``world`` on GPU
     ``rank``, or with ``one_gpu`` the gloo group on GPU 0 (module
-    docstring). ValueError for a rank outside ``[0, world)`` or a machine
-    with fewer GPUs than that needs."""
+    docstring). TypeError or ValueError, before any GPU is asked, for a
+    world that is no int from 1 to ``MAX_WORLD``, a rank outside ``[0,
+    world)``, a timeout that is no number of seconds from 1 ms to a day
+    (``checks.duration``), an ``init_file`` that is no non-empty path of a
+    file (an existing directory is none), a ``one_gpu`` that is no bool;
+    ValueError for a machine with fewer GPUs than that needs."""
+    world = checks.integer("the group size world", world, 1, MAX_WORLD)
+    rank = checks.integer("the rank", rank)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} of a group of {world}")
+    timeout_s = checks.duration("the collectives' timeout timeout_s", timeout_s, 1e-3, 86400.0)
+    one_gpu = flag(one_gpu, "one_gpu")
+    if not isinstance(init_file, (str, os.PathLike)) or not str(init_file) or os.path.isdir(init_file):
+        raise ValueError(f"init_file must be the path of a rendezvous file, not {init_file!r}")
     have = torch.cuda.device_count()
     if one_gpu and have < 1:
         raise ValueError(f"{world} ranks on one GPU need a CUDA GPU; this machine has none")
@@ -89,9 +104,14 @@ def finish_rank() -> None:
 def spawn_ranks(fn, world: int, *args, timeout_s: float = 600.0) -> str | None:
     """Run ``fn(rank, world, init_file, *args)`` on ``world`` spawned ranks
     (module docstring): None where all ended cleanly, else why not. ``fn``
-    must be importable by the spawned processes (a module-level function)."""
-    if world < 1:
-        raise ValueError(f"a group of {world} ranks")
+    must be importable by the spawned processes (a module-level function).
+    TypeError or ValueError for an ``fn`` that is not callable, a world that
+    is no int from 1 to ``MAX_WORLD`` or a timeout that is no number of
+    seconds from 1 ms to a day, before any process is spawned."""
+    if not callable(fn):
+        raise TypeError(f"the ranks' function fn must be callable, not {checks.shown(fn)}")
+    world = checks.integer("the group size world", world, 1, MAX_WORLD)
+    timeout_s = checks.duration("the ranks' timeout timeout_s", timeout_s, 1e-3, 86400.0)
     import torch.multiprocessing as mp
 
     error = None

@@ -46,6 +46,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64, Uint32
 
+from dspark_core import checks
 from dspark_core.contracts.markov import MarkovConstants
 from dspark_core.errors import Unsupported
 from dspark_core.runtime import gemm_check
@@ -243,8 +244,7 @@ class MarkovPersistentLoop(MarkovBiasStep):
         super().__init__(constants, w1, d2t, w2, max_rows, pdl=pdl)
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
             raise ValueError(f"the persistent Markov loop takes 1 to {MAX_STEPS} steps, not steps={steps!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 60:
-            raise ValueError(f"the barrier timeout must be a number of seconds in (0, 60], not {timeout_s!r}")
+        timeout_s = checks.duration("the barrier timeout timeout_s", timeout_s, 1e-3, 60.0)
         sms = sm_count(self.device) if self.device.type == "cuda" else None
         why = persistent_unsupported(constants, max_rows, sms)
         if why is not None:
