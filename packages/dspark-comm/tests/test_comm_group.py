@@ -87,7 +87,7 @@ def test_mailbox_refusals(results):
     for r in results:
         ref = r["refusals"]
         assert "backend is one of" in ref["backend"]
-        assert "positive number of seconds" in ref["timeout"]
+        assert "the poll timeout timeout_s must be a number of seconds from" in ref["timeout"]
         assert "1 to 128 rows" in ref["capacity"]
         assert "CUDA device" in ref["device"]
         assert "TPGroup" in ref["group"]
