@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark_core.contracts import constants as K
+from dspark_core.contracts import limits
 from dspark_core.errors import Unsupported, quoted
 from dspark_core.planner import policy
 from dspark_core.planner.policy import Target
@@ -157,11 +158,9 @@ def _checked_at_build(plan: DraftPlan) -> list[str]:
     count = plan.at_build_count()
     if not count:
         return []
-    from dspark_core.runtime.gemm_decide import MARGIN
-
     return [f"  decided at build ({count} projections): a row count runs DSpark's ordered GEMM only where the "
             "check against the live cuBLAS finds cuBLAS's order (the stock bits) and one of its kernels then "
-            f"measures at least {MARGIN:.0%} faster than cuBLAS on the GPU (timed once, cached per card, driver, "
+            f"measures at least {limits.ORDERED_GEMM_DECIDE_MARGIN:.0%} faster than cuBLAS on the GPU (timed once, cached per card, driver, "
             "cuBLAS, shape and row count); cuBLAS runs every other row count"]
 
 

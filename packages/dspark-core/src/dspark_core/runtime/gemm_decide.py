@@ -46,14 +46,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark_core import checks, switches
+from dspark_core.contracts.limits import ORDERED_GEMM_DECIDE_MARGIN
 from dspark_core.errors import spans
 
 log = logging.getLogger("dspark.decode")
 
 # DSpark's kernel runs a row count where cuBLAS's median time is at least
-# (1 + MARGIN) times its own (graph timings from HBM repeat within about
-# half a percent on an H100 and an H200).
-MARGIN = 0.01
+# (1 + MARGIN) times its own (the contract's, which the plan states).
+MARGIN = ORDERED_GEMM_DECIDE_MARGIN
 # Rounds of the alternating timing (each side's median of them is kept).
 ROUNDS = 3
 CUBLAS = "cuBLAS"
