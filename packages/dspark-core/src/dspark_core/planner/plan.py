@@ -158,9 +158,10 @@ def _checked_at_build(plan: DraftPlan) -> list[str]:
     count = plan.at_build_count()
     if not count:
         return []
+    margin = limits.ORDERED_GEMM_DECIDE_MARGIN
     return [f"  decided at build ({count} projections): a row count runs DSpark's ordered GEMM only where the "
             "check against the live cuBLAS finds cuBLAS's order (the stock bits) and one of its kernels then "
-            f"measures at least {limits.ORDERED_GEMM_DECIDE_MARGIN:.0%} faster than cuBLAS on the GPU (timed once, cached per card, driver, "
+            f"measures at least {margin:.0%} faster than cuBLAS on the GPU (timed once, cached per card, driver, "
             "cuBLAS, shape and row count); cuBLAS runs every other row count"]
 
 
