@@ -37,7 +37,7 @@ vLLM's loop, False (having done nothing) runs it. ``MarkovStage`` answers:
   step does the bias GEMM too (``bias_step.run_fused_greedy_loop``); on
   those of ``PERSISTENT_CHECKED`` (sm_90a), at those counts up to 32 one
   launch does all N steps (``persistent.MarkovPersistentLoop``). With
-  ``draft_logits`` set, on those of ``BIAS_SAMPLE_CHECKED`` (none yet), at
+  ``draft_logits`` set, on those of ``BIAS_SAMPLE_CHECKED`` (sm_90a), at
   those counts up to 32 one launch a step does the bias GEMM and the
   probabilistic step (``bias_sample.run_fused_probabilistic_loop``).
 

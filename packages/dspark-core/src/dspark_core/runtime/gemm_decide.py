@@ -189,9 +189,9 @@ class GemmDecision:
 
         parts = []
         for a, b, name in spans(self.rows, who):
-            ratios = [self.rows[m].ratio for m in range(a, b + 1) if m in self.rows and self.rows[m].ratio]
-            span = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios and min(ratios) != max(ratios) else \
-                (f"{ratios[0]:.2f}x" if ratios else "no candidate")
+            ratios = [f"{self.rows[m].ratio:.2f}" for m in range(a, b + 1) if self.rows[m].ratio]
+            low, high = (min(ratios, key=float), max(ratios, key=float)) if ratios else (None, None)
+            span = "no candidate" if low is None else f"{low}x" if low == high else f"{low}-{high}x"
             parts.append(f"m = {a}{'' if a == b else f'-{b}'}: {name} ({span})")
         cached = f"; {len(self.cached)} row counts' times from the cache" if self.cached else ""
         return f"{self.what} on {self.card}: " + ("; ".join(parts) or "no row count timed") + cached
