@@ -605,3 +605,23 @@ def test_the_ordered_gemm_runs_only_the_rows_its_timing_kept(caplog, gen):
         ran = [c[1] for c in CALLS if c[0] == "ordered_gemm"]
         assert ("qkv_proj" in ran) == (m == 1), (m, ran)
         assert_bitwise(got, ref.run(hidden, StepInputs.block(3, m), model.make_caches(4)), f"decode output m={m}")
+
+
+def test_the_ordered_gemm_is_checked_at_the_deployments_row_counts_alone():
+    """``step_rows``: the ordered GEMMs are checked (and timed) at the row
+    counts the deployment's steps have, no others; bad row counts refused."""
+    model = DraftModel(small_config())
+    draft = describe(model)
+    order = split_order.SplitOrder(64, 2)
+    for layer in draft.layers:
+        a = layer.attention
+        a.project_qkv = lambda x, w=a.qkv_weight: split_order.model_sum(x, w, order, coarse_mma)
+    kernels = dict(KERNELS, **{policy.ORDERED_GEMM: CheckedOrderedGemm})
+    plan = plan_draft(draft, FULL.opt_in({policy.ORDERED_GEMM}))
+    decode = DraftDecode(draft, plan, kernels=kernels, step_rows=range(2, 65, 2))
+    decode.prepare()
+    assert sorted(decode.ordered[(0, "qkv_proj")].orders) == [2]
+    assert sorted(decode.order_checks[(0, "qkv_proj")].findings) == [2]
+    for bad, kind in ((0, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(kind, match="step_rows"):
+            DraftDecode(draft, plan, kernels=kernels, step_rows=[4, bad])

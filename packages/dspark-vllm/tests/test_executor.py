@@ -254,3 +254,22 @@ def test_a_failure_while_the_kernels_are_bound_keeps_vllms_forward(dirs, stock, 
     assert built.model.dspark.decode is None
     _assert_same(_draft.run_block(built.model, built.config, CTX, M), stock[1])
     assert f"WARNING The DSpark draft keeps vLLM's stock forward: {words}" in vllm_log
+
+
+def test_the_steps_row_counts_are_the_multiples_of_n():
+    """``runtime.step_rows``: vLLM's DSpark speculator drafts N tokens a
+    request, so the ordered GEMMs are checked at the multiples of N up to
+    their 64 rows; no N, no restriction."""
+    import types
+
+    from dspark_vllm.runtime import step_rows
+
+    def config(n):
+        return types.SimpleNamespace(speculative_config=types.SimpleNamespace(num_speculative_tokens=n))
+
+    assert list(step_rows(config(4))) == list(range(4, 65, 4))
+    assert list(step_rows(config(1))) == list(range(1, 65))
+    assert list(step_rows(config(8))) == [8, 16, 24, 32, 40, 48, 56, 64]
+    for n in (None, 0, True, "4"):
+        assert step_rows(config(n)) is None
+    assert step_rows(types.SimpleNamespace()) is None

@@ -36,6 +36,7 @@ import torch
 from vllm.logger import init_logger
 
 from dspark_core.contracts.kernels import kernel_class
+from dspark_core.contracts.limits import ORDERED_GEMM_MAX_ROWS
 from dspark_core.planner.plan import DraftPlan
 from dspark_core.runtime.build import prepare_collectively
 from dspark_core.runtime.decode import DraftDecode
@@ -94,6 +95,21 @@ def fused_kernels(plan: DraftPlan) -> frozenset[str]:
         parts = value if isinstance(value, list) else [value]
         used.update(planning.part_kernel(kernel, p) for p in parts if p is not None and p.fused and p.via is None)
     return frozenset(used)
+
+
+def step_rows(vllm_config) -> range | None:
+    """The row counts of the draft's steps under ``vllm_config``: vLLM's
+    DSpark speculator drafts N tokens a request (``num_query_per_req``), so
+    a step has requests x N rows, and the graphs it captures are of such
+    sizes too: the multiples of N, here up to the most rows the ordered GEMM
+    takes (``ORDERED_GEMM_MAX_ROWS``; larger steps run cuBLAS whatever they
+    are). None (any row count) where the config names no N. The ordered
+    GEMMs are checked and timed at these alone (``DraftDecode(step_rows=
+    ...)``): a quarter of the build's checks at N = 4."""
+    n = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return None
+    return range(n, ORDERED_GEMM_MAX_ROWS + 1, n)
 
 
 class StockAllReduce:
@@ -199,7 +215,8 @@ class SpecializedDecode:
         all_reduce = all_reduce_boundaries(backbone, draft, plan, order, self.vllm_config) if draft.tp > 1 else None
         decode, error = None, None
         try:
-            decode = DraftDecode(draft, plan, all_reduce, prefetch=None, kernels=kernels)
+            decode = DraftDecode(draft, plan, all_reduce, prefetch=None, kernels=kernels,
+                                 step_rows=step_rows(self.vllm_config))
         except Exception as e:  # noqa: BLE001 (a refusal at build keeps vLLM's stock forward, below)
             error = e
         # The kernels, then (collective) the all-reduce boundaries' kernels, every rank taking part.

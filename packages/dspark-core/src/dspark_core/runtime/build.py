@@ -77,6 +77,7 @@ def build_draft_decode(
     package_gemm: bool | None = None,
     kernels: Mapping[str, type] | None = None,
     ordered_gemm: bool | None = None,
+    step_rows=None,
 ) -> DraftDecode | None:
     """The draft's specialized decode, prepared, or None where it keeps its
     stock layers; every stock part is logged with its reason.
@@ -92,7 +93,9 @@ def build_draft_decode(
     ``DSPARK_PREFETCH``, a ``dspark_core.switches`` word, overrides; a dict: bytes a row per weight
     role) turns on the L2 prefetch of each GEMM's weight during the kernels
     before it (it changes no value). ``kernels``: host classes by kernel name
-    instead of the installed backends'.
+    instead of the installed backends'. ``step_rows``: the row counts the
+    deployment's steps have (``DraftDecode``'s: the ordered GEMMs are
+    checked and timed at those alone; default any).
 
     A rank's shard (``draft.tp > 1``) needs ``all_reduce`` of its TP size.
     ``all_reduce.prepare()`` runs after the decode's; it is collective, and a
@@ -123,7 +126,7 @@ def build_draft_decode(
         return None
     if prefetch is True:
         prefetch = DEFAULT_PREFETCH
-    decode = DraftDecode(draft, plan, all_reduce, prefetch=prefetch or None, kernels=kernels)
+    decode = DraftDecode(draft, plan, all_reduce, prefetch=prefetch or None, kernels=kernels, step_rows=step_rows)
     for reason in dict.fromkeys(p.reason for p in plan.parts() if not p.fused and not p.declined):
         names_ = [p.name for p in plan.parts() if p.reason == reason]
         decode._log_once(logging.WARNING, f"{', '.join(names_)} keep their stock modules: {reason}")

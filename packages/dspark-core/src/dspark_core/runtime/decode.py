@@ -42,6 +42,7 @@ from typing import Protocol
 
 import torch
 
+from dspark_core import checks
 from dspark_core.contracts.kernels import kernel_class, rows_taken
 from dspark_core.planner import policy
 from dspark_core.planner.plan import DraftPlan, Part
@@ -85,7 +86,8 @@ class DraftDecode:
     compiles the kernels."""
 
     def __init__(self, draft: DraftDescription, plan: DraftPlan, all_reduce: AllReduceBoundaries | None = None,
-                 prefetch: dict[str, int] | None = None, kernels: Mapping[str, type] | None = None) -> None:
+                 prefetch: dict[str, int] | None = None, kernels: Mapping[str, type] | None = None,
+                 step_rows=None) -> None:
         if plan.draft_reason is not None:
             raise ValueError(f"the plan keeps the whole draft stock ({plan.draft_reason}): nothing to run fused")
         if draft.tp > 1 and all_reduce is None:
@@ -100,6 +102,10 @@ class DraftDecode:
         if plan.hidden_size is not None and plan.hidden_size != draft.hidden_size:
             raise ValueError(f"a plan made for a hidden size of {plan.hidden_size} for a draft of {draft.hidden_size}")
         self.draft, self.plan, self.all_reduce = draft, plan, all_reduce
+        # The row counts the deployment's steps have (None: any): the ordered
+        # GEMMs are checked and timed at those alone.
+        self.step_rows = None if step_rows is None else frozenset(
+            checks.integer("a step's row count (step_rows)", m, 1) for m in step_rows)
         self.layers = draft.layers
         self.bounds = draft.boundaries()
         self.dtype = draft.compute_dtype
@@ -228,7 +234,9 @@ class DraftDecode:
         runs on the CPU); a host class's ``ORDER_CHECK`` holds its search
         settings (``check_projection``'s keywords), if any; its
         ``candidate_rows`` (default 1 .. ``max_rows``) the row counts
-        checked."""
+        checked, those of ``step_rows`` alone where the deployment said
+        which its steps have (other row counts then run cuBLAS: never a step
+        of this deployment)."""
         bound = {}
         roles = policy.ordered_gemm_roles(self.plan.target.tp)
         for n, part in enumerate(self.plan.ordered_gemms):
@@ -241,6 +249,7 @@ class DraftDecode:
             if getattr(weight, "is_cuda", False) or getattr(cls, "CHECK_OFF_CUDA", False):
                 stock = self._stock_projection(layer, role)
                 rows = getattr(gemm, "candidate_rows", range(1, gemm.max_rows + 1))
+                rows = [m for m in rows if self.step_rows is None or m in self.step_rows]
                 result = gemm_check.check_projection(
                     weight, rows, gemm.run_order, gemm_check.SEED,
                     reference=lambda x, _w, stock=stock: stock(x), **getattr(cls, "ORDER_CHECK", {}))

@@ -525,13 +525,14 @@ class OrderedGemm(LazyPdl):
         card = card or card_facts(self.device)
         cache = timing.default_decision_cache() if cache is timing.DEFAULT else cache
         copies = None
-        if sides is None:
+        if sides is None and self.orders:
             copies = timing.weight_copies(self.weight)
             sides = timing.gpu_sides(
                 self, copies, lambda x, w, out, order, ws, settings: _launch(x, w, out, order, ws, self.pdl, settings),
                 lambda n, m, splits: OrderedWorkspace(n, m, splits, self.device), reference)
         try:
-            decision = gemm_decide.decide(self.orders, sides, f"the [{c.n}, {c.k}] {c.role} weight", card,
+            what = f"the [{c.n}, {c.k}] {c.role} weight"
+            decision = gemm_decide.decide(self.orders, sides or {gemm_decide.CUBLAS: None}, what, card,
                                           _fingerprint(), (c.n, c.k), cache, margin, rounds)
         finally:
             if copies is not None:  # the weight copies and the timing graphs' pools go back to the driver
