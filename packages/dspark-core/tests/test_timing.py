@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 
+import pytest
 import torch
 
 from dspark_core.reference.config import DraftConfig
@@ -75,7 +76,10 @@ def _bytes_by_hand(model) -> int:
 def test_gemm_weight_bytes_and_floor():
     model = DraftModel(DraftConfig(), device="meta")
     assert timing.gemm_weight_bytes(model) == _bytes_by_hand(model) > 0
-    assert timing.weight_floor_us(model) == _bytes_by_hand(model) / 4.3e12 * 1e6
+    assert timing.weight_floor_us(model, 3.35e12) == _bytes_by_hand(model) / 3.35e12 * 1e6
+    if not torch.cuda.is_available():  # no card, no floor: never another card's figure
+        with pytest.raises(ValueError, match="needs bytes_per_s"):
+            timing.weight_floor_us(model)
     shard = shard_draft(model, 0, 2)
     assert timing.gemm_weight_bytes(shard) == _bytes_by_hand(shard) == timing.gemm_weight_bytes(model) // 2
 

@@ -1,7 +1,7 @@
 """Benchmark: one draft step (the reference draft's forward over m tokens) in
 CUDA graphs, for the stock layers, torch.compile (Inductor) of the stock
 layers where it compiles, and the specialized decode; beside the step's GEMMs
-alone and its floor (its weight bytes at 4.3 TB/s). Prints a markdown table
+alone and its floor (its weight bytes at this card's HBM peak). Prints a markdown table
 and writes it with a PNG plot into --out.
 
 The "specialized" column is ``build_draft_decode``'s default (bit for bit:

@@ -9,8 +9,8 @@ and CUDA-event medians, written once (torch only; nothing here runs on import).
 - ``capture_on_side_stream(fns, launches)``: the same, warmed up and captured
   on a side stream, the calls cycled, replayed once before it is returned;
 - ``gemms_replay(model, m)`` and ``weight_floor_us(model)``: the draft step's
-  "GEMMs alone" graph and its weight-bytes floor (a ``DraftModel`` or a TP
-  shard of one).
+  "GEMMs alone" graph and its weight-bytes floor at the current card's HBM
+  peak (a ``DraftModel`` or a TP shard of one).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-HBM_BYTES_PER_S = 4.3e12  # an H200's HBM bandwidth, the floors' figure
+HBM_BYTES_PER_S = 4.3e12  # an H200's measured streaming read: a figure of that card alone
 
 
 def times_us(
@@ -152,8 +152,20 @@ def step_case(model, m: int, context: int, device="cuda") -> tuple:
     return x, step, model.make_caches(span // model.config.kv_block_size + 2, device)
 
 
-def weight_floor_us(model, bytes_per_s: float = HBM_BYTES_PER_S) -> float:
-    """Microseconds to read the step's GEMM weights once at ``bytes_per_s``."""
+def weight_floor_us(model, bytes_per_s: float | None = None) -> float:
+    """Microseconds to read the step's GEMM weights once at ``bytes_per_s``
+    (default: the current GPU's HBM peak, ``dspark_core.tools.card``; never
+    another card's figure). ValueError where none is given and no CUDA GPU
+    of a known peak is there."""
+    if bytes_per_s is None:
+        peak = None
+        if torch.cuda.is_available():
+            from dspark_core.tools.card import card_facts
+
+            peak = card_facts().hbm_peak
+        if peak is None:
+            raise ValueError("weight_floor_us needs bytes_per_s: no CUDA GPU whose HBM peak is known is here")
+        bytes_per_s = peak
     return gemm_weight_bytes(model) / bytes_per_s * 1e6
 
 
