@@ -48,8 +48,8 @@ from dspark_core.contracts.markov import MarkovConstants
 from dspark_core.errors import Unsupported
 from dspark_core.runtime import gemm_check
 from dspark_cute import ptx
+from dspark_cute.cutedsl.gemm.mma import chunk_mmas, fragment_offsets
 from dspark_cute.cutedsl.gemm.ordered_layout import SMEM_LIMIT
-from dspark_cute.cutedsl.gemm.streamed import chunk_mmas, fragment_offsets
 from dspark_cute.cutedsl.markov.greedy import (
     check_constants,
     check_cuda,
@@ -97,7 +97,7 @@ def fused_unsupported(c: MarkovConstants, max_rows: int = 1) -> str | None:
 
 
 class BiasStepLayout:
-    """The fragment maps' view of one variant (``streamed.fragment_offsets``
+    """The fragment maps' view of one variant (``mma.fragment_offsets``
     and ``chunk_mmas``): ``a_tiles`` 16-row weight tiles a warp (its
     ``w_rows`` draft columns), boxes of 64 columns by ``w_rows`` rows
     (128 bytes a row), the embedding rows ``2 rank + 16`` bytes apart; and the shared memory
