@@ -183,3 +183,29 @@ def test_row_ranges():
     assert ranges([16, 1, 3, 2, 4, 8, 4]) == "1-4, 8, 16" and ranges([]) == ""
     # A run breaks at a gap and where the key changes.
     assert spans([1, 2, 3, 5, 6], lambda m: m < 3) == [(1, 2, True), (3, 3, False), (5, 6, False)]
+
+
+def test_the_check_refuses_weights_seeds_and_settings_it_cannot_take():
+    """``check_projection`` and ``probes``: a weight that is no non-empty
+    2-D bf16 tensor, a seed that is no int from 0 to 2^63 - 1, a
+    ``search_rows`` or ``min_compared`` below 1: a ValueError or TypeError
+    naming it, before anything runs."""
+    import torch
+
+    from dspark_core.runtime import gemm_check
+
+    w = torch.zeros(16, 64, dtype=torch.bfloat16)
+    run = lambda x, w_, o: None  # noqa: E731 (never reached)
+    for weight in (torch.zeros(64, dtype=torch.bfloat16), torch.zeros(2, 16, 64, dtype=torch.bfloat16),
+                   torch.zeros(16, 64), torch.zeros(0, 64, dtype=torch.bfloat16), None):
+        with pytest.raises(ValueError, match="non-empty 2-D bfloat16 weight"):
+            gemm_check.check_projection(weight, [1], run, 1)
+    for seed, kind in ((None, TypeError), (1.5, TypeError), ("7", TypeError), (2**64, ValueError), (-1, ValueError)):
+        with pytest.raises(kind, match="seed"):
+            gemm_check.check_projection(w, [1], run, seed)
+        with pytest.raises(kind, match="seed"):
+            gemm_check.probes(1, 64, "cpu", seed)
+    for name in ("search_rows", "min_compared"):
+        for bad, kind in ((0, ValueError), (-1, ValueError), (float("nan"), TypeError)):
+            with pytest.raises(kind, match=name):
+                gemm_check.check_projection(w, [1], run, 1, **{name: bad})

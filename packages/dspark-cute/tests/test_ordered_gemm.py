@@ -231,3 +231,13 @@ def test_the_rows_it_keeps_are_those_timed_faster_on_the_card(tmp_path):
     # Rebinding orders drops the decision (a new check needs a new one).
     again.bind_orders(orders)
     assert again.decision is None and 64 in again.orders
+
+
+def test_row_counts_past_the_kernels_are_refused_in_words():
+    """``n_tiles_for`` (and so ``candidate_run``'s settings): a row count
+    outside 1 .. 64 or of another type is a ValueError or TypeError naming
+    it, never a bare StopIteration."""
+    for bad, kind in ((65, ValueError), (0, ValueError), (-3, ValueError), (True, TypeError), (4.0, TypeError)):
+        with pytest.raises(kind, match="the row count m"):
+            og.n_tiles_for(bad)
+    assert og.n_tiles_for(np.int64(9)) == 2

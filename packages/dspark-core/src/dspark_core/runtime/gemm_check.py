@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark_core import checks
 from dspark_core.errors import spans
 from dspark_core.spec.split_order import MAX_SPLITS, TILES, SplitOrder, candidate_orders
 from dspark_core.tools.compare import mismatches
@@ -91,6 +92,7 @@ def probes(m: int, k: int, device, seed: int) -> list[tuple[str, torch.Tensor]]:
         raise ValueError(f"a probe has a positive int of rows, not {m!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"a probe has a positive int of columns, not {k!r}")
+    seed = checks.integer("a probe's seed", seed, 0, 2**63 - 1)
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -194,6 +196,14 @@ def check_projection(weight: torch.Tensor, rows: Iterable[int], run_order, seed:
     the search goes on (cuBLAS may sum some output tiles in another order)."""
     import torch.nn.functional as F
 
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.bfloat16
+            and weight.numel() > 0):
+        shown = (f"{weight.dtype} {list(weight.shape)}" if isinstance(weight, torch.Tensor)
+                 else type(weight).__name__)
+        raise ValueError(f"the build-time check takes a non-empty 2-D bfloat16 weight, not {shown}")
+    seed = checks.integer("the check's seed", seed, 0, 2**63 - 1)
+    search_rows = checks.integer("the check's search_rows", search_rows, 1)
+    min_compared = checks.integer("the check's min_compared", min_compared, 1)
     if reference is None:
         reference = F.linear
     n, k = weight.shape

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dspark_core import checks
 from dspark_core.contracts.limits import ORDERED_GEMM_K_UNIT, ORDERED_GEMM_MAX_ROWS, ORDERED_GEMM_N_UNIT
 from dspark_core.errors import Unsupported
 from dspark_core.spec.split_order import SplitOrder
@@ -25,7 +26,10 @@ SMEM_LIMIT = 227 * 1024  # the most shared memory one sm_90 / sm_100 CTA may tak
 
 
 def n_tiles_for(m: int) -> int:
-    """The 8-token MMA tiles a call of ``m`` rows needs (1, 2, 4 or 8)."""
+    """The 8-token MMA tiles a call of ``m`` rows needs (1, 2, 4 or 8).
+    TypeError or ValueError for a row count that is no int from 1 to
+    ``8 N_TILES[-1]`` (64)."""
+    m = checks.integer("the row count m", m, 1, 8 * N_TILES[-1])
     return next(t for t in N_TILES if m <= 8 * t)
 
 
