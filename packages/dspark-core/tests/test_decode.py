@@ -576,17 +576,24 @@ class DecidingOrderedGemm(CheckedOrderedGemm):
         return decision
 
 
-def test_the_ordered_gemm_runs_only_the_rows_its_timing_kept(caplog, gen):
-    """After the order check, the executor asks the host class to decide by
-    timing (``decide``) and logs the decision: the row count cuBLAS won
-    runs the stock projection, the other the ordered GEMM, the bits the
-    stock's either way."""
+def _qkv_in_split_order():
+    """``(model, draft)``: a small draft whose stock QKV projections sum in
+    a split order (a CPU stand-in for cuBLAS's), the others in the CPU's."""
     model = DraftModel(small_config())
     draft = describe(model)
     order = split_order.SplitOrder(64, 2)
     for layer in draft.layers:
         a = layer.attention
         a.project_qkv = lambda x, w=a.qkv_weight: split_order.model_sum(x, w, order, coarse_mma)
+    return model, draft
+
+
+def test_the_ordered_gemm_runs_only_the_rows_its_timing_kept(caplog, gen):
+    """After the order check, the executor asks the host class to decide by
+    timing (``decide``) and logs the decision: the row count cuBLAS won
+    runs the stock projection, the other the ordered GEMM, the bits the
+    stock's either way."""
+    model, draft = _qkv_in_split_order()
     kernels = dict(KERNELS, **{policy.ORDERED_GEMM: DecidingOrderedGemm})
     decode = DraftDecode(draft, plan_draft(draft, FULL.opt_in({policy.ORDERED_GEMM})), kernels=kernels)
     with caplog.at_level(logging.INFO, logger="dspark.decode"):
@@ -610,12 +617,7 @@ def test_the_ordered_gemm_runs_only_the_rows_its_timing_kept(caplog, gen):
 def test_the_ordered_gemm_is_checked_at_the_deployments_row_counts_alone():
     """``step_rows``: the ordered GEMMs are checked (and timed) at the row
     counts the deployment's steps have, no others; bad row counts refused."""
-    model = DraftModel(small_config())
-    draft = describe(model)
-    order = split_order.SplitOrder(64, 2)
-    for layer in draft.layers:
-        a = layer.attention
-        a.project_qkv = lambda x, w=a.qkv_weight: split_order.model_sum(x, w, order, coarse_mma)
+    model, draft = _qkv_in_split_order()
     kernels = dict(KERNELS, **{policy.ORDERED_GEMM: CheckedOrderedGemm})
     plan = plan_draft(draft, FULL.opt_in({policy.ORDERED_GEMM}))
     decode = DraftDecode(draft, plan, kernels=kernels, step_rows=range(2, 65, 2))
