@@ -109,6 +109,16 @@ def cache_setting(name: str, default: Path, environ: Mapping[str, str] | None = 
     return path
 
 
+def cache_home(*parts: str) -> Path:
+    """``$XDG_CACHE_HOME/dspark/<parts>`` for an absolute ``XDG_CACHE_HOME``
+    (the XDG rule: a relative one is ignored), else
+    ``~/.cache/dspark/<parts>``: where DSpark's caches live by default."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base, "dspark", *parts)
+
+
 def _absolute(text: str) -> Path:
     """The absolute path ``text`` normalised: ``.``, ``..`` and doubled
     slashes removed, a leading ``//`` too (which POSIX's ``normpath`` keeps,
@@ -117,4 +127,4 @@ def _absolute(text: str) -> Path:
     return Path("/" + os.path.normpath(text).lstrip("/"))
 
 
-__all__ = ["OFF", "ON", "cache_setting", "env_choice", "env_flag", "flag", "switch"]
+__all__ = ["OFF", "ON", "cache_home", "cache_setting", "env_choice", "env_flag", "flag", "switch"]

@@ -37,6 +37,7 @@ logged once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -241,17 +242,12 @@ def decide(rows: Iterable[int], sides: Mapping[str, Callable[[int], Callable[[],
 
 def decision_key(card_key: str, fingerprint: str, shape: tuple[int, int], m: int, sides: tuple[str, ...]) -> str:
     """The cache's file name for one row count's times (module docstring)."""
-    import hashlib
-
     text = repr((card_key, fingerprint, tuple(int(v) for v in shape), int(m), tuple(sides)))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def default_directory() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    if not os.path.isabs(base):
-        base = os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dspark" / "decisions"
+    return switches.cache_home("decisions")
 
 
 def cache_directory(environ: Mapping[str, str] | None = None) -> Path | None:

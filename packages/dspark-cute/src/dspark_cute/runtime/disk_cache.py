@@ -69,11 +69,8 @@ class _Unstable(Exception):
 
 def default_directory() -> Path:
     """``$XDG_CACHE_HOME/dspark/kernels`` for an absolute ``XDG_CACHE_HOME``,
-    else ``~/.cache/dspark/kernels``."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    if not os.path.isabs(base):
-        base = os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dspark" / "kernels"
+    else ``~/.cache/dspark/kernels`` (``switches.cache_home``)."""
+    return switches.cache_home("kernels")
 
 
 def directory() -> Path | None:
