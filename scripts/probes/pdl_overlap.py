@@ -5,9 +5,10 @@ attention or boundary before it runs; a cuBLAS launch cannot start before
 its predecessor ends, so HBM idles through those parts (about 78 µs of the
 step at m = 1).
 
-The latency-bound part's stand-in: one CTA of one warp spinning for T µs on
-``%globaltimer``, which releases its PDL dependents at its start where the
-GEMM after it launches with PDL. Then one one-split projection ``y = x W^T``
+The latency-bound part's stand-in: dspark-cute's ``gemm.lead.LeadPart`` (one
+warp spinning T µs on ``%globaltimer``, which releases its PDL dependents at
+its start where the GEMM after it launches with PDL; the build-time timing
+puts the same part before every call it times). Then one one-split projection ``y = x W^T``
 (o_proj 8192 x 4096, gate_up 32768 x 8192, m rows):
 
 - cuBLAS (``F.linear``), launched as usual: it starts when the part ends;
@@ -30,13 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-import cutlass
-import cutlass.cute as cute
 from cutlass import Int32, Int64
-from cutlass.cutlass_dsl import dsl_user_op
 
-from dspark_cute import ptx
-from dspark_cute.ptx.inline import asm, i64
+from dspark_cute.cutedsl.gemm.lead import LeadPart
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from exact_direct_gemm import DirectExactGemm, graph_time  # noqa: E402
@@ -46,39 +43,13 @@ SHAPES = {"o_proj": (8192, 4096), "gate_up": (32768, 8192)}
 WARPS, UNROLL = 4, 8  # the direct kernel's settings (exact_direct_gemm sweeps them)
 
 
-@dsl_user_op
-def spin_ns(ns, *, loc=None, ip=None) -> None:
-    """Spin until ``%globaltimer`` has advanced by ``ns`` nanoseconds."""
-    text = ("{\n.reg .u64 t0, t1;\n.reg .pred p;\nmov.u64 t0, %globaltimer;\nSPIN:\nmov.u64 t1, %globaltimer;\n"
-            "sub.u64 t1, t1, t0;\nsetp.lt.u64 p, t1, $0;\n@p bra SPIN;\n}")
-    asm(None, [i64(ns, loc, ip)], text, "l", True, loc, ip)
-
-
-class Spin:
-    """One warp spinning ``ns`` nanoseconds; with ``release`` its PDL
-    dependents may launch at once (``griddepcontrol.launch_dependents``)."""
-
-    def __init__(self, release: bool) -> None:
-        self.release = release
-
-    @cute.jit
-    def __call__(self, ns: Int64, stream):
-        self.kernel(ns).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(self, ns: Int64):
-        if cutlass.const_expr(self.release):
-            ptx.pdl_launch_dependents()
-        spin_ns(ns)
-
-
 def compile_only(aheads) -> int:
     import re
 
     from dspark_cute.runtime.host import compile_ptx, fake_stream
 
     for release in (False, True):
-        body = compile_ptx(Spin(release), Int64(0), fake_stream(), arch="sm_90a")
+        body = compile_ptx(LeadPart(release), Int64(0), fake_stream(), arch="sm_90a")
         print(f"spin release={release}: globaltimer reads {len(re.findall('globaltimer', body))}, "
               f"launch_dependents {len(re.findall('griddepcontrol.launch_dependents', body))}")
     for ahead in aheads:
@@ -111,7 +82,7 @@ def main() -> int:
 
     print(f"seed {a.seed}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(a.seed)
-    spins = {r: compile_kernel(Spin(r), Int64(0), current_stream()) for r in (False, True)}
+    spins = {r: compile_kernel(LeadPart(r), Int64(0), current_stream()) for r in (False, True)}
 
     timed = graph_time
     lines = []

@@ -449,8 +449,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the one attention of both sides: DSpark's kernel, vLLM's Triton unified_attention binary "
                         "(TRITON_ATTN), or dspark-core's spec in torch ops")
     p.add_argument("--markov", choices=("auto", "stock", "fused", "persistent"), default="auto",
-                   help="the DSpark side's Markov loop: the fused step where installed (auto), or as named "
-                        "(persistent: the N steps in one launch up to 32 requests, not yet the plugin's default)")
+                   help="the DSpark side's Markov loop: what the plugin builds on this GPU (auto: the bias step "
+                        "and the N steps in one launch where their checked sets name the GPU), or as named")
     p.add_argument("--seed", type=int, default=int(os.environ.get("DSPARK_SEED", time.time_ns() % 2**31)))
     p.add_argument("--dry", action="store_true", help="the plumbing on the CPU: small draft, spec kernels, no graphs")
     ordered = p.add_mutually_exclusive_group()

@@ -41,16 +41,22 @@ def _project(gemm, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def fused_markov(stock, mode: str = "auto", bias_gemm=None, steps: int = 4):
     """``(loop, label)``: the DSpark side's Markov loop, or ``(None, why)``
     for vLLM's stock loop. ``mode``: "stock", "fused" (ImportError or
-    Unsupported raised), "auto" (the fused step where installed) or
-    "persistent" (as "fused", and the ``steps`` steps in one launch,
-    ``markov.persistent``, at the request counts up to 32 the bias step
-    binds): dspark-cute's ``markov.loop.run_greedy_loop`` (the stock first
-    embedding gather and each step's cuBLAS bias GEMM, everything after the
-    GEMM on one ``MarkovStep`` launch, the next step's embedding gather
-    included), or the bias step's loop where its check binds the rows."""
+    Unsupported raised: the fused steps, the bias step where its check binds
+    the rows), "persistent" (as "fused", and the ``steps`` steps in one
+    launch, ``markov.persistent``, at the request counts up to 32 the bias
+    step binds) or "auto": what the plugin builds on this GPU, i.e. each
+    kernel where this GPU's architecture is in its checked set
+    (``dspark_core.contracts.checked``: the bias step, then the persistent
+    loop), the fused step where installed. The fallback after a bias step's
+    refused count is dspark-cute's ``markov.loop.run_greedy_loop`` (the stock
+    first embedding gather and each step's cuBLAS bias GEMM, everything after
+    the GEMM on one ``MarkovStep`` launch, the next step's embedding gather
+    included)."""
     if mode == "stock":
         return None, "vLLM's stock loop (asked for)"
     try:
+        from dspark_core import checks
+        from dspark_core.contracts.checked import BIAS_CHECKED, PERSISTENT_CHECKED
         from dspark_core.contracts.markov import markov_constants
         from dspark_core.errors import Unsupported
         from dspark_cute.cutedsl.markov.greedy import MarkovStep
@@ -70,8 +76,18 @@ def fused_markov(stock, mode: str = "auto", bias_gemm=None, steps: int = 4):
     kernel = MarkovStep(constants, head.markov_w1, head.d2t, max_rows=512)
     kernel.prepare()
     embed = torch.empty(512, rank, dtype=BF16, device=head.markov_w1.device)
-    fused = bias_step(constants, head)
-    loop_one = persistent_loop(fused, steps) if mode == "persistent" and fused is not None else None
+    arch = checks.arch("this GPU", torch.cuda.get_device_capability(head.markov_w2.device), known=False) \
+        if head.markov_w2.is_cuda else None
+    fused = bias_step(constants, head) if mode != "auto" or arch in BIAS_CHECKED else None
+    persistent = mode == "persistent" or (mode == "auto" and arch in PERSISTENT_CHECKED)
+    loop_one = None
+    if persistent and fused is not None:
+        try:
+            loop_one = persistent_loop(fused, steps)
+        except (Unsupported, RuntimeError) as error:  # the plugin logs it and keeps the bias step
+            if mode == "persistent":
+                raise
+            print(f"markov persistent loop refused, the bias step runs: {error}", flush=True)
 
     bias_fn = None
     if bias_gemm is not None:

@@ -81,3 +81,30 @@ def test_compiles_in_its_stated_order(arch, variant, tmp_path):
 def test_without_pdl_no_griddepcontrol():
     body = code(_ptx(8192, 1, 4, 4, False, "sm_90a"))
     assert "griddepcontrol" not in body
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("release", [True, False])
+def test_lead_part_ptx(arch, release):
+    """The build-time timing's lead part (``gemm.lead``): the dependents'
+    release first (where asked), then the ``%globaltimer`` spin; it touches
+    no global or shared memory, so it moves no value of the GEMM after it."""
+    from dspark_cute.cutedsl.gemm.lead import compile_lead
+    from dspark_cute.runtime.host import compile_ptx
+
+    kernel, args = compile_lead(release)
+    body = code(compile_ptx(kernel, *args, arch=arch))
+    assert count(body, r"%globaltimer") == 2
+    assert count(body, r"griddepcontrol\.launch_dependents") == int(release)
+    if release:
+        assert body.index("griddepcontrol.launch_dependents") < body.index("%globaltimer")
+    assert count(body, r"\b(ld|st)\.(global|shared)|cp\.async|\batom\.|\bred\.") == 0
+    assert count(body, r"griddepcontrol\.wait") == 0
+
+
+def test_lead_part_refuses_a_non_bool():
+    from dspark_cute.cutedsl.gemm.lead import LeadPart
+
+    with pytest.raises(TypeError, match="release must be a bool"):
+        LeadPart("yes")

@@ -241,3 +241,41 @@ def test_row_counts_past_the_kernels_are_refused_in_words():
         with pytest.raises(kind, match="the row count m"):
             og.n_tiles_for(bad)
     assert og.n_tiles_for(np.int64(9)) == 2
+
+
+def test_behind_takes_the_lead_part_off_once(monkeypatch):
+    """``decide.behind``: a side's time is the pair's (lead part, call)
+    less the part's alone, timed once a row count and shared by the sides,
+    at least ``MIN_US``; without a lead the call is timed alone; the lead's
+    µs is checked before anything runs."""
+    from dspark_cute.cutedsl.gemm import decide as timing
+
+    graphs = []
+
+    def fake_graph_timer(call, copies):
+        # What the captured graph holds: one call per copy. Stand-in times:
+        # the lead part alone 10 µs, the pair 25, a call without a lead 18.
+        results = [call(w) for w in copies]
+        graphs.append(results)
+        kind = "pair" if isinstance(results[0], tuple) else ("lead" if results[0] is None else "alone")
+        return lambda: {"pair": 25.0, "lead": 10.0, "alone": 18.0}[kind]
+
+    monkeypatch.setattr(timing, "graph_timer", fake_graph_timer)
+    leads = []
+
+    def lead(ns):
+        leads.append(ns)
+
+    shared: dict = {}
+    timed = timing.behind(lead, 6.0, lambda w: "pair", [object(), object()], shared)
+    assert timed() == 15.0 and timed() == 15.0
+    other = timing.behind(lead, 6.0, lambda w: "pair", [object()], shared)
+    assert other() == 15.0
+    assert sum(1 for g in graphs if g[0] is None) == 1  # the part alone: one graph for both sides
+    assert set(leads) == {6000}
+    assert timing.behind(None, 6.0, lambda w: "x", [object()], {})() == 18.0
+    fast = timing.behind(lead, 6.0, lambda w: "pair", [object()], {"us": 30.0})
+    assert fast() == timing.MIN_US
+    for bad in (-1.0, 1e4, float("nan"), True, "6"):
+        with pytest.raises(ValueError, match="lead part's µs"):
+            timing.gpu_sides(None, [], None, None, lead_us=bad)

@@ -74,6 +74,15 @@ def globaltimer(*, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
+def spin_ns(ns, *, loc=None, ip=None) -> None:
+    """Spin until ``%globaltimer`` has advanced by ``ns`` nanoseconds (at
+    least: the timer advances in steps of the card's timer resolution)."""
+    text = ("{\n.reg .u64 t0, t1;\n.reg .pred p;\nmov.u64 t0, %globaltimer;\nSPIN:\nmov.u64 t1, %globaltimer;\n"
+            "sub.u64 t1, t1, t0;\nsetp.lt.u64 p, t1, $0;\n@p bra SPIN;\n}")
+    asm(None, [i64(ns, loc, ip)], text, "l", True, loc, ip)
+
+
+@dsl_user_op
 def deadline(status, timeout_ns, *, loc=None, ip=None) -> Int64:
     """``globaltimer + timeout_ns`` where ``status`` is 0, else 0 (every poll
     against it gives up at once)."""
@@ -190,6 +199,7 @@ __all__ = [
     "pdl_wait",
     "poll_fragments",
     "push_v4",
+    "spin_ns",
     "st_relaxed_sys_b32_if",
     "store_u32_if",
     "sync_warp",

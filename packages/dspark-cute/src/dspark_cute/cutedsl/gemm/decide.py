@@ -18,6 +18,14 @@ projection; each copy is called once eagerly (compiles, tensor maps), then
 are captured in one CUDA graph with the launch settings and PDL the decode
 runs, and a time is the median µs per call of ``REPLAYS`` replays. The
 copies are freed when the decision is made.
+
+Each call is timed as the step runs it (``gpu_sides``' ``lead_us``): behind
+``lead.LeadPart``, the stand-in of the latency-bound part a projection
+follows, which releases its PDL dependents at its start and spins
+``LEAD_US``. DSpark's kernels launch with PDL and have their weight prologue
+in flight during it; cuBLAS's start when it ends. A side's time is the
+pair's minus the part's alone (timed the same way, once a row count), at
+least ``MIN_US``: the µs the projection adds to the step.
 """
 
 from __future__ import annotations
@@ -40,6 +48,11 @@ GRAPH_BYTES = 1 << 30
 MIN_CALLS, MAX_CALLS = 4, 128
 REPLAYS = 3
 STREAMED, CP_ASYNC = "streamed", "cp.async"
+# The part before each timed call: µs it spins (the step's norms, gates and
+# boundaries take a few µs to some 16 at small row counts), and the least
+# time a side is given once the part's own time is taken off.
+LEAD_US = 6.0
+MIN_US = 0.1
 
 
 # Where the streamed kernel is the default before a decision (measured on an
@@ -116,22 +129,50 @@ def graph_timer(call, copies: list[torch.Tensor]):
     return lambda: median_us(graph.replay, REPLAYS, warmup=1, calls=calls)
 
 
-def gpu_sides(gemm, copies: list[torch.Tensor], launch, workspace, reference=None, seed: int = 0) -> dict:
+def behind(lead, lead_us: float, call, copies: list[torch.Tensor], lead_alone: dict):
+    """``graph_timer`` of ``call`` with the lead part of ``lead_us`` before
+    each call, its time less the part's alone (``lead_alone``: the part's
+    timer's result once, shared by the sides), at least ``MIN_US``; without
+    a ``lead``, ``graph_timer(call, copies)``."""
+    if lead is None:
+        return graph_timer(call, copies)
+    ns = round(lead_us * 1000)
+    pair = graph_timer(lambda w: (lead(ns), call(w)), copies)
+
+    def timed() -> float:
+        if "us" not in lead_alone:
+            lead_alone["us"] = graph_timer(lambda w: lead(ns), copies)()
+        return max(MIN_US, pair() - lead_alone["us"])
+
+    return timed
+
+
+def gpu_sides(gemm, copies: list[torch.Tensor], launch, workspace, reference=None, seed: int = 0,
+              lead_us: float = LEAD_US) -> dict:
     """The sides ``gemm_decide.measure`` times for the bound ``gemm`` (an
     ``OrderedGemm``): cuBLAS (``reference(x, weight)``, default
-    ``F.linear``) and each candidate of ``candidates``, over ``copies``;
-    ``launch(x, weight, out, order, workspace, settings)`` runs a candidate,
-    ``workspace(n, m, splits)`` makes its split-K scratch."""
+    ``F.linear``) and each candidate of ``candidates``, over ``copies``,
+    each call behind a lead part of ``lead_us`` µs (0: none; module
+    docstring); ``launch(x, weight, out, order, workspace, settings)`` runs
+    a candidate, ``workspace(n, m, splits)`` makes its split-K scratch."""
+    if isinstance(lead_us, bool) or not isinstance(lead_us, (int, float)) or not 0 <= lead_us <= 1000:
+        raise ValueError(f"the lead part's µs must be a number in [0, 1000], not {lead_us!r}")
     reference = reference or torch.nn.functional.linear
     n, k = gemm.constants.n, gemm.constants.k
     gen = torch.Generator(device=gemm.device).manual_seed(seed)
+    lead = None
+    if lead_us > 0:
+        from dspark_cute.cutedsl.gemm.lead import lead_launcher
+
+        lead = lead_launcher()
+    alone: dict[int, dict] = {}
 
     def x_of(m: int) -> torch.Tensor:
         return torch.randn(m, k, generator=gen, device=gemm.device).to(torch.bfloat16)
 
     def cublas(m: int):
         x = x_of(m)
-        return graph_timer(lambda w: reference(x, w), copies)
+        return behind(lead, lead_us, lambda w: reference(x, w), copies, alone.setdefault(m, {}))
 
     def kernel(name: str):
         def make(m: int):
@@ -141,12 +182,13 @@ def gpu_sides(gemm, copies: list[torch.Tensor], launch, workspace, reference=Non
                 return None
             x, out = x_of(m), torch.empty(m, n, dtype=torch.bfloat16, device=gemm.device)
             ws = workspace(n, m, order.splits)
-            return graph_timer(lambda w: launch(x, w, out, order, ws, settings), copies)
+            return behind(lead, lead_us, lambda w: launch(x, w, out, order, ws, settings), copies,
+                          alone.setdefault(m, {}))
         return make
 
     return {gemm_decide.CUBLAS: cublas, STREAMED: kernel(STREAMED), CP_ASYNC: kernel(CP_ASYNC)}
 
 
-__all__ = ["CP_ASYNC", "GRAPH_BYTES", "MAX_COPIES", "STREAMED", "STREAMED_MAX_BYTES", "STREAMED_MAX_ROWS",
-           "WORKING_SET", "candidates", "choose_settings", "default_decision_cache", "gpu_sides",
-           "graph_timer", "weight_copies"]
+__all__ = ["CP_ASYNC", "GRAPH_BYTES", "LEAD_US", "MAX_COPIES", "MIN_US", "STREAMED", "STREAMED_MAX_BYTES",
+           "STREAMED_MAX_ROWS", "WORKING_SET", "behind", "candidates", "choose_settings", "default_decision_cache",
+           "gpu_sides", "graph_timer", "weight_copies"]
