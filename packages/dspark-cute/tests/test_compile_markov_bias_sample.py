@@ -189,8 +189,10 @@ def test_host_refusals_and_binding(monkeypatch):
     unmapped[torch.arange(384) + d2t] = False
     assert step.spare == int(unmapped.nonzero()[0, 0])
     assert not step.rows and "not bound" in step.reasons[1]
-    with pytest.raises(ValueError, match="binds to the greedy MarkovBiasStep"):
+    with pytest.raises(ValueError, match="differs [(]its w2 is another tensor[)]"):
         step.bind(_bias_step(c, w1, d2t, w2.clone(), (1, 2)))  # another w2: another GEMM
+    with pytest.raises(ValueError, match="binds to a MarkovBiasStep, not"):
+        step.bind(object())
     step.bind(_bias_step(c, w1, d2t, w2, (1, 2, 6)))
     assert set(step.rows) == {1, 2} and step.reasons[3] == "refused 3" and 6 not in step.reasons
 

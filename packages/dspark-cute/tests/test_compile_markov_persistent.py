@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from ptx_audit import code, count, ptxas_report, skip_audit_off_pin, spill_bytes
@@ -153,8 +154,24 @@ def test_host_refusals_and_bad_operands(monkeypatch):
     for rows in (0, 33, 64, True):
         with pytest.raises(ValueError, match="1 to 32 rows"):
             MarkovPersistentLoop(c, w1, m, w2, 2, max_rows=rows)
+    for rows in (np.int64(8), np.int32(8)):  # numpy integers are ints (checks.as_int)
+        assert MarkovPersistentLoop(c, w1, m, w2, np.int64(2), max_rows=rows).max_rows == 8
+    for steps in (2.0, "2", np.float32(2)):
+        with pytest.raises(ValueError, match="1 to 16 steps"):
+            MarkovPersistentLoop(c, w1, m, w2, steps)
     loop = MarkovPersistentLoop(c, w1, m, w2, 3, max_rows=8)
     assert loop.keys.shape == (3 * 32,) and loop.counters.shape == (2,)
+    # bind() names what differs in a MarkovBiasStep it cannot take.
+    from dspark_cute.cutedsl.markov.bias_step import MarkovBiasStep
+
+    monkeypatch.setattr(MarkovBiasStep, "prepare", lambda self: None)
+    other = MarkovBiasStep(markov_constants(384, 64, 0.25, 30.0, True), w1, m, w2, max_rows=8)
+    with pytest.raises(ValueError, match=r"differs \(its multiplier is 0.25, not 0.5; its soft_cap is 30.0, not None\)"):
+        loop.bind(other)
+    with pytest.raises(ValueError, match="its w2 is another tensor"):
+        loop.bind(MarkovBiasStep(c, w1, m, w2.clone(), max_rows=8))
+    with pytest.raises(ValueError, match="binds to a MarkovBiasStep, not"):
+        loop.bind("step")
     base = torch.zeros(2, 3, 384, dtype=torch.bfloat16)
     ids = torch.zeros(2, dtype=torch.int64)
     tokens = torch.zeros(2, 3, dtype=torch.int64)

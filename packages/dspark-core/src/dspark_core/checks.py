@@ -69,6 +69,15 @@ def integer(name: str, value: object, low: int | None = None, high: int | None =
     return value
 
 
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int where it is an int or a numpy integer (not
+    a bool, not a float such as 64.0, not a string), else None: for the
+    checks that refuse a non-int in their own words."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def _f32(value: float) -> float:
     """``value`` rounded to FP32 as a Python float; inf (or NaN) where that
     is not finite, without numpy's overflow warning."""

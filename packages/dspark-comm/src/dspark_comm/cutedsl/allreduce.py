@@ -58,6 +58,7 @@ from dspark_comm.protocol import (
     takes,
 )
 from dspark_core.contracts.constants import BF16_RANK_ORDER, FP32_RANK_ORDER
+from dspark_core.switches import flag
 from dspark_cute import ptx
 from dspark_cute.cutedsl.norms.row_norm import fragment_columns
 from dspark_cute.runtime import ops
@@ -318,7 +319,7 @@ class FusedAllReduce:
             raise ValueError(f"an epilogue is an Epilogue, not {type(epilogue).__name__}")
         self.mailbox, self.epilogue, self.sum_order = mailbox, epilogue, sum_order
         self.published = bool(published)
-        self.pdl = pdl_supported(mailbox.device) if pdl is None else bool(pdl)
+        self.pdl = pdl_supported(mailbox.device) if pdl is None else flag(pdl, "pdl")
 
     @property
     def capacity(self) -> int:

@@ -118,6 +118,7 @@ from dspark_comm.cutedsl.package_gemm_shape import (
 from dspark_comm.cutedsl.package_gemv import compile_package_gemv, one_row_unsupported
 from dspark_comm.protocol import MailboxLayout, fallback_reason
 from dspark_core.contracts.constants import PackageGemmConstants
+from dspark_core.switches import flag
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gemm.skinny import config as sg
 from dspark_cute.cutedsl.gemm.skinny import direct as sd
@@ -356,7 +357,7 @@ class PackageGemm:
         self.rank = 0 if rank is None else rank
         self.device = weight.device
         self.k_warps, self.stages_by_tiles = kw, depth
-        self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
+        self.pdl = pdl_supported(self.device) if pdl is None else flag(pdl, "pdl")
         self.one_row_gemv = bool(one_row_gemv)
         if self.one_row_gemv:
             why = one_row_unsupported(c, weight)

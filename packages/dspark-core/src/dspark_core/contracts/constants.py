@@ -20,6 +20,7 @@ import struct
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark_core.checks import FP32_OVERFLOW  # noqa: F401 (re-exported)
@@ -119,6 +120,8 @@ def _field_checks(cls: type) -> list:
                 checks.append((f.name, "arch", what))
             elif f.name == "sum_order":
                 checks.append((f.name, "word", SUM_ORDERS))
+            elif f.type == "bool":
+                checks.append((f.name, "bool", None))
         _CHECKS[cls] = checks
     return checks
 
@@ -135,7 +138,9 @@ class _Key:
     ``MAX_HEADS``); an eps is a non-negative number finite in FP32 (NaN
     refused); a gain center a number finite in FP32; an architecture one of
     ``ARCHS`` in its one spelling (``stock_arch``: ``SM_90A`` is kept as
-    sm_90a); a sum order one of ``SUM_ORDERS`` (ValueError).
+    sm_90a); a sum order one of ``SUM_ORDERS`` (ValueError); a ``bool`` field
+True or False (a numpy bool kept as the Python one; 1, "yes" or None
+refused with a TypeError).
     Values out of range raise ``Unsupported`` (the planner's refusal; a
     ValueError to any other caller). Each kernel's other limits (lower
     bounds, head widths, multiples, dtypes) are stated once in
@@ -157,6 +162,10 @@ class _Key:
                     fp32_number(what, value, non_negative=True)
             elif kind == "number":
                 fp32_number(what, value)
+            elif kind == "bool":
+                if not isinstance(value, (bool, np.bool_)):
+                    raise TypeError(f"{what} must be True or False, not {_shown(value)}")
+                object.__setattr__(self, field, bool(value))
             elif kind == "word":
                 if not isinstance(value, str) or value not in extra:
                     raise ValueError(f"{what} must be one of {', '.join(extra)}, not {_shown(value)}")

@@ -28,6 +28,21 @@ from dspark_core.switches import flag
 MARKOV_TILE = MARKOV_THREADS * MARKOV_VEC
 
 
+def _transform(c) -> None:
+    """Check the multiplier and soft cap of hand-built constants as
+    ``markov_constants`` does (``spec.markov.transform_constants``: a number
+    finite and nonzero in FP32, a positive cap with a finite FP32
+    reciprocal, or None), and keep them rounded to FP32 (the values the
+    kernel compiles in); TypeError or ValueError naming the field."""
+    name = type(c).__name__
+    try:
+        m, cap, _ = transform_constants(c.multiplier, c.soft_cap)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name}: {error}") from None
+    object.__setattr__(c, "multiplier", m)
+    object.__setattr__(c, "soft_cap", cap)
+
+
 @dataclass(frozen=True, eq=False)
 class MarkovConstants(_Key):
     """One greedy Markov step's kernel: BF16 base logits and bias of
@@ -41,6 +56,10 @@ class MarkovConstants(_Key):
     multiplier: float
     soft_cap: float | None
     d2t: bool
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _transform(self)
 
     @property
     def ctas(self) -> int:
@@ -93,6 +112,10 @@ class MarkovSampleConstants(_Key):
 
     # The greedy step's finish reads these: no map after the sample (its columns are target ids).
     d2t = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _transform(self)
 
     @property
     def ctas(self) -> int:

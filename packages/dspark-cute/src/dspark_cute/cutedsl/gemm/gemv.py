@@ -41,6 +41,7 @@ from dspark_core.contracts.constants import GemvConstants, within_limits
 from dspark_core.contracts.limits import GEMV_N_UNIT
 from dspark_core.errors import Unsupported
 from dspark_core.spec.gemv import FRAGMENT, LANES, VEC, gemv_unsupported
+from dspark_core.switches import flag
 from dspark_cute import ptx
 from dspark_cute.runtime import ops
 from dspark_cute.runtime.host import (
@@ -192,7 +193,7 @@ class Gemv(LazyPdl):
         check_operand(weight, (constants.n, constants.k), torch.bfloat16, 16, "the GEMV's weight")  # CUDA too
         self.constants, self.weight, self.device = constants, weight, weight.device
         self.rows_per_warp, self.depth = rows_per_warp, depth
-        self._pdl = None if pdl is None else bool(pdl)
+        self._pdl = None if pdl is None else flag(pdl, "pdl")
         self.op_handle = ops.register(self)
 
     def _kernel(self):

@@ -49,6 +49,7 @@ from dspark_core.contracts.constants import OrderedGemmConstants, ordered_gemm_u
 from dspark_core.errors import Unsupported
 from dspark_core.runtime import gemm_check, gemm_decide
 from dspark_core.spec.split_order import SplitOrder
+from dspark_core.switches import flag
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gemm import decide as timing
 from dspark_cute.cutedsl.gemm.decide import STREAMED_MAX_BYTES, STREAMED_MAX_ROWS, choose_settings
@@ -447,7 +448,7 @@ class OrderedGemm(LazyPdl):
             raise ValueError(f"the ordered GEMM takes a contiguous, 16-byte aligned CUDA weight, not "
                              f"{describe(weight)}")
         self.constants, self.weight, self.device = constants, weight, weight.device
-        self._pdl = None if pdl is None else bool(pdl)
+        self._pdl = None if pdl is None else flag(pdl, "pdl")
         self.sms = sms or sm_count(weight.device)
         # (m, order) -> the launch settings (default launch_settings; no bit depends on them).
         self._choose = settings or (lambda m, o: choose_settings(constants.n, constants.k, o.splits, m, self.sms))

@@ -106,13 +106,13 @@ class OrderedLayout:
 
 def check_settings(n_tiles: int, warps: int, stages: int, chunk: int = CHUNK) -> OrderedLayout:
     """The layout of a launch variant; ValueError for settings it does not have."""
-    if n_tiles not in N_TILES:
+    if checks.as_int(n_tiles) not in N_TILES:
         raise ValueError(f"the ordered GEMM's token tiles are one of {N_TILES}, not {n_tiles!r}")
-    if warps not in WARPS:
+    if checks.as_int(warps) not in WARPS:
         raise ValueError(f"the ordered GEMM's CTAs have one of {WARPS} warps, not {warps!r}")
-    if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= 16:
+    if checks.as_int(stages) is None or not 2 <= stages <= 16:
         raise ValueError(f"the ordered GEMM's ring holds 2 to 16 stages, not {stages!r}")
-    if chunk not in CHUNKS:
+    if checks.as_int(chunk) not in CHUNKS:
         raise ValueError(f"the ordered GEMM's ring stages are one of {CHUNKS} columns wide, not {chunk!r}")
     lay = OrderedLayout(warps, n_tiles, stages, chunk)
     if lay.total > SMEM_LIMIT:

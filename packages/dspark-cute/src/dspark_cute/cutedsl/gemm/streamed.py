@@ -49,6 +49,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
+from dspark_core import checks
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gemm.mma import chunk_mmas, fragment_offsets, warp_epilogue  # noqa: F401 (re-exported)
 from dspark_cute.cutedsl.gemm.ordered_layout import CHUNK, MAX_ROWS, SMEM_LIMIT, TILE_ROWS, check_k, split_chunks
@@ -137,9 +138,9 @@ def streamed_layout(warps: int, a_tiles: int, x_rows: int, stages: int, chunk: i
     """The layout of a launch variant; ValueError for settings it does not have."""
     for name, value, allowed in (("warps", warps, WARPS), ("a_tiles", a_tiles, A_TILES), ("x_rows", x_rows, X_ROWS),
                                  ("chunk", chunk, STREAMED_CHUNKS)):
-        if isinstance(value, bool) or value not in allowed:
+        if checks.as_int(value) not in allowed:
             raise ValueError(f"the streamed GEMM's {name} is one of {allowed}, not {value!r}")
-    if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= 16:
+    if checks.as_int(stages) is None or not 2 <= stages <= 16:
         raise ValueError(f"the streamed GEMM's rings hold 2 to 16 stages, not {stages!r}")
     lay = StreamedLayout(warps, a_tiles, x_rows, stages, chunk)
     if lay.rows > 256:

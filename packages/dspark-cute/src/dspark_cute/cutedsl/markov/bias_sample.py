@@ -51,12 +51,14 @@ from cutlass import Int32, Int64, Uint32
 
 from dspark_core.contracts.markov import MarkovSampleConstants
 from dspark_core.errors import Unsupported
+from dspark_core.switches import flag
 from dspark_cute import ptx
 from dspark_cute.cutedsl.markov.bias_step import (
     THREADS,
     BiasStepParts,
     MarkovBiasStep,
     bound_rows,
+    check_bind,
     check_max_rows,
     check_prev,
     check_w2,
@@ -74,7 +76,7 @@ from dspark_cute.cutedsl.markov.greedy import (
 )
 from dspark_cute.cutedsl.markov.sample import check_constants, check_sampling, inverse_d2t, row_sampling
 from dspark_cute.runtime import ops
-from dspark_cute.runtime.host import LazyPdl, current_stream, describe, fake_stream, jit_cache
+from dspark_cute.runtime.host import LazyPdl, current_stream, fake_stream, jit_cache
 
 MAX_SAMPLE_ROWS = 32  # at 64 rows (8 token tiles) its registers spill: those counts keep the step after the GEMM
 SAMPLE_TILES = (1, 2, 4)
@@ -249,7 +251,7 @@ class MarkovBiasSampleStep(LazyPdl):
     def __init__(self, constants: MarkovSampleConstants, w1: torch.Tensor, d2t: torch.Tensor, w2: torch.Tensor,
                  max_rows: int = MAX_SAMPLE_ROWS, *, pdl: bool | None = None) -> None:
         check_constants(constants)
-        check_max_rows(max_rows, MAX_SAMPLE_ROWS, "the probabilistic bias step")
+        max_rows = check_max_rows(max_rows, MAX_SAMPLE_ROWS, "the probabilistic bias step")
         why = fused_unsupported(constants, max_rows)
         if why is not None:
             raise Unsupported(why)
@@ -261,7 +263,7 @@ class MarkovBiasSampleStep(LazyPdl):
         self.spare = int(unmapped[0, 0]) if unmapped.numel() else constants.target_vocab
         self.constants, self.w1, self.d2t, self.w2, self.max_rows = constants, w1, d2t, w2, max_rows
         self.device = w1.device
-        self._pdl = None if pdl is None else bool(pdl)
+        self._pdl = None if pdl is None else flag(pdl, "pdl")
         self.keys, self.counters = row_words(max_rows, w1.device)
         self.rows: dict[int, None] = {}
         self.reasons: dict[int, str] = {m: "not bound to the greedy step's build-time check"
@@ -272,11 +274,7 @@ class MarkovBiasSampleStep(LazyPdl):
         """Take the request counts up to ``max_rows`` that ``step`` bound
         (its check of the same GEMM: the same ``w2`` tensor, vocabulary and
         rank), the others with its reasons, and compile."""
-        c, sc = self.constants, getattr(step, "constants", None)
-        if not isinstance(step, MarkovBiasStep) or step.w2 is not self.w2 or sc.vocab != c.vocab \
-                or sc.rank != c.rank:
-            raise ValueError("the probabilistic bias step binds to the greedy MarkovBiasStep of the same w2, "
-                             f"vocabulary and rank, not {describe(step)}")
+        check_bind("the probabilistic bias step", step, self.w2, self.constants, ("vocab", "rank"))
         self.rows, self.reasons = bound_rows(step, self.max_rows)
         self.prepare()
 

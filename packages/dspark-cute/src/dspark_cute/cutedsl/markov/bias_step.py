@@ -44,9 +44,11 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64, Uint32
 
+from dspark_core import checks
 from dspark_core.contracts.markov import MarkovConstants
 from dspark_core.errors import Unsupported
 from dspark_core.runtime import gemm_check
+from dspark_core.switches import flag
 from dspark_cute import ptx
 from dspark_cute.cutedsl.gemm.mma import chunk_mmas, fragment_offsets
 from dspark_cute.cutedsl.gemm.ordered_layout import SMEM_LIMIT
@@ -432,10 +434,28 @@ def check_w2(constants, w2, device) -> None:
                          f"{constants.rank}] tensor on {device}, not {describe(w2)}")
 
 
-def check_max_rows(max_rows, limit: int = MAX_ROWS, what: str = "the fused bias step") -> None:
-    """ValueError unless ``max_rows`` is an int from 1 to ``limit`` (the rows ``what`` takes)."""
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= limit:
+def check_max_rows(max_rows, limit: int = MAX_ROWS, what: str = "the fused bias step") -> int:
+    """``max_rows`` as a Python int (a numpy integer taken) where it is one
+    from 1 to ``limit`` (the rows ``what`` takes), else ValueError."""
+    rows = checks.as_int(max_rows)
+    if rows is None or not 1 <= rows <= limit:
         raise ValueError(f"{what} takes 1 to {limit} rows, not max_rows={max_rows!r}")
+    return rows
+
+
+def check_bind(host: str, step, w2: torch.Tensor, constants, fields: tuple[str, ...]) -> None:
+    """ValueError unless ``step`` is a ``MarkovBiasStep`` over the tensor
+    ``w2`` whose constants agree with ``constants`` in ``fields`` (what
+    ``host`` binds to: the same question to cuBLAS); the message names each
+    difference."""
+    if not isinstance(step, MarkovBiasStep):
+        raise ValueError(f"{host} binds to a MarkovBiasStep, not {describe(step)}")
+    differs = [] if step.w2 is w2 else ["its w2 is another tensor"]
+    differs += [f"its {f} is {getattr(step.constants, f)!r}, not {getattr(constants, f)!r}" for f in fields
+                if getattr(step.constants, f) != getattr(constants, f)]
+    if differs:
+        raise ValueError(f"{host} binds to a MarkovBiasStep of the same w2 and {', '.join(fields)}: this one differs "
+                         f"({'; '.join(differs)})")
 
 
 def bound_rows(step, max_rows: int) -> tuple[dict[int, None], dict[int, str]]:
@@ -479,7 +499,7 @@ class MarkovBiasStep(LazyPdl):
     def __init__(self, constants: MarkovConstants, w1: torch.Tensor, d2t: torch.Tensor | None, w2: torch.Tensor,
                  max_rows: int = MAX_ROWS, *, pdl: bool | None = None) -> None:
         check_constants(constants)
-        check_max_rows(max_rows)
+        max_rows = check_max_rows(max_rows)
         why = fused_unsupported(constants, max_rows)
         if why is not None:
             raise Unsupported(why)
@@ -487,7 +507,7 @@ class MarkovBiasStep(LazyPdl):
         check_w2(constants, w2, w1.device)
         self.constants, self.w1, self.d2t, self.w2, self.max_rows = constants, w1, d2t, w2, max_rows
         self.device = w1.device
-        self._pdl = None if pdl is None else bool(pdl)
+        self._pdl = None if pdl is None else flag(pdl, "pdl")
         self.keys, self.counters = row_words(max_rows, w1.device)
         self.rows: dict[int, None] = {}
         self.reasons: dict[int, str] = {m: "the build-time check has not run" for m in range(1, max_rows + 1)}
@@ -586,6 +606,7 @@ def run_fused_greedy_loop(step: MarkovBiasStep, base: torch.Tensor, prev: torch.
         step.launch(base[:, i], prev if i == 0 else tokens[:, i - 1], tokens[:, i], i == 0)
 
 
-__all__ = ["A_TILES", "MAX_ROWS", "MarkovBiasKernel", "MarkovBiasStep", "bound_rows", "check_max_rows", "check_prev",
+__all__ = ["A_TILES", "MAX_ROWS", "MarkovBiasKernel", "MarkovBiasStep", "bound_rows", "check_bind", "check_max_rows",
+           "check_prev",
            "check_w2",
            "compile_bias_step", "fused_unsupported", "n_tiles_for", "one_split_rows", "run_fused_greedy_loop"]

@@ -58,6 +58,7 @@ from dspark_cute.cutedsl.markov.bias_step import (
     BiasStepParts,
     MarkovBiasStep,
     bound_rows,
+    check_bind,
     check_max_rows,
     fused_unsupported,
     n_tiles_for,
@@ -123,10 +124,11 @@ class MarkovPersistentKernel(BiasStepParts):
 
     def __init__(self, constants: MarkovConstants, steps: int, n_tiles: int, wide: bool, pdl: bool) -> None:
         check_constants(constants)
-        if n_tiles not in LOOP_TILES:
+        if checks.as_int(n_tiles) not in LOOP_TILES:
             raise ValueError(f"the persistent Markov loop's token tiles are one of {LOOP_TILES}, not {n_tiles!r}")
-        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        if checks.as_int(steps) is None or not 1 <= steps <= MAX_STEPS:
             raise ValueError(f"the persistent Markov loop takes 1 to {MAX_STEPS} steps, not {steps!r}")
+        steps, n_tiles = int(steps), int(n_tiles)
         why = persistent_unsupported(constants, 8 * n_tiles)
         if why is not None:
             raise Unsupported(why)
@@ -240,10 +242,11 @@ class MarkovPersistentLoop(MarkovBiasStep):
     def __init__(self, constants: MarkovConstants, w1: torch.Tensor, d2t: torch.Tensor | None, w2: torch.Tensor,
                  steps: int, max_rows: int = MAX_LOOP_ROWS, *, pdl: bool | None = None,
                  timeout_s: float = TIMEOUT_S) -> None:
-        check_max_rows(max_rows, MAX_LOOP_ROWS, "the persistent Markov loop")
+        max_rows = check_max_rows(max_rows, MAX_LOOP_ROWS, "the persistent Markov loop")
         super().__init__(constants, w1, d2t, w2, max_rows, pdl=pdl)
-        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        if checks.as_int(steps) is None or not 1 <= steps <= MAX_STEPS:
             raise ValueError(f"the persistent Markov loop takes 1 to {MAX_STEPS} steps, not steps={steps!r}")
+        steps = int(steps)
         timeout_s = checks.duration("the barrier timeout timeout_s", timeout_s, 1e-3, 60.0)
         sms = sm_count(self.device) if self.device.type == "cuda" else None
         why = persistent_unsupported(constants, max_rows, sms)
@@ -258,9 +261,8 @@ class MarkovPersistentLoop(MarkovBiasStep):
         """Take the row counts (up to ``max_rows``) that ``step``'s build-time
         check bound, instead of checking again: the same head and ``w2``, so
         the same question to cuBLAS; then compile."""
-        if not isinstance(step, MarkovBiasStep) or step.constants != self.constants or step.w2 is not self.w2:
-            raise ValueError("the persistent Markov loop takes the rows of a MarkovBiasStep of the same constants and "
-                             f"w2, not {type(step).__name__}")
+        check_bind("the persistent Markov loop", step, self.w2, self.constants,
+                   ("vocab", "rank", "multiplier", "soft_cap", "d2t"))
         self.rows, self.reasons = bound_rows(step, self.max_rows)
         self.prepare()
 

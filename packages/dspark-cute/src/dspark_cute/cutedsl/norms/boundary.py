@@ -29,6 +29,7 @@ import torch
 from cutlass import Float32, Int32, Int64
 
 from dspark_core.contracts.constants import BoundaryConstants, within_limits
+from dspark_core.switches import flag
 from dspark_cute import ptx
 from dspark_cute.cutedsl.norms.rms import (
     check_arch,
@@ -247,7 +248,7 @@ class DraftBoundary:
         self.alpha, self.beta = alpha, beta
         self.post_weight, self.pre_weight = post_weight, pre_weight
         self.device = alpha.device
-        self.pdl = pdl_supported(self.device) if pdl is None else bool(pdl)
+        self.pdl = pdl_supported(self.device) if pdl is None else flag(pdl, "pdl")
         # Up to one row per SM the constants load before the PDL wait.
         self.late_rows = sm_count(self.device) if late_rows is None else int(late_rows)
         self.op_handle = ops.register(self)
