@@ -137,3 +137,23 @@ def test_a_cache_setting_resolves_links_before_the_home_rule(tmp_path, monkeypat
             switches.cache_setting("DSPARK_KERNEL_CACHE", Path("/d"), {"DSPARK_KERNEL_CACHE": str(tmp_path / link)})
     got = switches.cache_setting("DSPARK_KERNEL_CACHE", Path("/d"), {"DSPARK_KERNEL_CACHE": f"{tmp_path}//own/."})
     assert got == tmp_path / "own"
+
+
+def test_a_cache_setting_reads_dot_dot_after_a_link_as_the_system_does(tmp_path, monkeypatch):
+    """``link/..`` is the parent of the link's target (what ``open`` would
+    reach), not the link's folder: a link to the home directory followed by
+    ``..`` names the directory above home, refused; ``..`` without links is
+    the lexical parent."""
+    home = tmp_path / "home" / "someone"
+    home.mkdir(parents=True)
+    (tmp_path / "deep" / "er").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    (tmp_path / "deep" / "tohome").symlink_to(home)
+    with pytest.raises(ValueError, match="the home directory or one above it"):
+        switches.cache_setting("DSPARK_KERNEL_CACHE", Path("/d"),
+                               {"DSPARK_KERNEL_CACHE": f"{tmp_path}/deep/tohome/.."})
+    got = switches.cache_setting("DSPARK_KERNEL_CACHE", Path("/d"),
+                                 {"DSPARK_KERNEL_CACHE": f"{tmp_path}/deep/tohome/../cache"})
+    assert got == tmp_path / "home" / "cache"
+    got = switches.cache_setting("DSPARK_KERNEL_CACHE", Path("/d"), {"DSPARK_KERNEL_CACHE": f"{tmp_path}/deep/er/../k"})
+    assert got == tmp_path / "deep" / "k"

@@ -126,21 +126,24 @@ class DSparkStep:
     step."""
 
     def __init__(self, model, stock, device, kernels: frozenset[str], target=None, markov: str = "auto",
-                 asked: frozenset[str] = frozenset(), steps: int = 4, outside: bool = False) -> None:
+                 asked: frozenset[str] = frozenset(), steps: int = 4, outside: bool = False,
+                 step_rows=None) -> None:
         self.model, self.stock = model, stock
         draft = stock_description(model, stock)
         target = target or policy.device_target(device, 1, kernels)
         self.plan = plan_draft(draft, target.opt_in(asked))
         self.decode = DraftDecode(draft, self.plan, None, prefetch=None,
-                                  kernels={k: kernel_class(k) for k in kernels})
+                                  kernels={k: kernel_class(k) for k in kernels}, step_rows=step_rows)
         self.decode.prepare()
         ordered = (outside and policy.ORDERED_GEMM in kernels and policy.ORDERED_GEMM in asked
                    and device.type == "cuda")
         # fc, the LM head and the Markov bias (``outside``: beyond the plugin) on
         # the ordered GEMM where its check and timing chose it.
-        self.fc = ordered_projection("fc", stock.fc) if ordered else None
-        self.lm = ordered_projection("lm_head", stock.head.lm_head) if ordered else None
-        bias = ordered_projection("markov_bias", stock.head.markov_w2) if ordered else None
+        rows = None if step_rows is None else sorted(m for m in step_rows if m <= 64)
+        self.fc = ordered_projection("fc", stock.fc, rows) if ordered else None
+        self.lm = ordered_projection("lm_head", stock.head.lm_head, rows) if ordered else None
+        bias_rows = None if rows is None else sorted({shape_of(m, steps)[0] for m in rows})  # requests
+        bias = ordered_projection("markov_bias", stock.head.markov_w2, bias_rows) if ordered else None
         self.markov, self.markov_label = fused_markov(stock, markov, bias, steps)
         self.last = 2 * len(model.layers) - 1
 
@@ -558,7 +561,7 @@ def main(argv=None) -> int:
         dspark = DSparkStep(model, stock, device, frozenset() if args.dry else VLLM_EXACT_SM90, target,
                             "stock" if args.dry else args.markov,
                             frozenset() if args.projections == "cublas" else EXACT_OPT_INS, args.n,
-                            outside=args.projections == "all")
+                            outside=args.projections == "all", step_rows=rows)
         fused, total = dspark.plan.fused_count()
         print(f"DSpark plan: {fused} of {total} parts fused; Markov: {dspark.markov_label}", flush=True)
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)

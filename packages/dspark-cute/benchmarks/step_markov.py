@@ -13,19 +13,20 @@ import torch.nn.functional as F
 BF16 = torch.bfloat16
 
 
-def ordered_projection(role: str, weight: torch.Tensor):
+def ordered_projection(role: str, weight: torch.Tensor, rows=None):
     """DSpark's ordered GEMM for a projection outside the decode (fc, the LM
     head, the Markov bias), bound where the build-time check found cuBLAS's
     order (``OrderedGemm.check`` against ``F.linear``) and its timing on this
     card found it faster (``OrderedGemm.decide``), as the executor binds the
-    layers'; None where the kernel is not installed."""
+    layers', at ``rows`` (None: 1 to 64); None where the kernel is not
+    installed."""
     try:
         from dspark_core.contracts.constants import ordered_gemm_constants
         from dspark_cute.cutedsl.gemm.ordered import OrderedGemm
     except ImportError:
         return None
     gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight)
-    result = gemm.check()
+    result = gemm.check(rows)
     print(f"{role}: {result.summary()}", flush=True)
     print(f"{role}: {gemm.decide().summary()}", flush=True)
     return gemm

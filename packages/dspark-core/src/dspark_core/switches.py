@@ -81,8 +81,9 @@ def env_choice(name: str, choices: tuple[str, ...], default: str, environ: Mappi
 def cache_setting(name: str, default: Path, environ: Mapping[str, str] | None = None) -> Path | None:
     """A cache switch that also takes a directory: None (off) where ``name``
     is unset, empty or one of ``OFF``'s words; ``default`` for ``ON``'s words;
-    the directory for an absolute path or ``~/...``, normalized (``.``,
-    ``..``, doubled slashes) before any rule. ValueError for a relative path
+    the directory for an absolute path or ``~/...``, normalized (``.`` and
+    doubled slashes; a path with ``..`` is read with its links resolved, as
+    the system reads it) before any rule. ValueError for a relative path
     or any other word (a word is not a directory name, and a relative one
     would follow the working directory), a NUL byte, and for the home
     directory or any directory above it (``~``, ``~/.``, ``/``, ``//``, a
@@ -93,13 +94,16 @@ def cache_setting(name: str, default: Path, environ: Mapping[str, str] | None = 
         return None
     if text.lower() in ON:
         return default
-    path = None
+    raw = None
     if text.startswith("~/"):
-        path = _absolute(os.path.expanduser("~") + "/" + text[2:])
+        raw = os.path.expanduser("~") + "/" + text[2:]
     elif os.path.isabs(text):
-        path = _absolute(text)
-    if path is None or "\0" in text:
+        raw = text
+    if raw is None or "\0" in text:
         raise ValueError(f"{name} must be {_words()}, or an absolute directory (or ~/dir), not {quoted(text)}")
+    # A ".." after a link names the link target's parent (as the system reads
+    # it), not the link's folder: such a path is taken with its links resolved.
+    path = Path(os.path.realpath(raw)) if ".." in Path(raw).parts else _absolute(raw)
     # The rule reads the path with its links resolved (a link to / is /).
     real = Path(os.path.realpath(path))
     if Path(os.path.realpath(os.path.expanduser("~"))).is_relative_to(real):

@@ -86,12 +86,13 @@ class OrderedPackageGemm:
     columns); module docstring."""
 
     def __init__(self, role: str, weight: torch.Tensor, mailbox, *, pdl: bool | None = None) -> None:
-        n = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+        constants = ordered_gemm_constants(role, weight)  # the weight's refusal first, in its own words
+        n = constants.n
         if mailbox is None or n != mailbox.layout.hidden_size:
             raise ValueError(f"an exact package GEMM publishes rows of its weight's {n} outputs into a mailbox of "
                              f"as many columns, not {None if mailbox is None else mailbox.layout.hidden_size}")
         # The cp.async kernel's settings at every row count: the publishing kernel is that one.
-        self.gemm = OrderedGemm(ordered_gemm_constants(role, weight), weight, pdl=pdl,
+        self.gemm = OrderedGemm(constants, weight, pdl=pdl,
                                 settings=lambda m, o: launch_settings(n, o.splits, m))
         self.mailbox, self.weight = mailbox, weight
 

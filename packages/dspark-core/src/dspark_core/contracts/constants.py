@@ -476,10 +476,17 @@ def ordered_gemm_unsupported(weight) -> str | None:
     """Why the ordered GEMM does not take ``weight`` (a sentence), or None:
     it takes a 2-D BF16 weight ``[n, k]`` with contiguous rows, ``k`` a
     multiple of 64 and ``n`` of 16, both below 2^31."""
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return f"the ordered GEMM takes a 2-D weight, not {getattr(weight, 'shape', type(weight).__name__)}"
+    if not isinstance(weight, torch.Tensor):
+        return f"the ordered GEMM takes a 2-D bfloat16 torch tensor as its weight, not {type(weight).__name__}"
+    if weight.layout != torch.strided:
+        return f"the ordered GEMM takes a dense weight, not a {weight.layout} one"
+    if weight.dim() != 2:
+        return f"the ordered GEMM takes a 2-D weight, not one of shape {list(weight.shape)}"
     if weight.dtype != torch.bfloat16:
         return f"the ordered GEMM takes a bfloat16 weight, not {weight.dtype}"
+    if not weight.is_contiguous():
+        return (f"the ordered GEMM takes a weight with contiguous rows (strides (k, 1)), not strides "
+                f"{tuple(weight.stride())} (a transposed or sliced view: pass .contiguous())")
     n, k = (int(v) for v in weight.shape)
     if not (0 < k < 2**31 and k % ORDERED_GEMM_K_UNIT == 0):
         return f"the ordered GEMM takes K a positive multiple of {ORDERED_GEMM_K_UNIT} below 2^31, not {k}"

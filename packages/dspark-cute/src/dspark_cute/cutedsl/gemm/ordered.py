@@ -369,10 +369,9 @@ def ordered_gemm(x: torch.Tensor, weight: torch.Tensor, order: SplitOrder, out: 
     on any BF16 ``weight [n, k]`` (contiguous, 16-byte aligned, n a
     multiple of 16): the check's candidate runs. ValueError for operands or
     an order it does not take; a workspace is made where none is given."""
-    why = None if isinstance(weight, torch.Tensor) and weight.dim() == 2 else "a 2-D weight"
+    why = ordered_gemm_unsupported(weight)
     if why is None:
-        why = ordered_gemm_unsupported(weight)
-        if why is None and not (weight.is_cuda and weight.is_contiguous() and weight.data_ptr() % 16 == 0):
+        if not (weight.is_cuda and weight.data_ptr() % 16 == 0):
             why = f"the ordered GEMM takes a contiguous, 16-byte aligned CUDA weight, not {describe(weight)}"
     why = why or _operand_problem(x, weight, out, weight.device) or order_problem(order, int(weight.shape[1]))
     if why is not None:

@@ -96,10 +96,14 @@ def persistent_unsupported(c: MarkovConstants, max_rows: int, sms: int | None = 
     """Why one persistent launch does not take ``c`` at up to ``max_rows``
     rows on a GPU of ``sms`` SMs (None: not asked), or None: the bias step's
     limits (``bias_step.fused_unsupported``), the CuTe DSL's cooperative
-    launch, and one resident CTA per 256 draft columns."""
+    launch, and one resident CTA per 256 draft columns; at most
+    ``MAX_LOOP_ROWS`` rows (the bias step takes more)."""
     why = fused_unsupported(c, max_rows)
     if why is not None:
         return why
+    if max_rows > MAX_LOOP_ROWS:
+        return (f"the persistent Markov loop takes 1 to {MAX_LOOP_ROWS} requests (its tokens' tiles on chip): "
+                f"{max_rows} asked")
     need = PersistentLayout(c.rank, n_tiles_for(max_rows)).total
     if need > SMEM_LIMIT:
         return (f"the persistent Markov loop keeps 256 rows of w2 and the rows' tokens in shared memory: a rank of "
