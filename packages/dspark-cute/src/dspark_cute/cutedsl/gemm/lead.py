@@ -51,13 +51,22 @@ def compile_lead(release: bool = True):
     return LeadPart(release), (Int64(0), fake_stream())
 
 
+_compiled: dict = {}
+
+
 def lead_launcher(release: bool = True):
     """A function ``run(ns)`` that launches the compiled ``LeadPart`` on
-    torch's current stream (compiled here, never during a capture)."""
+    torch's current stream (compiled once a process and device, never
+    during a capture)."""
+    import torch
+
     from dspark_cute.runtime.host import compile_kernel, current_stream
 
-    kernel, _ = compile_lead(release)
-    compiled = compile_kernel(kernel, Int64(0), current_stream(), what="the lead part")
+    key = (release, torch.cuda.current_device())
+    compiled = _compiled.get(key)
+    if compiled is None:
+        kernel, _ = compile_lead(release)
+        compiled = _compiled[key] = compile_kernel(kernel, Int64(0), current_stream(), what="the lead part")
 
     def run(ns: int) -> None:
         compiled(Int64(int(ns)), current_stream())
