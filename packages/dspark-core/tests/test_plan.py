@@ -601,3 +601,18 @@ def test_cli_takes_options_only_as_written_and_once():
         assert out.returncode == 2 and words in out.stderr, (argv, out.stderr)
     with pytest.raises(SystemExit):
         main(["--gemv", "--gemv"])
+
+
+def test_a_layer_on_another_gemm_backend_keeps_its_projections_off_the_ordered_gemm():
+    """``Layer.gemm_unsupported`` (the model runs its projections on another
+    GEMM than the F.linear the ordered GEMM is checked and timed against):
+    that layer's ordered-GEMM parts are stock with the reason, the other
+    layer's are planned as before."""
+    draft = describe(meta())
+    why = "vLLM runs the layer's projections on cuda_flashinfer_bf16_gemm (--linear-backend)"
+    draft.layers[0] = dataclasses.replace(draft.layers[0], gemm_unsupported=why)
+    plan = plan_description(draft, ALL)
+    roles = policy.ordered_gemm_roles(1)
+    first, second = plan.ordered_gemms[:len(roles)], plan.ordered_gemms[len(roles):]
+    assert first and all(not p.fused and p.reason == why for p in first)
+    assert second and all(p.fused for p in second)

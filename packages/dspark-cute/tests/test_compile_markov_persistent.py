@@ -166,7 +166,7 @@ def test_host_refusals_and_bad_operands(monkeypatch):
 
     monkeypatch.setattr(MarkovBiasStep, "prepare", lambda self: None)
     other = MarkovBiasStep(markov_constants(384, 64, 0.25, 30.0, True), w1, m, w2, max_rows=8)
-    with pytest.raises(ValueError, match=r"differs \(its multiplier is 0.25, not 0.5; its soft_cap is 30.0, not None\)"):
+    with pytest.raises(ValueError, match=r"\(its multiplier is 0.25, not 0.5; its soft_cap is 30.0, not None\)"):
         loop.bind(other)
     with pytest.raises(ValueError, match="its w2 is another tensor"):
         loop.bind(MarkovBiasStep(c, w1, m, w2.clone(), max_rows=8))

@@ -168,8 +168,10 @@ def test_process_weights_after_loading_runs_a_base_hook_first(dirs, monkeypatch)
     torch.nn.Module.__init__(model)
     model.dspark = runtime.SpecializedDecode(model, None)
     model.markov = type("NoMarkov", (), {"build": lambda self: order.append("markov")})()
+    model.outer = type("NoOuter", (), {"build": lambda self, plan: order.append(("outer", plan))})()
     model.process_weights_after_loading()
-    assert order[:2] == ["base", "dspark"]
+    # fc and the LM head last, told there is no decode (build stubbed: nothing bound).
+    assert order == ["base", "dspark", "markov", ("outer", None)]
 
 
 def test_collective_min_sends_a_cpu_tensor_under_a_cuda_like_default_device(monkeypatch):

@@ -106,6 +106,22 @@ def _connection(name: str, conn, residual_dtype: torch.dtype) -> D.Connection:
     )
 
 
+def _gemm_backend(layer) -> str | None:
+    """Why vLLM runs a projection of decoder ``layer`` on another GEMM than
+    ``F.linear`` (``UnquantizedLinearMethod`` picks its GEMM when made:
+    ``--linear-backend`` can pick FlashInfer's mm_bf16 on CUDA), or None:
+    the ordered GEMM is timed against ``F.linear``."""
+    from vllm.model_executor.layers.utils import default_unquantized_gemm
+
+    for linear in (getattr(layer.self_attn, "qkv_proj", None), getattr(layer.self_attn, "o_proj", None),
+                   getattr(layer.feed_forward, "gate_up_proj", None), getattr(layer.feed_forward, "down_proj", None)):
+        gemm = getattr(getattr(linear, "quant_method", None), "_gemm_impl", default_unquantized_gemm)
+        if gemm is not default_unquantized_gemm:
+            return (f"vLLM runs the layer's projections on {getattr(gemm, '__name__', type(gemm).__name__)} "
+                    "(--linear-backend), not the F.linear the ordered GEMM is checked and timed against")
+    return None
+
+
 def _plain_linear(linear) -> str | None:
     if isinstance(linear, BaseLayerWithLoRA):
         return f"a LoRA-wrapped projection ({type(linear).__name__})"
@@ -428,7 +444,8 @@ def describe_vllm(model: MuseSparkDSparkModel, block_size: int = 16,
         attention = (_attention(layer.self_attn, block_size, attention_backend, layout_why) if structure is None
                      else None)
         mlp = _mlp(layer.feed_forward, tp, h) if structure is None else None
-        described.append(D.Layer(i, inputs[i], attention, attention_boundary, mlp, ffn_boundary))
+        described.append(D.Layer(i, inputs[i], attention, attention_boundary, mlp, ffn_boundary,
+                                 _gemm_backend(layer)))
     if structure is not None:
         # The executor cannot split these layers: the plan keeps the whole draft stock.
         described = []

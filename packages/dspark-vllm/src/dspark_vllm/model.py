@@ -19,7 +19,10 @@
   ``precompute_and_store_context_kv`` run it where it takes the call and
   vLLM's stock methods otherwise; ``sample_sequential`` (vLLM's hook in
   ``DSparkSpeculator._sample_sequential``) runs the greedy Markov stage
-  fused where ``markov.MarkovStage`` takes the call, False otherwise;
+  fused where ``markov.MarkovStage`` takes the call, False otherwise; fc
+  and the LM head run DSpark's ordered GEMM at the row counts the build
+  checked and timed (``projections.OuterProjections``), vLLM's own GEMM
+  elsewhere;
 - anything else: ValueError naming the accepted values.
 """
 
@@ -33,7 +36,8 @@ from vllm.models.muse_spark.common.dspark import MuseSparkDSparkForCausalLM
 
 from dspark_vllm import deployment
 from dspark_vllm.markov import MarkovStage
-from dspark_vllm.runtime import SpecializedDecode, logger
+from dspark_vllm.projections import OuterProjections
+from dspark_vllm.runtime import SpecializedDecode, logger, step_rows
 
 
 def eager_draft_config(vllm_config):
@@ -79,6 +83,7 @@ class DSparkMuseSparkDSparkForCausalLM(MuseSparkDSparkForCausalLM):
             super().__init__(vllm_config=eager, prefix=prefix)
         self.dspark = SpecializedDecode(self, vllm_config)
         self.markov = MarkovStage(self, vllm_config)
+        self.outer = OuterProjections(self, step_rows=step_rows(vllm_config))
 
     def process_weights_after_loading(self) -> None:
         """vLLM's model-level hook of a base class, where one has it (none in
@@ -89,6 +94,7 @@ class DSparkMuseSparkDSparkForCausalLM(MuseSparkDSparkForCausalLM):
             base()
         self.dspark.build()
         self.markov.build()
+        self.outer.build(self.dspark.plan if self.dspark.decode is not None else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:

@@ -382,6 +382,8 @@ def _ordered_gemm_part(layer: Layer, role: str, target: Target) -> Part:
     weight = policy.gemv_weight(layer, role)
     if weight is None:
         return Part(name, reason="the layer has no such projection")
+    if layer.gemm_unsupported is not None:
+        return Part(name, reason=layer.gemm_unsupported)
     return _with_kernels(_try(name, K.ordered_gemm_constants, role, weight), target, policy.ORDERED_GEMM)
 
 

@@ -186,7 +186,9 @@ class MLP:
 class Layer:
     """One draft layer: its input norm, attention branch and boundary, MLP
     branch and boundary (whose pre-norm is the next layer's input norm or the
-    final norm)."""
+    final norm). ``gemm_unsupported``: why the layer's projections are not
+    the BF16 ``F.linear`` (cuBLAS) the ordered GEMM is checked and timed
+    against (another GEMM backend of the model's), or None."""
 
     index: int
     input_norm: Norm
@@ -194,6 +196,7 @@ class Layer:
     attention_boundary: Boundary
     mlp: MLP
     ffn_boundary: Boundary
+    gemm_unsupported: str | None = None
 
 
 @dataclass
