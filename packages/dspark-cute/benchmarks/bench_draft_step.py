@@ -36,11 +36,13 @@ published figure by name, else its memory clock and bus width; none where
 neither is known), and the table names the card, its driver and cuBLAS.
 
 Projections on the DSpark side, as the plugin runs them by default: the
-layers' on the ordered GEMM where the build's order check against the live
-cuBLAS and its timing on this card choose it, cuBLAS elsewhere; fc, the LM
-head and the Markov bias outside the Markov step on cuBLAS (the plugin does
-not own them). ``--ordered`` decides those three the same way too (beyond
-the plugin); ``--no-ordered`` keeps every projection on cuBLAS.
+layers', fc and the LM head on the ordered GEMM where the build's order
+check against the live cuBLAS and its timing on this card choose it, cuBLAS
+elsewhere (``dspark_vllm.projections``); the Markov bias of the loop after
+the bias step (at request counts the bias step does not bind) on cuBLAS.
+``--ordered`` decides that one the same way too (beyond the plugin);
+``--no-ordered`` keeps every projection on cuBLAS. Only the row counts the
+bench runs are checked and timed (the plugin: those its steps have).
 
 ``--tp N`` times one rank's work of the TP-N step instead
 (``tp_rank_setup``: the layers', fc's and the LM head's shards, the Markov
@@ -135,15 +137,17 @@ class DSparkStep:
         self.decode = DraftDecode(draft, self.plan, None, prefetch=None,
                                   kernels={k: kernel_class(k) for k in kernels}, step_rows=step_rows)
         self.decode.prepare()
-        ordered = (outside and policy.ORDERED_GEMM in kernels and policy.ORDERED_GEMM in asked
-                   and device.type == "cuda")
-        # fc, the LM head and the Markov bias (``outside``: beyond the plugin) on
-        # the ordered GEMM where its check and timing chose it.
+        ordered = (policy.ORDERED_GEMM in kernels and policy.ORDERED_GEMM in asked and device.type == "cuda"
+                   and any(p.fused for p in self.plan.ordered_gemms))
+        # fc and the LM head on the ordered GEMM where its check and timing chose
+        # it, as the plugin runs them (dspark_vllm.projections: where the decode
+        # runs it); the Markov bias of the loop after the bias step too where
+        # ``outside`` (beyond the plugin). fc's rows: the step's context tokens.
         rows = None if step_rows is None else sorted(m for m in step_rows if m <= 64)
         self.fc = ordered_projection("fc", stock.fc, rows) if ordered else None
         self.lm = ordered_projection("lm_head", stock.head.lm_head, rows) if ordered else None
         bias_rows = None if rows is None else sorted({shape_of(m, steps)[0] for m in rows})  # requests
-        bias = ordered_projection("markov_bias", stock.head.markov_w2, bias_rows) if ordered else None
+        bias = ordered_projection("markov_bias", stock.head.markov_w2, bias_rows) if ordered and outside else None
         self.markov, self.markov_label = fused_markov(stock, markov, bias, steps)
         self.last = 2 * len(model.layers) - 1
 
@@ -458,8 +462,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dry", action="store_true", help="the plumbing on the CPU: small draft, spec kernels, no graphs")
     ordered = p.add_mutually_exclusive_group()
     ordered.add_argument("--ordered", action="store_const", dest="projections", const="all", default="plugin",
-                         help="fc, the LM head and the Markov bias on the ordered GEMM too, decided as the layers' "
-                              "(beyond the plugin)")
+                         help="the Markov bias of the loop after the bias step on the ordered GEMM too, decided "
+                              "as the layers' (beyond the plugin, which runs fc and the LM head on it)")
     ordered.add_argument("--no-ordered", action="store_const", dest="projections", const="cublas",
                          help="every projection on cuBLAS (the plugin's ordered_gemm: false)")
     p.add_argument("--tp", type=int, choices=TP_SIZES, default=1,
