@@ -88,10 +88,11 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
 
 def probes(m: int, k: int, device, seed: int) -> list[tuple[str, torch.Tensor]]:
     """The check's BF16 ``[m, k]`` probes (module docstring), named, from ``seed``."""
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+    if checks.as_int(m) is None or m < 1:
         raise ValueError(f"a probe has a positive int of rows, not {m!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    if checks.as_int(k) is None or k < 1:
         raise ValueError(f"a probe has a positive int of columns, not {k!r}")
+    m, k = int(m), int(k)
     seed = checks.integer("a probe's seed", seed, 0, 2**63 - 1)
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)

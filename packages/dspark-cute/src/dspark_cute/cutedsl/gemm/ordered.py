@@ -45,6 +45,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64, Uint32
 
+from dspark_core import checks
 from dspark_core.contracts.constants import OrderedGemmConstants, ordered_gemm_unsupported, within_limits
 from dspark_core.errors import Unsupported
 from dspark_core.runtime import gemm_check, gemm_decide
@@ -480,8 +481,9 @@ class OrderedGemm(LazyPdl):
         then compiles what they launch. ValueError for an order the kernel
         cannot run or a row count outside 1 .. 64."""
         k = self.constants.k
+        orders = {(int(m) if checks.as_int(m) is not None else m): o for m, o in orders.items()}
         for m, order in orders.items():
-            if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= MAX_ROWS:
+            if checks.as_int(m) is None or not 1 <= m <= MAX_ROWS:
                 raise ValueError(f"the ordered GEMM takes 1 to {MAX_ROWS} rows, not {m!r}")
             why = order_problem(order, k)
             if why is not None:

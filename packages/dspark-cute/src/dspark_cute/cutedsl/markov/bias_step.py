@@ -519,9 +519,10 @@ class MarkovBiasStep(LazyPdl):
         from dspark_cute.cutedsl.gemm.ordered import candidate_run
 
         rows = tuple(range(1, self.max_rows + 1)) if rows is None else tuple(rows)
-        bad = [m for m in rows if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= self.max_rows]
+        bad = [m for m in rows if checks.as_int(m) is None or not 1 <= m <= self.max_rows]
         if bad:
             raise ValueError(f"the fused bias step is checked at 1 to {self.max_rows} rows, not {bad}")
+        rows = tuple(int(m) for m in rows)
         result = gemm_check.check_projection(self.w2, rows, candidate_run, seed, reference)
         self.rows, refused = one_split_rows(result, rows)
         self.reasons = {m: refused.get(m, "not checked") for m in range(1, self.max_rows + 1) if m not in self.rows}
