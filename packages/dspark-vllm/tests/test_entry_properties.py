@@ -41,7 +41,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dspark_comm import protocol
-from dspark_core import switches
+from dspark_core import checks, switches
 from dspark_core.contracts import constants as K
 from dspark_core.contracts import markov as KM
 from dspark_core.planner import policy
@@ -365,6 +365,12 @@ ENTRIES = [
           {"m": Int(1, gemm_decide.MAX_ROWS), "cublas_us": Num(positive=True), "margin": Num(non_negative=True)},
           names={"cublas_us": ["cuBLAS's time"]}),
     Entry("hbm_peak", hbm_peak, dict(name="NVIDIA H100 80GB HBM3"), {"name": Text()}),
+    # Hand-built constants are checked as their builders check them.
+    Entry("MarkovConstants", KM.MarkovConstants, dict(vocab=32768, rank=256, multiplier=0.5, soft_cap=30.0, d2t=True),
+          {"multiplier": Num(), "soft_cap": Num(positive=True, optional=True), "d2t": Flag()},
+          names={"soft_cap": ["soft cap"], "multiplier": ["output multiplier"]}),
+    Entry("as_int", lambda value: checks.as_int(value) if checks.as_int(value) is not None else
+          checks.integer("value", value), dict(value=3), {"value": Int()}),
     # dspark_core.reference.tp: TP shards of the reference draft.
     Entry("check_tp", reference_tp.check_tp, dict(config=small_config(), tp=2, rank=0),
           {"tp": Int(1, policy.MAX_TP), "rank": Int(0, optional=True)}),
