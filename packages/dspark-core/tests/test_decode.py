@@ -397,6 +397,25 @@ def test_the_context_chain_runs_fused_and_matches_the_stock_one(gen):
         decode.store_context_kv(states, positions, fused, positions + 10_000)
 
 
+def test_stock_inserts_sends_the_cache_writers_stock(gen):
+    """``DraftDecode.stock_inserts``: the context chain and the QKV
+    epilogues run their stock code from then on (a bound cache layout the
+    kernels do not take), the step still equal to the stock forward; the
+    names of what was fused are returned once; a reason is required."""
+    model = DraftModel(small_config())
+    decode = _decode(model)
+    with pytest.raises(TypeError, match="non-empty string"):
+        decode.stock_inserts("")
+    names = decode.stock_inserts("a layout the kernels do not take")
+    assert names[0] == "the context K/V chain" and "layer 0's QKV epilogue" in names
+    assert decode.stock_inserts("again") == []
+    states = torch.randn(5, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+    positions = torch.arange(5)
+    CALLS.clear()
+    assert not decode.store_context_kv(states, positions, model.make_caches(4), positions)
+    assert CALLS == []
+
+
 def test_the_prefetch_forks_kicks_and_joins_around_every_gemm(gen):
     model = DraftModel(small_config(num_layers=1))
     decode = _decode(model, prefetch=decode_module.DEFAULT_PREFETCH)

@@ -274,8 +274,7 @@ class SpecializedDecode:
             logger.info("The DSpark KV inserts write the bound %s KV cache through its strides.", layout)
             return
         names = planning.restock_inserts(self.plan, why)
-        self.decode.context = None
-        self.decode.epilogues = [None] * len(self.decode.epilogues)
+        self.decode.stock_inserts(why)
         if names:
             logger.info("The DSpark draft keeps vLLM's stock code for %s: %s.", ", ".join(names), why)
 
