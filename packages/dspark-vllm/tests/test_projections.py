@@ -175,10 +175,14 @@ def test_the_adapter_names_a_layer_whose_projections_run_another_gemm():
     """``adapter._gemm_backend``: a decoder layer whose linear methods chose
     another GEMM than F.linear when made (``--linear-backend``) is described
     with the reason, so the plan keeps its projections off the ordered GEMM."""
+    from vllm.model_executor.layers.utils import dispatch_unquantized_gemm
+
     from dspark_vllm.adapter import _gemm_backend
 
     def layer(impl=None):
         linears = {name: _layer(16, 64) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+        for linear in linears.values():
+            linear.quant_method._gemm_impl = dispatch_unquantized_gemm()  # this platform's default
         if impl is not None:
             linears["down_proj"].quant_method._gemm_impl = impl
         return types.SimpleNamespace(

@@ -108,15 +108,17 @@ def _connection(name: str, conn, residual_dtype: torch.dtype) -> D.Connection:
 
 def _gemm_backend(layer) -> str | None:
     """Why vLLM runs a projection of decoder ``layer`` on another GEMM than
-    ``F.linear`` (``UnquantizedLinearMethod`` picks its GEMM when made:
-    ``--linear-backend`` can pick FlashInfer's mm_bf16 on CUDA), or None:
-    the ordered GEMM is timed against ``F.linear``."""
-    from vllm.model_executor.layers.utils import default_unquantized_gemm
+    this platform's default (``UnquantizedLinearMethod`` picks its GEMM when
+    made: ``--linear-backend`` can pick FlashInfer's mm_bf16 on CUDA, where
+    the default is the ``F.linear`` the ordered GEMM is checked and timed
+    against), or None."""
+    from vllm.model_executor.layers.utils import default_unquantized_gemm, dispatch_unquantized_gemm
 
+    auto = dispatch_unquantized_gemm()
     for linear in (getattr(layer.self_attn, "qkv_proj", None), getattr(layer.self_attn, "o_proj", None),
                    getattr(layer.feed_forward, "gate_up_proj", None), getattr(layer.feed_forward, "down_proj", None)):
-        gemm = getattr(getattr(linear, "quant_method", None), "_gemm_impl", default_unquantized_gemm)
-        if gemm is not default_unquantized_gemm:
+        gemm = getattr(getattr(linear, "quant_method", None), "_gemm_impl", auto)
+        if gemm is not auto and gemm is not default_unquantized_gemm:
             return (f"vLLM runs the layer's projections on {getattr(gemm, '__name__', type(gemm).__name__)} "
                     "(--linear-backend), not the F.linear the ordered GEMM is checked and timed against")
     return None
