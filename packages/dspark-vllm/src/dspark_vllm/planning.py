@@ -134,26 +134,6 @@ def part_kernel(kernel: str, part: Part | None) -> str:
     return kernel
 
 
-def _checked(part: Part, kernel: str, exact: frozenset[str], arch: str) -> Part:
-    """``part`` where the kernel it runs on (``part_kernel``) is in ``exact``, else restocked with the reason."""
-    runs_on = part_kernel(kernel, part)
-    return part if runs_on in exact else _restock(part, unchecked_reason(runs_on, arch))
-
-
-def _mark_unchecked(plan: DraftPlan, exact: frozenset[str], arch: str) -> None:
-    for attr, kernel in PART_KERNELS:
-        value = getattr(plan, attr)
-        if isinstance(value, list):
-            setattr(plan, attr, [_checked(p, kernel, exact, arch) for p in value])
-        elif kernel not in exact:
-            setattr(plan, attr, _restock(value, unchecked_reason(kernel, arch)))
-    # An o-gate planned into the attention kernel's epilogue runs its own
-    # kernel where the attention stays stock.
-    names = {p.name for p in plan.attentions if p.fused}
-    plan.o_gates = [dataclasses.replace(p, via=None) if p.via is not None and p.via not in names else p
-                    for p in plan.o_gates]
-
-
 def _all_reduce_part(plan: DraftPlan, order: AllReduceOrder) -> Part:
     part = plan.all_reduce
     if order.sum_order is None or order.rows < 1:
@@ -171,10 +151,13 @@ def plan_vllm(draft: DraftDescription, target: Target, all_reduce: AllReduceOrde
     ``all_reduce``: vLLM's all-reduce at ``target.tp`` (default:
     ``stock_all_reduce`` of the environment); ``exact``: the kernels proven
     exact (default ``exact_kernels(target.arch)``, read at call time)."""
+    exact = exact_kernels(target.arch) if exact is None else frozenset(exact)
+    # The kernels not checked on this architecture go to the planner with their reasons, so the plan is made once.
+    target = target.replace(unchecked=tuple((k, unchecked_reason(k, target.arch)) for _, k in PART_KERNELS
+                                            if k not in exact))
     plan = plan_draft(draft, target)
     if plan.draft_reason is not None:
         return plan
-    _mark_unchecked(plan, exact_kernels(target.arch) if exact is None else frozenset(exact), target.arch)
     if plan.all_reduce is not None and plan.all_reduce.fused:
         order = all_reduce or stock_all_reduce(target.tp, target.arch, hidden_size=draft.hidden_size)
         plan.all_reduce = _all_reduce_part(plan, order.for_hidden(draft.hidden_size))

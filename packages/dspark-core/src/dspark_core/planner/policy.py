@@ -204,6 +204,9 @@ class Target:
     excluded: frozenset[str] = field(default=frozenset())
     attention: str = "staged"
     declined: frozenset[str] = field(default=frozenset())
+    # Kernels the deployment has not checked bit for bit on this target,
+    # each with the reason its parts stay stock: ``(kernel, reason)`` pairs.
+    unchecked: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         """Each field checked and normalised where it enters (``dspark_core.
@@ -228,6 +231,11 @@ class Target:
         for name in ("kernels", "excluded"):
             put(name, checks.name_set(f"Target.{name}", getattr(self, name), ALL_KERNELS))
         put("declined", checks.name_set("Target.declined (opt-in kernels only)", self.declined, frozenset(OPT_IN)))
+        pairs = dict(self.unchecked) if isinstance(self.unchecked, (tuple, list, dict)) else None
+        if pairs is None or not all(k in ALL_KERNELS and isinstance(r, str) and r for k, r in pairs.items()):
+            raise TypeError("Target.unchecked must be (kernel name, reason) pairs of the known kernels, not "
+                            f"{checks.shown(self.unchecked)}")
+        put("unchecked", tuple(sorted(pairs.items())))
 
     def describe(self) -> str:
         """The target in words: its platform, architecture, SMs and TP size."""
@@ -249,7 +257,7 @@ class Target:
 
     def key(self) -> str:
         text = repr((self.platform, self.arch, self.num_sms, self.tp, sorted(self.kernels), sorted(self.excluded),
-                     self.attention, sorted(self.declined)))
+                     self.attention, sorted(self.declined), self.unchecked))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def replace(self, **changes) -> Target:
