@@ -279,3 +279,23 @@ def test_behind_takes_the_lead_part_off_once(monkeypatch):
     for bad in (-1.0, 1e4, float("nan"), True, "6"):
         with pytest.raises(ValueError, match="lead part's µs"):
             timing.gpu_sides(None, [], None, None, lead_us=bad)
+
+
+def test_a_lead_part_that_fails_times_without_it_said_once(monkeypatch, caplog):
+    """``decide._lead``: where the lead part's kernel fails to compile or
+    launch, the timing goes on without it (each call back to back), the
+    failure logged once."""
+    import logging
+
+    from dspark_cute.cutedsl.gemm import decide as timing
+    from dspark_cute.cutedsl.gemm import lead
+
+    def failing(release=True):
+        raise RuntimeError("no cooperative timer here")
+
+    monkeypatch.setattr(lead, "lead_launcher", failing)
+    monkeypatch.setattr(timing, "_lead_refused", [])
+    with caplog.at_level(logging.WARNING, logger="dspark.decode"):
+        assert timing._lead() is None and timing._lead() is None
+    lines = [r.getMessage() for r in caplog.records if "lead part" in r.getMessage()]
+    assert len(lines) == 1 and "RuntimeError: no cooperative timer here" in lines[0]

@@ -31,6 +31,7 @@ least ``MIN_US``: the µs the projection adds to the step.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 
 import torch
@@ -39,6 +40,8 @@ from dspark_core.runtime import gemm_decide
 from dspark_core.tools.timing import median_us
 from dspark_cute.cutedsl.gemm.ordered_layout import launch_settings
 from dspark_cute.cutedsl.gemm.streamed import streamed_settings
+
+log = logging.getLogger("dspark.decode")
 
 # The weight copies cover this many times the GPU's L2 cache.
 WORKING_SET = 3
@@ -129,6 +132,28 @@ def graph_timer(call, copies: list[torch.Tensor]):
     return lambda: median_us(graph.replay, REPLAYS, warmup=1, calls=calls)
 
 
+_lead_refused: list[str] = []
+
+
+def _lead():
+    """The lead part's launcher, compiled and launched once; None (the
+    calls then timed back to back, as before the lead part) where either
+    raises, logged once with the error."""
+    from dspark_cute.cutedsl.gemm.lead import lead_launcher
+
+    try:
+        lead = lead_launcher()
+        lead(1000)
+        torch.cuda.synchronize()
+        return lead
+    except Exception as error:  # noqa: BLE001 (any failure: time without the part, and say why)
+        if not _lead_refused:
+            _lead_refused.append(str(error))
+            log.warning("The GEMM timing runs without the lead part (its kernel failed: %s: %s); each call is "
+                        "timed back to back.", type(error).__name__, error)
+        return None
+
+
 def behind(lead, lead_us: float, call, copies: list[torch.Tensor], lead_alone: dict):
     """``graph_timer`` of ``call`` with the lead part of ``lead_us`` before
     each call, its time less the part's alone (``lead_alone``: the part's
@@ -160,11 +185,7 @@ def gpu_sides(gemm, copies: list[torch.Tensor], launch, workspace, reference=Non
     reference = reference or torch.nn.functional.linear
     n, k = gemm.constants.n, gemm.constants.k
     gen = torch.Generator(device=gemm.device).manual_seed(seed)
-    lead = None
-    if lead_us > 0:
-        from dspark_cute.cutedsl.gemm.lead import lead_launcher
-
-        lead = lead_launcher()
+    lead = _lead() if lead_us > 0 else None
     alone: dict[int, dict] = {}
 
     def x_of(m: int) -> torch.Tensor:
