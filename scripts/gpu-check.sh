@@ -36,6 +36,9 @@
 #                  bench_draft_step with vLLM's Triton attention on both sides, with DSpark's, and V_draft 202752
 #   triton-attention  vLLM's Triton unified_attention binary against the spec (test_gpu_triton_attention_stock)
 #   bench-step-ordered  bench_draft_step with the opt-in ordered GEMM (m = 1 to 64)
+#   default        the default configuration on this card, named by it: bench_draft_step with vLLM's Triton
+#                  attention on both sides at m = ${DEFAULT_ROWS:-1,4,16,64} (the plugin's projections, decisions
+#                  and Markov stage), then the 14 projections chained as decided at m = 1, 4 (warm cache)
 #   bench-step-tp  one rank's work of the TP2/4/8 step (bench_draft_step --tp; no all-reduce on either side)
 #   bench-step-tp-triton  the same with vLLM's Triton unified_attention on both sides (its H8/H16/H32 binaries)
 #   bench          bench_decode and profile_decode; bench-kernels: the other single-GPU benchmarks
@@ -113,6 +116,13 @@ if wanted bench-step; then
   step bench-step 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --out "$OUT"
   step bench-step-v202752 290 python packages/dspark-cute/benchmarks/bench_draft_step.py --draft-vocab 202752 \
     --name draft_step_v202752 --rows 1,4,32,128,512 --out "$OUT"
+fi
+if wanted default; then
+  slug=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -qi h200 && echo h200 || echo h100)
+  step default-step 330 python packages/dspark-cute/benchmarks/bench_draft_step.py --attention triton \
+    --rows "${DEFAULT_ROWS:-1,4,16,64}" --name "draft_step_triton_default_$slug" --out "$OUT"
+  step default-chain 150 python packages/dspark-cute/benchmarks/bench_ordered_gemm.py --roles "" --rows "" \
+    --chain-rows 1,4 --name "ordered_gemm_chain_$slug" --out "$OUT"
 fi
 if wanted bench-step-tp; then
   for tp in 2 4 8; do
