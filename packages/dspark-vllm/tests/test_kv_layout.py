@@ -82,11 +82,13 @@ def test_the_plan_fuses_the_inserts_without_a_layout(stock, monkeypatch):
 def test_restock_inserts_names_what_it_changed(stock):
     built, _ = stock
     plan = planning.plan_vllm(describe_vllm(built.model.model), GPU, exact=policy.ALL_KERNELS)
-    assert planning.restock_inserts(plan, "a reason") == INSERTS
-    assert plan.fused_count() == (9, 14)
-    assert all(p.reason == "a reason" for p in [plan.context, *plan.qkv_epilogues])
-    assert planning.restock_inserts(plan, "another") == []  # stock parts keep their reason
-    assert plan.context.reason == "a reason"
+    fused = plan.fused_count()
+    restocked, names = planning.restock_inserts(plan, "a reason")
+    assert names == INSERTS and plan.fused_count() == fused  # a new plan: the one given is left as it was
+    assert restocked.fused_count() == (9, 14)
+    assert all(p.reason == "a reason" for p in [restocked.context, *restocked.qkv_epilogues])
+    again, names = planning.restock_inserts(restocked, "another")
+    assert names == [] and again.context.reason == "a reason"  # stock parts keep their reason
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])

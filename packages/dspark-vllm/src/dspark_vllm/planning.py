@@ -172,19 +172,19 @@ def plan_vllm(draft: DraftDescription, target: Target, all_reduce: AllReduceOrde
 INSERT_PARTS = ("context", "qkv_epilogues")
 
 
-def restock_inserts(plan: DraftPlan, reason: str) -> list[str]:
-    """Make the plan's fused parts that insert into the KV cache
-    (``INSERT_PARTS``: the context chain, the QKV epilogues) stock
-    for ``reason`` (the bound cache's layout, ``deployment.
-    bound_layout_unsupported``); the names of the parts it changed."""
-    changed = []
+def restock_inserts(plan: DraftPlan, reason: str) -> tuple[DraftPlan, list[str]]:
+    """A new plan: ``plan`` (left as it is) with its fused parts that insert
+    into the KV cache (``INSERT_PARTS``: the context chain, the QKV
+    epilogues) stock for ``reason`` (the bound cache's layout, found after
+    the build: ``deployment.bound_layout_unsupported``); and the names of
+    the parts it changed."""
+    changed, fields = [], {}
     for attr in INSERT_PARTS:
         value = getattr(plan, attr)
         parts = value if isinstance(value, list) else [value]
         changed += [p.name for p in parts if p is not None and p.fused]
-        setattr(plan, attr, [_restock(p, reason) for p in value] if isinstance(value, list)
-                else _restock(value, reason))
-    return changed
+        fields[attr] = [_restock(p, reason) for p in value] if isinstance(value, list) else _restock(value, reason)
+    return dataclasses.replace(plan, **fields), changed
 
 
 def plan_signature(plan: DraftPlan) -> int:

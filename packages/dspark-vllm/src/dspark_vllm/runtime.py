@@ -273,7 +273,7 @@ class SpecializedDecode:
         if why is None:
             logger.info("The DSpark KV inserts write the bound %s KV cache through its strides.", layout)
             return
-        names = planning.restock_inserts(self.plan, why)
+        self.plan, names = planning.restock_inserts(self.plan, why)
         self.decode.stock_inserts(why)
         if names:
             logger.info("The DSpark draft keeps vLLM's stock code for %s: %s.", ", ".join(names), why)
