@@ -95,11 +95,11 @@ VLLM_EXACT_SM90 = frozenset({policy.ROW_NORM, policy.BOUNDARY, policy.CONTEXT_CH
 # The plugin's opt-in kernels that keep the stock bits (on by default at TP1: the ordered GEMM).
 EXACT_OPT_INS = frozenset({policy.ORDERED_GEMM})
 PROJECTION_LABELS = {
-    "plugin": "the layers' on the ordered GEMM where the build's order check and timing on this card chose it "
-              "(the plugin's default), cuBLAS elsewhere; fc, the LM head and the Markov bias outside the Markov "
-              "step on cuBLAS",
+    "plugin": "the layers', fc and the LM head on the ordered GEMM where the build's order check and timing on "
+              "this card chose it (the plugin's default), cuBLAS elsewhere; the Markov bias of the loop after the "
+              "bias step on cuBLAS",
     "all": "every projection (the layers', fc, the LM head, the Markov bias) on the ordered GEMM where the build's "
-           "order check and timing on this card chose it, cuBLAS elsewhere (fc and the LM head beyond the plugin)",
+           "order check and timing on this card chose it, cuBLAS elsewhere (the Markov bias beyond the plugin)",
     "cublas": "cuBLAS, as vLLM (--no-ordered)",
 }
 ATTENTION_NAMES = {"dspark": "DSpark's PagedAttention kernel (direct variant), both sides",
