@@ -419,6 +419,12 @@ def test_the_ordered_gemm_opt_in_plans_the_exact_package_gemm(tp):
     model = meta(num_kv_heads=8, connection_overrides={"layers.0.add_ffn": {"dtype": "bf16"}})
     r = reasons(plan_draft(model, target))
     assert r["layer 1's down_proj package GEMM"] == "the all-reduce is not fused (nothing to publish into)"
+    # A layer on another GEMM backend: the exact package GEMM (F.linear's bits) is not its projection's.
+    draft = describe(meta(num_kv_heads=8))
+    draft.layers[1] = dataclasses.replace(draft.layers[1], gemm_unsupported="another backend")
+    r = reasons(plan_description(draft, target))
+    assert r["layer 1's o_proj package GEMM"] == r["layer 1's down_proj package GEMM"] == "another backend"
+    assert "layer 0's o_proj package GEMM" not in r
 
 
 def test_meta_and_real_drafts_plan_alike():
@@ -616,3 +622,17 @@ def test_a_layer_on_another_gemm_backend_keeps_its_projections_off_the_ordered_g
     first, second = plan.ordered_gemms[:len(roles)], plan.ordered_gemms[len(roles):]
     assert first and all(not p.fused and p.reason == why for p in first)
     assert second and all(p.fused for p in second)
+
+
+def test_target_unchecked_is_kernel_reason_pairs():
+    """``Target.unchecked``: (kernel, reason) pairs of known kernels, sorted
+    into one spelling; a malformed entry, an unknown kernel, an empty reason
+    or a kernel twice is a TypeError naming the field."""
+    t = Target(unchecked=(("row_norm", "b"), ("boundary", "a")))
+    assert t.unchecked == (("boundary", "a"), ("row_norm", "b")) and Target(unchecked={"row_norm": "b"}).unchecked
+    for bad in ((("row_norm", "a", "b"),), (("nope", "a"),), (("row_norm", ""),), "row_norm",
+                (("row_norm", "a"), ("row_norm", "b")), ((1, "a"),)):
+        with pytest.raises(TypeError, match="Target.unchecked"):
+            Target(unchecked=bad)
+    plan = plan_draft(meta(), Target(kernels=policy.ALL_KERNELS, unchecked=(("row_norm", "not checked here"),)))
+    assert plan.input_norm.reason == "not checked here"

@@ -157,3 +157,8 @@ def test_a_cache_setting_reads_dot_dot_after_a_link_as_the_system_does(tmp_path,
     assert got == tmp_path / "home" / "cache"
     got = switches.cache_setting("DSPARK_KERNEL_CACHE", Path("/d"), {"DSPARK_KERNEL_CACHE": f"{tmp_path}/deep/er/../k"})
     assert got == tmp_path / "deep" / "k"
+    # Only the part up to the last ".." is resolved: a link after it stays a link (the cache refuses it).
+    (tmp_path / "deep" / "last").symlink_to(tmp_path / "elsewhere")
+    got = switches.cache_setting("DSPARK_KERNEL_CACHE", Path("/d"),
+                                 {"DSPARK_KERNEL_CACHE": f"{tmp_path}/deep/er/../last"})
+    assert got == tmp_path / "deep" / "last"

@@ -228,6 +228,11 @@ def test_the_rows_it_keeps_are_those_timed_faster_on_the_card(tmp_path):
     again = stand_in(32768, 8192)
     again.bind_orders(orders, {4: "no order"})
     assert again.decide(sides=sides, card=card, cache=cache).dspark_rows == decision.dspark_rows and not calls
+    # Timed another way (back to back: lead_us=0), the cached times behind the lead part do not stand in.
+    other = stand_in(32768, 8192)
+    other.bind_orders(orders, {4: "no order"})
+    other.decide(sides=sides, card=card, cache=cache, lead_us=0)
+    assert {m for m, _ in calls} == set(orders)
     # Rebinding orders drops the decision (a new check needs a new one).
     again.bind_orders(orders)
     assert again.decision is None and 64 in again.orders

@@ -195,3 +195,26 @@ def test_the_adapter_names_a_layer_whose_projections_run_another_gemm():
         return x
 
     assert "cuda_flashinfer_bf16_gemm (--linear-backend)" in _gemm_backend(layer(cuda_flashinfer_bf16_gemm))
+
+
+def test_a_failure_while_binding_keeps_vllms_gemm_and_a_rebuild_starts_clean(bound):
+    """Any exception while a projection is bound (a failed compile, an out
+    of memory) keeps vLLM's GEMM for it with the reason, never an exception
+    out of model loading; a second build first removes what the first
+    installed, so a refusal then leaves vLLM's own call."""
+    fc, head = _layer(64, 192), _layer(128, 64)
+    model = _model(fc, head)
+    outer = projections.OuterProjections(model, StandIn)
+    outer.build(_plan())
+    assert "apply" in vars(fc.quant_method) and set(outer.gemms) == {"fc", "lm_head"}
+
+    class Failing(StandIn):
+        def bind_orders(self, orders, reasons=None):
+            raise RuntimeError("ptxas: out of resources")
+
+    again = projections.OuterProjections(model, Failing)
+    again.build(_plan())
+    assert not again.gemms and all("RuntimeError: ptxas: out of resources" in r for r in again.reasons.values())
+    assert "apply" not in vars(fc.quant_method) and "apply" not in vars(head.quant_method)
+    outer.build(_plan(ordered=False))  # the first object rebuilt: its state starts over
+    assert not outer.gemms and set(outer.reasons) == {"fc", "lm_head"}

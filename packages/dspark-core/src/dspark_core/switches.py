@@ -102,8 +102,14 @@ def cache_setting(name: str, default: Path, environ: Mapping[str, str] | None = 
     if raw is None or "\0" in text:
         raise ValueError(f"{name} must be {_words()}, or an absolute directory (or ~/dir), not {quoted(text)}")
     # A ".." after a link names the link target's parent (as the system reads
-    # it), not the link's folder: such a path is taken with its links resolved.
-    path = Path(os.path.realpath(raw)) if ".." in Path(raw).parts else _absolute(raw)
+    # it), not the link's folder: the path up to its last ".." is taken with
+    # its links resolved, the rest as written (a last link stays a link, which
+    # the cache refuses).
+    parts = Path(raw).parts
+    if ".." in parts:
+        last = len(parts) - 1 - parts[::-1].index("..")
+        raw = os.path.join(os.path.realpath(os.path.join(*parts[:last + 1])), *parts[last + 1:])
+    path = _absolute(raw)
     # The rule reads the path with its links resolved (a link to / is /).
     real = Path(os.path.realpath(path))
     if Path(os.path.realpath(os.path.expanduser("~"))).is_relative_to(real):

@@ -115,15 +115,21 @@ class OuterProjections:
         decode's, or None where it was not built) runs the ordered GEMM;
         each outcome logged once. A refusal keeps vLLM's GEMM for that
         projection alone."""
+        self.gemms, self.reasons = {}, {}
         why = self._plan_reason(plan)
         for role, path, what in PROJECTIONS:
             layer = layer_of(self.model, path)
+            method = getattr(layer, "quant_method", None)
+            if method is not None and "apply" in vars(method):  # a build before: vLLM's own call again first
+                del method.apply
             reason = why or gemm_reason(layer, what)
             if reason is None:
                 try:
                     reason = self._install(role, layer, what)
                 except (Unsupported, LookupError, ValueError, TypeError) as error:
                     reason = str(error)
+                except Exception as error:  # noqa: BLE001 (a failed compile or an OOM keeps vLLM's GEMM, not a crash)
+                    reason = f"binding it failed ({type(error).__name__}: {error})"
             if reason is not None:
                 self.reasons[role] = reason
                 logger.info("DSpark keeps vLLM's GEMM for %s: %s.", what, reason)
@@ -159,8 +165,9 @@ class OuterProjections:
         logger.info("DSpark's ordered GEMM for %s where the check against cuBLAS found its order: %s.", what,
                     result.summary())
         # Timed against F.linear over copies of the weight (each call from HBM): what gemm_reason found
-        # vLLM dispatches to.
-        decision = gemm.decide() if hasattr(gemm, "decide") else None
+        # vLLM dispatches to; back to back (lead_us=0): in vLLM a torch op, which releases no PDL dependents
+        # early, comes before each of these two projections.
+        decision = gemm.decide(lead_us=0) if hasattr(gemm, "decide") else None
         if decision is not None:
             logger.info("%s, decided by timing: %s.", what, decision.summary())
         if not gemm.orders:

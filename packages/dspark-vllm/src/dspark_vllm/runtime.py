@@ -274,7 +274,7 @@ class SpecializedDecode:
             logger.info("The DSpark KV inserts write the bound %s KV cache through its strides.", layout)
             return
         self.plan, names = planning.restock_inserts(self.plan, why)
-        self.decode.stock_inserts(why)
+        self.decode.stock_inserts(why, self.plan)
         if names:
             logger.info("The DSpark draft keeps vLLM's stock code for %s: %s.", ", ".join(names), why)
 

@@ -357,7 +357,8 @@ def plan_draft(draft: DraftDescription, target: Target | None = None) -> DraftPl
         plan.all_reduce = _with_kernels(_all_reduce_part(draft, plan), target, policy.ALL_REDUCE_BOUNDARY)
         for layer in draft.layers:
             for role, weight in (("o_proj", layer.attention.o_proj_weight), ("down_proj", layer.mlp.down_weight)):
-                plan.package_gemms.append(_package_gemm_part(layer.index, role, weight, draft, plan))
+                plan.package_gemms.append(_package_gemm_part(layer.index, role, weight, draft, plan,
+                                                             layer.gemm_unsupported))
     return plan
 
 
@@ -441,7 +442,8 @@ def _all_reduce_part(draft: DraftDescription, plan: DraftPlan) -> Part:
     return Part(name, K.AllReduceConstants(tp))
 
 
-def _package_gemm_part(i: int, role: str, weight: torch.Tensor, draft: DraftDescription, plan: DraftPlan) -> Part:
+def _package_gemm_part(i: int, role: str, weight: torch.Tensor, draft: DraftDescription, plan: DraftPlan,
+                       gemm_unsupported: str | None = None) -> Part:
     """Layer ``i``'s branch projection ``role`` publishing its partial into
     the mailbox: on the package GEMM (its own order) where that opt-in is
     asked, else on the ordered GEMM where the ordered GEMM opt-in is
@@ -451,6 +453,8 @@ def _package_gemm_part(i: int, role: str, weight: torch.Tensor, draft: DraftDesc
     # Not asked for, excluded or not installed: the exact package GEMM where the ordered GEMM is there.
     missing = _kernel_missing(plan.target, policy.PACKAGE_GEMM, unchecked=False)
     if missing and not _kernel_missing(plan.target, policy.ORDERED_GEMM, unchecked=False):
+        if gemm_unsupported is not None:  # the exact package GEMM gives F.linear's bits, not that backend's
+            return Part(name, reason=gemm_unsupported)
         return _exact_package_part(name, role, weight, draft, plan)
     if missing:
         return Part(name, reason=missing)

@@ -231,11 +231,14 @@ class Target:
         for name in ("kernels", "excluded"):
             put(name, checks.name_set(f"Target.{name}", getattr(self, name), ALL_KERNELS))
         put("declined", checks.name_set("Target.declined (opt-in kernels only)", self.declined, frozenset(OPT_IN)))
-        pairs = dict(self.unchecked) if isinstance(self.unchecked, (tuple, list, dict)) else None
-        if pairs is None or not all(k in ALL_KERNELS and isinstance(r, str) and r for k, r in pairs.items()):
-            raise TypeError("Target.unchecked must be (kernel name, reason) pairs of the known kernels, not "
+        items = list(self.unchecked.items()) if isinstance(self.unchecked, dict) else self.unchecked
+        ok = isinstance(items, (tuple, list)) and all(
+            isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) and p[0] in ALL_KERNELS
+            and isinstance(p[1], str) and p[1] for p in items)
+        if not ok or len({p[0] for p in items}) != len(items):
+            raise TypeError("Target.unchecked must be (kernel name, reason) pairs, one a known kernel, not "
                             f"{checks.shown(self.unchecked)}")
-        put("unchecked", tuple(sorted(pairs.items())))
+        put("unchecked", tuple(sorted((k, r) for k, r in items)))
 
     def describe(self) -> str:
         """The target in words: its platform, architecture, SMs and TP size."""

@@ -136,13 +136,14 @@ class DraftDecode:
             self._logged.add(message)
             log.log(level, message)
 
-    def stock_inserts(self, reason: str) -> list[str]:
+    def stock_inserts(self, reason: str, plan: DraftPlan | None = None) -> list[str]:
         """Run every part that writes the KV cache on its stock code from now
         on (the context K/V chain, the QKV epilogues), for ``reason`` (a
         layout of the bound cache the kernels do not take, found after the
         build; the caller logs it); the names of the parts that were fused.
         A step then takes the model's own K/V insert (its attention reads the
-        cache the stock insert wrote)."""
+        cache the stock insert wrote). ``plan``: the plan that says so (the
+        deployment's, made anew), kept as this executor's."""
         if not isinstance(reason, str) or not reason:
             raise TypeError(f"the reason must be a non-empty string, not {reason!r}")
         names = [f"layer {i}'s QKV epilogue" for i, e in enumerate(self.epilogues) if e is not None]
@@ -150,6 +151,8 @@ class DraftDecode:
             names.insert(0, "the context K/V chain")
         self.context = None
         self.epilogues = [None] * len(self.epilogues)
+        if plan is not None:
+            self.plan = plan
         return names
 
     def _class(self, part: Part | None, kernel: str):

@@ -138,9 +138,11 @@ _lead_refused: list[str] = []
 def _lead():
     """The lead part's launcher, compiled and launched once; None (the
     calls then timed back to back, as before the lead part) where either
-    raises, logged once with the error."""
+    raises, logged once with the error and not tried again."""
     from dspark_cute.cutedsl.gemm.lead import lead_launcher
 
+    if _lead_refused:
+        return None
     try:
         lead = lead_launcher()
         lead(1000)
@@ -152,6 +154,11 @@ def _lead():
             log.warning("The GEMM timing runs without the lead part (its kernel failed: %s: %s); each call is "
                         "timed back to back.", type(error).__name__, error)
         return None
+
+
+def lead_failed() -> bool:
+    """Whether the lead part failed in this process (its calls then timed back to back)."""
+    return bool(_lead_refused)
 
 
 def behind(lead, lead_us: float, call, copies: list[torch.Tensor], lead_alone: dict):
@@ -212,4 +219,4 @@ def gpu_sides(gemm, copies: list[torch.Tensor], launch, workspace, reference=Non
 
 __all__ = ["CP_ASYNC", "GRAPH_BYTES", "LEAD_US", "MAX_COPIES", "MIN_US", "STREAMED", "STREAMED_MAX_BYTES",
            "STREAMED_MAX_ROWS", "WORKING_SET", "behind", "candidates", "choose_settings", "default_decision_cache",
-           "gpu_sides", "graph_timer", "weight_copies"]
+           "gpu_sides", "graph_timer", "lead_failed", "weight_copies"]

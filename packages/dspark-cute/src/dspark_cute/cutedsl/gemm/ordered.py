@@ -510,7 +510,8 @@ class OrderedGemm(LazyPdl):
         return result
 
     def decide(self, reference=None, cache=timing.DEFAULT, margin: float = gemm_decide.MARGIN,
-               rounds: int = gemm_decide.ROUNDS, sides=None, card=None) -> gemm_decide.GemmDecision:
+               rounds: int = gemm_decide.ROUNDS, sides=None, card=None,
+               lead_us: float = timing.LEAD_US) -> gemm_decide.GemmDecision:
         """Time every bound row count's candidate kernels against cuBLAS on
         this GPU (``sides``: default ``decide.gpu_sides`` over copies of the
         weight; ``reference(x, weight)``: cuBLAS's call, default ``F.linear``),
@@ -518,8 +519,11 @@ class OrderedGemm(LazyPdl):
         ``DecisionCache.from_environment()``; None: no cache), and keep each
         row count on its fastest kernel where that beats cuBLAS by ``margin``;
         the others go back to cuBLAS with the times as the reason. ``card``
-        (a ``CardFacts``) names the GPU (default ``card_facts``). Returns the
-        decision (also ``self.decision``), the kept variants compiled."""
+        (a ``CardFacts``) names the GPU (default ``card_facts``); ``lead_us``:
+        the part each call is timed behind (``decide.gpu_sides``; 0 where the
+        projection follows no part that releases its PDL dependents early),
+        part of the cache key. Returns the decision (also ``self.decision``),
+        the kept variants compiled."""
         from dspark_core.tools.card import card_facts
         from dspark_cute.runtime.disk_cache import _fingerprint
 
@@ -531,11 +535,13 @@ class OrderedGemm(LazyPdl):
             copies = timing.weight_copies(self.weight)
             sides = timing.gpu_sides(
                 self, copies, lambda x, w, out, order, ws, settings: _launch(x, w, out, order, ws, self.pdl, settings),
-                lambda n, m, splits: OrderedWorkspace(n, m, splits, self.device), reference)
+                lambda n, m, splits: OrderedWorkspace(n, m, splits, self.device), reference, lead_us=lead_us)
+        # How the calls were timed is part of the key: times behind the lead part never stand for back-to-back ones.
+        lead = lead_us if lead_us and not timing.lead_failed() else 0
         try:
             what = f"the [{c.n}, {c.k}] {c.role} weight"
             decision = gemm_decide.decide(self.orders, sides or {gemm_decide.CUBLAS: None}, what, card,
-                                          _fingerprint(), (c.n, c.k), cache, margin, rounds)
+                                          f"{_fingerprint()}/lead {lead!r}", (c.n, c.k), cache, margin, rounds)
         finally:
             if copies is not None:  # the weight copies and the timing graphs' pools go back to the driver
                 del copies, sides
