@@ -16,32 +16,25 @@ import torch
 
 pytest.importorskip("vllm")
 
+import _stubs  # noqa: E402
+
 from dspark_vllm import projections  # noqa: E402
 
 SEED = random.randrange(2**31)
 print(f"seed {SEED}")
 
 
-class StandIn:
-    """The ordered GEMM's verbs: ``launch`` marks its output (all 7.0), so a
-    test sees which path ran."""
+class StandIn(_stubs.OrderedGemm):
+    """The plugin tests' ordered-GEMM stub that launches: ``launch`` marks
+    its output (all 7.0), so a test sees which path ran."""
 
     max_rows = 64
     built: list = []
 
     def __init__(self, constants, weight):
-        self.constants, self.weight, self.orders, self.reasons = constants, weight, {}, {}
+        super().__init__(constants, weight)
+        self.constants = constants
         StandIn.built.append(self)
-
-    @staticmethod
-    def run_order(x, weight, order):
-        raise AssertionError("the check is a stand-in here")
-
-    def bind_orders(self, orders, reasons=None):
-        self.orders, self.reasons = dict(orders), dict(reasons or {})
-
-    def takes(self, x, out=None):
-        return x.dim() == 2 and x.shape[0] in self.orders
 
     def launch(self, x, out=None):
         return torch.full((x.shape[0], self.constants.n), 7.0, dtype=x.dtype)

@@ -36,19 +36,15 @@ from dspark_core.errors import Unsupported
 
 def bias_gemm_reason(model) -> str | None:
     """Why vLLM's ``markov_bias`` is not the one BF16 ``F.linear`` whose
-    output layout the fused step takes, or None."""
-    from vllm import envs
-    from vllm.model_executor.layers.utils import default_unquantized_gemm, dispatch_unquantized_gemm
+    output layout the fused step takes, or None (``projections.dispatch_reason``)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    w2 = model.model.markov_head.markov_w2
-    if not isinstance(w2.quant_method, UnquantizedEmbeddingMethod):
-        return f"the Markov head's GEMM is quantized ({type(w2.quant_method).__name__})"
-    if envs.VLLM_BATCH_INVARIANT:
-        return "VLLM_BATCH_INVARIANT runs the Markov head's GEMM through vLLM's batch-invariant kernel"
-    if dispatch_unquantized_gemm() is not default_unquantized_gemm:
-        return "vLLM dispatches the Markov head's GEMM to another backend than F.linear"
-    return None
+    from dspark_vllm.projections import dispatch_reason
+
+    method = model.model.markov_head.markov_w2.quant_method
+    if not isinstance(method, UnquantizedEmbeddingMethod):  # the fused step takes the embedding's own layout
+        return f"the Markov head's GEMM is quantized ({type(method).__name__})"
+    return dispatch_reason(method, "the Markov head's GEMM")
 
 
 def head_constants(model):

@@ -52,29 +52,38 @@ def layer_of(model, path: str):
     return obj
 
 
-def gemm_reason(layer, what: str) -> str | None:
-    """Why vLLM's GEMM of ``layer`` is not the one BF16 ``F.linear`` the
-    ordered GEMM is checked against, or None: an unquantized method, no
-    batch-invariant kernel, vLLM's default dispatch (for a linear layer, the
-    one its method chose when made), a 2-D BF16 CUDA weight, one rank's."""
+def dispatch_reason(method, what: str) -> str | None:
+    """Why vLLM's call of ``method`` (a layer's ``quant_method``) is not the
+    plain BF16 ``F.linear``, or None: an unquantized linear or embedding
+    method, no batch-invariant kernel, and vLLM's default dispatch (for a
+    linear layer, the one its method chose when made)."""
     from vllm import envs
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.utils import default_unquantized_gemm, dispatch_unquantized_gemm
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    if layer is None:
-        return f"the draft has no {what}"
-    method = getattr(layer, "quant_method", None)
     if not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
         return f"{what} is quantized ({type(method).__name__})"
     if envs.VLLM_BATCH_INVARIANT:
         return f"VLLM_BATCH_INVARIANT runs {what} through vLLM's batch-invariant kernel"
     # A linear layer's GEMM is chosen when its method is made (--linear-backend: FlashInfer's mm_bf16 on
-    # CUDA where asked); an embedding's (the LM head's) at each call.
+    # CUDA where asked); an embedding's (the LM head's, the Markov head's) at each call.
     gemm = getattr(method, "_gemm_impl", None) if isinstance(method, UnquantizedLinearMethod) \
         else dispatch_unquantized_gemm()
     if gemm is not default_unquantized_gemm:
         return f"vLLM dispatches {what} to another backend than F.linear ({getattr(gemm, '__name__', gemm)})"
+    return None
+
+
+def gemm_reason(layer, what: str) -> str | None:
+    """Why vLLM's GEMM of ``layer`` is not the one BF16 ``F.linear`` the
+    ordered GEMM is checked against, or None: ``dispatch_reason`` of its
+    method, a 2-D BF16 CUDA weight, one rank's."""
+    if layer is None:
+        return f"the draft has no {what}"
+    why = dispatch_reason(getattr(layer, "quant_method", None), what)
+    if why is not None:
+        return why
     weight = getattr(layer, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.bfloat16 \
             or not weight.is_cuda:
@@ -177,4 +186,4 @@ class OuterProjections:
         return None
 
 
-__all__ = ["PROJECTIONS", "OuterProjections", "gemm_reason", "layer_of"]
+__all__ = ["PROJECTIONS", "OuterProjections", "dispatch_reason", "gemm_reason", "layer_of"]

@@ -170,13 +170,6 @@ def _reason_index(reasons: dict[str, list[str]], part: Part) -> int:
     return list(reasons).index(part.reason) + 1
 
 
-def _checked_on(part: Part, target: Target, kernel: str) -> Part:
-    """``part`` where it is stock or ``kernel`` is checked on ``target``, else
-    stock with ``target.unchecked``'s reason."""
-    why = dict(target.unchecked).get(kernel)
-    return Part(part.name, reason=why) if why is not None and part.fused else part
-
-
 def _kernel_missing(target: Target, *kernels: str, unchecked: bool = True) -> str | None:
     """Why the kernels are not there for a part: an opt-in not asked for
     (first, whatever else holds), excluded, not installed, or not checked
@@ -184,13 +177,13 @@ def _kernel_missing(target: Target, *kernels: str, unchecked: bool = True) -> st
     for kernel in kernels:
         if kernel in target.declined:
             return policy.OPT_IN[kernel]
-    reasons, checked_too = dict(target.unchecked), unchecked
+    reasons = dict(target.unchecked) if unchecked else {}
     for kernel in kernels:
         if kernel in target.excluded:
             return f"the caller excluded the {kernel} kernel"
         if kernel not in target.kernels:
             return f"the installed backends do not provide the {kernel} kernel"
-        if checked_too and kernel in reasons:
+        if kernel in reasons:
             return reasons[kernel]
     return None
 
@@ -475,8 +468,8 @@ def _package_gemm_part(i: int, role: str, weight: torch.Tensor, draft: DraftDesc
     if k_shard % unit:
         return Part(name, reason=f"a shard of {k_shard} input features is not a multiple of {unit} (the steps "
                                  f"of the package GEMM's {4 * shape.split_k} warps, 32 features each)")
-    return _checked_on(_try(name, K.package_gemm_constants, role, hidden, k_shard, shape.tile_n, shape.split_k,
-                            shape.max_rows), plan.target, policy.PACKAGE_GEMM)
+    return _with_kernels(_try(name, K.package_gemm_constants, role, hidden, k_shard, shape.tile_n, shape.split_k,
+                              shape.max_rows), plan.target, policy.PACKAGE_GEMM)
 
 
 def _exact_package_part(name: str, role: str, weight: torch.Tensor, draft: DraftDescription,
@@ -495,8 +488,8 @@ def _exact_package_part(name: str, role: str, weight: torch.Tensor, draft: Draft
         if k % plan.target.tp:
             return Part(name, reason=f"{k} input features do not split over TP{plan.target.tp}")
         weight = torch.empty(n, k // plan.target.tp, dtype=weight.dtype, device="meta")
-    return _checked_on(_try(name, K.ordered_gemm_constants, "o_proj" if role == "o_proj" else "down", weight),
-                       plan.target, policy.ORDERED_GEMM)
+    return _with_kernels(_try(name, K.ordered_gemm_constants, "o_proj" if role == "o_proj" else "down", weight),
+                         plan.target, policy.ORDERED_GEMM)
 
 
 __all__ = ["DraftPlan", "Part", "check_tp", "context_constants", "draft_unsupported", "plan_draft",

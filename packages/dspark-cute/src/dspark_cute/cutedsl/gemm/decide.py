@@ -149,10 +149,9 @@ def _lead():
         torch.cuda.synchronize()
         return lead
     except Exception as error:  # noqa: BLE001 (any failure: time without the part, and say why)
-        if not _lead_refused:
-            _lead_refused.append(str(error))
-            log.warning("The GEMM timing runs without the lead part (its kernel failed: %s: %s); each call is "
-                        "timed back to back.", type(error).__name__, error)
+        _lead_refused.append(str(error))
+        log.warning("The GEMM timing runs without the lead part (its kernel failed: %s: %s); each call is "
+                    "timed back to back.", type(error).__name__, error)
         return None
 
 

@@ -480,14 +480,16 @@ class OrderedGemm(LazyPdl):
         why the others stay stock), sizing the workspace; ``prepare()``
         then compiles what they launch. ValueError for an order the kernel
         cannot run or a row count outside 1 .. 64."""
-        k = self.constants.k
-        orders = {(int(m) if checks.as_int(m) is not None else m): o for m, o in orders.items()}
+        k, bound = self.constants.k, {}
         for m, order in orders.items():
-            if checks.as_int(m) is None or not 1 <= m <= MAX_ROWS:
+            rows = checks.as_int(m)
+            if rows is None or not 1 <= rows <= MAX_ROWS:
                 raise ValueError(f"the ordered GEMM takes 1 to {MAX_ROWS} rows, not {m!r}")
             why = order_problem(order, k)
             if why is not None:
                 raise ValueError(why)
+            bound[rows] = order
+        orders = bound
         reasons = dict(reasons or {})
         splits = max((o.splits for o in orders.values()), default=1)
         rows = max((m for m, o in orders.items() if o.splits > 1), default=1)
