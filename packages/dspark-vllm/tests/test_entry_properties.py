@@ -57,6 +57,7 @@ from dspark_core.spec import markov as SM
 from dspark_core.spec import numerics as N
 from dspark_core.spec.split_order import SplitOrder, candidate_orders
 from dspark_core.tools.card import hbm_peak
+from dspark_cute.cutedsl.gemm.lead import LeadPart
 from dspark_vllm import allreduce, deployment, options
 
 FP32_OVERFLOW = K.FP32_OVERFLOW
@@ -369,6 +370,7 @@ ENTRIES = [
     Entry("MarkovConstants", KM.MarkovConstants, dict(vocab=32768, rank=256, multiplier=0.5, soft_cap=30.0, d2t=True),
           {"multiplier": Num(), "soft_cap": Num(positive=True, optional=True), "d2t": Flag()},
           names={"soft_cap": ["soft cap"], "multiplier": ["output multiplier"]}),
+    Entry("LeadPart", LeadPart, dict(release=True), {"release": Flag()}),
     Entry("as_int", lambda value: checks.as_int(value) if checks.as_int(value) is not None else
           checks.integer("value", value), dict(value=3), {"value": Int()}),
     # dspark_core.reference.tp: TP shards of the reference draft.
